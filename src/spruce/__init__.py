@@ -1,0 +1,2 @@
+from spruce.sampling_params import SamplingParams
+__all__ = ["SamplingParams"]

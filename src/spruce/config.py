@@ -1,0 +1,171 @@
+"""Engine configuration: what the user asks for, validated once, frozen.
+
+Everything derived from it (buffer widths, page counts, graph buckets) lives in `spruce.limits.Limits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from spruce.errors import ConfigError
+
+ATTENTION_BACKENDS = ("torch", "triton")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_DRAFT_TOKENS = 128  # speculative_num_draft_tokens upper bound (two 64-bit ancestor mask words)
+# SGLang's defaults for Llama-family targets when only a draft path is given: (steps, topk, draft tokens).
+DEFAULT_SPECULATIVE = (5, 4, 8)
+
+
+def builtin_model_path() -> Path:
+    """The bundled demo model (pycode-6m: a real 6.6M-parameter Llama trained on Python source)."""
+    return Path(__file__).parent / "assets" / "models" / "pycode-6m"
+
+
+def builtin_draft_path() -> Path:
+    """The EAGLE-3 head trained for the bundled demo model (may be absent in old checkouts)."""
+    return Path(__file__).parent / "assets" / "models" / "pycode-6m-eagle3"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """EAGLE tree drafting settings. S = num_steps, K = eagle_topk, N = num_draft_tokens (root included)."""
+
+    algorithm: str
+    draft_model: str
+    num_steps: int
+    eagle_topk: int
+    num_draft_tokens: int
+
+    def __post_init__(self):
+        if self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ConfigError(
+                f"speculative_algorithm={self.algorithm!r} is not supported; expected one of {SPECULATIVE_ALGORITHMS}"
+            )
+        s, k, n = self.num_steps, self.eagle_topk, self.num_draft_tokens
+        for name, v in (("speculative_num_steps", s), ("speculative_eagle_topk", k),
+                        ("speculative_num_draft_tokens", n)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name} must be an integer, got {v!r}")
+        if s < 1:
+            raise ConfigError(f"speculative_num_steps must be >= 1, got {s}")
+        if k < 1:
+            raise ConfigError(f"speculative_eagle_topk must be >= 1, got {k}")
+        if n < 2:
+            raise ConfigError(f"speculative_num_draft_tokens must be >= 2 (root + at least one draft), got {n}")
+        if n > MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"speculative_num_draft_tokens={n} exceeds the supported maximum {MAX_DRAFT_TOKENS}"
+            )
+        if n - 1 > self.num_candidates:
+            raise ConfigError(
+                f"speculative_num_draft_tokens={n} needs {n - 1} draft candidates, but topk={k} and steps={s} "
+                f"produce only K + (S-1)*K*K = {self.num_candidates}; lower num_draft_tokens or raise steps/topk"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        """Draft candidates one round produces: K at step 0, K*K at each later step."""
+        return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked for. Frozen: nothing mutates it after construction."""
+
+    model: str
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str | None = None  # None: "triton" on cuda, "torch" on cpu
+    page_size: int = 16
+    max_running_requests: int = 16
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    max_total_tokens: int | None = None  # paged KV capacity in tokens; None: derived from memory
+    mem_fraction_static: float = 0.85
+    chunked_prefill_size: int = 2048
+    cuda_graph: bool | None = None  # None: on for cuda
+    cuda_graph_max_bs: int | None = None
+    speculative: SpeculativeConfig | None = None
+    seed: int = 0
+    show_progress: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; expected one of {DTYPES}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device={self.device!r} is not supported; expected 'cpu' or 'cuda[:N]'")
+        backend = self.resolved_attention_backend
+        if backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r} is not supported; expected one of {ATTENTION_BACKENDS}"
+            )
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ConfigError(f"cuda_graph=True needs device='cuda', got device={self.device!r}")
+        if self.cuda_graph and backend != "triton":
+            raise ConfigError(
+                f"cuda_graph=True needs attention_backend='triton' (the torch reference runs eagerly), got {backend!r}"
+            )
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("context_length", "max_total_tokens", "cuda_graph_max_bs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if not (0.0 < self.mem_fraction_static < 1.0):
+            raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        if self.cuda_graph is not None:
+            return self.cuda_graph
+        return self.device.startswith("cuda") and self.resolved_attention_backend == "triton"
+
+
+def make_speculative_config(
+    algorithm: str | None,
+    draft_model: str | None,
+    num_steps: int | None = None,
+    eagle_topk: int | None = None,
+    num_draft_tokens: int | None = None,
+) -> SpeculativeConfig | None:
+    """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given."""
+    if algorithm is None and draft_model is None:
+        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)):
+            raise ConfigError("speculative_num_steps/eagle_topk/num_draft_tokens need a draft model (draft_model=PATH)")
+        return None
+    if draft_model is None:
+        raise ConfigError(f"speculative_algorithm={algorithm!r} needs a draft model (draft_model=PATH)")
+    if algorithm is None:
+        algorithm = _guess_algorithm(draft_model)
+    algorithm = algorithm.upper()
+    s_def, k_def, n_def = DEFAULT_SPECULATIVE
+    s = s_def if num_steps is None else num_steps
+    k = k_def if eagle_topk is None else eagle_topk
+    if num_draft_tokens is None:
+        n = s + 1 if k == 1 else min(n_def, 1 + k + (s - 1) * k * k)
+    else:
+        n = num_draft_tokens
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n)
+
+
+def _guess_algorithm(draft_model: str) -> str:
+    import json
+
+    cfg = Path(draft_model) / "config.json"
+    try:
+        archs = json.loads(cfg.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return "EAGLE3"
+    return "EAGLE3" if any("Eagle3" in a for a in archs) else "EAGLE"
+
+

@@ -1,0 +1,153 @@
+"""`Limits`: the one source of truth for every size in the engine (DESIGN §3).
+
+Derived once from the engine config and the model config, then frozen. Every buffer (eager or CUDA graph),
+the scheduler's admission checks, the page allocator and the KV pools read their widths from here and
+nothing else computes a width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spruce.config import EngineConfig
+from spruce.errors import ConfigError
+
+MASK_WORD_BITS = 64
+DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every width and count the engine allocates by. Fields are plain ints; properties derive from them."""
+
+    max_running_requests: int  # R: request rows in the page table (plus one dummy row)
+    page_size: int
+    context_length: int  # max prompt + output tokens per request
+    num_pages: int  # paged KV pages, dummy page 0 included
+    chunked_prefill_size: int  # max prompt tokens in one prefill forward
+    # speculative settings (0 when speculation is off)
+    num_steps: int = 0  # S
+    eagle_topk: int = 0  # K
+    num_draft_tokens: int = 0  # N (tree size, root included)
+    graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
+
+    def __post_init__(self):
+        if self.num_pages < 2:
+            raise ConfigError(f"KV cache has {self.num_pages} pages; need >= 2 (one is the reserved dummy page)")
+
+    # --- speculation -------------------------------------------------------------------------------------
+    @property
+    def speculative(self) -> bool:
+        return self.num_draft_tokens > 0
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past the committed length one round may write: S+1 with speculation, 1 without."""
+        return self.num_steps + 1 if self.speculative else 1
+
+    @property
+    def target_scratch_width(self) -> int:
+        """Tree tokens per request row in the target's scratch: N."""
+        return self.num_draft_tokens
+
+    @property
+    def draft_scratch_width(self) -> int:
+        """Draft-step tokens per request row in the draft's scratch: K*S."""
+        return self.eagle_topk * self.num_steps
+
+    @property
+    def mask_words(self) -> int:
+        """64-bit words of ancestor bitmask per query token (covers both scratch widths)."""
+        width = max(self.target_scratch_width, self.draft_scratch_width, 1)
+        return ceil_div(width, MASK_WORD_BITS)
+
+    @property
+    def draft_extend_stride(self) -> int:
+        """Uniform per-request token stride of DRAFT_EXTEND after verify: at most S+1 committed tokens."""
+        return self.num_steps + 1
+
+    # --- paged cache -------------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """Page-table rows: one per running request plus the dummy row (index R) used by padding."""
+        return self.max_running_requests + 1
+
+    @property
+    def dummy_row(self) -> int:
+        return self.max_running_requests
+
+    @property
+    def num_page_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def max_pages_per_request(self) -> int:
+        return ceil_div(self.context_length + self.lookahead, self.page_size)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages a request needs to hold `num_tokens` positions."""
+        return ceil_div(num_tokens, self.page_size)
+
+    def pool_slots(self, scratch_width: int) -> int:
+        """Slots of a KV pool: the paged region followed by `num_rows` scratch blocks of `scratch_width`."""
+        return self.num_page_slots + self.num_rows * scratch_width
+
+    # --- forward sizes -----------------------------------------------------------------------------------
+    @property
+    def max_tokens_per_forward(self) -> int:
+        """Most query tokens any phase can put in one forward (sizes every per-token buffer)."""
+        r = self.max_running_requests
+        widths = [self.chunked_prefill_size, r]
+        if self.speculative:
+            widths += [r * self.num_draft_tokens, r * self.eagle_topk, r * self.draft_extend_stride]
+        return max(widths)
+
+    @property
+    def graph_buckets(self) -> tuple[int, ...]:
+        """Batch-size buckets captured as CUDA graphs; always includes the largest (graph_max_bs)."""
+        if self.graph_max_bs == 0:
+            return ()
+        cands = [1, 2, 4, 8] + list(range(16, self.graph_max_bs + 1, 8))
+        return tuple(sorted({b for b in cands if b < self.graph_max_bs} | {self.graph_max_bs}))
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        """Smallest graph bucket holding `batch_size` requests, or None (run eagerly)."""
+        for b in self.graph_buckets:
+            if b >= batch_size:
+                return b
+        return None
+
+    @staticmethod
+    def derive(config: EngineConfig, max_position_embeddings: int, kv_bytes_per_token: int,
+               kv_budget_bytes: int | None) -> "Limits":
+        """Derive limits from the config and the model. kv_budget_bytes: memory for the paged KV (None: config)."""
+        ctx = config.context_length or max_position_embeddings
+        if config.context_length and config.context_length > max_position_embeddings:
+            raise ConfigError(
+                f"context_length={config.context_length} exceeds the model's max_position_embeddings="
+                f"{max_position_embeddings}"
+            )
+        spec = config.speculative
+        s, k, n = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) if spec else (0, 0, 0)
+        ps = config.page_size
+        r = config.max_running_requests
+        if config.max_total_tokens is not None:
+            total_tokens = config.max_total_tokens
+        elif kv_budget_bytes is not None:
+            total_tokens = max(kv_budget_bytes // max(kv_bytes_per_token, 1), ps)
+            total_tokens = min(total_tokens, r * (ctx + s + 1))
+        else:
+            total_tokens = min(r * (ctx + s + 1), 1 << 16)
+        num_pages = ceil_div(total_tokens, ps) + 1  # + the dummy page
+        graph_max_bs = 0
+        if config.use_cuda_graph:
+            graph_max_bs = min(config.cuda_graph_max_bs or r, r)
+        return Limits(
+            max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
+            chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
+            graph_max_bs=graph_max_bs,
+        )

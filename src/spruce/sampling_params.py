@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from spruce.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    temperature == 0 means greedy. top_k <= 0 (or -1) means no top-k cut; top_p == 1 means no nucleus cut.
+    `seed` makes sampling reproducible per request, independent of what else is in the batch.
+    `stop` strings end generation; the text is cut before the stop string.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", field="max_tokens")
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", field="temperature")
+        _check_number("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be >= 1, or -1/0 for no limit, got {self.top_k}", field="top_k")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not (0 <= self.seed < 2**63):
+                raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}", field="seed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", field="stop")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", field=name)
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", field=name)
