@@ -34,6 +34,7 @@ class Limits:
     eagle_topk: int = 0  # K
     num_draft_tokens: int = 0  # N (tree size, root included)
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
+    reverted_fixes: frozenset = frozenset()  # fix toggles reverted for A/B debugging (spruce.runtime.fixes)
 
     def __post_init__(self):
         if self.num_pages < 2:
@@ -47,7 +48,9 @@ class Limits:
     @property
     def lookahead(self) -> int:
         """Positions past the committed length one round may write: S+1 with speculation, 1 without."""
-        return self.num_steps + 1 if self.speculative else 1
+        if self.speculative and "spec_page_lookahead" not in self.reverted_fixes:
+            return self.num_steps + 1
+        return 1
 
     @property
     def target_scratch_width(self) -> int:
@@ -57,6 +60,8 @@ class Limits:
     @property
     def draft_scratch_width(self) -> int:
         """Draft-step tokens per request row in the draft's scratch: K*S."""
+        if "draft_scratch_width" in self.reverted_fixes:
+            return self.num_draft_tokens
         return self.eagle_topk * self.num_steps
 
     @property
@@ -111,8 +116,10 @@ class Limits:
         """Batch-size buckets captured as CUDA graphs; always includes the largest (graph_max_bs)."""
         if self.graph_max_bs == 0:
             return ()
-        cands = [1, 2, 4, 8] + list(range(16, self.graph_max_bs + 1, 8))
-        return tuple(sorted({b for b in cands if b < self.graph_max_bs} | {self.graph_max_bs}))
+        cands = {b for b in [1, 2, 4, 8, *range(16, self.graph_max_bs + 1, 8)] if b < self.graph_max_bs}
+        if "graph_bucket_includes_max" in self.reverted_fixes:
+            return tuple(sorted(cands))
+        return tuple(sorted(cands | {self.graph_max_bs}))
 
     def bucket_for(self, batch_size: int) -> int | None:
         """Smallest graph bucket holding `batch_size` requests, or None (run eagerly)."""
@@ -123,7 +130,7 @@ class Limits:
 
     @staticmethod
     def derive(config: EngineConfig, max_position_embeddings: int, kv_bytes_per_token: int,
-               kv_budget_bytes: int | None) -> "Limits":
+               kv_budget_bytes: int | None, reverted_fixes: frozenset = frozenset()) -> "Limits":
         """Derive limits from the config and the model. kv_budget_bytes: memory for the paged KV (None: config)."""
         ctx = config.context_length or max_position_embeddings
         if config.context_length and config.context_length > max_position_embeddings:
@@ -149,5 +156,5 @@ class Limits:
         return Limits(
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            graph_max_bs=graph_max_bs,
+            graph_max_bs=graph_max_bs, reverted_fixes=frozenset(reverted_fixes),
         )

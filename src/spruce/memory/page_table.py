@@ -58,5 +58,16 @@ class PageTable:
         self._free_rows.append(row)
         return pages
 
+    def check_covers(self, row: int, num_positions: int, what: str) -> None:
+        """Always-on host check before a launch writes positions [0, num_positions) of `row` into pages."""
+        held = len(self._pages[row])
+        cap = held * self.limits.page_size
+        if num_positions > cap:
+            raise InvariantError(
+                f"{what} writes up to position {num_positions - 1} of row {row} but its {held} pages x "
+                f"page_size {self.limits.page_size} hold {cap} positions (lookahead={self.limits.lookahead}, "
+                f"S={self.limits.num_steps})"
+            )
+
     def pages_in_use(self) -> int:
         return sum(len(p) for p in self._pages.values())

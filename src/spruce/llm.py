@@ -1,0 +1,107 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from spruce.config import EngineConfig, builtin_model_path, make_speculative_config
+from spruce.errors import InvalidRequestError
+from spruce.runtime.engine import Engine
+from spruce.runtime.output import RequestOutput
+from spruce.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a Hugging Face Llama-family model (optionally with an EAGLE / EAGLE-3 draft) and generate.
+
+    `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
+    to SGLang's (5, 4, 8) when omitted.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        tokenizer: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str | None = None,
+        page_size: int = 16,
+        max_running_requests: int = 16,
+        context_length: int | None = None,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float = 0.85,
+        chunked_prefill_size: int = 2048,
+        cuda_graph: bool | None = None,
+        cuda_graph_max_bs: int | None = None,
+        draft_model: str | Path | None = None,
+        speculative_algorithm: str | None = None,
+        speculative_num_steps: int | None = None,
+        speculative_eagle_topk: int | None = None,
+        speculative_num_draft_tokens: int | None = None,
+        seed: int = 0,
+        show_progress: bool = False,
+    ):
+        spec = make_speculative_config(
+            speculative_algorithm, None if draft_model is None else str(draft_model),
+            speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
+        )
+        self.config = EngineConfig(
+            model=str(model if model is not None else builtin_model_path()), tokenizer=tokenizer, device=device,
+            dtype=dtype, attention_backend=attention_backend, page_size=page_size,
+            max_running_requests=max_running_requests, context_length=context_length,
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
+            chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+            speculative=spec, seed=seed, show_progress=show_progress,
+        )
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); returns finished outputs in prompt order.
+
+        Every prompt is validated before any work starts: one bad prompt raises and nothing is queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise InvalidRequestError(
+                    f"got {len(params)} sampling params for {len(prompt_list)} prompts; expected one or one per prompt",
+                    field="sampling_params")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompt_list, params):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine.step()  # flush the aborts
+            raise
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        return []
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one tokenized prompt
+    return prompts

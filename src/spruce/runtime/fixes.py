@@ -1,0 +1,38 @@
+"""Fix toggles (DESIGN §5): named fixes for the bug classes that hit tree drafting + paged KV + graphs.
+
+Each fix is on by default. `SPRUCE_REVERT_FIXES=name[,name...]` reverts one for A/B debugging; the engine
+reads it once at construction into its frozen `Limits`. Every fix has a test showing that, reverted, an
+always-on invariant fails loudly instead of corrupting memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+from spruce.errors import ConfigError
+
+FIXES: dict[str, str] = {
+    "draft_scratch_width": (
+        "the draft scratch holds K*S entries per request (draft step j writes entries (j-1)*K .. j*K-1); "
+        "reverted, it is sized like the verify scratch (N entries), as when two code paths size one buffer"
+    ),
+    "spec_page_lookahead": (
+        "a speculative round reserves pages for S+1 positions past the committed length (commit and draft "
+        "extend write up to S+1 tokens); reverted, only one position is reserved, as for plain decode"
+    ),
+    "graph_bucket_includes_max": (
+        "CUDA-graph buckets always include the largest batch size; reverted, the largest bucket is the "
+        "largest power of two below it and bigger batches must never be padded into a smaller graph"
+    ),
+}
+
+ENV_VAR = "SPRUCE_REVERT_FIXES"
+
+
+def reverted_fixes_from_env() -> frozenset[str]:
+    raw = os.environ.get(ENV_VAR, "")
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - FIXES.keys())
+    if unknown:
+        raise ConfigError(f"{ENV_VAR} names unknown fixes {unknown}; known fixes: {sorted(FIXES)}")
+    return names

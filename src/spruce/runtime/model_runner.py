@@ -1,0 +1,89 @@
+"""ModelRunner: loads the target (and draft), sizes every buffer from `Limits`, runs forwards.
+
+It owns the page table, the page allocator, both KV pools and the metadata builder; the scheduler and the
+speculative worker ask it for forwards and never size anything themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from spruce.attention.backend import create_backend
+from spruce.attention.metadata import ForwardBatch
+from spruce.config import EngineConfig
+from spruce.limits import Limits
+from spruce.memory.kv_pool import KVPool
+from spruce.memory.page_allocator import PageAllocator
+from spruce.memory.page_table import PageTable
+from spruce.models.hf_config import ModelConfig
+from spruce.models.loader import load_draft, load_target
+from spruce.runtime.batch_builder import BatchBuilder
+from spruce.runtime.fixes import reverted_fixes_from_env
+
+logger = logging.getLogger("spruce")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.backend = create_backend(config.resolved_attention_backend, config.page_size)
+        spec = config.speculative
+        self.draft_config = None
+        aux_layers: tuple[int, ...] = ()
+        if spec is not None:
+            from spruce.models.eagle import DraftConfig
+
+            self.draft_config = DraftConfig.from_dir(spec.draft_model, self.model_config)
+            aux_layers = self.draft_config.target_aux_layers
+        self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
+                                  show_progress=config.show_progress)
+        self.draft = None
+        if spec is not None:
+            self.draft = load_draft(spec.draft_model, self.target, self.model_config, self.dtype, self.device,
+                                    self.backend, show_progress=config.show_progress)
+        mc = self.model_config
+        kv_bytes = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if self.draft is not None:
+            kv_bytes += KVPool.bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
+                                               self.dtype)
+        self.limits = Limits.derive(config, mc.max_position_embeddings, kv_bytes, self._kv_budget_bytes(),
+                                    reverted_fixes_from_env())
+        lim = self.limits
+        self.page_table = PageTable(lim, self.device)
+        self.allocator = PageAllocator(lim)
+        self.target_kv = KVPool(lim, mc.num_layers, mc.num_kv_heads, mc.head_dim, lim.target_scratch_width,
+                                self.dtype, self.device)
+        self.draft_kv = None
+        if self.draft is not None:
+            self.draft_kv = KVPool(lim, self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
+                                   lim.draft_scratch_width, self.dtype, self.device)
+        self.builder = BatchBuilder(lim, self.page_table, self.device)
+        logger.info("spruce limits: %s", lim)
+
+    def _kv_budget_bytes(self) -> int | None:
+        """Free device memory times mem_fraction_static (cuda); None on cpu (Limits' default applies)."""
+        if self.device.type != "cuda" or self.config.max_total_tokens is not None:
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserve = total * (1.0 - self.config.mem_fraction_static)
+        return int(max(free - reserve, 0) * 0.9)
+
+    # --- forwards ------------------------------------------------------------------------------------------
+    def target_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None."""
+        return self.target(batch, self.target_kv, self.page_table.table)
+
+    def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""
+        return aux if aux is not None else hidden
+
+    def draft_forward(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
+        """Draft hidden [T, Hd] (its next-step feature) for batch.input_ids paired with `features` [T, F]."""
+        return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table)

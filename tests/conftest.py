@@ -1,0 +1,64 @@
+"""Shared fixtures. Every engine built through `make_llm` is leak-checked when its test ends."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+PYCODE_19M = Path(os.environ.get("SPRUCE_PYCODE_19M", SHARED_MODELS / "pycode-19m"))
+
+torch.set_num_threads(min(4, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def pycode19m() -> Path:
+    if not (PYCODE_19M / "config.json").exists():
+        pytest.skip(f"fixture model not found at {PYCODE_19M}")
+    return PYCODE_19M
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts(pycode19m) -> list[str]:
+    lines = (pycode19m / "heldout_prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["text"] for line in lines if line.strip()]
+
+
+def assert_no_leaks(llm) -> None:
+    """Idle engine: every page is back in the allocator, every row free, accounting consistent."""
+    eng = llm.engine if hasattr(llm, "engine") else llm
+    eng.check_no_leaks()
+    alloc = eng.runner.allocator
+    assert not eng.has_unfinished(), "engine still has requests"
+    assert alloc.num_used == 0, f"{alloc.num_used} KV pages leaked"
+    assert eng.runner.page_table.num_free_rows == eng.limits.max_running_requests, "request rows leaked"
+
+
+@pytest.fixture
+def make_llm():
+    """Factory for LLM(...) instances; each is leak-checked at teardown."""
+    from spruce import LLM
+
+    made = []
+
+    def factory(*args, **kwargs):
+        llm = LLM(*args, **kwargs)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        assert_no_leaks(llm)

@@ -1,0 +1,98 @@
+"""Page allocator, page table, limits and fix-toggle plumbing."""
+
+import pytest
+import torch
+
+from spruce.config import EngineConfig, SpeculativeConfig
+from spruce.errors import ConfigError, InvariantError
+from spruce.limits import DUMMY_PAGE, Limits
+from spruce.memory import KVPool, PageAllocator, PageTable
+
+
+def limits(**kw) -> Limits:
+    base = dict(max_running_requests=4, page_size=4, context_length=64, num_pages=10, chunked_prefill_size=32)
+    base.update(kw)
+    return Limits(**base)
+
+
+def test_allocator_never_hands_out_dummy_and_refuses_overflow():
+    lim = limits()
+    a = PageAllocator(lim)
+    pages = a.alloc(9)
+    assert DUMMY_PAGE not in pages and sorted(pages) == list(range(1, 10))
+    assert a.alloc(1) is None  # queue, not crash
+    a.free(pages[:3])
+    assert a.num_free == 3
+    with pytest.raises(InvariantError, match="not allocated"):
+        a.free([pages[0]])
+    a.free(pages[3:])
+    a.check_accounting(0)
+
+
+def test_allocator_accounting_detects_leak():
+    a = PageAllocator(limits())
+    a.alloc(2)
+    with pytest.raises(InvariantError, match="leak"):
+        a.check_accounting(0)
+
+
+def test_page_table_rows_and_reset_to_dummy():
+    lim = limits()
+    pt = PageTable(lim, torch.device("cpu"))
+    row = pt.alloc_row()
+    pt.append_pages(row, [3, 5])
+    assert pt.table[row, :2].tolist() == [3, 5]
+    pt.check_covers(row, 8, "test")
+    with pytest.raises(InvariantError, match="position 8"):
+        pt.check_covers(row, 9, "test")
+    with pytest.raises(InvariantError, match="max_pages_per_request"):
+        pt.append_pages(row, list(range(100, 100 + lim.max_pages_per_request)))
+    assert pt.release_row(row) == [3, 5]
+    assert (pt.table == DUMMY_PAGE).all()
+    assert [pt.alloc_row() for _ in range(4)] == [0, 1, 2, 3] and pt.alloc_row() is None
+
+
+def test_limits_widths_come_from_one_place():
+    lim = limits(num_steps=3, eagle_topk=4, num_draft_tokens=70, graph_max_bs=20)
+    assert lim.target_scratch_width == 70
+    assert lim.draft_scratch_width == 12
+    assert lim.mask_words == 2  # 70 nodes need two 64-bit words
+    assert lim.lookahead == 4
+    assert lim.max_tokens_per_forward == max(32, 4 * 70)
+    assert lim.graph_buckets[-1] == 20 and lim.bucket_for(17) == 20 and lim.bucket_for(21) is None
+    pool = KVPool(lim, 2, 1, 8, lim.target_scratch_width, torch.float32, torch.device("cpu"))
+    assert pool.num_slots == lim.num_page_slots + lim.num_rows * 70
+    assert pool.scratch_slots(torch.tensor([1]))[0, 0].item() == lim.num_page_slots + 70
+
+
+def test_limits_derive_from_config():
+    cfg = EngineConfig(model="x", page_size=16, max_running_requests=2, context_length=100)
+    lim = Limits.derive(cfg, max_position_embeddings=2048, kv_bytes_per_token=64, kv_budget_bytes=None)
+    assert lim.context_length == 100 and lim.num_pages >= 2 * lim.max_pages_per_request
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        Limits.derive(EngineConfig(model="x", context_length=4096), 2048, 64, None)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(page_size=0), "page_size"),
+    (dict(attention_backend="flash"), "attention_backend='flash'"),
+    (dict(dtype="int8"), "dtype='int8'"),
+    (dict(device="tpu"), "device='tpu'"),
+    (dict(cuda_graph=True), "cuda_graph=True needs device='cuda'"),
+    (dict(max_running_requests=-1), "max_running_requests"),
+])
+def test_bad_engine_config_is_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(model="x", **kwargs)
+
+
+@pytest.mark.parametrize("s,k,n,match", [
+    (3, 2, 12, r"needs 11 draft candidates.*K \+ \(S-1\)\*K\*K = 10"),
+    (5, 8, 200, "exceeds the supported maximum"),
+    (0, 4, 8, "num_steps must be >= 1"),
+    (5, 0, 8, "eagle_topk must be >= 1"),
+    (5, 4, 1, "num_draft_tokens must be >= 2"),
+])
+def test_bad_speculative_config_is_refused(s, k, n, match):
+    with pytest.raises(ConfigError, match=match):
+        SpeculativeConfig("EAGLE3", "d", s, k, n)
