@@ -13,6 +13,7 @@ from spruce.errors import ConfigError
 ATTENTION_BACKENDS = ("torch", "triton")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
 DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
 MAX_DRAFT_TOKENS = 128  # speculative_num_draft_tokens upper bound (two 64-bit ancestor mask words)
 # SGLang's defaults for Llama-family targets when only a draft path is given: (steps, topk, draft tokens).
 DEFAULT_SPECULATIVE = (5, 4, 8)
@@ -90,6 +91,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     show_progress: bool = False
+    load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks at real shapes)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -115,6 +117,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={self.load_format!r} is not supported; expected one of {LOAD_FORMATS}")
         if not (0.0 < self.mem_fraction_static < 1.0):
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
 

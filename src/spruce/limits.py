@@ -117,8 +117,6 @@ class Limits:
         if self.graph_max_bs == 0:
             return ()
         cands = {b for b in [1, 2, 4, 8, *range(16, self.graph_max_bs + 1, 8)] if b < self.graph_max_bs}
-        if "graph_bucket_includes_max" in self.reverted_fixes:
-            return tuple(sorted(cands))
         return tuple(sorted(cands | {self.graph_max_bs}))
 
     def bucket_for(self, batch_size: int) -> int | None:
@@ -126,6 +124,8 @@ class Limits:
         for b in self.graph_buckets:
             if b >= batch_size:
                 return b
+        if "graph_bucket_holds_batch" in self.reverted_fixes and self.graph_buckets:
+            return self.graph_buckets[-1]
         return None
 
     @staticmethod

@@ -42,6 +42,7 @@ class LLM:
         speculative_num_draft_tokens: int | None = None,
         seed: int = 0,
         show_progress: bool = False,
+        load_format: str = "auto",
     ):
         spec = make_speculative_config(
             speculative_algorithm, None if draft_model is None else str(draft_model),
@@ -53,7 +54,7 @@ class LLM:
             max_running_requests=max_running_requests, context_length=context_length,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-            speculative=spec, seed=seed, show_progress=show_progress,
+            speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
         )
         self.engine = Engine(self.config)
 

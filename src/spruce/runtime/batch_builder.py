@@ -95,42 +95,42 @@ class BatchBuilder:
         self.tree_mask[:n] = 0
 
     # --- uniform-stride phases ------------------------------------------------------------------------------
-    def _fill_uniform(self, phase: Phase, rows: torch.Tensor, padded_bs: int, stride: int,
-                      input_ids: torch.Tensor, positions: torch.Tensor, max_kv_len: int) -> int:
-        """Write [bs, stride] tokens of the real requests, then padding up to padded_bs; returns T."""
+    # Rows equal to the dummy row are padding (graph buckets): after every fill, `_mask_padding` makes their
+    # tokens write to the dummy page and attend to nothing. The rule is on the device, so a graph captured
+    # for a bucket of P requests serves any real batch <= P with no host-side knowledge of the real size.
+    def _fill_uniform(self, phase: Phase, rows: torch.Tensor, stride: int, input_ids: torch.Tensor,
+                      positions: torch.Tensor, max_kv_len: int) -> int:
+        """Write [P, stride] tokens (P = rows.shape[0], padding rows included); returns T = P * stride."""
         bs = rows.shape[0]
-        if padded_bs < bs:
-            raise InvariantError(f"{phase.value}: padded batch {padded_bs} < real batch {bs}")
-        n, n_real = padded_bs * stride, bs * stride
-        self._check(phase, padded_bs, n, max_kv_len)
+        n = bs * stride
+        self._check(phase, bs, n, max_kv_len)
         self.req_rows[:bs] = rows
-        self.req_rows[bs:padded_bs] = self.limits.dummy_row
-        self.qo_indptr[: padded_bs + 1] = torch.arange(0, n + 1, stride, dtype=torch.int32, device=self.device)
-        self.token_rows[:n_real] = rows.repeat_interleave(stride)
-        self.token_rows[n_real:n] = self.limits.dummy_row
-        self.input_ids[:n_real] = input_ids.reshape(-1)
-        self.positions[:n_real] = positions.reshape(-1)
-        self.input_ids[n_real:n] = 0
-        self.positions[n_real:n] = 0
-        self.out_slots[n_real:n] = 0  # the dummy page
-        self.kv_lens[n_real:n] = 0
-        self.tree_mask[n_real:n] = 0
+        self.qo_indptr[: bs + 1] = torch.arange(0, n + 1, stride, dtype=torch.int32, device=self.device)
+        self.token_rows[:n] = rows.repeat_interleave(stride)
+        self.input_ids[:n] = input_ids.reshape(-1)
+        self.positions[:n] = positions.reshape(-1)
         return n
 
+    def _mask_padding(self, n: int) -> None:
+        pad = self.token_rows[:n] == self.limits.dummy_row
+        self.out_slots[:n].masked_fill_(pad, 0)
+        self.kv_lens[:n].masked_fill_(pad, 0)
+        self.tree_mask[:n].masked_fill_(pad[:, None], 0)
+
     def decode(self, rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-               padded_bs: int, max_kv_len: int) -> ForwardBatch:
+               max_kv_len: int) -> ForwardBatch:
         """One token per request at `positions` (written to its page slot, attends to 0..position)."""
-        n = self._fill_uniform(Phase.DECODE, rows, padded_bs, 1, input_ids, positions, max_kv_len)
-        n_real = rows.shape[0]
-        self._fill_paged(n_real)
-        return self._view(Phase.DECODE, padded_bs, n, max_kv_len, 0)
+        n = self._fill_uniform(Phase.DECODE, rows, 1, input_ids, positions, max_kv_len)
+        self._fill_paged(n)
+        self._mask_padding(n)
+        return self._view(Phase.DECODE, rows.shape[0], n, max_kv_len, 0)
 
     def scratch_phase(self, phase: Phase, rows: torch.Tensor, committed: torch.Tensor, input_ids: torch.Tensor,
                       depths: torch.Tensor, masks: torch.Tensor, scratch_offset: int, scratch_start: int,
-                      scratch_width: int, padded_bs: int, max_kv_len: int) -> ForwardBatch:
-        """VERIFY / DRAFT_DECODE: tokens [bs, n] at positions committed + depths [bs, n]; token i of a row
+                      scratch_width: int, max_kv_len: int) -> ForwardBatch:
+        """VERIFY / DRAFT_DECODE: tokens [P, n] at positions committed + depths [P, n]; token i of a row
         writes its K/V into scratch entry scratch_offset + i and attends to the committed pages
-        (kv_len = committed) and to the scratch entries set in `masks` [bs, n, words]."""
+        (kv_len = committed) and to the scratch entries set in `masks` [P, n, words]."""
         bs, n_per = input_ids.shape
         if scratch_offset + n_per > scratch_width:
             raise InvariantError(
@@ -140,34 +140,31 @@ class BatchBuilder:
             )
         if masks.shape[-1] > self.limits.mask_words:
             raise InvariantError(f"{phase.value}: {masks.shape[-1]} mask words > {self.limits.mask_words}")
-        positions = committed[:, None] + depths  # [bs, n]
-        n = self._fill_uniform(phase, rows, padded_bs, n_per, input_ids, positions, max_kv_len)
-        n_real = bs * n_per
+        n = self._fill_uniform(phase, rows, n_per, input_ids, committed[:, None] + depths, max_kv_len)
         entry = scratch_offset + torch.arange(n_per, device=self.device)[None, :]  # [1, n]
-        self.out_slots[:n_real] = (scratch_start + rows[:, None] * scratch_width + entry).reshape(-1)
-        self.kv_lens[:n_real] = committed.to(torch.int32).repeat_interleave(n_per)
+        self.out_slots[:n] = (scratch_start + rows[:, None] * scratch_width + entry).reshape(-1)
+        self.kv_lens[:n] = committed.to(torch.int32).repeat_interleave(n_per)
         words = masks.shape[-1]
-        self.tree_mask[:n_real, :words] = masks.reshape(n_real, words)
-        self.tree_mask[:n_real, words:] = 0
-        return self._view(phase, padded_bs, n, max_kv_len, scratch_width)
+        self.tree_mask[:n, :words] = masks.reshape(n, words)
+        self.tree_mask[:n, words:] = 0
+        self._mask_padding(n)
+        return self._view(phase, bs, n, max_kv_len, scratch_width)
 
     def draft_extend(self, rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
-                     input_ids: torch.Tensor, padded_bs: int, max_kv_len: int) -> ForwardBatch:
-        """Uniform stride S+1 per request: tokens [bs, S+1] at positions starts+i for i < counts, padding after.
+                     input_ids: torch.Tensor, max_kv_len: int) -> ForwardBatch:
+        """Uniform stride S+1 per request: tokens [P, S+1] at positions starts+i for i < counts, padding after.
 
         Used for the draft's extend after verify (counts = accepted + 1); capture and replay use the same
         stride, so a graph never sees a different layout from the eager path.
         """
         stride = self.limits.draft_extend_stride
-        bs = rows.shape[0]
         if input_ids.shape[1] != stride:
             raise InvariantError(f"draft_extend: token stride {input_ids.shape[1]} != S+1 = {stride}")
         i = torch.arange(stride, device=self.device)[None, :]
-        positions = starts[:, None] + i  # [bs, S+1]
-        n = self._fill_uniform(Phase.DRAFT_EXTEND, rows, padded_bs, stride, input_ids, positions, max_kv_len)
-        n_real = bs * stride
-        real = (i < counts[:, None]).reshape(-1)  # [bs*(S+1)]
-        self._fill_paged(n_real)
-        self.out_slots[:n_real] = torch.where(real, self.out_slots[:n_real], 0)
-        self.kv_lens[:n_real] = torch.where(real, self.kv_lens[:n_real], 0)
-        return self._view(Phase.DRAFT_EXTEND, padded_bs, n, max_kv_len, 0)
+        n = self._fill_uniform(Phase.DRAFT_EXTEND, rows, stride, input_ids, starts[:, None] + i, max_kv_len)
+        real = (i < counts[:, None]).reshape(-1)  # [P*(S+1)]
+        self._fill_paged(n)
+        self.out_slots[:n].masked_fill_(~real, 0)
+        self.kv_lens[:n].masked_fill_(~real, 0)
+        self._mask_padding(n)
+        return self._view(Phase.DRAFT_EXTEND, rows.shape[0], n, max_kv_len, 0)

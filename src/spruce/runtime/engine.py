@@ -34,12 +34,16 @@ class Engine:
         self.runner = ModelRunner(config)
         self.limits = self.runner.limits
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
+                              else self.runner.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator)
         self.worker = None
         if config.speculative is not None:
             from spruce.speculative.eagle_worker import EagleWorker
 
             self.worker = EagleWorker(self.runner, debug=self.debug)
+        if self.runner.graphs.enabled:
+            (self.worker or self.runner).capture_graphs(config.show_progress)
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
         self.tokens_generated = 0
@@ -80,6 +84,8 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty; expected at least one token", field="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer.json: give token ids", field="prompt")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
@@ -116,7 +122,8 @@ class Engine:
             self.scheduler.admit()
             prefill = self.scheduler.prefill_requests()
             if prefill:
-                touched += self._prefill_step(prefill)
+                with self.runner.timer.phase("prefill"):
+                    touched += self._prefill_step(prefill)
             else:
                 decoding = self.scheduler.prepare_decode()
                 if decoding:
@@ -170,16 +177,12 @@ class Engine:
         if self.worker is not None:
             return self._spec_step(reqs)
         r = self.runner
-        bs = len(reqs)
         for q in reqs:
             r.page_table.check_covers(q.row, q.committed + 1, f"decode of request {q.request_id}")
-        rows = torch.tensor([q.row for q in reqs], device=r.device)
-        pos = torch.tensor([q.committed for q in reqs], device=r.device)
-        ids = torch.tensor([q.token_ids[-1] for q in reqs], device=r.device)
-        batch = r.builder.decode(rows, pos, ids, bs, max(q.committed for q in reqs) + 1)
-        hidden, _ = r.target_forward(batch)
-        logits = r.target.compute_logits(hidden[:bs])
-        tokens = select_tokens(logits, self._sampling(reqs), pos + 1).tolist()
+        pos = [q.committed for q in reqs]
+        logits = r.decode_logits([q.row for q in reqs], pos, [q.token_ids[-1] for q in reqs])
+        next_pos = torch.tensor(pos, device=r.device) + 1
+        tokens = select_tokens(logits, self._sampling(reqs), next_pos).tolist()
         for q, t in zip(reqs, tokens):
             q.committed += 1
             self._append(q, [t])
@@ -198,7 +201,7 @@ class Engine:
     # --- stop conditions and outputs ------------------------------------------------------------------------------
     def _append(self, q: Request, tokens: list[int]) -> None:
         p = q.params
-        eos = () if p.ignore_eos else self.tokenizer.eos_token_ids
+        eos = () if p.ignore_eos else self.eos_token_ids
         for t in tokens:
             q.output_ids.append(t)
             q.new_token_count += 1
@@ -215,7 +218,7 @@ class Engine:
                 return
 
     def _hit_stop_string(self, q: Request) -> bool:
-        text = self.tokenizer.decode(q.output_ids)
+        text = self.decode(q.output_ids)
         cut = min((i for i in (text.find(s) for s in q.params.stop) if i >= 0), default=-1)
         if cut < 0:
             return False
@@ -227,7 +230,7 @@ class Engine:
         n = q.new_token_count
         q.new_token_count = 0
         if not q.text_frozen:
-            q.text = self.tokenizer.decode(q.output_ids)
+            q.text = self.decode(q.output_ids)
         out = RequestOutput(
             request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=list(q.output_ids), text=q.text,
             new_token_ids=q.output_ids[len(q.output_ids) - n:] if n else [], finished=q.finished,
@@ -236,6 +239,9 @@ class Engine:
         if q.finished:
             self.requests.pop(q.request_id, None)
         return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     # --- introspection ----------------------------------------------------------------------------------------------
     def check_no_leaks(self) -> None:

@@ -20,9 +20,9 @@ FIXES: dict[str, str] = {
         "a speculative round reserves pages for S+1 positions past the committed length (commit and draft "
         "extend write up to S+1 tokens); reverted, only one position is reserved, as for plain decode"
     ),
-    "graph_bucket_includes_max": (
-        "CUDA-graph buckets always include the largest batch size; reverted, the largest bucket is the "
-        "largest power of two below it and bigger batches must never be padded into a smaller graph"
+    "graph_bucket_holds_batch": (
+        "a batch replays the smallest CUDA-graph bucket that holds it, or runs eagerly above the largest; "
+        "reverted, a larger batch is clamped into the largest bucket, whose buffers are too small for it"
     ),
 }
 

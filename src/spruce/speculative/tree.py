@@ -72,10 +72,14 @@ def build_tree(cands: DraftCandidates, root_tokens: torch.Tensor, num_draft_toke
     cand_to_node.scatter_(1, chosen, node_ids)
     parent_cand = cands.parents.gather(1, chosen)  # [bs, N-1]
     parent_node = torch.where(parent_cand < 0, 0, cand_to_node.gather(1, parent_cand.clamp(min=0)))
-    if debug and bool((parent_node < 0).any()):
+    if debug and not _capturing() and bool((parent_node < 0).any()):
         raise InvariantError("tree build kept a draft node whose parent was dropped (scores not monotone)")
     root_col = torch.zeros(bs, 1, dtype=torch.int64, device=device)
     tokens = torch.cat([root_tokens[:, None], cands.tokens.gather(1, chosen)], dim=1)
     parents = torch.cat([root_col - 1, parent_node], dim=1)
     depths = torch.cat([root_col, cands.depths.gather(1, chosen)], dim=1)
     return Tree(tokens=tokens, parents=parents, depths=depths, masks=ancestor_masks(parents, words, max_depth))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

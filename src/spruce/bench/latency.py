@@ -1,0 +1,200 @@
+"""`spruce bench latency`: tokens/s, accept length and time per phase, with and without speculation and
+CUDA graphs, next to the HBM roofline measured in the same run (and, optionally, Hugging Face generate)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from spruce.bench.common import device_name, measure_copy_bandwidth, write_result
+from spruce.bench.shapes import write_shape_dirs
+
+
+def add_latency_parser(sub) -> None:
+    p = sub.add_parser("latency", help="offline latency/throughput benchmark")
+    p.add_argument("--model", default=None, help="HF model dir (default: --model-shape with random weights)")
+    p.add_argument("--model-shape", default=None, help="named shape with random weights, e.g. llama-3.1-8b")
+    p.add_argument("--draft", default=None, help="EAGLE/EAGLE-3 draft dir (with --model-shape: random EAGLE-3)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompts", default=None, help="JSONL of {'text'} prompts (default: random token ids)")
+    p.add_argument("--spec", nargs="*", default=["5,4,8"], metavar="S,K,N",
+                   help="speculative configs to run (steps,topk,draft_tokens); none: plain only")
+    p.add_argument("--no-plain", action="store_true", help="skip the non-speculative runs")
+    p.add_argument("--graphs", nargs="+", default=["on"], choices=["on", "off"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--compare-hf", action="store_true", help="also time transformers generate (plain, assisted)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out-dir", default="bench/results")
+    p.set_defaults(func=run_latency_bench)
+
+
+def _prompts(args, tokenizer, vocab: int, bs: int) -> list[list[int]]:
+    if args.prompts:
+        texts = [json.loads(line)["text"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        ids = [tokenizer.encode(t)[: args.input_len] for t in texts]
+        return [ids[i % len(ids)] for i in range(bs)]
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(10, vocab - 10, (bs, args.input_len), generator=g).tolist()
+
+
+def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) -> dict:
+    from spruce import LLM, SamplingParams
+
+    kw = dict(model=model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+              attention_backend=args.attention_backend, max_running_requests=max(bs, 1), cuda_graph=graphs,
+              cuda_graph_max_bs=bs, context_length=args.input_len + args.output_len + 64,
+              max_total_tokens=bs * (args.input_len + args.output_len + 80), load_format=load_format)
+    if spec is not None:
+        s, k, n = spec
+        kw.update(draft_model=draft, speculative_num_steps=s, speculative_eagle_topk=k,
+                  speculative_num_draft_tokens=n)
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    init_s = time.perf_counter() - t0
+    eng = llm.engine
+    prompts = _prompts(args, llm.tokenizer, eng.runner.model_config.vocab_size, bs)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    best = None
+    for _ in range(args.repeats):
+        eng.runner.timer.reset()
+        eng.spec_stats.__init__()
+        eng.runner.timer.enabled = True
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        eng.runner.timer.enabled = False
+        phases = eng.runner.timer.collect()
+        prefill_ms = phases.get("prefill", {}).get("total_ms", 0.0)
+        out_tokens = sum(len(o.token_ids) for o in outs)
+        decode_s = max(total - prefill_ms / 1e3, 1e-9)
+        run = {"total_s": total, "prefill_ms": prefill_ms, "output_tokens": out_tokens,
+               "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - bs) / decode_s,
+               "phases": phases, "spec": eng.spec_stats.as_dict() if spec else None}
+        if spec:
+            round_ms = sum(phases[k]["mean_ms"] for k in ("draft", "verify", "accept", "extend", "sync") if k in phases)
+            run["round_ms"] = round_ms
+        else:
+            run["decode_step_ms"] = phases.get("decode", {}).get("mean_ms")
+        if best is None or run["total_s"] < best["total_s"]:
+            best = run
+    mc = eng.runner.model_config
+    best["weight_bytes"] = sum(p.numel() * p.element_size() for p in eng.runner.target.parameters())
+    best["init_s"] = init_s
+    best["model"] = {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}
+    del llm, eng
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return best
+
+
+def _run_hf(args, model: str, bs: int) -> dict:
+    """transformers generate on the same prompts: plain (greedy) and assisted (prompt lookup, bs=1)."""
+    from transformers import AutoModelForCausalLM
+
+    from spruce.models.hf_config import ModelConfig
+    from spruce.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model, ModelConfig.from_dir(model))
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
+    prompts = _prompts(args, tok, hf.config.vocab_size, bs)
+    width = max(len(p) for p in prompts)
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
+    res = {}
+    modes = [("plain", {})] + ([("assisted_prompt_lookup", {"prompt_lookup_num_tokens": 10})] if bs == 1 else [])
+    for name, extra in modes:
+        gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                   pad_token_id=pad, **extra)
+        hf.generate(ids, attention_mask=mask, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+        torch.cuda.synchronize() if args.device.startswith("cuda") else None
+        t0 = time.perf_counter()
+        out = hf.generate(ids, attention_mask=mask, **gen)
+        torch.cuda.synchronize() if args.device.startswith("cuda") else None
+        dt = time.perf_counter() - t0
+        n = (out.shape[1] - width) * bs
+        res[name] = {"total_s": dt, "output_tokens": n, "tokens_per_s": n / dt}
+    del hf
+    gc.collect()
+    return res
+
+
+def run_latency_bench(args) -> int:
+    tmp = None
+    model, draft, load_format = args.model, args.draft, "auto"
+    if model is None:
+        if args.model_shape is None:
+            raise SystemExit("give --model PATH or --model-shape NAME")
+        tmp = tempfile.TemporaryDirectory()
+        model, shape_draft = write_shape_dirs(args.model_shape, Path(tmp.name))
+        model, draft, load_format = str(model), draft or str(shape_draft), "dummy"
+    specs = [tuple(int(x) for x in s.split(",")) for s in (args.spec or [])]
+    if draft is None:
+        specs = []
+    figures: dict = {"runs": []}
+    if args.device.startswith("cuda"):
+        figures["copy_bandwidth_GBps"] = measure_copy_bandwidth(args.device) / 1e9
+    for graphs in args.graphs:
+        for bs in args.batch_sizes:
+            configs = ([] if args.no_plain else [None]) + specs
+            for spec in configs:
+                run = _run_one(args, model, draft, spec, graphs == "on", bs, load_format)
+                run.update({"batch_size": bs, "cuda_graph": graphs == "on",
+                            "spec": run["spec"], "spec_config": list(spec) if spec else None})
+                figures["runs"].append(run)
+                _print_run(run)
+    _add_ratios(figures)
+    if args.compare_hf and args.model:
+        figures["hf"] = {str(bs): _run_hf(args, args.model, bs) for bs in args.batch_sizes}
+        print("hf:", json.dumps(figures["hf"]))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    path = write_result("latency", args.device, config, figures, Path(args.out_dir))
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_ratios(figures: dict) -> None:
+    """Roofline fraction of plain decode and round-time / decode-step ratios, from this run's numbers."""
+    bw = figures.get("copy_bandwidth_GBps")
+    for run in figures["runs"]:
+        if bw and run.get("decode_step_ms"):
+            floor_ms = run["weight_bytes"] / (bw * 1e9) * 1e3
+            run["roofline_step_ms"] = floor_ms
+            run["fraction_of_roofline"] = floor_ms / run["decode_step_ms"]
+        plain = next((p for p in figures["runs"] if p["spec_config"] is None and p["batch_size"] == run["batch_size"]
+                      and p["cuda_graph"] == run["cuda_graph"]), None)
+        if run.get("round_ms") and plain and plain.get("decode_step_ms"):
+            run["round_over_decode_step"] = run["round_ms"] / plain["decode_step_ms"]
+            run["speedup_tokens_per_s"] = run["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+
+
+def _print_run(run: dict) -> None:
+    spec = run["spec_config"]
+    line = (f"bs={run['batch_size']:3d} graphs={'on ' if run['cuda_graph'] else 'off'} "
+            f"spec={spec or '-'} tok/s={run['decode_tokens_per_s']:.1f}")
+    if run.get("decode_step_ms"):
+        line += f" step={run['decode_step_ms']:.3f}ms"
+    if run.get("round_ms"):
+        line += f" round={run['round_ms']:.3f}ms accept_len={run['spec']['mean_accept_length']:.2f}"
+    print(line, flush=True)
+
+
+__all__ = ["add_latency_parser", "run_latency_bench", "device_name"]

@@ -1,0 +1,49 @@
+"""Named model shapes for benchmarks with random weights (speed does not depend on the values)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TARGET_SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_id=128001, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+    ),
+}
+
+
+def eagle3_shape(target: dict, draft_vocab_size: int = 32000) -> dict:
+    """An EAGLE-3 head shaped like the published ones for `target` (one decoder layer, draft vocab)."""
+    return dict(
+        architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=target["hidden_size"],
+        intermediate_size=target["intermediate_size"], num_hidden_layers=1,
+        num_attention_heads=target["num_attention_heads"], num_key_value_heads=target["num_key_value_heads"],
+        head_dim=target["head_dim"], vocab_size=target["vocab_size"], draft_vocab_size=draft_vocab_size,
+        rms_norm_eps=target["rms_norm_eps"], max_position_embeddings=target["max_position_embeddings"],
+        rope_theta=target["rope_theta"], rope_scaling=target.get("rope_scaling"), tie_word_embeddings=False,
+    )
+
+
+def write_shape_dirs(name: str, root: Path) -> tuple[Path, Path]:
+    """config.json-only directories for the target shape and its EAGLE-3 draft (load_format='dummy')."""
+    if name not in TARGET_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {sorted(TARGET_SHAPES)}")
+    target = TARGET_SHAPES[name]
+    tdir, ddir = root / name, root / f"{name}-eagle3"
+    for d, cfg in ((tdir, target), (ddir, eagle3_shape(target))):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return tdir, ddir

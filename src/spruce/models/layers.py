@@ -1,0 +1,76 @@
+"""Decoder building blocks shared by targets and drafts: RMSNorm, attention with fused qkv, gated MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spruce.attention.backend import AttentionBackend
+from spruce.attention.metadata import ForwardBatch
+from spruce.models.rope import Rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection (optionally biased), optional per-head q/k norm, rope, paged attention, o_proj.
+
+    `in_features` is the width q/k/v read (EAGLE-3's midlayer reads 2 * hidden)."""
+
+    def __init__(self, in_features: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: Rotary, backend: AttentionBackend, layer_id: int, bias: bool = False,
+                 o_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.layer_id = layer_id
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
+        k_cache, v_cache = kv.layer(self.layer_id)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def fused_slices(attn: Attention) -> dict[str, tuple[int, int]]:
+    """Row ranges of q/k/v inside the fused qkv weight."""
+    q, kv = attn.q_size, attn.kv_size
+    return {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}

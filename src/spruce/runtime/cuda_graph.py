@@ -1,0 +1,83 @@
+"""CUDA graphs per batch-size bucket for the decode-time phases (DESIGN §4).
+
+A phase is a function `fn(P, max_kv_len)` of the padded batch size P that reads its inputs from persistent
+buffers (the metadata builder's, the caller's static inputs with rows past the real batch set to the dummy
+row, and the previous phase's outputs) and returns tensors. The very same function runs eagerly
+(P = real batch, max_kv_len = the real bound) or is captured once per bucket (max_kv_len = the Limits
+bound) and replayed. A batch larger than the largest bucket runs every phase eagerly, so each phase reads
+the eager outputs of the one before, never a graph's buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from spruce.errors import InvariantError
+from spruce.limits import Limits
+
+PhaseFn = Callable[[int, int], Any]
+
+
+class BucketGraphs:
+    def __init__(self, limits: Limits, device: torch.device, enabled: bool):
+        self.limits = limits
+        self.device = device
+        self.enabled = enabled and device.type == "cuda" and bool(limits.graph_buckets)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+
+    @property
+    def kv_bound(self) -> int:
+        """max_kv_len graphs are captured with: the most positions any request can hold."""
+        return self.limits.max_pages_per_request * self.limits.page_size
+
+    def bucket(self, bs: int) -> int | None:
+        """The bucket a batch of `bs` replays, or None (eager)."""
+        return self.limits.bucket_for(bs) if self.enabled else None
+
+    def padded_size(self, bs: int) -> int:
+        """Rows the caller fills (real + dummy padding) for a batch of `bs` requests."""
+        return self.bucket(bs) or bs
+
+    def run(self, name: str, fn: PhaseFn, bs: int, max_kv_len: int):
+        """Replay phase `name` for the batch's bucket, or run `fn` eagerly."""
+        bucket = self.bucket(bs)
+        if bucket is not None and bucket < bs:
+            raise InvariantError(
+                f"{name}: batch of {bs} requests would replay the graph captured for {bucket} "
+                f"(buckets {self.limits.graph_buckets}, max_running_requests {self.limits.max_running_requests})"
+            )
+        entry = self.graphs.get((name, bucket)) if bucket is not None else None
+        if entry is None:
+            return fn(bs, max_kv_len)
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def capture(self, phases: list[tuple[str, PhaseFn]], prepare: Callable[[int], None], desc: str,
+                show_progress: bool = False) -> None:
+        """Capture the chain of phases for every bucket (largest first; one memory pool for all).
+
+        `prepare(P)` fills the static inputs with P padding rows. Each phase is warmed up eagerly, captured,
+        then replayed once so the next phase's warm-up reads real values.
+        """
+        if not self.enabled:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        buckets = sorted(self.limits.graph_buckets, reverse=True)
+        for bucket in tqdm(buckets, desc=desc, disable=not show_progress):
+            prepare(bucket)
+            for name, fn in phases:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    fn(bucket, self.kv_bound)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = fn(bucket, self.kv_bound)
+                graph.replay()
+                self.graphs[(name, bucket)] = (graph, out)
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,71 @@
+"""Fix toggles: each registered fix, reverted, makes an always-on invariant fail loudly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spruce import SamplingParams
+from spruce.config import builtin_model_path
+from spruce.errors import ConfigError, InvariantError
+from spruce.limits import Limits
+from spruce.runtime.cuda_graph import BucketGraphs
+from spruce.runtime.fixes import ENV_VAR, FIXES, reverted_fixes_from_env
+from checkpoints import write_eagle3_checkpoint
+
+TARGET = builtin_model_path()
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "e3", TARGET, draft_vocab_size=512, seed=9))
+
+
+def spec_llm(draft, **kw):
+    from spruce import LLM
+
+    return LLM(TARGET, draft_model=draft, speculative_algorithm="EAGLE3", **kw)
+
+
+def test_every_fix_has_a_revert_test():
+    tested = {"draft_scratch_width", "spec_page_lookahead", "graph_bucket_holds_batch"}
+    assert set(FIXES) == tested
+
+
+def test_unknown_fix_name_is_refused(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "no_such_fix")
+    with pytest.raises(ConfigError, match="no_such_fix"):
+        reverted_fixes_from_env()
+
+
+def test_fixed_config_runs(draft):
+    llm = spec_llm(draft, page_size=1, speculative_num_steps=5, speculative_eagle_topk=8,
+                   speculative_num_draft_tokens=8)
+    assert len(llm.generate("def f(x):", SamplingParams(max_tokens=12))[0].token_ids) == 12
+
+
+def test_reverted_draft_scratch_width_fails_loudly(draft, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "draft_scratch_width")
+    llm = spec_llm(draft, page_size=16, speculative_num_steps=5, speculative_eagle_topk=8,
+                   speculative_num_draft_tokens=8)  # K*S = 40 entries needed, sized N = 8
+    with pytest.raises(InvariantError, match=r"exceed scratch width 8 \(N=8, K=8, S=5"):
+        llm.generate("def f(x):", SamplingParams(max_tokens=12))
+
+
+def test_reverted_spec_page_lookahead_fails_loudly(draft, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "spec_page_lookahead")
+    llm = spec_llm(draft, page_size=1, speculative_num_steps=5, speculative_eagle_topk=4,
+                   speculative_num_draft_tokens=8)
+    with pytest.raises(InvariantError, match="commit of request .* pages x page_size 1"):
+        llm.generate("def f(x):", SamplingParams(max_tokens=12))
+
+
+def test_reverted_graph_bucket_rule_fails_loudly():
+    kw = dict(max_running_requests=12, page_size=4, context_length=64, num_pages=40, chunked_prefill_size=64,
+              graph_max_bs=8)
+    fixed, reverted = Limits(**kw), Limits(**kw, reverted_fixes=frozenset({"graph_bucket_holds_batch"}))
+    assert fixed.bucket_for(12) is None  # above the largest bucket: eager
+    graphs = BucketGraphs(reverted, torch.device("cpu"), enabled=False)
+    graphs.enabled = True  # the rule is host-side: no GPU needed to check it
+    with pytest.raises(InvariantError, match="batch of 12 requests would replay the graph captured for 8"):
+        graphs.run("decode", lambda p, kv: None, 12, 10)

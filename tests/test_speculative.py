@@ -1,0 +1,197 @@
+"""EAGLE / EAGLE-3 tree speculation: greedy output equals the target alone, for every K/S/N/page/batch mix.
+
+Target: the bundled pycode-6m (a real trained Llama, so argmaxes are not near-ties). Drafts: random
+checkpoints in the published EAGLE and EAGLE-3 layouts, plus an oracle wrapper that makes a chosen fraction
+of proposals right, so that every accept length 0..S and every commit path runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from spruce import SamplingParams
+from spruce.config import MAX_DRAFT_TOKENS, builtin_model_path
+from spruce.errors import ConfigError
+from checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
+from oracle_draft import install_oracle
+
+TARGET = builtin_model_path()
+MAX_NEW = 14
+PROMPTS = [
+    "def fib(n):\n    ",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+    "for i in range(10):",
+    "# utilities\nfrom typing import List\n\ndef mean(xs: List[float]) -> float:\n    return",
+    "x = [",
+    "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n        self.children",
+    "with open(path) as f:\n    for line in f:\n        ",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "EAGLE3": str(write_eagle3_checkpoint(root / "eagle3", TARGET, draft_vocab_size=1024, seed=1)),
+        "EAGLE": str(write_eagle_checkpoint(root / "eagle", TARGET, seed=2)),
+        "EAGLE3-full": str(write_eagle3_checkpoint(root / "eagle3-full", TARGET, seed=4)),  # every token draftable
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy non-speculative outputs (token ids) of the target for PROMPTS."""
+    from spruce import LLM
+
+    llm = LLM(TARGET, page_size=16, max_running_requests=8)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    return {p: (o.prompt_token_ids, o.token_ids) for p, o in zip(PROMPTS, outs)}
+
+
+def allowed(k: int, s: int, n: int) -> bool:
+    return n - 1 <= k + (s - 1) * k * k and n <= MAX_DRAFT_TOKENS
+
+
+MATRIX = [(k, s, n) for k, s in itertools.product([1, 2, 4, 8], [1, 3, 5]) for n in [2, 8, 32, 64] if allowed(k, s, n)]
+MATRIX += [(1, s, s + 1) for s in (3, 5)]  # chains of full length
+CASES = [(k, s, n, [1, 4, 16, 64][i % 4], 1 + (i * 3) % 8, ["EAGLE3", "EAGLE"][i % 2])
+         for i, (k, s, n) in enumerate(MATRIX)]
+
+
+def run_spec(make_llm, drafts, reference, algo, k, s, n, page, prompts, oracle=None, **kw):
+    llm = make_llm(TARGET, page_size=page, max_running_requests=kw.pop("max_running_requests", 8),
+                   draft_model=drafts[algo], speculative_algorithm=algo.split("-")[0], speculative_num_steps=s,
+                   speculative_eagle_topk=k, speculative_num_draft_tokens=n, **kw)
+    if oracle is not None:
+        o = install_oracle(llm, oracle)
+        for p in prompts:
+            o.add_reference(*reference[p])
+    return llm
+
+
+@pytest.mark.parametrize("k,s,n,page,bs,algo", CASES, ids=[f"K{c[0]}-S{c[1]}-N{c[2]}-p{c[3]}-bs{c[4]}-{c[5]}"
+                                                           for c in CASES])
+def test_greedy_spec_equals_target(make_llm, drafts, reference, k, s, n, page, bs, algo):
+    prompts = PROMPTS[:bs]
+    llm = run_spec(make_llm, drafts, reference, algo, k, s, n, page, prompts, oracle=0.6 if bs % 2 else None)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference[p][1], (p, o.spec_stats)
+
+
+def record_accepts(llm) -> list[int]:
+    """Wrap the worker's round to collect every accept length."""
+    seen: list[int] = []
+    worker = llm.engine.worker
+    orig = worker.round
+
+    def round_(reqs, sampling):
+        res = orig(reqs, sampling)
+        seen.extend(res.accept_lens)
+        return res
+
+    worker.round = round_
+    return seen
+
+
+@pytest.mark.parametrize("k,s,n,page", [(1, 5, 6, 4), (4, 5, 16, 16), (8, 3, 32, 64), (2, 4, 12, 1)])
+def test_oracle_exercises_every_accept_length(make_llm, drafts, reference, k, s, n, page):
+    seen = set()
+    for frac, algo in [(1.0, "EAGLE3-full"), (0.7, "EAGLE"), (0.3, "EAGLE3-full")]:
+        llm = run_spec(make_llm, drafts, reference, algo, k, s, n, page, PROMPTS, oracle=frac)
+        acc = record_accepts(llm)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        for p, o in zip(PROMPTS, outs):
+            assert o.token_ids == reference[p][1]
+        seen |= set(acc)
+        if frac == 1.0:
+            assert max(acc) == min(s, n - 1)
+            assert outs[0].spec_stats["mean_accept_length"] > 2.0
+    assert seen == set(range(min(s, n - 1) + 1)), seen
+
+
+@pytest.mark.parametrize("page", [64, 4])
+def test_seed_configs_topk8_joining_mid_flight(make_llm, drafts, reference, page):
+    """The two configurations that broke other engines: page 64 + topk 8 and page 4 + topk 8."""
+    llm = run_spec(make_llm, drafts, reference, "EAGLE3-full", 8, 5, 64, page, PROMPTS, oracle=0.8,
+                   max_running_requests=5)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    ids = {eng.add_request(reference[p][0], params): p for p in PROMPTS[:3]}
+    done = {}
+    for step in range(200):
+        if step == 3:
+            ids.update({eng.add_request(reference[p][0], params): p for p in PROMPTS[3:]})
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        if not eng.has_unfinished() and step > 3:
+            break
+    assert {ids[i]: o.token_ids for i, o in done.items()} == {p: reference[p][1] for p in PROMPTS}
+
+
+def test_spec_with_preemption(make_llm, drafts, reference):
+    llm = run_spec(make_llm, drafts, reference, "EAGLE3-full", 4, 3, 8, 4, PROMPTS, oracle=0.7, max_total_tokens=260)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference[p][1] for p in PROMPTS]
+
+
+def test_spec_stats_reported(make_llm, drafts, reference):
+    llm = run_spec(make_llm, drafts, reference, "EAGLE3-full", 4, 3, 8, 16, PROMPTS[:2], oracle=1.0)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))[0]
+    st = out.spec_stats
+    assert st["rounds"] >= 1 and 1.0 <= st["mean_accept_length"] <= 4.0
+    assert len(st["accept_rate_per_depth"]) == 3
+    agg = llm.engine.stats()["spec"]
+    assert agg["rounds"] >= st["rounds"]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=8), "K \\+ \\(S-1\\)"),
+    (dict(speculative_eagle_topk=0), "eagle_topk must be >= 1"),
+    (dict(speculative_num_draft_tokens=500), "supported maximum"),
+    (dict(speculative_algorithm="MEDUSA"), "MEDUSA"),
+])
+def test_bad_speculative_settings(drafts, kw, match):
+    from spruce import LLM
+
+    with pytest.raises(ConfigError, match=match):
+        LLM(TARGET, draft_model=drafts["EAGLE3"], **kw)
+
+
+def test_draft_that_does_not_fit_the_target(tmp_path, drafts):
+    """A draft whose fc expects another target hidden size is refused at load with both numbers named."""
+    from spruce import LLM
+    from spruce.errors import SpruceError
+
+    other = write_eagle3_checkpoint(tmp_path / "wide", TARGET, draft_vocab_size=512, seed=3, target_hidden=320)
+    with pytest.raises(SpruceError, match="320"):
+        LLM(TARGET, draft_model=str(other))
+
+
+def test_empty_batch_is_valid_in_every_phase(drafts):
+    """Every phase's builder and both backends accept zero requests."""
+    import torch
+
+    from spruce import LLM
+    from spruce.attention.metadata import Phase
+
+    llm = LLM(TARGET, draft_model=drafts["EAGLE3"], speculative_num_steps=3, speculative_eagle_topk=4,
+              speculative_num_draft_tokens=8)
+    r = llm.engine.runner
+    e = torch.zeros(0, dtype=torch.int64)
+    batches = [
+        r.builder.extend([], [], []),
+        r.builder.decode(e, e, e, 1),
+        r.builder.scratch_phase(Phase.VERIFY, e, e, e.view(0, 8), e.view(0, 8), e.view(0, 8, 1), 0,
+                                r.target_kv.scratch_start, r.limits.target_scratch_width, 1),
+        r.builder.draft_extend(e, e, e, e.view(0, 4), 1),
+    ]
+    for b in batches:
+        assert b.num_tokens == 0
+        hidden, _ = r.target_forward(b)
+        assert hidden.shape[0] == 0
+        assert r.draft_forward(b, torch.zeros(0, r.draft.feature_width)).shape[0] == 0
