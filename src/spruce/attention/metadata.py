@@ -44,6 +44,7 @@ class ForwardBatch:
     req_rows: torch.Tensor  # [bs] int64
     qo_indptr: torch.Tensor  # [bs+1] int32
     max_kv_len: int  # host-side upper bound of kv_lens (no device sync needed to read it)
+    max_q_len: int  # host-side upper bound of query tokens per request (the stride for uniform phases)
     scratch_width: int  # W of the pool this batch attends to (0: no scratch attended)
 
     @property

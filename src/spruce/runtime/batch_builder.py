@@ -54,7 +54,7 @@ class BatchBuilder:
                 f"page_size {lim.page_size} = {cap}"
             )
 
-    def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width) -> ForwardBatch:
+    def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width, max_q_len=None) -> ForwardBatch:
         return ForwardBatch(
             phase=phase, batch_size=bs, num_tokens=num_tokens,
             input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens],
@@ -62,6 +62,7 @@ class BatchBuilder:
             kv_lens=self.kv_lens[:num_tokens], tree_mask=self.tree_mask[:num_tokens],
             req_rows=self.req_rows[:bs], qo_indptr=self.qo_indptr[: bs + 1],
             max_kv_len=max_kv_len, scratch_width=scratch_width,
+            max_q_len=max_q_len if max_q_len is not None else (num_tokens // bs if bs else 0),
         )
 
     # --- EXTEND (prefill chunks; variable length per request) ---------------------------------------------
@@ -85,7 +86,7 @@ class BatchBuilder:
         self.req_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64))
         self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32))
         self._fill_paged(n)
-        return self._view(Phase.EXTEND, bs, n, max_kv, 0)
+        return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0))
 
     def _fill_paged(self, n: int) -> None:
         """out_slots = the token's own page slot; kv_lens = position + 1 (causal); no scratch."""

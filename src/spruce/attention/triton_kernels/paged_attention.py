@@ -1,0 +1,128 @@
+"""One attention kernel for every phase: paged committed prefix + tree-scratch block, one online softmax.
+
+Grid: (request x query-block, query head, kv split). A program takes BLOCK_M consecutive query tokens of one
+request (qo_indptr), one query head, and the split's share of the paged prefix [0, max kv_len of the tile):
+positions are mapped to slots through the page table and masked per token by `pos < kv_lens[t]` (causal for
+prefill, the committed length for tree phases). The last split also walks the request row's scratch block,
+masked per token by its ancestor bitmask. Online softmax in the log2 domain:
+    m' = max(m, rowmax(s));  alpha = 2^(m - m');  p = 2^(s - m')
+    l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ V
+With one split the program writes acc / l; with several it writes acc / l and lse = m + log2(l) per split
+and `merge_splits_kernel` combines them. A token with nothing to attend to gets zeros. Every size that
+shapes the grid is a host int fixed per CUDA-graph bucket; per-request lengths are read on the device.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet stay at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse,
+    num_q_blocks, num_tokens, table_stride, scratch_start, sm_scale_log2,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    b = pid // num_q_blocks
+    q_start = tl.load(qo_indptr + b) + (pid % num_q_blocks) * BLOCK_M
+    q_end = tl.load(qo_indptr + b + 1)
+    if q_start < q_end:
+        kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+        row = tl.load(req_rows + b).to(tl.int64)
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        m_valid = offs_m < q_end
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :],
+                    mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        tok_kv = tl.load(kv_lens + offs_m, mask=m_valid, other=0)  # [BLOCK_M]
+        kv_max = tl.max(tok_kv, axis=0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kv_stride = NUM_KV_HEADS * HEAD_DIM
+
+        # paged prefix: this split's share of [0, kv_max), in whole BLOCK_N chunks
+        chunk = tl.cdiv(tl.cdiv(kv_max, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_max)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            n_valid = pos < hi
+            page = tl.load(page_table + row * table_stride + pos // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
+            kv_off = slot[:, None] * kv_stride + kv_head * HEAD_DIM + offs_d[None, :]
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+            allowed = (pos[None, :] < tok_kv[:, None]) & n_valid[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
+
+        # tree scratch of this row (last split only): entry j allowed where bit j of the token's mask is set
+        if SCRATCH_WIDTH > 0:
+            if split == NUM_SPLITS - 1:
+                for start in range(0, SCRATCH_WIDTH, BLOCK_N):
+                    j = start + tl.arange(0, BLOCK_N)
+                    n_valid = j < SCRATCH_WIDTH
+                    slot = scratch_start + row * SCRATCH_WIDTH + j
+                    kv_off = slot[:, None] * kv_stride + kv_head * HEAD_DIM + offs_d[None, :]
+                    kv_mask = n_valid[:, None] & d_valid[None, :]
+                    k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)
+                    v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+                    word = tl.load(tree_mask + offs_m[:, None] * MASK_WORDS + j[None, :] // 64,
+                                   mask=m_valid[:, None] & n_valid[None, :], other=0)
+                    bit = (word >> (j[None, :] % 64).to(tl.int64)) & 1
+                    allowed = (bit != 0) & n_valid[None, :]
+                    m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2,
+                                                         DOT_PRECISION)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_off = (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :]
+        o_mask = m_valid[:, None] & d_valid[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_o + split * num_tokens * NUM_HEADS * HEAD_DIM + o_off, out, mask=o_mask)
+            tl.store(part_lse + (split * num_tokens + offs_m) * NUM_HEADS + head, lse, mask=m_valid)
+
+
+@triton.jit
+def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s (splits that saw nothing: -inf)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse + (offs_s * num_tokens + t) * NUM_HEADS + head)  # [S]
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [S]
+    w_sum = tl.sum(w, axis=0)
+    w = w / tl.where(w_sum == 0.0, 1.0, w_sum)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    parts = tl.load(part_o + ((offs_s[:, None] * num_tokens + t) * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :],
+                    mask=d_valid[None, :], other=0.0)  # [S, BLOCK_D]
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(o_ptr + (t * NUM_HEADS + head) * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)

@@ -1,0 +1,159 @@
+"""The triton backend equals the torch reference on every phase shape (CPU: Triton's interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from spruce.attention.metadata import ForwardBatch, Phase  # noqa: E402
+from spruce.attention.torch_backend import TorchAttention  # noqa: E402
+from spruce.attention.triton_backend import TritonAttention  # noqa: E402
+from spruce.speculative.tree import ancestor_masks  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_tree_parents(n: int, g) -> list[int]:
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+
+
+def make_case(phase: Phase, bs: int, q_len: int, kv_lens: list[int], page_size: int, width: int,
+              heads: int, kv_heads: int, head_dim: int, dtype, seed: int = 0, max_pages: int = 64):
+    """Random pools, a shuffled page table and a ForwardBatch for one phase."""
+    g = torch.Generator().manual_seed(seed)
+    rows = bs + 1
+    num_pages = 1 + sum(-(-(kv + q_len) // page_size) for kv in kv_lens) + 2
+    pages = torch.randperm(num_pages - 1, generator=g) + 1
+    table = torch.zeros(rows, max_pages, dtype=torch.int32)
+    used = 0
+    for r, kv in enumerate(kv_lens):
+        n = -(-(kv + q_len) // page_size)
+        table[r, :n] = pages[used:used + n].to(torch.int32)
+        used += n
+    scratch_start = num_pages * page_size
+    slots = scratch_start + rows * width
+    k_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
+    t = bs * q_len
+    words = max(1, -(-width // 64))
+    if phase == Phase.EXTEND:  # causal over new tokens at positions kv .. kv + q_len - 1
+        positions = torch.cat([torch.arange(kv, kv + q_len) for kv in kv_lens])
+        tok_kv = positions + 1
+        mask = torch.zeros(t, words, dtype=torch.int64)
+        token_rows = torch.arange(bs).repeat_interleave(q_len)
+        page = table[token_rows, positions // page_size].long()
+        out_slots = page * page_size + positions % page_size
+    else:  # scratch phases: prefix = kv, tokens in scratch entries 0..q_len-1 with ancestor masks
+        token_rows = torch.arange(bs).repeat_interleave(q_len)
+        tok_kv = torch.tensor(kv_lens, dtype=torch.long).repeat_interleave(q_len)
+        if width:
+            parents = torch.tensor([random_tree_parents(q_len, g) for _ in range(bs)])
+            mask = ancestor_masks(parents, words, q_len).reshape(t, words)
+            out_slots = scratch_start + token_rows * width + torch.arange(q_len).repeat(bs)
+        else:
+            mask = torch.zeros(t, words, dtype=torch.int64)
+            positions = tok_kv.clone()
+            page = table[token_rows, positions // page_size].long()
+            out_slots = page * page_size + positions % page_size
+            tok_kv = tok_kv + 1
+    dev = DEVICE
+    batch = ForwardBatch(
+        phase=phase, batch_size=bs, num_tokens=t, input_ids=torch.zeros(t, dtype=torch.int64, device=dev),
+        positions=torch.zeros(t, dtype=torch.int64, device=dev), out_slots=out_slots.long().to(dev),
+        token_rows=token_rows.long().to(dev), kv_lens=tok_kv.to(torch.int32).to(dev), tree_mask=mask.to(dev),
+        req_rows=torch.arange(bs, dtype=torch.int64, device=dev),
+        qo_indptr=torch.arange(0, t + 1, q_len, dtype=torch.int32, device=dev)[: bs + 1] if q_len else
+        torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+        max_kv_len=int(tok_kv.max()) if t else 0, scratch_width=width if phase != Phase.EXTEND else 0,
+        max_q_len=q_len,
+    )
+    q = torch.randn(t, heads, head_dim, generator=g).to(dtype).to(dev)
+    k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype).to(dev)
+    v = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype).to(dev)
+    return q, k, v, k_cache.to(dev), v_cache.to(dev), scratch_start, batch, table.to(dev)
+
+
+def compare(case, page_size: int, tol: float, splits: int | None = None):
+    q, k, v, kc, vc, start, batch, table = case
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref = TorchAttention(page_size).forward(q, k, v, ref_k, ref_v, start, batch, table, q.shape[-1] ** -0.5)
+    fast = TritonAttention(page_size)
+    if splits is not None:
+        fast.num_splits = lambda *a: splits
+    out = fast.forward(q, k, v, kc, vc, start, batch, table, q.shape[-1] ** -0.5)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v), "KV store differs"
+    err = (out.float() - ref.float()).abs().max().item() if out.numel() else 0.0
+    assert err < tol, err
+    return err
+
+
+SMALL = dict(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])
+def test_extend_prefill_causal(page_size):
+    compare(make_case(Phase.EXTEND, 2, 5, [0, 7], page_size, 0, **SMALL), page_size, 1e-4)
+
+
+@pytest.mark.parametrize("page_size,width", [(1, 8), (4, 20), (64, 70)])
+def test_verify_tree_with_prefix(page_size, width):
+    case = make_case(Phase.VERIFY, 3, min(width, 18), [9, 0, 33], page_size, width, **SMALL, seed=2)
+    compare(case, page_size, 1e-4)
+
+
+def test_decode_and_split_kv():
+    case = make_case(Phase.DECODE, 2, 1, [40, 75], 4, 0, **SMALL, seed=3)
+    compare(case, 4, 1e-4)
+    compare(case, 4, 1e-4, splits=4)
+
+
+def test_draft_decode_scratch_only_tokens():
+    """kv_len 0 (nothing committed yet) but scratch bits set: attends to its ancestors only."""
+    compare(make_case(Phase.DRAFT_DECODE, 2, 4, [0, 0], 16, 12, **SMALL, seed=4), 16, 1e-4)
+
+
+def test_empty_batch_and_padding_tokens():
+    case = make_case(Phase.DRAFT_EXTEND, 2, 3, [5, 6], 4, 0, **SMALL, seed=5)
+    q, k, v, kc, vc, start, batch, table = case
+    batch.kv_lens[3:] = 0  # second request is padding: attends to nothing
+    out = TritonAttention(4).forward(q, k, v, kc, vc, start, batch, table, 0.25)
+    assert torch.all(out[3:] == 0)
+    empty = make_case(Phase.DECODE, 0, 1, [], 4, 0, **SMALL)
+    assert TritonAttention(4).forward(*empty[:7], empty[7], 0.25).shape[0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("phase,q_len,width,kv", [
+    (Phase.EXTEND, 300, 0, [0, 1200]), (Phase.DECODE, 1, 0, [8000, 3000, 17]),
+    (Phase.VERIFY, 32, 32, [4000, 100]), (Phase.VERIFY, 64, 64, [700]), (Phase.DRAFT_DECODE, 8, 48, [2000, 5]),
+])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_real_shapes_bf16(phase, q_len, width, kv, page_size, head_dim):
+    case = make_case(phase, len(kv), q_len, kv, page_size, width, heads=32, kv_heads=8, head_dim=head_dim,
+                     dtype=torch.bfloat16, max_pages=9000 // page_size + 2)
+    compare(case, page_size, 3e-2)
+
+
+def test_engine_on_triton_equals_torch(tmp_path):
+    """Whole engine, plain and speculative, through the triton kernels (interpreted on CPU)."""
+    from spruce import LLM, SamplingParams
+    from spruce.config import builtin_model_path
+    from checkpoints import write_eagle3_checkpoint
+
+    draft = str(write_eagle3_checkpoint(tmp_path / "d", builtin_model_path(), seed=1))
+    prompts = ["def fib(n):", "import os\nimport sys\n"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        for spec in (None, dict(draft_model=draft, speculative_num_steps=3, speculative_eagle_topk=2,
+                                speculative_num_draft_tokens=5)):
+            llm = LLM(attention_backend=backend, page_size=4, device=DEVICE, **(spec or {}))
+            outs[(backend, spec is None)] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs[("torch", True)] == outs[("triton", True)] == outs[("torch", False)] == outs[("triton", False)]
