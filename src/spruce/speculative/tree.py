@@ -7,6 +7,7 @@ order) a kept child always has a kept parent. Debug mode checks it on the device
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,10 @@ class Tree:
     masks: torch.Tensor  # [bs, N, words] int64 ancestor bitmask (self included)
 
 
+@functools.lru_cache(maxsize=None)
 def own_bits(num_nodes: int, words: int, device, offset: int = 0) -> torch.Tensor:
-    """[num_nodes, words] int64 where node i has only bit (offset + i) set."""
+    """[num_nodes, words] int64 where node i has only bit (offset + i) set. Cached per device, so a CUDA
+    graph capture (which runs after an eager warm-up) never copies from the host."""
     bits = torch.zeros(num_nodes, words, dtype=torch.int64)
     for i in range(num_nodes):
         b = offset + i
