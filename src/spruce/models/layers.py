@@ -11,12 +11,15 @@ from spruce.models.rope import Rotary
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> [..., dim]."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -43,6 +46,7 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, hidden]; stores this layer's K/V in `kv` (a KVPool) at batch.out_slots."""
         t = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -66,6 +70,7 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(nn.functional.silu(gate) * up)
 

@@ -15,6 +15,8 @@ from spruce.models.weights import load_named_tensors
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)). Residual stream [T, H] in and out."""
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int):
         super().__init__()
         h = cfg.hidden_size
@@ -40,7 +42,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         for i in aux_layers:
             if not 0 <= i <= cfg.num_layers:
-                raise ModelLoadError(f"aux hidden-state layer {i} outside the target's {cfg.num_layers} layers")
+                raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
+                                     f"(the target has {cfg.num_layers} layers; {cfg.num_layers} = last layer's output)")
         self.config = cfg
         self.aux_layers = tuple(aux_layers)
         self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -50,11 +53,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ids [n] -> [n, H]."""
         return self.embed_tokens(ids)
 
-    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor):
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over batch.input_ids at batch.positions, writing every layer's K/V into `kv` (a KVPool).
+
+        Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0."""
         x = self.embed(batch.input_ids)  # [T, H]
-        inputs = {}
+        inputs = {}  # layer index -> residual-stream input of that layer
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 inputs[i] = x
@@ -69,7 +76,8 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, tensors) -> None:
-        """Copy HF-named tensors (model.layers.N..., lm_head.weight) into the fused parameters."""
+        """Copy HF-named (name, tensor) pairs (model.layers.N.self_attn.q_proj.weight, lm_head.weight, ...) into
+        the fused parameters. ModelLoadError naming the tensor on a missing, unknown or wrongly shaped one."""
 
         def rename(name: str) -> str | None:
             if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):

@@ -45,11 +45,11 @@ class ModelRunner:
             self.draft_config = DraftConfig.from_dir(spec.draft_model, self.model_config)
             aux_layers = self.draft_config.target_aux_layers
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
-                                  show_progress=config.show_progress)
+                                  show_progress=config.show_progress, load_format=config.load_format)
         self.draft = None
         if spec is not None:
             self.draft = load_draft(spec.draft_model, self.target, self.model_config, self.dtype, self.device,
-                                    self.backend, show_progress=config.show_progress)
+                                    self.backend, show_progress=config.show_progress, load_format=config.load_format)
         mc = self.model_config
         kv_bytes = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         if self.draft is not None:

@@ -1,0 +1,264 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics. Every error is answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spruce.errors import InvalidRequestError
+from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
+from spruce.server.protocol import (
+    MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
+    completion_choice, envelope, parse_request, usage,
+)
+
+log = logging.getLogger("spruce.server")
+MAX_BODY_BYTES = 4 << 20
+COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions; chat defaults to the context
+
+
+def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine_loop.start()
+        yield
+        await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    api = _Api(engine_loop, model_name, api_key, max_body_bytes)
+    metrics = engine_loop.metrics
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request, e: OpenAIError):
+        metrics.on_error(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, e: StarletteHTTPException):
+        metrics.on_error(e.status_code)
+        code = "not_found" if e.status_code == 404 else None
+        return JSONResponse(OpenAIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+        metrics.on_error(500)
+        return JSONResponse(OpenAIError(500, "internal server error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.alive:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        api.authorize(request)
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request):
+        api.authorize(request)
+        api.check_model(name)
+        return api.model_card()
+
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+class _Api:
+    """The generation endpoints and their request plumbing."""
+
+    def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, max_body_bytes: int):
+        self.loop = engine_loop
+        self.engine = engine_loop.engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    # --- request plumbing ----------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise OpenAIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                              code="invalid_api_key")
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                              param="model", code="model_not_found")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "spruce",
+                "max_model_len": self.engine.limits.context_length}
+
+    async def read_json(self, request: Request) -> dict:
+        """The JSON object body; 413 as soon as it is known to exceed the limit (header or bytes read)."""
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise OpenAIError(413 if declared.isdigit() else 400,
+                              f"request body of {declared} bytes exceeds the limit of {limit} bytes"
+                              if declared.isdigit() else "invalid Content-Length header", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:
+            raise OpenAIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "request body must be a JSON object", code="invalid_json")
+        return body
+
+    async def prepare(self, request: Request, cls):
+        self.authorize(request)
+        req = parse_request(cls, await self.read_json(request))
+        self.check_model(req.model)
+        return req
+
+    def sampling_params(self, req, max_tokens_default: int):
+        try:
+            return req.sampling_params(max_tokens_default, self.engine.runner.model_config.vocab_size)
+        except InvalidRequestError as e:
+            raise OpenAIError.from_invalid_request(e) from None
+
+    # --- endpoints -------------------------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        req = await self.prepare(request, CompletionRequest)
+        prompts = req.prompts()
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices", param="n")
+        params = self.sampling_params(req, COMPLETION_MAX_TOKENS_DEFAULT)
+        jobs = [(p, sp) for p in prompts for sp in params]
+        return await self.generate(request, req, jobs, chat=False)
+
+    async def chat_completions(self, request: Request):
+        req = await self.prepare(request, ChatCompletionRequest)
+        params = self.sampling_params(req, self.engine.limits.context_length)
+        ids = await asyncio.to_thread(self.chat_prompt, [m.as_dict() for m in req.messages])
+        return await self.generate(request, req, [(ids, sp) for sp in params], chat=True)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of the rendered chat template (which writes its own special tokens)."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise OpenAIError(400, "this model has no tokenizer: use /v1/completions with token ids",
+                              param="messages")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        except InvalidRequestError as e:
+            raise OpenAIError.from_invalid_request(e) from None
+        except Exception as e:  # a template may raise on messages it does not accept
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+    async def generate(self, request: Request, req, jobs, chat: bool):
+        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            gen = await Generation.start(self.loop, base_id, jobs)
+        except InvalidRequestError as e:
+            raise OpenAIError.from_invalid_request(e, {"prompt": "messages"} if chat else None) from None
+        except EngineFailure as e:
+            raise OpenAIError(e.status, str(e)) from None
+        log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
+        stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs])
+        if req.stream:
+            return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        collect = asyncio.ensure_future(gen.collect())
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                log.info("%s: client disconnected, aborted", base_id)
+                return Response(status_code=499)
+            outs = collect.result()
+        except EngineFailure as e:
+            raise OpenAIError(e.status, f"{base_id}: {e}") from None
+        finally:
+            collect.cancel()
+            gone.cancel()
+            gen.abort()
+        return stream.response(outs)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only http.disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Stream:
+    """Formats one API call's outputs as a response object or as SSE chunks."""
+
+    def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]]):
+        self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
+        self.created = int(time.time())
+        self.obj = "chat.completion" if chat else "text_completion"
+
+    def usage(self, outs: dict) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for i, o in outs.items() if i % self.n == 0)
+        return usage(prompt, sum(len(o.token_ids) for o in outs.values()))
+
+    def response(self, outs) -> dict:
+        make = chat_choice if self.chat else completion_choice
+        choices = [make(i, o.text, o.finish_reason) for i, o in enumerate(outs)]
+        return envelope(self.id, self.obj, self.model, choices, self.created, usage=self.usage(dict(enumerate(outs))))
+
+    def chunk(self, choices: list, **extra) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return f"data: {json.dumps(envelope(self.id, obj, self.model, choices, self.created, **extra))}\n\n"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            return chat_delta(index, {"content": text} if text or not finish_reason else {}, finish_reason)
+        return completion_choice(index, text, finish_reason)
+
+    async def sse(self, gen: Generation, include_usage: bool):
+        """SSE events: text deltas (safe to show: see TextDelta), the finish, usage if asked, then [DONE].
+        Leaving early (client disconnect cancels this generator) aborts the unfinished requests."""
+        deltas = [TextDelta(s) for s in self.stops]
+        finals: dict = {}
+        try:
+            if self.chat:
+                yield self.chunk([chat_delta(i, {"role": "assistant", "content": ""}, None)
+                                  for i in range(len(deltas))])
+            async for i, out in gen.events():
+                text = deltas[i].feed(out.text, out.finished)
+                if out.finished:
+                    finals[i] = out
+                if text or out.finished:
+                    yield self.chunk([self.choice(i, text, out.finish_reason if out.finished else None)])
+            if include_usage:
+                yield self.chunk([], usage=self.usage(finals))
+            log.info("%s: done", self.id)
+        except EngineFailure as e:
+            yield f"data: {json.dumps(OpenAIError(e.status, f'{self.id}: {e}').body())}\n\n"
+        finally:
+            gen.abort()
+        yield "data: [DONE]\n\n"

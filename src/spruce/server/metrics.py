@@ -1,0 +1,173 @@
+"""Server metrics in the Prometheus text exposition format (hand-written: prometheus_client is optional).
+
+Engine-side figures (running/waiting requests, KV pages, generated tokens, speculation) come from a snapshot
+of `Engine.stats()` the engine thread takes after every step, so a scrape never waits on the engine lock.
+Latency histograms are fed by the engine thread as it dispatches outputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+RATE_WINDOW_S = 10.0
+
+
+class Histogram:
+    """A cumulative histogram: bucket upper bounds, a sum and a count."""
+
+    def __init__(self, name: str, help: str, buckets):
+        self.name, self.help = name, help
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        acc = 0
+        for bound, c in zip(self.buckets, self.counts):
+            acc += c
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {acc}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+        lines += [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+@dataclass
+class RequestClock:
+    """Per-request timing and speculation counters the metrics need between outputs."""
+
+    arrival: float
+    last_token: float | None = None
+    spec_rounds: int = 0
+    spec_committed: int = 0
+
+
+class Metrics:
+    """Everything /metrics reports. Thread-safe: the engine thread writes, the event loop renders."""
+
+    def __init__(self, num_spec_steps: int = 0):
+        self.num_spec_steps = num_spec_steps
+        self._lock = threading.Lock()
+        self.ttft = Histogram("spruce_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.", LATENCY_BUCKETS)
+        self.itl = Histogram("spruce_inter_token_latency_seconds",
+                             "Time between tokens of a request (a round committing k tokens counts k gaps of dt/k).",
+                             LATENCY_BUCKETS)
+        self.e2e = Histogram("spruce_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             E2E_BUCKETS)
+        bounds = [k + 0.5 for k in range(1, num_spec_steps + 1)] or [1.5]
+        self.accept = Histogram("spruce_spec_accept_length",
+                                "Tokens committed per verify round (accepted drafts + bonus).", bounds)
+        self.finished: dict[str, int] = {}
+        self.errors: dict[int, int] = {}
+        self.stats: dict = {}
+        self._samples: deque[tuple[float, int]] = deque()
+
+    # --- writers (engine thread / handlers) ---------------------------------------------------------------
+    def on_output(self, clock: RequestClock, new_tokens: int, spec: dict, finished: str | None, now: float) -> None:
+        """Record one output of a request: TTFT or inter-token gaps, accept lengths, and its end."""
+        with self._lock:
+            if new_tokens:
+                if clock.last_token is None:
+                    self.ttft.observe(now - clock.arrival)
+                    if new_tokens > 1:
+                        self.itl.observe(0.0, new_tokens - 1)
+                else:
+                    self.itl.observe((now - clock.last_token) / new_tokens, new_tokens)
+                clock.last_token = now
+            if spec:
+                rounds = spec.get("rounds", 0) - clock.spec_rounds
+                committed = spec.get("committed_tokens", 0) - clock.spec_committed
+                if rounds > 0:
+                    self.accept.observe(committed / rounds, rounds)
+                clock.spec_rounds += rounds
+                clock.spec_committed += committed
+            if finished:
+                self.e2e.observe(now - clock.arrival)
+                self.finished[finished] = self.finished.get(finished, 0) + 1
+
+    def on_error(self, status: int) -> None:
+        with self._lock:
+            self.errors[status] = self.errors.get(status, 0) + 1
+
+    def on_engine_stats(self, stats: dict, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self.stats = stats
+            self._samples.append((now, stats.get("tokens_generated", 0)))
+            while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
+                self._samples.popleft()
+
+    # --- readers --------------------------------------------------------------------------------------------
+    def tokens_per_second(self, now: float | None = None) -> float:
+        """Generation throughput over the last ~10 s (0 when idle that long)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if len(self._samples) < 2:
+                return 0.0
+            (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
+        return (n1 - n0) / max(now - t0, 1e-9) if now - t1 < RATE_WINDOW_S else 0.0
+
+    def render(self) -> str:
+        tps = self.tokens_per_second()
+        with self._lock:
+            s = dict(self.stats)
+            out: list[str] = []
+            gauge = _emit(out, "gauge")
+            counter = _emit(out, "counter")
+            gauge("spruce_requests_running", "Requests in the running batch.", s.get("running", 0))
+            gauge("spruce_requests_waiting", "Requests queued for admission.", s.get("waiting", 0))
+            gauge("spruce_kv_pages_used", "KV cache pages in use.", s.get("kv_pages_used", 0))
+            gauge("spruce_kv_pages_free", "KV cache pages free.", s.get("kv_pages_free", 0))
+            gauge("spruce_kv_pages_total", "KV cache pages in all.", s.get("kv_pages_total", 0))
+            counter("spruce_generation_tokens_total", "Tokens generated.", s.get("tokens_generated", 0))
+            gauge("spruce_generation_tokens_per_second", "Tokens generated per second (10 s window).", tps)
+            counter("spruce_requests_finished_total", "Finished engine requests by finish reason.",
+                    {("finish_reason", k): v for k, v in sorted(self.finished.items())})
+            counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
+                    {("status", str(k)): v for k, v in sorted(self.errors.items())})
+            spec = s.get("spec")
+            if spec is not None:
+                rounds, committed = spec.get("rounds", 0), spec.get("committed_tokens", 0)
+                rate = (committed - rounds) / (rounds * self.num_spec_steps) if rounds and self.num_spec_steps else 0
+                gauge("spruce_spec_accept_rate", "Accepted draft tokens / drafted depth (num_steps) per round.",
+                      rate)
+                gauge("spruce_spec_mean_accept_length", "Mean tokens committed per verify round.",
+                      spec.get("mean_accept_length", 0.0))
+                gauge("spruce_spec_accept_rate_per_depth", "Fraction of rounds that accepted depth d.",
+                      {("depth", str(d + 1)): r for d, r in enumerate(spec.get("accept_rate_per_depth", []))})
+                out += self.accept.render()
+            for h in (self.ttft, self.itl, self.e2e):
+                out += h.render()
+        return "\n".join(out) + "\n"
+
+
+def _emit(out: list[str], kind: str):
+    def emit(name: str, help: str, value) -> None:
+        out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+        if isinstance(value, dict):
+            out.extend(f'{name}{{{k}="{v_label}"}} {_num(v)}' for (k, v_label), v in value.items())
+        else:
+            out.append(f"{name} {_num(value)}")
+
+    return emit
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
