@@ -1,0 +1,9 @@
+"""Fused elementwise ops of the decoder (RMSNorm with residual add, rotary, SiLU-and-mul).
+
+Each op has a plain torch version (the reference, used on CPU) and a Triton kernel (used for CUDA tensors);
+tests run both, through Triton's interpreter on CPU and natively on the GPU, and require equal results.
+"""
+
+from spruce.ops.fused import add_rms_norm, rms_norm, rotary_, silu_and_mul
+
+__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul"]

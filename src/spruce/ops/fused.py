@@ -1,0 +1,140 @@
+"""Fused decoder ops: one Triton kernel each on CUDA tensors, the torch reference elsewhere.
+
+Rounding follows the unfused torch code (and transformers) step by step, so that the two paths agree to
+the last bit in float32 and to bf16 rounding in bf16:
+  add_rms_norm: s = round(x + r); y = round(w * round(s * rsqrt(mean(s^2) + eps)))
+  rotary:       computed in float32 from the float32 cos/sin tables, rounded once
+  silu_and_mul: round(round(silu(g)) * u)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or _FORCE_TRITON[0]
+
+
+_FORCE_TRITON = [False]  # tests flip this to run the kernels on CPU tensors through the interpreter
+
+
+# --- RMSNorm (+ residual add) ------------------------------------------------------------------------------
+def rms_norm_reference(x, weight, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    x = tl.load(x_ptr + row * H + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + row * H + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * H + offs, x, mask=mask)
+    h = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    normed = (h * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rms_launch(x, residual, weight, eps):
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h).contiguous()
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    if x2.shape[0]:
+        r2 = residual.reshape(-1, h).contiguous() if residual is not None else x2
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, eps, H=h, BLOCK=triton.next_power_of_2(h),
+                                         HAS_RESIDUAL=residual is not None)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., H]."""
+    if _use_triton(x) and weight.dtype == x.dtype:
+        return _rms_launch(x, None, weight, eps)[0]
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the pre-norm residual stream update in one pass."""
+    if _use_triton(x) and weight.dtype == x.dtype:
+        return _rms_launch(x, residual, weight, eps)
+    s = x + residual
+    return rms_norm_reference(s, weight, eps), s
+
+
+# --- rotary -------------------------------------------------------------------------------------------------
+def rotary_reference(x, cos, sin, positions):
+    c = cos[positions][:, None, :]  # [T, 1, D/2]
+    s = sin[positions][:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    c = tl.load(cos_ptr + pos * HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+    base = x_ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (rotate-half convention) at positions [T]; in place on the Triton path."""
+    if not _use_triton(x):
+        return rotary_reference(x, cos, sin, positions)
+    t, h, d = x.shape
+    if t and x.stride(2) == 1 and x.stride(1) == d:
+        _rotary_kernel[(t,)](x, cos, sin, positions, x.stride(0), NUM_HEADS=h, HALF=d // 2,
+                             BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d // 2))
+        return x
+    return rotary_reference(x, cos, sin, positions)
+
+
+# --- SiLU and mul -------------------------------------------------------------------------------------------
+def silu_and_mul_reference(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < INTER
+    g = tl.load(x_ptr + row * 2 * INTER + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * INTER + INTER + col, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * INTER + col, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(gate) * up, [T, I]."""
+    if not _use_triton(gate_up):
+        return silu_and_mul_reference(gate_up)
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](gate_up.contiguous(), out, INTER=inter, BLOCK=block)
+    return out
