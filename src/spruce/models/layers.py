@@ -8,6 +8,7 @@ from torch import nn
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.models.rope import Rotary
+from spruce.ops import add_rms_norm, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -20,9 +21,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., dim] -> [..., dim]."""
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass: the pre-norm residual-stream update."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -71,8 +74,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(nn.functional.silu(gate) * up)
+        return self.down(silu_and_mul(self.gate_up(x)))
 
 
 def fused_slices(attn: Attention) -> dict[str, tuple[int, int]]:

@@ -28,8 +28,19 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size)
 
     def forward(self, x, batch, kv, page_table):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, page_table)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, residual = self.forward_residual(x, None, batch, kv, page_table)
+        return out + residual
+
+    def forward_residual(self, x, residual, batch, kv, page_table):
+        """Residual-carrying form (x, residual) -> (mlp output, residual): each add is fused into the next
+        norm, so the stream is x + residual at every layer boundary."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, batch, kv, page_table)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -61,14 +72,17 @@ class LlamaForCausalLM(nn.Module):
 
         Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0."""
         x = self.embed(batch.input_ids)  # [T, H]
-        inputs = {}  # layer index -> residual-stream input of that layer
+        residual = None
+        inputs = {}  # layer index -> residual-stream input of that layer (x + residual)
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                inputs[i] = x
-            x = layer(x, batch, kv, page_table)
-        inputs[len(self.layers)] = x
+                inputs[i] = x if residual is None else x + residual
+            x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
+        if len(self.layers) in self.aux_layers:
+            inputs[len(self.layers)] = x + residual
         aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
-        return self.norm(x), aux
+        hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V] float32."""

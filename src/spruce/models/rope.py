@@ -54,9 +54,8 @@ class Rotary(torch.nn.Module):
         return self.cos.shape[0]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] (rotate-half convention) at positions [T]; computed in float32."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)  # [T, H, D/2] each
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(x.dtype)
+        """Rotate x [T, H, D] (rotate-half convention) at positions [T]; computed in float32 (in place on
+        CUDA, where a fused kernel does it)."""
+        from spruce.ops import rotary_
+
+        return rotary_(x, self.cos, self.sin, positions)
