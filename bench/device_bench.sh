@@ -12,6 +12,10 @@ else
   export PYTHONPATH=$PWD/src
 fi
 M19=$PWD/.carry/models/pycode-19m
+if [ "${DRAFT19:-}" = "random" ]; then  # an untrained EAGLE-3 head: measures overheads, not speedups
+  DRAFT19=/tmp/pycode-19m-random-eagle3
+  python3 -c "import sys; sys.path.insert(0, 'tests'); from checkpoints import write_eagle3_checkpoint as w; w('$DRAFT19', '$M19', seed=7)"
+fi
 timeout ${B8_TIMEOUT:-240} python3 -m spruce.cli bench latency --model-shape llama-3.1-8b --batch-sizes 1 \
   --input-len 128 --output-len 64 --spec 6,8,32 --out-dir "$OUT" 2>&1 | grep -v Warning | tail -6
 if [ -n "${DRAFT19:-}" ]; then
