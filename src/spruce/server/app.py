@@ -204,7 +204,9 @@ class _Api:
             collect.cancel()
             gone.cancel()
             gen.abort()
-        return stream.response(outs)
+        body = stream.response(outs)
+        log.info("%s: done, usage %s", base_id, body["usage"])
+        return body
 
 
 async def _client_gone(request: Request) -> None:

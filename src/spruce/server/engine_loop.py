@@ -1,9 +1,12 @@
 """The engine thread: steps the engine while there is work, sleeps on a condition when idle, and hands each
-output to the asyncio queue of the API call that owns it (`loop.call_soon_threadsafe`).
+output to the mailbox of the API call that owns it, waking its coroutine with `loop.call_soon_threadsafe`.
 
 The event loop never touches the engine lock: requests are added from a worker thread (tokenising a prompt
 and waiting for the lock while a step runs), and aborts are queued for the engine thread, which applies them
 before its next step (freeing the request's pages) and flushes them with that step.
+
+Outputs are cumulative (whole text so far), so each API call has a `Mailbox` holding only the latest output
+per engine request: a slow client gets bigger deltas, never an unbounded backlog.
 """
 
 from __future__ import annotations
@@ -31,12 +34,42 @@ class EngineFailure(Exception):
         self.status = status
 
 
+class Mailbox:
+    """The latest output (or failure) of each engine request of one API call. The engine thread posts, the
+    event loop takes; posting wakes the taker through `call_soon_threadsafe`."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._latest: dict[int, RequestOutput | EngineFailure] = {}
+        self._event = asyncio.Event()
+
+    def post(self, index: int, item: RequestOutput | EngineFailure) -> None:
+        with self._lock:
+            if isinstance(self._latest.get(index), EngineFailure):
+                return  # a failure is final
+            self._latest[index] = item
+        try:
+            self.loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def take(self) -> dict[int, RequestOutput | EngineFailure]:
+        """Wait for, and take, everything posted since the previous take."""
+        while True:
+            self._event.clear()
+            with self._lock:
+                items, self._latest = self._latest, {}
+            if items:
+                return items
+            await self._event.wait()
+
+
 @dataclass
 class _Stream:
-    """Where one engine request's outputs go: (index, output | EngineFailure) items on an asyncio queue."""
+    """Where one engine request's outputs go: slot `index` of its API call's mailbox."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    mailbox: Mailbox
     index: int
     clock: RequestClock = field(default_factory=lambda: RequestClock(time.perf_counter()))
 
@@ -69,26 +102,25 @@ class EngineLoop:
             self._thread.join(timeout)
         with self._cond:
             streams, self._streams = self._streams, {}
-        for rid, st in streams.items():
-            self._post(st, EngineFailure("the server is shutting down", status=503))
+        for st in streams.values():
+            st.mailbox.post(st.index, EngineFailure("the server is shutting down", status=503))
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
     # --- called from the event loop ------------------------------------------------------------------------------
-    async def submit(self, items: list[tuple[str | list[int], SamplingParams, str]], queue: asyncio.Queue) -> None:
-        """Queue engine requests (prompt, params, request_id); item i's outputs arrive on `queue` as (i, output).
+    async def submit(self, items: list[tuple[str | list[int], SamplingParams, str]], mailbox: Mailbox) -> None:
+        """Queue engine requests (prompt, params, request_id); item i's outputs go to slot i of `mailbox`.
 
         All or nothing: if the engine refuses one (InvalidRequestError), the ones already added are aborted
         and the error propagates. Blocking work (tokenising, the engine lock) runs in a worker thread.
         """
         if not self.alive:
             raise EngineFailure("the engine is not running", status=503)
-        loop = asyncio.get_running_loop()
         with self._cond:
             for i, (_, _, rid) in enumerate(items):
-                self._streams[rid] = _Stream(loop, queue, i)
+                self._streams[rid] = _Stream(mailbox, i)
         try:
             await asyncio.to_thread(self._add_all, items)
         except BaseException:
@@ -144,7 +176,10 @@ class EngineLoop:
 
     def _iteration(self, aborts: list[str]) -> None:
         for rid in aborts:
-            self.engine.abort(rid)
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort of request %s failed", rid)
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -162,11 +197,13 @@ class EngineLoop:
         for out in outputs:
             with self._cond:
                 st = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if st is None:
-                continue  # aborted by its client
+            if st is None:  # aborted by its client (or failed): only count its end
+                if out.finished:
+                    self.metrics.on_finished(out.finish_reason or "abort")
+                continue
             self.metrics.on_output(st.clock, len(out.new_token_ids), out.spec_stats,
                                    out.finish_reason if out.finished else None, now)
-            self._post(st, out)
+            st.mailbox.post(st.index, out)
 
     def _fail_affected(self, message: str) -> None:
         """After a failed step: fail (500) and abort the requests the step was running (all, if none ran)."""
@@ -183,14 +220,7 @@ class EngineLoop:
             except Exception:
                 log.exception("abort of request %s failed", rid)
             if st is not None:
-                self._post(st, EngineFailure(message))
-
-    @staticmethod
-    def _post(st: _Stream, item) -> None:
-        try:
-            st.loop.call_soon_threadsafe(st.queue.put_nowait, (st.index, item))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+                st.mailbox.post(st.index, EngineFailure(message))
 
 
 class Generation:
@@ -199,7 +229,7 @@ class Generation:
     def __init__(self, engine_loop: EngineLoop, request_ids: list[str]):
         self.engine_loop = engine_loop
         self.request_ids = request_ids
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.mailbox = Mailbox()
         self.done: set[int] = set()
 
     @classmethod
@@ -207,19 +237,20 @@ class Generation:
                     jobs: list[tuple[str | list[int], SamplingParams]]) -> "Generation":
         """Submit every job (raises InvalidRequestError, with nothing left queued, if one is refused)."""
         gen = cls(engine_loop, [f"{base_id}-{i}" for i in range(len(jobs))])
-        await engine_loop.submit([(p, sp, rid) for (p, sp), rid in zip(jobs, gen.request_ids)], gen.queue)
+        await engine_loop.submit([(p, sp, rid) for (p, sp), rid in zip(jobs, gen.request_ids)], gen.mailbox)
         return gen
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs as they come, until every request finished; raises EngineFailure if one failed."""
+        """Each request's latest output as it comes, until every request finished; raises EngineFailure if one
+        failed."""
         while len(self.done) < len(self.request_ids):
-            index, item = await self.queue.get()
-            if isinstance(item, EngineFailure):
-                self.done.add(index)
-                raise item
-            if item.finished:
-                self.done.add(index)
-            yield index, item
+            for index, item in sorted((await self.mailbox.take()).items()):
+                if isinstance(item, EngineFailure):
+                    self.done.add(index)
+                    raise item
+                if item.finished:
+                    self.done.add(index)
+                yield index, item
 
     async def collect(self) -> list[RequestOutput]:
         """The final output of every request, in index order."""

@@ -100,6 +100,11 @@ class Metrics:
                 self.e2e.observe(now - clock.arrival)
                 self.finished[finished] = self.finished.get(finished, 0) + 1
 
+    def on_finished(self, reason: str) -> None:
+        """Count the end of a request nobody listens to any more (aborted or failed)."""
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
     def on_error(self, status: int) -> None:
         with self._lock:
             self.errors[status] = self.errors.get(status, 0) + 1
@@ -120,7 +125,9 @@ class Metrics:
             if len(self._samples) < 2:
                 return 0.0
             (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
-        return (n1 - n0) / max(now - t0, 1e-9) if now - t1 < RATE_WINDOW_S else 0.0
+        if now - t1 >= RATE_WINDOW_S:
+            return 0.0
+        return (n1 - n0) / max(now - max(t0, now - RATE_WINDOW_S), 1e-9)
 
     def render(self) -> str:
         tps = self.tokens_per_second()

@@ -31,13 +31,13 @@ class OpenAIError(Exception):
     """An error answered as an OpenAI-style error body with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 error_type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -52,7 +52,7 @@ class OpenAIError(Exception):
     def from_validation(e: ValidationError) -> "OpenAIError":
         errors = e.errors()
         first = errors[0]
-        loc = [p for p in first["loc"]]
+        loc = list(first["loc"])
         param = _param_path(loc)
         field = str(loc[0]) if loc else None
         leaf = next((str(p) for p in reversed(loc) if str(p) in UNION_MESSAGES), field)
@@ -207,18 +207,22 @@ def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 class TextDelta:
     """Turns one request's successive outputs into text increments that are safe to stream: while the request
     runs, a trailing U+FFFD (an incomplete UTF-8 character) and any tail that could start a stop string are
-    held back. The increments concatenate to the final (stop-cut) text."""
+    held back. The increments concatenate to the final (stop-cut) text. (Should a tokenizer's decode ever
+    rewrite text already sent, streaming resumes at the same character offset: sent text cannot be taken back.)"""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.sent = ""
 
     def feed(self, text: str, finished: bool) -> str:
+        """The text to send now, given the request's whole output text so far."""
         if not finished:
             text = text.rstrip("\ufffd")
             text = text[:len(text) - stop_prefix_len(text, self.stops)]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+        if len(text) <= len(self.sent):
             return ""
+        if not text.startswith(self.sent):
+            self.sent = text[:len(self.sent)]
         delta = text[len(self.sent):]
         self.sent = text
         return delta

@@ -1,0 +1,271 @@
+"""`spruce bench serving`: drive a running OpenAI-compatible server (`spruce serve`) with N concurrent streaming
+clients per level; report throughput, TTFT / inter-token / end-to-end latency percentiles and the speculative
+accept length (read from the server's /metrics), write bench/results/serving-<device>-<time>.json and a PNG of
+latency vs concurrency (when matplotlib is installed)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PERCENTILES = (50, 90, 99)
+
+
+def add_serving_parser(sub) -> None:
+    """Register `spruce bench serving` on the `spruce bench` subparsers."""
+    p = sub.add_parser("serving", help="online benchmark against a running server")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=os.environ.get("SPRUCE_API_KEY"))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per concurrency level (default: max(16, 4 x concurrency))")
+    p.add_argument("--prompts", default=None, help="JSONL of {'text': ...} lines (default: the fixture's held-out "
+                   "prompts, ../shared/models/pycode-19m/heldout_prompts.jsonl)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="truncate each prompt to this many tokens")
+    p.add_argument("--tokenizer", default=None, help="model dir whose tokenizer truncates prompts (default: the "
+                   "served model's dir if it is local, else the fixture's)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: fixed length)")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
+    p.add_argument("--device", default=None, help="device the server runs on, for the result's name "
+                   "(default: cuda when this machine has one)")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out-dir", default="bench/results")
+    p.set_defaults(func=run_serving_bench)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def default_prompts_path() -> Path:
+    import spruce
+
+    root = Path(os.environ.get("SPRUCE_PYCODE_19M", Path(spruce.__file__).resolve().parents[3] / "shared" /
+                               "models" / "pycode-19m"))
+    return root / "heldout_prompts.jsonl"
+
+
+def _load_tokenizer(candidates: list[str | None]):
+    from spruce.models.hf_config import ModelConfig
+    from spruce.models.tokenizer import Tokenizer
+
+    for c in candidates:
+        if c and (Path(c) / "tokenizer.json").exists() and (Path(c) / "config.json").exists():
+            return Tokenizer.from_dir(c, ModelConfig.from_dir(c))
+    return None
+
+
+def load_prompts(path: Path, prompt_tokens: int, tokenizer) -> list[str | list[int]]:
+    """Prompts from {"text"} JSONL, cut to `prompt_tokens` tokens (token ids), or ~4 chars/token without a
+    tokenizer."""
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise SystemExit(f"no prompts in {path}")
+    if tokenizer is None:
+        return [t[: 4 * prompt_tokens] for t in texts]
+    return [tokenizer.encode(t)[:prompt_tokens] for t in texts]
+
+
+async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos}
+    t0 = time.perf_counter()
+    res = RequestResult(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.ok = True
+    return res
+
+
+async def _accept_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(sum, count) of the server's accept-length histogram, or None if it exposes none."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    vals = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count"):
+            vals[name] = float(value)
+    if len(vals) < 2:
+        return None
+    return vals["spruce_spec_accept_length_sum"], vals["spruce_spec_accept_length_count"]
+
+
+async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concurrency: int, num_requests: int,
+                    args) -> dict:
+    """Send `num_requests` streaming requests with `concurrency` in flight; the level's figures."""
+    todo = iter(range(num_requests))
+    results: list[RequestResult] = []
+
+    async def worker():
+        for i in todo:
+            results.append(await _stream_one(client, model, prompts[i % len(prompts)], args))
+
+    before = await _accept_counters(client)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    duration = time.perf_counter() - t0
+    after = await _accept_counters(client)
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    accept = None
+    if before and after and after[1] > before[1]:
+        accept = (after[0] - before[0]) / (after[1] - before[1])
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
+        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "output_throughput_tok_s": out_tokens / duration,
+        "input_throughput_tok_s": sum(r.prompt_tokens for r in ok) / duration,
+        "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
+        "ttft_s": percentiles([r.ttft for r in ok]), "itl_s": percentiles([x for r in ok for x in r.itls]),
+        "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
+        "mean_accept_length": accept,
+    }
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+    s = sorted(values)
+    out = {f"p{p}": s[min(len(s), max(1, math.ceil(p / 100 * len(s)))) - 1] for p in PERCENTILES}  # nearest rank
+    return out | {"mean": sum(s) / len(s)}
+
+
+async def _bench(args, prompts, model: str) -> list[dict]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
+                                 limits=limits) as client:
+        for i in range(args.warmup):
+            await _stream_one(client, model, prompts[i % len(prompts)], args)
+        levels = []
+        for c in args.concurrency:
+            n = args.num_requests or max(16, 4 * c)
+            level = await run_level(client, model, prompts, c, n, args)
+            _print_level(level)
+            levels.append(level)
+        return levels
+
+
+def _print_level(lv: dict) -> None:
+    def ms(d, k):
+        return "-" if d[k] is None else f"{1e3 * d[k]:.1f}"
+
+    acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
+    print(f"concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
+          f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
+          f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
+          f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
+          f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | accept length {acc}")
+    for err in lv["errors"]:
+        print(f"  error: {err}", file=sys.stderr)
+
+
+def plot(levels: list[dict], path: Path) -> Path | None:
+    """Latency percentiles and throughput vs concurrency as a PNG (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    xs = [lv["concurrency"] for lv in levels]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        for p, style in (("p50", "-o"), ("p99", "--x")):
+            ys = [1e3 * lv[key][p] if lv[key][p] is not None else float("nan") for lv in levels]
+            axes[0].plot(xs, ys, style, label=f"{label} {p}")
+    axes[0].set(xscale="log", yscale="log", xlabel="concurrency", ylabel="latency (ms)", title="latency")
+    axes[0].legend(fontsize=7)
+    axes[1].plot(xs, [lv["output_throughput_tok_s"] for lv in levels], "-o")
+    axes[1].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    for ax in axes:
+        ax.set_xticks(xs, labels=[str(x) for x in xs])
+        ax.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_serving_bench(args: argparse.Namespace) -> int:
+    from spruce.bench.common import write_result
+    from spruce.config import builtin_model_path
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        served = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        print(f"spruce bench serving: cannot list models at {args.base_url}/v1/models: {e}", file=sys.stderr)
+        return 2
+    model = args.model or served[0]["id"]
+    prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
+    if not prompts_path.exists():
+        print(f"spruce bench serving: prompt file {prompts_path} not found (pass --prompts FILE.jsonl)",
+              file=sys.stderr)
+        return 2
+    builtin = str(builtin_model_path()) if model == builtin_model_path().name else None
+    tokenizer = _load_tokenizer([args.tokenizer, model, builtin, str(default_prompts_path().parent)])
+    if tokenizer is None:
+        print("spruce bench serving: no tokenizer found; truncating prompts to ~4 characters per token")
+    prompts = load_prompts(prompts_path, args.prompt_tokens, tokenizer)
+    levels = asyncio.run(_bench(args, prompts, model))
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")} | {
+        "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts)}
+    path = write_result("serving", device, config, {"levels": levels}, Path(args.out_dir))
+    print(f"results: {path}")
+    png = plot(levels, path.with_suffix(".png"))
+    print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
+    return 0 if all(lv["failed"] == 0 for lv in levels) else 1

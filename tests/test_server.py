@@ -1,0 +1,293 @@
+"""OpenAI-compatible server: a real uvicorn server (bundled pycode-6m, EAGLE-3 speculation with an oracle draft
+so rounds commit several tokens) driven by the official `openai` client, compared with offline LLM.generate."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from conftest import assert_no_leaks
+from oracle_draft import install_oracle
+from server_util import MODEL_NAME, ServerThread, engine_kwargs, metric, one_torch_thread, wait_idle  # noqa: F401
+from spruce import LLM, SamplingParams
+from spruce.server.engine_loop import EngineFailure, Mailbox
+from spruce.server.protocol import TextDelta, choice_seed, stop_prefix_len
+
+KEY = "sk-spruce-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 256
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass Config:\n", "for i in range(10):\n"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    return LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=CONTEXT))
+
+
+@pytest.fixture(scope="module")
+def reference(offline):
+    """Greedy offline outputs for PROMPTS and for the chat prompt."""
+    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    outs = {p: o for p, o in zip(PROMPTS, offline.generate(PROMPTS, greedy))}
+    chat_ids = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    outs["chat"] = offline.generate([chat_ids], greedy)[0]
+    return outs
+
+
+CHAT = [{"role": "system", "content": "python"}, {"role": "user", "content": "write a parser"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, reference):
+    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=CONTEXT))
+    oracle = install_oracle(llm, 0.7)  # most drafts right: rounds commit up to S+1 tokens
+    for out in reference.values():
+        oracle.add_reference(out.prompt_token_ids, out.token_ids)
+    srv = ServerThread(llm.engine, api_key=KEY).start()
+    yield srv
+    srv.stop()
+    assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_completions_match_offline(client, reference):
+    for prompt in PROMPTS:
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        want = reference[prompt]
+        assert r.choices[0].text == want.text
+        assert r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_batched_and_token_id_prompts(client, reference):
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in r.choices] == [reference[p].text for p in PROMPTS[:2]]
+    assert r.usage.prompt_tokens == sum(len(reference[p].prompt_token_ids) for p in PROMPTS[:2])
+    ids = reference[PROMPTS[2]].prompt_token_ids
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference[PROMPTS[2]].text and r.usage.prompt_tokens == len(ids)
+
+
+def test_completions_stream_with_usage(client, reference):
+    want = reference[PROMPTS[1]]
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_matches_offline(client, reference):
+    want = reference["chat"]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == len(want.prompt_token_ids) + len(want.token_ids)
+
+
+def test_n2_greedy_and_seeded(client, reference):
+    want = reference[PROMPTS[0]]
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [want.text, want.text] and [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == 2 * len(want.token_ids)
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=123)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    one = client.completions.create(n=1, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # reproducible
+    assert a.choices[0].text != a.choices[1].text  # distinct per-choice seeds
+    assert one.choices[0].text == a.choices[0].text
+    assert len({choice_seed(123, i) for i in range(8)}) == 8
+    chunks = list(client.completions.create(n=2, stream=True, **kw))
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == a.choices[i].text
+
+
+def test_stop_strings(client, reference):
+    text = reference[PROMPTS[0]].text
+    stop = text[10:13]
+    cut = text[:text.find(stop)]
+    for stops in (stop, ["\u00ff\u00ff", stop]):
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                      stop=stops)
+        assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                                temperature=0, stop=stops, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_delta_holds_back_stop_prefixes_and_partial_chars():
+    assert stop_prefix_len("abc END", ("ENDX",)) == 3 and stop_prefix_len("abc", ("x",)) == 0
+    d = TextDelta(("STOP",))
+    assert d.feed("hello ST", False) == "hello "
+    assert d.feed("hello STa\ufffd", False) == "STa"
+    assert d.feed("hello STaé", False) == "é"
+    assert d.feed("hello STaéS", True) == "S"
+
+
+def test_mailbox_keeps_only_the_latest_output():
+    async def main():
+        box = Mailbox()
+        poster = threading.Thread(target=lambda: [box.post(i % 2, i) for i in range(100)])
+        poster.start()
+        await asyncio.to_thread(poster.join)
+        assert await box.take() == {0: 98, 1: 99}  # a slow reader gets the latest, not a backlog
+        fail = EngineFailure("boom")
+        box.post(0, fail)
+        box.post(0, 100)
+        assert await box.take() == {0: fail}  # a failure is final
+
+    asyncio.run(main())
+
+
+def test_multi_token_rounds_in_metrics(server, client):
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert metric(text, "spruce_spec_mean_accept_length") > 1.5
+    assert metric(text, "spruce_spec_accept_length_count") > 0
+    assert metric(text, "spruce_time_to_first_token_seconds_count") > 0
+    assert metric(text, "spruce_inter_token_latency_seconds_count") > 0
+    assert metric(text, "spruce_generation_tokens_total") > 0
+    for name in ("spruce_requests_running", "spruce_requests_waiting", "spruce_kv_pages_free",
+                 "spruce_generation_tokens_per_second", "spruce_spec_accept_rate",
+                 "spruce_e2e_request_latency_seconds_sum"):
+        metric(text, name)
+
+
+def test_models_health_metrics(server):
+    r = httpx.get(f"{server.base_url}/v1/models", headers=AUTH)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL_NAME
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.base_url}/metrics").headers["content-type"].startswith("text/plain")
+
+
+GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
+BAD = [
+    ("completions", "{not json", 400, None),
+    ("completions", "[1, 2]", 400, None),
+    ("completions", {"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": []}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": [1, 99999]}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": 7}, 400, "prompt"),
+    ("completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {**GOOD, "temperature": -1}, 400, "temperature"),
+    ("completions", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("completions", {**GOOD, "top_k": -2}, 400, "top_k"),
+    ("completions", {**GOOD, "n": 0}, 400, "n"),
+    ("completions", {**GOOD, "n": True}, 400, "n"),
+    ("completions", {**GOOD, "seed": -5}, 400, "seed"),
+    ("completions", {**GOOD, "stop": [1]}, 400, "stop"),
+    ("completions", {**GOOD, "stop": [""]}, 400, "stop"),
+    ("completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("completions", {**GOOD, "logprobs": 3}, 400, "logprobs"),
+    ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL_NAME, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("chat/completions", {"model": MODEL_NAME, "messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests(server, path, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(f"{server.base_url}/v1/{path}", content=content,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_api_key_required(server):
+    url = f"{server.base_url}/v1/completions"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(url, json=GOOD, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_unknown_route_is_json_404(server):
+    r = httpx.get(f"{server.base_url}/v1/nothing", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["message"]
+
+
+def test_oversized_body_and_prompt(server):
+    url = f"{server.base_url}/v1/completions"
+    big = json.dumps({**GOOD, "prompt": "x" * (5 << 20)}).encode()
+    r = httpx.post(url, content=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(url, content=(big[i:i + 65536] for i in range(0, len(big), 65536)), headers=AUTH)  # chunked
+    assert r.status_code == 413
+    r = httpx.post(url, json={**GOOD, "prompt": "x = 1\n" * CONTEXT}, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "x = 1\n" * CONTEXT}]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "messages"
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    body = {**GOOD, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=AUTH) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    text = wait_idle(server.base_url)
+    assert metric(text, "spruce_kv_pages_used") == 0
+    server.engine.check_no_leaks()
+
+
+def test_engine_failure_fails_request_and_keeps_serving(server, client, reference):
+    engine = server.engine
+    original = engine._decode_step
+
+    def fail_once(reqs):
+        engine._decode_step = original
+        raise RuntimeError("injected fault")
+
+    engine._decode_step = fail_once
+    r = httpx.post(f"{server.base_url}/v1/completions", json=GOOD, headers=AUTH)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert metric(wait_idle(server.base_url), "spruce_kv_pages_used") == 0
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == reference[PROMPTS[2]].text
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_serve_cli_flags():
+    from spruce.cli import build_parser
+    from spruce.server.cli import served_name
+
+    args = build_parser().parse_args(["serve", "--port", "1234", "--api-key", "k", "--speculative-num-steps", "3"])
+    assert (args.host, args.port, args.api_key, args.speculative_num_steps) == ("127.0.0.1", 1234, "k", 3)
+    assert served_name(args) == MODEL_NAME
+    args = build_parser().parse_args(["serve", "--model", "/m/llama", "--served-model-name", "llama"])
+    assert served_name(args) == "llama"

@@ -1,0 +1,151 @@
+"""Server under load: 32 concurrent streaming clients, 200 requests, ~20% of them hanging up mid-stream, on a
+KV cache small enough that requests queue. No 5xx, no leaked pages, and the server still answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import spruce
+from conftest import assert_no_leaks
+from server_util import MODEL_NAME, ServerThread, engine_kwargs, metric, one_torch_thread, wait_idle  # noqa: F401
+from spruce import LLM
+
+CLIENTS = 32
+REQUESTS = 200
+DISCONNECT_FRACTION = 0.2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), max_running_requests=16, context_length=256,
+                              max_total_tokens=640))
+    srv = ServerThread(llm.engine).start()
+    yield srv
+    srv.stop()
+    assert_no_leaks(llm)
+
+
+def _prompts(count: int, rng: random.Random) -> list[str]:
+    source = "\n".join(p.read_text() for p in sorted(Path(spruce.__file__).parent.rglob("*.py"))[:20])
+    out = []
+    for _ in range(count):
+        start = rng.randrange(len(source) - 400)
+        out.append(source[start:start + rng.randrange(20, 240)] or "def f():\n")
+    return out
+
+
+def _request(i: int, prompt: str, rng: random.Random) -> tuple[str, dict]:
+    common = dict(model=MODEL_NAME, max_tokens=rng.randrange(2, 17), stream=True,
+                  temperature=rng.choice([0.0, 0.8]), seed=i, stream_options={"include_usage": True})
+    if i % 4 == 3:
+        return "chat/completions", dict(messages=[{"role": "user", "content": prompt}], **common)
+    return "completions", dict(prompt=prompt, n=2 if i % 10 == 0 else 1, **common)
+
+
+async def _one(client: httpx.AsyncClient, path: str, body: dict, hang_up: bool, results: dict) -> None:
+    async with client.stream("POST", f"/v1/{path}", json=body) as r:
+        results["status"].append(r.status_code)
+        if r.status_code != 200:
+            results["bodies"].append((await r.aread())[:500])
+            return
+        events = []
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if hang_up and len(events) >= 2:
+                results["hung_up"] += 1
+                return  # leaving the context closes the connection mid-stream
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks), chunks
+        assert chunks[-1]["usage"]["completion_tokens"] >= 1
+        assert any(ch.get("finish_reason") for c in chunks for ch in c["choices"])
+        results["completed"] += 1
+
+
+async def _drive(base_url: str) -> dict:
+    rng = random.Random(0)
+    prompts = _prompts(REQUESTS, rng)
+    work = [(*_request(i, p, rng), rng.random() < DISCONNECT_FRACTION) for i, p in enumerate(prompts)]
+    results = {"status": [], "bodies": [], "hung_up": 0, "completed": 0, "max_waiting": 0}
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in work:
+        queue.put_nowait(item)
+
+    async def client_task():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            while not queue.empty():
+                path, body, hang_up = queue.get_nowait()
+                await _one(client, path, body, hang_up, results)
+
+    async def monitor(clients):
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            while not clients.done():
+                text = (await client.get("/metrics")).text
+                results["max_waiting"] = max(results["max_waiting"], metric(text, "spruce_requests_waiting"))
+                await asyncio.sleep(0.1)
+
+    clients = asyncio.gather(*(client_task() for _ in range(CLIENTS)))
+    await asyncio.gather(clients, monitor(clients))
+    return results
+
+
+def test_concurrent_streams_with_disconnects(server):
+    t0 = time.perf_counter()
+    results = asyncio.run(_drive(server.base_url))
+    elapsed = time.perf_counter() - t0
+    assert len(results["status"]) == REQUESTS
+    assert [s for s in results["status"] if s >= 500] == [], results["bodies"][:3]
+    assert set(results["status"]) == {200}, results["bodies"][:3]
+    assert results["hung_up"] >= 0.1 * REQUESTS
+    assert results["max_waiting"] > 0  # more requests than rows/pages: the engine queued some
+    assert results["completed"] + results["hung_up"] == REQUESTS
+    text = wait_idle(server.base_url)
+    assert metric(text, "spruce_kv_pages_used") == 0
+    assert metric(text, "spruce_requests_running") == 0 and metric(text, "spruce_requests_waiting") == 0
+    assert metric(text, 'spruce_requests_finished_total{finish_reason="abort"}') >= 1
+    server.engine.check_no_leaks()
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "def f():\n", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    print(f"{REQUESTS} requests, {CLIENTS} clients, {results['hung_up']} hung up, "
+          f"up to {results['max_waiting']:.0f} queued: {elapsed:.1f} s")
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server):
+    body = {"model": MODEL_NAME, "prompt": "class A:\n", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+    text = wait_idle(server.base_url)
+    assert metric(text, "spruce_kv_pages_used") == 0
+    server.engine.check_no_leaks()
+
+
+def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
+    """`spruce bench serving` end to end: JSON result with every level's figures (the plot needs matplotlib)."""
+    from spruce.bench.serving import add_serving_parser
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in _prompts(6, random.Random(1))))
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serving_parser(sub)
+    args = sub.choices["serving"].parse_args([
+        "--base-url", server.base_url, "--concurrency", "1", "4", "--num-requests", "6", "--max-tokens", "8",
+        "--prompt-tokens", "32", "--prompts", str(prompts), "--out-dir", str(tmp_path / "results"), "--warmup", "1"])
+    assert args.func(args) == 0
+    result = json.loads(next((tmp_path / "results").glob("serving-*.json")).read_text())
+    levels = result["figures"]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4] and all(lv["completed"] == 6 for lv in levels)
+    for lv in levels:
+        assert lv["output_throughput_tok_s"] > 0 and lv["mean_output_tokens"] == 8
+        assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"] and lv["e2e_s"]["p90"] > 0 and lv["itl_s"]["p50"] > 0
+        assert lv["mean_accept_length"] >= 1.0
+    assert "concurrency   4" in capsys.readouterr().out
