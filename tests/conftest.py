@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors only through its interpreter, which is chosen when a kernel is
+    # defined: set it before any spruce module (and its @triton.jit kernels) is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 PYCODE_19M = Path(os.environ.get("SPRUCE_PYCODE_19M", SHARED_MODELS / "pycode-19m"))
 

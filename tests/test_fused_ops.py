@@ -64,3 +64,43 @@ def test_empty_inputs():
     w = torch.ones(16, device=DEVICE)
     assert F.rms_norm(torch.zeros(0, 16, device=DEVICE), w, 1e-5).shape == (0, 16)
     assert F.silu_and_mul(torch.zeros(0, 32, device=DEVICE)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_topk_small_equals_torch(k):
+    from spruce.ops.topk import topk_small
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(5, 5000, generator=g).softmax(-1).to(DEVICE)
+    vals, idx = topk_small(x, k)
+    ref_vals, ref_idx = x.topk(k, dim=-1)
+    assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx)
+
+
+def test_fused_scratch_metadata_equals_torch_fill():
+    """The one-launch metadata kernel writes exactly what the torch builder writes, padding rows included."""
+    from spruce.attention.metadata import Phase
+    from spruce.limits import Limits
+    from spruce.memory import PageTable
+    from spruce.runtime.batch_builder import BatchBuilder
+    from spruce.speculative.tree import ancestor_masks
+
+    lim = Limits(max_running_requests=4, page_size=4, context_length=64, num_pages=40, chunked_prefill_size=16,
+                 num_steps=3, eagle_topk=4, num_draft_tokens=70)
+    dev = torch.device(DEVICE)
+    rows = torch.tensor([2, 0, lim.dummy_row], device=dev)
+    committed = torch.tensor([5, 9, 0], device=dev)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (3, 70), generator=g).to(dev)
+    depths = torch.randint(0, 4, (3, 70), generator=g).to(dev)
+    parents = torch.tensor([[-1] + list(range(69))] * 3)
+    masks = ancestor_masks(parents, 2, 69).to(dev)
+    outs = []
+    for fused in (False, True):
+        b = BatchBuilder(lim, PageTable(lim, dev), dev)
+        b.fused = fused
+        batch = b.scratch_phase(Phase.VERIFY, rows, committed, ids, depths, masks, 0, 1000, 70, 40)
+        outs.append([batch.input_ids, batch.positions, batch.out_slots, batch.token_rows, batch.kv_lens,
+                     batch.tree_mask, batch.req_rows, batch.qo_indptr])
+    for a, c in zip(*outs):
+        assert torch.equal(a, c)

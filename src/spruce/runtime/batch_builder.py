@@ -14,6 +14,7 @@ from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.page_table import PageTable
+from spruce.ops.metadata import fill_scratch_metadata
 
 
 def paged_slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -37,6 +38,7 @@ class BatchBuilder:
         self.tree_mask = torch.zeros(t, limits.mask_words, **i64)  # [T, words]
         self.req_rows = torch.zeros(r, **i64)  # [R]
         self.qo_indptr = torch.zeros(r + 1, dtype=torch.int32, device=device)  # [R+1]
+        self.fused = device.type == "cuda"  # one-launch Triton fill of scratch phases (same values as torch)
 
     # --- checks -------------------------------------------------------------------------------------------
     def _check(self, phase: Phase, bs: int, num_tokens: int, max_kv_len: int) -> None:
@@ -141,6 +143,11 @@ class BatchBuilder:
             )
         if masks.shape[-1] > self.limits.mask_words:
             raise InvariantError(f"{phase.value}: {masks.shape[-1]} mask words > {self.limits.mask_words}")
+        if self.fused and bs:
+            self._check(phase, bs, bs * n_per, max_kv_len)
+            fill_scratch_metadata(self, rows, committed, input_ids, depths, masks, scratch_offset, scratch_start,
+                                  scratch_width)
+            return self._view(phase, bs, bs * n_per, max_kv_len, scratch_width)
         n = self._fill_uniform(phase, rows, n_per, input_ids, committed[:, None] + depths, max_kv_len)
         entry = scratch_offset + torch.arange(n_per, device=self.device)[None, :]  # [1, n]
         self.out_slots[:n] = (scratch_start + rows[:, None] * scratch_width + entry).reshape(-1)

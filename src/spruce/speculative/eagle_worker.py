@@ -17,6 +17,7 @@ import torch
 
 from spruce.attention.metadata import Phase
 from spruce.errors import ConfigError
+from spruce.ops import topk_small
 from spruce.runtime.batch_builder import paged_slots
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
@@ -58,8 +59,7 @@ class EagleWorker:
     # --- draft state after an extend ------------------------------------------------------------------------
     def _store_step0(self, rows: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """From the draft's hidden at each request's last committed position: top-K for the next round."""
-        probs = self.runner.draft.compute_logits(last_hidden).softmax(dim=-1)  # [bs, Vd]
-        p, ids = probs.topk(self.K, dim=-1)
+        p, ids = topk_small(self.runner.draft.compute_logits(last_hidden).softmax(dim=-1), self.K)  # [bs, K]
         self.topk_p[rows] = p
         self.topk_ids[rows] = self.runner.draft.draft_to_target(ids)
         self.hidden[rows] = last_hidden.to(self.hidden.dtype)
@@ -197,7 +197,7 @@ class EagleWorker:
                 Phase.DRAFT_DECODE, rows, committed, f_tokens, torch.full((bs, K), j - 1, device=dev), masks,
                 (j - 1) * K, r.draft_kv.scratch_start, lim.draft_scratch_width, max_kv)
             h = r.draft_forward(batch, f_hidden.reshape(bs * K, -1))  # [bs*K, Hd]
-            p, ids = r.draft.compute_logits(h).softmax(dim=-1).topk(K, dim=-1)  # [bs*K, K]
+            p, ids = topk_small(r.draft.compute_logits(h).softmax(dim=-1), K)  # [bs*K, K]
             child_tokens = r.draft.draft_to_target(ids).view(bs, K * K)
             child_scores = (f_scores[:, :, None] * p.view(bs, K, K)).view(bs, K * K)
             tokens.append(child_tokens)
