@@ -1,12 +1,18 @@
-"""Write tiny random checkpoints in the Hugging Face, EAGLE and EAGLE-3 layouts (test helpers)."""
+"""Test helpers: tiny random checkpoints in the Hugging Face, EAGLE and EAGLE-3 layouts, and a hand-driven
+paged cache (page table + KV pool + ForwardBatch built without any runtime code) to run models on them."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+
+from spruce.attention.metadata import ForwardBatch, Phase
+from spruce.limits import Limits
+from spruce.memory.kv_pool import KVPool
 
 VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -19,8 +25,13 @@ VARIANTS = {
 def write_llama_checkpoint(path, variant: str = "llama", tie: bool = False, sharded: bool = False,
                            rope_style: str = "rope_theta", rope_scaling: dict | None = None, seed: int = 0,
                            hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2, vocab: int = 320,
-                           intermediate: int = 128, init_std: float = 0.2, max_pos: int = 512) -> Path:
-    """A random model written by transformers' own save_pretrained (the HF format by construction)."""
+                           intermediate: int = 128, head_dim: int | None = None, init_std: float = 0.2,
+                           max_pos: int = 512, **extra) -> Path:
+    """A random model written by transformers' own save_pretrained (the HF format by construction).
+
+    rope_style: "rope_theta" rewrites config.json in the older rope_theta + rope_scaling style,
+    "rope_parameters" keeps transformers 5's style. Norm weights and biases are perturbed away from their
+    ones/zeros init so that a mis-loaded one shows. `extra` goes to the transformers config (attention_bias...)."""
     import transformers
 
     path = Path(path)
@@ -28,11 +39,12 @@ def write_llama_checkpoint(path, variant: str = "llama", tie: bool = False, shar
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
               tie_word_embeddings=tie, initializer_range=init_std, rms_norm_eps=1e-5, bos_token_id=0,
-              eos_token_id=1, head_dim=hidden // heads)
+              eos_token_id=1, head_dim=head_dim or hidden // heads)
     if variant == "qwen2":
         kw["use_sliding_window"] = False
     if variant == "mistral":
         kw["sliding_window"] = None
+    kw.update(extra)
     torch.manual_seed(seed)
     cfg = cfg_cls(**kw)
     theta = 10000.0
@@ -40,6 +52,10 @@ def write_llama_checkpoint(path, variant: str = "llama", tie: bool = False, shar
                                                                                           "rope_theta": theta}
     cfg.rope_parameters = params
     model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms (ones) and biases (zeros)
+                p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, max_shard_size="200KB" if sharded else "5GB")
     raw = json.loads((path / "config.json").read_text())
     if rope_style == "rope_theta":  # rewrite in the older style: rope_theta + rope_scaling
@@ -51,12 +67,24 @@ def write_llama_checkpoint(path, variant: str = "llama", tie: bool = False, shar
     return path
 
 
-def _target_shape(target_dir) -> dict:
-    return json.loads((Path(target_dir) / "config.json").read_text())
+def read_config(model_dir) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def read_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, by name."""
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
 
 
 def _rand(g, *shape, std=0.05):
     return torch.randn(*shape, generator=g) * std
+
+
+def _norm(g, h):
+    return 1.0 + _rand(g, h, std=0.1)
 
 
 def _layer_tensors(g, prefix: str, h: int, inter: int, heads: int, kv: int, hd: int, in_width: int) -> dict:
@@ -65,79 +93,141 @@ def _layer_tensors(g, prefix: str, h: int, inter: int, heads: int, kv: int, hd: 
         f"{prefix}.self_attn.k_proj.weight": _rand(g, kv * hd, in_width),
         f"{prefix}.self_attn.v_proj.weight": _rand(g, kv * hd, in_width),
         f"{prefix}.self_attn.o_proj.weight": _rand(g, h, heads * hd),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(h),
+        f"{prefix}.post_attention_layernorm.weight": _norm(g, h),
         f"{prefix}.mlp.gate_proj.weight": _rand(g, inter, h),
         f"{prefix}.mlp.up_proj.weight": _rand(g, inter, h),
         f"{prefix}.mlp.down_proj.weight": _rand(g, h, inter),
     }
 
 
-def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = None, seed: int = 0,
-                            with_embed: bool = False, aux_layer_ids: list[int] | None = None,
-                            target_hidden: int | None = None, hidden: int | None = None) -> Path:
-    """A random LlamaForCausalLMEagle3 head for the target in `target_dir` (SGLang's tensor names)."""
+def _draft_shape(target_dir, hidden):
+    t = read_config(target_dir)
+    heads = t["num_attention_heads"]
+    return t, hidden or t["hidden_size"], heads, t.get("num_key_value_heads", heads), \
+        t.get("head_dim") or t["hidden_size"] // heads
+
+
+def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = None, with_embed: bool = False,
+                            aux_layer_ids: list[int] | None = None, seed: int = 0, hidden: int | None = None,
+                            target_hidden: int | None = None, with_lm_head: bool = True,
+                            midlayer_name: str = "midlayer") -> Path:
+    """A random LlamaForCausalLMEagle3 head for the target in `target_dir` (SGLang's tensor names).
+
+    draft_vocab_size < the target vocab: a random sorted draft vocabulary with d2t/t2d. hidden: the draft's own
+    hidden size (default the target's; a different one needs with_embed=True). target_hidden: the target hidden
+    size the draft claims (default the real one; another makes a draft that does not fit). aux_layer_ids: written to
+    eagle_config.eagle_aux_hidden_state_layer_ids (fc then reads len(ids) target states). midlayer_name:
+    "midlayer" or the newer "layers.0"."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    t = _target_shape(target_dir)
+    t, h, heads, kv, hd = _draft_shape(target_dir, hidden)
     th = target_hidden or t["hidden_size"]
-    h = hidden or t["hidden_size"]
-    heads = t["num_attention_heads"]
-    kv = t.get("num_key_value_heads", heads)
-    hd = t.get("head_dim") or h // heads
-    vocab = t["vocab_size"]
+    vocab, inter = t["vocab_size"], t["intermediate_size"]
     dv = draft_vocab_size or vocab
-    inter = t["intermediate_size"]
+    n_aux = len(aux_layer_ids) if aux_layer_ids is not None else 3
     g = torch.Generator().manual_seed(seed)
     tensors = {
-        "fc.weight": _rand(g, h, 3 * th),
-        "midlayer.input_layernorm.weight": torch.ones(h),
-        "midlayer.hidden_norm.weight": torch.ones(h),
-        "norm.weight": torch.ones(h),
-        "lm_head.weight": _rand(g, dv, h, std=0.5),
-        **_layer_tensors(g, "midlayer", h, inter, heads, kv, hd, 2 * h),
+        "fc.weight": _rand(g, h, n_aux * th),
+        f"{midlayer_name}.input_layernorm.weight": _norm(g, h),
+        f"{midlayer_name}.hidden_norm.weight": _norm(g, h),
+        "norm.weight": _norm(g, h),
+        **_layer_tensors(g, midlayer_name, h, inter, heads, kv, hd, 2 * h),
     }
-    keep = torch.randperm(vocab, generator=g)[:dv].sort().values  # the draft vocabulary (target ids)
-    tensors["d2t"] = (keep - torch.arange(dv)).to(torch.int64)
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[keep] = True
-    tensors["t2d"] = t2d
+    if with_lm_head:
+        tensors["lm_head.weight"] = _rand(g, dv, h, std=0.5)
+    if dv < vocab:
+        keep = torch.randperm(vocab, generator=g)[:dv].sort().values  # the draft vocabulary, as target ids
+        tensors["d2t"] = (keep - torch.arange(dv)).to(torch.int64)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[keep] = True
+        tensors["t2d"] = t2d
     if with_embed:
         tensors["embed_tokens.weight"] = _rand(g, vocab, h)
     save_file(tensors, str(path / "model.safetensors"))
     cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h, intermediate_size=inter,
                num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, num_hidden_layers=1,
                rms_norm_eps=t.get("rms_norm_eps", 1e-5), vocab_size=vocab, draft_vocab_size=dv,
-               max_position_embeddings=t.get("max_position_embeddings", 2048), rope_theta=10000.0,
-               tie_word_embeddings=False)
-    if target_hidden is not None:
-        cfg["target_hidden_size"] = target_hidden
+               max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+    if h != th or target_hidden is not None:
+        cfg["target_hidden_size"] = th
     if aux_layer_ids is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
 
 
-def write_eagle_checkpoint(path, target_dir, seed: int = 0, with_lm_head: bool = False, layers: int = 1) -> Path:
-    """A random LlamaForCausalLMEagle (EAGLE-1/2) head: fc over [embeds, feature], decoder layers."""
+def write_eagle_checkpoint(path, target_dir, seed: int = 0, layers: int = 1, with_lm_head: bool = False,
+                           with_embed: bool = False, fc_bias: bool = False) -> Path:
+    """A random LlamaForCausalLMEagle (EAGLE-1/2) head: fc over [embeds, feature], decoder `layers.*` whose
+    first has no input_layernorm; lm_head / embed_tokens only when asked (else the target's are used)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    t = _target_shape(target_dir)
-    h, heads = t["hidden_size"], t["num_attention_heads"]
-    kv = t.get("num_key_value_heads", heads)
-    hd = t.get("head_dim") or h // heads
+    t, h, heads, kv, hd = _draft_shape(target_dir, None)
     g = torch.Generator().manual_seed(seed)
     tensors = {"fc.weight": _rand(g, h, 2 * h)}
+    if fc_bias:
+        tensors["fc.bias"] = _rand(g, h)
     for i in range(layers):
         tensors.update(_layer_tensors(g, f"layers.{i}", h, t["intermediate_size"], heads, kv, hd, h))
         if i > 0:
-            tensors[f"layers.{i}.input_layernorm.weight"] = torch.ones(h)
+            tensors[f"layers.{i}.input_layernorm.weight"] = _norm(g, h)
     if with_lm_head:
         tensors["lm_head.weight"] = _rand(g, t["vocab_size"], h)
+    if with_embed:
+        tensors["embed_tokens.weight"] = _rand(g, t["vocab_size"], h)
     save_file(tensors, str(path / "model.safetensors"))
     cfg = dict(architectures=["LlamaForCausalLMEagle"], model_type="llama", hidden_size=h,
                intermediate_size=t["intermediate_size"], num_attention_heads=heads, num_key_value_heads=kv,
                head_dim=hd, num_hidden_layers=layers, rms_norm_eps=t.get("rms_norm_eps", 1e-5),
-               vocab_size=t["vocab_size"], max_position_embeddings=t.get("max_position_embeddings", 2048),
-               rope_theta=10000.0)
+               vocab_size=t["vocab_size"], max_position_embeddings=2048, rope_theta=10000.0)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+class PagedCache:
+    """A page table and KV pool for one model, driven by hand: rows get shuffled (non-contiguous) pages and
+    `batch` builds a ForwardBatch for tokens at given positions (causal over each row's paged cache)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 4, rows: int = 4,
+                 num_pages: int = 256, dtype: torch.dtype = torch.float32, seed: int = 0):
+        self.page_size = page_size
+        self.limits = Limits(max_running_requests=rows, page_size=page_size, context_length=num_pages * page_size,
+                             num_pages=num_pages, chunked_prefill_size=num_pages * page_size)
+        self.kv = KVPool(self.limits, num_layers, num_kv_heads, head_dim, 0, dtype, torch.device("cpu"))
+        self.table = torch.zeros(rows + 1, num_pages, dtype=torch.int32)  # [rows, max pages]; 0 = dummy page
+        self.free_pages = list(range(1, num_pages))
+        random.Random(seed).shuffle(self.free_pages)
+        self.rows = 0
+
+    @staticmethod
+    def for_model(model, **kw) -> "PagedCache":
+        """A cache shaped for a LlamaForCausalLM (has .config) or an EagleDraft."""
+        c = getattr(model, "config", None)
+        if hasattr(c, "num_kv_heads"):
+            return PagedCache(c.num_layers, c.num_kv_heads, c.head_dim, **kw)
+        return PagedCache(model.num_layers, model.num_kv_heads, model.head_dim, **kw)
+
+    def add_row(self, capacity: int) -> int:
+        """A new request row with pages for `capacity` positions."""
+        row = self.rows
+        self.rows += 1
+        n = -(-capacity // self.page_size)
+        self.table[row, :n] = torch.tensor([self.free_pages.pop() for _ in range(n)], dtype=torch.int32)
+        return row
+
+    def batch(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> ForwardBatch:
+        """tokens[i] at positions starts[i].. of rows[i]: each attends to its row's positions <= its own."""
+        lens = [len(t) for t in tokens]
+        ids = torch.tensor([x for t in tokens for x in t], dtype=torch.int64)
+        pos = torch.tensor([s + j for s, m in zip(starts, lens) for j in range(m)], dtype=torch.int64)
+        trow = torch.tensor([r for r, m in zip(rows, lens) for _ in range(m)], dtype=torch.int64)
+        pages = self.table[trow, pos // self.page_size].long()
+        indptr = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        return ForwardBatch(
+            phase=Phase.EXTEND, batch_size=len(rows), num_tokens=len(ids), input_ids=ids, positions=pos,
+            out_slots=pages * self.page_size + pos % self.page_size, token_rows=trow,
+            kv_lens=(pos + 1).to(torch.int32), tree_mask=torch.zeros(len(ids), 1, dtype=torch.int64),
+            req_rows=torch.tensor(rows, dtype=torch.int64), qo_indptr=indptr,
+            max_kv_len=max((s + m for s, m in zip(starts, lens)), default=0), max_q_len=max(lens, default=0),
+            scratch_width=0,
+        )

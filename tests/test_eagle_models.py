@@ -1,73 +1,201 @@
-"""EAGLE / EAGLE-3 drafts: checkpoint round trip and the paged forward equal to a naive dense forward."""
+"""EAGLE / EAGLE-3 drafts: checkpoint round trip, and the paged forward equal to a naive dense forward
+written from the raw checkpoint tensors (so the fused-weight mapping is checked too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spruce import LLM
-from spruce.config import builtin_model_path
-from checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
+from spruce.attention.backend import create_backend
+from spruce.models.eagle import DraftConfig
+from spruce.models.hf_config import ModelConfig
+from spruce.models.loader import load_draft, load_target
+from checkpoints import (PagedCache, read_config, read_tensors, write_eagle3_checkpoint, write_eagle_checkpoint,
+                         write_llama_checkpoint)
 
-DEMO = builtin_model_path()
+pytest.importorskip("transformers")  # the target checkpoint is written by transformers
+TOL = 1e-4
+CPU = torch.device("cpu")
 
 
-def naive_attention(attn, x, positions):
-    """Dense causal attention of one sequence with the module's weights: the obviously-correct path."""
-    t = x.shape[0]
-    q, k, v = attn.qkv(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-    q = attn.rotary(q.reshape(t, attn.num_heads, attn.head_dim), positions)
-    k = attn.rotary(k.reshape(t, attn.num_kv_heads, attn.head_dim), positions)
-    v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
-    g = attn.num_heads // attn.num_kv_heads
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("qhd,khd->hqk", q, k) * attn.scale
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return write_llama_checkpoint(tmp_path_factory.mktemp("t") / "target", layers=6, seed=3)
+
+
+def load_pair(target_dir, draft_dir):
+    """(target, draft) as the engine loads them: the target captures the aux layers the draft asks for."""
+    backend = create_backend("torch", 4)
+    dcfg = DraftConfig.from_dir(draft_dir, ModelConfig.from_dir(target_dir))
+    target = load_target(target_dir, torch.float32, CPU, backend, aux_layers=dcfg.target_aux_layers)
+    draft = load_draft(draft_dir, target, target.config, torch.float32, CPU, backend)
+    return target, draft
+
+
+# --- naive reference: dense causal attention over one sequence, weights straight from the checkpoint --------
+def rms(x, w, eps=1e-5):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, pos, theta=10000.0):  # x [T, H, D]
+    d = x.shape[-1]
+    f = pos[:, None].float() * (1.0 / theta ** (torch.arange(0, d, 2).float() / d))[None]  # [T, D/2]
+    cos, sin = f.cos()[:, None], f.sin()[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def attention(w, p, x, pos, cfg):
+    t, hq, hkv, d = x.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    q = rope((x @ w[f"{p}.q_proj.weight"].T).view(t, hq, d), pos)
+    k = rope((x @ w[f"{p}.k_proj.weight"].T).view(t, hkv, d), pos).repeat_interleave(hq // hkv, 1)
+    v = (x @ w[f"{p}.v_proj.weight"].T).view(t, hkv, d).repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-    return attn.o_proj(torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(t, -1))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(t, -1) @ w[f"{p}.o_proj.weight"].T
 
 
-def naive_eagle3(draft, ids, feats, positions):
-    mid = draft.midlayer
-    h = draft.fc(feats)
-    x = torch.cat([mid.input_layernorm(draft.embed(ids)), mid.hidden_norm(h)], dim=-1)
-    h = h + naive_attention(mid.self_attn, x, positions)
-    return h + mid.mlp(mid.post_attention_layernorm(h))
+def mlp(w, p, x):
+    gate, up = x @ w[f"{p}.gate_proj.weight"].T, x @ w[f"{p}.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ w[f"{p}.down_proj.weight"].T
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_eagle3_paged_forward_equals_naive(tmp_path, with_embed):
-    d = write_eagle3_checkpoint(tmp_path / "d", DEMO, draft_vocab_size=700, with_embed=with_embed, seed=3)
-    llm = LLM(DEMO, draft_model=str(d), speculative_algorithm="EAGLE3", page_size=4)
-    r = llm.engine.runner
-    draft = r.draft
-    assert draft.draft_vocab_size == 700 and (draft.embed_tokens is None) == (not with_embed)
-    ids = list(range(5, 40))
-    row = r.page_table.alloc_row()
-    r.page_table.append_pages(row, r.allocator.alloc(r.limits.pages_for(len(ids))))
-    feats = torch.randn(len(ids), draft.feature_width)
-    batch = r.builder.extend([row], [0], [ids])
-    paged = r.draft_forward(batch, feats)
-    naive = naive_eagle3(draft, torch.tensor(ids), feats, torch.arange(len(ids)))
-    assert (paged - naive).abs().max().item() < 1e-4
-    mapped = draft.draft_to_target(torch.arange(700))
-    assert mapped.min() >= 0 and mapped.max() < 4096 and len(set(mapped.tolist())) == 700
-    r.allocator.free(r.page_table.release_row(row))
+def naive_eagle3(w, cfg, embed, ids, feats):
+    """-> (pre-norm hidden [T, H], logits [T, draft vocab])."""
+    pos = torch.arange(len(ids))
+    h = feats if feats.shape[-1] == cfg["hidden_size"] else feats @ w["fc.weight"].T
+    x = torch.cat([rms(embed[ids], w["midlayer.input_layernorm.weight"]), rms(h, w["midlayer.hidden_norm.weight"])], -1)
+    h = h + attention(w, "midlayer.self_attn", x, pos, cfg)
+    h = h + mlp(w, "midlayer.mlp", rms(h, w["midlayer.post_attention_layernorm.weight"]))
+    return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def test_eagle_checkpoint_shares_target_head(tmp_path):
-    d = write_eagle_checkpoint(tmp_path / "d", DEMO, layers=2)
-    llm = LLM(DEMO, draft_model=str(d), speculative_algorithm="EAGLE")
-    draft = llm.engine.runner.draft
-    assert draft.lm_head is None and draft.embed_tokens is None and draft.num_layers == 2
-    h = torch.randn(3, draft.hidden_size)
-    target = llm.engine.runner.target
-    assert torch.equal(draft.compute_logits(h), target.compute_logits(h))
-    assert draft.draft_to_target(torch.arange(10)).tolist() == list(range(10))
+def naive_eagle(w, cfg, embed, lm_head, ids, feats):
+    pos = torch.arange(len(ids))
+    h = torch.cat([embed[ids], feats], -1) @ w["fc.weight"].T + w.get("fc.bias", 0.0)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}"
+        x = h if i == 0 else rms(h, w[f"{p}.input_layernorm.weight"])
+        h = h + attention(w, f"{p}.self_attn", x, pos, cfg)
+        h = h + mlp(w, f"{p}.mlp", rms(h, w[f"{p}.post_attention_layernorm.weight"]))
+    return h, h @ lm_head.T
 
 
-def test_eagle3_aux_layers_follow_sglang(tmp_path):
+def paged_draft(draft, seqs: list[list[int]], feats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run the draft over each sequence in two chunks (the second reads the first's KV from the pages)."""
+    cache = PagedCache.for_model(draft, rows=len(seqs))
+    rows = [cache.add_row(len(s)) for s in seqs]
+    cuts = [len(s) // 3 for s in seqs]
+    chunks = [[(0, c), (c, len(s))] for s, c in zip(seqs, cuts)]  # per sequence: [lo, hi) of each forward
+    out = [[] for _ in seqs]
+    for step in range(2):
+        spans = [c[step] for c in chunks]
+        b = cache.batch(rows, [lo for lo, _ in spans], [s[lo:hi] for s, (lo, hi) in zip(seqs, spans)])
+        f = torch.cat([x[lo:hi] for x, (lo, hi) in zip(feats, spans)])
+        h = draft(b.input_ids, f, b, cache.kv, cache.table)  # [T, H]
+        for i, part in enumerate(h.split([hi - lo for lo, hi in spans])):
+            out[i].append(part)
+    return [torch.cat(o) for o in out]
+
+
+def check(paged, naive_fn, draft, seqs, feats):
+    worst = 0.0
+    for i, (ids, f) in enumerate(zip(seqs, feats)):
+        h_ref, logits_ref = naive_fn(torch.tensor(ids), f)
+        worst = max(worst, (paged[i] - h_ref).abs().max().item(),
+                    (draft.compute_logits(paged[i]) - logits_ref).abs().max().item())
+    return worst
+
+
+def inputs(width, lens=(23, 9), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 320, (n,), generator=g).tolist() for n in lens]
+    return seqs, [torch.randn(n, width, generator=g) for n in lens]
+
+
+EAGLE3_CASES = [
+    dict(),
+    dict(with_embed=True, draft_vocab_size=100),
+    dict(draft_vocab_size=57, aux_layer_ids=[0, 2, 4, 5], midlayer_name="layers.0"),
+    dict(with_embed=True, hidden=96, draft_vocab_size=100),  # draft hidden != target hidden
+]
+
+
+@pytest.mark.parametrize("case", EAGLE3_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_eagle3_paged_forward_equals_naive(tmp_path, target_dir, case):
+    d = write_eagle3_checkpoint(tmp_path / "d", target_dir, seed=5, **case)
+    target, draft = load_pair(target_dir, d)
+    w = {k.replace("layers.0.", "midlayer."): v for k, v in read_tensors(d).items()}
+    cfg = read_config(d)
+    dv = case.get("draft_vocab_size", 320)
+    assert draft.draft_vocab_size == dv and draft.num_layers == 1
+    assert (draft.embed_tokens is None) == (not case.get("with_embed", False))
+    embed = w["embed_tokens.weight"] if case.get("with_embed") else target.embed_tokens.weight
+    assert torch.equal(draft.embed(torch.arange(320)), embed)
+    n_aux = len(case.get("aux_layer_ids", [0, 0, 0]))
+    assert draft.feature_width_first_step == n_aux * 64 == len(target.aux_layers) * 64
+    seqs, feats = inputs(draft.feature_width_first_step)
+    with torch.no_grad():
+        paged = paged_draft(draft, seqs, feats)
+        worst = check(paged, lambda ids, f: naive_eagle3(w, cfg, embed, ids, f), draft, seqs, feats)
+        # a later draft step feeds the draft's own (pre-norm) hidden back: width H, no fc
+        own = [p.clone() for p in paged]
+        worst = max(worst, check(paged_draft(draft, seqs, own), lambda ids, f: naive_eagle3(w, cfg, embed, ids, f),
+                                 draft, seqs, own))
+    print(f"EAGLE-3 {case}: max abs diff {worst:.2e}")
+    assert worst < TOL
+    d2t = w.get("d2t", torch.zeros(dv, dtype=torch.int64))
+    assert torch.equal(draft.draft_to_target(torch.arange(dv)), torch.arange(dv) + d2t)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(layers=2, with_lm_head=True, fc_bias=True), dict(with_embed=True)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_eagle_paged_forward_equals_naive(tmp_path, target_dir, case):
+    d = write_eagle_checkpoint(tmp_path / "d", target_dir, seed=6, **case)
+    target, draft = load_pair(target_dir, d)
+    w, cfg = read_tensors(d), read_config(d)
+    assert draft.num_layers == case.get("layers", 1) and draft.draft_vocab_size == 320
+    assert (draft.lm_head is None) == (not case.get("with_lm_head", False))
+    embed = w["embed_tokens.weight"] if case.get("with_embed") else target.embed_tokens.weight
+    lm_head = w["lm_head.weight"] if case.get("with_lm_head") else target.lm_head.weight
+    seqs, feats = inputs(64)
+    with torch.no_grad():
+        paged = paged_draft(draft, seqs, feats)
+        worst = check(paged, lambda ids, f: naive_eagle(w, cfg, embed, lm_head, ids, f), draft, seqs, feats)
+        h = torch.randn(3, 64)
+        if not case.get("with_lm_head"):
+            assert torch.equal(draft.compute_logits(h), target.compute_logits(h))
+    print(f"EAGLE {case}: max abs diff {worst:.2e}")
+    assert worst < TOL
+    assert draft.draft_to_target(torch.arange(320)).tolist() == list(range(320))
+
+
+def test_target_features_feed_the_draft(tmp_path, target_dir):
+    """Shapes line up end to end: target aux [T, 3H] -> EAGLE-3 draft; target hidden [T, H] -> EAGLE draft."""
+    seqs, _ = inputs(1)
+    for d, eagle3 in ((write_eagle3_checkpoint(tmp_path / "e3", target_dir), True),
+                      (write_eagle_checkpoint(tmp_path / "e1", target_dir), False)):
+        target, draft = load_pair(target_dir, d)
+        tc, dc = PagedCache.for_model(target, rows=2), PagedCache.for_model(draft, rows=2)
+        rows = [tc.add_row(len(s)) for s in seqs]
+        assert [dc.add_row(len(s)) for s in seqs] == rows
+        with torch.no_grad():
+            b = tc.batch(rows, [0, 0], seqs)
+            hidden, aux = target(b, tc.kv, tc.table)
+            feats = aux if eagle3 else hidden
+            assert feats.shape == (b.num_tokens, draft.feature_width_first_step)
+            out = draft(b.input_ids, feats, dc.batch(rows, [0, 0], seqs), dc.kv, dc.table)
+            assert out.shape == (b.num_tokens, 64)
+            assert draft.compute_logits(out).shape == (b.num_tokens, draft.draft_vocab_size)
+            empty = dc.batch([], [], [])
+            assert draft(empty.input_ids, torch.zeros(0, draft.feature_width_first_step), empty, dc.kv,
+                         dc.table).shape == (0, 64)
+
+
+def test_eagle3_aux_layers_follow_sglang(tmp_path, target_dir):
     """Configured ids name layer outputs (input of id+1); the default is the inputs of [2, L//2, L-3]."""
-    d = write_eagle3_checkpoint(tmp_path / "a", DEMO)
-    assert LLM(DEMO, draft_model=str(d)).engine.runner.target.aux_layers == (2, 3, 4)  # L = 7
-    d = write_eagle3_checkpoint(tmp_path / "b", DEMO, aux_layer_ids=[0, 3, 5])
-    assert LLM(DEMO, draft_model=str(d)).engine.runner.target.aux_layers == (1, 4, 6)
+    tcfg = ModelConfig.from_dir(target_dir)  # L = 6
+    d = write_eagle3_checkpoint(tmp_path / "a", target_dir)
+    assert DraftConfig.from_dir(d, tcfg).target_aux_layers == (2, 3, 3)
+    d = write_eagle3_checkpoint(tmp_path / "b", target_dir, aux_layer_ids=[0, 3, 5])
+    assert DraftConfig.from_dir(d, tcfg).target_aux_layers == (1, 4, 6)

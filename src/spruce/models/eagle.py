@@ -1,11 +1,12 @@
-"""EAGLE and EAGLE-3 draft heads, in the checkpoint layouts SGLang and vLLM publish.
+"""EAGLE and EAGLE-3 draft heads, in the checkpoint layouts SGLang and vLLM load.
 
-EAGLE-3 (LlamaForCausalLMEagle3): one `midlayer` whose q/k/v read [input_layernorm(embeds),
-hidden_norm(feature)] (2*H wide), `fc` (3*H_target -> H) applied to the target's three aux hidden states,
-`norm` + `lm_head` over a draft vocabulary, `d2t` (target id = draft id + d2t[draft id]), optional `t2d`
-and `embed_tokens` (else the target's). Its pre-norm output is the next step's feature.
+EAGLE-3 (LlamaForCausalLMEagle3): one `midlayer` (also accepted as `layers.0`) whose q/k/v read
+[input_layernorm(embeds), hidden_norm(feature)] (2*H wide); `fc` (n_aux*H_target -> H) projects the target's
+aux hidden states; `norm` + `lm_head` over a draft vocabulary; `d2t` (target id = draft id + d2t[draft id]);
+optional `t2d` (ignored) and `embed_tokens` (else the target's). Its pre-norm output is the next step's feature.
 EAGLE (LlamaForCausalLMEagle): `fc` (2*H -> H) over [embeds, feature], decoder `layers.*` whose first has no
-input norm, optional `lm_head` (else the target's), no final norm; its feature is the target's final hidden.
+input norm, optional `lm_head` (else the target's), no final norm; its first feature is the target's final
+(normed) hidden, later ones its own output.
 """
 
 from __future__ import annotations
@@ -25,35 +26,49 @@ from spruce.models.weights import load_named_tensors
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 EAGLE_ARCH = "LlamaForCausalLMEagle"
+_UNSUPPORTED_EAGLE3_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
 
 
 @dataclass(frozen=True)
 class DraftConfig:
+    """A draft head's shape, checked against its target."""
+
     eagle3: bool
-    layer: ModelConfig  # the draft's own decoder shape (vocab = the target's)
+    layer: ModelConfig  # the draft's own decoder shape (vocab_size = the target's)
     draft_vocab_size: int
     target_hidden_size: int
-    target_aux_layers: tuple[int, ...]  # INPUT indices of target layers whose residual stream EAGLE-3 reads
-    fc_bias: bool
+    target_aux_layers: tuple[int, ...]  # EAGLE-3: INPUT indices of the target layers whose residual stream it reads
+    fc_bias: bool | None  # config `bias`; None: not said, load fc.bias if the checkpoint has one
+    tie_word_embeddings: bool  # EAGLE-3: lm_head is the (own or shared) embedding
 
     @property
-    def shares_lm_head(self) -> bool:
-        return not self.eagle3
+    def fc_in_features(self) -> int:
+        if self.eagle3:
+            return len(self.target_aux_layers) * self.target_hidden_size
+        return 2 * self.layer.hidden_size
 
     @staticmethod
     def from_dir(path, target: ModelConfig) -> "DraftConfig":
+        """Read `path/config.json`; ModelLoadError for an unusable file, ConfigError for a draft/target mismatch."""
         path = Path(path)
         if not path.is_dir():
             raise ModelLoadError(f"draft model directory not found: {path}")
-        cfg = read_json(path / "config.json", "draft config")
+        file = path / "config.json"
+        cfg = read_json(file, "draft config")
         archs = cfg.get("architectures") or []
         if EAGLE3_ARCH in archs:
             eagle3 = True
         elif EAGLE_ARCH in archs:
             eagle3 = False
         else:
-            raise ModelLoadError(f"draft architecture {archs!r} in {path} is not supported; expected "
+            raise ModelLoadError(f"draft architecture {archs!r} in {file} is not supported; expected "
                                  f"{EAGLE3_ARCH} (EAGLE-3) or {EAGLE_ARCH} (EAGLE)")
+        flags = [k for k in _UNSUPPORTED_EAGLE3_FLAGS if cfg.get(k)]
+        if flags:
+            raise ModelLoadError(f"draft config {file} sets {flags}, which spruce does not support")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
         try:
             h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             theta, scaling = rope_settings(cfg)
@@ -63,6 +78,7 @@ class DraftConfig:
                 num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or h // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta, rope_scaling=scaling,
+                # drafts run at the target's positions, whatever their own config says
                 max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)),
                                             target.max_position_embeddings),
                 tie_word_embeddings=False, attention_bias=False, o_proj_bias=False, qk_norm=False,
@@ -71,33 +87,47 @@ class DraftConfig:
             draft_vocab = int(cfg.get("draft_vocab_size") or layer.vocab_size)
             target_hidden = int(cfg.get("target_hidden_size") or target.hidden_size)
         except KeyError as e:
-            raise ModelLoadError(f"{path / 'config.json'} lacks required field {e.args[0]!r}") from e
+            raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"{file} has a malformed field: {e}") from e
         if layer.vocab_size != target.vocab_size:
             raise ConfigError(f"draft vocab_size {layer.vocab_size} != target vocab_size {target.vocab_size}")
         if target_hidden != target.hidden_size:
             raise ConfigError(f"draft expects target hidden size {target_hidden}, the target has {target.hidden_size}")
         if not eagle3 and h != target.hidden_size:
-            raise ConfigError(f"EAGLE draft hidden size {h} must equal the target's {target.hidden_size}")
-        if draft_vocab > target.vocab_size:
-            raise ConfigError(f"draft_vocab_size {draft_vocab} > target vocab_size {target.vocab_size}")
+            raise ConfigError(f"EAGLE draft hidden size {h} must equal the target's hidden size {target.hidden_size} "
+                              f"(its fc is [H, 2H] over [embeds, target hidden])")
+        if not 1 <= draft_vocab <= target.vocab_size:
+            raise ConfigError(f"draft_vocab_size {draft_vocab} must be in [1, target vocab_size {target.vocab_size}]")
+        if eagle3 and layer.num_layers != 1:
+            raise ModelLoadError(f"EAGLE-3 draft {file} has num_hidden_layers={layer.num_layers}; only the "
+                                 f"single-midlayer layout (1) is supported")
+        tie = bool(cfg.get("tie_word_embeddings", False)) and eagle3
+        if tie and draft_vocab != layer.vocab_size:
+            raise ConfigError(f"EAGLE-3 draft ties lm_head to embeddings but draft_vocab_size {draft_vocab} != "
+                              f"vocab_size {layer.vocab_size}")
+        bias = cfg.get("bias")
         return DraftConfig(eagle3=eagle3, layer=layer, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
                            target_aux_layers=_aux_layers(cfg, target) if eagle3 else (),
-                           fc_bias=bool(cfg.get("bias", False)) and not eagle3)
+                           fc_bias=None if bias is None else bool(bias), tie_word_embeddings=tie)
 
 
 def _aux_layers(cfg: dict, target: ModelConfig) -> tuple[int, ...]:
-    """SGLang's rule: configured ids name layer OUTPUTS (= input of id + 1); default inputs [2, L//2, L-3]."""
+    """SGLang's rule (set_eagle3_layers_to_capture): configured ids name layer OUTPUTS, i.e. the input of
+    layer id + 1; without ids, the inputs of layers [2, L//2, L-3]."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = ids if ids is not None else cfg.get("eagle_aux_hidden_state_layer_ids")
     n = target.num_layers
-    layers = tuple(i + 1 for i in ids) if ids is not None else (2, n // 2, n - 3)
-    bad = [i for i in layers if not 0 <= i <= n]
-    if bad or len(layers) != 3:
-        raise ConfigError(f"EAGLE-3 aux hidden-state layers {layers} do not fit a {n}-layer target (need 3 in [0, {n}])")
+    layers = tuple(int(i) + 1 for i in ids) if ids is not None else (2, n // 2, n - 3)
+    if not layers or any(not 0 <= i <= n for i in layers):
+        raise ConfigError(f"EAGLE-3 aux hidden-state layers (inputs) {layers} do not fit a {n}-layer target "
+                          f"(need at least one, each in [0, {n}]; configured ids {ids})")
     return layers
 
 
 class Eagle3MidLayer(nn.Module):
+    """The EAGLE-3 decoder layer: attention over [norm(embeds), norm(feature)], residual = feature."""
+
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend):
         super().__init__()
         h = cfg.hidden_size
@@ -109,93 +139,134 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size)
 
     def forward(self, embeds, feature, batch, kv, page_table):
+        """embeds [T, H], feature [T, H] -> pre-norm hidden [T, H]."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # [T, 2H]
-        h = feature + self.self_attn(x, batch, kv, page_table)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, batch, kv, page_table), feature)
+        return self.mlp(h) + residual
 
 
 class EagleDraft(nn.Module):
-    """forward(input_ids [T], features [T, F], batch, kv, page_table) -> hidden [T, H] (next feature)."""
+    """An EAGLE or EAGLE-3 head. forward(input_ids [T], features [T, F], batch, kv, page_table) -> hidden [T, H].
 
-    def __init__(self, cfg: DraftConfig, backend):
+    `own_embed` / `own_lm_head`: whether the checkpoint brings them; if not, `use_target_weights` shares the
+    target's (nothing is allocated for them here)."""
+
+    def __init__(self, cfg: DraftConfig, backend, own_embed: bool = True, own_lm_head: bool = True):
         super().__init__()
         lc = cfg.layer
         self.config = cfg
-        self.hidden_size, self.num_layers = lc.hidden_size, lc.num_layers
-        self.num_kv_heads, self.head_dim = lc.num_kv_heads, lc.head_dim
+        self.hidden_size, self.num_kv_heads, self.head_dim = lc.hidden_size, lc.num_kv_heads, lc.head_dim
+        self.num_layers = 1 if cfg.eagle3 else lc.num_layers
         self.draft_vocab_size = cfg.draft_vocab_size
         self.rotary = Rotary(lc.head_dim, lc.max_position_embeddings, lc.rope_theta, lc.rope_scaling)
-        self.embed_tokens = nn.Embedding(lc.vocab_size, lc.hidden_size)
+        self.embed_tokens = nn.Embedding(lc.vocab_size, lc.hidden_size) if own_embed else None
+        self.fc = nn.Linear(cfg.fc_in_features, lc.hidden_size, bias=cfg.fc_bias is not False)
+        if self.fc.bias is not None:
+            nn.init.zeros_(self.fc.bias)  # stays zero when the checkpoint has no fc.bias (and none was promised)
         if cfg.eagle3:
-            self.num_layers = 1
-            self.fc = nn.Linear(3 * cfg.target_hidden_size, lc.hidden_size, bias=False)
             self.midlayer = Eagle3MidLayer(lc, self.rotary, backend)
             self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
-            self.lm_head = nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False)
         else:
-            self.fc = nn.Linear(2 * lc.hidden_size, lc.hidden_size, bias=cfg.fc_bias)
             self.layers = nn.ModuleList(DecoderLayer(lc, self.rotary, backend, i) for i in range(lc.num_layers))
             self.layers[0].input_layernorm = nn.Identity()
-            self.lm_head = nn.Linear(lc.hidden_size, lc.vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self._shared: dict[str, torch.Tensor] = {}
+        has_head = own_lm_head and not cfg.tie_word_embeddings
+        self.lm_head = nn.Linear(lc.hidden_size, cfg.draft_vocab_size, bias=False) if has_head else None
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [draft vocab]
+        self._shared: dict[str, torch.Tensor] = {}  # "embed" / "lm_head" -> the target's weight
 
     @property
-    def feature_width(self) -> int:
-        """Width of the target features the first draft step reads."""
-        return 3 * self.config.target_hidden_size if self.config.eagle3 else self.hidden_size
+    def feature_width_first_step(self) -> int:
+        """Width F of the target features the first draft step reads (later steps read the draft's own H)."""
+        return self.config.fc_in_features if self.config.eagle3 else self.hidden_size
+
+    feature_width = feature_width_first_step
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        w = self._shared["embed"] if "embed" in self._shared else self.embed_tokens.weight
+        """ids [n] -> [n, H] with the draft's own embedding, else the target's."""
+        w = self._shared["embed"] if self.embed_tokens is None else self.embed_tokens.weight
         return nn.functional.embedding(ids, w)
 
-    def forward(self, input_ids, features, batch, kv, page_table) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, batch, kv, page_table) -> torch.Tensor:
+        """Draft hidden [T, H] (pre-norm: the next step's feature) for tokens paired with features [T, F].
+
+        F is feature_width_first_step (target features) or H (the draft's own previous hidden)."""
         embeds = self.embed(input_ids)  # [T, H]
         features = features.to(embeds.dtype)
         if self.config.eagle3:
-            h = features if features.shape[-1] == self.hidden_size else self.fc(features)
+            width = features.shape[-1]
+            if width == self.hidden_size:
+                h = features  # the draft's own previous hidden
+            elif width == self.fc.in_features:
+                h = self.fc(features)  # [T, H]
+            else:
+                raise ConfigError(f"EAGLE-3 draft features have width {width}; expected {self.fc.in_features} "
+                                  f"(target aux states) or {self.hidden_size} (draft hidden)")
             return self.midlayer(embeds, h, batch, kv, page_table)
-        h = self.fc(torch.cat([embeds, features], dim=-1))
-        for layer in self.layers:
-            h = layer(h, batch, kv, page_table)
-        return h
+        h, residual = self.fc(torch.cat([embeds, features], dim=-1)), None  # [T, H]
+        for layer in self.layers:  # layer 0 has no input norm: it reads fc's output as is
+            h, residual = layer.forward_residual(h, residual, batch, kv, page_table)
+        return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n, draft vocab] float32."""
+        """hidden [n, H] -> [n, draft vocab] float32 (EAGLE-3 applies its final norm first)."""
         if self.config.eagle3:
-            return self.lm_head(self.norm(hidden)).float()
-        w = self._shared["lm_head"] if "lm_head" in self._shared else self.lm_head.weight
+            hidden = self.norm(hidden)
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+        elif self.config.tie_word_embeddings:
+            w = self._shared["embed"] if self.embed_tokens is None else self.embed_tokens.weight
+        else:
+            w = self._shared["lm_head"]
         return nn.functional.linear(hidden, w).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft token ids -> target token ids (identity for EAGLE and full-vocabulary EAGLE-3)."""
         return ids + self.d2t[ids]
 
-    def share_from_target(self, target, embeddings: bool, lm_head: bool) -> None:
-        """Use the target's embedding (and, for EAGLE, its lm_head) instead of this module's own."""
-        if embeddings:
+    def use_target_weights(self, target) -> None:
+        """Share the target's embedding / lm_head for those this checkpoint does not bring."""
+        tc = target.config
+        if self.embed_tokens is None:
+            if self.hidden_size != tc.hidden_size:
+                raise ConfigError(f"draft has no embed_tokens and its hidden size {self.hidden_size} differs from "
+                                  f"the target's {tc.hidden_size}, so the target's embedding cannot be shared")
             self._shared["embed"] = target.embed_tokens.weight
-            self.embed_tokens = None
-        if lm_head:
+        if self.lm_head is None and not self.config.tie_word_embeddings:
+            if self.hidden_size != tc.hidden_size or self.draft_vocab_size != tc.vocab_size:
+                raise ConfigError(f"draft has no lm_head and cannot share the target's: draft hidden "
+                                  f"{self.hidden_size} / vocab {self.draft_vocab_size} vs target {tc.hidden_size} / "
+                                  f"{tc.vocab_size}")
             self._shared["lm_head"] = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-            self.lm_head = None
 
-    def load_weights(self, tensors) -> set[str]:
-        """Load checkpoint tensors; returns the names present. Checks d2t stays inside the target vocab."""
+    def load_weights(self, tensors) -> None:
+        """Load (name, tensor) pairs in the published layouts; checks d2t against the vocabularies."""
+        eagle3 = self.config.eagle3
+        seen_d2t = False
 
-        def rename(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            if name == "t2d" or name.endswith("rotary_emb.inv_freq"):
-                return None
-            return name
+        def stream():
+            nonlocal seen_d2t
+            for raw, tensor in tensors:
+                name = raw.removeprefix("model.")
+                if eagle3 and name.startswith("layers.0."):
+                    name = "midlayer." + name.removeprefix("layers.0.")  # newer SGLang/SpecForge naming
+                if name == "d2t":
+                    self._set_d2t(tensor)
+                    seen_d2t = True
+                elif name != "t2d" and not name.endswith("rotary_emb.inv_freq"):
+                    yield name, tensor
 
-        optional = ["embed_tokens.weight"] + ([] if self.config.eagle3 else ["lm_head.weight"])
-        present = load_named_tensors(self, tensors, rename, optional=optional, buffers=["d2t"])
-        if self.config.eagle3:
-            if "d2t" not in present and self.draft_vocab_size != self.config.layer.vocab_size:
-                raise ModelLoadError("EAGLE-3 draft with a reduced vocabulary lacks its d2t tensor")
-            top = int((torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t).max())
-            if top >= self.config.layer.vocab_size or int((torch.arange(len(self.d2t), device=self.d2t.device)
-                                                           + self.d2t).min()) < 0:
-                raise ConfigError(f"draft d2t maps to target id {top}, outside the target vocab "
-                                  f"{self.config.layer.vocab_size}")
-        return present
+        optional = [] if self.config.fc_bias else ["fc.bias"]
+        load_named_tensors(self, stream(), optional=optional)
+        if eagle3 and not seen_d2t and self.draft_vocab_size != self.config.layer.vocab_size:
+            raise ModelLoadError(f"EAGLE-3 draft with draft_vocab_size {self.draft_vocab_size} < vocab_size "
+                                 f"{self.config.layer.vocab_size} lacks its d2t tensor")
+
+    def _set_d2t(self, d2t: torch.Tensor) -> None:
+        n, vocab = self.draft_vocab_size, self.config.layer.vocab_size
+        if d2t.dim() != 1 or d2t.shape[0] != n:
+            raise ConfigError(f"draft d2t has shape {tuple(d2t.shape)}; expected ({n},) = draft_vocab_size")
+        target_ids = torch.arange(n) + d2t.to(torch.int64).cpu()  # [draft vocab]
+        lo, hi = int(target_ids.min()), int(target_ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(f"draft d2t maps to target ids in [{lo}, {hi}], outside the target vocab {vocab}")
+        self.d2t.copy_(d2t.to(torch.int64))

@@ -100,7 +100,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; supported: {sorted(ARCHITECTURES)}")
+            raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; "
+                                 f"supported: {sorted(ARCHITECTURES)}")
         bias, qk_norm = ARCHITECTURES[arch]
         if cfg.get("mlp_bias"):
             raise ModelLoadError(f"mlp_bias=true in {file} is not supported")

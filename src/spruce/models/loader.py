@@ -1,4 +1,8 @@
-"""Load targets and drafts from local Hugging Face directories (single-file or sharded safetensors)."""
+"""Load targets and drafts from local Hugging Face directories (single-file or sharded safetensors).
+
+Models are constructed directly on the target device in the target dtype, then filled one checkpoint tensor
+at a time (each read from a memory-mapped file), so peak memory is the model plus one tensor.
+"""
 
 from __future__ import annotations
 
@@ -13,40 +17,72 @@ from tqdm import tqdm
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 
+_READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
 
-def safetensors_files(path: Path) -> list[Path]:
+
+def safetensors_files(path) -> list[Path]:
     """The checkpoint's files: those named by model.safetensors.index.json, else every *.safetensors."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory not found: {path}")
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from e
-        files = [path / f for f in sorted(set(weight_map.values()))]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e!r}") from e
+        files = [path / f for f in names]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             raise ModelLoadError(f"{index} names missing shard files: {missing}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors files in {path}")
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        hint = f" (found {others}: convert them to safetensors)" if others else ""
+        raise ModelLoadError(f"no *.safetensors files in {path}{hint}")
     return files
 
 
-def iter_tensors(path: Path, show_progress: bool = False, desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, with a progress bar over tensors."""
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except _READ_ERRORS as e:
+        raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e
+
+
+def checkpoint_names(path) -> set[str]:
+    """Names of every tensor in the checkpoint (reads the file headers only)."""
+    names: set[str] = set()
     for file in safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                names = list(f.keys())
-                for name in tqdm(names, desc=f"{desc} {file.name}", disable=not show_progress, leave=False):
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e
+        with _open(file) as f:
+            names.update(f.keys())
+    return names
+
+
+def iter_tensors(path, show_progress: bool = False, desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint; one tqdm bar over all tensors when show_progress."""
+    files = safetensors_files(path)
+    handles = [_open(f) for f in files]
+    try:
+        keys = [list(h.keys()) for h in handles]
+        with tqdm(total=sum(map(len, keys)), desc=desc, disable=not show_progress, unit="tensor") as bar:
+            for file, handle, names in zip(files, handles, keys):
+                for name in names:
+                    try:
+                        tensor = handle.get_tensor(name)
+                    except _READ_ERRORS as e:
+                        raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
+                    yield name, tensor
+                    bar.update(1)
+    finally:
+        for h in handles:
+            h.__exit__(None, None, None)
 
 
 def _build(module_fn, dtype: torch.dtype, device: torch.device):
-    """Construct directly on `device` in `dtype` (no float32 detour for large models)."""
+    """Construct directly on `device` with `dtype` as the default float dtype (no float32 detour)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -57,7 +93,7 @@ def _build(module_fn, dtype: torch.dtype, device: torch.device):
 
 
 def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Fill weights with N(0, std) and norms with ones (load_format='dummy': speed, not values)."""
+    """Fill weights with N(0, std), norms with ones, biases with zeros (load_format='dummy': speed, not values)."""
     g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -71,7 +107,9 @@ def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> N
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
                 show_progress: bool = False, load_format: str = "auto"):
-    """The target model with weights from `path` (or random weights with load_format='dummy')."""
+    """The target LlamaForCausalLM with weights from `path` (random weights with load_format='dummy').
+
+    aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3)."""
     from spruce.models.llama import LlamaForCausalLM
 
     path = Path(path)
@@ -85,21 +123,23 @@ def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_lay
     return model.eval().requires_grad_(False)
 
 
-def load_draft(path, target, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
+def load_draft(path, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
                show_progress: bool = False, load_format: str = "auto"):
-    """An EAGLE or EAGLE-3 draft; embeddings (and EAGLE's lm_head) are shared from the target if absent."""
+    """An EAGLE or EAGLE-3 draft; its embedding (and lm_head, where allowed) come from the target if absent."""
     from spruce.models.eagle import DraftConfig, EagleDraft
 
     path = Path(path)
     cfg = DraftConfig.from_dir(path, target_config)
-    model = _build(lambda: EagleDraft(cfg, backend), dtype, device)
     if load_format == "dummy":
+        own_embed = cfg.layer.hidden_size != target_config.hidden_size
+        model = _build(lambda: EagleDraft(cfg, backend, own_embed=own_embed, own_lm_head=cfg.eagle3), dtype, device)
         random_init_(model, seed=1)
-        model.d2t.zero_()
-        model.share_from_target(target, embeddings=True, lm_head=cfg.shares_lm_head)
     else:
+        names = {n.removeprefix("model.") for n in checkpoint_names(path)}
+        own_embed = "embed_tokens.weight" in names
+        own_lm_head = "lm_head.weight" in names or cfg.draft_vocab_size != target_config.vocab_size
+        model = _build(lambda: EagleDraft(cfg, backend, own_embed=own_embed, own_lm_head=own_lm_head), dtype, device)
         with torch.no_grad():
-            present = model.load_weights(iter_tensors(path, show_progress, "loading draft"))
-        model.share_from_target(target, embeddings="embed_tokens.weight" not in present,
-                                lm_head=cfg.shares_lm_head and "lm_head.weight" not in present)
+            model.load_weights(iter_tensors(path, show_progress, "loading draft"))
+    model.use_target_weights(target_model)
     return model.eval().requires_grad_(False)

@@ -1,26 +1,41 @@
-"""Tokenizer (tokenizers' tokenizer.json) with the model's chat template (jinja2) and special tokens."""
+"""Tokenizer (the `tokenizers` library on tokenizer.json) with the model's chat template and special tokens.
+
+Special tokens: tokenizer.json's post-processor decides what encode() adds (as in transformers 5); when
+tokenizer_config.json sets `add_bos_token` and the post-processor does not add bos, bos is prepended (as
+transformers 4's Llama tokenizers did; transformers 5 drops the flag).
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 from spruce.errors import InvalidRequestError, ModelLoadError
-from spruce.models.hf_config import ModelConfig
+from spruce.models.hf_config import ModelConfig, read_json
+
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 class Tokenizer:
-    def __init__(self, tok, config: dict, model_config: ModelConfig):
+    """encode/decode text, render chat templates, and name the special tokens."""
+
+    def __init__(self, tok, config: dict, model_config: ModelConfig, chat_template: str | None = None):
         self._tok = tok
         self.config = config
-        self.chat_template = config.get("chat_template")
-        self.bos_token_id = self._token_id(config.get("bos_token")) or model_config.bos_token_id
+        self.chat_template = chat_template
+        bos = self._token_id(config.get("bos_token"))
+        self.bos_token_id: int | None = bos if bos is not None else model_config.bos_token_id
         eos = list(model_config.eos_token_ids)
         cfg_eos = self._token_id(config.get("eos_token"))
         if cfg_eos is not None and cfg_eos not in eos:
             eos.append(cfg_eos)
-        self.eos_token_ids = tuple(eos)
-        self.add_bos = bool(config.get("add_bos_token", False))
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        probe = tok.encode("a", add_special_tokens=True).ids
+        adds_bos = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
+        self._prepend_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None and not adds_bos
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(tok.model).__name__ != "BPE"
 
     @staticmethod
     def from_dir(path, model_config: ModelConfig) -> "Tokenizer | None":
@@ -36,16 +51,14 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a plain Exception on bad files
             raise ModelLoadError(f"cannot read tokenizer {file}: {e}") from e
         cfg_file = path / "tokenizer_config.json"
-        config = {}
-        if cfg_file.exists():
-            try:
-                config = json.loads(cfg_file.read_text())
-            except ValueError as e:
-                raise ModelLoadError(f"{cfg_file} is not valid JSON: {e}") from e
-        return Tokenizer(tok, config, model_config)
+        config = read_json(cfg_file, "tokenizer config") if cfg_file.exists() else {}
+        legacy = path / "special_tokens_map.json"  # older checkpoints name bos/eos here
+        if legacy.exists():
+            config = {**read_json(legacy, "special tokens map"), **config}
+        return Tokenizer(tok, config, model_config, _find_chat_template(path, config))
 
     def _token_id(self, token) -> int | None:
-        if isinstance(token, dict):
+        if isinstance(token, dict):  # serialized AddedToken
             token = token.get("content")
         return self._tok.token_to_id(token) if isinstance(token, str) else None
 
@@ -55,40 +68,96 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-            ids = [self.bos_token_id] + ids
-        return ids
+        return [self.bos_token_id] + ids if add_special_tokens and self._prepend_bos else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._cleanup:
+            for a, b in _CLEANUPS:
+                text = text.replace(a, b)
+        return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (sandboxed jinja2)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render the model's chat template (sandboxed jinja2, transformers' globals and filters).
+
+        InvalidRequestError when the model has no template or the template rejects the messages."""
         if not self.chat_template:
-            raise InvalidRequestError("this model has no chat template; use the completions API", field="messages")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+            raise InvalidRequestError("this model has no chat template (tokenizer_config.json chat_template or "
+                                      "chat_template.jinja); use the completions API", field="messages")
+        import jinja2
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        special = {k: v if isinstance(v, str) else v.get("content", "")
-                   for k, v in self.config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+        try:
+            template = _compile(self.chat_template)
+            special = {k: v if isinstance(v, str) else v.get("content", "")
+                       for k, v in self.config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **{**special, **kwargs})
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template error: {e}", field="messages") from e
+
+
+def _find_chat_template(path: Path, config: dict) -> str | None:
+    """chat_template.jinja, else chat_template.json, else tokenizer_config.json's (a string or a named list)."""
+    if (path / "chat_template.jinja").exists():
+        return (path / "chat_template.jinja").read_text()
+    template = config.get("chat_template")
+    if (path / "chat_template.json").exists():
+        template = read_json(path / "chat_template.json", "chat template").get("chat_template", template)
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _compile(source: str):
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters; chat templates expect plain JSON
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 class IncrementalDetokenizer:
-    """Yields the new text as tokens arrive, never splitting a multi-byte character (held back while the
-    decoded tail ends in U+FFFD)."""
+    """Streams text as token ids arrive: `add(ids)` returns the new text, `flush()` whatever is held back.
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None):
+    Decodes only a short window of recent ids (prefix/read offsets, as vLLM does), so each call is O(window),
+    and holds text back while it ends in U+FFFD (a character whose bytes span tokens). The concatenation of
+    every add() and flush() equals tokenizer.decode(all ids). `context_ids` (e.g. the prompt's tail) are
+    decoded for context only; none of their text is returned."""
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(context_ids or [])[-6:]
+        self.prefix_offset = 0  # start of the window decoded for context
+        self.read_offset = len(self.ids)  # ids before this have had their text returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
+        """Text that `new_ids` complete ("" while a multi-token character is unfinished)."""
         self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
-        return delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """Text of ids not yet returned (an unfinished character decodes as U+FFFD, as decode() would)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]

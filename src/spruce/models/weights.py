@@ -44,20 +44,23 @@ def _submodule(module, path):
         return None
 
 
-def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> set[str]:
-    out = set()
+def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Every write the checkpoint must provide: {parameter or "param[a:b]" row range: checkpoint-style name}."""
+    out = {}
     skip = set(skip)
     for pname, _ in module.named_parameters():
         if pname in skip:
             continue
-        owner = _submodule(module, pname.rsplit(".", 2)[0])
-        if pname.endswith((".qkv.weight", ".qkv.bias")) and isinstance(owner, Attention):
-            out |= {f"{pname}[{a}:{b}]" for a, b in fused_slices(owner).values()}
-        elif pname.endswith(".gate_up.weight") and isinstance(owner, GatedMLP):
-            i = owner.intermediate
-            out |= {f"{pname}[0:{i}]", f"{pname}[{i}:{2 * i}]"}
+        owner_path, _, kind = pname.rpartition(".")  # e.g. "layers.0.self_attn.qkv", "weight"
+        owner = _submodule(module, owner_path.rsplit(".", 1)[0])
+        if owner_path.endswith(".qkv") and isinstance(owner, Attention):
+            base = owner_path.removesuffix(".qkv")
+            out |= {f"{pname}[{a}:{b}]": f"{base}.{proj}.{kind}" for proj, (a, b) in fused_slices(owner).items()}
+        elif owner_path.endswith(".gate_up") and isinstance(owner, GatedMLP):
+            base, i = owner_path.removesuffix(".gate_up"), owner.intermediate
+            out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.weight", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.weight"}
         else:
-            out.add(pname)
+            out[pname] = pname.replace("mlp.down.", "mlp.down_proj.")
     return out
 
 
@@ -82,9 +85,12 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
         copy_into(params[target], tensor, rows, raw)
         written.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
         loaded.add(name)
-    missing = sorted(expected_writes(module, skip=optional) - written)
+    expected = expected_writes(module, skip=optional)
+    missing = sorted(expected[k] for k in expected.keys() - written)
     if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+        more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensor(s) {type(module).__name__} needs: "
+                             f"{missing[:6]}{more}")
     return loaded
 
 
