@@ -3,14 +3,7 @@
 # (plain vs EAGLE-3 K=8,S=6,N=32, HBM roofline measured in the same run) and pycode-19m side by side with
 # transformers' generate. Usage: DRAFT19=path bash bench/device_bench.sh
 set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD/src
-else
-  export PYTHONPATH=$PWD/src
-fi
+. bench/device_env.sh
 M19=$PWD/.carry/models/pycode-19m
 if [ "${DRAFT19:-}" = "random" ]; then  # an untrained EAGLE-3 head: measures overheads, not speedups
   DRAFT19=/tmp/pycode-19m-random-eagle3
@@ -20,6 +13,6 @@ timeout ${B8_TIMEOUT:-240} python3 -m spruce.cli bench latency --model-shape lla
   --input-len 128 --output-len 64 --spec 6,8,32 --out-dir "$OUT" 2>&1 | grep -v Warning | tail -6
 if [ -n "${DRAFT19:-}" ]; then
   timeout ${B19_TIMEOUT:-240} python3 -m spruce.cli bench latency --model "$M19" --draft "$DRAFT19" \
-    --batch-sizes 1 16 --input-len 128 --output-len 128 --spec 5,4,8 6,8,32 5,1,6 --graphs on off --compare-hf \
+    --batch-sizes 1 16 --input-len 128 --output-len 128 --spec 5,1,6 5,4,16 6,8,32 --graphs on off --compare-hf \
     --prompts "$M19/heldout_prompts.jsonl" --out-dir "$OUT" 2>&1 | grep -v Warning | tail -20
 fi

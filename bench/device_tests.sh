@@ -2,14 +2,7 @@
 # GPU test run on the device: kernels vs torch at real shapes, graphs vs eager, bf16 spec match, sanitizer.
 # Usage (repo root, fixture model in .carry/models/pycode-19m, wheels in .whl): bash bench/device_tests.sh
 set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD/src
-else
-  export PYTHONPATH=$PWD/src
-fi
+. bench/device_env.sh
 export SPRUCE_PYCODE_19M=$PWD/.carry/models/pycode-19m
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
