@@ -1,24 +1,42 @@
 """Mean accepted length of a draft head on the fixture's held-out prompts (greedy), chains and trees.
-Usage: eval_acceptance.py TARGET DRAFT HELDOUT.jsonl OUT.json [K,S,N ...]"""
+
+Usage: eval_acceptance.py TARGET DRAFT HELDOUT.jsonl OUT.json [K,S,N ...]   (default: 1,5,6 4,5,16 8,6,32)
+Prompts: the first 32 held-out texts (EVAL_PROMPTS), cut to 192 tokens; 128 new tokens each; spruce on cuda
+in bf16 (cpu in float32 where there is no GPU).
+"""
 
 import json
+import os
 import sys
 import time
 
-from spruce import LLM, SamplingParams
+import torch
+
 from spruce.models.hf_config import ModelConfig
 from spruce.models.tokenizer import Tokenizer
-from spruce.train.trainer import acceptance
+from spruce.train.evaluate import acceptance
 
-target, draft, heldout, out = sys.argv[1:5]
-configs = [tuple(int(x) for x in c.split(",")) for c in (sys.argv[5:] or ["1,5,6", "4,5,16", "8,6,32"])]
-tok = Tokenizer.from_dir(target, ModelConfig.from_dir(target))
-texts = [json.loads(line)["text"] for line in open(heldout) if line.strip()]
-prompts = [tok.encode(t)[:192] for t in texts[:32]]
-t0 = time.time()
-res = acceptance(target, draft, prompts, [(k, s, n) for k, s, n in configs], "cuda", "bfloat16", max_tokens=128)
-summary = {"target": target, "draft": draft, "prompts": len(prompts), "prompt_tokens": 192, "max_tokens": 128,
-           "results": res, "seconds": round(time.time() - t0, 1)}
-json.dump(summary, open(out, "w"), indent=2)
-for name, st in res.items():
-    print(name, "mean accept length", st["mean_accept_length"], "per depth", st["accept_rate_per_depth"])
+PROMPTS, PROMPT_TOKENS, MAX_TOKENS = int(os.environ.get("EVAL_PROMPTS", 32)), 192, 128
+
+
+def main() -> None:
+    target, draft, heldout, out = sys.argv[1:5]
+    configs = [tuple(int(x) for x in c.split(",")) for c in (sys.argv[5:] or ["1,5,6", "4,5,16", "8,6,32"])]
+    tok = Tokenizer.from_dir(target, ModelConfig.from_dir(target))
+    texts = [json.loads(line)["text"] for line in open(heldout) if line.strip()]
+    prompts = [tok.encode(t)[:PROMPT_TOKENS] for t in texts[:PROMPTS]]
+    t0 = time.time()
+    cuda = torch.cuda.is_available()
+    results = acceptance(target, draft, prompts, configs, "cuda" if cuda else "cpu", "bfloat16" if cuda else "float32",
+                         max_tokens=MAX_TOKENS)
+    summary = {"target": target, "draft": draft, "prompts": len(prompts), "prompt_tokens": PROMPT_TOKENS,
+               "max_tokens": MAX_TOKENS, "results": results, "seconds": round(time.time() - t0, 1)}
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=2)
+    for name, st in results.items():
+        print(f"{target.rstrip('/').split('/')[-1]} {name}: mean accept length {st['mean_accept_length']:.3f}, "
+              f"per depth {st['accept_rate_per_depth']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,5 +1,6 @@
-"""`spruce train-draft`: loss goes down on a toy corpus; the head loads in spruce and drafts losslessly;
-the training module's forward equals spruce's inference draft on the same weights."""
+"""`spruce train-draft`: the loss goes down on a toy corpus; the checkpoint is the published EAGLE-3 layout and
+spruce drafts losslessly with it; the training forward equals spruce's inference draft (extend and the draft
+steps of a chain); the dense target forward equals the paged one; d2t/t2d; exact resume."""
 
 from __future__ import annotations
 
@@ -7,93 +8,230 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from spruce import LLM, SamplingParams
+from spruce.attention.backend import create_backend
+from spruce.attention.metadata import Phase
 from spruce.config import builtin_model_path
+from spruce.models.eagle import DraftConfig
+from spruce.models.hf_config import ModelConfig
+from spruce.models.loader import load_target
+from spruce.speculative.tree import own_bits
+from spruce.train.checkpoint import STATE_FILE, make_head
+from spruce.train.data import PackedWindows
+from spruce.train.target import FrozenTarget
 from spruce.train.trainer import TrainConfig, train
-from spruce.train.vocab import build_draft_vocab
+from spruce.train.vocab import build_draft_vocab, draft_ids
 
-TARGET = str(builtin_model_path())
-CORPUS = "\n".join(f"def add_{i}(a, b):\n    return a + b + {i}\n\n\nclass Point{i}:\n    x = {i}\n    y = {i + 1}\n"
-                   for i in range(60))
+from conftest import SHARED_MODELS
+
+# the bundled demo model (pycode-6m), else the fixture copy of it
+TARGET = str(builtin_model_path() if (builtin_model_path() / "config.json").exists() else SHARED_MODELS / "pycode-6m")
+TTT = 3
+DRAFT_VOCAB = 600
+
+
+def write_corpus(root):
+    """Twelve small, regular Python files (two are held out by the trainer)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(12):
+        body = "\n".join(f"def add_{i}_{j}(a, b):\n    return a + b + {j}\n\n\nclass Point{j}:\n    x = {j}\n"
+                         f"    y = {j + 1}\n" for j in range(10))
+        (root / f"mod{i}.py").write_text(body)
+    return root
+
+
+def small_config(root, **kw) -> TrainConfig:
+    base = dict(target=TARGET, data=[str(root / "data")], out=str(root / "head"), steps=40, ttt_length=TTT,
+                draft_vocab_size=DRAFT_VOCAB, lr=3e-3, warmup_steps=5, batch_size=4, max_length=64,
+                heldout_docs=2, show_progress=False)
+    return TrainConfig(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    (root / "toy.py").write_text(CORPUS)
-    cfg = TrainConfig(target=TARGET, data=[str(root / "toy.py")], out=str(root / "head"), steps=30,
-                      draft_vocab_size=600, ttt_length=3, lr=2e-3, batch_size=2, max_length=48,
-                      show_progress=False)
-    return root, cfg, train(cfg)
+    write_corpus(root / "data")
+    cfg = small_config(root)
+    return cfg, train(cfg)
 
 
 def test_loss_goes_down(trained):
-    _, cfg, summary = trained
+    cfg, summary = trained
     log = [json.loads(line) for line in open(f"{cfg.out}/train_log.jsonl")]
+    assert [r["step"] for r in log] == list(range(1, 41)) and summary["steps"] == 40
     first = sum(r["loss"] for r in log[:5]) / 5
     last = sum(r["loss"] for r in log[-5:]) / 5
-    assert summary["steps"] == 30 and last < 0.7 * first, (first, last)
-    assert log[-1]["acc"][0] > log[0]["acc"][0]
+    assert last < 0.5 * first, (first, last)
+    assert all(len(r["acc"]) == TTT and r["tokens_per_s"] > 0 for r in log)
+    assert sum(r["acc"][0] for r in log[-5:]) / 5 > 0.5  # step-0 agreement with the target's argmax
+    accept = summary["heldout_acceptance"]
+    assert set(accept) == {f"K=1,S={TTT},N={TTT + 1}", f"K=4,S={TTT},N=16"}
+    assert accept[f"K=1,S={TTT},N={TTT + 1}"]["mean_accept_length"] > 1.2
 
 
 def test_checkpoint_format(trained):
-    from safetensors import safe_open
-
-    _, cfg, _ = trained
+    cfg, summary = trained
     conf = json.loads(open(f"{cfg.out}/config.json").read())
-    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == 600
+    tc = ModelConfig.from_dir(TARGET)
+    h, inter = tc.hidden_size, tc.intermediate_size
+    q, kv = tc.num_heads * tc.head_dim, tc.num_kv_heads * tc.head_dim
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["model_type"] == "llama"
+    assert conf["num_hidden_layers"] == 1 and conf["draft_vocab_size"] == DRAFT_VOCAB
+    assert (conf["vocab_size"], conf["hidden_size"], conf["intermediate_size"]) == (tc.vocab_size, h, inter)
+    assert (conf["num_attention_heads"], conf["num_key_value_heads"], conf["head_dim"]) == \
+        (tc.num_heads, tc.num_kv_heads, tc.head_dim)
+    assert conf["rope_theta"] == tc.rope_theta and conf["rms_norm_eps"] == tc.rms_norm_eps
+    assert conf["max_position_embeddings"] == tc.max_position_embeddings
+    expected = {
+        "fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (DRAFT_VOCAB, h), "d2t": (DRAFT_VOCAB,),
+        "t2d": (tc.vocab_size,), "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,), "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h), "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q), "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
+    }
     with safe_open(f"{cfg.out}/model.safetensors", "pt") as f:
-        names = set(f.keys())
-        assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
-    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
-                "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
-                *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
-                *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
-    assert names == expected
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert shapes == expected
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert torch.equal(t2d.nonzero().flatten(), draft_ids(d2t))  # the same vocabulary, in target-id order
+    dcfg = DraftConfig.from_dir(cfg.out, tc)
+    assert dcfg.eagle3 and dcfg.draft_vocab_size == DRAFT_VOCAB
+    assert list(dcfg.target_aux_layers) == summary["aux_layers"]  # the engine feeds the layers it trained on
 
 
 def test_trained_head_drafts_losslessly(trained):
-    _, cfg, _ = trained
-    prompts = ["def add_7(a, b):\n", "class Point3:\n    x = 3\n"]
+    cfg, _ = trained
+    prompts = ["def add_7_3(a, b):\n", "class Point3:\n    x = 3\n"]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in LLM(TARGET).generate(prompts, params)]
     llm = LLM(TARGET, draft_model=cfg.out, speculative_num_steps=3, speculative_eagle_topk=2,
               speculative_num_draft_tokens=6)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
-    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2  # it learned something about this corpus
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.5  # it learned this corpus
 
 
-def test_training_module_equals_inference_draft(trained):
-    """Step 0 of the dense training forward == spruce's paged EAGLE-3 draft on the saved weights."""
-    from spruce.train.head import Eagle3Head  # noqa: F401
-    from spruce.train.target import TargetFeatures
-    from spruce.train.trainer import make_head
-
-    _, cfg, _ = trained
-    llm = LLM(TARGET, draft_model=cfg.out, speculative_num_steps=2, speculative_eagle_topk=2,
-              speculative_num_draft_tokens=3, page_size=4)
+def test_training_forward_equals_inference_draft(trained):
+    """On the same float32 weights: unroll step 0 == the engine's paged draft extend at every position, and
+    step k at index p == the engine's k-th draft step of a chain rooted at p (scratch KV + ancestor mask)."""
+    cfg, _ = trained
+    llm = LLM(TARGET, draft_model=cfg.out, speculative_num_steps=TTT, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=TTT + 1, page_size=4)
     r = llm.engine.runner
-    tf = TargetFeatures(TARGET, "cpu", torch.float32, 1, 64)
-    head = make_head(tf, torch.zeros(600, dtype=torch.int64), torch.zeros(4096, dtype=torch.bool))
-    state = torch.load(f"{cfg.out}/trainer_state.pt")["fp32"]
-    head.load_state_dict(state)
-    r.draft.load_weights(list(state.items()))  # the exact float32 weights (the checkpoint is stored in bf16)
-    ids = list(range(40, 70))
-    aux, _ = tf([ids])
-    want = head(r.target.embed_tokens, torch.tensor([ids]), aux, 1)[0][0]  # [L, Vd]
-    row = r.page_table.alloc_row()
-    r.page_table.append_pages(row, r.allocator.alloc(r.limits.pages_for(len(ids))))
-    batch = r.builder.extend([row], [0], [ids[1:] + [0]])
-    got = r.draft.compute_logits(r.draft_forward(batch, aux[0]))
-    r.allocator.free(r.page_table.release_row(row))
-    assert (got - want).abs().max().item() < 1e-3
+    target = FrozenTarget(TARGET, "cpu", torch.float32)
+    head = make_head(target.config, 3, DRAFT_VOCAB)
+    head.load_state_dict(torch.load(f"{cfg.out}/{STATE_FILE}", weights_only=True)["head"])
+    r.draft.load_weights(list(head.state_dict().items()))  # exact float32 weights (the checkpoint is bf16)
+    ids = llm.tokenizer.encode("class Point4:\n    x = 4\n    y = 5\n\n\ndef add_1_4(a, b):\n    return a")
+    ids_t = torch.tensor([ids])
+    aux, _ = target(ids_t)
+    with torch.no_grad():
+        want = head(target.model.embed_tokens.weight, ids_t, aux, TTT)  # TTT x [1, L, Vd]
+    lim, words = r.limits, r.limits.mask_words
+    length = len(ids)
+    for p in (0, 4, length - TTT - 1):
+        row = r.page_table.alloc_row()
+        r.page_table.append_pages(row, r.allocator.alloc(lim.pages_for(length + TTT)))
+        batch = r.builder.extend([row], [0], [ids[1:p + 2]])  # draft input at position i: (feature i, token i+1)
+        with torch.no_grad():
+            h = r.draft_forward(batch, aux[0, :p + 1])  # [p+1, H]
+            assert (r.draft.compute_logits(h) - want[0][0, :p + 1]).abs().max() < 1e-3
+            feature, mask = h[p:p + 1], torch.zeros(1, 1, words, dtype=torch.int64)
+            for k in range(1, TTT):  # chain node at depth k: position p+k, token p+k+1, ancestors 1..k-1
+                mask = mask | own_bits(1, words, "cpu", offset=k - 1)[None]
+                b = r.builder.scratch_phase(
+                    Phase.DRAFT_DECODE, torch.tensor([row]), torch.tensor([p + 1]), torch.tensor([[ids[p + k + 1]]]),
+                    torch.tensor([[k - 1]]), mask, k - 1, r.draft_kv.scratch_start, lim.draft_scratch_width,
+                    p + 1 + TTT)
+                feature = r.draft_forward(b, feature)
+                got = r.draft.compute_logits(feature)[0]
+                assert (got - want[k][0, p]).abs().max() < 1e-3, (p, k)
+        r.allocator.free(r.page_table.release_row(row))
 
 
-def test_draft_vocab_and_resume(trained, tmp_path):
-    d2t, t2d = build_draft_vocab([[5, 5, 5, 9, 9, 2]], 20, 4)
-    keep = (torch.arange(4) + d2t).tolist()
-    assert keep == [0, 2, 5, 9] and t2d.sum() == 4 and t2d[keep].all()
-    root, cfg, _ = trained
-    more = TrainConfig(**{**cfg.__dict__, "steps": 32, "resume": True})
-    assert train(more)["steps"] == 32
+@pytest.mark.parametrize("variant", ["pycode-6m", "qwen3"])
+def test_dense_target_equals_paged(variant, tmp_path):
+    """The trainer's dense causal target forward == spruce's paged LlamaForCausalLM (aux states and logits)."""
+    from checkpoints import PagedCache, write_llama_checkpoint
+
+    if variant == "pycode-6m":
+        path = TARGET
+    else:
+        pytest.importorskip("transformers")
+        path = write_llama_checkpoint(tmp_path / "t", variant="qwen3", layers=6, seed=2)
+    target = FrozenTarget(path, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (2, 37), generator=g)
+    aux, logits = target(ids)
+    paged = load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4), target.aux_layers)
+    cache = PagedCache.for_model(paged, rows=2, page_size=4)
+    rows = [cache.add_row(37) for _ in range(2)]
+    for i, row in enumerate(rows):  # two chunks: the second reads the first's KV from the pages
+        for lo, hi in ((0, 20), (20, 37)):
+            batch = cache.batch([row], [lo], [ids[i, lo:hi].tolist()])
+            with torch.no_grad():
+                hidden, paged_aux = paged(batch, cache.kv, cache.table)
+            assert (paged_aux - aux[i, lo:hi]).abs().max() < 1e-4
+            assert (paged.compute_logits(hidden) - logits[i, lo:hi]).abs().max() < 1e-3
+
+
+def test_draft_vocab():
+    tokens = torch.tensor([5, 5, 5, 9, 9, 2, 7, 7, 2, 11])  # counts: 5:3, 2:2, 7:2, 9:2, 11:1
+    d2t, t2d = build_draft_vocab(tokens, 20, 4)
+    assert draft_ids(d2t).tolist() == [2, 5, 7, 9]  # ties (2, 7, 9 twice each) all fit; 11 does not
+    assert t2d.sum() == 4 and t2d[[2, 5, 7, 9]].all()
+    d2t, _ = build_draft_vocab(tokens, 20, 3)
+    assert draft_ids(d2t).tolist() == [2, 5, 7]  # tie between 2, 7, 9 broken by the lower id
+    d2t, t2d = build_draft_vocab(torch.tensor([3, 3]), 10, 3)
+    assert draft_ids(d2t).tolist() == [0, 1, 3]  # fewer distinct tokens than asked: lowest unused ids
+    d2t, t2d = build_draft_vocab(tokens, 20, None)
+    assert d2t.shape == (20,) and not d2t.any() and t2d.all()
+    assert build_draft_vocab(tokens, 20, 50)[0].shape == (20,)
+
+
+def test_packed_windows_cover_every_window_per_epoch():
+    w = PackedWindows([list(range(10)), list(range(100, 131))], 8, seed=1)
+    assert len(w) == 5 and w.length == 8
+    seen = torch.cat([w.batch(s, 2) for s in range(5)])[:5]  # 10 picks = 2 epochs of 5 windows
+    assert sorted(seen[:, 0].tolist()) == sorted(w.windows[:, 0].tolist())
+    assert torch.equal(w.batch(3, 2), PackedWindows([list(range(10)), list(range(100, 131))], 8, 1).batch(3, 2))
+
+
+def test_resume_continues_exactly(tmp_path):
+    """3 steps, stop, resume to 6 == 6 steps straight: weights, optimizer moments, step counter, log."""
+    write_corpus(tmp_path / "data")
+    kw = dict(steps=6, heldout_docs=0, batch_size=2, max_length=32, ttt_length=2)
+    straight = small_config(tmp_path, out=str(tmp_path / "a"), **kw)
+    assert train(straight)["steps"] == 6
+    parts = small_config(tmp_path, out=str(tmp_path / "b"), stop_after=3, **kw)
+    assert train(parts)["steps"] == 3
+    summary = train(small_config(tmp_path, out=str(tmp_path / "b"), resume=True, **kw))
+    assert summary["steps"] == 6 and summary["steps_this_run"] == 3
+    a = torch.load(tmp_path / "a" / STATE_FILE, weights_only=True)
+    b = torch.load(tmp_path / "b" / STATE_FILE, weights_only=True)
+    assert a["step"] == b["step"] == 6
+    for name, t in a["head"].items():
+        assert torch.allclose(t.float(), b["head"][name].float(), atol=1e-6), name
+    for i, st in a["optimizer"]["state"].items():
+        assert torch.allclose(st["exp_avg_sq"], b["optimizer"]["state"][i]["exp_avg_sq"], atol=1e-9)
+    log_a = [json.loads(x)["loss"] for x in open(tmp_path / "a" / "train_log.jsonl")]
+    log_b = [json.loads(x)["loss"] for x in open(tmp_path / "b" / "train_log.jsonl")]
+    assert log_a == log_b and len(log_b) == 6
+
+
+def test_cli(tmp_path, capsys):
+    from spruce.cli import main
+
+    write_corpus(tmp_path / "data")
+    base = ["train-draft", "--target", TARGET, "--data", str(tmp_path / "data"), "--out", str(tmp_path / "head"),
+            "--device", "cpu", "--batch-size", "2", "--max-length", "32", "--ttt-length", "2", "--heldout-docs", "0"]
+    assert main(base) == 2 and "--steps N or --time-budget" in capsys.readouterr().err
+    assert main(base + ["--steps", "2", "--draft-vocab-size", "300"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 2 and summary["draft_vocab_size"] == 300
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["draft_vocab_size"] == 300

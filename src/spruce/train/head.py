@@ -1,41 +1,47 @@
-"""The EAGLE-3 head as a trainable module, with training-time test (TTT) unrolling.
+"""The EAGLE-3 head as a trainable module, unrolled for training-time test (TTT).
 
-Parameter names are the published checkpoint's (SGLang's llama_eagle3.py loads them): fc, midlayer.*,
-norm, lm_head, plus the d2t / t2d buffers. Attention is dense here (training sees whole sequences).
-Unroll step k at sequence index p plays the draft node at position p+k: its input is the previous step's
-output hidden at p and the token at p+k+1; it attends to the real prefix (step-0 keys at positions <= p)
-and to its own chain (step-i keys at index p, i = 1..k) - exactly the committed prefix plus the ancestors
-an inference-time tree node sees.
+Parameter names are the published checkpoint's (what SGLang's llama_eagle3.py loads): fc, midlayer.*, norm,
+lm_head, plus the d2t / t2d buffers. Attention is dense: training sees whole windows.
+
+Unroll step k at window index p plays the draft node at position p+k of an inference-time chain rooted at
+p: its feature is step k-1's output hidden at p (step 0: fc of the target's aux states at p), its token is
+the one at p+k+1, and it attends to the committed prefix (step-0 keys at indices <= p) plus its own chain
+(the step-i keys at index p, i = 1..k): exactly what spruce's tree attention gives a draft node, the
+committed prefix plus its ancestors and itself. Its logits predict token p+k+2.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from spruce.models.rope import inv_frequencies
+from spruce.models.rope import POSITION_HEADROOM, inv_frequencies
 from spruce.ops.fused import rms_norm_reference
 
 
 class Norm(nn.Module):
+    """RMSNorm with the engine's rounding (normalize in float32, cast back, then scale)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.eps)
 
 
 class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head (one midlayer) in the published parameter layout; see the module docstring."""
+
     def __init__(self, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float,
-                 target_hidden: int, draft_vocab: int, target_vocab: int, rope_theta: float, rope_scaling,
-                 max_positions: int):
+                 target_hidden: int, num_aux: int, draft_vocab: int, target_vocab: int, rope_theta: float,
+                 rope_scaling: dict | None, max_positions: int):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.fc = nn.Linear(3 * target_hidden, hidden, bias=False)
-        self.midlayer = nn.Module()
-        m = self.midlayer
+        self.fc = nn.Linear(num_aux * target_hidden, hidden, bias=False)
+        self.midlayer = m = nn.Module()
         m.input_layernorm, m.hidden_norm, m.post_attention_layernorm = (Norm(hidden, eps) for _ in range(3))
         m.self_attn = nn.Module()
         m.self_attn.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
@@ -48,52 +54,61 @@ class Eagle3Head(nn.Module):
         m.mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.norm = Norm(hidden, eps)
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(target_vocab, dtype=torch.bool))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                            inv_frequencies(head_dim, rope_theta, rope_scaling))
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))  # [Vd]
+        self.register_buffer("t2d", torch.ones(target_vocab, dtype=torch.bool))  # [V]
+        freqs = torch.outer(torch.arange(max_positions + POSITION_HEADROOM, dtype=torch.float32),
+                            inv_frequencies(head_dim, rope_theta, rope_scaling))  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def _rope(self, x, positions):  # x [B, L, H, D], positions [L]
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, L, h, D] rotated (rotate-half) at positions [L], in float32 like the engine's rotary."""
         c, s = self.cos[positions][None, :, None, :], self.sin[positions][None, :, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
-    def forward(self, embed, input_ids: torch.Tensor, features: torch.Tensor, ttt_length: int) -> list[torch.Tensor]:
-        """input_ids [B, L] (target ids), features [B, L, 3*Ht] (target aux states at each position).
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.midlayer.mlp
+        return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
 
-        Returns the draft logits of each unroll step k, [B, L, Vd]: at index p they predict token p+k+2."""
+    def forward(self, embed_weight: torch.Tensor, input_ids: torch.Tensor, features: torch.Tensor,
+                ttt_length: int) -> list[torch.Tensor]:
+        """input_ids [B, L] target ids, features [B, L, A*Ht] the target's aux states, embed_weight [V, H] the
+        (frozen) target embedding. Returns the logits of each unroll step k < ttt_length, [B, L, Vd] each:
+        at index p they predict token p+k+2 (indices past L-k-2 see padding and must not be scored)."""
         b, length = input_ids.shape
         m, att = self.midlayer, self.midlayer.self_attn
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
         pos = torch.arange(length, device=input_ids.device)
-        h = self.fc(features)  # [B, L, H]
-        k0 = v0 = None
-        chain_k, chain_v, logits = [], [], []
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
-        group = self.heads // self.kv_heads
+        h = self.fc(features)  # [B, L, H] the first step's feature
+        keys, values = [], []  # per step [B, L, Hkv, D]: step 0 = the committed prefix, later = the ancestors
+        logits = []
         for k in range(ttt_length):
-            tok = torch.nn.functional.pad(input_ids[:, k + 1:], (0, k + 1))  # token p+k+1 at index p
-            x = torch.cat([m.input_layernorm(embed(tok)), m.hidden_norm(h)], dim=-1)
-            q = self._rope(att.q_proj(x).view(b, length, self.heads, self.head_dim), pos + k)
-            kk = self._rope(att.k_proj(x).view(b, length, self.kv_heads, self.head_dim), pos + k)
-            vv = att.v_proj(x).view(b, length, self.kv_heads, self.head_dim)
-            kk, vv = kk.repeat_interleave(group, 2), vv.repeat_interleave(group, 2)
-            if k == 0:
-                k0, v0 = kk, vv
-            else:
-                chain_k.append(kk)
-                chain_v.append(vv)
-            scale = self.head_dim ** -0.5
-            s0 = torch.einsum("blhd,bmhd->bhlm", q, k0).float() * scale
-            s0 = s0.masked_fill(~causal, float("-inf"))
-            sc = [torch.einsum("blhd,blhd->bhl", q, c).float()[..., None] * scale for c in chain_k]
-            probs = torch.cat([s0] + sc, dim=-1).softmax(dim=-1).to(q.dtype)  # [B, H, L, L + k]
-            out = torch.einsum("bhlm,bmhd->blhd", probs[..., :length], v0)
-            for i, c in enumerate(chain_v):
-                out = out + probs[..., length + i].permute(0, 2, 1)[..., None] * c
-            h_mid = h + att.o_proj(out.reshape(b, length, -1))
-            mlp_in = m.post_attention_layernorm(h_mid)
-            h = h_mid + m.mlp.down_proj(torch.nn.functional.silu(m.mlp.gate_proj(mlp_in)) * m.mlp.up_proj(mlp_in))
-            logits.append(self.lm_head(self.norm(h)))
+            tok = F.pad(input_ids[:, k + 1:], (0, k + 1))  # [B, L] token p+k+1 at index p
+            x = torch.cat([m.input_layernorm(F.embedding(tok, embed_weight)), m.hidden_norm(h)], dim=-1)  # [B, L, 2H]
+            q = self._rope(att.q_proj(x).view(b, length, hq, d), pos + k)  # [B, L, Hq, D]
+            keys.append(self._rope(att.k_proj(x).view(b, length, hk, d), pos + k))
+            values.append(att.v_proj(x).view(b, length, hk, d))
+            out = self._attend(q, keys, values)  # [B, L, Hq*D]
+            h_mid = h + att.o_proj(out)  # residual: the un-normed feature
+            h = h_mid + self._mlp(m.post_attention_layernorm(h_mid))  # [B, L, H] next step's feature
+            logits.append(self.lm_head(self.norm(h)))  # [B, L, Vd]
         return logits
+
+    def _attend(self, q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """Step k = len(keys) - 1 attention. Keys are laid out as k+1 blocks of L (block i = step i's keys);
+        query p sees block 0 at indices <= p (causal) and index p of blocks 1..k (its chain), through one
+        masked scaled_dot_product_attention. q [B, L, Hq, D] -> [B, L, Hq*D]."""
+        b, length, hq, d = q.shape
+        steps = len(keys)
+        group = hq // keys[0].shape[2]
+        idx = torch.arange(length, device=q.device)
+        causal = idx[None, :] <= idx[:, None]  # [L, L]
+        mask = torch.cat([causal] + [idx[None, :] == idx[:, None]] * (steps - 1), dim=1)  # [L, steps*L]
+
+        def kv(blocks):  # steps x [B, L, Hkv, D] -> [B, Hq, steps*L, D]
+            return torch.cat(blocks, dim=1).transpose(1, 2).repeat_interleave(group, dim=1)
+
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv(keys), kv(values), attn_mask=mask,
+                                             scale=d ** -0.5)  # [B, Hq, L, D]
+        return out.transpose(1, 2).reshape(b, length, hq * d)

@@ -1,54 +1,85 @@
-"""The frozen target, run through spruce's own paged forward, yielding what a draft head trains on."""
+"""The frozen target, as a dense causal forward over [B, L] windows, yielding what a draft head trains on.
+
+The weights are spruce's own LlamaForCausalLM (loaded by spruce's loader, so the fused qkv / gate_up layouts,
+q/k norms and rope scaling are the engine's); only attention differs from the paged path: training windows
+are whole sequences, so each layer attends with one causal scaled_dot_product_attention instead of going
+through a KV pool. tests/test_train_draft.py checks it against the paged forward.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from spruce.attention.backend import create_backend
-from spruce.config import EngineConfig
-from spruce.limits import Limits
-from spruce.memory import KVPool, PageAllocator, PageTable
 from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import load_target
-from spruce.runtime.batch_builder import BatchBuilder
 
 
 def default_aux_layers(cfg: ModelConfig) -> tuple[int, int, int]:
-    """EAGLE-3's default: the residual-stream inputs of target layers [2, L//2, L-3]."""
+    """EAGLE-3's default features (the rule DraftConfig applies to a config without layer ids): the
+    residual-stream inputs of target layers [2, L//2, L-3]."""
     n = cfg.num_layers
     return (2, n // 2, n - 3)
 
 
-class TargetFeatures:
-    """features(batch of token lists) -> (aux [B, L, 3H], logits [B, L, V]) for equal-length sequences."""
+class FrozenTarget:
+    """target(ids [B, L]) -> (aux [B, L, A*H] features, logits [B, L, V] float32), no gradients.
 
-    def __init__(self, path, device: str, dtype: torch.dtype, batch_size: int, max_length: int):
+    aux concatenates the residual-stream inputs of `aux_layers` (EAGLE-3's fc input); logits[:, p] is the
+    target's prediction of token p+1."""
+
+    def __init__(self, path, device: str | torch.device, dtype: torch.dtype,
+                 aux_layers: tuple[int, ...] | None = None):
+        self.path = path
         self.config = ModelConfig.from_dir(path)
         self.device = torch.device(device)
-        ec = EngineConfig(model=str(path), page_size=16, max_running_requests=batch_size,
-                          max_total_tokens=batch_size * (max_length + 16), chunked_prefill_size=batch_size * max_length)
-        self.limits = Limits.derive(ec, self.config.max_position_embeddings, 1, None)
-        backend = create_backend("torch" if self.device.type == "cpu" else "triton", 16)
-        self.model = load_target(path, dtype, self.device, backend, aux_layers=default_aux_layers(self.config))
-        self.table = PageTable(self.limits, self.device)
-        self.allocator = PageAllocator(self.limits)
-        c = self.config
-        self.kv = KVPool(self.limits, c.num_layers, c.num_kv_heads, c.head_dim, 0, dtype, self.device)
-        self.builder = BatchBuilder(self.limits, self.table, self.device)
+        self.dtype = dtype
+        self.aux_layers = tuple(aux_layers) if aux_layers is not None else default_aux_layers(self.config)
+        backend = create_backend("torch", 1)  # the layers' paged attention is never called here
+        self.model = load_target(path, dtype, self.device, backend, aux_layers=self.aux_layers)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V, H] the target's lm_head (its embedding when tied)."""
+        m = self.model
+        return m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
 
     @torch.no_grad()
-    def __call__(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        try:
-            for s in seqs:
-                row = self.table.alloc_row()
-                self.table.append_pages(row, self.allocator.alloc(self.limits.pages_for(len(s))))
-                rows.append(row)
-            batch = self.builder.extend(rows, [0] * len(seqs), seqs)
-            hidden, aux = self.model(batch, self.kv, self.table.table)
-            logits = self.model.compute_logits(hidden)
-        finally:
-            for row in rows:
-                self.allocator.free(self.table.release_row(row))
-        b, length = len(seqs), len(seqs[0])
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        b, length = ids.shape
+        pos = torch.arange(length, device=ids.device).repeat(b)  # [B*L]
+        x = m.embed(ids.reshape(-1))  # [B*L, H] residual stream
+        inputs = {}
+        for i, layer in enumerate(m.layers):
+            if i in self.aux_layers:
+                inputs[i] = x
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), pos, b, length)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        inputs[len(m.layers)] = x
+        aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1)  # [B*L, A*H]
+        logits = m.compute_logits(m.norm(x))  # [B*L, V]
         return aux.view(b, length, -1), logits.view(b, length, -1)
+
+    @staticmethod
+    def _attention(attn, h: torch.Tensor, pos: torch.Tensor, b: int, length: int) -> torch.Tensor:
+        """The paged Attention module's math on a dense causal window: h [B*L, H] -> [B*L, H]."""
+        t = h.shape[0]
+        q, k, v = attn.qkv(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.reshape(t, attn.num_heads, attn.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.rotary(q, pos), attn.rotary(k, pos)
+
+        group = attn.num_heads // attn.num_kv_heads
+
+        def heads(x, repeat=1):  # [T, h, D] -> [B, h*repeat, L, D]
+            x = x.reshape(b, length, x.shape[1], attn.head_dim).transpose(1, 2)
+            return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
+
+        o = F.scaled_dot_product_attention(heads(q), heads(k, group), heads(v, group), is_causal=True,
+                                           scale=attn.scale)  # [B, Hq, L, D]
+        return attn.o_proj(o.transpose(1, 2).reshape(t, attn.q_size))

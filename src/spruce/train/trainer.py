@@ -1,183 +1,213 @@
-"""Training loop for an EAGLE-3 head: match the frozen target's next-token distributions with TTT unrolling."""
+"""Training an EAGLE-3 head against a frozen target, with training-time test (TTT) unrolling.
+
+Recipe (EAGLE-3 / SpecForge): for every window the frozen target yields its aux features and next-token
+distributions; the head is unrolled `ttt_length` steps on its own hidden states (head.py) and each step is
+trained with soft cross-entropy against the target's distribution restricted to the draft vocabulary
+(positions whose target argmax lies outside it are skipped), weighted 0.8**k. Its labels are the target's
+predictions, never the data's next tokens. AdamW, linear warm-up, cosine decay to `min_lr_ratio`, gradient
+clipping at 1. bf16 autocast on CUDA; the head's weights and optimizer stay float32.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from spruce.errors import SpruceError
 from spruce.models.tokenizer import Tokenizer
-from spruce.train.data import load_documents, token_chunks
+from spruce.train.checkpoint import STATE_FILE, load_state, make_head, save_checkpoint, save_state
+from spruce.train.data import PackedWindows, load_documents, split_heldout, tokenize_documents
+from spruce.train.evaluate import acceptance, chain_and_tree
 from spruce.train.head import Eagle3Head
-from spruce.train.target import TargetFeatures
-from spruce.train.vocab import build_draft_vocab
+from spruce.train.target import FrozenTarget
+from spruce.train.vocab import build_draft_vocab, draft_ids
 
-STEP_DECAY = 0.8  # loss weight of unroll step k is 0.8**k (as in EAGLE-3 / SpecForge)
+logger = logging.getLogger("spruce")
+STEP_DECAY = 0.8  # loss weight of unroll step k is STEP_DECAY**k
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class TrainConfig:
+    """One train-draft run. `steps` and `time_budget` (training seconds, summed over resumed runs) both end
+    it, whichever comes first, and set the learning-rate schedule's length; `stop_after` ends this
+    invocation early at that step without changing the schedule (continue with resume=True)."""
+
     target: str
     data: list[str]
     out: str
     steps: int | None = None
-    time_budget: float | None = None  # seconds
+    time_budget: float | None = None
+    stop_after: int | None = None
     draft_vocab_size: int | None = None
     ttt_length: int = 7
-    lr: float = 3e-4
-    batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    batch_size: int = 16
     max_length: int = 512
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the frozen target's dtype
     seed: int = 0
     resume: bool = False
-    save_every: int = 200
+    save_every: int = 500
+    heldout_docs: int = 8  # documents kept out of training; the final acceptance estimate runs on them
+    eval_max_tokens: int = 64
     show_progress: bool = True
 
 
-def make_head(tf: TargetFeatures, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Head:
-    c = tf.config
-    head = Eagle3Head(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-                      c.hidden_size, len(d2t), c.vocab_size, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+def init_head(head: Eagle3Head, target: FrozenTarget, d2t: torch.Tensor, t2d: torch.Tensor, seed: int) -> None:
+    """Random matrices (std 0.02), unit norms, and a warm start of the output side: lm_head = the target's
+    output rows of the draft vocabulary, norm = the target's final norm."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
-        keep = torch.arange(len(d2t)) + d2t  # warm start: the target's own output rows for the draft vocab
-        weight = tf.model.embed_tokens.weight if tf.model.lm_head is None else tf.model.lm_head.weight
-        head.lm_head.weight.copy_(weight[keep.to(weight.device)].float().cpu())
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        head.lm_head.weight.copy_(target.output_weight[draft_ids(d2t).to(target.device)].float().cpu())
+        head.norm.weight.copy_(target.model.norm.weight.float().cpu())
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
-    return head
 
 
-def head_config(tf: TargetFeatures, draft_vocab: int) -> dict:
-    """config.json of the published EAGLE-3 format (LlamaForCausalLMEagle3)."""
-    c = tf.config
-    cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=c.hidden_size,
-               intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
-               num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, num_hidden_layers=1,
-               rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab,
-               max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
-               tie_word_embeddings=False, hidden_act="silu", torch_dtype="bfloat16")
-    if c.rope_scaling:
-        cfg["rope_scaling"] = c.rope_scaling
-    return cfg
+def target_distribution(logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor):
+    """Target logits [B, L, V] -> (probabilities over the draft vocabulary [B, L, Vd] float32, valid [B, L]:
+    the target's argmax is in the draft vocabulary)."""
+    valid = t2d[logits.argmax(-1)]
+    return logits[..., draft_ids(d2t)].float().softmax(-1), valid
 
 
-def ttt_loss(logits: list[torch.Tensor], target_logits: torch.Tensor, t2d: torch.Tensor):
-    """Soft cross-entropy against the target's distribution over the draft vocabulary, per unroll step.
+def ttt_loss(step_logits: list[torch.Tensor], target_p: torch.Tensor, valid: torch.Tensor):
+    """Weighted soft cross-entropy over the unroll steps -> (loss, [accuracy of step k] as 0-dim tensors).
 
-    Step k at index p predicts token p+k+2, i.e. the target's distribution at position p+k+1. Positions whose
-    target argmax is outside the draft vocabulary are skipped. Returns (weighted loss, per-step accuracy)."""
-    length = target_logits.shape[1]
-    draft_ids = t2d.nonzero().squeeze(1)  # draft id -> target id
-    total, accs = 0.0, []
-    for k, lg in enumerate(logits):
-        n = length - (k + 1)
+    Step k's logits at index p predict token p+k+2, i.e. target_p[:, p+k+1]; the last k+1 indices are unscored.
+    Accuracy: draft argmax == target argmax, over the valid positions."""
+    length = target_p.shape[1]
+    total = target_p.new_zeros(())
+    accs = []
+    for k, lg in enumerate(step_logits):
+        n = length - k - 1
         if n <= 0:
             break
-        tgt = target_logits[:, k + 1:].float()  # [B, n, V]
-        valid = t2d[tgt.argmax(-1)]  # [B, n]
-        p = tgt[..., draft_ids].softmax(-1)  # [B, n, Vd]
-        logp = lg[:, :n].float().log_softmax(-1)
-        ce = -(p * logp).sum(-1)
-        denom = valid.sum().clamp(min=1)
-        total = total + STEP_DECAY ** k * (ce * valid).sum() / denom
-        acc = ((lg[:, :n].argmax(-1) == p.argmax(-1)) & valid).sum() / denom
-        accs.append(float(acc))
+        p, v = target_p[:, k + 1:], valid[:, k + 1:]  # [B, n, Vd], [B, n]
+        logq = lg[:, :n].float().log_softmax(-1)
+        ce = -(p * logq).sum(-1)  # [B, n]
+        denom = v.sum().clamp(min=1)
+        total = total + STEP_DECAY ** k * (ce * v).sum() / denom
+        accs.append(((logq.argmax(-1) == p.argmax(-1)) & v).sum() / denom)
     return total, accs
 
 
-def save(head: Eagle3Head, tf: TargetFeatures, out: Path, opt, step: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).cpu().contiguous()
-             for k, v in head.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(head_config(tf, len(head.d2t)), indent=2))
-    torch.save({"step": step, "optimizer": opt.state_dict(), "fp32": head.state_dict()}, out / "trainer_state.pt")
+def learning_rate(cfg: TrainConfig, step: int, seconds: float) -> float:
+    """Warm-up over `warmup_steps`, then cosine from lr to lr*min_lr_ratio over the run's length."""
+    progress = 0.0
+    if cfg.steps:
+        progress = max(progress, step / cfg.steps)
+    if cfg.time_budget:
+        progress = max(progress, seconds / cfg.time_budget)
+    cosine = cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps)) * cosine
+
+
+def train_step(head: Eagle3Head, target: FrozenTarget, opt: torch.optim.Optimizer, ids: torch.Tensor,
+               ttt_length: int, lr: float) -> list[float]:
+    """One optimizer step on windows ids [B, L] -> [loss, accuracy of each unroll step] (one host sync)."""
+    aux, target_logits = target(ids)
+    target_p, valid = target_distribution(target_logits, head.d2t, head.t2d)
+    del target_logits
+    for group in opt.param_groups:
+        group["lr"] = lr
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=ids.is_cuda):
+        step_logits = head(target.model.embed_tokens.weight, ids, aux, ttt_length)
+    loss, accs = ttt_loss(step_logits, target_p, valid)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    opt.step()
+    return torch.stack([loss.detach(), *accs]).tolist()
 
 
 def train(cfg: TrainConfig) -> dict:
+    """Train (or resume) the head described by `cfg`; writes the checkpoint, train_log.jsonl and
+    train_summary.json under cfg.out and returns the summary (with the held-out acceptance estimate)."""
+    if cfg.steps is None and cfg.time_budget is None:
+        raise SpruceError("give --steps N or --time-budget SECONDS")
+    if cfg.ttt_length < 1 or cfg.max_length < cfg.ttt_length + 2:
+        raise SpruceError(f"need ttt_length >= 1 and max_length >= ttt_length + 2, got {cfg.ttt_length}, "
+                          f"{cfg.max_length}")
+    t_setup = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    dtype = getattr(torch, cfg.dtype)
-    out = Path(cfg.out)
-    tf = TargetFeatures(cfg.target, cfg.device, dtype, cfg.batch_size, cfg.max_length)
-    tok = Tokenizer.from_dir(cfg.target, tf.config)
-    chunks = token_chunks(tok, load_documents(cfg.data), cfg.max_length)
-    d2t, t2d = build_draft_vocab(chunks, tf.config.vocab_size, cfg.draft_vocab_size)
-    head = make_head(tf, d2t, t2d).to(cfg.device)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step = 0
-    if cfg.resume and (out / "trainer_state.pt").exists():
-        state = torch.load(out / "trainer_state.pt", map_location=cfg.device)
-        head.load_state_dict(state["fp32"])
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-    embed = tf.model.embed_tokens
-    t2d_dev = head.t2d
-    log = (out / "train_log.jsonl")
+    out, device = Path(cfg.out), torch.device(cfg.device)
     out.mkdir(parents=True, exist_ok=True)
-    total_steps = cfg.steps or 10**9
-    start, first, last = time.time(), None, None
-    bar = tqdm(total=cfg.steps, disable=not cfg.show_progress, desc="train-draft", initial=step)
-    while step < total_steps and (cfg.time_budget is None or time.time() - start < cfg.time_budget):
-        batch = rng.sample(chunks, min(cfg.batch_size, len(chunks)))
-        length = min(len(c) for c in batch)
-        seqs = [c[:length] for c in batch]
-        aux, tlogits = tf(seqs)
-        ids = torch.tensor(seqs, device=cfg.device)
-        warm = min(1.0, (step + 1) / 50)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * warm
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=tf.device.type == "cuda"):
-            logits = head(lambda t: embed(t).detach(), ids, aux.detach(), cfg.ttt_length)
-            loss, accs = ttt_loss(logits, tlogits, t2d_dev)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        value = float(loss.detach())
-        first = value if first is None else first
-        last = value
-        record = {"step": step, "loss": round(value, 5), "acc": [round(a, 4) for a in accs],
-                  "tokens": len(seqs) * length, "elapsed_s": round(time.time() - start, 2)}
-        with log.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.3f}", acc0=f"{accs[0]:.2f}" if accs else "-",
-                        acc_last=f"{accs[-1]:.2f}" if accs else "-")
-        if step % cfg.save_every == 0:
-            save(head, tf, out, opt, step)
+    target = FrozenTarget(cfg.target, device, TORCH_DTYPES[cfg.dtype])
+    tc = target.config
+    tok = Tokenizer.from_dir(cfg.target, tc)
+    if tok is None:
+        raise SpruceError(f"the target {cfg.target} has no tokenizer.json; train-draft needs one to read text")
+    docs, held = split_heldout(load_documents(cfg.data), cfg.heldout_docs, cfg.seed)
+    windows = PackedWindows(tokenize_documents(cfg.target, tok, docs), cfg.max_length, cfg.seed)
+    d2t, t2d = build_draft_vocab(windows.windows, tc.vocab_size, cfg.draft_vocab_size)
+    head = make_head(tc, len(target.aux_layers), len(d2t))
+    init_head(head, target, d2t, t2d, cfg.seed)
+    head.to(device)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    settings = {"target": str(cfg.target), "target_vocab_size": tc.vocab_size, "target_hidden_size": tc.hidden_size,
+                "draft_vocab_size": len(d2t), "max_length": windows.length, "batch_size": cfg.batch_size,
+                "ttt_length": cfg.ttt_length, "seed": cfg.seed, "heldout_docs": cfg.heldout_docs}
+    step, seconds = 0, 0.0
+    log_path = out / "train_log.jsonl"
+    if cfg.resume and (out / STATE_FILE).exists():
+        step, seconds = load_state(out, head, opt, settings)
+    else:
+        if cfg.resume:
+            logger.warning("train-draft: nothing to resume in %s (no %s); starting from scratch", out, STATE_FILE)
+        log_path.unlink(missing_ok=True)
+    setup_s = time.perf_counter() - t_setup
+    on_cuda = device.type == "cuda"
+    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.show_progress, desc="train-draft", unit="step")
+    start_step, first, last = step, None, None
+    with log_path.open("a") as log:
+        while not ((cfg.steps and step >= cfg.steps) or (cfg.stop_after is not None and step >= cfg.stop_after)
+                   or (cfg.time_budget and seconds >= cfg.time_budget)):
+            t0 = time.perf_counter()
+            ids = windows.batch(step, cfg.batch_size).to(device, non_blocking=True)  # [B, L]
+            lr = learning_rate(cfg, step, seconds)
+            values = train_step(head, target, opt, ids, cfg.ttt_length, lr)
+            step += 1
+            dt = time.perf_counter() - t0
+            seconds += dt
+            first = values[0] if first is None else first
+            last = values[0]
+            record = {"step": step, "loss": round(values[0], 5), "acc": [round(a, 4) for a in values[1:]],
+                      "lr": lr, "tokens_per_s": round(ids.numel() / dt), "seconds": round(seconds, 2)}
+            log.write(json.dumps(record) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{values[0]:.3f}", acc=" ".join(f"{a:.2f}" for a in values[1:]),
+                            tok_s=f"{record['tokens_per_s'] / 1e3:.0f}k")
+            if step % cfg.save_every == 0:
+                log.flush()
+                save_state(out, head, opt, step, seconds, settings)
+                save_checkpoint(head, tc, out)
     bar.close()
-    save(head, tf, out, opt, step)
-    summary = {"steps": step, "first_loss": first, "last_loss": last, "seconds": round(time.time() - start, 1),
-               "chunks": len(chunks), "draft_vocab_size": len(d2t), "config": asdict(cfg)}
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+    save_state(out, head, opt, step, seconds, settings)
+    save_checkpoint(head, tc, out)
+    summary = {"steps": step, "steps_this_run": step - start_step, "first_loss": first, "last_loss": last,
+               "train_seconds": round(seconds, 1), "setup_seconds": round(setup_s, 1),
+               "train_tokens": windows.num_tokens, "windows": len(windows), "window_length": windows.length,
+               "epochs": round(step * cfg.batch_size / len(windows), 3), "draft_vocab_size": len(d2t),
+               "aux_layers": list(target.aux_layers), "heldout_docs": len(held), "config": asdict(cfg)}
+    if held:
+        del head, opt, target
+        prompts = [tok.encode(t)[:128] for t in held]
+        summary["heldout_acceptance"] = acceptance(
+            cfg.target, str(out), prompts, chain_and_tree(min(5, cfg.ttt_length)), cfg.device,
+            "bfloat16" if on_cuda else "float32", max_tokens=cfg.eval_max_tokens)
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def acceptance(target: str, draft: str, prompts: list[list[int]], configs, device: str, dtype: str,
-               max_tokens: int = 128) -> dict:
-    """Mean accepted length (tokens per verify round, bonus included), greedy, per (K, S, N) config."""
-    from spruce import LLM, SamplingParams
-
-    result = {}
-    for k, s, n in configs:
-        llm = LLM(target, device=device, dtype=dtype, draft_model=draft, speculative_algorithm="EAGLE3",
-                  speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n,
-                  max_running_requests=min(16, len(prompts)))
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        st = llm.engine.stats()["spec"]
-        result[f"K={k},S={s},N={n}"] = st
-        del llm
-    return result

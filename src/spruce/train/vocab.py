@@ -1,28 +1,29 @@
-"""Draft vocabulary: the most frequent target tokens of the data, as EAGLE-3's d2t / t2d tensors."""
+"""Draft vocabulary: the most frequent target tokens of the training data, as EAGLE-3's d2t / t2d tensors."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import torch
 
 
-def build_draft_vocab(chunks: list[list[int]], target_vocab: int, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [Vd] int64 offsets with target id = draft id + d2t[draft id], t2d [V] bool membership).
+def build_draft_vocab(tokens: torch.Tensor, target_vocab: int, size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool) for the training tokens `tokens` (any shape, target ids).
 
-    size None (or >= the target vocab): the full vocabulary, d2t all zeros. Otherwise the `size` most frequent
-    tokens of the data (ties: lower id), topped up with the lowest unused ids if the data has fewer.
-    """
+    Draft id i stands for target id i + d2t[i]; draft ids are in increasing target-id order. t2d[t] says
+    whether target id t is in the draft vocabulary. size None (or >= the target vocab): the full vocabulary
+    (d2t all zeros). Otherwise the `size` most frequent ids (ties, and unseen ids when the data has fewer
+    distinct tokens than `size`, go to the lower id)."""
     if size is None or size >= target_vocab:
         return torch.zeros(target_vocab, dtype=torch.int64), torch.ones(target_vocab, dtype=torch.bool)
-    counts = Counter(t for c in chunks for t in c)
-    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:size]
-    chosen = set(ranked)
-    for t in range(target_vocab):
-        if len(chosen) >= size:
-            break
-        chosen.add(t)
-    keep = torch.tensor(sorted(chosen), dtype=torch.int64)  # draft id i <-> target id keep[i]
+    if size < 1:
+        raise ValueError(f"draft vocabulary size must be >= 1, got {size}")
+    counts = torch.bincount(tokens.reshape(-1).to(torch.int64), minlength=target_vocab)[:target_vocab]  # [V]
+    ranked = torch.sort(-counts, stable=True).indices[:size]  # most frequent first, ties by id
+    keep = torch.sort(ranked).values  # [Vd] target id of each draft id
     t2d = torch.zeros(target_vocab, dtype=torch.bool)
     t2d[keep] = True
     return keep - torch.arange(size), t2d
+
+
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """[Vd] target id of every draft id."""
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
