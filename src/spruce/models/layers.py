@@ -48,8 +48,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
-        """x [T, in_features] -> [T, hidden]; stores this layer's K/V in `kv` (a KVPool) at batch.out_slots."""
+    def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, in_features] -> q [T, Hq, D], k [T, Hkv, D] (q/k-normed if configured, rotated), v [T, Hkv, D]."""
         t = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -57,7 +57,12 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
+        return self.rotary(q, positions), self.rotary(k, positions), v
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, hidden]; stores this layer's K/V in `kv` (a KVPool) at batch.out_slots."""
+        t = x.shape[0]
+        q, k, v = self.project_qkv(x, batch.positions)
         k_cache, v_cache = kv.layer(self.layer_id)
         o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -66,13 +66,7 @@ class FrozenTarget:
     def _attention(attn, h: torch.Tensor, pos: torch.Tensor, b: int, length: int) -> torch.Tensor:
         """The paged Attention module's math on a dense causal window: h [B*L, H] -> [B*L, H]."""
         t = h.shape[0]
-        q, k, v = attn.qkv(h).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.reshape(t, attn.num_heads, attn.head_dim)  # [T, Hq, D]
-        k = k.reshape(t, attn.num_kv_heads, attn.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, attn.num_kv_heads, attn.head_dim)
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.rotary(q, pos), attn.rotary(k, pos)
+        q, k, v = attn.project_qkv(h, pos)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
 
         group = attn.num_heads // attn.num_kv_heads
 
