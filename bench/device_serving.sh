@@ -7,12 +7,12 @@ M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 run() {  # name port extra-server-flags...
   local name=$1 port=$2; shift 2
-  setsid python3 -m spruce.cli serve --model "$M19" --port "$port" --max-running-requests 32 --cuda-graph-max-bs 16 "$@" \
+  setsid python3 -m spruce.cli serve --model "$M19" --port "$port" --max-running-requests 32 --cuda-graph-max-bs 32 "$@" \
     > "/tmp/server-$name.log" 2>&1 &
   for _ in $(seq 300); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" 2>/dev/null && break; sleep 1; done
   timeout ${BENCH_TIMEOUT:-200} python3 -m spruce.cli bench serving --base-url "http://127.0.0.1:$port" \
     --concurrency 1 8 32 --num-requests 64 --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
-    --prompt-tokens 256 --max-tokens 128 --device "H100 ($name)" --out-dir "$OUT" 2>&1 | tail -8
+    --prompt-tokens 256 --max-tokens 128 --out-dir "$OUT" 2>&1 | tail -8
   tail -4 "/tmp/server-$name.log"
   pkill -f "spruce.cli serve --model $M19 --port $port" || true
   sleep 2

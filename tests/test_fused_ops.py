@@ -66,15 +66,20 @@ def test_empty_inputs():
     assert F.silu_and_mul(torch.zeros(0, 32, device=DEVICE)).shape == (0, 16)
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_topk_small_equals_torch(k):
-    from spruce.ops.topk import topk_small
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 4, 8, 16])
+def test_softmax_topk_equals_torch(k, dtype):
+    """Chunked top-k + logsumexp == softmax then topk: same ids, same probabilities (fp32 rounding)."""
+    from spruce.ops.topk import softmax_topk
 
     g = torch.Generator().manual_seed(k)
-    x = torch.randn(5, 5000, generator=g).softmax(-1).to(DEVICE)
-    vals, idx = topk_small(x, k)
-    ref_vals, ref_idx = x.topk(k, dim=-1)
-    assert torch.equal(vals, ref_vals) and torch.equal(idx, ref_idx)
+    logits = (4 * torch.randn(5, 5000, generator=g)).to(dtype).to(DEVICE)  # 3 chunks, the last one partial
+    logits[1, 2048:4096] = float("-inf")  # a whole chunk masked out
+    p, ids = softmax_topk(logits, k)
+    ref_p, ref_ids = logits.float().softmax(-1).topk(k, dim=-1)
+    assert torch.equal(ids, ref_ids)
+    assert (p - ref_p).abs().max().item() <= 1e-6 + 1e-5 * ref_p.abs().max().item()
+    assert p.dtype == torch.float32 and ids.dtype == torch.int64
 
 
 def test_fused_scratch_metadata_equals_torch_fill():

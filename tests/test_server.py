@@ -180,6 +180,15 @@ def test_models_health_metrics(server):
     assert httpx.get(f"{server.base_url}/metrics").headers["content-type"].startswith("text/plain")
 
 
+def test_server_info_names_device_and_speculation(server):
+    """The serving benchmark names its results after the server's device, read from spruce_server_info."""
+    from spruce.bench.serving import server_info
+
+    info = server_info(server.base_url, {})
+    assert info["device"].startswith("cpu (") and info["speculative"].startswith("EAGLE3 S=")
+    assert info["attention_backend"] == "torch" and info["cuda_graph_buckets"] == "off"
+
+
 GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
 BAD = [
     ("completions", "{not json", 400, None),

@@ -73,9 +73,10 @@ def make_case(phase: Phase, bs: int, q_len: int, kv_lens: list[int], page_size: 
         max_kv_len=int(tok_kv.max()) if t else 0, scratch_width=width if phase != Phase.EXTEND else 0,
         max_q_len=q_len,
     )
-    q = torch.randn(t, heads, head_dim, generator=g).to(dtype).to(dev)
-    k = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype).to(dev)
-    v = torch.randn(t, kv_heads, head_dim, generator=g).to(dtype).to(dev)
+    # q, k, v are strided views of one fused qkv output, as the model layers hand them over
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(dev)
+    q, k, v = (x.view(t, h, head_dim) for x, h in zip(
+        qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1), (heads, kv_heads, kv_heads)))
     return q, k, v, k_cache.to(dev), v_cache.to(dev), scratch_start, batch, table.to(dev)
 
 

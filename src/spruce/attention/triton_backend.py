@@ -16,7 +16,7 @@ import triton
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
-from spruce.attention.triton_kernels.store_kv import store_kv
+from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
 
 BLOCK_N = 32
 MAX_SPLITS = 16
@@ -54,8 +54,8 @@ class TritonAttention(AttentionBackend):
         num_q_blocks = triton.cdiv(max(batch.max_q_len, 1), block_m)
         grid0 = batch.batch_size * num_q_blocks
         splits = self.num_splits(grid0 * num_heads, batch.max_kv_len, q.device)
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
         if splits > 1:
             part_o = torch.empty(splits, t, num_heads, head_dim, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(splits, t, num_heads, dtype=torch.float32, device=q.device)
@@ -64,7 +64,7 @@ class TritonAttention(AttentionBackend):
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         paged_attention_kernel[(grid0, num_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
-            part_o, part_lse, num_q_blocks, t, page_table.stride(0), scratch_start, scale * 1.4426950408889634,
+            part_o, part_lse, num_q_blocks, t, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
             MASK_WORDS=batch.tree_mask.shape[1], NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N,

@@ -14,9 +14,13 @@ RESULTS_DIR = Path("bench/results")
 
 
 def device_name(device: str) -> str:
+    """Display name: the GPU's for "cuda[:i]", the processor's for "cpu", otherwise `device` itself (a name
+    reported by a server, say)."""
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    return f"cpu ({platform.processor() or platform.machine()})"
+    if device.startswith("cpu") or device.startswith("cuda"):
+        return f"cpu ({platform.processor() or platform.machine()})"
+    return device
 
 
 def git_commit() -> str:

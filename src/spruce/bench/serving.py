@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -119,6 +120,19 @@ async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> Re
     res.e2e = time.perf_counter() - t0
     res.ok = True
     return res
+
+
+def server_info(base_url: str, headers: dict) -> dict[str, str]:
+    """Labels of the server's spruce_server_info metric (device, model, speculation, ...); {} if absent."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    for line in text.splitlines():
+        if line.startswith("spruce_server_info{"):
+            body = line[line.index("{") + 1: line.rindex("}")]
+            return dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', body))
+    return {}
 
 
 async def _accept_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
@@ -261,9 +275,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     levels = asyncio.run(_bench(args, prompts, model))
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    info = server_info(args.base_url, headers)
+    device = args.device or info.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")} | {
-        "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts)}
+        "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
     path = write_result("serving", device, config, {"levels": levels}, Path(args.out_dir))
     print(f"results: {path}")
     png = plot(levels, path.with_suffix(".png"))

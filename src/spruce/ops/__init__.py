@@ -5,6 +5,6 @@ tests run both, through Triton's interpreter on CPU and natively on the GPU, and
 """
 
 from spruce.ops.fused import add_rms_norm, rms_norm, rotary_, silu_and_mul
-from spruce.ops.topk import topk_small
+from spruce.ops.topk import softmax_topk
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul", "topk_small"]
+__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul", "softmax_topk"]

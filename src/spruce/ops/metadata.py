@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "n_per", "scratch_offset"])  # vary per call: compile once
 def _scratch_metadata_kernel(
     rows_ptr, committed_ptr, ids_ptr, depths_ptr, masks_ptr,
     out_ids, out_pos, out_slots, out_rows, out_kv, out_mask, out_req_rows, out_indptr,

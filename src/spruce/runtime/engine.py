@@ -249,6 +249,19 @@ class Engine:
         with self._lock:
             self.scheduler.check_accounting()
 
+    def info(self) -> dict[str, str]:
+        """What this engine serves and how: device, model, dtype, attention backend, speculation, graphs."""
+        from spruce.bench.common import device_name
+
+        cfg, lim, spec = self.config, self.limits, self.config.speculative
+        return {
+            "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,
+            "attention_backend": self.runner.backend.name, "page_size": str(lim.page_size),
+            "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
+                            if spec is not None else "off"),
+            "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
+        }
+
     def stats(self) -> dict:
         with self._lock:
             alloc = self.runner.allocator

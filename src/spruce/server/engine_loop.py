@@ -80,7 +80,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: Metrics | None = None):
         self.engine = engine
         spec_steps = engine.limits.num_steps if engine.worker is not None else 0
-        self.metrics = metrics or Metrics(spec_steps)
+        self.metrics = metrics or Metrics(spec_steps, engine.info())
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []

@@ -59,8 +59,9 @@ class RequestClock:
 class Metrics:
     """Everything /metrics reports. Thread-safe: the engine thread writes, the event loop renders."""
 
-    def __init__(self, num_spec_steps: int = 0):
+    def __init__(self, num_spec_steps: int = 0, info: dict[str, str] | None = None):
         self.num_spec_steps = num_spec_steps
+        self.info = dict(info or {})  # constant labels of spruce_server_info (device, model, speculation, ...)
         self._lock = threading.Lock()
         self.ttft = Histogram("spruce_time_to_first_token_seconds",
                               "Time from request arrival to its first generated token.", LATENCY_BUCKETS)
@@ -136,6 +137,10 @@ class Metrics:
             out: list[str] = []
             gauge = _emit(out, "gauge")
             counter = _emit(out, "counter")
+            if self.info:
+                labels = ",".join(f'{k}="{_label(v)}"' for k, v in self.info.items())
+                out += ["# HELP spruce_server_info What this server serves and how (labels; value 1).",
+                        "# TYPE spruce_server_info gauge", f"spruce_server_info{{{labels}}} 1"]
             gauge("spruce_requests_running", "Requests in the running batch.", s.get("running", 0))
             gauge("spruce_requests_waiting", "Requests queued for admission.", s.get("waiting", 0))
             gauge("spruce_kv_pages_used", "KV cache pages in use.", s.get("kv_pages_used", 0))
@@ -172,6 +177,11 @@ def _emit(out: list[str], kind: str):
             out.append(f"{name} {_num(value)}")
 
     return emit
+
+
+def _label(v: str) -> str:
+    """A Prometheus label value: backslash, quote and newline escaped."""
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _num(v: float) -> str:

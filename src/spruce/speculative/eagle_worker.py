@@ -3,9 +3,10 @@ draft extend.
 
 The round is three graph-capturable phases over static, Limits-sized buffers (rows past the real batch
 hold the dummy row): DRAFT_DECODE (all S-1 draft steps + tree build), VERIFY (target forward over the
-tree + logits) and DRAFT_EXTEND (commit of the accepted path + draft extend + next step-0 top-K). Token
-selection and acceptance run eagerly between VERIFY and DRAFT_EXTEND. Nothing in a round syncs with the
-host until the accepted tokens are read back at its end. The same phase functions run eagerly or under
+tree + logits + greedy acceptance) and DRAFT_EXTEND (commit of the accepted path + draft extend + next
+step-0 top-K). When a batch has sampled requests, their token selection and acceptance run eagerly between
+VERIFY and DRAFT_EXTEND and overwrite the greedy result. Nothing in a round syncs with the host until one
+[bs, S+2] read-back (accept lengths and tokens) at its end. The same phase functions run eagerly or under
 CUDA graphs (runtime/cuda_graph.py).
 """
 
@@ -17,10 +18,11 @@ import torch
 
 from spruce.attention.metadata import Phase
 from spruce.errors import ConfigError
-from spruce.ops import topk_small
+from spruce.ops import softmax_topk
 from spruce.runtime.batch_builder import paged_slots
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
+from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.tree import DraftCandidates, Tree, build_tree, own_bits
 from spruce.speculative.verify import accept
 
@@ -53,13 +55,24 @@ class EagleWorker:
         self.accept_lens = torch.zeros(r, **i64)  # [R]
         self.path = torch.zeros(r, self.S + 1, **i64)  # [R, S+1]
         self.bonus = torch.zeros(r, **i64)  # [R]
+        # draft-loop buffers: every candidate of a round (M = K + (S-1)*K*K), written in place by each step
+        k, s, m = self.K, self.S, self.K + (self.S - 1) * self.K * self.K
+        self.to_target = draft.draft_to_target(torch.arange(draft.draft_vocab_size, **i64))  # [draft vocab]
+        self.cand_tokens = torch.zeros(r, m, **i64)  # [R, M]
+        self.cand_scores = torch.zeros(r, m, dtype=torch.float32, device=dev)  # [R, M]
+        self.cand_parents = torch.full((r, m), -1, **i64)  # [R, M] step-0 columns stay -1 (children of the root)
+        depth_of = [1] * k + [d + 1 for d in range(1, s) for _ in range(k * k)]
+        self.cand_depths = torch.tensor(depth_of, **i64)[None, :].expand(r, m)  # [R, M] constant
+        self.step_depths = torch.arange(s, **i64)[:, None, None].expand(s, r, k).contiguous()  # [S, R, K]: j
+        self.first_cand = torch.arange(k, **i64)[None, :].expand(r, k).contiguous()  # [R, K]
+        self.no_masks = torch.zeros(r, k, lim.mask_words, **i64)  # [R, K, words]
         self._tree: Tree | None = None
         self._verify_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- draft state after an extend ------------------------------------------------------------------------
     def _store_step0(self, rows: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """From the draft's hidden at each request's last committed position: top-K for the next round."""
-        p, ids = topk_small(self.runner.draft.compute_logits(last_hidden).softmax(dim=-1), self.K)  # [bs, K]
+        p, ids = softmax_topk(self.runner.draft.compute_logits(last_hidden), self.K)  # [bs, K]
         self.topk_p[rows] = p
         self.topk_ids[rows] = self.runner.draft.draft_to_target(ids)
         self.hidden[rows] = last_hidden.to(self.hidden.dtype)
@@ -97,25 +110,32 @@ class EagleWorker:
         timer = r.timer
         with timer.phase("draft"):
             self._tree = graphs.run("draft", self._draft_phase, bs, max_kv)
-        with timer.phase("verify"):
+        with timer.phase("verify"):  # also accepts greedily on the device (the rows' accept state)
             self._verify_out = graphs.run("verify", self._verify_phase, bs, max_kv)
-        with timer.phase("accept"):
-            logits, _ = self._verify_out
-            tree = self._tree
-            n = bs * self.N
-            positions = (self.committed[:bs, None] + tree.depths[:bs] + 1).reshape(-1)  # each node's successor
-            nodes = torch.arange(self.N, device=r.device).repeat(bs)
-            target_tokens = select_tokens(logits[:n], sampling, positions, nodes).view(bs, self.N)
-            acc = accept(_slice_tree(tree, bs), target_tokens, self.S)
-            self.accept_lens[:bs] = acc.accept_lens
-            self.path[:bs] = acc.path
-            self.bonus[:bs] = acc.bonus
+        if not sampling.all_greedy:
+            with timer.phase("accept"):  # sampled rows: accept along the target's own samples instead
+                self._accept(bs, self._sampled_target_tokens(bs, sampling))
         with timer.phase("extend"):
-            next_tokens = graphs.run("extend", self._extend_phase, bs, max_kv)
+            out = graphs.run("extend", self._extend_phase, bs, max_kv)  # [P, S+2]
         with timer.phase("sync"):
-            lens = acc.accept_lens.tolist()  # the round's one host sync
-            toks = next_tokens[:bs].tolist()
-        return RoundResult(accept_lens=lens, new_tokens=[t[: a + 1] for t, a in zip(toks, lens)])
+            host = out[:bs].tolist()  # the round's one host sync: accept length, then the next tokens
+        lens = [row[0] for row in host]
+        return RoundResult(accept_lens=lens, new_tokens=[row[1: a + 2] for row, a in zip(host, lens)])
+
+    def _sampled_target_tokens(self, bs: int, sampling: SamplingTensors) -> torch.Tensor:
+        """The target's token after each tree node under the requests' sampling parameters: [bs, N]."""
+        logits, tree = self._verify_out[0], self._tree
+        positions = (self.committed[:bs, None] + tree.depths[:bs] + 1).reshape(-1)  # each node's successor
+        nodes = torch.arange(self.N, device=self.runner.device).repeat(bs)
+        return select_tokens(logits[: bs * self.N], sampling, positions, nodes).view(bs, self.N)
+
+    def _accept(self, P: int, target_tokens: torch.Tensor) -> None:
+        """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing)."""
+        acc = accept(_slice_tree(self._tree, P), target_tokens, self.S)
+        real = self.rows[:P] != self.runner.limits.dummy_row
+        self.accept_lens[:P] = torch.where(real, acc.accept_lens, 0)
+        self.path[:P] = acc.path
+        self.bonus[:P] = acc.bonus
 
     def _fill_inputs(self, reqs, pad: int) -> None:
         dev = self.runner.device
@@ -148,11 +168,15 @@ class EagleWorker:
         batch = r.builder.scratch_phase(Phase.VERIFY, self.rows[:P], self.committed[:P], tree.tokens, tree.depths,
                                         tree.masks, 0, r.target_kv.scratch_start, lim.target_scratch_width, max_kv)
         hidden, aux = r.target_forward(batch)
-        self._verify_out = (r.target.compute_logits(hidden), r.target_features(hidden, aux))  # [P*N, V], [P*N, F]
+        logits = r.target.compute_logits(hidden)  # [P*N, V]
+        self._verify_out = (logits, r.target_features(hidden, aux))  # [P*N, V], [P*N, F]
+        self._accept(P, logits.argmax(dim=-1).view(P, self.N))  # greedy rows' acceptance, inside the graph
         return self._verify_out
 
     def _extend_phase(self, P: int, max_kv: int) -> torch.Tensor:
-        """Commit the accepted path's target KV, then run the draft over it; returns next tokens [P, S+1]."""
+        """Commit the accepted path's target KV, then run the draft over it.
+
+        Returns [P, S+2]: each row's accept length, then its S+1 next tokens (accepted path + bonus, padded)."""
         r, lim, tree = self.runner, self.runner.limits, self._tree
         rows, committed = self.rows[:P], self.committed[:P]
         accept_lens, path, bonus = self.accept_lens[:P], self.path[:P], self.bonus[:P]
@@ -172,47 +196,39 @@ class EagleWorker:
         h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), -1))  # [P*(S+1), Hd]
         last = h.view(P, self.S + 1, -1).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
         self._store_step0(rows, last[:, 0])
-        return next_tokens
+        return torch.cat([accept_lens[:, None], next_tokens], dim=1)
 
     def _draft(self, rows: torch.Tensor, committed: torch.Tensor, max_kv: int) -> DraftCandidates:
         """S steps of top-K expansion. Step 0 is the stored top-K; step j runs the draft on the K frontier
-        nodes (depth j, draft position committed + j - 1) and keeps the best K of their K*K children."""
+        nodes (depth j, draft position committed + j - 1) and keeps the best K of their K*K children
+        (speculative/frontier.py). Every candidate lands in the persistent cand_* buffers."""
         r, lim = self.runner, self.runner.limits
         K, S = self.K, self.S
-        bs = rows.shape[0]
-        dev = r.device
+        P = rows.shape[0]
         words = lim.mask_words
-        f_tokens = self.topk_ids[rows]  # [bs, K]
-        f_scores = self.topk_p[rows]  # [bs, K]
-        f_cand = torch.arange(K, device=dev)[None, :].expand(bs, K)  # candidate index of each frontier node
-        f_hidden = self.hidden[rows][:, None, :].expand(bs, K, -1)  # [bs, K, Hd] feature feeding each node
-        f_masks = torch.zeros(bs, K, words, dtype=torch.int64, device=dev)  # ancestors in draft scratch
-        tokens, scores = [f_tokens], [f_scores]
-        parents = [torch.full((bs, K), -1, dtype=torch.int64, device=dev)]
-        depths = [torch.ones(bs, K, dtype=torch.int64, device=dev)]
-        offset = K
+        cand_tokens, cand_scores, cand_parents = self.cand_tokens[:P], self.cand_scores[:P], self.cand_parents[:P]
+        f_tokens = self.topk_ids[rows]  # [P, K]
+        f_scores = self.topk_p[rows]  # [P, K]
+        f_cand = self.first_cand[:P]  # [P, K] candidate index of each frontier node
+        f_hidden = self.hidden[rows].repeat_interleave(K, dim=0)  # [P*K, Hd] feature feeding each node
+        f_masks = self.no_masks[:P]  # [P, K, words] ancestors in the draft scratch
+        if S == 1:
+            cand_tokens[:, :K] = f_tokens
+            cand_scores[:, :K] = f_scores
         for j in range(1, S):
-            masks = f_masks | own_bits(K, words, dev, offset=(j - 1) * K)[None]
+            masks = f_masks | own_bits(K, words, r.device, offset=(j - 1) * K)[None]  # [P, K, words]
             batch = r.builder.scratch_phase(
-                Phase.DRAFT_DECODE, rows, committed, f_tokens, torch.full((bs, K), j - 1, device=dev), masks,
+                Phase.DRAFT_DECODE, rows, committed, f_tokens, self.step_depths[j - 1, :P], masks,
                 (j - 1) * K, r.draft_kv.scratch_start, lim.draft_scratch_width, max_kv)
-            h = r.draft_forward(batch, f_hidden.reshape(bs * K, -1))  # [bs*K, Hd]
-            p, ids = topk_small(r.draft.compute_logits(h).softmax(dim=-1), K)  # [bs*K, K]
-            child_tokens = r.draft.draft_to_target(ids).view(bs, K * K)
-            child_scores = (f_scores[:, :, None] * p.view(bs, K, K)).view(bs, K * K)
-            tokens.append(child_tokens)
-            scores.append(child_scores)
-            parents.append(f_cand[:, :, None].expand(bs, K, K).reshape(bs, K * K))
-            depths.append(torch.full((bs, K * K), j + 1, dtype=torch.int64, device=dev))
-            f_scores, best = child_scores.topk(K, dim=-1)  # [bs, K] new frontier
-            slot = best // K  # which frontier node each new one came from
-            f_tokens = child_tokens.gather(1, best)
-            f_cand = offset + best
-            f_hidden = h.view(bs, K, -1).gather(1, slot[:, :, None].expand(-1, -1, h.shape[-1]))
-            f_masks = masks.gather(1, slot[:, :, None].expand(-1, -1, words))
-            offset += K * K
-        return DraftCandidates(tokens=torch.cat(tokens, 1), parents=torch.cat(parents, 1),
-                               scores=torch.cat(scores, 1), depths=torch.cat(depths, 1))
+            h = r.draft_forward(batch, f_hidden)  # [P*K, Hd]
+            p, ids = softmax_topk(r.draft.compute_logits(h), K)  # [P*K, K]
+            nxt = expand_frontier(p, ids, self.to_target, f_tokens, f_scores, f_cand, cand_tokens, cand_scores,
+                                  cand_parents, offset=K + (j - 1) * K * K, write_roots=j == 1)
+            f_tokens, f_scores, f_cand = nxt.tokens, nxt.scores, nxt.cand
+            f_hidden = h.view(P, K, -1).gather(1, nxt.slot[:, :, None].expand(-1, -1, h.shape[-1])).view(P * K, -1)
+            f_masks = masks.gather(1, nxt.slot[:, :, None].expand(-1, -1, words))
+        return DraftCandidates(tokens=cand_tokens, parents=cand_parents, scores=cand_scores,
+                               depths=self.cand_depths[:P])
 
     # --- graphs -------------------------------------------------------------------------------------------------
     def capture_graphs(self, show_progress: bool) -> None:

@@ -31,10 +31,10 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRE
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_q_blocks", "num_tokens"])  # vary per call: one compiled kernel for all
 def paged_attention_kernel(
     q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse,
-    num_q_blocks, num_tokens, table_stride, scratch_start, sm_scale_log2,
+    num_q_blocks, num_tokens, q_stride, table_stride, scratch_start, sm_scale_log2,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -52,7 +52,7 @@ def paged_attention_kernel(
         m_valid = offs_m < q_end
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :],
+        q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * q_stride + head * HEAD_DIM + offs_d[None, :],
                     mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         tok_kv = tl.load(kv_lens + offs_m, mask=m_valid, other=0)  # [BLOCK_M]
         kv_max = tl.max(tok_kv, axis=0)
@@ -107,7 +107,7 @@ def paged_attention_kernel(
             tl.store(part_lse + (split * num_tokens + offs_m) * NUM_HEADS + head, lse, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s (splits that saw nothing: -inf)."""
