@@ -77,7 +77,11 @@ def test_softmax_topk_equals_torch(k, dtype):
     logits[1, 2048:4096] = float("-inf")  # a whole chunk masked out
     p, ids = softmax_topk(logits, k)
     ref_p, ref_ids = logits.float().softmax(-1).topk(k, dim=-1)
-    assert torch.equal(ids, ref_ids)
+    if dtype == torch.float32:
+        assert torch.equal(ids, ref_ids)
+    else:  # bf16 logits tie often, and torch.topk orders ties its own way: the chosen logits must be the same
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, ref_ids))
+        assert all(len(set(row)) == k for row in ids.tolist())  # k distinct tokens per row
     assert (p - ref_p).abs().max().item() <= 1e-6 + 1e-5 * ref_p.abs().max().item()
     assert p.dtype == torch.float32 and ids.dtype == torch.int64
 

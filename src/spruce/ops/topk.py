@@ -19,7 +19,7 @@ from spruce.ops.fused import _use_triton
 
 CHUNK = 2048
 MAX_K = 16
-_NO_INDEX = 2147483647
+_NO_INDEX = tl.constexpr(2147483647)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
