@@ -10,5 +10,5 @@ SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout ${TEST_TIMEOUT:-300} python3 -m p
   tests/test_fused_ops.py tests/test_frontier.py tests/test_triton_attention.py tests/test_gpu.py 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -40
 timeout ${SAN_TIMEOUT:-180} compute-sanitizer --tool memcheck --print-limit 20 python3 bench/sanitize_run.py \
-  "$SPRUCE_PYCODE_19M" > "$OUT/sanitizer.log" 2>&1
+  "$SPRUCE_PYCODE_19M" "$PWD/bench/assets/pycode-19m-eagle3" > "$OUT/sanitizer.log" 2>&1
 echo "sanitizer exit $?"; tail -15 "$OUT/sanitizer.log"

@@ -25,6 +25,8 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--prompts", default=None, help="JSONL of {'text'} prompts (default: random token ids)")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts per measurement, run as consecutive batches of --batch-sizes (at least one batch)")
     p.add_argument("--spec", nargs="*", default=["5,4,8"], metavar="S,K,N",
                    help="speculative configs to run (steps,topk,draft_tokens); none: plain only")
     p.add_argument("--no-plain", action="store_true", help="skip the non-speculative runs")
@@ -39,13 +41,17 @@ def add_latency_parser(sub) -> None:
     p.set_defaults(func=run_latency_bench)
 
 
-def _prompts(args, tokenizer, vocab: int, bs: int) -> list[list[int]]:
+def _prompt_batches(args, tokenizer, vocab: int, bs: int) -> list[list[list[int]]]:
+    """ceil(num_prompts / bs) consecutive batches of bs prompts (token ids), the same for every engine."""
+    n = -(-max(args.num_prompts, bs) // bs) * bs
     if args.prompts:
         texts = [json.loads(line)["text"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
         ids = [tokenizer.encode(t)[: args.input_len] for t in texts]
-        return [ids[i % len(ids)] for i in range(bs)]
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(10, vocab - 10, (bs, args.input_len), generator=g).tolist()
+        flat = [ids[i % len(ids)] for i in range(n)]
+    else:
+        g = torch.Generator().manual_seed(0)
+        flat = torch.randint(10, vocab - 10, (n, args.input_len), generator=g).tolist()
+    return [flat[i:i + bs] for i in range(0, n, bs)]
 
 
 def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) -> dict:
@@ -63,9 +69,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) 
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
     eng = llm.engine
-    prompts = _prompts(args, llm.tokenizer, eng.runner.model_config.vocab_size, bs)
+    batches = _prompt_batches(args, llm.tokenizer, eng.runner.model_config.vocab_size, bs)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    llm.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     best = None
     for _ in range(args.repeats):
         eng.runner.timer.reset()
@@ -74,7 +80,7 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) 
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = [o for batch in batches for o in llm.generate(batch, params)]
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
@@ -84,7 +90,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) 
         out_tokens = sum(len(o.token_ids) for o in outs)
         decode_s = max(total - prefill_ms / 1e3, 1e-9)
         run = {"total_s": total, "prefill_ms": prefill_ms, "output_tokens": out_tokens,
-               "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - bs) / decode_s,
+               "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - len(outs)) / decode_s,
+               "num_prompts": len(outs),
                "phases": phases, "spec": eng.spec_stats.as_dict() if spec else None}
         if spec:
             round_ms = sum(phases[k]["mean_ms"] for k in ("draft", "verify", "accept", "extend", "sync") if k in phases)
@@ -114,24 +121,27 @@ def _run_hf(args, model: str, bs: int) -> dict:
     tok = Tokenizer.from_dir(model, ModelConfig.from_dir(model))
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(args.device).eval()
-    prompts = _prompts(args, tok, hf.config.vocab_size, bs)
-    width = max(len(p) for p in prompts)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
     res = {}
     modes = [("plain", {})] + ([("assisted_prompt_lookup", {"prompt_lookup_num_tokens": 10})] if bs == 1 else [])
+    batches = _prompt_batches(args, tok, hf.config.vocab_size, bs)
     for name, extra in modes:
         gen = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
                    pad_token_id=pad, **extra)
-        hf.generate(ids, attention_mask=mask, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
-        torch.cuda.synchronize() if args.device.startswith("cuda") else None
-        t0 = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, **gen)
-        torch.cuda.synchronize() if args.device.startswith("cuda") else None
-        dt = time.perf_counter() - t0
-        n = (out.shape[1] - width) * bs
-        res[name] = {"total_s": dt, "output_tokens": n, "tokens_per_s": n / dt}
+        dt, n = 0.0, 0
+        for i, prompts in enumerate(batches):
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=args.device)
+            if i == 0:  # warm-up
+                hf.generate(ids, attention_mask=mask, **{**gen, "max_new_tokens": 8, "min_new_tokens": 8})
+            torch.cuda.synchronize() if args.device.startswith("cuda") else None
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=mask, **gen)
+            torch.cuda.synchronize() if args.device.startswith("cuda") else None
+            dt += time.perf_counter() - t0
+            n += (out.shape[1] - width) * len(prompts)
+        res[name] = {"total_s": dt, "output_tokens": n, "tokens_per_s": n / dt, "num_prompts": bs * len(batches)}
     del hf
     gc.collect()
     return res

@@ -1,0 +1,29 @@
+"""`spruce bench latency` end to end on CPU with the bundled model and head (tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+
+from spruce.cli import main
+from spruce.config import builtin_draft_path, builtin_model_path
+
+
+def test_latency_bench_writes_result(tmp_path):
+    model, draft = builtin_model_path(), builtin_draft_path()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["def fib(n):", "import os\n", "class A:"]))
+    rc = main(["bench", "latency", "--model", str(model), "--draft", str(draft), "--device", "cpu",
+               "--dtype", "float32", "--batch-sizes", "1", "2", "--input-len", "12", "--output-len", "6",
+               "--num-prompts", "3", "--spec", "3,2,4", "--graphs", "off", "--repeats", "1", "--compare-hf",
+               "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")])
+    assert rc == 0
+    (path,) = (tmp_path / "out").glob("latency-*.json")
+    res = json.loads(path.read_text())
+    runs = {(r["batch_size"], tuple(r["spec_config"] or ())): r for r in res["figures"]["runs"]}
+    assert set(runs) == {(1, ()), (1, (3, 2, 4)), (2, ()), (2, (3, 2, 4))}
+    assert runs[(1, ())]["num_prompts"] == 3 and runs[(2, ())]["num_prompts"] == 4  # whole batches
+    for r in runs.values():
+        assert r["output_tokens"] == 6 * r["num_prompts"] and r["tokens_per_s"] > 0
+    assert runs[(1, (3, 2, 4))]["spec"]["mean_accept_length"] >= 1.0
+    assert res["figures"]["hf"]["1"]["plain"]["output_tokens"] == 18
+    assert "assisted_prompt_lookup" in res["figures"]["hf"]["1"]
