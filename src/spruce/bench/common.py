@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import time
@@ -24,6 +25,10 @@ def device_name(device: str) -> str:
 
 
 def git_commit() -> str:
+    """HEAD (+ "-dirty"), or $SPRUCE_GIT_COMMIT when set: a copy of the tree elsewhere (a GPU machine) may carry
+    no .git or a stale one, so whoever sends the tree names its commit."""
+    if os.environ.get("SPRUCE_GIT_COMMIT"):
+        return os.environ["SPRUCE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
