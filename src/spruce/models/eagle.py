@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from spruce.errors import ConfigError, ModelLoadError
-from spruce.models.hf_config import ModelConfig, read_json, rope_settings
+from spruce.models.hf_config import ModelConfig, decoder_shape, read_json
 from spruce.models.layers import Attention, GatedMLP, RMSNorm
 from spruce.models.llama import DecoderLayer
 from spruce.models.rope import Rotary
@@ -70,14 +70,9 @@ class DraftConfig:
         if act != "silu":
             raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
         try:
-            h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            theta, scaling = rope_settings(cfg)
             layer = ModelConfig(
-                architecture=archs[0], vocab_size=int(cfg.get("vocab_size", target.vocab_size)), hidden_size=h,
-                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg.get("num_hidden_layers", 1)),
-                num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or h // heads), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta, rope_scaling=scaling,
+                architecture=archs[0], vocab_size=int(cfg.get("vocab_size", target.vocab_size)),
+                num_layers=int(cfg.get("num_hidden_layers", 1)), **decoder_shape(cfg),
                 # drafts run at the target's positions, whatever their own config says
                 max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)),
                                             target.max_position_embeddings),
@@ -94,8 +89,8 @@ class DraftConfig:
             raise ConfigError(f"draft vocab_size {layer.vocab_size} != target vocab_size {target.vocab_size}")
         if target_hidden != target.hidden_size:
             raise ConfigError(f"draft expects target hidden size {target_hidden}, the target has {target.hidden_size}")
-        if not eagle3 and h != target.hidden_size:
-            raise ConfigError(f"EAGLE draft hidden size {h} must equal the target's hidden size {target.hidden_size} "
+        if not eagle3 and layer.hidden_size != target.hidden_size:
+            raise ConfigError(f"EAGLE draft hidden size {layer.hidden_size} must equal the target's hidden size {target.hidden_size} "
                               f"(its fc is [H, 2H] over [embeds, target hidden])")
         if not 1 <= draft_vocab <= target.vocab_size:
             raise ConfigError(f"draft_vocab_size {draft_vocab} must be in [1, target vocab_size {target.vocab_size}]")

@@ -37,6 +37,18 @@ def read_json(path: Path, what: str) -> dict:
     return data
 
 
+def decoder_shape(cfg: dict) -> dict:
+    """The decoder-layer fields of a config.json, as ModelConfig keywords: sizes, heads, KV heads (default: the
+    heads), head_dim (default: hidden // heads), RMSNorm eps (default 1e-6) and rope. KeyError / TypeError /
+    ValueError for a missing or malformed field (the caller names its file)."""
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    theta, scaling = rope_settings(cfg)
+    return dict(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling)
+
+
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from either config style.
 
@@ -109,16 +121,10 @@ class ModelConfig:
         if act != "silu":
             raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
         try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            theta, scaling = rope_settings(cfg)
             attention_bias = bool(cfg.get("attention_bias", bias))
             return ModelConfig(
-                architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                max_position_embeddings=_max_positions(cfg),
+                architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
+                **decoder_shape(cfg), max_position_embeddings=_max_positions(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2's q/k/v bias leaves o_proj bare

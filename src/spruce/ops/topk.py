@@ -4,8 +4,8 @@ Reference: `logits.float().softmax(-1).topk(k)`. On the GPU two small Triton ker
 the whole row plus a full top-k:
   1. per (row, chunk of CHUNK logits): the chunk's max m_c and sum_c exp(x - m_c) (for the row's logsumexp),
      and its k best logits (k rounds of max-and-mask in registers);
-  2. per row: lse = M + log(sum_c sum_c' * exp(m_c - M)) with M = max_c m_c, then the k best of the chunks'
-     candidates, written as probabilities exp(x - lse).
+  2. per row: lse = M + log(sum_c s_c * exp(m_c - M)), with s_c the chunk's sum and M = max_c m_c, then the
+     k best of the chunks' candidates, written as probabilities exp(x - lse).
 Among exactly equal logits the lower token id wins (torch.topk leaves that order unspecified).
 """
 

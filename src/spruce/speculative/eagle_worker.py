@@ -74,7 +74,7 @@ class EagleWorker:
         """From the draft's hidden at each request's last committed position: top-K for the next round."""
         p, ids = softmax_topk(self.runner.draft.compute_logits(last_hidden), self.K)  # [bs, K]
         self.topk_p[rows] = p
-        self.topk_ids[rows] = self.runner.draft.draft_to_target(ids)
+        self.topk_ids[rows] = self.to_target[ids]
         self.hidden[rows] = last_hidden.to(self.hidden.dtype)
 
     def prefill_extend(self, rows: list[int], starts: list[int], next_tokens: list[list[int]],
