@@ -1,18 +1,22 @@
 """The reference attention backend: plain torch, obviously correct, CPU and GPU, eager only.
 
-It follows the contract in `spruce.attention.metadata` literally: gather each token's paged keys by
-position, gather its row's scratch block, build the mask (length mask | ancestor bits), softmax in float32.
+It follows the contract in `spruce.attention.metadata` with one batched masked attention per block of query
+tokens: the batch is laid out as [bs, m] (request b, its i-th query token; m = max_q_len), each request's keys
+(paged positions 0..max_kv_len-1 of its row, then its scratch block) are gathered once, every query token gets
+one mask row over those keys (length mask | ancestor bits), and `scaled_dot_product_attention` runs in float32.
+Shapes come from the batch's host ints only, so the backend never synchronises with the device.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.limits import MASK_WORD_BITS
 
-TOKENS_PER_CHUNK = 128  # bounds the gathered [chunk, kv, H, D] tensors
+SCORE_ELEMENTS = 1 << 25  # bounds a query block's [bs, Hq, block, L] scores (and its [bs, block, L] mask)
 
 
 def paged_slots(page_table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -22,10 +26,42 @@ def paged_slots(page_table: torch.Tensor, rows: torch.Tensor, positions: torch.T
 
 
 def scratch_bits(tree_mask: torch.Tensor, width: int) -> torch.Tensor:
-    """Expand [T, words] int64 bitmasks into [T, width] bools (bit j of word j // 64)."""
+    """Expand [..., words] int64 bitmasks into [..., width] bools (bit j of word j // 64)."""
     j = torch.arange(width, device=tree_mask.device)
-    words = tree_mask[:, j // MASK_WORD_BITS]  # [T, width]
+    words = tree_mask[..., j // MASK_WORD_BITS]  # [..., width]
     return ((words >> (j % MASK_WORD_BITS)) & 1).bool()
+
+
+def request_tokens(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token index of request b's i-th query token, [bs, m] int64 (clamped into range), and whether it exists."""
+    i = torch.arange(batch.max_q_len, device=batch.qo_indptr.device)
+    start = batch.qo_indptr[:-1].long()[:, None]  # [bs, 1]
+    tok = start + i[None, :]  # [bs, m]
+    exists = tok < batch.qo_indptr[1:].long()[:, None]  # [bs, m]
+    return tok.clamp(max=batch.num_tokens - 1), exists
+
+
+def request_key_slots(batch: ForwardBatch, page_table: torch.Tensor, scratch_start: int, page_size: int) -> torch.Tensor:
+    """Pool slots of each request's candidate keys, [bs, L]: paged positions 0..max_kv_len-1, then scratch 0..W-1."""
+    rows = batch.req_rows  # [bs]
+    pos = torch.arange(batch.max_kv_len, device=rows.device)[None, :].expand(rows.shape[0], -1)  # [bs, Lp]
+    slots = paged_slots(page_table, rows, pos, page_size)  # [bs, Lp]
+    w = batch.scratch_width
+    if w == 0:
+        return slots
+    scratch = scratch_start + rows[:, None] * w + torch.arange(w, device=rows.device)[None, :]  # [bs, W]
+    return torch.cat([slots, scratch], dim=1)
+
+
+def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
+    """[bs, mb, L] bool: query token tok[b, i] sees paged position p < kv_lens[tok] and scratch j with bit j set."""
+    pos = torch.arange(batch.max_kv_len, device=tok.device)
+    kv_lens = batch.kv_lens[tok].long().masked_fill(~exists, 0)  # [bs, mb]
+    mask = pos[None, None, :] < kv_lens[:, :, None]  # [bs, mb, Lp]
+    if batch.scratch_width == 0:
+        return mask
+    bits = scratch_bits(batch.tree_mask[tok], batch.scratch_width) & exists[:, :, None]  # [bs, mb, W]
+    return torch.cat([mask, bits], dim=2)
 
 
 class TorchAttention(AttentionBackend):
@@ -34,30 +70,30 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
         k_cache[batch.out_slots] = k.to(k_cache.dtype)
         v_cache[batch.out_slots] = v.to(v_cache.dtype)
-        out = torch.zeros_like(q)
-        for t0 in range(0, batch.num_tokens, TOKENS_PER_CHUNK):
-            t1 = min(t0 + TOKENS_PER_CHUNK, batch.num_tokens)
-            out[t0:t1] = self._attend(q[t0:t1], k_cache, v_cache, scratch_start, batch, t0, t1, page_table, scale)
-        return out
+        num_keys = batch.max_kv_len + batch.scratch_width
+        if batch.num_tokens == 0 or batch.batch_size == 0 or batch.max_q_len == 0 or num_keys == 0:
+            return torch.zeros_like(q)
+        slots = request_key_slots(batch, page_table, scratch_start, self.page_size)  # [bs, L]
+        keys = k_cache[slots].float().transpose(1, 2)  # [bs, Hkv, L, D]
+        vals = v_cache[slots].float().transpose(1, 2)  # [bs, Hkv, L, D]
+        tok, exists = request_tokens(batch)  # [bs, m]
+        out = torch.zeros(batch.num_tokens + 1, *q.shape[1:], dtype=q.dtype, device=q.device)  # [T+1, Hq, D]
+        block = max(1, SCORE_ELEMENTS // (batch.batch_size * q.shape[1] * num_keys))
+        for i0 in range(0, batch.max_q_len, block):
+            blk_tok, blk_exists = tok[:, i0:i0 + block], exists[:, i0:i0 + block]  # [bs, mb]
+            att = self._attend(q, keys, vals, key_mask(batch, blk_tok, blk_exists), blk_tok, scale)  # [bs, mb, Hq, D]
+            dest = blk_tok.masked_fill(~blk_exists, batch.num_tokens)  # missing query tokens land in row T
+            out[dest.reshape(-1)] = att.reshape(-1, *q.shape[1:]).to(q.dtype)
+        return out[: batch.num_tokens]
 
-    def _attend(self, q, k_cache, v_cache, scratch_start, batch, t0, t1, page_table, scale):
-        rows = batch.token_rows[t0:t1]  # [n]
-        n = t1 - t0
-        pos = torch.arange(batch.max_kv_len, device=q.device)[None, :].expand(n, -1)  # [n, Lmax]
-        slots = paged_slots(page_table, rows, pos, self.page_size)  # [n, Lmax]
-        valid = pos < batch.kv_lens[t0:t1, None]  # [n, Lmax]
-        w = batch.scratch_width
-        if w > 0:
-            sj = torch.arange(w, device=q.device)
-            scratch = scratch_start + rows[:, None] * w + sj[None, :]  # [n, W]
-            slots = torch.cat([slots, scratch], dim=1)
-            valid = torch.cat([valid, scratch_bits(batch.tree_mask[t0:t1], w)], dim=1)
-        keys = k_cache[slots].float()  # [n, L, Hkv, D]
-        vals = v_cache[slots].float()
-        group = q.shape[1] // keys.shape[2]
-        keys = keys.repeat_interleave(group, dim=2)  # [n, L, Hq, D]
-        vals = vals.repeat_interleave(group, dim=2)
-        scores = torch.einsum("nhd,nlhd->nhl", q.float(), keys) * scale  # [n, Hq, L]
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with nothing to attend -> zeros
-        return torch.einsum("nhl,nlhd->nhd", probs, vals).to(q.dtype)
+    @staticmethod
+    def _attend(q, keys, vals, mask, tok, scale) -> torch.Tensor:
+        """Masked float32 attention of query tokens `tok` [bs, mb] over their request's keys: [bs, mb, Hq, D].
+
+        A query token whose mask row is empty (padding) gets zeros.
+        """
+        queries = q[tok].float().transpose(1, 2)  # [bs, Hq, mb, D]
+        att = F.scaled_dot_product_attention(queries, keys, vals, attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=queries.shape[1] != keys.shape[1])  # [bs, Hq, mb, D]
+        seen = mask.any(dim=2)  # [bs, mb]
+        return torch.where(seen[:, :, None, None], att.transpose(1, 2), 0.0)
