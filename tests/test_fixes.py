@@ -28,7 +28,8 @@ def spec_llm(draft, **kw):
 
 
 def test_every_fix_has_a_revert_test():
-    tested = {"draft_scratch_width", "spec_page_lookahead", "graph_bucket_holds_batch"}
+    tested = {"draft_scratch_width", "spec_page_lookahead", "graph_bucket_holds_batch",
+              "overlap_page_lookahead", "release_after_inflight"}  # the last two: tests/test_overlap.py
     assert set(FIXES) == tested
 
 
@@ -56,7 +57,7 @@ def test_reverted_spec_page_lookahead_fails_loudly(draft, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "spec_page_lookahead")
     llm = spec_llm(draft, page_size=1, speculative_num_steps=5, speculative_eagle_topk=4,
                    speculative_num_draft_tokens=8)
-    with pytest.raises(InvariantError, match="commit of request .* pages x page_size 1"):
+    with pytest.raises(InvariantError, match="decode step of request .* pages x page_size 1"):
         llm.generate("def f(x):", SamplingParams(max_tokens=12))
 
 

@@ -34,6 +34,7 @@ class Limits:
     eagle_topk: int = 0  # K
     num_draft_tokens: int = 0  # N (tree size, root included)
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
+    overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
     reverted_fixes: frozenset = frozenset()  # fix toggles reverted for A/B debugging (spruce.runtime.fixes)
 
     def __post_init__(self):
@@ -46,11 +47,35 @@ class Limits:
         return self.num_draft_tokens > 0
 
     @property
-    def lookahead(self) -> int:
-        """Positions past the committed length one round may write: S+1 with speculation, 1 without."""
+    def step_advance(self) -> int:
+        """Positions past the committed length one decode step may write (and commit): S+1 with
+        speculation (root + S accepted), 1 without."""
         if self.speculative and "spec_page_lookahead" not in self.reverted_fixes:
             return self.num_steps + 1
         return 1
+
+    @property
+    def steps_ahead(self) -> int:
+        """Decode steps whose writes the host reserves pages for past a request's known committed length:
+        the step being planned, plus (overlap) the step still in flight, whose commits the host learns late."""
+        if self.overlap and "overlap_page_lookahead" not in self.reverted_fixes:
+            return 2
+        return 1
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past the host-known committed length that pages must cover before a decode step."""
+        return self.step_advance * self.steps_ahead
+
+    @property
+    def num_candidates(self) -> int:
+        """M: draft candidates one round produces, K at step 0 and K*K at each later step."""
+        return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
+
+    @property
+    def step_result_width(self) -> int:
+        """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1)."""
+        return 1 + self.step_advance
 
     @property
     def target_scratch_width(self) -> int:
@@ -146,9 +171,9 @@ class Limits:
             total_tokens = config.max_total_tokens
         elif kv_budget_bytes is not None:
             total_tokens = max(kv_budget_bytes // max(kv_bytes_per_token, 1), ps)
-            total_tokens = min(total_tokens, r * (ctx + s + 1))
+            total_tokens = min(total_tokens, r * (ctx + 2 * (s + 1)))
         else:
-            total_tokens = min(r * (ctx + s + 1), 1 << 16)
+            total_tokens = min(r * (ctx + 2 * (s + 1)), 1 << 16)
         num_pages = ceil_div(total_tokens, ps) + 1  # + the dummy page
         graph_max_bs = 0
         if config.use_cuda_graph:
@@ -156,5 +181,6 @@ class Limits:
         return Limits(
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            graph_max_bs=graph_max_bs, reverted_fixes=frozenset(reverted_fixes),
+            graph_max_bs=graph_max_bs, overlap=not config.disable_overlap_schedule,
+            reverted_fixes=frozenset(reverted_fixes),
         )

@@ -43,6 +43,7 @@ class LLM:
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
+        disable_overlap_schedule: bool = False,
     ):
         spec = make_speculative_config(
             speculative_algorithm, None if draft_model is None else str(draft_model),
@@ -55,6 +56,7 @@ class LLM:
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
+            disable_overlap_schedule=disable_overlap_schedule,
         )
         self.engine = Engine(self.config)
 
@@ -74,30 +76,43 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise InvalidRequestError(
                     f"got {len(params)} sampling params for {len(prompt_list)} prompts; expected one or one per prompt",
                     field="sampling_params")
+        else:
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__} "
+                f"(e.g. SamplingParams(max_tokens=4), not a dict)", field="sampling_params")
+        bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"sampling_params entries must be SamplingParams, got {type(bad).__name__}",
+                                      field="sampling_params")
+        engine = self.engine
         ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompt_list, params):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
+                ids.append(engine.add_request(p, sp))
+            wanted = set(ids)
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+        finally:  # on any exit (an error, KeyboardInterrupt): nothing this call queued stays in the engine
             for rid in ids:
-                self.engine.abort(rid)
-            self.engine.step()  # flush the aborts
-            raise
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+                if rid not in results:
+                    engine.abort(rid)
+            engine.drain()  # the step in flight completes; finished and aborted requests release their pages
         return [results[rid] for rid in ids]
 
 
 def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (bytes, bytearray)):
+        raise InvalidRequestError("prompts must be text or token ids, got bytes (decode them to str first)",
+                                  field="prompt")
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)

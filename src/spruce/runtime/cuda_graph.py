@@ -1,8 +1,8 @@
 """CUDA graphs per batch-size bucket for the decode-time phases (DESIGN §4).
 
-A phase is a function `fn(P, max_kv_len)` of the padded batch size P that reads its inputs from persistent
-buffers (the metadata builder's, the caller's static inputs with rows past the real batch set to the dummy
-row, and the previous phase's outputs) and returns tensors. The very same function runs eagerly
+A phase is a function `fn(P, max_kv_len, *previous)` of the padded batch size P that reads its inputs from
+persistent buffers (the metadata builder's, the caller's static inputs with rows past the real batch set to
+the dummy row) and from the previous phase's output, passed explicitly, and returns tensors. The very same function runs eagerly
 (P = real batch, max_kv_len = the real bound) or is captured once per bucket (max_kv_len = the Limits
 bound) and replayed. A batch larger than the largest bucket runs every phase eagerly, so each phase reads
 the eager outputs of the one before, never a graph's buffers.
@@ -18,7 +18,7 @@ from tqdm import tqdm
 from spruce.errors import InvariantError
 from spruce.limits import Limits
 
-PhaseFn = Callable[[int, int], Any]
+PhaseFn = Callable[..., Any]
 
 
 class BucketGraphs:
@@ -41,8 +41,11 @@ class BucketGraphs:
         """Rows the caller fills (real + dummy padding) for a batch of `bs` requests."""
         return self.bucket(bs) or bs
 
-    def run(self, name: str, fn: PhaseFn, bs: int, max_kv_len: int):
-        """Replay phase `name` for the batch's bucket, or run `fn` eagerly."""
+    def run(self, name: str, fn: PhaseFn, bs: int, max_kv_len: int, *previous):
+        """Replay phase `name` for the batch's bucket, or run `fn(bs, max_kv_len, *previous)` eagerly.
+
+        `previous` is the output of the phase before (eager, or the replayed graph's own static output, which
+        is what that graph's successor was captured reading)."""
         bucket = self.bucket(bs)
         if bucket is not None and bucket < bs:
             raise InvariantError(
@@ -51,7 +54,7 @@ class BucketGraphs:
             )
         entry = self.graphs.get((name, bucket)) if bucket is not None else None
         if entry is None:
-            return fn(bs, max_kv_len)
+            return fn(bs, max_kv_len, *previous)
         graph, out = entry
         graph.replay()
         return out
@@ -61,7 +64,8 @@ class BucketGraphs:
         """Capture the chain of phases for every bucket (largest first; one memory pool for all).
 
         `prepare(P)` fills the static inputs with P padding rows. Each phase is warmed up eagerly, captured,
-        then replayed once so the next phase's warm-up reads real values.
+        then replayed once so the next phase's warm-up reads real values; its captured output is the next
+        phase's `previous` argument.
         """
         if not self.enabled:
             return
@@ -70,14 +74,16 @@ class BucketGraphs:
         buckets = sorted(self.limits.graph_buckets, reverse=True)
         for bucket in tqdm(buckets, desc=desc, disable=not show_progress):
             prepare(bucket)
+            previous: tuple = ()
             for name, fn in phases:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    fn(bucket, self.kv_bound)
+                    fn(bucket, self.kv_bound, *previous)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = fn(bucket, self.kv_bound)
+                    out = fn(bucket, self.kv_bound, *previous)
                 graph.replay()
                 self.graphs[(name, bucket)] = (graph, out)
+                previous = (out,)
         torch.cuda.synchronize(self.device)

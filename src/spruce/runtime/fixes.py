@@ -20,6 +20,15 @@ FIXES: dict[str, str] = {
         "a speculative round reserves pages for S+1 positions past the committed length (commit and draft "
         "extend write up to S+1 tokens); reverted, only one position is reserved, as for plain decode"
     ),
+    "overlap_page_lookahead": (
+        "under overlap scheduling the host reserves pages for two decode steps past a request's known committed "
+        "length (the in-flight step's commits are learned one step late); reverted, only for the step being "
+        "planned, as in the synchronous loop"
+    ),
+    "release_after_inflight": (
+        "a finished or aborted request keeps its row and pages until every launched step that includes it has "
+        "completed; reverted, they are freed when the finish is seen, while a step may still write them"
+    ),
     "graph_bucket_holds_batch": (
         "a batch replays the smallest CUDA-graph bucket that holds it, or runs eagerly above the largest; "
         "reverted, a larger batch is clamped into the largest bucket, whose buffers are too small for it"

@@ -1,7 +1,7 @@
 """ModelRunner: loads the target (and draft), sizes every buffer from `Limits`, runs forwards.
 
-It owns the page table, the page allocator, both KV pools and the metadata builder; the scheduler and the
-speculative worker ask it for forwards and never size anything themselves.
+It owns the page table, the page allocator, both KV pools, the rows' device decode state and the metadata
+builder; the scheduler and the decode strategies ask it for forwards and never size anything themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from spruce.models.loader import load_draft, load_target
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import reverted_fixes_from_env
+from spruce.runtime.row_state import RowState
 from spruce.runtime.timer import PhaseTimer
 
 logger = logging.getLogger("spruce")
@@ -69,10 +70,7 @@ class ModelRunner:
         self.builder = BatchBuilder(lim, self.page_table, self.device)
         self.graphs = BucketGraphs(lim, self.device, config.use_cuda_graph)
         self.timer = PhaseTimer(self.device)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        self.dec_rows = torch.full((lim.max_running_requests,), lim.dummy_row, **i64)  # [R] static decode inputs
-        self.dec_pos = torch.zeros(lim.max_running_requests, **i64)  # [R]
-        self.dec_ids = torch.zeros(lim.max_running_requests, **i64)  # [R]
+        self.row_state = RowState(lim, self.device)
         logger.info("spruce limits: %s", lim)
 
     def _kv_budget_bytes(self) -> int | None:
@@ -95,31 +93,3 @@ class ModelRunner:
     def draft_forward(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
         """Draft hidden [T, Hd] (its next-step feature) for batch.input_ids paired with `features` [T, F]."""
         return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table)
-
-    # --- plain decode (graph-capturable phase) -----------------------------------------------------------------
-    def decode_logits(self, rows: list[int], positions: list[int], tokens: list[int]) -> torch.Tensor:
-        """Logits [bs, V] of one plain decode step (token at `positions` per request)."""
-        bs = len(rows)
-        pad = self.graphs.padded_size(bs)
-        host = torch.tensor([rows, positions, tokens], dtype=torch.int64)
-        self.dec_rows[:bs].copy_(host[0].to(self.device, non_blocking=True))
-        self.dec_pos[:bs].copy_(host[1].to(self.device, non_blocking=True))
-        self.dec_ids[:bs].copy_(host[2].to(self.device, non_blocking=True))
-        self._pad_decode(bs, pad)
-        with self.timer.phase("decode"):
-            return self.graphs.run("decode", self._decode_phase, bs, max(positions) + 1)[:bs]
-
-    def _pad_decode(self, start: int, stop: int) -> None:
-        self.dec_rows[start:stop] = self.limits.dummy_row
-        self.dec_pos[start:stop] = 0
-        self.dec_ids[start:stop] = 0
-
-    def _decode_phase(self, P: int, max_kv: int) -> torch.Tensor:
-        batch = self.builder.decode(self.dec_rows[:P], self.dec_pos[:P], self.dec_ids[:P], max_kv)
-        hidden, _ = self.target_forward(batch)
-        return self.target.compute_logits(hidden)  # [P, V]
-
-    def capture_graphs(self, show_progress: bool) -> None:
-        """Plain-decode graphs (speculative graphs are captured by the EAGLE worker)."""
-        self.graphs.capture([("decode", self._decode_phase)], lambda p: self._pad_decode(0, p),
-                            "capturing decode graphs", show_progress)

@@ -22,22 +22,17 @@ class SpecStats:
     rounds: int = 0
     committed_tokens: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)  # [S]: rounds whose depth d+1 was accepted
+    accept_length_counts: list[int] = field(default_factory=list)  # [S+1]: rounds that accepted a drafts
 
     def add_round(self, accepted: int, num_steps: int) -> None:
         if not self.accepted_per_depth:
             self.accepted_per_depth = [0] * num_steps
+            self.accept_length_counts = [0] * (num_steps + 1)
         self.rounds += 1
         self.committed_tokens += accepted + 1
         for d in range(accepted):
             self.accepted_per_depth[d] += 1
-
-    def merge(self, other: "SpecStats") -> None:
-        if not self.accepted_per_depth:
-            self.accepted_per_depth = [0] * len(other.accepted_per_depth)
-        self.rounds += other.rounds
-        self.committed_tokens += other.committed_tokens
-        for d, v in enumerate(other.accepted_per_depth):
-            self.accepted_per_depth[d] += v
+        self.accept_length_counts[accepted] += 1
 
     @property
     def mean_accept_length(self) -> float:
@@ -53,6 +48,7 @@ class SpecStats:
             "committed_tokens": self.committed_tokens,
             "mean_accept_length": round(self.mean_accept_length, 4),
             "accept_rate_per_depth": [round(r, 4) for r in self.accept_rate_per_depth],
+            "accept_length_counts": list(self.accept_length_counts),
         }
 
 
@@ -66,11 +62,11 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int | None = None
-    committed: int = 0  # positions whose target KV is in the pages
-    draft_committed: int = 0  # positions whose draft KV is in the pages
+    committed: int = 0  # positions whose target (and draft) KV is in the pages, as far as the host knows
+    inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None
-    text: str = ""
-    text_frozen: bool = False  # set when a stop string cut the text; later decodes must not undo the cut
+    text: str = ""  # output text so far (incremental; cut before a stop string)
+    detokenizer: object | None = None  # IncrementalDetokenizer over output_ids (None: no tokenizer)
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     new_token_count: int = 0  # tokens appended since the last output was emitted
@@ -92,5 +88,4 @@ class Request:
         self.status = Status.WAITING
         self.row = None
         self.committed = 0
-        self.draft_committed = 0
         self.num_preemptions += 1

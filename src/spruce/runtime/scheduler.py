@@ -1,9 +1,14 @@
 """Continuous batching: admission, page reservation, preemption and release.
 
-Policy: FIFO admission while a request row and pages for its whole prompt (+ one round of lookahead) are
-free; prefill-first steps (chunked); decode rounds reserve `lookahead` positions past each request's
-committed length and, when pages run out, preempt the youngest running request (its cache is dropped and it
-is recomputed later). Running out of pages therefore queues work; it never crashes or corrupts.
+Policy: FIFO admission while a request row and pages for its whole prompt (+ `Limits.lookahead`) are free.
+Prefill (chunked) and decode steps alternate while both have work, so a long prompt never stalls the
+running requests for more than one chunk. Decode steps reserve `lookahead` positions past each request's
+host-known committed length (under overlap, that covers the step still in flight too) and, when pages run
+out, the engine preempts the youngest running request (its cache is dropped and it is recomputed later).
+Running out of pages therefore queues work; it never crashes or corrupts.
+
+A finished or aborted request leaves the running set at once, but keeps its row and pages until every
+launched step that includes it has completed (`Request.inflight` == 0): only then are they released.
 """
 
 from __future__ import annotations
@@ -24,23 +29,51 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.retiring: list[Request] = []  # finished, with a launched step still holding their row
+        self._prefill_turn = True
+        self.num_preemptions = 0
 
     # --- queue -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Drop a request wherever it is and give back its row and pages at once."""
-        if req in self.running:
-            self.running.remove(req)
-            self._release(req)
-        elif req in self.waiting:
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark the request finished and take it out of the queues; its row and pages go back now, or once
+        the last launched step that includes it has completed."""
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if req in self.waiting:
             self.waiting.remove(req)
+            return
+        if req not in self.running:
+            return
+        self.running.remove(req)
+        if req.inflight and "release_after_inflight" not in self.limits.reverted_fixes:
+            self.retiring.append(req)
+        else:
+            self._release(req)
+
+    def release_settled(self) -> None:
+        """Release the rows and pages of finished requests whose launched steps have all completed."""
+        settled = [r for r in self.retiring if r.inflight == 0]
+        for req in settled:
+            self.retiring.remove(req)
+            self._release(req)
 
     def _release(self, req: Request) -> None:
+        if req.inflight:
+            raise InvariantError(
+                f"releasing row {req.row} and its pages of request {req.request_id} while {req.inflight} launched "
+                f"step(s) that write them have not completed"
+            )
         if req.row is not None:
             self.allocator.free(self.page_table.release_row(req.row))
             req.row = None
+
+    @property
+    def has_work(self) -> bool:
+        """Anything queued, running, or waiting for its last step to complete."""
+        return bool(self.waiting or self.running or self.retiring)
 
     # --- pages -----------------------------------------------------------------------------------------------
     def _reserve(self, req: Request, num_positions: int) -> bool:
@@ -74,34 +107,49 @@ class Scheduler:
                 raise InvariantError(f"admission of {req.request_id}: {need} pages checked free but not allocated")
             self.running.append(req)
 
+    # --- what the next step runs -----------------------------------------------------------------------------
+    def next_kind(self) -> str | None:
+        """"prefill", "decode" or None (nothing to run). Alternates while both kinds have work."""
+        prefill, decode = bool(self.prefill_requests()), bool(self.decode_requests())
+        if prefill and decode:
+            kind = "prefill" if self._prefill_turn else "decode"
+        else:
+            kind = "prefill" if prefill else "decode" if decode else None
+        if kind is not None:
+            self._prefill_turn = kind == "decode"
+        return kind
+
     def prefill_requests(self) -> list[Request]:
-        return [r for r in self.running if r.status == Status.PREFILL]
+        return sorted((r for r in self.running if r.status == Status.PREFILL), key=lambda r: r.arrival)
 
-    def prepare_decode(self) -> list[Request]:
-        """Reserve lookahead pages for every decoding request, preempting the youngest when short."""
+    def decode_requests(self) -> list[Request]:
+        """Decoding requests a step can still add tokens to, oldest first.
+
+        A request whose in-flight steps will surely finish it (each commits at least one token) is left out:
+        its result arrives with the step in flight, and a further step would only compute dropped tokens."""
+        ctx = self.limits.context_length
+        return sorted((r for r in self.running if r.status == Status.DECODE
+                       and len(r.output_ids) + r.inflight < r.params.max_tokens
+                       and r.num_tokens + r.inflight < ctx), key=lambda r: r.arrival)
+
+    def reserve_decode(self, reqs: list[Request]) -> Request | None:
+        """Reserve `lookahead` positions past each request's committed length; the first one short of pages,
+        or None when all are covered."""
         lookahead = self.limits.lookahead
-        while True:
-            decoding = sorted((r for r in self.running if r.status == Status.DECODE), key=lambda r: r.arrival)
-            short = next((r for r in decoding if not self._reserve(r, r.committed + lookahead)), None)
-            if short is None:
-                return decoding
-            self.preempt(max(self.running, key=lambda r: r.arrival))
+        return next((r for r in reqs if not self._reserve(r, r.committed + lookahead)), None)
 
-    def preempt(self, req: Request) -> None:
-        """Drop the request's cache and queue it (first in line) for recomputation."""
+    def preempt_youngest(self) -> None:
+        """Drop the youngest running request's cache and queue it (first in line) for recomputation."""
+        req = max(self.running, key=lambda r: r.arrival)
         self.running.remove(req)
         self._release(req)
         req.reset_for_recompute()
         self.waiting.appendleft(req)
-
-    def finish(self, req: Request, reason: str) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        self.remove(req)
+        self.num_preemptions += 1
 
     def check_accounting(self) -> None:
-        """Leak check: pages held by running requests == pages the allocator counts as used."""
-        held = sum(len(self.page_table.pages(r.row)) for r in self.running)
+        """Leak check: pages held by running and retiring requests == pages the allocator counts as used."""
+        held = sum(len(self.page_table.pages(r.row)) for r in self.running + self.retiring)
         self.allocator.check_accounting(held)
         if self.page_table.pages_in_use() != held:
             raise InvariantError(

@@ -23,19 +23,25 @@ from spruce.runtime.batch_builder import paged_slots
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.frontier import expand_frontier
+from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.tree import DraftCandidates, Tree, build_tree, own_bits
 from spruce.speculative.verify import accept
 
 
 @dataclass
-class RoundResult:
-    accept_lens: list[int]  # per request: accepted draft tokens (bonus excluded)
-    new_tokens: list[list[int]]  # per request: accepted tokens + bonus (committed by this round)
+class Verified:
+    """VERIFY's output: the tree it checked and the target's logits and draft features at every node."""
+
+    tree: Tree
+    logits: torch.Tensor  # [P*N, V]
+    features: torch.Tensor  # [P*N, F]
 
 
-class EagleWorker:
+class EagleWorker(DecodeStrategy):
+    speculative = True
+
     def __init__(self, runner: ModelRunner, debug: bool = False):
-        self.runner = runner
+        super().__init__(runner)
         self.debug = debug
         lim = runner.limits
         self.K, self.S, self.N = lim.eagle_topk, lim.num_steps, lim.num_draft_tokens
@@ -48,15 +54,14 @@ class EagleWorker:
         self.topk_p = torch.zeros(rows, self.K, dtype=torch.float32, device=dev)  # [rows, K]
         self.topk_ids = torch.zeros(rows, self.K, **i64)  # [rows, K]
         self.hidden = torch.zeros(rows, draft.hidden_size, dtype=runner.dtype, device=dev)  # [rows, Hd]
-        # static inputs of a round (padding rows = dummy row)
-        self.rows = torch.full((r,), lim.dummy_row, **i64)  # [R]
+        # a round's per-row inputs (gathered from the row state by DRAFT_DECODE) and accept state
         self.committed = torch.zeros(r, **i64)  # [R]
         self.roots = torch.zeros(r, **i64)  # [R]
         self.accept_lens = torch.zeros(r, **i64)  # [R]
         self.path = torch.zeros(r, self.S + 1, **i64)  # [R, S+1]
         self.bonus = torch.zeros(r, **i64)  # [R]
         # draft-loop buffers: every candidate of a round (M = K + (S-1)*K*K), written in place by each step
-        k, s, m = self.K, self.S, self.K + (self.S - 1) * self.K * self.K
+        k, s, m = self.K, self.S, lim.num_candidates
         self.to_target = draft.draft_to_target(torch.arange(draft.draft_vocab_size, **i64))  # [draft vocab]
         self.cand_tokens = torch.zeros(r, m, **i64)  # [R, M]
         self.cand_scores = torch.zeros(r, m, dtype=torch.float32, device=dev)  # [R, M]
@@ -66,8 +71,6 @@ class EagleWorker:
         self.step_depths = torch.arange(s, **i64)[:, None, None].expand(s, r, k).contiguous()  # [S, R, K]: j
         self.first_cand = torch.arange(k, **i64)[None, :].expand(r, k).contiguous()  # [R, K]
         self.no_masks = torch.zeros(r, k, lim.mask_words, **i64)  # [R, K, words]
-        self._tree: Tree | None = None
-        self._verify_out: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- draft state after an extend ------------------------------------------------------------------------
     def _store_step0(self, rows: torch.Tensor, last_hidden: torch.Tensor) -> None:
@@ -77,107 +80,88 @@ class EagleWorker:
         self.topk_ids[rows] = self.to_target[ids]
         self.hidden[rows] = last_hidden.to(self.hidden.dtype)
 
-    def prefill_extend(self, rows: list[int], starts: list[int], next_tokens: list[list[int]],
-                       features: torch.Tensor, finals: list[bool]) -> None:
-        """Draft extend over a prefill chunk: pairs (target feature at p, token at p+1) for the chunk's p.
+    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
+                     new_tokens: torch.Tensor) -> None:
+        """Draft extend over prefill chunks: pairs (target feature at p, token at p+1) for the chunks' p.
 
-        features [T, F] are the target's, in the chunk's token order. Requests whose prompt is now complete
-        (finals) get their step-0 top-K.
-        """
+        A final chunk's last pair takes the token just sampled after the prompt (`new_tokens`, on the device);
+        its request then gets its step-0 top-K."""
         r = self.runner
-        batch = r.builder.extend(rows, starts, next_tokens)
+        batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks],
+                                 [c.next_tokens + [0] * c.final for c in chunks])
+        if finals:
+            last = torch.tensor([ends[i] for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
+            batch.input_ids[last] = new_tokens
         h = r.draft_forward(batch, features)  # [T, Hd]
-        ends, acc = [], 0
-        for t in next_tokens:
-            acc += len(t)
-            ends.append(acc - 1)  # each request's last token
-        sel = [i for i, f in enumerate(finals) if f]
-        if sel:
-            self._store_step0(torch.tensor([rows[i] for i in sel], device=r.device),
-                              h[torch.tensor([ends[i] for i in sel], device=r.device)])
+        if finals:
+            rows = torch.tensor([chunks[i].row for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
+            self._store_step0(rows, h[last])
 
     # --- the round -------------------------------------------------------------------------------------------
-    def round(self, reqs, sampling: SamplingTensors) -> RoundResult:
-        r = self.runner
-        bs = len(reqs)
-        graphs = r.graphs
-        pad = graphs.padded_size(bs)
-        for q in reqs:  # always-on host check: the pages cover every position commit/extend may write
-            r.page_table.check_covers(q.row, q.committed + self.S + 1, f"commit of request {q.request_id}")
-        self._fill_inputs(reqs, pad)
-        max_kv = max(q.committed for q in reqs) + self.S + 1
-
-        timer = r.timer
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+        """One round for the requests in `rows`; `sampling` has one row per tree node ([bs*N])."""
+        graphs, timer = self.runner.graphs, self.runner.timer
+        bs = len(rows)
+        self.fill_rows(rows)
         with timer.phase("draft"):
-            self._tree = graphs.run("draft", self._draft_phase, bs, max_kv)
+            tree = graphs.run("draft", self._draft_phase, bs, max_kv)
         with timer.phase("verify"):  # also accepts greedily on the device (the rows' accept state)
-            self._verify_out = graphs.run("verify", self._verify_phase, bs, max_kv)
+            verified = graphs.run("verify", self._verify_phase, bs, max_kv, tree)
         if not sampling.all_greedy:
             with timer.phase("accept"):  # sampled rows: accept along the target's own samples instead
-                self._accept(bs, self._sampled_target_tokens(bs, sampling))
+                self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling))
         with timer.phase("extend"):
-            out = graphs.run("extend", self._extend_phase, bs, max_kv)  # [P, S+2]
-        with timer.phase("sync"):
-            host = out[:bs].tolist()  # the round's one host sync: accept length, then the next tokens
-        lens = [row[0] for row in host]
-        return RoundResult(accept_lens=lens, new_tokens=[row[1: a + 2] for row, a in zip(host, lens)])
+            out = graphs.run("extend", self._extend_phase, bs, max_kv, verified)  # [P, S+2]
+        return out[:bs]
 
-    def _sampled_target_tokens(self, bs: int, sampling: SamplingTensors) -> torch.Tensor:
-        """The target's token after each tree node under the requests' sampling parameters: [bs, N]."""
-        logits, tree = self._verify_out[0], self._tree
-        positions = (self.committed[:bs, None] + tree.depths[:bs] + 1).reshape(-1)  # each node's successor
-        nodes = torch.arange(self.N, device=self.runner.device).repeat(bs)
-        return select_tokens(logits[: bs * self.N], sampling, positions, nodes).view(bs, self.N)
+    def _sampled_target_tokens(self, bs: int, verified: Verified, sampling: SamplingTensors) -> torch.Tensor:
+        """The target's token after each tree node under the requests' sampling parameters: [bs, N].
 
-    def _accept(self, P: int, target_tokens: torch.Tensor) -> None:
+        The random key is (seed, position) alone, as in plain decoding: the committed token at a position is
+        the same sample whichever tree (or no tree) led there, so seeded output is identical with and without
+        speculation, across batches and through preemption."""
+        positions = (self.committed[:bs, None] + verified.tree.depths[:bs] + 1).reshape(-1)  # each node's successor
+        return select_tokens(verified.logits[: bs * self.N], sampling, positions).view(bs, self.N)
+
+    def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor) -> None:
         """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing)."""
-        acc = accept(_slice_tree(self._tree, P), target_tokens, self.S)
+        acc = accept(_slice_tree(tree, P), target_tokens, self.S)
         real = self.rows[:P] != self.runner.limits.dummy_row
         self.accept_lens[:P] = torch.where(real, acc.accept_lens, 0)
         self.path[:P] = acc.path
         self.bonus[:P] = acc.bonus
 
-    def _fill_inputs(self, reqs, pad: int) -> None:
-        dev = self.runner.device
-        bs = len(reqs)
-        host = torch.tensor([[q.row for q in reqs], [q.committed for q in reqs], [q.token_ids[-1] for q in reqs]],
-                            dtype=torch.int64)
-        self.rows[:bs].copy_(host[0].to(dev, non_blocking=True))
-        self.committed[:bs].copy_(host[1].to(dev, non_blocking=True))
-        self.roots[:bs].copy_(host[2].to(dev, non_blocking=True))
-        self.prepare_padding(bs, pad)
-
     def prepare_padding(self, start: int, stop: int) -> None:
-        """Rows [start, stop) become padding (dummy row, committed 0); used for real batches and capture."""
-        self.rows[start:stop] = self.runner.limits.dummy_row
-        self.committed[start:stop] = 0
-        self.roots[start:stop] = 0
+        """Rows [start, stop) become padding (dummy row, nothing accepted); used for real batches and capture."""
+        super().prepare_padding(start, stop)
         self.accept_lens[start:stop] = 0
         self.path[start:stop] = 0
         self.bonus[start:stop] = 0
 
     # --- phases (graph-capturable: device work only, static inputs) ----------------------------------------------
     def _draft_phase(self, P: int, max_kv: int) -> Tree:
+        """Gather the rows' committed lengths and last tokens (the roots), then draft and build the tree."""
+        committed, roots = self.runner.row_state.gather(self.rows[:P])
+        self.committed[:P] = committed
+        self.roots[:P] = roots
         cands = self._draft(self.rows[:P], self.committed[:P], max_kv)
         lim = self.runner.limits
-        self._tree = build_tree(cands, self.roots[:P], self.N, lim.mask_words, self.S, debug=self.debug)
-        return self._tree
+        return build_tree(cands, self.roots[:P], self.N, lim.mask_words, self.S, debug=self.debug)
 
-    def _verify_phase(self, P: int, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r, lim, tree = self.runner, self.runner.limits, self._tree
+    def _verify_phase(self, P: int, max_kv: int, tree: Tree) -> Verified:
+        r, lim = self.runner, self.runner.limits
         batch = r.builder.scratch_phase(Phase.VERIFY, self.rows[:P], self.committed[:P], tree.tokens, tree.depths,
                                         tree.masks, 0, r.target_kv.scratch_start, lim.target_scratch_width, max_kv)
         hidden, aux = r.target_forward(batch)
         logits = r.target.compute_logits(hidden)  # [P*N, V]
-        self._verify_out = (logits, r.target_features(hidden, aux))  # [P*N, V], [P*N, F]
-        self._accept(P, logits.argmax(dim=-1).view(P, self.N))  # greedy rows' acceptance, inside the graph
-        return self._verify_out
+        self._accept(P, tree, logits.argmax(dim=-1).view(P, self.N))  # greedy rows' acceptance, inside the graph
+        return Verified(tree, logits, r.target_features(hidden, aux))
 
-    def _extend_phase(self, P: int, max_kv: int) -> torch.Tensor:
-        """Commit the accepted path's target KV, then run the draft over it.
+    def _extend_phase(self, P: int, max_kv: int, verified: Verified) -> torch.Tensor:
+        """Commit the accepted path's target KV, run the draft over it and advance the rows' state.
 
         Returns [P, S+2]: each row's accept length, then its S+1 next tokens (accepted path + bonus, padded)."""
-        r, lim, tree = self.runner, self.runner.limits, self._tree
+        r, lim, tree = self.runner, self.runner.limits, verified.tree
         rows, committed = self.rows[:P], self.committed[:P]
         accept_lens, path, bonus = self.accept_lens[:P], self.path[:P], self.bonus[:P]
         steps = torch.arange(self.S + 1, device=r.device)[None, :]  # [1, S+1]
@@ -187,7 +171,7 @@ class EagleWorker:
                                             lim.page_size), 0)
         r.target_kv.copy_slots(src.reshape(-1), dst.reshape(-1))
 
-        feats = self._verify_out[1].view(P, self.N, -1)
+        feats = verified.features.view(P, self.N, -1)
         path_feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [P, S+1, F]
         path_tokens = tree.tokens.gather(1, path)  # [P, S+1]
         next_tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)  # token at p+1 for each p
@@ -196,6 +180,7 @@ class EagleWorker:
         h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), -1))  # [P*(S+1), Hd]
         last = h.view(P, self.S + 1, -1).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
         self._store_step0(rows, last[:, 0])
+        r.row_state.set(rows, committed + accept_lens + 1, bonus)
         return torch.cat([accept_lens[:, None], next_tokens], dim=1)
 
     def _draft(self, rows: torch.Tensor, committed: torch.Tensor, max_kv: int) -> DraftCandidates:

@@ -1,0 +1,134 @@
+"""Decode strategies (DESIGN §10): how a step turns the rows' device state into committed tokens.
+
+The engine plans, launches and resolves steps and never asks which strategy it has. A strategy owns its
+static inputs, its phases and their CUDA graphs; `PlainDecoding` commits one target token per step, the
+EAGLE worker (EAGLE, EAGLE-3) a tree-verified run of draft tokens plus the target's bonus token.
+
+Every step returns a device tensor [n, Limits.step_result_width]: each row's accept length a (0 for plain
+decoding and prefill), then its committed tokens (a + 1 of them, then padding). Nothing inside a strategy
+reads device memory back to the host, so a step can be queued while the previous one still runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spruce.runtime.model_runner import ModelRunner
+from spruce.runtime.sampler import SamplingTensors, select_tokens
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens [start, start + len(tokens)) of the request in page-table row `row`.
+
+    `next_tokens` are the tokens one position later (the draft's inputs): the chunk's tokens shifted by one,
+    ending with the prompt token after the chunk, or (final chunk) one short: the token sampled after the
+    prompt completes it on the device."""
+
+    row: int
+    start: int
+    tokens: list[int]
+    next_tokens: list[int]
+    final: bool
+
+
+class DecodeStrategy:
+    """The interface, and the prefill and static-input handling every strategy shares."""
+
+    speculative = False
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        lim = runner.limits
+        self.rows = torch.full((lim.max_running_requests,), lim.dummy_row, dtype=torch.int64,
+                               device=runner.device)  # [R] static input: the batch's rows, then padding
+
+    # --- prefill ---------------------------------------------------------------------------------------------
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors) -> torch.Tensor:
+        """Run prompt chunks through the target; sample after every final chunk.
+
+        `sampling` has one row per final chunk. Returns [finals, step_result_width] (accept length 0, the
+        sampled token) and sets each finished prompt's row state (committed = prompt length, last = token)."""
+        r = self.runner
+        batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
+        hidden, aux = r.target_forward(batch)
+        lens = torch.tensor([len(c.tokens) for c in chunks])
+        ends = (lens.cumsum(0) - 1).tolist()  # each chunk's last token in the batch
+        finals = [i for i, c in enumerate(chunks) if c.final]
+        result = torch.zeros(len(finals), r.limits.step_result_width, dtype=torch.int64, device=r.device)
+        new_tokens = result[:, 1]
+        if finals:
+            host = torch.tensor([[ends[i] for i in finals], [chunks[i].row for i in finals],
+                                 [chunks[i].start + len(chunks[i].tokens) for i in finals]], dtype=torch.int64)
+            idx, rows, positions = host.to(r.device, non_blocking=True).unbind(0)
+            logits = r.target.compute_logits(hidden[idx])  # [finals, V]
+            new_tokens.copy_(select_tokens(logits, sampling, positions))
+            r.row_state.set(rows, positions, new_tokens)
+        self.extend_draft(chunks, r.target_features(hidden, aux), ends, finals, new_tokens)
+        return result
+
+    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
+                     new_tokens: torch.Tensor) -> None:
+        """Bring a draft's KV up to the prefilled chunks (features [T, F] of the chunk tokens); none here."""
+
+    # --- decode ----------------------------------------------------------------------------------------------
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+        """One decode step for the requests in `rows`: [bs, step_result_width] on the device.
+
+        max_kv: an upper bound of any row's kv length during the step (eager runs size their split-KV by it).
+        `sampling` has one row per request (per tree node for speculative strategies)."""
+        raise NotImplementedError
+
+    def capture_graphs(self, show_progress: bool) -> None:
+        """Capture this strategy's decode-time phases for every graph bucket."""
+        raise NotImplementedError
+
+    def fill_rows(self, rows: list[int]) -> int:
+        """Copy the batch's rows into the static input and pad it to its graph bucket; returns that size."""
+        bs = len(rows)
+        pad = self.runner.graphs.padded_size(bs)
+        self.rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64).to(self.runner.device, non_blocking=True))
+        self.prepare_padding(bs, pad)
+        return pad
+
+    def prepare_padding(self, start: int, stop: int) -> None:
+        """Rows [start, stop) of the static inputs become padding (the dummy row); also used for capture."""
+        self.rows[start:stop] = self.runner.limits.dummy_row
+
+
+class PlainDecoding(DecodeStrategy):
+    """One target token per step: DECODE (graph-capturable) then token selection, both on the device."""
+
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+        r = self.runner
+        bs = len(rows)
+        self.fill_rows(rows)
+        with r.timer.phase("decode"):
+            logits = r.graphs.run("decode", self._decode_phase, bs, max_kv)[:bs]  # [bs, V]
+        committed, _ = r.row_state.gather(self.rows[:bs])
+        tokens = select_tokens(logits, sampling, committed + 1)  # [bs] the token at position committed + 1
+        r.row_state.set(self.rows[:bs], committed + 1, tokens)
+        return torch.stack([torch.zeros_like(tokens), tokens], dim=1)
+
+    def _decode_phase(self, P: int, max_kv: int) -> torch.Tensor:
+        r = self.runner
+        rows = self.rows[:P]
+        positions, tokens = r.row_state.gather(rows)
+        batch = r.builder.decode(rows, positions, tokens, max_kv)
+        hidden, _ = r.target_forward(batch)
+        return r.target.compute_logits(hidden)  # [P, V]
+
+    def capture_graphs(self, show_progress: bool) -> None:
+        self.runner.graphs.capture([("decode", self._decode_phase)], lambda p: self.prepare_padding(0, p),
+                                   "capturing decode graphs", show_progress)
+
+
+def make_strategy(runner: ModelRunner, debug: bool = False) -> DecodeStrategy:
+    """The strategy the runner's models call for: EAGLE when a draft is loaded, else plain decoding."""
+    if runner.draft is None:
+        return PlainDecoding(runner)
+    from spruce.speculative.eagle_worker import EagleWorker
+
+    return EagleWorker(runner, debug=debug)
