@@ -4,12 +4,17 @@ from spruce.errors import ConfigError, InvalidRequestError, InvariantError, Mode
 from spruce.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "SpruceError", "ConfigError", "InvalidRequestError", "InvariantError",
-           "ModelLoadError"]
+           "ModelLoadError", "__version__"]
 
 
 def __getattr__(name):
-    if name == "LLM":  # lazy: importing spruce stays cheap (no torch model code) until LLM is used
+    """Lazy attributes: importing spruce stays cheap (no torch model code) until LLM is used."""
+    if name == "LLM":
         from spruce.llm import LLM
 
         return LLM
+    if name == "__version__":  # the installed distribution's version (pyproject.toml)
+        from importlib.metadata import version
+
+        return version("spruce")
     raise AttributeError(name)

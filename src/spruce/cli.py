@@ -34,19 +34,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-seed", type=int, default=0)
 
 
+SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+                     "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def draft_path(args: argparse.Namespace) -> str | None:
+    """The draft to load: --speculative-draft-model-path, else the bundled head when running the bundled demo
+    model; None with --disable-speculative. Speculation flags that would be ignored are refused."""
+    from spruce.config import builtin_draft_path
+    from spruce.errors import ConfigError
+
+    given = [_flag(d) for d in SPECULATIVE_FLAGS if getattr(args, d) is not None]
+    if args.disable_speculative:
+        if given:
+            raise ConfigError(f"{', '.join(given)} conflicts with --disable-speculative; drop one or the other")
+        return None
+    if args.speculative_draft_model_path is not None:
+        return args.speculative_draft_model_path
+    if args.model is None and builtin_draft_path().exists():
+        return str(builtin_draft_path())
+    if given:
+        raise ConfigError(f"{', '.join(given)} given without a draft model: add --speculative-draft-model-path DRAFT "
+                          f"(an EAGLE or EAGLE-3 head for --model), or drop the speculation flags")
+    return None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags."""
     import torch
 
-    from spruce.config import builtin_draft_path
-
+    draft = draft_path(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    draft = args.speculative_draft_model_path
-    if draft is None and args.model is None and not args.disable_speculative and builtin_draft_path().exists():
-        draft = str(builtin_draft_path())
-    if args.disable_speculative:
-        draft = None
     return dict(
         model=args.model, tokenizer=args.tokenizer_path, device=device, dtype=dtype,
         attention_backend=args.attention_backend, page_size=args.page_size,
@@ -63,6 +86,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for one prompt; print the text, then a speed / acceptance summary on stderr."""
     from spruce import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
@@ -84,7 +108,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole `spruce` parser. Building it imports no torch: `--help` and `--version` answer at once."""
+    import spruce
+
     parser = argparse.ArgumentParser(prog="spruce", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"spruce {spruce.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -98,24 +126,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append")
     g.set_defaults(func=cmd_generate)
 
-    for name, module in (("serve", "spruce.server.cli"), ("bench", "spruce.bench.cli"),
-                         ("train-draft", "spruce.train.cli")):
-        _add_lazy(sub, name, module)
+    from spruce.bench import cli as bench_cli
+    from spruce.server import cli as server_cli
+    from spruce.train import cli as train_cli
+
+    for module in (server_cli, bench_cli, train_cli):  # each registers its flags through add_parser(sub, ...)
+        module.add_parser(sub, add_engine_args)
     return parser
 
 
-def _add_lazy(sub, name: str, module: str) -> None:
-    """Subcommands living in their own packages register their flags through `add_parser(sub)`."""
-    import importlib
+class LazySubcommands(argparse._SubParsersAction):
+    """Subcommands listed by name and help, whose flags are registered only once that subcommand is chosen:
+    listing them (`--help`) imports nothing of the modules that define them.
 
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return
-    mod.add_parser(sub, add_engine_args)
+    `add_lazy(name, help, register)` lists `name`; when it is chosen, `register(self)` adds the real parser
+    through `self.add_parser(name, ...)`, in place of the listed one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._registrars = {}
+
+    def add_lazy(self, name: str, help: str, register) -> None:
+        self.add_parser(name, help=help)
+        self._registrars[name] = register
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        register = self._registrars.pop(values[0], None)
+        if register is not None:
+            del self._name_parser_map[values[0]]
+            register(self)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `spruce` command; spruce's own errors print as one line and exit 2."""
     from spruce.errors import SpruceError
 
     args = build_parser().parse_args(argv)

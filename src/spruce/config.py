@@ -5,6 +5,7 @@ Everything derived from it (buffer widths, page counts, graph buckets) lives in 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,13 +97,16 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; expected one of {DTYPES}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; expected 'cpu' or 'cuda[:N]'")
+        _check_device_available(self.device)
         backend = self.resolved_attention_backend
         if backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} is not supported; expected one of {ATTENTION_BACKENDS}"
             )
+        if backend == "triton":
+            _check_triton_usable(self.device, default=self.attention_backend is None)
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ConfigError(f"cuda_graph=True needs device='cuda', got device={self.device!r}")
         if self.cuda_graph and backend != "triton":
@@ -133,6 +137,33 @@ class EngineConfig:
         if self.cuda_graph is not None:
             return self.cuda_graph
         return self.device.startswith("cuda") and self.resolved_attention_backend == "triton"
+
+
+def _check_device_available(device: str) -> None:
+    """Refuse a CUDA device that this torch cannot see (else torch fails later with a bare AssertionError)."""
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device.partition(":")[2] or 0) >= count:
+        available = ", ".join(repr(d) for d in ["cpu"] + [f"cuda:{i}" for i in range(count)])
+        raise ConfigError(f"device={device!r} is not available: torch {torch.__version__} sees {count} CUDA "
+                          f"device(s); available: {available}")
+
+
+def _check_triton_usable(device: str, default: bool) -> None:
+    """The triton attention backend needs Triton installed, and a CUDA device unless its interpreter is on."""
+    from spruce.ops.triton_support import HAS_TRITON, INSTALL_HINT, interpreter_on
+
+    chosen = "attention_backend='triton'" + (" (the default on cuda)" if default else "")
+    if not HAS_TRITON:
+        raise ConfigError(f"{chosen} needs Triton, which is not installed: {INSTALL_HINT}, "
+                          f"or choose attention_backend='torch'")
+    if device == "cpu" and not interpreter_on():
+        raise ConfigError(f"{chosen} needs a CUDA device, got device='cpu' (Triton runs on CPU only in its "
+                          f"interpreter, TRITON_INTERPRET=1 set before spruce is imported: slow, for tests); "
+                          f"choose attention_backend='torch'")
 
 
 def make_speculative_config(

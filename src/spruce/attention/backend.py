@@ -57,6 +57,10 @@ def _load_torch():
 
 def _load_triton():
     from spruce.attention.triton_backend import TritonAttention
+    from spruce.ops.triton_support import HAS_TRITON, missing_triton_error
+
+    if not HAS_TRITON:
+        raise missing_triton_error("attention_backend='triton'")
 
     return TritonAttention
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
 from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
+from spruce.ops.triton_support import triton
 
 BLOCK_N = 32
 MAX_SPLITS = 16

@@ -1,16 +1,38 @@
-"""`spruce bench {latency,serving}`."""
+"""`spruce bench {latency,serving}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+
+BENCHMARKS = (
+    ("latency", "offline latency/throughput benchmark", "spruce.bench.latency", "add_latency_parser"),
+    ("serving", "online benchmark against a running server", "spruce.bench.serving", "add_serving_parser"),
+)
+
 
 def add_parser(sub, add_engine_args) -> None:
-    from spruce.bench.latency import add_latency_parser
+    """Register `spruce bench` and list its benchmarks; their flags are registered once one is chosen."""
+    from spruce.cli import LazySubcommands
 
     p = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bench_sub = p.add_subparsers(dest="bench", required=True)
-    add_latency_parser(bench_sub)
-    try:
-        from spruce.bench.serving import add_serving_parser
-    except ImportError:
-        return
-    add_serving_parser(bench_sub)
+    bench_sub = p.add_subparsers(dest="bench", required=True, action=LazySubcommands)
+    for name, summary, module, function in BENCHMARKS:
+        bench_sub.add_lazy(name, summary, _registrar(name, module, function))
+
+
+def _registrar(name: str, module: str, function: str):
+    """register(subparsers): import `module` and call its `function(subparsers)`; a missing package is a
+    clean argparse error naming it (a missing spruce module is a bug, and raises as it is)."""
+
+    def register(subparsers) -> None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:
+            if e.name is None or e.name.split(".")[0] == "spruce":
+                raise
+            raise argparse.ArgumentError(None, f"spruce bench {name} needs {e.name}, which is not installed: "
+                                               f"pip install {e.name}") from e
+        getattr(mod, function)(subparsers)
+
+    return register

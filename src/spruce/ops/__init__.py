@@ -2,6 +2,8 @@
 
 Each op has a plain torch version (the reference, used on CPU) and a Triton kernel (used for CUDA tensors);
 tests run both, through Triton's interpreter on CPU and natively on the GPU, and require equal results.
+Triton is optional: kernel modules take it from `spruce.ops.triton_support`, and without it every op runs
+its torch version.
 """
 
 from spruce.ops.fused import add_rms_norm, rms_norm, rotary_, silu_and_mul

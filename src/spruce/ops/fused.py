@@ -1,4 +1,5 @@
-"""Fused decoder ops: one Triton kernel each on CUDA tensors, the torch reference elsewhere.
+"""Fused decoder ops: one Triton kernel each on CUDA tensors, the torch reference elsewhere (and everywhere
+without Triton installed).
 
 Rounding follows the unfused torch code (and transformers) step by step, so that the two paths agree to
 the last bit in float32 and to bf16 rounding in bf16:
@@ -10,12 +11,13 @@ the last bit in float32 and to bf16 rounding in bf16:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from spruce.ops.triton_support import HAS_TRITON, tl, triton
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or _FORCE_TRITON[0]
+    """Run the Triton kernel for x: on CUDA tensors (or when tests force it), and only with Triton installed."""
+    return HAS_TRITON and (x.is_cuda or _FORCE_TRITON[0])
 
 
 _FORCE_TRITON = [False]  # tests flip this to run the kernels on CPU tensors through the interpreter

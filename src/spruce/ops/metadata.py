@@ -7,8 +7,7 @@ the same values into the same persistent buffers with one launch instead of ~20 
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from spruce.ops.triton_support import HAS_TRITON, missing_triton_error, tl, triton
 
 
 @triton.jit(do_not_specialize=["batch", "n_per", "scratch_offset"])  # vary per call: compile once
@@ -45,6 +44,8 @@ def _scratch_metadata_kernel(
 def fill_scratch_metadata(builder, rows, committed, input_ids, depths, masks, scratch_offset: int,
                           scratch_start: int, scratch_width: int) -> None:
     """Write the builder's buffers for P = rows.shape[0] requests of n = input_ids.shape[1] tokens each."""
+    if not HAS_TRITON:
+        raise missing_triton_error("the one-launch scratch-metadata fill (BatchBuilder.fused, on for CUDA)")
     p, n = input_ids.shape
     total = p * n
     block = 256

@@ -12,10 +12,9 @@ Among exactly equal logits the lower token id wins (torch.topk leaves that order
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from spruce.ops.fused import _use_triton
+from spruce.ops.triton_support import tl, triton
 
 CHUNK = 2048
 MAX_K = 16

@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from spruce.ops.fused import _use_triton
+from spruce.ops.triton_support import tl, triton
 
 
 @dataclass

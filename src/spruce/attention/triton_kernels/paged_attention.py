@@ -14,8 +14,7 @@ shapes the grid is a host int fixed per CUDA-graph bucket; per-request lengths a
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+from spruce.ops.triton_support import tl, triton
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from spruce.ops.triton_support import tl, triton
 
 
 @triton.jit
