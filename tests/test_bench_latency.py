@@ -14,13 +14,20 @@ def test_latency_bench_writes_result(tmp_path):
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["def fib(n):", "import os\n", "class A:"]))
     rc = main(["bench", "latency", "--model", str(model), "--draft", str(draft), "--device", "cpu",
                "--dtype", "float32", "--batch-sizes", "1", "2", "--input-len", "12", "--output-len", "6",
-               "--num-prompts", "3", "--spec", "3,2,4", "--graphs", "off", "--repeats", "1", "--compare-hf",
+               "--num-prompts", "3", "--spec", "3,2,4", "--graphs", "off", "--overlap", "on", "off", "--repeats", "1", "--compare-hf",
                "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")])
     assert rc == 0
     (path,) = (tmp_path / "out").glob("latency-*.json")
     res = json.loads(path.read_text())
-    runs = {(r["batch_size"], tuple(r["spec_config"] or ())): r for r in res["figures"]["runs"]}
-    assert set(runs) == {(1, ()), (1, (3, 2, 4)), (2, ()), (2, (3, 2, 4))}
+    all_runs = res["figures"]["runs"]
+    assert len(all_runs) == 8 and {r["overlap"] for r in all_runs} == {True, False}
+    for r in all_runs:  # wall time against the summed phase time of the same run
+        assert r["gpu_phase_ms"] > 0 and r["wall_over_gpu_phases"] == r["total_s"] * 1e3 / r["gpu_phase_ms"]
+    on = [r for r in all_runs if r["overlap"]]
+    off = {(r["batch_size"], tuple(r["spec_config"] or ())): r for r in all_runs if not r["overlap"]}
+    runs = {(r["batch_size"], tuple(r["spec_config"] or ())): r for r in on}
+    assert set(runs) == {(1, ()), (1, (3, 2, 4)), (2, ()), (2, (3, 2, 4))} == set(off)
+    assert runs[(2, (3, 2, 4))]["spec"] == off[(2, (3, 2, 4))]["spec"]  # the same rounds with and without overlap
     assert runs[(1, ())]["num_prompts"] == 3 and runs[(2, ())]["num_prompts"] == 4  # whole batches
     for r in runs.values():
         assert r["output_tokens"] == 6 * r["num_prompts"] and r["tokens_per_s"] > 0

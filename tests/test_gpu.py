@@ -100,3 +100,36 @@ def _write_report():
     if path:
         with open(path, "w") as f:
             json.dump(REPORT, f, indent=2)
+
+
+def test_overlap_equals_synchronous_loop_with_graphs(pycode19m, draft19m, prompts19m):
+    """Overlap on the GPU (pinned result buffers, events, graph replays) gives the synchronous loop's tokens."""
+    kw = dict(dtype="float32", page_size=16, max_running_requests=16, cuda_graph=True, draft_model=draft19m,
+              speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=12)
+    ps = prompts19m[:13]
+    sync, _ = generate(pycode19m, ps, 32, disable_overlap_schedule=True, **kw)
+    overlap, stats = generate(pycode19m, ps, 32, **kw)
+    assert overlap == sync
+    REPORT["overlap_vs_sync_bs13"] = {"equal": True, "spec": stats["spec"]}
+    _write_report()
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_eager_above_largest_bucket_under_overlap(pycode19m, draft19m, prompts19m, spec):
+    """12 requests with graphs captured up to 4: the full batch runs every phase eagerly (reading eager
+    outputs, never a graph's buffers), smaller batches replay graphs as requests finish; equal to no graphs."""
+    kw = dict(dtype="float32", page_size=16, max_running_requests=12)
+    if spec:
+        kw.update(draft_model=draft19m, speculative_num_steps=4, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=12)
+    ps = prompts19m[:12]
+    lengths = [8 + 3 * i for i in range(12)]  # requests finish one by one: the batch shrinks through the buckets
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(pycode19m, device="cuda", attention_backend="triton", cuda_graph=graphs, cuda_graph_max_bs=4, **kw)
+        got = llm.generate(ps, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+        outs[graphs] = [o.token_ids for o in got]
+        llm.engine.check_no_leaks()
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

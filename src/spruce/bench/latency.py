@@ -31,6 +31,8 @@ def add_latency_parser(sub) -> None:
                    help="speculative configs to run (steps,topk,draft_tokens); none: plain only")
     p.add_argument("--no-plain", action="store_true", help="skip the non-speculative runs")
     p.add_argument("--graphs", nargs="+", default=["on"], choices=["on", "off"])
+    p.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
+                   help="overlap scheduling on (default) and/or off (--disable-overlap-schedule)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -54,13 +56,14 @@ def _prompt_batches(args, tokenizer, vocab: int, bs: int) -> list[list[list[int]
     return [flat[i:i + bs] for i in range(0, n, bs)]
 
 
-def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) -> dict:
+def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, overlap: bool = True) -> dict:
     from spruce import LLM, SamplingParams
 
     kw = dict(model=model, device=args.device, dtype=args.dtype, page_size=args.page_size,
               attention_backend=args.attention_backend, max_running_requests=max(bs, 1), cuda_graph=graphs,
               cuda_graph_max_bs=bs, context_length=args.input_len + args.output_len + 64,
-              max_total_tokens=bs * (args.input_len + args.output_len + 80), load_format=load_format)
+              max_total_tokens=bs * (args.input_len + args.output_len + 80), load_format=load_format,
+              disable_overlap_schedule=not overlap)
     if spec is not None:
         s, k, n = spec
         kw.update(draft_model=draft, speculative_num_steps=s, speculative_eagle_topk=k,
@@ -89,7 +92,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str) 
         prefill_ms = phases.get("prefill", {}).get("total_ms", 0.0)
         out_tokens = sum(len(o.token_ids) for o in outs)
         decode_s = max(total - prefill_ms / 1e3, 1e-9)
+        gpu_ms = sum(v["total_ms"] for k, v in phases.items() if k != "sync")  # the device's phases, not waits
         run = {"total_s": total, "prefill_ms": prefill_ms, "output_tokens": out_tokens,
+               "gpu_phase_ms": gpu_ms, "wall_over_gpu_phases": total * 1e3 / gpu_ms if gpu_ms else None,
                "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - len(outs)) / decode_s,
                "num_prompts": len(outs),
                "phases": phases, "spec": eng.spec_stats.as_dict() if spec else None}
@@ -162,15 +167,16 @@ def run_latency_bench(args) -> int:
     figures: dict = {"runs": []}
     if args.device.startswith("cuda"):
         figures["copy_bandwidth_GBps"] = measure_copy_bandwidth(args.device) / 1e9
-    for graphs in args.graphs:
-        for bs in args.batch_sizes:
-            configs = ([] if args.no_plain else [None]) + specs
-            for spec in configs:
-                run = _run_one(args, model, draft, spec, graphs == "on", bs, load_format)
-                run.update({"batch_size": bs, "cuda_graph": graphs == "on",
-                            "spec": run["spec"], "spec_config": list(spec) if spec else None})
-                figures["runs"].append(run)
-                _print_run(run)
+    for overlap in args.overlap:
+        for graphs in args.graphs:
+            for bs in args.batch_sizes:
+                configs = ([] if args.no_plain else [None]) + specs
+                for spec in configs:
+                    run = _run_one(args, model, draft, spec, graphs == "on", bs, load_format, overlap == "on")
+                    run.update({"batch_size": bs, "cuda_graph": graphs == "on", "overlap": overlap == "on",
+                                "spec": run["spec"], "spec_config": list(spec) if spec else None})
+                    figures["runs"].append(run)
+                    _print_run(run)
     _add_ratios(figures)
     if args.compare_hf and args.model:
         figures["hf"] = {str(bs): _run_hf(args, args.model, bs) for bs in args.batch_sizes}
@@ -190,7 +196,7 @@ def _add_ratios(figures: dict) -> None:
             run["roofline_step_ms"] = floor_ms
             run["fraction_of_roofline"] = floor_ms / run["decode_step_ms"]
         plain = next((p for p in figures["runs"] if p["spec_config"] is None and p["batch_size"] == run["batch_size"]
-                      and p["cuda_graph"] == run["cuda_graph"]), None)
+                      and p["cuda_graph"] == run["cuda_graph"] and p["overlap"] == run["overlap"]), None)
         if run.get("round_ms") and plain and plain.get("decode_step_ms"):
             run["round_over_decode_step"] = run["round_ms"] / plain["decode_step_ms"]
             run["speedup_tokens_per_s"] = run["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
@@ -199,7 +205,8 @@ def _add_ratios(figures: dict) -> None:
 def _print_run(run: dict) -> None:
     spec = run["spec_config"]
     line = (f"bs={run['batch_size']:3d} graphs={'on ' if run['cuda_graph'] else 'off'} "
-            f"spec={spec or '-'} tok/s={run['decode_tokens_per_s']:.1f}")
+            f"overlap={'on ' if run['overlap'] else 'off'} spec={spec or '-'} tok/s={run['tokens_per_s']:.1f} "
+            f"wall/gpu={run['wall_over_gpu_phases'] or 0:.2f}")
     if run.get("decode_step_ms"):
         line += f" step={run['decode_step_ms']:.3f}ms"
     if run.get("round_ms"):
