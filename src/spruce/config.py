@@ -93,6 +93,7 @@ class EngineConfig:
     seed: int = 0
     show_progress: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks at real shapes)
+    disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
