@@ -1,8 +1,11 @@
-"""Test helpers: tiny random checkpoints in the Hugging Face, EAGLE and EAGLE-3 layouts, and a hand-driven
-paged cache (page table + KV pool + ForwardBatch built without any runtime code) to run models on them."""
+"""Test helpers: tiny random checkpoints in the Hugging Face, EAGLE and EAGLE-3 layouts, a hand-driven paged
+cache (page table + KV pool + ForwardBatch built without any runtime code) to run models on them, and prompts of
+real Python for the bundled demo model."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import random
 from pathlib import Path
@@ -65,6 +68,20 @@ def write_llama_checkpoint(path, variant: str = "llama", tie: bool = False, shar
         raw["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
         (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
+
+
+PROMPT_MODULES = ("textwrap", "heapq", "bisect", "fractions", "shlex", "colorsys", "difflib")
+
+
+def python_source_prompts(chars: int = 2000) -> list[str]:
+    """Prompts of real Python, present on every machine (the fixture model's held-out prompts are not): `chars`
+    characters of each PROMPT_MODULES standard-library module's source, from its first top-level def or class."""
+    prompts = []
+    for name in PROMPT_MODULES:
+        src = inspect.getsource(importlib.import_module(name))
+        start = min(i for i in (src.find("\ndef "), src.find("\nclass ")) if i >= 0) + 1
+        prompts.append(src[start:start + chars])
+    return prompts
 
 
 def read_config(model_dir) -> dict:

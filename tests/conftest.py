@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+# The fixture model: ../shared/models/pycode-19m beside the clone, or the directory SPRUCE_PYCODE_19M names.
+# Without it its tests skip; tests/test_fresh_clone_*.py run the same tests on the bundled demo model.
 PYCODE_19M = Path(os.environ.get("SPRUCE_PYCODE_19M", SHARED_MODELS / "pycode-19m"))
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
@@ -32,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def pycode19m() -> Path:
     if not (PYCODE_19M / "config.json").exists():
-        pytest.skip(f"fixture model not found at {PYCODE_19M}")
+        pytest.skip(f"fixture model not found at {PYCODE_19M} (set SPRUCE_PYCODE_19M=DIR to run this test; "
+                    f"its twin in tests/test_fresh_clone_*.py runs it on the bundled model)")
     return PYCODE_19M
 
 
