@@ -14,7 +14,10 @@ def __getattr__(name):
 
         return LLM
     if name == "__version__":  # the installed distribution's version (pyproject.toml)
-        from importlib.metadata import version
+        from importlib.metadata import PackageNotFoundError, version
 
-        return version("spruce")
+        try:
+            return version("spruce")
+        except PackageNotFoundError:  # run from a source tree on PYTHONPATH, not installed
+            return "0+source"
     raise AttributeError(name)
