@@ -4,7 +4,9 @@ It follows the contract in `spruce.attention.metadata` with one batched masked a
 tokens: the batch is laid out as [bs, m] (request b, its i-th query token; m = max_q_len), each request's keys
 (paged positions 0..max_kv_len-1 of its row, then its scratch block) are gathered once, every query token gets
 one mask row over those keys (length mask | ancestor bits), and `scaled_dot_product_attention` runs in float32.
-Shapes come from the batch's host ints only, so the backend never synchronises with the device.
+Request b's query tokens are qo_indptr[b] .. qo_indptr[b+1]-1 and its row is req_rows[b] (the builder gives
+them token_rows == req_rows[b]; the triton backend reads the same grouping). Shapes come from the batch's host
+ints only, so the backend never synchronises with the device.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def request_tokens(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return tok.clamp(max=batch.num_tokens - 1), exists
 
 
-def request_key_slots(batch: ForwardBatch, page_table: torch.Tensor, scratch_start: int, page_size: int) -> torch.Tensor:
+def request_key_slots(batch: ForwardBatch, page_table: torch.Tensor, scratch_start: int,
+                      page_size: int) -> torch.Tensor:
     """Pool slots of each request's candidate keys, [bs, L]: paged positions 0..max_kv_len-1, then scratch 0..W-1."""
     rows = batch.req_rows  # [bs]
     pos = torch.arange(batch.max_kv_len, device=rows.device)[None, :].expand(rows.shape[0], -1)  # [bs, Lp]
