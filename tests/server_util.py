@@ -1,10 +1,16 @@
 """Test helpers: a real uvicorn server on 127.0.0.1 (free port) in a background thread, serving the bundled
-pycode-6m model with speculation on (a small random EAGLE-3 draft)."""
+pycode-6m model with speculation on (a small random EAGLE-3 draft); `spruce serve` as a subprocess; log
+capture; Prometheus scraping."""
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -39,12 +45,14 @@ def engine_kwargs(draft_dir: Path, **overrides) -> dict:
 
 
 class ServerThread:
-    """`create_app` + uvicorn on a pre-bound loopback socket, run in a daemon thread."""
+    """`create_app` + uvicorn (spruce's GracefulServer, as `spruce serve` runs it) on a pre-bound loopback
+    socket, run in a daemon thread."""
 
     def __init__(self, engine, *, api_key: str | None = None, **app_kwargs):
         import uvicorn
 
         from spruce.server import EngineLoop, create_app
+        from spruce.server.graceful import GracefulServer
 
         self.engine = engine
         self.engine_loop = EngineLoop(engine)
@@ -53,7 +61,8 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = GracefulServer(config, app.state.drain)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
@@ -74,6 +83,12 @@ class ServerThread:
         self.thread.join(30)
         self.sock.close()
 
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def metric(text: str, name: str) -> float:
     """A sample's value from Prometheus text (the first line named exactly `name`, labels included)."""
@@ -92,3 +107,97 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> str:
         if busy == 0 or time.monotonic() > deadline:
             return text
         time.sleep(0.05)
+
+
+def server_errors(text: str) -> dict[int, float]:
+    """spruce_request_errors_total by HTTP status, from a /metrics scrape."""
+    found = re.findall(r'^spruce_request_errors_total\{status="(\d+)"\} (\S+)$', text, re.MULTILINE)
+    return {int(status): float(value) for status, value in found}
+
+
+def five_xx(base_url: str) -> float:
+    """How many requests the server has answered with a 5xx status so far."""
+    errors = server_errors(httpx.get(f"{base_url}/metrics", timeout=10).text)
+    return sum(v for status, v in errors.items() if status >= 500)
+
+
+class LogRecorder(logging.Handler):
+    """Collects the records of the server's loggers (uvicorn's do not propagate to the root, so pytest's caplog
+    misses them) while used as a context manager."""
+
+    LOGGERS = ("spruce", "uvicorn", "uvicorn.error", "uvicorn.access")
+
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> "LogRecorder":
+        self.spruce_level = logging.getLogger("spruce").level
+        logging.getLogger("spruce").setLevel(logging.DEBUG)
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+        logging.getLogger("spruce").setLevel(self.spruce_level)
+
+    def wait_for(self, text: str, timeout: float = 10.0) -> None:
+        """Wait until a record's message contains `text`."""
+        deadline = time.monotonic() + timeout
+        while not any(text in r.getMessage() for r in list(self.records)):
+            assert time.monotonic() < deadline, f"no log record containing {text!r}"
+            time.sleep(0.02)
+
+    def problems(self) -> list[str]:
+        """Records at ERROR or above, or carrying a traceback."""
+        return [f"{r.levelname} {r.name}: {r.getMessage()}" for r in self.records
+                if r.levelno >= logging.ERROR or r.exc_info]
+
+
+class ServeProcess:
+    """`spruce serve` (the bundled demo model and its draft head) as a subprocess on a free loopback port,
+    its log in a file."""
+
+    def __init__(self, log_path: Path, *args: str):
+        self.log_path = log_path
+        self.log_file = open(log_path, "w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "spruce.cli", "serve", "--port", "0", *args],
+                                     stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
+        self.base_url = ""
+
+    def start(self, timeout: float = 60.0) -> "ServeProcess":
+        """Wait for uvicorn's "running on" line, logged once the app has started, and read the port from it."""
+        deadline = time.monotonic() + timeout
+        while not self.base_url:
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", self.log())
+            if found:
+                self.base_url = found.group(1)
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"spruce serve did not start:\n{self.log()}")
+            else:
+                time.sleep(0.1)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def terminate(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log_file.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log_file.close()

@@ -190,6 +190,25 @@ def test_server_info_names_device_and_speculation(server):
 
 
 GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
+USER = [{"role": "user", "content": "hi"}]
+NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
+    ("completions", "best_of", 2), ("completions", "logit_bias", {"7": 5.0}), ("completions", "min_tokens", 2),
+    ("completions", "min_p", 0.1), ("completions", "repetition_penalty", 1.1),
+    ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
+    ("completions", "guided_json", {"type": "object"}), ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "presence_penalty", 0.5), ("completions", "echo", True), ("completions", "suffix", "x"),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat/completions", "tool_choice", "auto"), ("chat/completions", "top_logprobs", 2),
+    ("chat/completions", "continue_final_message", True), ("chat/completions", "chat_template", "{{ 1 }}"),
+    ("chat/completions", "response_format", {"type": "json_schema"}),
+]
+NEUTRAL = {  # values of the not-supported-yet fields that change nothing: accepted
+    "completions": dict(best_of=1, logit_bias={}, min_tokens=0, min_p=0, repetition_penalty=1.0,
+                        include_stop_str_in_output=False, skip_special_tokens=True, guided_json=None,
+                        response_format={"type": "text"}, presence_penalty=0, echo=False, logprobs=None),
+    "chat/completions": dict(tools=[], tool_choice="none", top_logprobs=0, continue_final_message=False,
+                             chat_template=None, logit_bias=None, n=2, best_of=2),
+}
 BAD = [
     ("completions", "{not json", 400, None),
     ("completions", "[1, 2]", 400, None),
@@ -221,6 +240,32 @@ BAD = [
      "messages[0].content"),
     ("chat/completions", {"model": MODEL_NAME, "messages": "hi"}, 400, "messages"),
     ("chat/completions", {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    # lone surrogates (json.dumps writes them as "\ud800" escapes) in every text field that reaches the tokenizer
+    ("completions", {**GOOD, "prompt": "a\ud800b"}, 400, "prompt"),
+    ("completions", {**GOOD, "prompt": ["ok", "a\udfffb"]}, 400, "prompt[1]"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800b"}]}, 400, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
+     "messages[0].content[0].text"),
+    ("chat/completions", {"messages": [{"role": "\udc00", "content": "hi"}]}, 400, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}, 400,
+     "messages[0].name"),
+    ("completions", {**GOOD, "stop": "\ud800"}, 400, "stop"),
+    # unchecked values
+    ("completions", {**GOOD, "stop": ""}, 400, "stop"),
+    ("completions", {**GOOD, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("completions", {**GOOD, "stop_token_ids": [4096]}, 400, "stop_token_ids"),
+    ("completions", {**GOOD, "stop_token_ids": [1] * 10_000}, 400, "stop_token_ids"),
+    ("completions", {**GOOD, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("completions", {**GOOD, "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 10**9}, 400, "max_tokens"),
+    # fields that would be dropped
+    ("completions", {**GOOD, "no_such_field": 1}, 400, "no_such_field"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, 400,
+     "messages[0].tool_calls"),
+    ("completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    *[(path, {**({"messages": USER} if path.startswith("chat") else GOOD), field: value}, 400, field)
+      for path, field, value in NOT_SUPPORTED],
 ]
 
 
@@ -233,6 +278,66 @@ def test_bad_requests(server, path, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
+    if any(field == param for _, field, _ in NOT_SUPPORTED):
+        assert "not supported yet" in err["message"]
+
+
+def test_lone_surrogates_arrive_as_such():
+    """What test_bad_requests sends: JSON escapes of lone surrogates, which json.loads turns into lone
+    surrogates (and which tokenizers refuse with TypeError)."""
+    raw = json.dumps({"prompt": "a\ud800b"})
+    assert raw == '{"prompt": "a\\ud800b"}'
+    assert json.loads(raw)["prompt"] == "a\ud800b"
+    with pytest.raises(UnicodeEncodeError):
+        json.loads(raw)["prompt"].encode()
+
+
+@pytest.mark.parametrize("path", sorted(NEUTRAL))
+def test_neutral_values_of_unsupported_fields_are_accepted(server, path):
+    body = {"messages": USER} if path.startswith("chat") else dict(GOOD)
+    r = httpx.post(f"{server.base_url}/v1/{path}", json={**body, "max_tokens": 2, **NEUTRAL[path]}, headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain; charset=utf-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                          "application/json; charset=latin-1", "application/jsonx"])
+def test_non_json_content_type_is_refused(server, content_type):
+    """A web page may POST text/plain (or no Content-Type) cross-origin without a CORS preflight."""
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(f"{server.base_url}/v1/completions", content=json.dumps(GOOD), headers=headers)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_json_content_type_with_charset_is_accepted(server):
+    for content_type in ("application/json; charset=utf-8", "Application/JSON;charset=\"UTF-8\""):
+        r = httpx.post(f"{server.base_url}/v1/completions", content=json.dumps(GOOD),
+                       headers={**AUTH, "Content-Type": content_type})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 9.9e-6])
+def test_tiny_temperature_is_greedy(client, reference, temperature):
+    """Below 1e-5 a temperature is greedy; 1e-39 used to overflow the logits and pick token 0 every step."""
+    want = reference[PROMPTS[0]]
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                  temperature=temperature, seed=3)
+    assert r.choices[0].text == want.text
+
+
+def test_advertised_limit_and_default_max_tokens(server):
+    """/v1/models names the true per-request limit; a chat request without max_tokens gets the room left."""
+    card = httpx.get(f"{server.base_url}/v1/models", headers=AUTH).json()["data"][0]
+    assert card["max_model_len"] == CONTEXT
+    ids = server.engine.tokenizer.encode(GOOD["prompt"])
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                   json={**GOOD, "max_tokens": CONTEXT - len(ids), "stop": "\n"})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                   json={**GOOD, "max_tokens": CONTEXT - len(ids) + 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens" and f"<= {CONTEXT - len(ids)}" in err["message"]
 
 
 def test_api_key_required(server):
@@ -253,9 +358,10 @@ def test_unknown_route_is_json_404(server):
 def test_oversized_body_and_prompt(server):
     url = f"{server.base_url}/v1/completions"
     big = json.dumps({**GOOD, "prompt": "x" * (5 << 20)}).encode()
-    r = httpx.post(url, content=big, headers=AUTH)
+    headers = {**AUTH, "Content-Type": "application/json"}
+    r = httpx.post(url, content=big, headers=headers)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(url, content=(big[i:i + 65536] for i in range(0, len(big), 65536)), headers=AUTH)  # chunked
+    r = httpx.post(url, content=(big[i:i + 65536] for i in range(0, len(big), 65536)), headers=headers)  # chunked
     assert r.status_code == 413
     r = httpx.post(url, json={**GOOD, "prompt": "x = 1\n" * CONTEXT}, headers=AUTH)
     assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
@@ -276,13 +382,12 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 def test_engine_failure_fails_request_and_keeps_serving(server, client, reference):
     engine = server.engine
-    original = engine._decode_step
 
-    def fail_once(reqs):
-        engine._decode_step = original
+    def fail_once():
+        del engine.step  # back to the class's method
         raise RuntimeError("injected fault")
 
-    engine._decode_step = fail_once
+    engine.step = fail_once
     r = httpx.post(f"{server.base_url}/v1/completions", json=GOOD, headers=AUTH)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert metric(wait_idle(server.base_url), "spruce_kv_pages_used") == 0
@@ -300,3 +405,10 @@ def test_serve_cli_flags():
     assert served_name(args) == MODEL_NAME
     args = build_parser().parse_args(["serve", "--model", "/m/llama", "--served-model-name", "llama"])
     assert served_name(args) == "llama"
+    assert (args.max_queued_requests, args.request_timeout, args.shutdown_grace_period) == (256, 600.0, 30.0)
+    args = build_parser().parse_args(["serve", "--max-queued-requests", "0", "--request-timeout", "2.5",
+                                      "--shutdown-grace-period", "0"])
+    assert (args.max_queued_requests, args.request_timeout, args.shutdown_grace_period) == (0, 2.5, 0.0)
+    for bad in (["--max-queued-requests", "-1"], ["--request-timeout", "-1"], ["--shutdown-grace-period", "nan"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])

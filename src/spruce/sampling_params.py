@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request.
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) means no top-k cut; top_p == 1 means no nucleus cut.
+    temperature == 0 means greedy; a temperature below SAMPLING_EPS (1e-5) is normalised to 0 (greedy, vLLM's
+    convention): it differs from greedy only on near-exact logit ties, and dividing float32 logits by, say,
+    1e-39 gives inf and a NaN softmax.
+    top_k <= 0 (or -1) means no top-k cut; top_p == 1 means no nucleus cut.
     `seed` makes sampling reproducible per request, independent of what else is in the batch.
-    `stop` strings end generation; the text is cut before the stop string.
+    `stop` strings end generation; the text is cut before the stop string. `stop_token_ids` (at most
+    MAX_STOP_TOKEN_IDS, each >= 0; the engine's vocabulary bounds them above) end it too.
     """
 
     max_tokens: int = 16
@@ -38,6 +45,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", field="temperature")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)
         _check_number("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
@@ -53,8 +62,13 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", field="stop")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                                      f"{len(self.stop_token_ids)}", field="stop_token_ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
+            if t < 0:
+                raise InvalidRequestError(f"stop_token_ids must be >= 0, got {t}", field="stop_token_ids")
 
     @property
     def greedy(self) -> bool:

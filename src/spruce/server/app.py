@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Every error is answered as `{"error": {"message", "type", "param", "code"}}`."""
+/metrics. Every error is answered as `{"error": {"message", "type", "param", "code"}}`.
+
+Generation requests must be `application/json` (415 otherwise: a web page cannot send that cross-origin
+without a CORS preflight). `app.state.drain()` is the graceful shutdown (see `spruce.server.graceful`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from spruce.errors import InvalidRequestError
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
@@ -21,15 +26,21 @@ from spruce.server.protocol import (
     MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
     completion_choice, envelope, parse_request, usage,
 )
+from spruce.server.settings import (
+    MAX_BODY_BYTES, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S, ServingLimits,
+)
 
 log = logging.getLogger("spruce.server")
-MAX_BODY_BYTES = 4 << 20
-COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions; chat defaults to the context
+COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 
 
 def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown."""
+               max_body_bytes: int = MAX_BODY_BYTES, max_queued_requests: int = MAX_QUEUED_REQUESTS,
+               request_timeout: float | None = REQUEST_TIMEOUT_S,
+               shutdown_grace_period: float = SHUTDOWN_GRACE_PERIOD_S) -> FastAPI:
+    """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown; `app.state.drain` is the
+    graceful shutdown to run before that (refuse new requests, let running ones finish, end the rest)."""
+    limits = ServingLimits(max_body_bytes, max_queued_requests, request_timeout, shutdown_grace_period)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -38,13 +49,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(engine_loop, model_name, api_key, max_body_bytes)
+    api = _Api(engine_loop, model_name, api_key, limits)
+    app.state.drain = api.drain
     metrics = engine_loop.metrics
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, e: OpenAIError):
         metrics.on_error(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_disconnect(request, _e: ClientDisconnect):
+        log.info("%s %s: client disconnected before sending the whole request body", request.method,
+                 request.url.path)
+        return Response(status_code=499)  # nobody is listening: neither answered nor counted as an error
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, e: StarletteHTTPException):
@@ -62,6 +80,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     async def health():
         if not engine_loop.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
+        if not engine_loop.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -84,15 +104,23 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     return app
 
 
+def request_token_limit(engine) -> int:
+    """The most tokens (prompt + output) one request can hold: the context length, or fewer when the KV cache
+    cannot hold that many for a single request (a decode step also needs `lookahead` positions of pages)."""
+    lim = engine.limits
+    return min(lim.context_length, engine.runner.allocator.capacity * lim.page_size - lim.lookahead)
+
+
 class _Api:
     """The generation endpoints and their request plumbing."""
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, max_body_bytes: int):
+    def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, limits: ServingLimits):
         self.loop = engine_loop
         self.engine = engine_loop.engine
         self.model_name = model_name
         self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.max_request_tokens = request_token_limit(self.engine)
         self.created = int(time.time())
 
     # --- request plumbing ----------------------------------------------------------------------------------
@@ -111,11 +139,13 @@ class _Api:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "spruce",
-                "max_model_len": self.engine.limits.context_length}
+                "max_model_len": self.max_request_tokens}
 
     async def read_json(self, request: Request) -> dict:
-        """The JSON object body; 413 as soon as it is known to exceed the limit (header or bytes read)."""
-        limit = self.max_body_bytes
+        """The JSON object body: 415 unless sent as JSON, 413 as soon as it is known to exceed the limit
+        (header or bytes read)."""
+        check_content_type(request.headers.get("content-type"))
+        limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise OpenAIError(413 if declared.isdigit() else 400,
@@ -141,11 +171,39 @@ class _Api:
         self.check_model(req.model)
         return req
 
-    def sampling_params(self, req, max_tokens_default: int):
+    def sampling_params(self, req, max_tokens: int):
         try:
-            return req.sampling_params(max_tokens_default, self.engine.runner.model_config.vocab_size)
+            return req.sampling_params(max_tokens, self.engine.runner.model_config.vocab_size)
         except InvalidRequestError as e:
             raise OpenAIError.from_invalid_request(e) from None
+
+    def max_tokens(self, req, prompt_tokens: int, default: int, prompt_param: str) -> int:
+        """The request's max_tokens, refused (not cut) when prompt + max_tokens exceeds what one request can
+        hold; unset, `default` cut to the room left."""
+        limit = self.max_request_tokens
+        room = limit - prompt_tokens
+        if room < 1:
+            raise OpenAIError(413, f"the prompt has {prompt_tokens} tokens; a request holds at most {limit} tokens "
+                              f"(prompt + output) on this server, so the prompt must be under {limit} tokens",
+                              param=prompt_param, code="context_length_exceeded")
+        if req.max_tokens is None:
+            return min(default, room)
+        if req.max_tokens > room:
+            raise OpenAIError(400, f"max_tokens={req.max_tokens} is too large: the prompt has {prompt_tokens} "
+                              f"tokens and a request holds at most {limit} (prompt + output), so max_tokens must "
+                              f"be <= {room}", param="max_tokens", code="context_length_exceeded")
+        return req.max_tokens
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids, encoded as the engine encodes text (token ids pass through: the engine checks
+        them)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise OpenAIError(400, "prompt is empty; expected at least one token", param="prompt")
+        if self.engine.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer.json: send token ids", param="prompt")
+        return self.engine.tokenizer.encode(prompt)
 
     # --- endpoints -------------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -153,15 +211,19 @@ class _Api:
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices", param="n")
-        params = self.sampling_params(req, COMPLETION_MAX_TOKENS_DEFAULT)
-        jobs = [(p, sp) for p in prompts for sp in params]
+        prompt_ids = await asyncio.to_thread(lambda: [self.prompt_ids(p) for p in prompts])
+        jobs = []
+        for ids in prompt_ids:
+            max_tokens = self.max_tokens(req, len(ids), COMPLETION_MAX_TOKENS_DEFAULT, "prompt")
+            jobs += [(ids, sp) for sp in self.sampling_params(req, max_tokens)]
         return await self.generate(request, req, jobs, chat=False)
 
     async def chat_completions(self, request: Request):
         req = await self.prepare(request, ChatCompletionRequest)
-        params = self.sampling_params(req, self.engine.limits.context_length)
         ids = await asyncio.to_thread(self.chat_prompt, [m.as_dict() for m in req.messages])
-        return await self.generate(request, req, [(ids, sp) for sp in params], chat=True)
+        max_tokens = self.max_tokens(req, len(ids), self.max_request_tokens, "messages")
+        return await self.generate(request, req, [(ids, sp) for sp in self.sampling_params(req, max_tokens)],
+                                   chat=True)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered chat template (which writes its own special tokens)."""
@@ -180,11 +242,12 @@ class _Api:
     async def generate(self, request: Request, req, jobs, chat: bool):
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
-            gen = await Generation.start(self.loop, base_id, jobs)
+            gen = await Generation.start(self.loop, base_id, jobs, self.limits.max_queued_requests,
+                                         self.limits.request_timeout)
         except InvalidRequestError as e:
             raise OpenAIError.from_invalid_request(e, {"prompt": "messages"} if chat else None) from None
         except EngineFailure as e:
-            raise OpenAIError(e.status, str(e)) from None
+            raise failure_error(e) from None
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
         stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs])
         if req.stream:
@@ -199,7 +262,7 @@ class _Api:
                 return Response(status_code=499)
             outs = collect.result()
         except EngineFailure as e:
-            raise OpenAIError(e.status, f"{base_id}: {e}") from None
+            raise failure_error(e, base_id) from None
         finally:
             collect.cancel()
             gone.cancel()
@@ -207,6 +270,42 @@ class _Api:
         body = stream.response(outs)
         log.info("%s: done, usage %s", base_id, body["usage"])
         return body
+
+    async def drain(self) -> None:
+        """Graceful shutdown: refuse new requests (503), give the running ones the grace period to finish, then
+        stop the engine, which ends each request still open with a 503 error (an error event then [DONE] for
+        streams)."""
+        self.loop.stop_accepting()
+        grace = self.limits.shutdown_grace_period
+        log.info("shutting down: refusing new requests; %d engine request(s) in flight get up to %g s to finish",
+                 self.loop.in_flight, grace)
+        deadline = time.monotonic() + grace
+        while self.loop.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.loop.in_flight:
+            log.warning("shutdown grace period (%g s) is over: ending %d engine request(s) with an error", grace,
+                        self.loop.in_flight)
+        await asyncio.to_thread(self.loop.stop)
+
+
+def check_content_type(content_type: str | None) -> None:
+    """415 unless the body is declared as JSON (`application/json`, optionally with charset=utf-8)."""
+    media, *params = (content_type or "").split(";")
+    if media.strip().lower() != "application/json":
+        raise OpenAIError(415, f"Content-Type must be application/json, got {content_type!r}",
+                          code="unsupported_media_type")
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise OpenAIError(415, f"the JSON body must be UTF-8, got Content-Type {content_type!r}",
+                              code="unsupported_media_type")
+
+
+def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
+    """The HTTP error answering an EngineFailure (with Retry-After when the server is overloaded)."""
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    message = f"{request_id}: {e}" if request_id else str(e)
+    return OpenAIError(e.status, message, code=e.code, headers=headers)
 
 
 async def _client_gone(request: Request) -> None:
@@ -242,8 +341,9 @@ class _Stream:
         return completion_choice(index, text, finish_reason)
 
     async def sse(self, gen: Generation, include_usage: bool):
-        """SSE events: text deltas (safe to show: see TextDelta), the finish, usage if asked, then [DONE].
-        Leaving early (client disconnect cancels this generator) aborts the unfinished requests."""
+        """SSE events: text deltas (safe to show: see TextDelta), the finish, usage if asked, then [DONE]; a
+        failure (engine error, timeout, shutdown) is an error event before [DONE]. Leaving early (a client
+        disconnect cancels this generator) aborts the unfinished requests."""
         deltas = [TextDelta(s) for s in self.stops]
         finals: dict = {}
         try:
@@ -260,7 +360,9 @@ class _Stream:
                 yield self.chunk([], usage=self.usage(finals))
             log.info("%s: done", self.id)
         except EngineFailure as e:
-            yield f"data: {json.dumps(OpenAIError(e.status, f'{self.id}: {e}').body())}\n\n"
+            log.info("%s: ended with error %d: %s", self.id, e.status, e)
+            gen.engine_loop.metrics.on_error(e.status)
+            yield f"data: {json.dumps(failure_error(e, self.id).body())}\n\n"
         finally:
             gen.abort()
         yield "data: [DONE]\n\n"

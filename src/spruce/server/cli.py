@@ -1,4 +1,8 @@
-"""`spruce serve`: load the engine (with a progress bar) and serve the OpenAI-compatible API with uvicorn."""
+"""`spruce serve`: load the engine (with a progress bar) and serve the OpenAI-compatible API with uvicorn.
+
+SIGTERM / SIGINT drain the server (see `spruce.server.graceful`) and the process exits 0; a second signal
+stops it at once.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,26 @@ import argparse
 import logging
 import os
 
+from spruce.server.settings import MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S
+
 API_KEY_ENV = "SPRUCE_API_KEY"
+UVICORN_SHUTDOWN_TIMEOUT_S = 5  # after the drain, for responses to finish writing
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a duration in seconds, >= 0 (NaN refused)."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
 
 
 def add_parser(sub, add_engine_args) -> None:
@@ -20,6 +43,15 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the --model path, or the demo model's name)")
     p.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)")
+    p.add_argument("--max-queued-requests", type=_non_negative_int, default=MAX_QUEUED_REQUESTS,
+                   help="engine requests (each choice of n counts) that may wait beyond the running batch; more "
+                        f"get 503 with Retry-After (default {MAX_QUEUED_REQUESTS})")
+    p.add_argument("--request-timeout", type=_seconds, default=REQUEST_TIMEOUT_S,
+                   help="seconds a request may take from admission to its last token; longer ones are aborted "
+                        f"with 504 (streams: an error event) (default {REQUEST_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--shutdown-grace-period", type=_seconds, default=SHUTDOWN_GRACE_PERIOD_S,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended with "
+                        f"an error (default {SHUTDOWN_GRACE_PERIOD_S:g}); new requests get 503 meanwhile")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -37,12 +69,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from spruce.llm import LLM
     from spruce.server.app import create_app
     from spruce.server.engine_loop import EngineLoop
+    from spruce.server.graceful import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLM(**engine_kwargs(args)).engine
     limits = {} if args.max_request_bytes is None else {"max_body_bytes": args.max_request_bytes}
-    app = create_app(EngineLoop(engine), model_name=served_name(args), api_key=args.api_key, **limits)
-    logging.getLogger("spruce.server").info("serving %r on http://%s:%d (speculation %s)", served_name(args),
-                                            args.host, args.port, "on" if engine.worker is not None else "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    app = create_app(EngineLoop(engine), model_name=served_name(args), api_key=args.api_key,
+                     max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
+                     shutdown_grace_period=args.shutdown_grace_period, **limits)
+    logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
+                                            engine.info()["speculative"])
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
+    server = GracefulServer(config, app.state.drain)
+    server.run()
+    return 0 if server.started else 1

@@ -7,6 +7,10 @@ before its next step (freeing the request's pages) and flushes them with that st
 
 Outputs are cumulative (whole text so far), so each API call has a `Mailbox` holding only the latest output
 per engine request: a slow client gets bigger deltas, never an unbounded backlog.
+
+Back-pressure: `submit` refuses (503, Retry-After) a call whose engine requests would queue more than
+`max_queued` beyond the running set, and everything once `stop_accepting` began a shutdown. A `Generation`
+past its timeout fails with 504 (its requests are aborted by whoever reads it).
 """
 
 from __future__ import annotations
@@ -24,14 +28,19 @@ from spruce.sampling_params import SamplingParams
 from spruce.server.metrics import Metrics, RequestClock
 
 log = logging.getLogger("spruce.server")
+RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
 
 
 class EngineFailure(Exception):
-    """The engine failed while running a request (answered as HTTP 500), or the server is shutting down."""
+    """A request the engine cannot serve: it failed while running (HTTP 500), the server is overloaded or
+    shutting down (503), or the request ran out of time (504). `code` and `retry_after` (seconds) are passed on
+    to the client."""
 
-    def __init__(self, message: str, status: int = 500):
+    def __init__(self, message: str, status: int = 500, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
+        self.code = code
+        self.retry_after = retry_after
 
 
 class Mailbox:
@@ -79,13 +88,13 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None):
         self.engine = engine
-        spec_steps = engine.limits.num_steps if engine.worker is not None else 0
-        self.metrics = metrics or Metrics(spec_steps, engine.info())
+        self.metrics = metrics or Metrics(engine.limits.num_steps, engine.info())
         self._cond = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._aborts: list[str] = []
         self._pending = False
         self._stopping = False
+        self._accepting = True
         self._thread = threading.Thread(target=self._run, name="spruce-engine", daemon=True)
         self.metrics.on_engine_stats(engine.stats())
 
@@ -103,22 +112,42 @@ class EngineLoop:
         with self._cond:
             streams, self._streams = self._streams, {}
         for st in streams.values():
-            st.mailbox.post(st.index, EngineFailure("the server is shutting down", status=503))
+            st.mailbox.post(st.index, EngineFailure("the server is shutting down", status=503,
+                                                    code="server_shutting_down"))
+
+    def stop_accepting(self) -> None:
+        """Begin a shutdown: from now on `submit` refuses new requests (503); running ones carry on."""
+        with self._cond:
+            self._accepting = False
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def accepting(self) -> bool:
+        return self.alive and self._accepting
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests submitted and not yet finished, failed or aborted."""
+        with self._cond:
+            return len(self._streams)
+
     # --- called from the event loop ------------------------------------------------------------------------------
-    async def submit(self, items: list[tuple[str | list[int], SamplingParams, str]], mailbox: Mailbox) -> None:
+    async def submit(self, items: list[tuple[str | list[int], SamplingParams, str]], mailbox: Mailbox,
+                     max_queued: int | None = None) -> None:
         """Queue engine requests (prompt, params, request_id); item i's outputs go to slot i of `mailbox`.
 
-        All or nothing: if the engine refuses one (InvalidRequestError), the ones already added are aborted
-        and the error propagates. Blocking work (tokenising, the engine lock) runs in a worker thread.
+        Raises EngineFailure (503) when shutting down, or when the items would queue more than `max_queued`
+        engine requests beyond the running set (None: no limit). All or nothing: if the engine refuses one
+        (InvalidRequestError), the ones already added are aborted and the error propagates. Blocking work
+        (tokenising, the engine lock) runs in a worker thread.
         """
         if not self.alive:
             raise EngineFailure("the engine is not running", status=503)
         with self._cond:
+            self._check_admission(len(items), max_queued)
             for i, (_, _, rid) in enumerate(items):
                 self._streams[rid] = _Stream(mailbox, i)
         try:
@@ -127,6 +156,22 @@ class EngineLoop:
             for _, _, rid in items:
                 self.abort(rid)
             raise
+
+    def _check_admission(self, count: int, max_queued: int | None) -> None:
+        """Refuse `count` more engine requests (caller holds the lock) while shutting down, or when they would
+        queue more than `max_queued` beyond the running set. A call is always let in when nothing else is in
+        flight, so one larger than the queue is served on an idle server instead of never."""
+        if not self._accepting:
+            raise EngineFailure("the server is shutting down and accepts no new requests", status=503,
+                                code="server_shutting_down")
+        in_flight = len(self._streams)
+        running = self.engine.limits.max_running_requests
+        queued = in_flight + count - running
+        if max_queued is not None and in_flight and queued > max_queued:
+            raise EngineFailure(
+                f"the server is overloaded: this request's {count} choice(s) would make {queued} requests wait "
+                f"beyond the {running} that run at once (at most {max_queued} may wait); retry after "
+                f"{RETRY_AFTER_S} s", status=503, code="server_overloaded", retry_after=RETRY_AFTER_S)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op once it finished); its pages are freed before the engine's next step."""
@@ -224,27 +269,42 @@ class EngineLoop:
 
 
 class Generation:
-    """One API call's engine requests (prompts x n choices), read back as one stream of (index, output)."""
+    """One API call's engine requests (prompts x n choices), read back as one stream of (index, output).
+    With a `timeout` (seconds from the start), reading past it raises EngineFailure (504)."""
 
-    def __init__(self, engine_loop: EngineLoop, request_ids: list[str]):
+    def __init__(self, engine_loop: EngineLoop, request_ids: list[str], timeout: float | None = None):
         self.engine_loop = engine_loop
         self.request_ids = request_ids
         self.mailbox = Mailbox()
         self.done: set[int] = set()
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
 
     @classmethod
-    async def start(cls, engine_loop: EngineLoop, base_id: str,
-                    jobs: list[tuple[str | list[int], SamplingParams]]) -> "Generation":
-        """Submit every job (raises InvalidRequestError, with nothing left queued, if one is refused)."""
-        gen = cls(engine_loop, [f"{base_id}-{i}" for i in range(len(jobs))])
-        await engine_loop.submit([(p, sp, rid) for (p, sp), rid in zip(jobs, gen.request_ids)], gen.mailbox)
+    async def start(cls, engine_loop: EngineLoop, base_id: str, jobs: list[tuple[str | list[int], SamplingParams]],
+                    max_queued: int | None = None, timeout: float | None = None) -> "Generation":
+        """Submit every job (raises InvalidRequestError, with nothing left queued, if one is refused, and
+        EngineFailure when the server is overloaded or shutting down)."""
+        gen = cls(engine_loop, [f"{base_id}-{i}" for i in range(len(jobs))], timeout)
+        items = [(p, sp, rid) for (p, sp), rid in zip(jobs, gen.request_ids)]
+        await engine_loop.submit(items, gen.mailbox, max_queued)
         return gen
+
+    async def _take(self) -> dict[int, RequestOutput | EngineFailure]:
+        """The mailbox's next outputs; EngineFailure (504) once the deadline has passed."""
+        if self.deadline is None:
+            return await self.mailbox.take()
+        try:
+            return await asyncio.wait_for(self.mailbox.take(), max(self.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise EngineFailure(f"the request timed out after {self.timeout:g} s", status=504,
+                                code="timeout") from None
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Each request's latest output as it comes, until every request finished; raises EngineFailure if one
-        failed."""
+        failed or time ran out."""
         while len(self.done) < len(self.request_ids):
-            for index, item in sorted((await self.mailbox.take()).items()):
+            for index, item in sorted((await self._take()).items()):
                 if isinstance(item, EngineFailure):
                     self.done.add(index)
                     raise item

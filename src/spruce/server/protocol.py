@@ -3,15 +3,21 @@
 Requests are validated in two layers: pydantic (strict types, shapes, server limits) and then
 `SamplingParams` / `Engine.add_request` (ranges, prompt length). Both raise errors that name the offending
 field, and both end up as OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies.
+
+Nothing a client sends is silently dropped: unknown fields are refused, and the known fields spruce does not
+implement yet (`NOT_SUPPORTED_YET`) are accepted only at a value that changes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from spruce.errors import InvalidRequestError
 from spruce.sampling_params import SamplingParams
@@ -25,19 +31,38 @@ UNION_MESSAGES = {
     "stop": "stop must be a string or a list of strings",
     "content": "content must be a string or a list of {'type': 'text', 'text': ...} parts",
 }
+SPECIFIC_ERRORS = ("invalid_text", "extra_forbidden")  # reported even when other union members failed too
+UNION_TAGS = ("str", "int", "float", "bool", "list", "dict")
+
+
+def _valid_text(text: str) -> str:
+    """Refuse text the tokenizer cannot take: a lone UTF-16 surrogate, which a JSON escape such as "\\ud800"
+    (without its pair) decodes to."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_text", "contains a lone surrogate ({char}) at character {index}: text must be valid "
+            "Unicode (a character outside the BMP is escaped as a surrogate pair)",
+            {"char": f"U+{ord(text[e.start]):04X}", "index": e.start}) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class OpenAIError(Exception):
     """An error answered as an OpenAI-style error body with an HTTP status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = error_type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -50,65 +75,119 @@ class OpenAIError(Exception):
 
     @staticmethod
     def from_validation(e: ValidationError) -> "OpenAIError":
+        """The first error, naming its field. A value no member of a union accepts gets the union's own
+        message, unless one member reported something specific (bad text, an unknown field)."""
         errors = e.errors()
-        first = errors[0]
+        first = next((x for x in errors if x["type"] in SPECIFIC_ERRORS), errors[0])
         loc = list(first["loc"])
         param = _param_path(loc)
+        if first["type"] == "extra_forbidden":
+            return OpenAIError(400, f"{param}: unknown field; spruce does not accept it", param=param,
+                               code="unknown_parameter")
         field = str(loc[0]) if loc else None
         leaf = next((str(p) for p in reversed(loc) if str(p) in UNION_MESSAGES), field)
-        union = sum(1 for x in errors if x["loc"][:1] == first["loc"][:1]) > 1
+        union = first["type"] not in SPECIFIC_ERRORS and sum(x["loc"][:1] == first["loc"][:1] for x in errors) > 1
         message = UNION_MESSAGES[leaf] if union and leaf in UNION_MESSAGES else f"{param}: {first['msg']}"
         return OpenAIError(400, message, param=param, code="invalid_value" if loc else None)
 
 
 def _param_path(loc: list) -> str | None:
-    """('messages', 0, 'content', 'str') -> 'messages[0].content' (union member tags dropped)."""
+    """('messages', 0, 'content', 'list[TextPart]', 0, 'text') -> 'messages[0].content[0].text' (the tags
+    naming union members are dropped)."""
     path = ""
     for i, p in enumerate(loc):
         if isinstance(p, int):
             path += f"[{p}]"
-        elif i == 0 or (p.isidentifier() and p not in ("str", "int", "float", "bool", "list", "dict")):
+        elif i == 0 or (p.isidentifier() and p not in UNION_TAGS):
             path += ("." if path else "") + p
-        else:
-            break
     return path or None
 
 
+@dataclass(frozen=True)
+class NotYet:
+    """A field spruce does not implement yet: accepted only at a value that changes nothing."""
+
+    allowed: str  # those values, in words
+    neutral: Callable[[Any, Any], bool]  # (value, request) -> whether the value changes nothing
+
+
+def _unset_or(*values) -> Callable[[Any, Any], bool]:
+    """A neutrality test: the value is null or equal to one of `values`."""
+    return lambda v, _req: v is None or v in values
+
+
+def _show(value) -> str:
+    """A field's value as JSON, cut to 80 characters, for error messages."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# name -> how spruce accepts a field it does not implement yet (for both endpoints)
+NOT_SUPPORTED_YET = {
+    "presence_penalty": NotYet("null or 0", _unset_or(0)),
+    "frequency_penalty": NotYet("null or 0", _unset_or(0)),
+    "logprobs": NotYet("null, false or 0", _unset_or(False)),
+    "best_of": NotYet("null, 1 or n", lambda v, req: v is None or v in (1, req.n)),
+    "logit_bias": NotYet("null or {}", _unset_or({})),
+    "min_tokens": NotYet("null or 0", _unset_or(0)),
+    "min_p": NotYet("null or 0", _unset_or(0)),
+    "repetition_penalty": NotYet("null or 1", _unset_or(1)),
+    "include_stop_str_in_output": NotYet("null or false", _unset_or(False)),
+    "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
+                                  _unset_or(True)),
+    "response_format": NotYet('null or {"type": "text"}', _unset_or({"type": "text"})),
+    "guided_json": NotYet("null", _unset_or()),
+}
+
+
 class _GenerationRequest(_Strict):
     """Fields the completions and chat endpoints share."""
 
-    model: str | None = None
+    not_supported_yet: ClassVar[dict[str, NotYet]] = NOT_SUPPORTED_YET
+
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    user: Text | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logprobs: bool | int | None = None
-    user: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
 
     def check_supported(self) -> None:
-        """Refuse features spruce does not implement instead of silently ignoring them."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise OpenAIError(400, f"{name} is not supported (must be 0)", param=name, code="unsupported")
-        if self.logprobs:
-            raise OpenAIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        """Refuse what spruce does not implement instead of silently ignoring it, and the server's limits."""
+        for name, rule in self.not_supported_yet.items():
+            value = getattr(self, name)
+            if not rule.neutral(value, self):
+                raise OpenAIError(400, f"{name}={_show(value)} is not supported yet; send {rule.allowed}, or leave "
+                                  f"it out", param=name, code="unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP:
             raise OpenAIError(400, f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}", param="stop")
@@ -119,9 +198,9 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens_default: int, vocab_size: int) -> list[SamplingParams]:
-        """One SamplingParams per choice; with a seed, choice i > 0 gets a distinct seed derived from it."""
-        max_tokens = self.max_tokens if self.max_tokens is not None else max_tokens_default
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i > 0 gets a distinct seed derived from it.
+        Raises InvalidRequestError (SamplingParams' checks) or OpenAIError (stop token ids outside the vocab)."""
         top_k = self.top_k if self.top_k is not None else -1
         if top_k > vocab_size:
             top_k = -1  # no cut; also keeps huge values out of the device tensors
@@ -129,21 +208,29 @@ class _GenerationRequest(_Strict):
         for i in range(self.n):
             out.append(SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
-                seed=choice_seed(self.seed, i), stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=choice_seed(self.seed, i),
+                stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos))
+        outside = [t for t in out[0].stop_token_ids if t >= vocab_size]
+        if outside:
+            raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",
+                              param="stop_token_ids")
         return out
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    not_supported_yet: ClassVar[dict[str, NotYet]] = {
+        **NOT_SUPPORTED_YET,
+        "echo": NotYet("false", _unset_or(False)),
+        "suffix": NotYet('null or ""', _unset_or("")),
+    }
+
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) of a (possibly batched) request."""
-        if self.echo or self.suffix:
-            raise OpenAIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
         p = self.prompt
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return [p]
@@ -152,24 +239,42 @@ class CompletionRequest(_GenerationRequest):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_dict(self) -> dict:
+        """The message as the chat template reads it (content parts joined; `name` only when given)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    not_supported_yet: ClassVar[dict[str, NotYet]] = {
+        **NOT_SUPPORTED_YET,
+        "top_logprobs": NotYet("null or 0", _unset_or(0)),
+        "tools": NotYet("null or []", _unset_or([])),
+        "tool_choice": NotYet('null or "none"', _unset_or("none")),
+        "continue_final_message": NotYet("null or false", _unset_or(False)),
+        "chat_template": NotYet("null (the model's own template is used)", _unset_or()),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: Text | dict | None = None
+    continue_final_message: bool | None = None
+    chat_template: Text | None = None
 
     def model_post_init(self, _context) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
