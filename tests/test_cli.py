@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 import torch
@@ -81,8 +81,11 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_version(capsys):
     rc, out, _ = run_cli(capsys, "--version")
-    assert rc == 0 and out.strip() == f"spruce {version('spruce')}"
-    assert spruce.__version__ == version("spruce")
+    assert rc == 0 and out.strip() == f"spruce {spruce.__version__}"
+    try:
+        assert spruce.__version__ == version("spruce")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed (the GPU runs)
+        assert spruce.__version__ == "0+source"
 
 
 HELP_IMPORTS = textwrap.dedent("""
