@@ -31,7 +31,7 @@ def snapshot(worker, name: str, out, bs: int) -> dict:
     if name == "draft":
         return {"tokens": out.tokens[:bs].cpu(), "parents": out.parents[:bs].cpu()}
     if name == "verify":
-        logits = out[0][: bs * worker.N].float().cpu()
+        logits = out.logits[: bs * worker.N].float().cpu()
         return {"logits": logits, "argmax": logits.argmax(-1)}
     rows = worker.rows[:bs]
     return {"next": out[:bs].cpu(), "topk_ids": worker.topk_ids[rows].cpu(), "topk_p": worker.topk_p[rows].cpu(),
@@ -73,17 +73,17 @@ def compare_run(model: str, draft: str, spec, bs: int, texts: list[str]) -> dict
 
 def instrument(llm) -> dict:
     """Wrap BucketGraphs.run: eager, eager graph-shaped, then replay; count disagreements per phase."""
-    graphs, worker = llm.engine.runner.graphs, llm.engine.worker
+    graphs, worker = llm.engine.runner.graphs, llm.engine.strategy
     replay = graphs.run
     stats = defaultdict(lambda: defaultdict(float))
 
-    def run(name, fn, bs, max_kv):
+    def run(name, fn, bs, max_kv, *previous):
         bucket = graphs.bucket(bs)
         if bucket != bs or (name, bucket) not in graphs.graphs:  # a partial bucket: just replay
-            return replay(name, fn, bs, max_kv)
-        eager = snapshot(worker, name, fn(bs, max_kv), bs)
-        shaped = snapshot(worker, name, fn(bucket, graphs.kv_bound), bs)
-        out = replay(name, fn, bs, max_kv)
+            return replay(name, fn, bs, max_kv, *previous)
+        eager = snapshot(worker, name, fn(bs, max_kv, *previous), bs)
+        shaped = snapshot(worker, name, fn(bucket, graphs.kv_bound, *previous), bs)
+        out = replay(name, fn, bs, max_kv, *previous)
         graph = snapshot(worker, name, out, bs)
         st = stats[name]
         st["rounds"] += 1

@@ -57,7 +57,7 @@ def test_reverted_spec_page_lookahead_fails_loudly(draft, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "spec_page_lookahead")
     llm = spec_llm(draft, page_size=1, speculative_num_steps=5, speculative_eagle_topk=4,
                    speculative_num_draft_tokens=8)
-    with pytest.raises(InvariantError, match="decode step of request .* pages x page_size 1"):
+    with pytest.raises(InvariantError, match="decode step of row .* pages x page_size 1"):
         llm.generate("def f(x):", SamplingParams(max_tokens=12))
 
 

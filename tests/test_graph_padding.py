@@ -20,9 +20,9 @@ def as_if_graphed(llm, buckets=(2, 4, 8)):
     graphs.enabled = True
     graphs.limits = type(graphs.limits)(**{**graphs.limits.__dict__, "graph_max_bs": max(buckets)})
 
-    def run(name, fn, bs, max_kv_len):
+    def run(name, fn, bs, max_kv_len, *previous):
         bucket = graphs.bucket(bs)
-        return fn(bucket, graphs.kv_bound) if bucket else fn(bs, max_kv_len)
+        return fn(bucket, graphs.kv_bound, *previous) if bucket else fn(bs, max_kv_len, *previous)
 
     graphs.run = run
     return graphs

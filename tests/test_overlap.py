@@ -169,11 +169,11 @@ def test_interrupted_generate_leaves_nothing_behind(monkeypatch):
     want = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     real_step, calls = eng.step, []
 
-    def interrupted():
+    def interrupted(**kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_step()
+        return real_step(**kwargs)
 
     monkeypatch.setattr(eng, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -188,7 +188,7 @@ def test_interrupted_generate_leaves_nothing_behind(monkeypatch):
 def test_reverted_overlap_page_lookahead_fails_loudly(drafts, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "overlap_page_lookahead")
     llm = build(True, "EAGLE3", drafts, page=1)
-    with pytest.raises(InvariantError, match="decode step of request .* pages x page_size 1"):
+    with pytest.raises(InvariantError, match="decode step of row .* pages x page_size 1"):
         llm.generate("def f(x):", SamplingParams(max_tokens=12, ignore_eos=True))
 
 

@@ -50,9 +50,7 @@ class Limits:
     def step_advance(self) -> int:
         """Positions past the committed length one decode step may write (and commit): S+1 with
         speculation (root + S accepted), 1 without."""
-        if self.speculative and "spec_page_lookahead" not in self.reverted_fixes:
-            return self.num_steps + 1
-        return 1
+        return self.num_steps + 1 if self.speculative else 1
 
     @property
     def steps_ahead(self) -> int:
@@ -65,7 +63,8 @@ class Limits:
     @property
     def lookahead(self) -> int:
         """Positions past the host-known committed length that pages must cover before a decode step."""
-        return self.step_advance * self.steps_ahead
+        per_step = 1 if "spec_page_lookahead" in self.reverted_fixes else self.step_advance
+        return per_step * self.steps_ahead
 
     @property
     def num_candidates(self) -> int:

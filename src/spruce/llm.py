@@ -98,7 +98,7 @@ class LLM:
                 ids.append(engine.add_request(p, sp))
             wanted = set(ids)
             while len(results) < len(ids):
-                for out in engine.step():
+                for out in engine.step(finished_only=True):
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
         finally:  # on any exit (an error, KeyboardInterrupt): nothing this call queued stays in the engine

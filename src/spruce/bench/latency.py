@@ -72,14 +72,15 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
     eng = llm.engine
-    batches = _prompt_batches(args, llm.tokenizer, eng.runner.model_config.vocab_size, bs)
+    batches = _prompt_batches(args, llm.tokenizer, eng.vocab_size, bs)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     llm.generate(batches[0], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     best = None
     for _ in range(args.repeats):
-        eng.runner.timer.reset()
-        eng.spec_stats.__init__()
-        eng.runner.timer.enabled = True
+        timer = eng.phase_timer
+        timer.reset()
+        eng.reset_stats()
+        timer.enabled = True
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -87,8 +88,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
-        eng.runner.timer.enabled = False
-        phases = eng.runner.timer.collect()
+        timer.enabled = False
+        phases = timer.collect()
         prefill_ms = phases.get("prefill", {}).get("total_ms", 0.0)
         out_tokens = sum(len(o.token_ids) for o in outs)
         decode_s = max(total - prefill_ms / 1e3, 1e-9)
@@ -97,7 +98,7 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
                "gpu_phase_ms": gpu_ms, "wall_over_gpu_phases": total * 1e3 / gpu_ms if gpu_ms else None,
                "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - len(outs)) / decode_s,
                "num_prompts": len(outs),
-               "phases": phases, "spec": eng.spec_stats.as_dict() if spec else None}
+               "phases": phases, "spec": eng.stats()["spec"] if spec else None}
         if spec:
             round_ms = sum(phases[k]["mean_ms"] for k in ("draft", "verify", "accept", "extend", "sync") if k in phases)
             run["round_ms"] = round_ms
@@ -105,10 +106,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
             run["decode_step_ms"] = phases.get("decode", {}).get("mean_ms")
         if best is None or run["total_s"] < best["total_s"]:
             best = run
-    mc = eng.runner.model_config
-    best["weight_bytes"] = sum(p.numel() * p.element_size() for p in eng.runner.target.parameters())
+    best["weight_bytes"] = eng.weight_bytes()
     best["init_s"] = init_s
-    best["model"] = {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}
+    best["model"] = eng.model_shape()
     del llm, eng
     gc.collect()
     if args.device.startswith("cuda"):

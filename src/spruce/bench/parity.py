@@ -67,34 +67,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def target_logits(llm, prompt: list[int], output: list[int]) -> torch.Tensor:
     """Teacher-forced float32 logits [len(output), V] of an idle plain `llm`: row i is what the target computes
-    after `prompt + output[:i]` (its prediction of output[i]).
-
-    The sequence is prefilled in chunks of `chunked_prefill_size` through the engine's own EXTEND path
-    (`builder.extend`, `target_forward`, `target.compute_logits`) into a page-table row and pages taken from
-    the engine's allocator for this call and given back before it returns.
-    """
-    runner, lim = llm.engine.runner, llm.engine.limits
-    seq = prompt + output[:-1]
-    first = len(prompt) - 1  # index of the hidden state that predicts output[0]
-    row = runner.page_table.alloc_row()
-    if row is None:
-        raise RuntimeError("target_logits needs an idle engine: no free page-table row")
-    pages = runner.allocator.alloc(lim.pages_for(len(seq)))
-    if pages is None:
-        runner.page_table.release_row(row)
-        raise RuntimeError(f"target_logits: no room for {len(seq)} positions in the KV cache")
-    runner.page_table.append_pages(row, pages)
-    hidden = []  # per chunk: [n, H] rows from index `first` on
-    try:
-        with torch.no_grad():
-            for start in range(0, len(seq), lim.chunked_prefill_size):
-                chunk = seq[start:start + lim.chunked_prefill_size]
-                batch = runner.builder.extend([row], [start], [chunk])
-                h, _ = runner.target_forward(batch)  # [n, H]
-                hidden.append(h[max(first - start, 0):].clone())
-            return runner.target.compute_logits(torch.cat(hidden)).float()  # [len(output), V]
-    finally:
-        runner.allocator.free(runner.page_table.release_row(row))
+    after `prompt + output[:i]` (its prediction of output[i])."""
+    return llm.engine.next_token_logits(prompt + output[:-1], first=len(prompt) - 1)
 
 
 def token_deficits(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:

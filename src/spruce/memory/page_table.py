@@ -47,7 +47,8 @@ class PageTable:
             )
         if pages:
             start = len(held)
-            self.table[row, start:start + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            new = torch.tensor(pages, dtype=torch.int32)  # staged at once: no wait for the device's queued work
+            self.table[row, start:start + len(pages)].copy_(new, non_blocking=True)
             held.extend(pages)
 
     def release_row(self, row: int) -> list[int]:
@@ -68,6 +69,14 @@ class PageTable:
                 f"page_size {self.limits.page_size} hold {cap} positions (lookahead={self.limits.lookahead}, "
                 f"S={self.limits.num_steps})"
             )
+
+    def check_covers_rows(self, rows: list[int], ends: list[int], what: str) -> None:
+        """`check_covers` for a batch: row rows[i] must cover positions [0, ends[i])."""
+        cap = self.limits.page_size
+        pages = self._pages
+        for row, end in zip(rows, ends):
+            if end > len(pages[row]) * cap:
+                self.check_covers(row, end, f"{what} of row {row}")
 
     def pages_in_use(self) -> int:
         return sum(len(p) for p in self._pages.values())

@@ -81,12 +81,14 @@ class BatchBuilder:
         indptr = [0]
         for m in lens:
             indptr.append(indptr[-1] + m)
+        # non_blocking: copies from pageable host memory are staged at once and never wait for the device,
+        # so a prefill can be queued behind a step still running (overlap scheduling)
         host = torch.tensor([flat_ids, flat_pos, flat_rows], dtype=torch.int64).reshape(3, n)
-        self.input_ids[:n].copy_(host[0])
-        self.positions[:n].copy_(host[1])
-        self.token_rows[:n].copy_(host[2])
-        self.req_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64))
-        self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32))
+        self.input_ids[:n].copy_(host[0], non_blocking=True)
+        self.positions[:n].copy_(host[1], non_blocking=True)
+        self.token_rows[:n].copy_(host[2], non_blocking=True)
+        self.req_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
         self._fill_paged(n)
         return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0))
 

@@ -62,6 +62,7 @@ class Engine:
                               else self.runner.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator)
         self.strategy = make_strategy(self.runner, debug=self.debug)
+        self.speculative = self.strategy.speculative  # decode steps are speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
         self.requests: dict[str, Request] = {}
@@ -72,20 +73,28 @@ class Engine:
         self._lock = threading.RLock()
         self._aborted: list[Request] = []
         self._inflight: LaunchedStep | None = None
-        self._result_buffers = self._make_result_buffers()
+        self._result_buffers, self._result_events = self._make_result_buffers()
         self._next_buffer = 0
+        self._greedy = SamplingTensors.greedy()
+        self._stream = torch.cuda.current_stream(self.runner.device) if self._result_buffers else None
+        self._sampling_cache: tuple = (None, None)
 
     @property
-    def speculative(self) -> bool:
-        """Whether decode steps are speculative rounds (a draft model is loaded)."""
-        return self.strategy.speculative
+    def max_request_tokens(self) -> int:
+        """Most tokens (prompt + output) one request can hold: the context length, or less where the KV cache
+        is smaller (pages must also cover `Limits.lookahead` positions past the last token)."""
+        lim = self.limits
+        return min(lim.context_length, self.runner.allocator.capacity * lim.page_size - lim.lookahead)
 
-    def _make_result_buffers(self) -> list[torch.Tensor]:
-        """Two page-locked host buffers for step results (at most two launched steps are unread at once)."""
+
+    def _make_result_buffers(self) -> tuple[list[torch.Tensor], list[torch.cuda.Event]]:
+        """Two page-locked host buffers for step results and their completion events (at most two launched
+        steps are unread at once); none on the cpu, where results are on the host already."""
         if self.runner.device.type != "cuda":
-            return []
+            return [], []
         shape = (self.limits.max_running_requests, self.limits.step_result_width)
-        return [torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        return ([torch.zeros(shape, dtype=torch.int64, pin_memory=True) for _ in range(2)],
+                [torch.cuda.Event() for _ in range(2)])
 
     # --- requests ---------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -99,18 +108,21 @@ class Engine:
                 f"prompt has {len(ids)} tokens; the context length is {lim.context_length}, which leaves no room "
                 f"for output (prompt must be < {lim.context_length} tokens)", field="prompt", status=413)
         total = min(len(ids) + params.max_tokens, lim.context_length)
-        pages = lim.pages_for(total + lim.lookahead)
-        if pages > self.runner.allocator.capacity:
+        if total > self.max_request_tokens:
             raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {pages} KV pages of "
-                f"{lim.page_size} tokens; the cache holds only {self.runner.allocator.capacity}",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{lim.pages_for(total + lim.lookahead)} KV pages of {lim.page_size} tokens; the cache holds only "
+                f"{self.runner.allocator.capacity} (at most {self.max_request_tokens} tokens per request)",
                 field="max_tokens", status=413)
         with self._lock:
             rid = request_id or uuid.uuid4().hex
             if rid in self.requests:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            req = Request(rid, ids, params, seed, next(self._arrival))
+            req = Request(rid, ids, params, seed, next(self._arrival),
+                          token_limit=min(len(ids) + params.max_tokens, lim.context_length),
+                          stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
+                                                                          else self.eos_token_ids))
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
             self.requests[rid] = req
@@ -154,9 +166,10 @@ class Engine:
             return self.scheduler.has_work or self._inflight is not None
 
     # --- stepping ----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Plan and launch the next step, resolve the one before it (overlap) or this one; return the outputs
-        of every request whose state changed."""
+        of every request whose state changed (`finished_only`: of those that finished, as offline callers
+        need: running requests' outputs and text are then not built)."""
         with self._lock:
             touched: dict[str, Request] = {q.request_id: q for q in self._aborted}
             self._aborted = []
@@ -172,7 +185,7 @@ class Engine:
             self.scheduler.release_settled()
             if self.debug:
                 self.scheduler.check_accounting()
-            return [self._output(q) for q in touched.values()]
+            return [self._output(q) for q in touched.values() if q.finished or not finished_only]
 
     def drain(self) -> list[RequestOutput]:
         """Resolve the step in flight (if any) and flush aborts without launching anything; outputs as from
@@ -191,13 +204,13 @@ class Engine:
         pages must settle): then `previous` is resolved here and None is handed back in its place."""
         sched = self.scheduler
         sched.admit()
-        kind = sched.next_kind()
-        if kind == "prefill":
-            return self._launch_prefill(sched.prefill_requests()), previous
-        if kind is None:
+        planned = sched.next_step()
+        if planned is None:
             return None, previous
+        kind, reqs = planned
+        if kind == "prefill":
+            return self._launch_prefill(reqs), previous
         while True:
-            reqs = sched.decode_requests()
             if not reqs:
                 return None, previous
             if sched.reserve_decode(reqs) is None:
@@ -208,10 +221,18 @@ class Engine:
                 sched.release_settled()
             else:
                 sched.preempt_youngest()
+            reqs = sched.decode_requests()
 
     def _sampling(self, reqs: list[Request], repeat: int = 1) -> SamplingTensors:
-        return SamplingTensors.build([q.params for q in reqs], [q.seed for q in reqs],
-                                     self.runner.model_config.vocab_size, self.runner.device, repeat)
+        """The batch's sampling tensors: none for an all-greedy batch; else built once per batch composition."""
+        if all(q.params.temperature == 0.0 for q in reqs):
+            return self._greedy
+        key = (tuple(q.request_id for q in reqs), repeat)
+        if self._sampling_cache[0] != key:
+            tensors = SamplingTensors.build([q.params for q in reqs], [q.seed for q in reqs],
+                                            self.runner.model_config.vocab_size, self.runner.device, repeat)
+            self._sampling_cache = (key, tensors)
+        return self._sampling_cache[1]
 
     def _launch_prefill(self, reqs: list[Request]) -> LaunchedStep:
         """One batch of prompt chunks (oldest first, up to chunked_prefill_size tokens)."""
@@ -241,13 +262,12 @@ class Engine:
     def _launch_decode(self, reqs: list[Request]) -> LaunchedStep:
         """One decode step (speculative round) for `reqs`, whose pages cover `lookahead` positions ahead."""
         advance = self.limits.step_advance
-        ends = []
-        for q in reqs:  # always-on: the pages cover every position the step, after those in flight, may write
-            end = q.committed + (q.inflight + 1) * advance
-            self.runner.page_table.check_covers(q.row, end, f"decode step of request {q.request_id}")
-            ends.append(end)
+        rows = [q.row for q in reqs]
+        ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
+        # always-on: the pages cover every position the step, after those in flight, may write
+        self.runner.page_table.check_covers_rows(rows, ends, "decode step")
         repeat = self.limits.num_draft_tokens if self.speculative else 1
-        result = self.strategy.decode([q.row for q in reqs], max(ends), self._sampling(reqs, repeat))
+        result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat))
         return self._launched(reqs, reqs, result, decode=True)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
@@ -258,11 +278,13 @@ class Engine:
         done = None
         if self._result_buffers:
             host = self._result_buffers[self._next_buffer][: result.shape[0]]
+            done = self._result_events[self._next_buffer]
             self._next_buffer = 1 - self._next_buffer
             host.copy_(result, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            done.record(self._stream)
             result = host
+        else:  # the result may be a view of a static buffer that the next step overwrites
+            result = result.clone()
         return LaunchedStep(reqs, result_reqs, result, done, decode)
 
     def _resolve(self, step: LaunchedStep, touched: dict[str, Request]) -> None:
@@ -287,31 +309,46 @@ class Engine:
 
     # --- stop conditions and outputs ------------------------------------------------------------------------------
     def _append(self, q: Request, tokens: list[int]) -> None:
-        """Append tokens one by one until a stop condition; the rest are dropped."""
-        p = q.params
-        eos = () if p.ignore_eos else self.eos_token_ids
-        for t in tokens:
-            q.output_ids.append(t)
-            q.new_token_count += 1
-            self.tokens_generated += 1
-            added = q.detokenizer.add([t]) if q.detokenizer is not None else ""
-            q.text += added
-            if p.stop and added and self._cut_at_stop_string(q, len(added)):
-                self.scheduler.finish(q, "stop")  # the text ends before the stop string: nothing to flush
-                return
-            reason = None
-            if t in eos or t in p.stop_token_ids:
-                reason = "stop"
-            elif len(q.output_ids) >= p.max_tokens or q.num_tokens >= self.limits.context_length:
-                reason = "length"
-            if reason:
-                self._flush_text(q)
-                self.scheduler.finish(q, reason)
-                return
+        """Append tokens until a stop condition; the rest are dropped. Text is built per token only for
+        requests with stop strings; the others' text catches up when an output is made."""
+        if q.params.stop:
+            for t in tokens:
+                if self._append_tokens(q, [t]):
+                    return
+                added = self._sync_text(q)
+                if added and self._cut_at_stop_string(q, added):
+                    self.scheduler.finish(q, "stop")  # the text ends before the stop string: nothing to flush
+                    return
+        else:
+            self._append_tokens(q, tokens)
 
-    def _flush_text(self, q: Request) -> None:
-        if q.detokenizer is not None:
+    def _append_tokens(self, q: Request, tokens: list[int]) -> bool:
+        """Append tokens up to the first stop token or the length limit (finishing the request); True if
+        it finished."""
+        room = q.token_limit - len(q.prompt_ids) - len(q.output_ids)  # tokens before "length"
+        stop_at = next((i for i, t in enumerate(tokens) if t in q.stop_ids), None)
+        take = min(len(tokens), room) if stop_at is None else min(stop_at + 1, room)
+        q.output_ids.extend(tokens[:take])
+        q.new_token_count += take
+        self.tokens_generated += take
+        if take == room or stop_at is not None:
+            self._sync_text(q, flush=True)
+            self.scheduler.finish(q, "stop" if stop_at is not None and stop_at < room else "length")
+            return True
+        return False
+
+    def _sync_text(self, q: Request, flush: bool = False) -> int:
+        """Feed the detokenizer the tokens it has not seen (and, flushing, what it holds back); returns how
+        many characters the text grew by."""
+        if q.detokenizer is None:
+            return 0
+        before = len(q.text)
+        if q.detokenized < len(q.output_ids):
+            q.text += q.detokenizer.add(q.output_ids[q.detokenized:])
+            q.detokenized = len(q.output_ids)
+        if flush:
             q.text += q.detokenizer.flush()
+        return len(q.text) - before
 
     def _cut_at_stop_string(self, q: Request, added: int) -> bool:
         """Search the text that `added` new characters could complete a stop string in; cut before the first."""
@@ -326,8 +363,8 @@ class Engine:
     def _output(self, q: Request) -> RequestOutput:
         n = q.new_token_count
         q.new_token_count = 0
-        if q.finished and q.finish_reason == "abort":
-            self._flush_text(q)
+        if not q.finished or q.finish_reason == "abort":
+            self._sync_text(q, flush=q.finished)
         out = RequestOutput(
             request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=list(q.output_ids), text=q.text,
             new_token_ids=q.output_ids[len(q.output_ids) - n:] if n else [], finished=q.finished,
@@ -340,7 +377,64 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
+    # --- scoring --------------------------------------------------------------------------------------------------
+    def next_token_logits(self, token_ids: list[int], first: int = 0) -> torch.Tensor:
+        """Teacher-forced float32 logits [len(token_ids) - first, V]: row i is what the target computes after
+        token_ids[:first + i + 1] (its prediction of the token that follows).
+
+        The sequence is prefilled in chunks through the engine's own EXTEND path into a page-table row and
+        pages taken for this call and given back before it returns; raises InvalidRequestError when the
+        engine has no free row or too few free pages (score on an idle engine)."""
+        lim, runner = self.limits, self.runner
+        with self._lock:
+            row = runner.page_table.alloc_row()
+            if row is None:
+                raise InvalidRequestError("no free request row to score a sequence: wait for the engine to idle")
+            pages = runner.allocator.alloc(lim.pages_for(len(token_ids)))
+            if pages is None:
+                runner.page_table.release_row(row)
+                raise InvalidRequestError(f"no room for {len(token_ids)} positions in the KV cache", status=413)
+            runner.page_table.append_pages(row, pages)
+            hidden = []  # per chunk: [n, H] from index `first` on
+            try:
+                with torch.no_grad():
+                    for start in range(0, len(token_ids), lim.chunked_prefill_size):
+                        chunk = token_ids[start:start + lim.chunked_prefill_size]
+                        h, _ = runner.target_forward(runner.builder.extend([row], [start], [chunk]))  # [n, H]
+                        hidden.append(h[max(first - start, 0):].clone())
+                    return runner.target.compute_logits(torch.cat(hidden)).float()  # [len - first, V]
+            finally:
+                runner.allocator.free(runner.page_table.release_row(row))
+
     # --- introspection ----------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model_config.vocab_size
+
+    @property
+    def phase_timer(self):
+        """Per-phase timing (runtime/timer.py), off until a benchmark enables it."""
+        return self.runner.timer
+
+    def reset_stats(self) -> None:
+        """Zero the speculation statistics (benchmarks measure one run at a time)."""
+        with self._lock:
+            self.spec_stats = SpecStats()
+
+    def active_request_ids(self) -> list[str]:
+        """Ids of the requests a step may be running (running ones, else the queued ones)."""
+        with self._lock:
+            sched = self.scheduler
+            return [q.request_id for q in sched.running] or [q.request_id for q in sched.waiting]
+
+    def model_shape(self) -> dict[str, int]:
+        mc = self.runner.model_config
+        return {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}
+
+    def weight_bytes(self) -> int:
+        """Bytes of the target model's weights (what a decode step must read at least once)."""
+        return sum(p.numel() * p.element_size() for p in self.runner.target.parameters())
+
     def check_no_leaks(self) -> None:
         """Raise InvariantError unless every page is free or held by a running or retiring request."""
         with self._lock:

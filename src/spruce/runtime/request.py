@@ -62,11 +62,15 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int | None = None
+    token_limit: int = 0  # prompt + output tokens at which it ends ("length"): min(prompt + max_tokens, context)
+    stop_ids: frozenset = frozenset()  # token ids that end it ("stop"): eos (unless ignored) and stop_token_ids
     committed: int = 0  # positions whose target (and draft) KV is in the pages, as far as the host knows
+    reserved: int = 0  # positions its pages cover (0 while it holds no row)
     inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None
     text: str = ""  # output text so far (incremental; cut before a stop string)
     detokenizer: object | None = None  # IncrementalDetokenizer over output_ids (None: no tokenizer)
+    detokenized: int = 0  # output tokens already fed to the detokenizer (text is built when asked for)
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     new_token_count: int = 0  # tokens appended since the last output was emitted
@@ -88,4 +92,5 @@ class Request:
         self.status = Status.WAITING
         self.row = None
         self.committed = 0
+        self.reserved = 0
         self.num_preemptions += 1

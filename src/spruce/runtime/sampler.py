@@ -24,11 +24,17 @@ class SamplingTensors:
     all_greedy: bool  # host-side: skip the sampling path entirely
 
     @staticmethod
+    def greedy() -> "SamplingTensors":
+        """For a batch of greedy requests only: no per-row tensors are made (select_tokens takes the argmax)."""
+        empty = torch.zeros(0)
+        return SamplingTensors(empty, empty, empty.long(), empty.long(), all_greedy=True)
+
+    @staticmethod
     def build(params: list, seeds: list[int], vocab_size: int, device, repeat: int = 1) -> "SamplingTensors":
         """From per-request SamplingParams; `repeat` duplicates each request's row (tree nodes)."""
 
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).repeat_interleave(repeat).to(device)
+            return torch.tensor(values, dtype=dtype).repeat_interleave(repeat).to(device, non_blocking=True)
 
         return SamplingTensors(
             temperature=t([p.temperature for p in params], torch.float32),

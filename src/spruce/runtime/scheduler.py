@@ -13,6 +13,7 @@ launched step that includes it has completed (`Request.inflight` == 0): only the
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from spruce.errors import InvariantError
@@ -69,6 +70,7 @@ class Scheduler:
         if req.row is not None:
             self.allocator.free(self.page_table.release_row(req.row))
             req.row = None
+            req.reserved = 0
 
     @property
     def has_work(self) -> bool:
@@ -78,14 +80,14 @@ class Scheduler:
     # --- pages -----------------------------------------------------------------------------------------------
     def _reserve(self, req: Request, num_positions: int) -> bool:
         """Make the request's pages cover positions [0, num_positions). False if the pool is short."""
-        held = len(self.page_table.pages(req.row))
-        need = self.limits.pages_for(num_positions) - held
-        if need <= 0:
+        if req.reserved >= num_positions:
             return True
-        pages = self.allocator.alloc(need)
+        held = len(self.page_table.pages(req.row))
+        pages = self.allocator.alloc(self.limits.pages_for(num_positions) - held)
         if pages is None:
             return False
         self.page_table.append_pages(req.row, pages)
+        req.reserved = (held + len(pages)) * self.limits.page_size
         return True
 
     def admit(self) -> None:
@@ -105,43 +107,46 @@ class Scheduler:
             req.status = Status.PREFILL
             if not self._reserve(req, req.num_tokens + self.limits.lookahead):
                 raise InvariantError(f"admission of {req.request_id}: {need} pages checked free but not allocated")
-            self.running.append(req)
+            bisect.insort(self.running, req, key=_arrival)  # running stays oldest first
 
     # --- what the next step runs -----------------------------------------------------------------------------
-    def next_kind(self) -> str | None:
-        """"prefill", "decode" or None (nothing to run). Alternates while both kinds have work."""
-        prefill, decode = bool(self.prefill_requests()), bool(self.decode_requests())
+    def next_step(self) -> tuple[str, list[Request]] | None:
+        """("prefill" or "decode", its requests), or None when there is nothing to run. The kinds alternate
+        while both have work."""
+        prefill, decode = self.prefill_requests(), self.decode_requests()
         if prefill and decode:
             kind = "prefill" if self._prefill_turn else "decode"
+        elif prefill or decode:
+            kind = "prefill" if prefill else "decode"
         else:
-            kind = "prefill" if prefill else "decode" if decode else None
-        if kind is not None:
-            self._prefill_turn = kind == "decode"
-        return kind
+            return None
+        self._prefill_turn = kind == "decode"
+        return kind, prefill if kind == "prefill" else decode
 
     def prefill_requests(self) -> list[Request]:
-        return sorted((r for r in self.running if r.status == Status.PREFILL), key=lambda r: r.arrival)
+        """Requests whose prompt is not fully in the cache yet, oldest first."""
+        prefill = Status.PREFILL
+        return [r for r in self.running if r.status is prefill]
 
     def decode_requests(self) -> list[Request]:
         """Decoding requests a step can still add tokens to, oldest first.
 
         A request whose in-flight steps will surely finish it (each commits at least one token) is left out:
         its result arrives with the step in flight, and a further step would only compute dropped tokens."""
-        ctx = self.limits.context_length
-        return sorted((r for r in self.running if r.status == Status.DECODE
-                       and len(r.output_ids) + r.inflight < r.params.max_tokens
-                       and r.num_tokens + r.inflight < ctx), key=lambda r: r.arrival)
+        decode = Status.DECODE
+        return [r for r in self.running
+                if r.status is decode and len(r.prompt_ids) + len(r.output_ids) + r.inflight < r.token_limit]
 
     def reserve_decode(self, reqs: list[Request]) -> Request | None:
         """Reserve `lookahead` positions past each request's committed length; the first one short of pages,
         or None when all are covered."""
         lookahead = self.limits.lookahead
-        return next((r for r in reqs if not self._reserve(r, r.committed + lookahead)), None)
+        return next((r for r in reqs if r.committed + lookahead > r.reserved
+                     and not self._reserve(r, r.committed + lookahead)), None)
 
     def preempt_youngest(self) -> None:
         """Drop the youngest running request's cache and queue it (first in line) for recomputation."""
-        req = max(self.running, key=lambda r: r.arrival)
-        self.running.remove(req)
+        req = self.running.pop()  # the running set is kept oldest first
         self._release(req)
         req.reset_for_recompute()
         self.waiting.appendleft(req)
@@ -155,3 +160,7 @@ class Scheduler:
             raise InvariantError(
                 f"page table holds {self.page_table.pages_in_use()} pages, running requests {held}"
             )
+
+
+def _arrival(req: Request) -> int:
+    return req.arrival

@@ -104,13 +104,6 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     return app
 
 
-def request_token_limit(engine) -> int:
-    """The most tokens (prompt + output) one request can hold: the context length, or fewer when the KV cache
-    cannot hold that many for a single request (a decode step also needs `lookahead` positions of pages)."""
-    lim = engine.limits
-    return min(lim.context_length, engine.runner.allocator.capacity * lim.page_size - lim.lookahead)
-
-
 class _Api:
     """The generation endpoints and their request plumbing."""
 
@@ -120,7 +113,7 @@ class _Api:
         self.model_name = model_name
         self.api_key = api_key
         self.limits = limits
-        self.max_request_tokens = request_token_limit(self.engine)
+        self.max_request_tokens = self.engine.max_request_tokens
         self.created = int(time.time())
 
     # --- request plumbing ----------------------------------------------------------------------------------
@@ -173,7 +166,7 @@ class _Api:
 
     def sampling_params(self, req, max_tokens: int):
         try:
-            return req.sampling_params(max_tokens, self.engine.runner.model_config.vocab_size)
+            return req.sampling_params(max_tokens, self.engine.vocab_size)
         except InvalidRequestError as e:
             raise OpenAIError.from_invalid_request(e) from None
 

@@ -252,8 +252,7 @@ class EngineLoop:
 
     def _fail_affected(self, message: str) -> None:
         """After a failed step: fail (500) and abort the requests the step was running (all, if none ran)."""
-        sched = self.engine.scheduler
-        ids = [r.request_id for r in list(sched.running)] or [r.request_id for r in list(sched.waiting)]
+        ids = self.engine.active_request_ids()
         with self._cond:
             ids = ids or list(self._streams)
             streams = {rid: self._streams.pop(rid, None) for rid in ids}

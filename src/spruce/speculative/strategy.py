@@ -44,6 +44,7 @@ class DecodeStrategy:
         lim = runner.limits
         self.rows = torch.full((lim.max_running_requests,), lim.dummy_row, dtype=torch.int64,
                                device=runner.device)  # [R] static input: the batch's rows, then padding
+        self._filled_rows: list[int] | None = None  # what `rows` holds (None: unknown, e.g. after a capture)
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors) -> torch.Tensor:
@@ -85,40 +86,60 @@ class DecodeStrategy:
         """Capture this strategy's decode-time phases for every graph bucket."""
         raise NotImplementedError
 
-    def fill_rows(self, rows: list[int]) -> int:
-        """Copy the batch's rows into the static input and pad it to its graph bucket; returns that size."""
+    def fill_rows(self, rows: list[int]) -> None:
+        """Copy the batch's rows into the static input, padded to its graph bucket (skipped when the batch is
+        the previous step's: steady decoding then copies nothing)."""
+        if rows == self._filled_rows:
+            return
         bs = len(rows)
         pad = self.runner.graphs.padded_size(bs)
         self.rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64).to(self.runner.device, non_blocking=True))
         self.prepare_padding(bs, pad)
-        return pad
+        self._filled_rows = list(rows)
 
     def prepare_padding(self, start: int, stop: int) -> None:
         """Rows [start, stop) of the static inputs become padding (the dummy row); also used for capture."""
         self.rows[start:stop] = self.runner.limits.dummy_row
+        self._filled_rows = None
 
 
 class PlainDecoding(DecodeStrategy):
-    """One target token per step: DECODE (graph-capturable) then token selection, both on the device."""
+    """One target token per step. The DECODE phase (graph-capturable) runs the target, takes the greedy token
+    and advances the rows' state; a batch with sampled requests then re-selects their tokens eagerly."""
+
+    def __init__(self, runner: ModelRunner):
+        super().__init__(runner)
+        lim = runner.limits
+        self.result = torch.zeros(lim.max_running_requests, lim.step_result_width, dtype=torch.int64,
+                                  device=runner.device)  # [R, 2]: accept length 0, then the token
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
         r = self.runner
         bs = len(rows)
         self.fill_rows(rows)
         with r.timer.phase("decode"):
-            logits = r.graphs.run("decode", self._decode_phase, bs, max_kv)[:bs]  # [bs, V]
-        committed, _ = r.row_state.gather(self.rows[:bs])
-        tokens = select_tokens(logits, sampling, committed + 1)  # [bs] the token at position committed + 1
-        r.row_state.set(self.rows[:bs], committed + 1, tokens)
-        return torch.stack([torch.zeros_like(tokens), tokens], dim=1)
+            logits, result = r.graphs.run("decode", self._decode_phase, bs, max_kv)
+        if not sampling.all_greedy:
+            with r.timer.phase("sample"):
+                rows_t = self.rows[:bs]
+                committed, _ = r.row_state.gather(rows_t)  # already advanced past the decoded token
+                tokens = select_tokens(logits[:bs], sampling, committed)  # [bs] the token at position committed
+                r.row_state.set(rows_t, committed, tokens)
+                result[:bs, 1] = tokens
+        return result[:bs]
 
-    def _decode_phase(self, P: int, max_kv: int) -> torch.Tensor:
+    def _decode_phase(self, P: int, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [P, V] and the result [P, 2]; each row's state advances by the greedy token."""
         r = self.runner
         rows = self.rows[:P]
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
         hidden, _ = r.target_forward(batch)
-        return r.target.compute_logits(hidden)  # [P, V]
+        logits = r.target.compute_logits(hidden)  # [P, V]
+        greedy = logits.argmax(dim=-1)  # [P]
+        r.row_state.set(rows, positions + 1, greedy)
+        self.result[:P, 1] = greedy
+        return logits, self.result[:P]
 
     def capture_graphs(self, show_progress: bool) -> None:
         self.runner.graphs.capture([("decode", self._decode_phase)], lambda p: self.prepare_padding(0, p),
