@@ -206,7 +206,7 @@ def _print_run(run: dict) -> None:
     spec = run["spec_config"]
     line = (f"bs={run['batch_size']:3d} graphs={'on ' if run['cuda_graph'] else 'off'} "
             f"overlap={'on ' if run['overlap'] else 'off'} spec={spec or '-'} tok/s={run['tokens_per_s']:.1f} "
-            f"wall/gpu={run['wall_over_gpu_phases'] or 0:.2f}")
+            f"decode_tok/s={run['decode_tokens_per_s']:.1f} wall/gpu={run['wall_over_gpu_phases'] or 0:.2f}")
     if run.get("decode_step_ms"):
         line += f" step={run['decode_step_ms']:.3f}ms"
     if run.get("round_ms"):
