@@ -91,17 +91,24 @@ def test_stop_conditions(make_llm, pycode19m, hf_reference):
 
 
 def test_abort_frees_everything_at_once(make_llm, pycode19m, hf_reference):
+    """An aborted request leaves the queues at once; its pages come back as soon as no launched step holds
+    them: at once in the synchronous loop, after the step in flight under overlap."""
     prompts, _ = hf_reference
-    llm = make_llm(pycode19m, page_size=4)
-    eng = llm.engine
-    rid = eng.add_request(prompts[3], SamplingParams(max_tokens=200, ignore_eos=True))
-    eng.step()
-    eng.step()
-    assert eng.runner.allocator.num_used > 0
-    eng.abort(rid)
-    assert eng.runner.allocator.num_used == 0
-    outs = eng.step()
-    assert outs[0].finish_reason == "abort" and outs[0].finished
+    for overlap in (False, True):
+        llm = make_llm(pycode19m, page_size=4, disable_overlap_schedule=not overlap)
+        eng = llm.engine
+        rid = eng.add_request(prompts[3], SamplingParams(max_tokens=200, ignore_eos=True))
+        eng.step()
+        eng.step()
+        assert eng.runner.allocator.num_used > 0
+        eng.abort(rid)
+        if overlap:
+            assert eng.drain()[0].finish_reason == "abort"  # the step in flight completes, then pages return
+        else:
+            assert eng.runner.allocator.num_used == 0  # no step in flight: freed at once
+            outs = eng.step()
+            assert outs[0].finish_reason == "abort" and outs[0].finished
+        assert eng.runner.allocator.num_used == 0 and not eng.has_unfinished()
 
 
 def test_seeded_sampling_is_reproducible_across_batches(make_llm, pycode19m, hf_reference):
