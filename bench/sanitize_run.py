@@ -2,7 +2,8 @@
 
 Usage: python bench/sanitize_run.py MODEL [DRAFT]. With a trained DRAFT the rounds accept several tokens, so
 commits of accepted paths run too (a random head accepts almost nothing). Greedy and sampled requests share
-each batch, so both the in-graph greedy acceptance and the eager sampled acceptance run.
+each batch, so both the in-graph greedy acceptance and the eager sampled acceptance run. Overlap scheduling is
+on (the default), so every step is queued behind the one still running; a plain-decoding run follows.
 """
 
 import sys
@@ -30,3 +31,7 @@ with tempfile.TemporaryDirectory() as tmp:
               f"mean accept length {stats['mean_accept_length']:.2f} over {stats['rounds']} rounds")
         llm.engine.check_no_leaks()
         del llm
+    plain = LLM(model, device="cuda", dtype="bfloat16", page_size=4, max_running_requests=4, cuda_graph=True)
+    outs = plain.generate(prompts, params)
+    print(f"plain page=4: {[len(o.token_ids) for o in outs]} tokens")
+    plain.engine.check_no_leaks()
