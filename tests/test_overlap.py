@@ -198,3 +198,13 @@ def test_reverted_release_after_inflight_fails_loudly(drafts, greedy_reference, 
     stop = greedy_reference[PROMPTS[0]].token_ids[5]
     with pytest.raises(InvariantError, match="while 1 launched step"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_NEW, stop_token_ids=(stop,), ignore_eos=True))
+
+
+@pytest.mark.parametrize("argv,overlap", [([], True), (["--disable-overlap-schedule"], False)])
+def test_cli_overlap_flag_reaches_the_engine(argv, overlap):
+    from spruce.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--device", "cpu", *argv])
+    llm = LLM(**engine_kwargs(args))
+    assert llm.engine.limits.overlap is overlap
+    assert llm.engine.info()["overlap_schedule"] == ("on" if overlap else "off")

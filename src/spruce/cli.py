@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="resolve each step before planning the next (overlap scheduling is on by default)")
 
 
 SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
@@ -81,7 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_num_steps=args.speculative_num_steps if draft else None,
         speculative_eagle_topk=args.speculative_eagle_topk if draft else None,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if draft else None,
-        seed=args.random_seed, show_progress=True,
+        seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
     )
 
 
