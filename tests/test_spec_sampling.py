@@ -76,7 +76,7 @@ def sample_counts(setup, lossy: bool, monkeypatch) -> tuple[Counter, float]:
 
     draft, prompt_ids, greedy, _ = setup
     if lossy:
-        def lossy_select(logits, st, positions, nodes=None):
+        def lossy_select(logits, st, positions):
             return logits.argmax(dim=-1)  # the classic bug: greedy verification of a sampled request
 
         monkeypatch.setattr(ew, "select_tokens", lossy_select)

@@ -326,6 +326,11 @@ class Engine:
         """Append tokens up to the first stop token or the length limit (finishing the request); True if
         it finished."""
         room = q.token_limit - len(q.prompt_ids) - len(q.output_ids)  # tokens before "length"
+        if len(tokens) == 1 and room > 1 and tokens[0] not in q.stop_ids:  # the common case, kept cheap
+            q.output_ids.append(tokens[0])
+            q.new_token_count += 1
+            self.tokens_generated += 1
+            return False
         stop_at = next((i for i, t in enumerate(tokens) if t in q.stop_ids), None)
         take = min(len(tokens), room) if stop_at is None else min(stop_at + 1, room)
         q.output_ids.extend(tokens[:take])

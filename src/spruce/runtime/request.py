@@ -52,7 +52,7 @@ class SpecStats:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues look requests up by object, never by comparing their fields
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -1,4 +1,4 @@
-"""Counter-based random numbers: uniform(seed, position, node) with plain int64 torch ops.
+"""Counter-based random numbers: uniform(seed, position) with plain int64 torch ops.
 
 A request's randomness depends only on its own seed and the positions it samples, never on the batch it
 shares or on the device: seeded requests are reproducible, and the same ops run inside CUDA graphs.
@@ -19,10 +19,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Uniform floats in [0, 1) from int64 tensors of one broadcast shape (each < 2**63)."""
     h = _mix32(seeds & _MASK32)
     h = _mix32(h ^ ((seeds >> 32) & _MASK32))
     h = _mix32(h ^ (positions & _MASK32))
-    h = _mix32(h ^ (nodes & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ 0x9E3779B9)
     return (h >> 8).to(torch.float64).div(float(1 << 24)).to(torch.float32)

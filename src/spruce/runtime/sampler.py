@@ -73,17 +73,15 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
-                  nodes: torch.Tensor | None = None) -> torch.Tensor:
+def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
     """One token per row. positions [n]: position of the token being chosen (the random key with the seed).
 
-    Greedy rows take the argmax; others sample target_probs with uniform(seed, position, node).
+    Greedy rows take the argmax; others sample target_probs with uniform(seed, position): the
+    same uniform whichever tree node (or plain decode step) chooses the token at that position.
     """
     greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
         return greedy_tokens
-    if nodes is None:
-        nodes = torch.zeros_like(positions)
-    u = uniform(st.seeds, positions, nodes)
+    u = uniform(st.seeds, positions)
     sampled = sample_from_probs(target_probs(logits, st), u)
     return torch.where(st.temperature == 0, greedy_tokens, sampled)

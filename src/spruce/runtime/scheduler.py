@@ -41,12 +41,11 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         """Mark the request finished and take it out of the queues; its row and pages go back now, or once
         the last launched step that includes it has completed."""
+        was = req.status
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if req in self.waiting:
+        if was is Status.WAITING:
             self.waiting.remove(req)
-            return
-        if req not in self.running:
             return
         self.running.remove(req)
         if req.inflight and "release_after_inflight" not in self.limits.reverted_fixes:
@@ -56,6 +55,8 @@ class Scheduler:
 
     def release_settled(self) -> None:
         """Release the rows and pages of finished requests whose launched steps have all completed."""
+        if not self.retiring:
+            return
         settled = [r for r in self.retiring if r.inflight == 0]
         for req in settled:
             self.retiring.remove(req)

@@ -1,12 +1,14 @@
 """Verification (DESIGN §1.3): walk the tree along the target's own choices.
 
 `target_tokens[b, i]` is the token the target picks after node i: its argmax (greedy) or a sample of its
-temperature/top-k/top-p distribution drawn with the request's own uniform(seed, position, node). A child
+temperature/top-k/top-p distribution drawn with the request's own uniform(seed, position). A child
 is accepted when it equals its parent's target token; the first node with no accepted child yields the
 bonus token (its target token).
 
 Why sampling is lossless: every committed token is exactly the target's own sample at that position, drawn
-with a fresh uniform key; the draft only decides how many of those samples one verify pass can confirm.
+with that position's uniform (nodes of one depth share it, but only one path's samples are ever committed, and
+distinct positions have independent uniforms): the committed sequence is the one plain decoding with the same
+seed samples, and the draft only decides how many of those samples one verify pass can confirm.
 Siblings carry distinct tokens, so at most one child of a node matches. (With a one-hot draft proposal this
 is the same distribution as sequential rejection sampling over the siblings: child x is taken with
 probability p(x), the residual is p restricted to the other tokens.)
