@@ -227,7 +227,7 @@ class Engine:
         """The batch's sampling tensors: none for an all-greedy batch; else built once per batch composition."""
         if all(q.params.temperature == 0.0 for q in reqs):
             return self._greedy
-        key = (tuple(q.request_id for q in reqs), repeat)
+        key = (tuple(q.arrival for q in reqs), repeat)  # arrival numbers are never reused, unlike request ids
         if self._sampling_cache[0] != key:
             tensors = SamplingTensors.build([q.params for q in reqs], [q.seed for q in reqs],
                                             self.runner.model_config.vocab_size, self.runner.device, repeat)
