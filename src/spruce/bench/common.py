@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from spruce.runtime.device import device_name  # noqa: F401  (results name their device)
+
 RESULTS_DIR = Path("bench/results")
-
-
-def device_name(device: str) -> str:
-    """Display name: the GPU's for "cuda[:i]", the processor's for "cpu", otherwise `device` itself (a name
-    reported by a server, say)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.device(device))
-    if device.startswith("cpu") or device.startswith("cuda"):
-        return f"cpu ({platform.processor() or platform.machine()})"
-    return device
 
 
 def git_commit() -> str:

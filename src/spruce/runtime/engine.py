@@ -29,13 +29,15 @@ import torch
 from spruce.config import EngineConfig
 from spruce.errors import InvalidRequestError
 from spruce.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from spruce.runtime.device import device_name
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import Request, SpecStats, Status
 from spruce.runtime.sampler import SamplingTensors
 from spruce.runtime.scheduler import Scheduler
 from spruce.sampling_params import SamplingParams
-from spruce.speculative.strategy import PrefillChunk, make_strategy
+from spruce.speculative.registry import make_strategy
+from spruce.speculative.strategy import PrefillChunk
 
 DEBUG_ENV = "SPRUCE_DEBUG"
 
@@ -447,8 +449,6 @@ class Engine:
 
     def info(self) -> dict[str, str]:
         """What this engine serves and how: device, model, dtype, attention backend, speculation, graphs."""
-        from spruce.bench.common import device_name
-
         cfg, lim, spec = self.config, self.limits, self.config.speculative
         return {
             "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,

@@ -144,12 +144,3 @@ class PlainDecoding(DecodeStrategy):
     def capture_graphs(self, show_progress: bool) -> None:
         self.runner.graphs.capture([("decode", self._decode_phase)], lambda p: self.prepare_padding(0, p),
                                    "capturing decode graphs", show_progress)
-
-
-def make_strategy(runner: ModelRunner, debug: bool = False) -> DecodeStrategy:
-    """The strategy the runner's models call for: EAGLE when a draft is loaded, else plain decoding."""
-    if runner.draft is None:
-        return PlainDecoding(runner)
-    from spruce.speculative.eagle_worker import EagleWorker
-
-    return EagleWorker(runner, debug=debug)
