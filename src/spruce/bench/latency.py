@@ -3,7 +3,6 @@ CUDA graphs, next to the HBM roofline measured in the same run (and, optionally,
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import tempfile
