@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics. Every error is answered as `{"error": {"message", "type", "param", "code"}}`.
+/metrics, and the vLLM/SGLang tooling endpoints of `spruce.server.tooling` (/tokenize, /detokenize, /version,
+/server_info). Every error is answered as `{"error": {"message", "type", "param", "code"}}`.
 
 Generation requests must be `application/json` (415 otherwise: a web page cannot send that cross-origin
 without a CORS preflight). `app.state.drain()` is the graceful shutdown (see `spruce.server.graceful`).
@@ -29,6 +30,7 @@ from spruce.server.protocol import (
 from spruce.server.settings import (
     MAX_BODY_BYTES, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S, ServingLimits,
 )
+from spruce.server.tooling import add_tooling_routes
 
 log = logging.getLogger("spruce.server")
 COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
@@ -52,6 +54,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     api = _Api(engine_loop, model_name, api_key, limits)
     app.state.drain = api.drain
     metrics = engine_loop.metrics
+    metrics.model_name = model_name  # the model_name label of the vllm:* metric aliases
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, e: OpenAIError):
@@ -101,6 +104,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    add_tooling_routes(app, api)
     return app
 
 
@@ -115,6 +119,7 @@ class _Api:
         self.limits = limits
         self.max_request_tokens = self.engine.max_request_tokens
         self.created = int(time.time())
+        self.model_root = engine_loop.metrics.info.get("model", model_name)  # what the served name is
 
     # --- request plumbing ----------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -132,7 +137,7 @@ class _Api:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "spruce",
-                "max_model_len": self.max_request_tokens}
+                "root": self.model_root, "parent": None, "max_model_len": self.max_request_tokens}
 
     async def read_json(self, request: Request) -> dict:
         """The JSON object body: 415 unless sent as JSON, 413 as soon as it is known to exceed the limit
@@ -218,19 +223,20 @@ class _Api:
         return await self.generate(request, req, [(ids, sp) for sp in self.sampling_params(req, max_tokens)],
                                    chat=True)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
         """Token ids of the rendered chat template (which writes its own special tokens)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise OpenAIError(400, "this model has no tokenizer: use /v1/completions with token ids",
                               param="messages")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except InvalidRequestError as e:
             raise OpenAIError.from_invalid_request(e) from None
         except Exception as e:  # a template may raise on messages it does not accept
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
 
     async def generate(self, request: Request, req, jobs, chat: bool):
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -313,6 +319,7 @@ class _Stream:
     def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]]):
         self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
         self.created = int(time.time())
+        self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
 
     def usage(self, outs: dict) -> dict:
@@ -325,6 +332,10 @@ class _Stream:
         return envelope(self.id, self.obj, self.model, choices, self.created, usage=self.usage(dict(enumerate(outs))))
 
     def chunk(self, choices: list, **extra) -> str:
+        """One SSE chunk; with include_usage set, every chunk but the final usage one carries "usage": null
+        (as OpenAI's stream does)."""
+        if self.include_usage:
+            extra.setdefault("usage", None)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return f"data: {json.dumps(envelope(self.id, obj, self.model, choices, self.created, **extra))}\n\n"
 
@@ -337,6 +348,7 @@ class _Stream:
         """SSE events: text deltas (safe to show: see TextDelta), the finish, usage if asked, then [DONE]; a
         failure (engine error, timeout, shutdown) is an error event before [DONE]. Leaving early (a client
         disconnect cancels this generator) aborts the unfinished requests."""
+        self.include_usage = include_usage
         deltas = [TextDelta(s) for s in self.stops]
         finals: dict = {}
         try:

@@ -61,6 +61,7 @@ class Metrics:
 
     def __init__(self, num_spec_steps: int = 0, info: dict[str, str] | None = None):
         self.num_spec_steps = num_spec_steps
+        self.model_name = (info or {}).get("model", "")  # model_name label of the vllm:* aliases (create_app sets it)
         self.info = dict(info or {})  # constant labels of spruce_server_info (device, model, speculation, ...)
         self._lock = threading.Lock()
         self.ttft = Histogram("spruce_time_to_first_token_seconds",
@@ -130,6 +131,46 @@ class Metrics:
             return 0.0
         return (n1 - n0) / max(now - max(t0, now - RATE_WINDOW_S), 1e-9)
 
+    def snapshot(self) -> dict:
+        """The latest engine stats (taken by the engine thread after its last step) and the generation
+        throughput: what /server_info reports, read without waiting on the engine lock."""
+        tps = self.tokens_per_second()
+        with self._lock:
+            return {**self.stats, "tokens_per_second": tps}
+
+    def _render_spec_counters(self, out: list[str], c: "SpecCounters") -> None:
+        """The speculation counters under spruce's names and, with the very same values, under the names vLLM's
+        clients and dashboards read (`vllm:spec_decode_*`, each a counter exposed with `_total`, labelled
+        model_name and engine as vLLM labels them)."""
+        counter = _emit(out, "counter")
+        per_pos = {("position", str(i)): v for i, v in enumerate(c.accepted_per_pos)}
+        counter("spruce_spec_verify_rounds_total", "Speculative verify rounds (one per request per decode step).",
+                c.rounds)
+        counter("spruce_spec_draft_tokens_total",
+                f"Draft tokens proposed, counted as num_steps (S={self.num_spec_steps}, the tree depth) per verify "
+                f"round: the most a round can accept (the tree holds more candidates than that).", c.draft_tokens)
+        counter("spruce_spec_accepted_tokens_total", "Draft tokens accepted (the bonus token of each round "
+                "excluded).", c.accepted)
+        counter("spruce_spec_accepted_tokens_per_pos_total", "Verify rounds that accepted the draft token at "
+                "0-based position i (tree depth i+1).", per_pos)
+        labels = f'model_name="{_label(self.model_name)}",engine="0"'
+        aliases = [
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (spruce: verify rounds).", c.rounds, {}),
+            ("vllm:spec_decode_num_draft_tokens", f"Number of draft tokens (spruce: S={self.num_spec_steps} per "
+             f"verify round, the tree depth).", c.draft_tokens, {}),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens (bonus tokens excluded).",
+             c.accepted, {}),
+            ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position (spruce: rounds "
+             "that accepted tree depth position+1).", None, dict(enumerate(c.accepted_per_pos))),
+        ]
+        for base, help, value, by_pos in aliases:
+            name = base + "_total"
+            out.extend([f"# HELP {name} {help}", f"# TYPE {name} counter"])
+            if by_pos:
+                out.extend(f'{name}{{{labels},position="{i}"}} {_num(v)}' for i, v in by_pos.items())
+            elif value is not None:
+                out.append(f"{name}{{{labels}}} {_num(value)}")
+
     def render(self) -> str:
         tps = self.tokens_per_second()
         with self._lock:
@@ -163,9 +204,30 @@ class Metrics:
                 gauge("spruce_spec_accept_rate_per_depth", "Fraction of rounds that accepted depth d.",
                       {("depth", str(d + 1)): r for d, r in enumerate(spec.get("accept_rate_per_depth", []))})
                 out += self.accept.render()
+                self._render_spec_counters(out, spec_counters(spec, self.num_spec_steps))
             for h in (self.ttft, self.itl, self.e2e):
                 out += h.render()
         return "\n".join(out) + "\n"
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """Cumulative speculation counts, derived from one `Engine.stats()["spec"]` snapshot."""
+
+    rounds: int
+    draft_tokens: int  # rounds x S (S = num_steps, the tree depth)
+    accepted: int  # accepted draft tokens, bonus excluded
+    accepted_per_pos: list[int]  # [S]: rounds that accepted depth i+1
+
+
+def spec_counters(spec: dict, num_steps: int) -> SpecCounters:
+    """Counts from the engine's speculation stats: a round that accepted a drafts accepted depths 1..a, so
+    position i (depth i+1) was accepted by the rounds with a > i (`accept_length_counts[a]` rounds each)."""
+    rounds, committed = spec.get("rounds", 0), spec.get("committed_tokens", 0)
+    counts = list(spec.get("accept_length_counts") or [])
+    counts += [0] * (num_steps + 1 - len(counts))
+    per_pos = [sum(counts[i + 1:]) for i in range(num_steps)]
+    return SpecCounters(rounds, rounds * num_steps, committed - rounds, per_pos)
 
 
 def _emit(out: list[str], kind: str):

@@ -355,3 +355,54 @@ def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+# --- vLLM's tokenizer endpoints (/tokenize, /detokenize) -------------------------------------------------------
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's text form of POST /tokenize."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = None
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's chat form of POST /tokenize: the messages rendered by the chat template, then encoded (the template
+    writes its own special tokens, hence add_special_tokens defaults to false here)."""
+
+    model: Text | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: Text | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's POST /detokenize."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
+TOKENIZE_NOT_SUPPORTED_YET = {
+    "return_token_strs": NotYet("null or false", _unset_or(False)),
+    "continue_final_message": NotYet("null or false", _unset_or(False)),
+    "chat_template": NotYet("null (the model's own template is used)", _unset_or()),
+}
+
+
+def parse_tool_request(cls: type[BaseModel], body: dict) -> BaseModel:
+    """Validate a /tokenize or /detokenize body (400 naming the field), refusing what is not implemented."""
+    try:
+        req = cls.model_validate(body)
+    except ValidationError as e:
+        raise OpenAIError.from_validation(e) from None
+    for name, rule in TOKENIZE_NOT_SUPPORTED_YET.items():
+        value = getattr(req, name, None)
+        if not rule.neutral(value, req):
+            raise OpenAIError(400, f"{name}={_show(value)} is not supported yet; send {rule.allowed}, or leave it "
+                              f"out", param=name, code="unsupported")
+    return req

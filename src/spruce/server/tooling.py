@@ -1,0 +1,114 @@
+"""Endpoints for the tools users already run against vLLM and SGLang servers:
+
+- vLLM's `POST /tokenize` (text or chat form) -> `{"count", "max_model_len", "tokens", "token_strs"}` and
+  `POST /detokenize` -> `{"prompt"}`;
+- `GET /version` -> `{"version"}`;
+- SGLang's `GET /server_info` (alias `/get_server_info`): server arguments plus `internal_states`, whose first
+  entry's `avg_spec_accept_length` is what `sglang.bench_serving` reports as the accept length.
+
+Everything comes from public Engine attributes (`tokenizer`, `vocab_size`, `limits`, `config`, `info()`) and
+from the metrics' snapshot of `Engine.stats()`, so no handler waits on the engine lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+
+from spruce.server.protocol import (
+    DetokenizeRequest, OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest, parse_tool_request,
+)
+
+
+def add_tooling_routes(app: FastAPI, api) -> None:
+    """Register the routes on `app`; `api` is the app's request plumbing (authorize, read_json, check_model,
+    chat_prompt, engine, metrics)."""
+    tools = _Tools(api)
+    app.post("/tokenize")(tools.tokenize)
+    app.post("/detokenize")(tools.detokenize)
+    app.get("/version")(tools.version)
+    app.get("/server_info")(tools.server_info)
+    app.get("/get_server_info")(tools.server_info)
+
+
+class _Tools:
+    def __init__(self, api):
+        self.api = api
+        self.engine = api.engine
+
+    def tokenizer(self, param: str):
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise OpenAIError(400, "this model has no tokenizer.json: the server cannot tokenize text", param=param)
+        return tok
+
+    async def tokenize(self, request: Request):
+        api = self.api
+        api.authorize(request)
+        body = await api.read_json(request)
+        cls = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        req = parse_tool_request(cls, body)
+        api.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            tok = self.tokenizer("messages")
+            messages = [m.as_dict() for m in req.messages]
+            ids = await asyncio.to_thread(api.chat_prompt, messages, req.add_generation_prompt,
+                                          req.add_special_tokens)
+        else:
+            tok = self.tokenizer("prompt")
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": api.max_request_tokens, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, request: Request):
+        api = self.api
+        api.authorize(request)
+        req = parse_tool_request(DetokenizeRequest, await api.read_json(request))
+        api.check_model(req.model)
+        tok = self.tokenizer("tokens")
+        vocab = min(self.engine.vocab_size, tok.vocab_size)
+        outside = [t for t in req.tokens if not 0 <= t < vocab]
+        if outside:
+            raise OpenAIError(400, f"tokens must be token ids in [0, {vocab}), got {outside[:5]}", param="tokens",
+                              code="invalid_value")
+        text = await asyncio.to_thread(tok.decode, req.tokens, False)
+        return {"prompt": text}
+
+    async def version(self):
+        import spruce
+
+        return {"version": spruce.__version__}
+
+    async def server_info(self, request: Request):
+        """SGLang's server info: its server-argument names (what spruce has of them) and `internal_states`.
+        `avg_spec_accept_length` (tokens committed per verify round, bonus included, since the server started)
+        is given both in internal_states[0] (where sglang.bench_serving reads it) and at the top level."""
+        import spruce
+
+        api = self.api
+        api.authorize(request)
+        cfg, lim = self.engine.config, self.engine.limits
+        spec = cfg.speculative
+        snap = api.loop.metrics.snapshot()
+        spec_stats = snap.get("spec")
+        accept = spec_stats.get("mean_accept_length") if spec_stats and spec_stats.get("rounds") else None
+        state = {"avg_spec_accept_length": accept, "last_gen_throughput": snap.get("tokens_per_second", 0.0),
+                 "num_running_reqs": snap.get("running", 0), "num_waiting_reqs": snap.get("waiting", 0)}
+        return {
+            "model_path": str(cfg.model), "tokenizer_path": str(cfg.tokenizer or cfg.model),
+            "served_model_name": api.model_name, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+            "device": cfg.device, "dtype": cfg.dtype,
+            "attention_backend": api.loop.metrics.info.get("attention_backend"),
+            "page_size": lim.page_size, "max_running_requests": lim.max_running_requests,
+            "context_length": lim.context_length, "max_model_len": api.max_request_tokens,
+            "max_total_num_tokens": snap.get("kv_pages_total", 0) * lim.page_size,
+            "chunked_prefill_size": lim.chunked_prefill_size, "disable_overlap_schedule": not lim.overlap,
+            "speculative_algorithm": spec.algorithm if spec else None,
+            "speculative_draft_model_path": spec.draft_model if spec else None,
+            "speculative_num_steps": spec.num_steps if spec else None,
+            "speculative_eagle_topk": spec.eagle_topk if spec else None,
+            "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
+            "avg_spec_accept_length": accept,
+            "internal_states": [state],
+            "version": spruce.__version__,
+        }
