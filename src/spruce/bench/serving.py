@@ -223,8 +223,9 @@ def _print_level(lv: dict) -> None:
         print(f"  error: {err}", file=sys.stderr)
 
 
-def plot(levels: list[dict], path: Path) -> Path | None:
-    """Latency percentiles and throughput vs concurrency as a PNG (None without matplotlib)."""
+def plot(series: dict[str, list[dict]], path: Path) -> Path | None:
+    """TTFT, inter-token latency (p50 solid, p99 dashed) and output throughput vs concurrency of one or more
+    runs (label -> levels), each run one colour on the same axes, as a PNG (None without matplotlib)."""
     try:
         import matplotlib
 
@@ -232,19 +233,25 @@ def plot(levels: list[dict], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    xs = [lv["concurrency"] for lv in levels]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
-        for p, style in (("p50", "-o"), ("p99", "--x")):
-            ys = [1e3 * lv[key][p] if lv[key][p] is not None else float("nan") for lv in levels]
-            axes[0].plot(xs, ys, style, label=f"{label} {p}")
-    axes[0].set(xscale="log", yscale="log", xlabel="concurrency", ylabel="latency (ms)", title="latency")
-    axes[0].legend(fontsize=7)
-    axes[1].plot(xs, [lv["output_throughput_tok_s"] for lv in levels], "-o")
-    axes[1].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="throughput")
-    for ax in axes:
-        ax.set_xticks(xs, labels=[str(x) for x in xs])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ticks: set[int] = set()
+    for run, (label, levels) in enumerate(series.items()):
+        xs = [lv["concurrency"] for lv in levels]
+        ticks.update(xs)
+        color = f"C{run}"
+        for ax, key in ((axes[0], "ttft_s"), (axes[1], "itl_s")):
+            for p, style in (("p50", "-o"), ("p99", "--x")):
+                ys = [1e3 * lv[key][p] if lv[key][p] is not None else float("nan") for lv in levels]
+                ax.plot(xs, ys, style, color=color, label=f"{label} {p}")
+        axes[2].plot(xs, [lv["output_throughput_tok_s"] for lv in levels], "-o", color=color, label=label)
+    for ax, title, ylabel in ((axes[0], "time to first token", "ms"), (axes[1], "inter-token latency", "ms"),
+                              (axes[2], "throughput", "output tokens/s")):
+        ax.set(xscale="log", xlabel="concurrency", ylabel=ylabel, title=title)
+        if ylabel == "ms":
+            ax.set_yscale("log")
+        ax.set_xticks(sorted(ticks), labels=[str(x) for x in sorted(ticks)])
         ax.minorticks_off()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -281,6 +288,6 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
     path = write_result("serving", device, config, {"levels": levels}, Path(args.out_dir))
     print(f"results: {path}")
-    png = plot(levels, path.with_suffix(".png"))
+    png = plot({"spruce": levels}, path.with_suffix(".png"))
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
     return 0 if all(lv["failed"] == 0 for lv in levels) else 1

@@ -15,6 +15,7 @@ from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.page_table import PageTable
 from spruce.ops.metadata import fill_scratch_metadata
+from spruce.ops.triton_support import HAS_TRITON
 
 
 def paged_slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -38,7 +39,8 @@ class BatchBuilder:
         self.tree_mask = torch.zeros(t, limits.mask_words, **i64)  # [T, words]
         self.req_rows = torch.zeros(r, **i64)  # [R]
         self.qo_indptr = torch.zeros(r + 1, dtype=torch.int32, device=device)  # [R+1]
-        self.fused = device.type == "cuda"  # one-launch Triton fill of scratch phases (same values as torch)
+        # one-launch Triton fill of scratch phases (same values as torch) where Triton can run it
+        self.fused = device.type == "cuda" and HAS_TRITON
 
     # --- checks -------------------------------------------------------------------------------------------
     def _check(self, phase: Phase, bs: int, num_tokens: int, max_kv_len: int) -> None:
