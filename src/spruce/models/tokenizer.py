@@ -71,7 +71,14 @@ class Tokenizer:
         return [self.bos_token_id] + ids if add_special_tokens and self._prepend_bos else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._clean(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each sequence, in one call (the library decodes them in parallel)."""
+        texts = self._tok.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
+        return [self._clean(text) for text in texts]
+
+    def _clean(self, text: str) -> str:
         if self._cleanup:
             for a, b in _CLEANUPS:
                 text = text.replace(a, b)

@@ -74,6 +74,7 @@ class Engine:
         self._seed_rng = random.Random(config.seed)
         self._lock = threading.RLock()
         self._aborted: list[Request] = []
+        self._final_text: list[Request] = []  # finished this step; their whole text is built before the outputs
         self._inflight: LaunchedStep | None = None
         self._result_buffers, self._result_events = self._make_result_buffers()
         self._next_buffer = 0
@@ -187,6 +188,7 @@ class Engine:
             self.scheduler.release_settled()
             if self.debug:
                 self.scheduler.check_accounting()
+            self._build_final_texts()
             return [self._output(q) for q in touched.values() if q.finished or not finished_only]
 
     def drain(self) -> list[RequestOutput]:
@@ -199,6 +201,7 @@ class Engine:
                 self._resolve(self._inflight, touched)
                 self._inflight = None
             self.scheduler.release_settled()
+            self._build_final_texts()
             return [self._output(q) for q in touched.values()]
 
     def _plan_and_launch(self, previous: LaunchedStep | None, touched: dict[str, Request]):
@@ -339,10 +342,26 @@ class Engine:
         q.new_token_count += take
         self.tokens_generated += take
         if take == room or stop_at is not None:
-            self._sync_text(q, flush=True)
+            self._final_text.append(q)
             self.scheduler.finish(q, "stop" if stop_at is not None and stop_at < room else "length")
             return True
         return False
+
+    def _build_final_texts(self) -> None:
+        """Whole text of the requests that finished in this step. Those whose text was never started are
+        decoded in one batch call (the same text as the incremental detokenizer's, by its contract); the others
+        catch up and flush."""
+        if not self._final_text:
+            return
+        fresh = [q for q in self._final_text if q.detokenizer is not None and q.detokenized == 0]
+        for q, text in zip(fresh, self.tokenizer.decode_batch([q.output_ids for q in fresh]) if fresh else ()):
+            q.text = text
+            q.detokenized = len(q.output_ids)
+        done = {id(q) for q in fresh}
+        for q in self._final_text:
+            if id(q) not in done:  # text started incrementally (stop strings, streaming): catch up and flush
+                self._sync_text(q, flush=True)
+        self._final_text = []
 
     def _sync_text(self, q: Request, flush: bool = False) -> int:
         """Feed the detokenizer the tokens it has not seen (and, flushing, what it holds back); returns how
