@@ -9,11 +9,8 @@ prompts of real Python from the standard library.
 
 from __future__ import annotations
 
-import pytest
-
-from checkpoints import python_source_prompts
-from spruce.config import builtin_model_path
-from test_generation import (  # noqa: F401  (collected again here, with the fixtures below)
+from bundled_fixtures import heldout_prompts, pycode19m  # noqa: F401  (the bundled model stands in)
+from test_generation import (  # noqa: F401  (collected again here, with the fixtures above)
     hf_reference,
     test_abort_frees_everything_at_once,
     test_bad_engine_settings,
@@ -25,13 +22,3 @@ from test_generation import (  # noqa: F401  (collected again here, with the fix
     test_stop_conditions,
     test_text_prompt_and_chat_template,
 )
-
-
-@pytest.fixture(scope="session")
-def pycode19m():
-    return builtin_model_path()
-
-
-@pytest.fixture(scope="session")
-def heldout_prompts():
-    return python_source_prompts()

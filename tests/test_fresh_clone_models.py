@@ -8,18 +8,5 @@ prompts of real Python from the standard library.
 
 from __future__ import annotations
 
-import pytest
-
-from checkpoints import python_source_prompts
-from spruce.config import builtin_model_path
+from bundled_fixtures import heldout_prompts, pycode19m  # noqa: F401  (the bundled model stands in)
 from test_models_vs_hf import test_pycode19m_logits_equal_transformers  # noqa: F401  (collected again here)
-
-
-@pytest.fixture(scope="session")
-def pycode19m():
-    return builtin_model_path()
-
-
-@pytest.fixture(scope="session")
-def heldout_prompts():
-    return python_source_prompts()

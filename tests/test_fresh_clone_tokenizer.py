@@ -9,11 +9,8 @@ prompts of real Python from the standard library.
 
 from __future__ import annotations
 
-import pytest
-
-from checkpoints import python_source_prompts
-from spruce.config import builtin_model_path
-from test_tokenizer import (  # noqa: F401  (collected again here, with the fixtures below)
+from bundled_fixtures import heldout_prompts, pycode19m  # noqa: F401  (the bundled model stands in)
+from test_tokenizer import (  # noqa: F401  (collected again here, with the fixtures above)
     test_add_bos_token_without_post_processor,
     test_bos_eos_flags_match_transformers,
     test_chat_template_file_and_errors,
@@ -23,13 +20,3 @@ from test_tokenizer import (  # noqa: F401  (collected again here, with the fixt
     test_special_tokens,
     toks,
 )
-
-
-@pytest.fixture(scope="session")
-def pycode19m():
-    return builtin_model_path()
-
-
-@pytest.fixture(scope="session")
-def heldout_prompts():
-    return python_source_prompts()

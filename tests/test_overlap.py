@@ -208,3 +208,18 @@ def test_cli_overlap_flag_reaches_the_engine(argv, overlap):
     llm = LLM(**engine_kwargs(args))
     assert llm.engine.limits.overlap is overlap
     assert llm.engine.info()["overlap_schedule"] == ("on" if overlap else "off")
+
+
+def test_abort_between_prefill_chunks_stops_the_prompt():
+    """A client gone during a long prompt: the abort lands between chunks and no further chunk runs."""
+    llm = LLM(TARGET, page_size=16, chunked_prefill_size=16)
+    eng = llm.engine
+    rid = eng.add_request("import os\n" * 40, SamplingParams(max_tokens=4))  # > 100 tokens: several chunks
+    eng.step()
+    req = eng.requests[rid]
+    assert 0 < req.committed < req.num_tokens  # one chunk in, more to go
+    eng.abort(rid)
+    outs = eng.drain()
+    assert [o.finish_reason for o in outs] == ["abort"] and req.committed == 16
+    assert not eng.has_unfinished()
+    assert_no_leaks(llm)
