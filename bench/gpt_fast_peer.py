@@ -104,9 +104,10 @@ def import_gpt_fast(gf_dir: Path):
         import tokenizer  # noqa: F401  gpt-fast's
     except ImportError as e:
         stub = types.ModuleType("tokenizer")
+        reason = str(e)
 
         def get_tokenizer(*_a, **_k):
-            raise RuntimeError(f"gpt-fast's tokenizer is not importable here ({e}); prompts come as token ids")
+            raise RuntimeError(f"gpt-fast's tokenizer is not importable here ({reason}); prompts come as token ids")
 
         stub.get_tokenizer = get_tokenizer
         sys.modules["tokenizer"] = stub
