@@ -400,9 +400,6 @@ class Engine:
             self.requests.pop(q.request_id, None)
         return out
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
     # --- scoring --------------------------------------------------------------------------------------------------
     def next_token_logits(self, token_ids: list[int], first: int = 0) -> torch.Tensor:
         """Teacher-forced float32 logits [len(token_ids) - first, V]: row i is what the target computes after
