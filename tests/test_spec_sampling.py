@@ -58,16 +58,7 @@ def exact_joint(llm, prompt_ids) -> dict[tuple[int, ...], float]:
 
 def last_logits(llm, ids) -> torch.Tensor:
     """The target's logits after `ids`, through spruce's own prefill (checked against HF elsewhere)."""
-    r = llm.engine.runner
-    row = r.page_table.alloc_row()
-    pages = r.allocator.alloc(r.limits.pages_for(len(ids)))
-    r.page_table.append_pages(row, pages)
-    try:
-        batch = r.builder.extend([row], [0], [ids])
-        hidden, _ = r.target_forward(batch)
-        return r.target.compute_logits(hidden[-1:])[0]
-    finally:
-        r.allocator.free(r.page_table.release_row(row))
+    return llm.engine.next_token_logits(ids, first=len(ids) - 1)[0]
 
 
 def sample_counts(setup, lossy: bool, monkeypatch, n_samples: int = N_SAMPLES) -> tuple[Counter, float]:

@@ -174,8 +174,7 @@ class Engine:
         of every request whose state changed (`finished_only`: of those that finished, as offline callers
         need: running requests' outputs and text are then not built)."""
         with self._lock:
-            touched: dict[str, Request] = {q.request_id: q for q in self._aborted}
-            self._aborted = []
+            touched = self._take_aborted()
             previous, self._inflight = self._inflight, None
             launched, previous = self._plan_and_launch(previous, touched)
             if previous is not None:
@@ -185,24 +184,31 @@ class Engine:
                     self._inflight = launched
                 else:
                     self._resolve(launched, touched)
-            self.scheduler.release_settled()
-            if self.debug:
-                self.scheduler.check_accounting()
-            self._build_final_texts()
-            return [self._output(q) for q in touched.values() if q.finished or not finished_only]
+            return self._outputs(touched, finished_only)
 
     def drain(self) -> list[RequestOutput]:
         """Resolve the step in flight (if any) and flush aborts without launching anything; outputs as from
         `step`. Afterwards no launched step holds a row, so every finished request's pages are free."""
         with self._lock:
-            touched: dict[str, Request] = {q.request_id: q for q in self._aborted}
-            self._aborted = []
+            touched = self._take_aborted()
             if self._inflight is not None:
                 self._resolve(self._inflight, touched)
                 self._inflight = None
-            self.scheduler.release_settled()
-            self._build_final_texts()
-            return [self._output(q) for q in touched.values()]
+            return self._outputs(touched, finished_only=False)
+
+    def _take_aborted(self) -> dict[str, Request]:
+        """The requests aborted since the last step, as the start of this step's touched set."""
+        touched = {q.request_id: q for q in self._aborted}
+        self._aborted = []
+        return touched
+
+    def _outputs(self, touched: dict[str, Request], finished_only: bool) -> list[RequestOutput]:
+        """End of a step: release settled pages, build finished texts, then the touched requests' outputs."""
+        self.scheduler.release_settled()
+        if self.debug:
+            self.scheduler.check_accounting()
+        self._build_final_texts()
+        return [self._output(q) for q in touched.values() if q.finished or not finished_only]
 
     def _plan_and_launch(self, previous: LaunchedStep | None, touched: dict[str, Request]):
         """Plan the next step and launch it. Preemption needs the step in flight resolved first (its requests'
@@ -353,14 +359,14 @@ class Engine:
         catch up and flush."""
         if not self._final_text:
             return
-        fresh = [q for q in self._final_text if q.detokenizer is not None and q.detokenized == 0]
+        fresh, started = [], []
+        for q in self._final_text:
+            (fresh if q.detokenizer is not None and q.detokenized == 0 else started).append(q)
         for q, text in zip(fresh, self.tokenizer.decode_batch([q.output_ids for q in fresh]) if fresh else ()):
             q.text = text
             q.detokenized = len(q.output_ids)
-        done = {id(q) for q in fresh}
-        for q in self._final_text:
-            if id(q) not in done:  # text started incrementally (stop strings, streaming): catch up and flush
-                self._sync_text(q, flush=True)
+        for q in started:  # text begun incrementally (stop strings, streaming): catch up and flush
+            self._sync_text(q, flush=True)
         self._final_text = []
 
     def _sync_text(self, q: Request, flush: bool = False) -> int:

@@ -11,6 +11,7 @@ reads device memory back to the host, so a step can be queued while the previous
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,7 @@ class DecodeStrategy:
         r = self.runner
         batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
         hidden, aux = r.target_forward(batch)
-        lens = torch.tensor([len(c.tokens) for c in chunks])
-        ends = (lens.cumsum(0) - 1).tolist()  # each chunk's last token in the batch
+        ends = [n - 1 for n in itertools.accumulate(len(c.tokens) for c in chunks)]  # each chunk's last token
         finals = [i for i, c in enumerate(chunks) if c.final]
         result = torch.zeros(len(finals), r.limits.step_result_width, dtype=torch.int64, device=r.device)
         new_tokens = result[:, 1]
