@@ -35,6 +35,23 @@ class AttentionBackend:
     ) -> torch.Tensor:  # [T, Hq, D]
         raise NotImplementedError
 
+    def forward_latent(
+        self,
+        q: torch.Tensor,  # [T, Hq, Dk]: absorbed query (q_nope @ W_UK, then the rotated rope part)
+        latent: torch.Tensor,  # [T, Dk]: the new tokens' latent keys (normed compressed kv, then rotated k_rope)
+        cache: torch.Tensor,  # [slots, Dk] (one layer of a LatentKVPool)
+        value_dim: int,  # Dv: a key's first Dv values are its value (the compressed kv)
+        scratch_start: int,
+        batch: ForwardBatch,
+        page_table: torch.Tensor,  # [rows, max_pages] int32
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, Dv]
+        """MLA in absorbed form: multi-query attention over one shared latent per token (DeepSeek-V2/V3).
+
+        Same contract as `forward` (slots, prefix, scratch bits), with a single KV head whose value is a prefix
+        of its key: stores `latent` into cache[out_slots], then attends."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no MLA (latent) attention")
+
 
 _REGISTRY: dict[str, Callable[[], type[AttentionBackend]]] = {}
 

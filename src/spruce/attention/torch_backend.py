@@ -73,25 +73,35 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
         k_cache[batch.out_slots] = k.to(k_cache.dtype)
         v_cache[batch.out_slots] = v.to(v_cache.dtype)
+        return self._attend_all(q, k_cache, v_cache, scratch_start, batch, page_table, scale)
+
+    def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
+        cache[batch.out_slots] = latent.to(cache.dtype)
+        keys = cache[:, None, :]  # [slots, 1, Dk]: one KV head
+        return self._attend_all(q, keys, keys[..., :value_dim], scratch_start, batch, page_table, scale)
+
+    def _attend_all(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+        """Every query token of the batch over its keys in the (already written) caches: [T, Hq, Dv]."""
         num_keys = batch.max_kv_len + batch.scratch_width
+        out_shape = (*q.shape[:2], v_cache.shape[-1])
         if batch.num_tokens == 0 or batch.batch_size == 0 or batch.max_q_len == 0 or num_keys == 0:
-            return torch.zeros_like(q)
+            return q.new_zeros(out_shape)
         slots = request_key_slots(batch, page_table, scratch_start, self.page_size)  # [bs, L]
         keys = k_cache[slots].float().transpose(1, 2)  # [bs, Hkv, L, D]
         vals = v_cache[slots].float().transpose(1, 2)  # [bs, Hkv, L, D]
         tok, exists = request_tokens(batch)  # [bs, m]
-        out = torch.zeros(batch.num_tokens + 1, *q.shape[1:], dtype=q.dtype, device=q.device)  # [T+1, Hq, D]
+        out = q.new_zeros(batch.num_tokens + 1, *out_shape[1:])  # [T+1, Hq, Dv]
         block = max(1, SCORE_ELEMENTS // (batch.batch_size * q.shape[1] * num_keys))
         for i0 in range(0, batch.max_q_len, block):
             blk_tok, blk_exists = tok[:, i0:i0 + block], exists[:, i0:i0 + block]  # [bs, mb]
             att = self._attend(q, keys, vals, key_mask(batch, blk_tok, blk_exists), blk_tok, scale)  # [bs, mb, Hq, D]
             dest = blk_tok.masked_fill(~blk_exists, batch.num_tokens)  # missing query tokens land in row T
-            out[dest.reshape(-1)] = att.reshape(-1, *q.shape[1:]).to(q.dtype)
+            out[dest.reshape(-1)] = att.reshape(-1, *out_shape[1:]).to(q.dtype)
         return out[: batch.num_tokens]
 
     @staticmethod
     def _attend(q, keys, vals, mask, tok, scale) -> torch.Tensor:
-        """Masked float32 attention of query tokens `tok` [bs, mb] over their request's keys: [bs, mb, Hq, D].
+        """Masked float32 attention of query tokens `tok` [bs, mb] over their request's keys: [bs, mb, Hq, Dv].
 
         A query token whose mask row is empty (padding) gets zeros.
         """
