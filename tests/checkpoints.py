@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.limits import Limits
-from spruce.memory.kv_pool import KVPool
+from spruce.memory.kv_pool import KVPool, LatentKVPool
 
 VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -206,11 +206,14 @@ class PagedCache:
     `batch` builds a ForwardBatch for tokens at given positions (causal over each row's paged cache)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int = 4, rows: int = 4,
-                 num_pages: int = 256, dtype: torch.dtype = torch.float32, seed: int = 0):
+                 num_pages: int = 256, dtype: torch.dtype = torch.float32, seed: int = 0, latent_dim: int = 0):
         self.page_size = page_size
         self.limits = Limits(max_running_requests=rows, page_size=page_size, context_length=num_pages * page_size,
                              num_pages=num_pages, chunked_prefill_size=num_pages * page_size)
-        self.kv = KVPool(self.limits, num_layers, num_kv_heads, head_dim, 0, dtype, torch.device("cpu"))
+        if latent_dim:  # MLA: one latent per token
+            self.kv = LatentKVPool(self.limits, num_layers, latent_dim, 0, dtype, torch.device("cpu"))
+        else:
+            self.kv = KVPool(self.limits, num_layers, num_kv_heads, head_dim, 0, dtype, torch.device("cpu"))
         self.table = torch.zeros(rows + 1, num_pages, dtype=torch.int32)  # [rows, max pages]; 0 = dummy page
         self.free_pages = list(range(1, num_pages))
         random.Random(seed).shuffle(self.free_pages)
@@ -218,8 +221,10 @@ class PagedCache:
 
     @staticmethod
     def for_model(model, **kw) -> "PagedCache":
-        """A cache shaped for a LlamaForCausalLM (has .config) or an EagleDraft."""
+        """A cache shaped for a target (has .config: MHA or MLA) or an EagleDraft."""
         c = getattr(model, "config", None)
+        if getattr(c, "mla", None) is not None:
+            return PagedCache(c.num_layers, 1, 1, latent_dim=c.mla.latent_dim, **kw)
         if hasattr(c, "num_kv_heads"):
             return PagedCache(c.num_layers, c.num_kv_heads, c.head_dim, **kw)
         return PagedCache(model.num_layers, model.num_kv_heads, model.head_dim, **kw)
@@ -248,3 +253,38 @@ class PagedCache:
             max_kv_len=max((s + m for s, m in zip(starts, lens)), default=0), max_q_len=max(lens, default=0),
             scratch_width=0,
         )
+
+
+def write_deepseek_checkpoint(path, version: int = 3, seed: int = 0, hidden: int = 64, layers: int = 3,
+                              heads: int = 4, vocab: int = 256, q_lora_rank: int | None = 32, kv_lora_rank: int = 48,
+                              nope: int = 16, rope: int = 8, v_dim: int = 16, experts: int = 8, top_k: int = 2,
+                              shared: int = 1, init_std: float = 0.2, max_pos: int = 512,
+                              rope_scaling: dict | None = None, **extra) -> Path:
+    """A random DeepSeek-V2/V3 model written by transformers' save_pretrained (published per-expert layout).
+
+    Norm weights and the V3 router bias are perturbed so a mis-loaded one shows; `extra` goes to the config
+    (n_group, topk_group, first_k_dense_replace, routed_scaling_factor, topk_method, rope_interleave...)."""
+    import transformers
+
+    path = Path(path)
+    name = "DeepseekV3" if version == 3 else "DeepseekV2"
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=32,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+              n_routed_experts=experts, n_shared_experts=shared, num_experts_per_tok=top_k, q_lora_rank=q_lora_rank,
+              kv_lora_rank=kv_lora_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
+              max_position_embeddings=max_pos, initializer_range=init_std, bos_token_id=0, eos_token_id=1,
+              n_group=2, topk_group=1)
+    kw.update(extra)
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, f"{name}Config")(**kw)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    model = getattr(transformers, f"{name}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.3)
+    model.save_pretrained(path)
+    return path

@@ -30,6 +30,8 @@ VARIANTS = [
     dict(variant="llama", rope_style="rope_theta", rope_scaling=LLAMA3),
     dict(variant="llama", rope_scaling=dict(rope_type="linear", factor=2.0)),
     dict(variant="llama", attention_bias=True),
+    dict(variant="llama", rope_style="rope_parameters",
+         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
     dict(variant="mistral"),
     dict(variant="qwen2", sharded=True),
     dict(variant="qwen3", tie=True, head_dim=32),

@@ -1,27 +1,31 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3).
+"""Model configuration read from a Hugging Face `config.json`: Llama-family (Llama, Mistral, Qwen2, Qwen3) and
+DeepSeek-V2/V3 (MLA attention over a latent KV cache, MoE feed-forward).
 
 Both rope styles are read: the older `rope_theta` + `rope_scaling` and the newer `rope_parameters`
-(transformers >= 5). Rope types default, linear and llama3 are supported; anything else is refused.
+(transformers >= 5). Rope types default, linear, llama3 and yarn are supported; anything else is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from spruce.errors import ModelLoadError
 
-# architecture -> (qkv bias by default, per-head q/k RMSNorm)
+# Llama-family architecture -> (qkv bias by default, per-head q/k RMSNorm)
 ARCHITECTURES = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # keys each rope type needs (llama3's original_max_position_embeddings falls back to max_position_embeddings)
-_ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+_ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+              "yarn": ()}
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -73,9 +77,100 @@ def rope_settings(cfg: dict) -> tuple[float, dict | None]:
     if missing:
         raise ModelLoadError(f"rope_type={rope_type!r} needs {missing} in the rope settings, got {scaling}")
     scaling["rope_type"] = rope_type
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    if rope_type == "yarn" and scaling.get("factor") is None:  # DeepSeek-V3 style: the ratio of the contexts
+        scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
     return theta, scaling
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): per token and layer the cache holds one latent of
+    kv_lora_rank + qk_rope_head_dim values (the normed compressed kv, then the rotated shared rope key)."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int  # C
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # R
+    v_head_dim: int
+    rope_interleave: bool  # rope pairs are (x0, x1), (x2, x3), ... (DeepSeek's layout) instead of rotate-half
+    softmax_scale: float  # qk_head_dim^-0.5, times YaRN's mscale_all_dim correction squared
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token and layer in the latent cache: C + R (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek MoE: routed experts chosen per token by a gate, plus always-on shared experts."""
+
+    num_experts: int  # E (n_routed_experts)
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # per expert (moe_intermediate_size)
+    num_shared_experts: int
+    scoring: str  # "softmax" (V2) or "sigmoid" (V3, with e_score_correction_bias)
+    num_groups: int  # n_group (1: no group limit)
+    topk_groups: int  # topk_group
+    topk_method: str  # "greedy"; "group_limited_greedy" (V2: groups by their best score); "noaux_tc" (V3:
+    # groups by their top-2 biased scores, always used by V3 as transformers does)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int  # layers [0, first_k_dense_replace) use the dense MLP
+    layer_freq: int  # moe_layer_freq: MoE every layer_freq-th layer past first_k_dense_replace
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace and i % self.layer_freq == 0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude correction: 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _mla_config(cfg: dict, arch: str, scaling: dict | None) -> MLAConfig:
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(cfg["kv_lora_rank"]),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
+                     # V2's rope is complex multiplication over adjacent pairs; V3 says which in rope_interleave
+                     rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
+                     softmax_scale=scale)
+
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def _moe_config(cfg: dict, arch: str, file: Path) -> MoEConfig | None:
+    experts = cfg.get("n_routed_experts")
+    if not experts:
+        return None
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise ModelLoadError(f"scoring_func={scoring!r} in {file} is not supported; expected 'softmax' or 'sigmoid'")
+    method = "noaux_tc" if v3 else cfg.get("topk_method") or "greedy"
+    if method not in _TOPK_METHODS:
+        raise ModelLoadError(f"topk_method={method!r} in {file} is not supported; expected one of {_TOPK_METHODS}")
+    groups = int(cfg.get("n_group") or 1)
+    if int(experts) % groups:
+        raise ModelLoadError(f"n_routed_experts={experts} in {file} is not divisible by n_group={groups}")
+    topk_groups = int(cfg.get("topk_group") or groups)
+    if not 1 <= topk_groups <= groups:
+        raise ModelLoadError(f"topk_group={topk_groups} in {file} must be in [1, n_group={groups}]")
+    return MoEConfig(
+        num_experts=int(experts), top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]), num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        scoring=scoring, num_groups=groups, topk_groups=topk_groups, topk_method=method,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)), layer_freq=int(cfg.get("moe_layer_freq", 1)),
+    )
 
 
 @dataclass(frozen=True)
@@ -100,6 +195,14 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before rope
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json's eos merged with generation_config.json's
+    mla: MLAConfig | None = None  # DeepSeek: latent attention (num_kv_heads / head_dim then describe its rope)
+    moe: MoEConfig | None = None  # DeepSeek: routed + shared experts (intermediate_size is the dense layers')
+    num_nextn_predict_layers: int = 0  # DeepSeek MTP layers stored after the main layers
+
+    @property
+    def model_family(self) -> str:
+        """"deepseek" (MLA + MoE targets) or "llama" (every other supported architecture)."""
+        return "deepseek" if self.architecture in DEEPSEEK_ARCHITECTURES else "llama"
 
     @staticmethod
     def from_dir(path) -> "ModelConfig":
@@ -110,10 +213,12 @@ class ModelConfig:
         file = path / "config.json"
         cfg = read_json(file, "model config")
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES or a in DEEPSEEK_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; "
-                                 f"supported: {sorted(ARCHITECTURES)}")
+                                 f"supported: {sorted([*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES])}")
+        if arch in DEEPSEEK_ARCHITECTURES:
+            return _deepseek_config(cfg, arch, path, file)
         bias, qk_norm = ARCHITECTURES[arch]
         if cfg.get("mlp_bias"):
             raise ModelLoadError(f"mlp_bias=true in {file} is not supported")
@@ -136,6 +241,33 @@ class ModelConfig:
             raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"{file} has a malformed field: {e}") from e
+
+
+def _deepseek_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
+    """DeepSeek-V2/V3: rope on qk_rope_head_dim (its heads share one rope key), MLA and MoE sub-configs."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
+    if cfg.get("attention_bias"):
+        raise ModelLoadError(f"attention_bias=true in {file} is not supported for {arch}")
+    try:
+        theta, scaling = rope_settings({**cfg, "head_dim": cfg["qk_rope_head_dim"]})
+        heads = int(cfg["num_attention_heads"])
+        return ModelConfig(
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=1, head_dim=int(cfg["qk_rope_head_dim"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=_max_positions(cfg), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=False, o_proj_bias=False, qk_norm=False,
+            bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
+            mla=_mla_config(cfg, arch, scaling), moe=_moe_config(cfg, arch, file),
+            num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{file} has a malformed field: {e}") from e
 
 
 def _first_int(value) -> int | None:

@@ -68,6 +68,35 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+class PreNormLayer(nn.Module):
+    """Pre-norm decoder layer: x + self_attn(norm(x)), then + mlp(norm(.)). Residual stream [T, H] in and out.
+
+    `self_attn(h, batch, kv, page_table)` and `mlp(h)` are whatever the architecture uses (MHA or MLA; a gated
+    MLP or a mixture of experts)."""
+
+    def __init__(self, hidden: int, eps: float, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(self, x, batch, kv, page_table):
+        out, residual = self.forward_residual(x, None, batch, kv, page_table)
+        return out + residual
+
+    def forward_residual(self, x, residual, batch, kv, page_table):
+        """Residual-carrying form (x, residual) -> (mlp output, residual): each add is fused into the next
+        norm, so the stream is x + residual at every layer boundary."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, batch, kv, page_table)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight."""
 

@@ -107,14 +107,15 @@ def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> N
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
                 show_progress: bool = False, load_format: str = "auto"):
-    """The target LlamaForCausalLM with weights from `path` (random weights with load_format='dummy').
+    """The target (its class from the model registry) with weights from `path` (random with load_format='dummy').
 
     aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3)."""
-    from spruce.models.llama import LlamaForCausalLM
+    from spruce.models.registry import target_class
 
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = _build(lambda: LlamaForCausalLM(cfg, backend, aux_layers), dtype, device)
+    model_class = target_class(cfg)
+    model = _build(lambda: model_class(cfg, backend, aux_layers), dtype, device)
     if load_format == "dummy":
         random_init_(model)
     else:

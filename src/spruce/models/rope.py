@@ -1,10 +1,12 @@
-"""Rotary position embeddings (default, linear and Llama-3 scaling), matching transformers."""
+"""Rotary position embeddings (default, linear, Llama-3 and YaRN scaling), matching transformers."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from spruce.models.hf_config import yarn_mscale
 
 # Positions past max_position_embeddings the tables still cover: a speculative round may place draft/tree
 # tokens up to S+1 positions past the last committed one (their outputs past the context are discarded).
@@ -21,6 +23,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return _yarn_inv_frequencies(inv, head_dim, theta, factor, scaling)
     if kind != "llama3":
         raise ValueError(f"rope_type={kind!r} is not supported")
     # llama3: low frequencies divided by `factor`, high ones kept, a smooth ramp in between
@@ -35,6 +39,39 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_frequencies(inv: torch.Tensor, dim: int, theta: float, factor: float, scaling: dict) -> torch.Tensor:
+    """YaRN: extrapolated (original) frequencies for fast-rotating dims, interpolated (/ factor) for slow ones,
+    a linear ramp between the dims that rotate beta_fast and beta_slow times over the original context."""
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    old_ctx = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # [D/2] weight of the original frequency
+    return (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """YaRN's scale of cos/sin (1 for every other rope type): attention_factor if given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else 0.1 ln(factor) + 1."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return yarn_mscale(factor, float(scaling["mscale"])) / yarn_mscale(factor, float(scaling["mscale_all_dim"]))
+    return yarn_mscale(factor)
+
+
 class Rotary(torch.nn.Module):
     """cos/sin tables for positions [0, max_positions + POSITION_HEADROOM), computed once in float32.
 
@@ -46,8 +83,9 @@ class Rotary(torch.nn.Module):
         inv = inv_frequencies(head_dim, theta, scaling)  # [D/2]
         pos = torch.arange(max_positions + POSITION_HEADROOM, dtype=torch.float32)
         freqs = torch.outer(pos, inv.to(pos.device))  # [P, D/2]
-        self.cos = freqs.cos()  # [P, D/2]
-        self.sin = freqs.sin()  # [P, D/2]
+        magnitude = attention_factor(scaling)
+        self.cos = freqs.cos() * magnitude  # [P, D/2]
+        self.sin = freqs.sin() * magnitude  # [P, D/2]
 
     @property
     def num_positions(self) -> int:

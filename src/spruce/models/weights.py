@@ -1,9 +1,10 @@
 """Copy Hugging Face-named tensors into spruce modules, whose q/k/v and gate/up weights are fused.
 
-HF name                               spruce parameter (rows)
+HF name                                   spruce parameter (rows)
 <p>.self_attn.{q,k,v}_proj.{weight,bias}  <p>.self_attn.qkv.{weight,bias} (the q / k / v row range)
-<p>.mlp.{gate,up}_proj.weight             <p>.mlp.gate_up.weight (first / second half)
-<p>.mlp.down_proj.weight                  <p>.mlp.down.weight
+<m>.{gate,up}_proj.weight                 <m>.gate_up.weight (first / second half), <m> a GatedMLP
+<m>.down_proj.weight                      <m>.down.weight
+<x>.{i}.{gate,up,down}_proj.weight        <x>.w13 / <x>.w2 (expert i's rows), <x> a RoutedExperts
 anything else                             the same name
 Every parameter (and every fused row range) must be written exactly once.
 """
@@ -17,9 +18,11 @@ import torch
 
 from spruce.errors import ModelLoadError
 from spruce.models.layers import Attention, GatedMLP, fused_slices
+from spruce.models.moe import RoutedExperts
 
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv]_proj)\.(weight|bias)$")
-_GATE_UP = re.compile(r"(.*)\.mlp\.(gate|up)_proj\.weight$")
+_MLP = re.compile(r"(.*)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"(.*)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def map_name(module: torch.nn.Module, name: str) -> tuple[str, tuple[int, int] | None]:
@@ -28,13 +31,21 @@ def map_name(module: torch.nn.Module, name: str) -> tuple[str, tuple[int, int] |
         attn = _submodule(module, f"{m.group(1)}.self_attn")
         if isinstance(attn, Attention):
             return f"{m.group(1)}.self_attn.qkv.{m.group(3)}", fused_slices(attn)[m.group(2)]
-    m = _GATE_UP.match(name)
+    m = _EXPERT.match(name)
     if m:
-        mlp = _submodule(module, f"{m.group(1)}.mlp")
+        experts = _submodule(module, m.group(1))
+        if isinstance(experts, RoutedExperts):
+            param, rows = experts.expert_rows(int(m.group(2)), m.group(3))
+            return f"{m.group(1)}.{param}", rows
+    m = _MLP.match(name)
+    if m:
+        mlp = _submodule(module, m.group(1))
         if isinstance(mlp, GatedMLP):
             i = mlp.intermediate
-            return f"{m.group(1)}.mlp.gate_up.weight", (0, i) if m.group(2) == "gate" else (i, 2 * i)
-    return name.replace("mlp.down_proj.", "mlp.down."), None
+            if m.group(2) == "down":
+                return f"{m.group(1)}.down.weight", None
+            return f"{m.group(1)}.gate_up.weight", (0, i) if m.group(2) == "gate" else (i, 2 * i)
+    return name, None
 
 
 def _submodule(module, path):
@@ -59,8 +70,17 @@ def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[s
         elif owner_path.endswith(".gate_up") and isinstance(owner, GatedMLP):
             base, i = owner_path.removesuffix(".gate_up"), owner.intermediate
             out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.weight", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.weight"}
+        elif owner_path.endswith(".down") and isinstance(owner, GatedMLP):
+            out[pname] = f"{owner_path.removesuffix('.down')}.down_proj.weight"
+        elif isinstance(_submodule(module, owner_path), RoutedExperts):
+            experts = _submodule(module, owner_path)
+            for e in range(experts.num_experts):
+                for proj in ("gate", "up", "down"):
+                    param, (a, b) = experts.expert_rows(e, proj)
+                    if param == kind:
+                        out[f"{pname}[{a}:{b}]"] = f"{owner_path}.{e}.{proj}_proj.weight"
         else:
-            out[pname] = pname.replace("mlp.down.", "mlp.down_proj.")
+            out[pname] = pname
     return out
 
 
@@ -95,8 +115,9 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
 
 
 def copy_into(dst: torch.Tensor, tensor: torch.Tensor, rows: tuple[int, int] | None, name: str) -> None:
-    """dst[rows] = tensor, checking the shape and naming both on mismatch."""
-    view = dst.data if rows is None else dst.data[rows[0]:rows[1]]
+    """dst[rows] = tensor (rows of dst's [-1, cols] flattening), checking the shape and naming both on mismatch."""
+    flat = dst.data.flatten(0, -2) if dst.dim() > 2 else dst.data
+    view = dst.data if rows is None else flat[rows[0]:rows[1]]
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
     view.copy_(tensor.to(view.dtype))

@@ -14,7 +14,7 @@ from spruce.attention.backend import create_backend
 from spruce.attention.metadata import ForwardBatch
 from spruce.config import EngineConfig
 from spruce.limits import Limits
-from spruce.memory.kv_pool import KVPool
+from spruce.memory.kv_pool import KVPool, make_target_pool, target_pool_bytes_per_token
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.models.hf_config import ModelConfig
@@ -52,7 +52,7 @@ class ModelRunner:
             self.draft = load_draft(spec.draft_model, self.target, self.model_config, self.dtype, self.device,
                                     self.backend, show_progress=config.show_progress, load_format=config.load_format)
         mc = self.model_config
-        kv_bytes = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        kv_bytes = target_pool_bytes_per_token(mc, self.dtype)
         if self.draft is not None:
             kv_bytes += KVPool.bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
                                                self.dtype)
@@ -61,8 +61,7 @@ class ModelRunner:
         lim = self.limits
         self.page_table = PageTable(lim, self.device)
         self.allocator = PageAllocator(lim)
-        self.target_kv = KVPool(lim, mc.num_layers, mc.num_kv_heads, mc.head_dim, lim.target_scratch_width,
-                                self.dtype, self.device)
+        self.target_kv = make_target_pool(mc, lim, self.dtype, self.device)
         self.draft_kv = None
         if self.draft is not None:
             self.draft_kv = KVPool(lim, self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,

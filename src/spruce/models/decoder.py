@@ -1,0 +1,69 @@
+"""DecoderLM: what every target model is to the engine: embed, a paged forward returning the final hidden
+state and EAGLE-3's aux features, logits, and HF-named weight loading. Architectures (llama.py, deepseek.py)
+only build their layers and name their weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spruce.attention.metadata import ForwardBatch
+from spruce.errors import ModelLoadError
+from spruce.models.hf_config import ModelConfig
+from spruce.models.layers import RMSNorm
+
+
+class DecoderLM(nn.Module):
+    """forward -> (final-normed hidden [T, H], aux [T, len(aux_layers) * H] or None).
+
+    aux concatenates the residual-stream input of each layer in `aux_layers` (layer 0's input is the
+    embedding; L is the last layer's output): the features an EAGLE-3 head consumes. Subclasses fill
+    `self.layers` with PreNormLayer-shaped modules."""
+
+    def __init__(self, cfg: ModelConfig, aux_layers: tuple[int, ...] = ()):
+        super().__init__()
+        for i in aux_layers:
+            if not 0 <= i <= cfg.num_layers:
+                raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
+                                     f"(the target has {cfg.num_layers} layers; {cfg.num_layers} = last layer's output)")
+        self.config = cfg
+        self.aux_layers = tuple(aux_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: ids [n] -> [n, H]."""
+        return self.embed_tokens(ids)
+
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over batch.input_ids at batch.positions, writing every layer's cache entries into `kv`.
+
+        Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0."""
+        x = self.embed(batch.input_ids)  # [T, H]
+        residual = None
+        inputs = {}  # layer index -> residual-stream input of that layer (x + residual)
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                inputs[i] = x if residual is None else x + residual
+            x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
+        if len(self.layers) in self.aux_layers:
+            inputs[len(self.layers)] = x + residual
+        aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+        hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
+        return hidden, aux
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, V] float32."""
+        return nn.functional.linear(hidden, self.output_weight).float()
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V, H] the lm_head (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def load_weights(self, tensors) -> None:
+        """Copy HF-named (name, tensor) pairs into the parameters. ModelLoadError naming the tensor on a missing,
+        unknown or wrongly shaped one."""
+        raise NotImplementedError

@@ -1,0 +1,67 @@
+"""DeepSeek-V2 / V3 targets: MLA attention over the latent cache, MoE feed-forward past the first dense layers.
+
+Loads published checkpoints (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`): per-expert weights
+`mlp.experts.{i}.{gate,up,down}_proj`, `mlp.gate.weight` (+ `e_score_correction_bias` for V3), shared experts,
+MLA with or without q_lora_rank. MTP layers stored after the main ones (`model.layers.{L..}`) are not part of
+the target; the NEXTN draft loads them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from spruce.attention.backend import AttentionBackend
+from spruce.models.decoder import DecoderLM
+from spruce.models.hf_config import ModelConfig
+from spruce.models.layers import GatedMLP, PreNormLayer
+from spruce.models.mla import MLAttention, rope_row_permutation
+from spruce.models.moe import MoE
+from spruce.models.rope import Rotary
+from spruce.models.weights import load_named_tensors
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class DeepseekForCausalLM(DecoderLM):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()):
+        super().__init__(cfg, aux_layers)
+        self.rotary = Rotary(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        h = cfg.hidden_size
+        for i in range(cfg.num_layers):
+            moe = cfg.moe is not None and cfg.moe.is_moe_layer(i)
+            mlp = MoE(h, cfg.moe) if moe else GatedMLP(h, cfg.intermediate_size)
+            self.layers.append(PreNormLayer(h, cfg.rms_norm_eps, MLAttention(cfg, self.rotary, backend, i), mlp))
+
+    def load_weights(self, tensors) -> None:
+        """Published names into the model; the MTP layers (index >= num_layers) are skipped."""
+        cfg = self.config
+
+        def rename(name: str) -> str | None:
+            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+                return None
+            name = name.removeprefix("model.")
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= cfg.num_layers:
+                return None
+            return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+
+        buffers = [f"layers.{i}.mlp.e_score_correction_bias" for i in range(cfg.num_layers)]
+        load_named_tensors(self, (( n, self._rope_rows_to_rotate_half(n, t)) for n, t in tensors), rename,
+                           buffers=buffers)
+
+    def _rope_rows_to_rotate_half(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Interleaved rope checkpoints: reorder the rope rows of the q and k_pe projections (see models/mla.py)."""
+        mla = self.config.mla
+        if not mla.rope_interleave:
+            return tensor
+        perm = rope_row_permutation(mla.qk_rope_head_dim)
+        if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
+            heads = tensor.view(self.config.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, -1)
+            rope = heads[:, mla.qk_nope_head_dim:][:, perm]
+            return torch.cat([heads[:, :mla.qk_nope_head_dim], rope], dim=1).reshape(tensor.shape)
+        if name.endswith(".kv_a_proj_with_mqa.weight"):
+            c = mla.kv_lora_rank
+            return torch.cat([tensor[:c], tensor[c:][perm]])
+        return tensor

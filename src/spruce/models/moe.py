@@ -1,0 +1,96 @@
+"""DeepSeek mixture of experts: the router (softmax or sigmoid scores, group-limited top-k, bias correction)
+and the routed experts' stacked weights, run by the fused MoE op.
+
+Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter step by step in float32:
+    V2 (softmax):  scores = softmax(logits); greedy top-k, or ("group_limited_greedy") top-k inside the
+                   topk_groups groups with the best single score
+    V3 (sigmoid):  scores = sigmoid(logits); choice = scores + e_score_correction_bias; groups ranked by the sum
+                   of their two best choices; top-k of choice inside the best topk_groups groups; weights are
+                   the unbiased scores of the chosen experts
+    then weights /= sum (norm_topk_prob), weights *= routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spruce.models.hf_config import MoEConfig
+from spruce.models.layers import GatedMLP
+from spruce.ops.moe import fused_moe
+
+
+def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    t, e = logits.shape
+    if cfg.scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias.float()  # [T, E]
+    if cfg.topk_method != "greedy" and cfg.num_groups > 1:
+        grouped = choice.view(t, cfg.num_groups, e // cfg.num_groups)  # [T, G, E/G]
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values
+        best_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
+        keep = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0).bool()  # [T, G]
+        keep = keep[:, :, None].expand_as(grouped).reshape(t, e)
+        # V3 ranks excluded experts at -inf; V2 zeroes their (non-negative) scores
+        choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
+    ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if cfg.norm_topk_prob and cfg.top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """E gated MLPs stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] (down).
+
+    Checkpoints store them per expert (`experts.{i}.gate_proj/up_proj/down_proj.weight`); the loader writes
+    each into its rows (`expert_rows`)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+
+    def expert_rows(self, expert: int, proj: str) -> tuple[str, tuple[int, int]]:
+        """(parameter, row range of its [E * rows, cols] flattening) holding expert `expert`'s `proj` weight."""
+        i, h = self.intermediate, self.hidden
+        if proj == "gate":
+            return "w13", (expert * 2 * i, expert * 2 * i + i)
+        if proj == "up":
+            return "w13", (expert * 2 * i + i, (expert + 1) * 2 * i)
+        return "w2", (expert * h, (expert + 1) * h)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights / ids [T, k] -> [T, H]."""
+        return fused_moe(x, self.w13, self.w2, ids, weights)
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k per token) plus shared experts (every token)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
+        if cfg.scoring == "sigmoid":
+            # kept in float32 whatever the model dtype (transformers keeps it so)
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size)
+        shared = cfg.intermediate_size * cfg.num_shared_experts
+        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]."""
+        logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
+        weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
