@@ -1,6 +1,6 @@
 """Speculative sampling is lossless: the joint distribution of generated tokens equals the target's.
 
-Toy set-up: the bundled target with top_k=4 (so three tokens span at most 64 outcomes), a draft that is
+Toy set-up: the bundled target (and the DeepSeek-V3-architecture pycode-mla fixture: MLA + MoE) with top_k=4 (so three tokens span at most 64 outcomes), a draft that is
 right about the greedy path for 70% of nodes (so draft tokens are accepted often, at several depths), and
 the exact target distribution of (t1, t2, t3) computed from the target's logits by enumeration.
 A deliberately lossy verifier (greedy verification of a sampled request) must fail the same test.
@@ -18,25 +18,29 @@ from spruce import SamplingParams
 from spruce.config import builtin_model_path
 from spruce.runtime.sampler import SamplingTensors, target_probs
 from checkpoints import write_eagle3_checkpoint
+from conftest import SHARED_MODELS
 from oracle_draft import install_oracle
 from stats import matches_distribution
 
-TARGET = builtin_model_path()
+TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla": SHARED_MODELS / "pycode-mla"}
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +"
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
 N_SAMPLES = 3000
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def setup(request, tmp_path_factory):
     from spruce import LLM
 
-    draft = write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "eagle3", TARGET, draft_vocab_size=4096, seed=5)
-    plain = LLM(TARGET, page_size=4)
+    target = TARGETS[request.param]
+    if not (target / "config.json").exists():
+        pytest.skip(f"fixture model not found at {target}")
+    draft = write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "eagle3", target, draft_vocab_size=4096, seed=5)
+    plain = LLM(target, page_size=4)
     prompt_ids = plain.tokenizer.encode(PROMPT)
     greedy = plain.generate([prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
     exact = exact_joint(plain, prompt_ids)
-    return str(draft), prompt_ids, greedy, exact
+    return target, str(draft), prompt_ids, greedy, exact
 
 
 def exact_joint(llm, prompt_ids) -> dict[tuple[int, ...], float]:
@@ -65,13 +69,13 @@ def sample_counts(setup, lossy: bool, monkeypatch, n_samples: int = N_SAMPLES) -
     from spruce import LLM
     import spruce.speculative.eagle_worker as ew
 
-    draft, prompt_ids, greedy, _ = setup
+    target, draft, prompt_ids, greedy, _ = setup
     if lossy:
         def lossy_select(logits, st, positions):
             return logits.argmax(dim=-1)  # the classic bug: greedy verification of a sampled request
 
         monkeypatch.setattr(ew, "select_tokens", lossy_select)
-    llm = LLM(TARGET, page_size=4, max_running_requests=64, draft_model=draft, speculative_algorithm="EAGLE3",
+    llm = LLM(target, page_size=4, max_running_requests=64, draft_model=draft, speculative_algorithm="EAGLE3",
               speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, seed=7)
     oracle = install_oracle(llm, 0.7)
     oracle.add_reference(prompt_ids, greedy)
@@ -90,10 +94,10 @@ def check(counts: Counter, exact: dict) -> bool:
 def test_speculative_sampling_matches_target_distribution(setup, monkeypatch):
     counts, accept = sample_counts(setup, lossy=False, monkeypatch=monkeypatch)
     assert accept > 1.3, "draft tokens were rarely accepted: the test would not exercise acceptance"
-    assert check(counts, setup[3])
+    assert check(counts, setup[4])
 
 
 def test_lossy_verifier_is_detected(setup, monkeypatch):
     # the lossy verifier puts every sample on one outcome: 500 samples reject it by a wide margin
     counts, _ = sample_counts(setup, lossy=True, monkeypatch=monkeypatch, n_samples=500)
-    assert not check(counts, setup[3])
+    assert not check(counts, setup[4])

@@ -154,16 +154,20 @@ def test_training_forward_equals_inference_draft(trained):
         r.allocator.free(r.page_table.release_row(row))
 
 
-@pytest.mark.parametrize("variant", ["pycode-6m", "qwen3"])
+@pytest.mark.parametrize("variant", ["pycode-6m", "qwen3", "deepseek-v3", "deepseek-v2"])
 def test_dense_target_equals_paged(variant, tmp_path):
-    """The trainer's dense causal target forward == spruce's paged LlamaForCausalLM (aux states and logits)."""
-    from checkpoints import PagedCache, write_llama_checkpoint
+    """The trainer's dense causal target forward == spruce's paged target (aux states and logits), MHA and MLA."""
+    from checkpoints import PagedCache, write_deepseek_checkpoint, write_llama_checkpoint
 
     if variant == "pycode-6m":
         path = TARGET
-    else:
+    elif variant == "qwen3":
         pytest.importorskip("transformers")
         path = write_llama_checkpoint(tmp_path / "t", variant="qwen3", layers=6, seed=2)
+    else:
+        pytest.importorskip("transformers")
+        path = write_deepseek_checkpoint(tmp_path / "t", version=int(variant[-1]), layers=6, seed=2,
+                                         q_lora_rank=None if variant.endswith("2") else 32)
     target = FrozenTarget(path, "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (2, 37), generator=g)
@@ -178,6 +182,25 @@ def test_dense_target_equals_paged(variant, tmp_path):
                 hidden, paged_aux = paged(batch, cache.kv, cache.table)
             assert (paged_aux - aux[i, lo:hi]).abs().max() < 1e-4
             assert (paged.compute_logits(hidden) - logits[i, lo:hi]).abs().max() < 1e-3
+
+
+def test_trains_a_head_for_a_deepseek_target(tmp_path):
+    """train-draft with an MLA + MoE target (the pycode-mla fixture): a published EAGLE-3 head that spruce
+    loads and drafts with losslessly."""
+    target = SHARED_MODELS / "pycode-mla"
+    if not (target / "config.json").exists():
+        pytest.skip(f"fixture model not found at {target}")
+    write_corpus(tmp_path / "data")
+    cfg = small_config(tmp_path, target=str(target), steps=6, batch_size=2, max_length=48, heldout_docs=0)
+    result = train(cfg)
+    assert result["steps"] == 6 and result["aux_layers"] == [2, 2, 2]  # [2, L//2, L-3] of a 5-layer target
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    prompts = ["def add_3_4(a, b):\n", "class Point7:\n"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, params)]
+    llm = LLM(str(target), draft_model=cfg.out, speculative_num_steps=3, speculative_eagle_topk=2,
+              speculative_num_draft_tokens=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
 def test_draft_vocab():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from spruce.attention.backend import AttentionBackend
@@ -66,6 +67,19 @@ class Attention(nn.Module):
         k_cache, v_cache = kv.layer(self.layer_id)
         o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def dense_causal(self, x: torch.Tensor, positions: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """The same attention over `batch` dense causal windows of `length` tokens, no cache:
+        x [B*L, in_features] -> [B*L, hidden]. Training windows use it instead of the paged cache."""
+        t = x.shape[0]
+        q, k, v = self.project_qkv(x, positions)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+
+        def windows(y):  # [T, h, D] -> [B, h, L, D]
+            return y.reshape(batch, length, y.shape[1], self.head_dim).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), is_causal=True, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)  # [B, Hq, L, D]
+        return self.o_proj(o.transpose(1, 2).reshape(t, self.q_size))
 
 
 class PreNormLayer(nn.Module):

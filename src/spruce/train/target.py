@@ -1,15 +1,15 @@
 """The frozen target, as a dense causal forward over [B, L] windows, yielding what a draft head trains on.
 
-The weights are spruce's own LlamaForCausalLM (loaded by spruce's loader, so the fused qkv / gate_up layouts,
-q/k norms and rope scaling are the engine's); only attention differs from the paged path: training windows
-are whole sequences, so each layer attends with one causal scaled_dot_product_attention instead of going
-through a KV pool. tests/test_train_draft.py checks it against the paged forward.
+The weights are spruce's own target model (loaded by spruce's loader, so the fused layouts, q/k norms, MLA,
+MoE and rope scaling are the engine's); only attention differs from the paged path: training windows are
+whole sequences, so each layer attends through its module's `dense_causal` (one causal
+scaled_dot_product_attention) instead of going through a KV pool. tests/test_train_draft.py checks it against
+the paged forward.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from spruce.attention.backend import create_backend
 from spruce.models.hf_config import ModelConfig
@@ -42,8 +42,7 @@ class FrozenTarget:
     @property
     def output_weight(self) -> torch.Tensor:
         """[V, H] the target's lm_head (its embedding when tied)."""
-        m = self.model
-        return m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        return self.model.output_weight
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,25 +54,9 @@ class FrozenTarget:
         for i, layer in enumerate(m.layers):
             if i in self.aux_layers:
                 inputs[i] = x
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), pos, b, length)
+            x = x + layer.self_attn.dense_causal(layer.input_layernorm(x), pos, b, length)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         inputs[len(m.layers)] = x
         aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1)  # [B*L, A*H]
         logits = m.compute_logits(m.norm(x))  # [B*L, V]
         return aux.view(b, length, -1), logits.view(b, length, -1)
-
-    @staticmethod
-    def _attention(attn, h: torch.Tensor, pos: torch.Tensor, b: int, length: int) -> torch.Tensor:
-        """The paged Attention module's math on a dense causal window: h [B*L, H] -> [B*L, H]."""
-        t = h.shape[0]
-        q, k, v = attn.project_qkv(h, pos)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-
-        group = attn.num_heads // attn.num_kv_heads
-
-        def heads(x, repeat=1):  # [T, h, D] -> [B, h*repeat, L, D]
-            x = x.reshape(b, length, x.shape[1], attn.head_dim).transpose(1, 2)
-            return x.repeat_interleave(repeat, dim=1) if repeat > 1 else x
-
-        o = F.scaled_dot_product_attention(heads(q), heads(k, group), heads(v, group), is_causal=True,
-                                           scale=attn.scale)  # [B, Hq, L, D]
-        return attn.o_proj(o.transpose(1, 2).reshape(t, attn.q_size))

@@ -1,0 +1,105 @@
+"""The whole engine on a DeepSeek-V3-architecture target (the pycode-mla fixture: MLA + MoE, trained):
+greedy equals transformers on held-out prompts for every page size; EAGLE-3 tree speculation (a random head
+steered by the oracle so every accept length runs) equals plain greedy for K in {1, 4, 8} x page {1, 16, 64},
+with requests joining mid-flight and under preemption; no page leaks (make_llm checks every engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spruce import SamplingParams
+from checkpoints import write_eagle3_checkpoint
+from conftest import SHARED_MODELS
+from oracle_draft import install_oracle
+
+PYCODE_MLA = SHARED_MODELS / "pycode-mla"
+PROMPT_TOKENS = [37, 90, 11, 150]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    if not (PYCODE_MLA / "config.json").exists():
+        pytest.skip(f"fixture model not found at {PYCODE_MLA}")
+    return str(PYCODE_MLA)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """Held-out prompts (token ids) and transformers' float32 greedy continuations."""
+    transformers = pytest.importorskip("transformers")
+    from spruce.models.hf_config import ModelConfig
+    from spruce.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(target, ModelConfig.from_dir(target))
+    texts = [json.loads(line)["text"] for line in (PYCODE_MLA / "heldout_prompts.jsonl").read_text().splitlines()]
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompts, outputs = [], []
+    for text, n in zip(texts, PROMPT_TOKENS):
+        ids = tok.encode(text)[:n]
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        prompts.append(ids)
+        outputs.append(out[0, len(ids):].tolist())
+    return prompts, outputs
+
+
+@pytest.fixture(scope="module")
+def draft(target, tmp_path_factory):
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "eagle3", target, draft_vocab_size=2048, seed=3))
+
+
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_greedy_equals_transformers(make_llm, target, reference, page_size):
+    prompts, want = reference
+    llm = make_llm(target, page_size=page_size, max_running_requests=4, chunked_prefill_size=64)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+
+
+def spec_llm(make_llm, target, draft, reference, k, page, oracle=0.6, **kw):
+    s, n = {1: (3, 4), 4: (3, 8), 8: (2, 16)}[k]
+    llm = make_llm(target, page_size=page, draft_model=draft, speculative_algorithm="EAGLE3",
+                   speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n, **kw)
+    o = install_oracle(llm, oracle)
+    for p, w in zip(*reference):
+        o.add_reference(p, w)
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_spec_greedy_equals_plain(make_llm, target, draft, reference, k, page):
+    prompts, want = reference
+    llm = spec_llm(make_llm, target, draft, reference, k, page, max_running_requests=4)
+    outs = llm.generate(prompts, PARAMS)
+    assert [o.token_ids for o in outs] == want
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
+
+
+def test_spec_joining_mid_flight_and_preemption(make_llm, target, draft, reference):
+    """page 4 + topk 8 with a cache too small for all four requests: later requests join mid-flight and the
+    youngest running ones get preempted and recomputed."""
+    prompts, want = reference
+    llm = spec_llm(make_llm, target, draft, reference, 8, 4, oracle=0.8, max_running_requests=3,
+                   max_total_tokens=180)
+    eng = llm.engine
+    ids = {eng.add_request(prompts[i], PARAMS): i for i in range(2)}
+    done = {}
+    for step in range(400):
+        if step == 2:
+            ids.update({eng.add_request(prompts[i], PARAMS): i for i in range(2, 4)})
+        for o in eng.step():
+            if o.finished:
+                done[ids[o.request_id]] = o.token_ids
+        if not eng.has_unfinished() and step > 2:
+            break
+    assert done == dict(enumerate(want))
+    assert eng.stats()["preemptions"] > 0
