@@ -12,8 +12,10 @@ from spruce.limits import Limits
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import ENV_VAR, FIXES, reverted_fixes_from_env
 from checkpoints import write_eagle3_checkpoint
+from conftest import SHARED_MODELS
 
 TARGET = builtin_model_path()
+MLA_TARGET = SHARED_MODELS / "pycode-mla"  # DeepSeek-V3 architecture: the seeds' MLA bug classes
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +23,21 @@ def draft(tmp_path_factory):
     return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "e3", TARGET, draft_vocab_size=512, seed=9))
 
 
-def spec_llm(draft, **kw):
+@pytest.fixture(scope="module")
+def mla_draft(tmp_path_factory):
+    if not (MLA_TARGET / "config.json").exists():
+        pytest.skip(f"fixture model not found at {MLA_TARGET}")
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "e3", MLA_TARGET, draft_vocab_size=512, seed=9))
+
+
+def spec_llm(draft, target=TARGET, **kw):
     from spruce import LLM
 
-    return LLM(TARGET, draft_model=draft, speculative_algorithm="EAGLE3", **kw)
+    return LLM(target, draft_model=draft, speculative_algorithm="EAGLE3", **kw)
 
 
 def test_every_fix_has_a_revert_test():
-    tested = {"draft_scratch_width", "spec_page_lookahead", "graph_bucket_holds_batch",
+    tested = {"draft_scratch_width", "draft_extend_stride", "spec_page_lookahead", "graph_bucket_holds_batch",
               "overlap_page_lookahead", "release_after_inflight"}  # the last two: tests/test_overlap.py
     assert set(FIXES) == tested
 
@@ -50,6 +59,27 @@ def test_reverted_draft_scratch_width_fails_loudly(draft, monkeypatch):
     llm = spec_llm(draft, page_size=16, speculative_num_steps=5, speculative_eagle_topk=8,
                    speculative_num_draft_tokens=8)  # K*S = 40 entries needed, sized N = 8
     with pytest.raises(InvariantError, match=r"exceed scratch width 8 \(N=8, K=8, S=5"):
+        llm.generate("def f(x):", SamplingParams(max_tokens=12))
+
+
+@pytest.mark.parametrize("page_size", [64, 4])
+def test_mla_target_reverted_draft_scratch_width_fails_loudly(mla_draft, monkeypatch, page_size):
+    """FlashInfer-MLA's class (draft index space sized without the topk factor) on an MLA target, page 64 and
+    4 with topk 8: the fixed engine runs, the reverted one stops at the scratch-width invariant."""
+    kw = dict(page_size=page_size, speculative_num_steps=5, speculative_eagle_topk=8, speculative_num_draft_tokens=8)
+    fixed = spec_llm(mla_draft, MLA_TARGET, **kw)
+    assert len(fixed.generate("def f(x):", SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids) == 12
+    monkeypatch.setenv(ENV_VAR, "draft_scratch_width")
+    with pytest.raises(InvariantError, match=r"exceed scratch width 8 \(N=8, K=8, S=5"):
+        spec_llm(mla_draft, MLA_TARGET, **kw).generate("def f(x):", SamplingParams(max_tokens=12))
+
+
+def test_mla_target_reverted_draft_extend_stride_fails_loudly(mla_draft, monkeypatch):
+    """TRT-LLM-MLA's class (draft extend laid out with one stride and read with another) on an MLA target."""
+    monkeypatch.setenv(ENV_VAR, "draft_extend_stride")
+    llm = spec_llm(mla_draft, MLA_TARGET, page_size=16, speculative_num_steps=3, speculative_eagle_topk=4,
+                   speculative_num_draft_tokens=8)
+    with pytest.raises(InvariantError, match=r"draft_extend: token stride 4 != the Limits stride 8"):
         llm.generate("def f(x):", SamplingParams(max_tokens=12))
 
 

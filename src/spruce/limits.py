@@ -97,6 +97,8 @@ class Limits:
     @property
     def draft_extend_stride(self) -> int:
         """Uniform per-request token stride of DRAFT_EXTEND after verify: at most S+1 committed tokens."""
+        if "draft_extend_stride" in self.reverted_fixes:
+            return self.num_draft_tokens
         return self.num_steps + 1
 
     # --- paged cache -------------------------------------------------------------------------------------

@@ -171,7 +171,8 @@ class BatchBuilder:
         """
         stride = self.limits.draft_extend_stride
         if input_ids.shape[1] != stride:
-            raise InvariantError(f"draft_extend: token stride {input_ids.shape[1]} != S+1 = {stride}")
+            raise InvariantError(f"draft_extend: token stride {input_ids.shape[1]} != the Limits stride {stride} "
+                                 f"(S+1 = {self.limits.num_steps + 1}, N = {self.limits.num_draft_tokens})")
         i = torch.arange(stride, device=self.device)[None, :]
         n = self._fill_uniform(Phase.DRAFT_EXTEND, rows, stride, input_ids, starts[:, None] + i, max_kv_len)
         real = (i < counts[:, None]).reshape(-1)  # [P*(S+1)]

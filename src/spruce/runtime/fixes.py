@@ -16,6 +16,11 @@ FIXES: dict[str, str] = {
         "the draft scratch holds K*S entries per request (draft step j writes entries (j-1)*K .. j*K-1); "
         "reverted, it is sized like the verify scratch (N entries), as when two code paths size one buffer"
     ),
+    "draft_extend_stride": (
+        "the draft extend after verify lays out S+1 tokens per request (root + accepted path, padded) in the "
+        "eager path, at capture and at replay alike; reverted, the metadata buffers use the verify tree's width N "
+        "while the round hands over S+1, the capture/replay stride mismatch of TRT-LLM's MLA draft extend"
+    ),
     "spec_page_lookahead": (
         "a speculative round reserves pages for S+1 positions past the committed length (commit and draft "
         "extend write up to S+1 tokens); reverted, only one position is reserved, as for plain decode"
