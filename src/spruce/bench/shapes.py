@@ -22,6 +22,19 @@ TARGET_SHAPES: dict[str, dict] = {
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
     ),
+    # DeepSeek-V2-Lite: 15.7B parameters, 2.4B active (MLA without q_lora, 64 routed experts top-6 + 2 shared)
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        moe_layer_freq=1, n_group=1, topk_group=1, topk_method="greedy", norm_topk_prob=False,
+        routed_scaling_factor=1.0, scoring_func="softmax", vocab_size=102400, rms_norm_eps=1e-6,
+        max_position_embeddings=163840, tie_word_embeddings=False, bos_token_id=100000, eos_token_id=100001,
+        rope_theta=10000.0,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=0.707, mscale_all_dim=0.707),
+    ),
 }
 
 
@@ -31,7 +44,7 @@ def eagle3_shape(target: dict, draft_vocab_size: int = 32000) -> dict:
         architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=target["hidden_size"],
         intermediate_size=target["intermediate_size"], num_hidden_layers=1,
         num_attention_heads=target["num_attention_heads"], num_key_value_heads=target["num_key_value_heads"],
-        head_dim=target["head_dim"], vocab_size=target["vocab_size"], draft_vocab_size=draft_vocab_size,
+        head_dim=target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"], vocab_size=target["vocab_size"], draft_vocab_size=draft_vocab_size,
         rms_norm_eps=target["rms_norm_eps"], max_position_embeddings=target["max_position_embeddings"],
         rope_theta=target["rope_theta"], rope_scaling=target.get("rope_scaling"), tie_word_embeddings=False,
     )

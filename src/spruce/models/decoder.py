@@ -63,6 +63,26 @@ class DecoderLM(nn.Module):
         """[V, H] the lm_head (the embedding when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes one forward over `num_tokens` tokens reads at least once: every parameter except the
+        embedding table (only its rows are gathered; tied, it is read whole as the lm_head), with each routed
+        expert bank counted by the expected share of experts the tokens pick (E * (1 - (1 - k/E)^T) under
+        uniform routing; exactly k of E at one token)."""
+        from spruce.models.moe import MoE
+
+        total = 0.0
+        for name, p in self.named_parameters():
+            if name == "embed_tokens.weight" and self.lm_head is not None:
+                continue
+            total += p.numel() * p.element_size()
+        for module in self.modules():
+            if isinstance(module, MoE):
+                e, k = module.cfg.num_experts, module.cfg.top_k
+                share = 1.0 - (1.0 - k / e) ** max(num_tokens, 1)
+                bank = sum(p.numel() * p.element_size() for p in module.experts.parameters())
+                total -= bank * (1.0 - share)
+        return total
+
     def load_weights(self, tensors) -> None:
         """Copy HF-named (name, tensor) pairs into the parameters. ModelLoadError naming the tensor on a missing,
         unknown or wrongly shaped one."""

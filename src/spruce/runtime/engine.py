@@ -28,6 +28,7 @@ import torch
 
 from spruce.config import EngineConfig
 from spruce.errors import InvalidRequestError
+from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from spruce.runtime.device import device_name
 from spruce.runtime.model_runner import ModelRunner
@@ -461,8 +462,14 @@ class Engine:
         return {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}
 
     def weight_bytes(self) -> int:
-        """Bytes of the target model's weights (what a decode step must read at least once)."""
+        """Bytes of the target model's weights (all of them, every expert included)."""
         return sum(p.numel() * p.element_size() for p in self.runner.target.parameters())
+
+    def decode_read_bytes(self, batch_size: int, context_len: int) -> float:
+        """Bytes a plain decode step of `batch_size` requests at `context_len` cached tokens each must read at
+        least once: the weights it touches (routed experts by their expected share) plus the cached KV."""
+        kv = target_pool_bytes_per_token(self.runner.model_config, self.runner.dtype) * batch_size * context_len
+        return self.runner.target.weight_bytes_read(batch_size) + kv
 
     def check_no_leaks(self) -> None:
         """Raise InvariantError unless every page is free or held by a running or retiring request."""
