@@ -18,6 +18,8 @@ SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 # The fixture model: ../shared/models/pycode-19m beside the clone, or the directory SPRUCE_PYCODE_19M names.
 # Without it its tests skip; tests/test_fresh_clone_*.py run the same tests on the bundled demo model.
 PYCODE_19M = Path(os.environ.get("SPRUCE_PYCODE_19M", SHARED_MODELS / "pycode-19m"))
+# The DeepSeek-V3-architecture fixture (MLA + MoE + one MTP layer): ../shared/models/pycode-mla or SPRUCE_PYCODE_MLA.
+PYCODE_MLA = Path(os.environ.get("SPRUCE_PYCODE_MLA", SHARED_MODELS / "pycode-mla"))
 
 torch.set_num_threads(min(4, os.cpu_count() or 1))
 
@@ -37,6 +39,13 @@ def pycode19m() -> Path:
         pytest.skip(f"fixture model not found at {PYCODE_19M} (set SPRUCE_PYCODE_19M=DIR to run this test; "
                     f"its twin in tests/test_fresh_clone_*.py runs it on the bundled model)")
     return PYCODE_19M
+
+
+@pytest.fixture(scope="session")
+def pycodemla() -> Path:
+    if not (PYCODE_MLA / "config.json").exists():
+        pytest.skip(f"fixture model not found at {PYCODE_MLA} (set SPRUCE_PYCODE_MLA=DIR to run this test)")
+    return PYCODE_MLA
 
 
 @pytest.fixture(scope="session")

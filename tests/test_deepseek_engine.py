@@ -6,25 +6,22 @@ with requests joining mid-flight and under preemption; no page leaks (make_llm c
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from spruce import SamplingParams
 from checkpoints import write_eagle3_checkpoint
-from conftest import SHARED_MODELS
 from oracle_draft import install_oracle
 
-PYCODE_MLA = SHARED_MODELS / "pycode-mla"
 PROMPT_TOKENS = [37, 90, 11, 150]
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
-def target():
-    if not (PYCODE_MLA / "config.json").exists():
-        pytest.skip(f"fixture model not found at {PYCODE_MLA}")
-    return str(PYCODE_MLA)
+def target(pycodemla):
+    return str(pycodemla)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +32,7 @@ def reference(target):
     from spruce.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(target, ModelConfig.from_dir(target))
-    texts = [json.loads(line)["text"] for line in (PYCODE_MLA / "heldout_prompts.jsonl").read_text().splitlines()]
+    texts = [json.loads(line)["text"] for line in (Path(target) / "heldout_prompts.jsonl").read_text().splitlines()]
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompts, outputs = [], []
     for text, n in zip(texts, PROMPT_TOKENS):

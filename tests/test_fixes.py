@@ -12,10 +12,10 @@ from spruce.limits import Limits
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import ENV_VAR, FIXES, reverted_fixes_from_env
 from checkpoints import write_eagle3_checkpoint
-from conftest import SHARED_MODELS
+from conftest import PYCODE_MLA
 
 TARGET = builtin_model_path()
-MLA_TARGET = SHARED_MODELS / "pycode-mla"  # DeepSeek-V3 architecture: the seeds' MLA bug classes
+MLA_TARGET = PYCODE_MLA  # DeepSeek-V3 architecture: the seeds' MLA bug classes
 
 
 @pytest.fixture(scope="module")

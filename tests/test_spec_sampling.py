@@ -18,11 +18,11 @@ from spruce import SamplingParams
 from spruce.config import builtin_model_path
 from spruce.runtime.sampler import SamplingTensors, target_probs
 from checkpoints import write_eagle3_checkpoint
-from conftest import SHARED_MODELS
+from conftest import PYCODE_MLA
 from oracle_draft import install_oracle
 from stats import matches_distribution
 
-TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla": SHARED_MODELS / "pycode-mla"}
+TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla": PYCODE_MLA}
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +"
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
 N_SAMPLES = 3000

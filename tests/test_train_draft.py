@@ -24,7 +24,7 @@ from spruce.train.target import FrozenTarget
 from spruce.train.trainer import TrainConfig, train
 from spruce.train.vocab import build_draft_vocab, draft_ids
 
-from conftest import SHARED_MODELS
+from conftest import PYCODE_MLA, SHARED_MODELS
 
 # the bundled demo model (pycode-6m), else the fixture copy of it
 TARGET = str(builtin_model_path() if (builtin_model_path() / "config.json").exists() else SHARED_MODELS / "pycode-6m")
@@ -187,7 +187,7 @@ def test_dense_target_equals_paged(variant, tmp_path):
 def test_trains_a_head_for_a_deepseek_target(tmp_path):
     """train-draft with an MLA + MoE target (the pycode-mla fixture): a published EAGLE-3 head that spruce
     loads and drafts with losslessly."""
-    target = SHARED_MODELS / "pycode-mla"
+    target = PYCODE_MLA
     if not (target / "config.json").exists():
         pytest.skip(f"fixture model not found at {target}")
     write_corpus(tmp_path / "data")
