@@ -7,6 +7,7 @@ its torch version.
 """
 
 from spruce.ops.fused import add_rms_norm, rms_norm, rotary_, silu_and_mul
+from spruce.ops.moe import fused_moe
 from spruce.ops.topk import softmax_topk
 
-__all__ = ["add_rms_norm", "rms_norm", "rotary_", "silu_and_mul", "softmax_topk"]
+__all__ = ["add_rms_norm", "fused_moe", "rms_norm", "rotary_", "silu_and_mul", "softmax_topk"]

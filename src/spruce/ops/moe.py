@@ -1,0 +1,204 @@
+"""Fused mixture-of-experts MLP (DeepSeek-V2/V3 routed experts): two grouped GEMM launches over tokens sorted
+by expert.
+
+    out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
+    gate_e(x) = x @ w13[e, :I].T,  up_e(x) = x @ w13[e, I:].T,  down_e(y) = y @ w2[e].T
+
+Reference (`fused_moe_reference`, the CPU path and the path without Triton): transformers' DeepseekV3Experts
+loop, one expert present at a time: gather its tokens, gate/up linear, silu(gate) * up, down linear, times the
+routing weight, rounded to x's dtype, index_add into a zero output.
+
+Triton path (CUDA tensors), in three steps; every shape depends on T, k, E and the block size only, and nothing
+reads a value back to the host, so the whole op can be captured in a CUDA graph and replayed with any routing:
+  1. align (`_align`, torch ops): the M = T*k assignments (token t, slot j) get the ids a = t*k + j. A stable
+     sort by expert puts each expert's assignments together; each expert's segment is then padded up to a
+     multiple of BLOCK_M with the sentinel M, so that every block of BLOCK_M entries belongs to one expert.
+     At most min(E, M) experts have assignments, so min(E, M)*(BLOCK_M - 1) pad entries suffice: the buffer
+     has (M + min(E, M)*(BLOCK_M - 1)) // BLOCK_M blocks (the used entries are a multiple of BLOCK_M that
+     fits). Beside it: the expert of each block and the number of used blocks (a device tensor); blocks past
+     that number are launched but return at once, and only experts that got tokens have blocks, so at batch 1
+     only the k routed experts' weights are read.
+  2. gate_up (`_gate_up_kernel`): one program per (block, tile of BLOCK_N intermediate columns) gathers its
+     BLOCK_M rows of x by token id (a // k), multiplies them by the expert's gate and up tiles (two fp32
+     accumulators over H), and writes round(round(silu(round(g))) * round(u)) into the row of the intermediate
+     buffer [blocks*BLOCK_M, I] at the assignment's sorted position (padding rows are neither written nor read).
+  3. down (`_down_kernel`): per (block, tile of BLOCK_N hidden columns), that buffer's rows times w2[e].T,
+     rounded to x's dtype, times the routing weight of the row's assignment, rounded again, stored at row a
+     of the per-assignment output [M, H]; a torch sum over the k slots of each token gives [T, H].
+Matrix products accumulate in fp32: float32 inputs use IEEE fp32 products, bf16/fp16 the tensor cores. Every
+rounding of the reference is repeated, so the paths differ only by summation order (float32: ~1e-6 relative;
+bf16: ~4e-3 relative in norm, about one bf16 step, mostly because the k slots are summed in fp32 and rounded
+once here, where the reference rounds after each of its k index_adds).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from spruce.ops.fused import _use_triton
+from spruce.ops.triton_support import tl, triton
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+    """The expert loop of transformers' DeepseekV3Experts (reads which experts are hit back to the host)."""
+    out = torch.zeros_like(x)  # [T, H]
+    for e in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == e)  # [n] each
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)  # [n, I] each
+        h = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+class _Config(NamedTuple):
+    block_m: int  # assignments per block (all of one expert)
+    block_n: int  # output columns per program
+    block_k: int  # reduction step
+    num_warps: int
+    num_stages: int
+
+
+def _config(num_assign: int, num_experts: int) -> _Config:
+    """Block sizes by the mean number of assignments per expert (measured on an H100 in bf16 at the
+    DeepSeek-V2-Lite and V3 shapes). Under 16 (decode): 16-row blocks, and the weight reads dominate; then
+    64 rows; from 64 (prefill), 128 x 128 tiles, which reach 400+ TFLOP/s on long prompts."""
+    per_expert = num_assign // num_experts
+    if per_expert < 16:
+        return _Config(16, 64, 128, num_warps=4, num_stages=4)
+    if per_expert < 64:
+        return _Config(64, 64, 64, num_warps=4, num_stages=3)
+    return _Config(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the assignments by expert, each expert's segment padded to a multiple of block_m (module doc, 1).
+
+    Returns sorted_ids [blocks*block_m] (assignment ids t*k + j, padding = M), block_expert [blocks] (the
+    expert of each block; num_experts past the used blocks) and num_blocks [1] (used blocks), all int64.
+    Small batches pay in kernel launches, not in work: the steps are few and their shapes static."""
+    m = topk_ids.numel()
+    dev = topk_ids.device
+    blocks = (m + min(num_experts, m) * (block_m - 1)) // block_m
+    iota = torch.arange(max(m, num_experts + 1, blocks), device=dev)  # one arange, sliced three ways
+    expert, order = topk_ids.reshape(-1).long().sort(stable=True)  # [M] each: experts ascending, assignment ids
+    first = torch.searchsorted(expert, iota[:num_experts + 1])  # [E+1] sorted position of each expert's first
+    expert_blocks = (first[1:] - first[:-1] + block_m - 1) // block_m  # [E] blocks of each expert
+    block_end = expert_blocks.cumsum(0)  # [E] one past each expert's last block
+    shift = (block_end - expert_blocks) * block_m - first[:-1]  # [E] padding entries before each expert
+    sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.long, device=dev)
+    sorted_ids.scatter_(0, iota[:m] + shift[expert], order)
+    block_expert = torch.searchsorted(block_end, iota[:blocks], right=True)  # [blocks]
+    return sorted_ids, block_expert, block_end[-1:]
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b: exact fp32 products for float32 inputs, tensor cores (tf32, bf16, fp16) otherwise."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
+                    stride_we, stride_wn, stride_wk, TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    block = pid // tl.cdiv(INTER, BLOCK_N)
+    if block >= tl.load(num_blocks_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    offs_m = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # positions in the sorted buffer
+    ids = tl.load(sorted_ids_ptr + offs_m)  # assignment ids, num_assign = padding
+    valid = ids < num_assign
+    tokens = (ids // TOP_K).to(tl.int64)
+    offs_n = (pid % tl.cdiv(INTER, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+    u_ptrs = g_ptrs + INTER * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        acc_g = _mma(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, IEEE)
+        acc_u = _mma(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, IEEE)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    dt = out_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * INTER + offs_n[None, :], (s * u).to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
+                 stride_we, stride_wn, stride_wk, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    block = pid // tl.cdiv(H, BLOCK_N)
+    if block >= tl.load(num_blocks_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    offs_m = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    valid = ids < num_assign
+    offs_n = (pid % tl.cdiv(H, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + offs_m[:, None] * INTER + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        mask_k = offs_k < INTER - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        acc = _mma(a, tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    dt = out_ptr.dtype.element_ty
+    weight = tl.load(topk_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(dt).to(tl.float32) * weight[:, None]
+    tl.store(out_ptr + ids.to(tl.int64)[:, None] * H + offs_n[None, :], y.to(dt), mask=valid[:, None] & mask_n[None, :])
+
+
+def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config) -> torch.Tensor:
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    m = t * k
+    if m == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    sorted_ids, block_expert, num_blocks = _align(topk_ids, num_experts, cfg.block_m)
+    blocks = block_expert.shape[0]
+    ieee = x.dtype == torch.float32
+    launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    act = torch.empty(blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)  # [blocks*BLOCK_M, I]
+    _gate_up_kernel[(blocks * triton.cdiv(inter, cfg.block_n),)](
+        x, w13, act, sorted_ids, block_expert, num_blocks, m, w13.stride(0), w13.stride(1), w13.stride(2),
+        TOP_K=k, H=h, INTER=inter, **launch)
+    out = torch.empty(m, h, dtype=x.dtype, device=x.device)  # [M, H] weighted output of each assignment
+    _down_kernel[(blocks * triton.cdiv(h, cfg.block_n),)](
+        act, w2, out, topk_weights.contiguous(), sorted_ids, block_expert, num_blocks, m, w2.stride(0),
+        w2.stride(1), w2.stride(2), H=h, INTER=inter, **launch)
+    return out.view(t, k, h).sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_ids [T, k]
+    (int32/int64), topk_weights [T, k] float32 -> [T, H] in x's dtype."""
+    if _use_triton(x) and w13.dtype == x.dtype and w2.dtype == x.dtype:
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, _config(topk_ids.numel(), w13.shape[0]))
+    return fused_moe_reference(x, w13, w2, topk_ids, topk_weights)
