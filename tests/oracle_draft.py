@@ -25,8 +25,9 @@ class OracleDraft(torch.nn.Module):
         self.salt = salt
         self.references: dict[tuple[int, ...], list[int]] = {}
         self.hidden_size = draft.hidden_size
-        self.num_layers, self.num_kv_heads, self.head_dim = draft.num_layers, draft.num_kv_heads, draft.head_dim
+        self.num_layers, self.attention_config = draft.num_layers, draft.attention_config
         self.draft_vocab_size = draft.draft_vocab_size
+        self.step_layer = draft.step_layer
 
     def add_reference(self, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.references[tuple(prompt_ids)] = list(prompt_ids) + list(output_ids)
@@ -34,8 +35,8 @@ class OracleDraft(torch.nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.draft.draft_to_target(ids)
 
-    def forward(self, input_ids, features, batch, kv, page_table):
-        h = self.draft(input_ids, features, batch, kv, page_table).clone()
+    def forward(self, input_ids, features, batch, kv, page_table, layer=None):
+        h = self.draft(input_ids, features, batch, kv, page_table, layer).clone()
         h[:, 0] = batch.positions.to(h.dtype)
         h[:, 1] = batch.token_rows.to(h.dtype)
         return h
@@ -44,8 +45,8 @@ class OracleDraft(torch.nn.Module):
         digest = hashlib.blake2b(repr((self.salt, key[:8], len(key), pos)).encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little") / 2**64 < self.fraction
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.draft.compute_logits(hidden).clone()  # [n, Vd]
+    def compute_logits(self, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        logits = self.draft.compute_logits(hidden, layer).clone()  # [n, Vd]
         row_to_ref = {q.row: (tuple(q.prompt_ids), self.references.get(tuple(q.prompt_ids)))
                       for q in self.engine.scheduler.running if q.row is not None}
         target_to_draft = self._target_to_draft(logits.shape[-1], logits.device)

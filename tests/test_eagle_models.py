@@ -9,7 +9,7 @@ import torch
 from spruce.attention.backend import create_backend
 from spruce.models.eagle import DraftConfig
 from spruce.models.hf_config import ModelConfig
-from spruce.models.loader import load_draft, load_target
+from spruce.models.loader import load_eagle_draft, load_target
 from checkpoints import (PagedCache, read_config, read_tensors, write_eagle3_checkpoint, write_eagle_checkpoint,
                          write_llama_checkpoint)
 
@@ -28,7 +28,7 @@ def load_pair(target_dir, draft_dir):
     backend = create_backend("torch", 4)
     dcfg = DraftConfig.from_dir(draft_dir, ModelConfig.from_dir(target_dir))
     target = load_target(target_dir, torch.float32, CPU, backend, aux_layers=dcfg.target_aux_layers)
-    draft = load_draft(draft_dir, target, target.config, torch.float32, CPU, backend)
+    draft = load_eagle_draft(draft_dir, target, target.config, torch.float32, CPU, backend)
     return target, draft
 
 

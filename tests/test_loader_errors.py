@@ -14,7 +14,7 @@ from spruce.config import builtin_model_path
 from spruce.errors import ConfigError, ModelLoadError
 from spruce.models.eagle import DraftConfig
 from spruce.models.hf_config import ModelConfig
-from spruce.models.loader import load_draft, load_target
+from spruce.models.loader import load_eagle_draft, load_target
 from checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
 
 DEMO = builtin_model_path()  # pycode-6m: 7 layers, hidden 256, vocab 4096, tied, one safetensors file
@@ -27,7 +27,7 @@ def load(path, **kw):
 
 def draft(path):
     target = load(DEMO)
-    return load_draft(path, target, target.config, torch.float32, CPU, create_backend("torch", 4))
+    return load_eagle_draft(path, target, target.config, torch.float32, CPU, create_backend("torch", 4))
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
-    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3"])
+    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
+                   help="NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft path needed)")
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
@@ -57,6 +58,8 @@ def draft_path(args: argparse.Namespace) -> str | None:
         return None
     if args.speculative_draft_model_path is not None:
         return args.speculative_draft_model_path
+    if (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"):
+        return None  # the target's own MTP layers
     if args.model is None and builtin_draft_path().exists():
         return str(builtin_draft_path())
     if given:
@@ -70,6 +73,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     import torch
 
     draft = draft_path(args)
+    # speculation is on with a draft path, or with NEXTN alone (the target's own MTP layers)
+    spec = draft is not None or (not args.disable_speculative
+                                 and (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return dict(
@@ -79,10 +85,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        draft_model=draft, speculative_algorithm=args.speculative_algorithm if draft else None,
-        speculative_num_steps=args.speculative_num_steps if draft else None,
-        speculative_eagle_topk=args.speculative_eagle_topk if draft else None,
-        speculative_num_draft_tokens=args.speculative_num_draft_tokens if draft else None,
+        draft_model=draft, speculative_algorithm=args.speculative_algorithm if spec else None,
+        speculative_num_steps=args.speculative_num_steps if spec else None,
+        speculative_eagle_topk=args.speculative_eagle_topk if spec else None,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
     )
 

@@ -12,12 +12,14 @@ from pathlib import Path
 from spruce.errors import ConfigError
 
 ATTENTION_BACKENDS = ("torch", "triton")
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # NEXTN: the checkpoint's own MTP layers (alias MTP)
+ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_DRAFT_TOKENS = 128  # speculative_num_draft_tokens upper bound (two 64-bit ancestor mask words)
-# SGLang's defaults for Llama-family targets when only a draft path is given: (steps, topk, draft tokens).
+# SGLang's defaults when only a draft path is given: (steps, topk, draft tokens); NEXTN's are its DeepSeek ones.
 DEFAULT_SPECULATIVE = (5, 4, 8)
+DEFAULT_NEXTN = (3, 1, 4)
 
 
 def builtin_model_path() -> Path:
@@ -173,18 +175,28 @@ def make_speculative_config(
     num_steps: int | None = None,
     eagle_topk: int | None = None,
     num_draft_tokens: int | None = None,
+    model: str | None = None,
 ) -> SpeculativeConfig | None:
-    """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given."""
+    """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
+
+    NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself."""
     if algorithm is None and draft_model is None:
         if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)):
-            raise ConfigError("speculative_num_steps/eagle_topk/num_draft_tokens need a draft model (draft_model=PATH)")
+            raise ConfigError("speculative_num_steps/eagle_topk/num_draft_tokens need a draft model (draft_model=PATH)"
+                              " or speculative_algorithm='NEXTN' (the target's own MTP layers)")
         return None
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise ConfigError(f"speculative_algorithm must be a string, got {algorithm!r}")
+    if algorithm is not None:
+        algorithm = ALGORITHM_ALIASES.get(algorithm.upper(), algorithm.upper())
     if draft_model is None:
-        raise ConfigError(f"speculative_algorithm={algorithm!r} needs a draft model (draft_model=PATH)")
+        if algorithm != "NEXTN" or model is None:
+            raise ConfigError(f"speculative_algorithm={algorithm!r} needs a draft model (draft_model=PATH); only "
+                              f"'NEXTN' (alias 'MTP') drafts with the target's own layers")
+        draft_model = model
     if algorithm is None:
         algorithm = _guess_algorithm(draft_model)
-    algorithm = algorithm.upper()
-    s_def, k_def, n_def = DEFAULT_SPECULATIVE
+    s_def, k_def, n_def = DEFAULT_NEXTN if algorithm == "NEXTN" else DEFAULT_SPECULATIVE
     s = s_def if num_steps is None else num_steps
     k = k_def if eagle_topk is None else eagle_topk
     if num_draft_tokens is None:

@@ -45,12 +45,13 @@ class LLM:
         load_format: str = "auto",
         disable_overlap_schedule: bool = False,
     ):
+        model = str(model if model is not None else builtin_model_path())
         spec = make_speculative_config(
             speculative_algorithm, None if draft_model is None else str(draft_model),
-            speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
+            speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
         )
         self.config = EngineConfig(
-            model=str(model if model is not None else builtin_model_path()), tokenizer=tokenizer, device=device,
+            model=model, tokenizer=tokenizer, device=device,
             dtype=dtype, attention_backend=attention_backend, page_size=page_size,
             max_running_requests=max_running_requests, context_length=context_length,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,

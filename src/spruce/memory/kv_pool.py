@@ -84,15 +84,21 @@ class LatentKVPool(SlotPool):
         return num_layers * latent_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def pool_bytes_per_token(cfg, num_layers: int, dtype: torch.dtype) -> int:
+    """KV bytes one token costs in a pool of `num_layers` layers of `cfg`'s attention kind (a ModelConfig)."""
+    if cfg.mla is not None:
+        return LatentKVPool.bytes_per_token(num_layers, cfg.mla.latent_dim, dtype)
+    return KVPool.bytes_per_token(num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
 def target_pool_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    """KV bytes one token costs in the target's pool (`cfg` a ModelConfig: its attention kind picks the pool)."""
-    if cfg.mla is not None:
-        return LatentKVPool.bytes_per_token(cfg.num_layers, cfg.mla.latent_dim, dtype)
-    return KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
+    """KV bytes one token costs in the target's pool."""
+    return pool_bytes_per_token(cfg, cfg.num_layers, dtype)
 
 
-def make_target_pool(cfg, limits: Limits, dtype: torch.dtype, device: torch.device) -> SlotPool:
-    """The target's pool for its attention kind, with the verify tree's scratch width."""
+def make_pool(cfg, num_layers: int, scratch_width: int, limits: Limits, dtype: torch.dtype,
+              device: torch.device) -> SlotPool:
+    """A pool of `num_layers` layers for `cfg`'s attention kind (MLA: latent; else K/V per KV head)."""
     if cfg.mla is not None:
-        return LatentKVPool(limits, cfg.num_layers, cfg.mla.latent_dim, limits.target_scratch_width, dtype, device)
-    return KVPool(limits, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, limits.target_scratch_width, dtype, device)
+        return LatentKVPool(limits, num_layers, cfg.mla.latent_dim, scratch_width, dtype, device)
+    return KVPool(limits, num_layers, cfg.num_kv_heads, cfg.head_dim, scratch_width, dtype, device)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from spruce.attention.backend import AttentionBackend
 from spruce.models.decoder import DecoderLM
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import GatedMLP, PreNormLayer
-from spruce.models.mla import MLAttention, rope_row_permutation
+from spruce.models.mla import MLAttention, rope_rows_to_rotate_half
 from spruce.models.moe import MoE
 from spruce.models.rope import Rotary
 from spruce.models.weights import load_named_tensors
@@ -27,12 +25,23 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 class DeepseekForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()):
         super().__init__(cfg, aux_layers)
-        self.rotary = Rotary(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = self.build_rotary(cfg)
+        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
+
+    @staticmethod
+    def build_rotary(cfg: ModelConfig) -> Rotary:
+        """Rope over qk_rope_head_dim (the heads' shared rope key)."""
+        return Rotary(cfg.mla.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    @staticmethod
+    def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
+                    pool_layer: int) -> PreNormLayer:
+        """Checkpoint layer `index` (MoE past first_k_dense_replace, MTP layers included), caching its latents
+        in layer `pool_layer` of its pool."""
         h = cfg.hidden_size
-        for i in range(cfg.num_layers):
-            moe = cfg.moe is not None and cfg.moe.is_moe_layer(i)
-            mlp = MoE(h, cfg.moe) if moe else GatedMLP(h, cfg.intermediate_size)
-            self.layers.append(PreNormLayer(h, cfg.rms_norm_eps, MLAttention(cfg, self.rotary, backend, i), mlp))
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(index)
+        mlp = MoE(h, cfg.moe) if moe else GatedMLP(h, cfg.intermediate_size)
+        return PreNormLayer(h, cfg.rms_norm_eps, MLAttention(cfg, rotary, backend, pool_layer), mlp)
 
     def load_weights(self, tensors) -> None:
         """Published names into the model; the MTP layers (index >= num_layers) are skipped."""
@@ -48,20 +57,5 @@ class DeepseekForCausalLM(DecoderLM):
             return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
 
         buffers = [f"layers.{i}.mlp.e_score_correction_bias" for i in range(cfg.num_layers)]
-        load_named_tensors(self, (( n, self._rope_rows_to_rotate_half(n, t)) for n, t in tensors), rename,
+        load_named_tensors(self, ((n, rope_rows_to_rotate_half(n, t, cfg)) for n, t in tensors), rename,
                            buffers=buffers)
-
-    def _rope_rows_to_rotate_half(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Interleaved rope checkpoints: reorder the rope rows of the q and k_pe projections (see models/mla.py)."""
-        mla = self.config.mla
-        if not mla.rope_interleave:
-            return tensor
-        perm = rope_row_permutation(mla.qk_rope_head_dim)
-        if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
-            heads = tensor.view(self.config.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, -1)
-            rope = heads[:, mla.qk_nope_head_dim:][:, perm]
-            return torch.cat([heads[:, :mla.qk_nope_head_dim], rope], dim=1).reshape(tensor.shape)
-        if name.endswith(".kv_a_proj_with_mqa.weight"):
-            c = mla.kv_lora_rank
-            return torch.cat([tensor[:c], tensor[c:][perm]])
-        return tensor

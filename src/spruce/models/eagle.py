@@ -176,15 +176,26 @@ class EagleDraft(nn.Module):
 
     feature_width = feature_width_first_step
 
+    @property
+    def attention_config(self) -> ModelConfig:
+        """The draft layers' attention shape (what its KV pool is made for)."""
+        return self.config.layer
+
+    def step_layer(self, step: int) -> int:
+        """Every draft step runs the whole head (its layers are stacked, not per step)."""
+        return 0
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> [n, H] with the draft's own embedding, else the target's."""
         w = self._shared["embed"] if self.embed_tokens is None else self.embed_tokens.weight
         return nn.functional.embedding(ids, w)
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, batch, kv, page_table) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, batch, kv, page_table,
+                layer: int | None = None) -> torch.Tensor:
         """Draft hidden [T, H] (pre-norm: the next step's feature) for tokens paired with features [T, F].
 
-        F is feature_width_first_step (target features) or H (the draft's own previous hidden)."""
+        F is feature_width_first_step (target features) or H (the draft's own previous hidden). `layer` is the
+        step's layer for per-step drafts (MTP); an EAGLE head runs all its layers whatever it says."""
         embeds = self.embed(input_ids)  # [T, H]
         features = features.to(embeds.dtype)
         if self.config.eagle3:
@@ -202,7 +213,7 @@ class EagleDraft(nn.Module):
             h, residual = layer.forward_residual(h, residual, batch, kv, page_table)
         return h + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """hidden [n, H] -> [n, draft vocab] float32 (EAGLE-3 applies its final norm first)."""
         if self.config.eagle3:
             hidden = self.norm(hidden)

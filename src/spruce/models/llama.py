@@ -23,8 +23,18 @@ class DecoderLayer(PreNormLayer):
 class LlamaForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()):
         super().__init__(cfg, aux_layers)
-        self.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers.extend(DecoderLayer(cfg, self.rotary, backend, i) for i in range(cfg.num_layers))
+        self.rotary = self.build_rotary(cfg)
+        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
+
+    @staticmethod
+    def build_rotary(cfg: ModelConfig) -> Rotary:
+        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    @staticmethod
+    def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
+                    pool_layer: int) -> PreNormLayer:
+        """A decoder layer (every index alike), caching its K/V in layer `pool_layer` of its pool."""
+        return DecoderLayer(cfg, rotary, backend, pool_layer)
 
     def load_weights(self, tensors) -> None:
         """HF names (model.layers.N.self_attn.q_proj.weight, lm_head.weight, ...) into the fused parameters."""

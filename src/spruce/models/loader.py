@@ -124,9 +124,42 @@ def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_lay
     return model.eval().requires_grad_(False)
 
 
-def load_draft(path, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
+def draft_aux_layers(spec, target_config: ModelConfig) -> tuple[int, ...]:
+    """Target layers whose residual stream the draft reads (EAGLE-3's aux features; none for EAGLE and MTP)."""
+    if spec.algorithm == "NEXTN":
+        return ()
+    from spruce.models.eagle import DraftConfig
+
+    return DraftConfig.from_dir(spec.draft_model, target_config).target_aux_layers
+
+
+def load_draft(spec, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
                show_progress: bool = False, load_format: str = "auto"):
-    """An EAGLE or EAGLE-3 draft; its embedding (and lm_head, where allowed) come from the target if absent."""
+    """The draft `spec` (a SpeculativeConfig) names: MTP layers for NEXTN, else an EAGLE or EAGLE-3 head."""
+    if spec.algorithm == "NEXTN":
+        return load_mtp_draft(spec.draft_model, target_config, dtype, device, backend, show_progress, load_format)
+    return load_eagle_draft(spec.draft_model, target_model, target_config, dtype, device, backend, show_progress,
+                            load_format)
+
+
+def load_mtp_draft(path, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
+                   show_progress: bool = False, load_format: str = "auto"):
+    """The MTP layers stored in the checkpoint at `path` (the target's own, or trained for it)."""
+    from spruce.models.mtp import MTPDraft, mtp_layout
+
+    cfg, n, first = mtp_layout(path, target_config)
+    model = _build(lambda: MTPDraft(cfg, backend, n, first), dtype, device)
+    if load_format == "dummy":
+        random_init_(model, seed=1)
+    else:
+        with torch.no_grad():
+            model.load_weights(iter_tensors(path, show_progress, "loading MTP layers"), str(path))
+    return model.eval().requires_grad_(False)
+
+
+def load_eagle_draft(path, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     backend, show_progress: bool = False, load_format: str = "auto"):
+    """An EAGLE or EAGLE-3 head; its embedding (and lm_head, where allowed) come from the target if absent."""
     from spruce.models.eagle import DraftConfig, EagleDraft
 
     path = Path(path)

@@ -33,6 +33,25 @@ def rope_row_permutation(rope_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
 
 
+def rope_rows_to_rotate_half(name: str, tensor: torch.Tensor, cfg: ModelConfig, inverse: bool = False) -> torch.Tensor:
+    """An interleaved-rope checkpoint tensor with the rope rows of its q / k_pe projection reordered to
+    rotate-half (identity for any other tensor or layout); `inverse` maps spruce's order back (export)."""
+    mla = cfg.mla
+    if mla is None or not mla.rope_interleave:
+        return tensor
+    perm = rope_row_permutation(mla.qk_rope_head_dim)
+    if inverse:
+        perm = torch.argsort(perm)
+    if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
+        heads = tensor.view(cfg.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, -1)
+        rope = heads[:, mla.qk_nope_head_dim:][:, perm]
+        return torch.cat([heads[:, :mla.qk_nope_head_dim], rope], dim=1).reshape(tensor.shape)
+    if name.endswith(".kv_a_proj_with_mqa.weight"):
+        c = mla.kv_lora_rank
+        return torch.cat([tensor[:c], tensor[c:][perm]])
+    return tensor
+
+
 class MLAttention(nn.Module):
     """x [T, H] -> [T, H]; stores each token's latent in a LatentKVPool layer at batch.out_slots."""
 

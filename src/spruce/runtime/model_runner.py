@@ -14,11 +14,11 @@ from spruce.attention.backend import create_backend
 from spruce.attention.metadata import ForwardBatch
 from spruce.config import EngineConfig
 from spruce.limits import Limits
-from spruce.memory.kv_pool import KVPool, make_target_pool, target_pool_bytes_per_token
+from spruce.memory.kv_pool import make_pool, pool_bytes_per_token, target_pool_bytes_per_token
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.models.hf_config import ModelConfig
-from spruce.models.loader import load_draft, load_target
+from spruce.models.loader import draft_aux_layers, load_draft, load_target
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import reverted_fixes_from_env
@@ -38,34 +38,27 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.backend = create_backend(config.resolved_attention_backend, config.page_size)
         spec = config.speculative
-        self.draft_config = None
-        aux_layers: tuple[int, ...] = ()
-        if spec is not None:
-            from spruce.models.eagle import DraftConfig
-
-            self.draft_config = DraftConfig.from_dir(spec.draft_model, self.model_config)
-            aux_layers = self.draft_config.target_aux_layers
+        aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
                                   show_progress=config.show_progress, load_format=config.load_format)
         self.draft = None
         if spec is not None:
-            self.draft = load_draft(spec.draft_model, self.target, self.model_config, self.dtype, self.device,
-                                    self.backend, show_progress=config.show_progress, load_format=config.load_format)
+            self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
+                                    show_progress=config.show_progress, load_format=config.load_format)
         mc = self.model_config
         kv_bytes = target_pool_bytes_per_token(mc, self.dtype)
         if self.draft is not None:
-            kv_bytes += KVPool.bytes_per_token(self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
-                                               self.dtype)
+            kv_bytes += pool_bytes_per_token(self.draft.attention_config, self.draft.num_layers, self.dtype)
         self.limits = Limits.derive(config, mc.max_position_embeddings, kv_bytes, self._kv_budget_bytes(),
                                     reverted_fixes_from_env())
         lim = self.limits
         self.page_table = PageTable(lim, self.device)
         self.allocator = PageAllocator(lim)
-        self.target_kv = make_target_pool(mc, lim, self.dtype, self.device)
+        self.target_kv = make_pool(mc, mc.num_layers, lim.target_scratch_width, lim, self.dtype, self.device)
         self.draft_kv = None
         if self.draft is not None:
-            self.draft_kv = KVPool(lim, self.draft.num_layers, self.draft.num_kv_heads, self.draft.head_dim,
-                                   lim.draft_scratch_width, self.dtype, self.device)
+            self.draft_kv = make_pool(self.draft.attention_config, self.draft.num_layers, lim.draft_scratch_width,
+                                      lim, self.dtype, self.device)
         self.builder = BatchBuilder(lim, self.page_table, self.device)
         self.graphs = BucketGraphs(lim, self.device, config.use_cuda_graph)
         self.timer = PhaseTimer(self.device)
@@ -89,6 +82,8 @@ class ModelRunner:
         """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""
         return aux if aux is not None else hidden
 
-    def draft_forward(self, batch: ForwardBatch, features: torch.Tensor) -> torch.Tensor:
-        """Draft hidden [T, Hd] (its next-step feature) for batch.input_ids paired with `features` [T, F]."""
-        return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table)
+    def draft_forward(self, batch: ForwardBatch, features: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """Draft hidden [T, Hd] (its next-step feature) for batch.input_ids paired with `features` [T, F].
+
+        layer: the draft layer a draft step runs (multi-layer MTP); None for a draft extend (every layer)."""
+        return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table, layer)

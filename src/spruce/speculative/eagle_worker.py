@@ -184,9 +184,9 @@ class EagleWorker(DecodeStrategy):
         return torch.cat([accept_lens[:, None], next_tokens], dim=1)
 
     def _draft(self, rows: torch.Tensor, committed: torch.Tensor, max_kv: int) -> DraftCandidates:
-        """S steps of top-K expansion. Step 0 is the stored top-K; step j runs the draft on the K frontier
-        nodes (depth j, draft position committed + j - 1) and keeps the best K of their K*K children
-        (speculative/frontier.py). Every candidate lands in the persistent cand_* buffers."""
+        """S steps of top-K expansion. Step 0 is the stored top-K; step j runs the draft (its layer for step j:
+        multi-layer MTP) on the K frontier nodes (depth j, draft position committed + j - 1) and keeps the best
+        K of their K*K children (speculative/frontier.py). Every candidate lands in the persistent cand_* buffers."""
         r, lim = self.runner, self.runner.limits
         K, S = self.K, self.S
         P = rows.shape[0]
@@ -201,12 +201,17 @@ class EagleWorker(DecodeStrategy):
             cand_tokens[:, :K] = f_tokens
             cand_scores[:, :K] = f_scores
         for j in range(1, S):
+            layer = r.draft.step_layer(j)
+            if layer != r.draft.step_layer(j - 1):
+                # a draft layer caches only the steps it runs: ancestors drafted by another layer are not in
+                # its cache, so its first step sees the committed prefix and its own scratch entries alone
+                f_masks = self.no_masks[:P]
             masks = f_masks | own_bits(K, words, r.device, offset=(j - 1) * K)[None]  # [P, K, words]
             batch = r.builder.scratch_phase(
                 Phase.DRAFT_DECODE, rows, committed, f_tokens, self.step_depths[j - 1, :P], masks,
                 (j - 1) * K, r.draft_kv.scratch_start, lim.draft_scratch_width, max_kv)
-            h = r.draft_forward(batch, f_hidden)  # [P*K, Hd]
-            p, ids = softmax_topk(r.draft.compute_logits(h), K)  # [P*K, K]
+            h = r.draft_forward(batch, f_hidden, layer)  # [P*K, Hd]
+            p, ids = softmax_topk(r.draft.compute_logits(h, layer), K)  # [P*K, K]
             nxt = expand_frontier(p, ids, self.to_target, f_tokens, f_scores, f_cand, cand_tokens, cand_scores,
                                   cand_parents, offset=K + (j - 1) * K * K, write_roots=j == 1)
             f_tokens, f_scores, f_cand = nxt.tokens, nxt.scores, nxt.cand
