@@ -236,6 +236,7 @@ class ModelConfig:
                 o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
                 qk_norm=qk_norm,
                 bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
+                num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except KeyError as e:
             raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e

@@ -29,7 +29,7 @@ from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.mla import rope_rows_to_rotate_half
 from spruce.models.registry import target_class
-from spruce.models.weights import load_named_tensors
+from spruce.models.weights import export_named_tensors, load_named_tensors
 
 _LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.(.*)")
 _OWN_PARTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -137,6 +137,26 @@ class MTPDraft(nn.Module):
             load_named_tensors(self, stream(), buffers=buffers)
         except ModelLoadError as e:
             raise ModelLoadError(f"MTP layers {first}..{first + n - 1} of {path or 'the checkpoint'}: {e}") from e
+
+
+def mtp_checkpoint_tensors(draft: MTPDraft) -> dict[str, torch.Tensor]:
+    """The draft's weights under their published names (model.layers.{L+j}.*, DeepSeek's layout), rope rows back
+    in the checkpoint's order: what `load_weights` reads."""
+    cfg, first = draft.config, draft.first_index
+    out = {}
+    for name, tensor in export_named_tensors(draft).items():
+        if name == "embed_tokens.weight":
+            for j in range(draft.num_layers):
+                out[f"model.layers.{first + j}.embed_tokens.weight"] = tensor
+            continue
+        j, _, rest = name.removeprefix("layers.").partition(".")
+        rest = rest.removeprefix("decoder.")
+        out[f"model.layers.{first + int(j)}.{rest}"] = rope_rows_to_rotate_half(rest, tensor, cfg, inverse=True)
+    for j, layer in enumerate(draft.layers):
+        bias = getattr(layer.decoder.mlp, "e_score_correction_bias", None)
+        if bias is not None:
+            out[f"model.layers.{first + j}.mlp.gate.e_score_correction_bias"] = bias.detach()
+    return out
 
 
 def mtp_layout(path, target: ModelConfig) -> tuple[ModelConfig, int, int]:

@@ -121,3 +121,18 @@ def copy_into(dst: torch.Tensor, tensor: torch.Tensor, rows: tuple[int, int] | N
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
     view.copy_(tensor.to(view.dtype))
+
+
+def export_named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The inverse of loading: every checkpoint-style tensor (module-relative name -> tensor), the fused
+    parameters split back into their q/k/v, gate/up and per-expert pieces."""
+    params = dict(module.named_parameters())
+    out = {}
+    for key, name in expected_writes(module).items():
+        pname, _, rows = key.partition("[")
+        tensor = params[pname].detach()
+        if rows:
+            a, b = (int(x) for x in rows.rstrip("]").split(":"))
+            tensor = (tensor.flatten(0, -2) if tensor.dim() > 2 else tensor)[a:b]
+        out[name] = tensor.contiguous()
+    return out
