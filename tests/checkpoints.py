@@ -127,14 +127,16 @@ def _draft_shape(target_dir, hidden):
 def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = None, with_embed: bool = False,
                             aux_layer_ids: list[int] | None = None, seed: int = 0, hidden: int | None = None,
                             target_hidden: int | None = None, with_lm_head: bool = True,
-                            midlayer_name: str = "midlayer") -> Path:
+                            midlayer_name: str = "midlayer", num_layers: int = 1) -> Path:
     """A random LlamaForCausalLMEagle3 head for the target in `target_dir` (SGLang's tensor names).
 
     draft_vocab_size < the target vocab: a random sorted draft vocabulary with d2t/t2d. hidden: the draft's own
     hidden size (default the target's; a different one needs with_embed=True). target_hidden: the target hidden
     size the draft claims (default the real one; another makes a draft that does not fit). aux_layer_ids: written to
     eagle_config.eagle_aux_hidden_state_layer_ids (fc then reads len(ids) target states). midlayer_name:
-    "midlayer" or the newer "layers.0"."""
+    "midlayer" or the newer "layers.0". num_layers > 1 adds SGLang's plain layers after the midlayer
+    (hidden_norm, self_attn over H, post_attention_layernorm, mlp), named `additional_layers.{k}` (k = 0..n-2), or
+    `layers.{k+1}` when midlayer_name is "layers.0"; they are drawn last, so the other tensors do not change."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     t, h, heads, kv, hd = _draft_shape(target_dir, hidden)
@@ -160,9 +162,13 @@ def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = Non
         tensors["t2d"] = t2d
     if with_embed:
         tensors["embed_tokens.weight"] = _rand(g, vocab, h)
+    for k in range(num_layers - 1):
+        p = f"layers.{k + 1}" if midlayer_name == "layers.0" else f"additional_layers.{k}"
+        tensors[f"{p}.hidden_norm.weight"] = _norm(g, h)
+        tensors.update(_layer_tensors(g, p, h, inter, heads, kv, hd, h))
     save_file(tensors, str(path / "model.safetensors"))
     cfg = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=h, intermediate_size=inter,
-               num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, num_hidden_layers=1,
+               num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, num_hidden_layers=num_layers,
                rms_norm_eps=t.get("rms_norm_eps", 1e-5), vocab_size=vocab, draft_vocab_size=dv,
                max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
     if h != th or target_hidden is not None:

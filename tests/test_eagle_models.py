@@ -3,10 +3,15 @@ written from the raw checkpoint tensors (so the fused-weight mapping is checked 
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from spruce.attention.backend import create_backend
+from spruce.errors import ModelLoadError
 from spruce.models.eagle import DraftConfig
 from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import load_eagle_draft, load_target
@@ -60,13 +65,21 @@ def mlp(w, p, x):
     return (torch.nn.functional.silu(gate) * up) @ w[f"{p}.down_proj.weight"].T
 
 
-def naive_eagle3(w, cfg, embed, ids, feats):
-    """-> (pre-norm hidden [T, H], logits [T, draft vocab])."""
+def naive_eagle3(w, cfg, embed, ids, feats, sglang=True):
+    """-> (pre-norm hidden [T, H], logits [T, draft vocab]). Layers after the midlayer follow SGLang's
+    llama_eagle3.py: each reads only the previous layer's MLP output (the previous residual is dropped);
+    sglang=False: a textbook residual stream instead (to show the tests tell the two apart)."""
     pos = torch.arange(len(ids))
     h = feats if feats.shape[-1] == cfg["hidden_size"] else feats @ w["fc.weight"].T
     x = torch.cat([rms(embed[ids], w["midlayer.input_layernorm.weight"]), rms(h, w["midlayer.hidden_norm.weight"])], -1)
-    h = h + attention(w, "midlayer.self_attn", x, pos, cfg)
-    h = h + mlp(w, "midlayer.mlp", rms(h, w["midlayer.post_attention_layernorm.weight"]))
+    residual = h + attention(w, "midlayer.self_attn", x, pos, cfg)
+    out = mlp(w, "midlayer.mlp", rms(residual, w["midlayer.post_attention_layernorm.weight"]))
+    for k in range(cfg["num_hidden_layers"] - 1):
+        p = f"additional_layers.{k}"
+        out = out if sglang else out + residual
+        residual = out + attention(w, f"{p}.self_attn", rms(out, w[f"{p}.hidden_norm.weight"]), pos, cfg)
+        out = mlp(w, f"{p}.mlp", rms(residual, w[f"{p}.post_attention_layernorm.weight"]))
+    h = out + residual
     return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
@@ -199,3 +212,117 @@ def test_eagle3_aux_layers_follow_sglang(tmp_path, target_dir):
     assert DraftConfig.from_dir(d, tcfg).target_aux_layers == (2, 3, 3)
     d = write_eagle3_checkpoint(tmp_path / "b", target_dir, aux_layer_ids=[0, 3, 5])
     assert DraftConfig.from_dir(d, tcfg).target_aux_layers == (1, 4, 6)
+
+
+# --- multi-layer EAGLE-3 heads (midlayer + SGLang's additional layers) ------------------------------------------
+def sglang_names(tensors: dict) -> dict:
+    """`layers.0.*` -> `midlayer.*`, `layers.{i}.*` -> `additional_layers.{i-1}.*` (the test's own mapping)."""
+    out = {}
+    for k, v in tensors.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.*)", k)
+        if m:
+            i = int(m.group(1))
+            k = f"midlayer.{m.group(2)}" if i == 0 else f"additional_layers.{i - 1}.{m.group(2)}"
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("naming", ["midlayer", "layers.0"])
+def test_eagle3_multilayer_paged_forward_equals_naive(tmp_path, target_dir, n, naming):
+    d = write_eagle3_checkpoint(tmp_path / "d", target_dir, seed=7, num_layers=n, midlayer_name=naming,
+                                draft_vocab_size=100)
+    raw = read_tensors(d)
+    extra = [k for k in raw if k.startswith("additional_layers." if naming == "midlayer" else "layers.")
+             and not k.startswith("layers.0.")]
+    assert len({k.split(".")[1] for k in extra}) == n - 1  # the checkpoint really names n - 1 extra layers
+    target, draft = load_pair(target_dir, d)
+    w, cfg = sglang_names(raw), read_config(d)
+    assert cfg["num_hidden_layers"] == n and draft.num_layers == n and draft.step_layer(2) == 0
+    # every attention layer caches in its own layer of the draft's pool
+    assert [draft.midlayer.self_attn.layer_id] + [b.self_attn.layer_id for b in draft.additional_layers] == \
+        list(range(n))
+    assert PagedCache.for_model(draft).kv.num_layers == n
+    embed = target.embed_tokens.weight
+    seqs, feats = inputs(draft.feature_width_first_step)
+    ref = lambda ids, f: naive_eagle3(w, cfg, embed, ids, f)  # noqa: E731
+    with torch.no_grad():
+        paged = paged_draft(draft, seqs, feats)  # two chunks: the second reads every layer's KV from the pages
+        worst = check(paged, ref, draft, seqs, feats)
+        own = [p.clone() for p in paged]
+        worst = max(worst, check(paged_draft(draft, seqs, own), ref, draft, seqs, own))
+        # the quirk matters: a textbook residual stream through the later layers is another head
+        textbook, _ = naive_eagle3(w, cfg, embed, torch.tensor(seqs[0]), feats[0], sglang=False)
+        assert (paged[0] - textbook).abs().max() > 1000 * TOL
+    print(f"EAGLE-3 {n} layers ({naming}): max abs diff {worst:.2e}")
+    assert worst < TOL
+
+
+def test_eagle3_multilayer_namings_load_the_same(tmp_path, target_dir):
+    """Same seed, both namings: the same tensors land in the same parameters."""
+    a = write_eagle3_checkpoint(tmp_path / "a", target_dir, seed=9, num_layers=3)
+    b = write_eagle3_checkpoint(tmp_path / "b", target_dir, seed=9, num_layers=3, midlayer_name="layers.0")
+    assert sglang_names(read_tensors(b)).keys() == read_tensors(a).keys()
+    sa, sb = load_pair(target_dir, a)[1].state_dict(), load_pair(target_dir, b)[1].state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(k.startswith("additional_layers.1.") for k in sa)
+
+
+def test_eagle3_single_layer_checkpoint_unchanged(tmp_path, target_dir):
+    """num_layers=1 (the default) writes exactly what the writer wrote before it had the argument."""
+    a = read_tensors(write_eagle3_checkpoint(tmp_path / "a", target_dir, seed=2))
+    b = read_tensors(write_eagle3_checkpoint(tmp_path / "b", target_dir, seed=2, num_layers=1))
+    three = read_tensors(write_eagle3_checkpoint(tmp_path / "c", target_dir, seed=2, num_layers=3))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(a[k], three[k]) for k in a)  # extra layers are drawn after everything else
+    assert read_config(tmp_path / "a")["num_hidden_layers"] == 1
+
+
+def test_eagle3_multilayer_missing_or_extra_tensor(tmp_path, target_dir):
+    d = write_eagle3_checkpoint(tmp_path / "d", target_dir, num_layers=3)
+    f = d / "model.safetensors"
+    full = load_file(f)
+    for name in ("additional_layers.1.hidden_norm.weight", "additional_layers.0.self_attn.k_proj.weight",
+                 "additional_layers.1.mlp.up_proj.weight"):
+        save_file({k: v for k, v in full.items() if k != name}, str(f))
+        with pytest.raises(ModelLoadError, match=re.escape(repr(name))):
+            load_pair(target_dir, d)
+    save_file(full, str(f))
+    cfg = read_config(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))  # one layer fewer than the tensors
+    with pytest.raises(ModelLoadError, match="'additional_layers.1.hidden_norm.weight' has no place"):
+        load_pair(target_dir, d)
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    with pytest.raises(ModelLoadError, match="num_hidden_layers=0; it needs at least 1"):
+        load_pair(target_dir, d)
+
+
+def test_eagle3_two_layer_head_greedy_equals_plain(tmp_path, make_llm):
+    """Engine end to end with a random 2-layer head on the bundled target: greedy speculative == plain greedy,
+    both with the head's own (mostly rejected) proposals and with an oracle that makes 60% of them right
+    (so accepted tokens are committed and every layer's draft KV is extended over them)."""
+    from spruce import SamplingParams
+    from spruce.config import builtin_model_path
+    from oracle_draft import install_oracle
+
+    target = builtin_model_path()
+    d = write_eagle3_checkpoint(tmp_path / "d", target, draft_vocab_size=1024, seed=1, num_layers=2)
+    prompts = ["def fib(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n",
+               "for i in range(10):", "x = ["]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    plain = make_llm(target, page_size=16, max_running_requests=4)
+    ref = plain.generate(prompts, params)
+    for oracle in (None, 0.6):
+        llm = make_llm(target, page_size=16, max_running_requests=4, draft_model=str(d),
+                       speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=4,
+                       speculative_num_draft_tokens=8)
+        runner = llm.engine.runner
+        assert runner.draft.num_layers == 2 and runner.draft_kv.num_layers == 2
+        if oracle is not None:
+            o = install_oracle(llm, oracle)
+            for r in ref:
+                o.add_reference(r.prompt_token_ids, r.token_ids)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], oracle
+        if oracle is not None:
+            assert max(a for a, c in enumerate(llm.engine.stats()["spec"]["accept_length_counts"]) if c) >= 2

@@ -1,9 +1,15 @@
 """EAGLE and EAGLE-3 draft heads, in the checkpoint layouts SGLang and vLLM load.
 
-EAGLE-3 (LlamaForCausalLMEagle3): one `midlayer` (also accepted as `layers.0`) whose q/k/v read
-[input_layernorm(embeds), hidden_norm(feature)] (2*H wide); `fc` (n_aux*H_target -> H) projects the target's
-aux hidden states; `norm` + `lm_head` over a draft vocabulary; `d2t` (target id = draft id + d2t[draft id]);
-optional `t2d` (ignored) and `embed_tokens` (else the target's). Its pre-norm output is the next step's feature.
+EAGLE-3 (LlamaForCausalLMEagle3): a `midlayer` (also accepted as `layers.0`) whose q/k/v read
+[input_layernorm(embeds), hidden_norm(feature)] (2*H wide), residual = feature; with num_hidden_layers = n > 1,
+n - 1 `additional_layers.{k}` (also accepted as `layers.{k+1}`) after it, as SGLang's llama_eagle3.py runs them:
+plain decoder layers over H whose input norm is named `hidden_norm` and which read only the previous layer's MLP
+output (its residual is dropped: residual = input; x = attn(hidden_norm(input)); x, residual =
+post_attention_layernorm.add(x, residual); x = mlp(x)). Every layer caches in its own layer (0..n-1) of the
+draft's pool, and every draft step runs them all. `fc` (n_aux*H_target -> H) projects the target's aux hidden
+states; `norm` + `lm_head` over a draft vocabulary; `d2t` (target id = draft id + d2t[draft id]); optional `t2d`
+(ignored) and `embed_tokens` (else the target's). The last layer's pre-norm output (mlp output + residual) is the
+next step's feature.
 EAGLE (LlamaForCausalLMEagle): `fc` (2*H -> H) over [embeds, feature], decoder `layers.*` whose first has no
 input norm, optional `lm_head` (else the target's), no final norm; its first feature is the target's final
 (normed) hidden, later ones its own output.
@@ -11,6 +17,7 @@ input norm, optional `lm_head` (else the target's), no final norm; its first fea
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,9 +101,8 @@ class DraftConfig:
                               f"(its fc is [H, 2H] over [embeds, target hidden])")
         if not 1 <= draft_vocab <= target.vocab_size:
             raise ConfigError(f"draft_vocab_size {draft_vocab} must be in [1, target vocab_size {target.vocab_size}]")
-        if eagle3 and layer.num_layers != 1:
-            raise ModelLoadError(f"EAGLE-3 draft {file} has num_hidden_layers={layer.num_layers}; only the "
-                                 f"single-midlayer layout (1) is supported")
+        if layer.num_layers < 1:
+            raise ModelLoadError(f"draft {file} has num_hidden_layers={layer.num_layers}; it needs at least 1")
         tie = bool(cfg.get("tie_word_embeddings", False)) and eagle3
         if tie and draft_vocab != layer.vocab_size:
             raise ConfigError(f"EAGLE-3 draft ties lm_head to embeddings but draft_vocab_size {draft_vocab} != "
@@ -121,7 +127,7 @@ def _aux_layers(cfg: dict, target: ModelConfig) -> tuple[int, ...]:
 
 
 class Eagle3MidLayer(nn.Module):
-    """The EAGLE-3 decoder layer: attention over [norm(embeds), norm(feature)], residual = feature."""
+    """The EAGLE-3 head's first decoder layer: attention over [norm(embeds), norm(feature)], residual = feature."""
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend):
         super().__init__()
@@ -134,10 +140,43 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size)
 
     def forward(self, embeds, feature, batch, kv, page_table):
-        """embeds [T, H], feature [T, H] -> pre-norm hidden [T, H]."""
+        """embeds [T, H], feature [T, H] -> (mlp output [T, H], residual [T, H]); their sum is the pre-norm hidden."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # [T, 2H]
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, batch, kv, page_table), feature)
-        return self.mlp(h) + residual
+        return self.mlp(h), residual
+
+
+class Eagle3AdditionalLayer(nn.Module):
+    """An EAGLE-3 head's layer after the midlayer (SGLang's BasicDecoderLayer): a pre-norm decoder layer over H
+    whose input norm is `hidden_norm`. As in SGLang it reads only the previous layer's MLP output; the previous
+    residual is not added back in (heads trained for SGLang expect exactly that)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend, layer_id: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
+                                   eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
+
+    def forward(self, x, batch, kv, page_table):
+        """x [T, H] (the previous layer's mlp output) -> (mlp output [T, H], residual [T, H])."""
+        h = self.self_attn(self.hidden_norm(x), batch, kv, page_table)
+        h, residual = self.post_attention_layernorm.add_forward(h, x)
+        return self.mlp(h), residual
+
+
+_NEW_EAGLE3_LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+
+
+def _eagle3_name(name: str) -> str:
+    """The newer naming (`layers.0.*` = midlayer, `layers.{i}.*` = additional layer i-1) as SGLang's names."""
+    m = _NEW_EAGLE3_LAYER.fullmatch(name)
+    if m is None:
+        return name
+    i = int(m.group(1))
+    return f"midlayer.{m.group(2)}" if i == 0 else f"additional_layers.{i - 1}.{m.group(2)}"
 
 
 class EagleDraft(nn.Module):
@@ -151,7 +190,7 @@ class EagleDraft(nn.Module):
         lc = cfg.layer
         self.config = cfg
         self.hidden_size, self.num_kv_heads, self.head_dim = lc.hidden_size, lc.num_kv_heads, lc.head_dim
-        self.num_layers = 1 if cfg.eagle3 else lc.num_layers
+        self.num_layers = lc.num_layers  # attention layers, each caching in its own layer of the draft's pool
         self.draft_vocab_size = cfg.draft_vocab_size
         self.rotary = Rotary(lc.head_dim, lc.max_position_embeddings, lc.rope_theta, lc.rope_scaling)
         self.embed_tokens = nn.Embedding(lc.vocab_size, lc.hidden_size) if own_embed else None
@@ -160,6 +199,8 @@ class EagleDraft(nn.Module):
             nn.init.zeros_(self.fc.bias)  # stays zero when the checkpoint has no fc.bias (and none was promised)
         if cfg.eagle3:
             self.midlayer = Eagle3MidLayer(lc, self.rotary, backend)
+            self.additional_layers = nn.ModuleList(Eagle3AdditionalLayer(lc, self.rotary, backend, i)
+                                                   for i in range(1, lc.num_layers))
             self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         else:
             self.layers = nn.ModuleList(DecoderLayer(lc, self.rotary, backend, i) for i in range(lc.num_layers))
@@ -207,7 +248,10 @@ class EagleDraft(nn.Module):
             else:
                 raise ConfigError(f"EAGLE-3 draft features have width {width}; expected {self.fc.in_features} "
                                   f"(target aux states) or {self.hidden_size} (draft hidden)")
-            return self.midlayer(embeds, h, batch, kv, page_table)
+            h, residual = self.midlayer(embeds, h, batch, kv, page_table)
+            for block in self.additional_layers:  # each reads only the previous mlp output (SGLang)
+                h, residual = block(h, batch, kv, page_table)
+            return h + residual
         h, residual = self.fc(torch.cat([embeds, features], dim=-1)), None  # [T, H]
         for layer in self.layers:  # layer 0 has no input norm: it reads fc's output as is
             h, residual = layer.forward_residual(h, residual, batch, kv, page_table)
@@ -253,8 +297,8 @@ class EagleDraft(nn.Module):
             nonlocal seen_d2t
             for raw, tensor in tensors:
                 name = raw.removeprefix("model.")
-                if eagle3 and name.startswith("layers.0."):
-                    name = "midlayer." + name.removeprefix("layers.0.")  # newer SGLang/SpecForge naming
+                if eagle3:
+                    name = _eagle3_name(name)
                 if name == "d2t":
                     self._set_d2t(tensor)
                     seen_d2t = True
