@@ -22,7 +22,7 @@ from conftest import PYCODE_MLA
 from oracle_draft import install_oracle
 from stats import matches_distribution
 
-TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla": PYCODE_MLA}
+TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla": PYCODE_MLA, "pycode-mla-nextn": PYCODE_MLA}
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +"
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
 N_SAMPLES = 3000
@@ -35,12 +35,15 @@ def setup(request, tmp_path_factory):
     target = TARGETS[request.param]
     if not (target / "config.json").exists():
         pytest.skip(f"fixture model not found at {target}")
-    draft = write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "eagle3", target, draft_vocab_size=4096, seed=5)
+    draft = None  # NEXTN: the target's own trained MTP layer drafts (no oracle needed)
+    if not request.param.endswith("nextn"):
+        draft = str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "eagle3", target, draft_vocab_size=4096,
+                                            seed=5))
     plain = LLM(target, page_size=4)
     prompt_ids = plain.tokenizer.encode(PROMPT)
     greedy = plain.generate([prompt_ids], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
     exact = exact_joint(plain, prompt_ids)
-    return target, str(draft), prompt_ids, greedy, exact
+    return target, draft, prompt_ids, greedy, exact
 
 
 def exact_joint(llm, prompt_ids) -> dict[tuple[int, ...], float]:
@@ -75,10 +78,12 @@ def sample_counts(setup, lossy: bool, monkeypatch, n_samples: int = N_SAMPLES) -
             return logits.argmax(dim=-1)  # the classic bug: greedy verification of a sampled request
 
         monkeypatch.setattr(ew, "select_tokens", lossy_select)
-    llm = LLM(target, page_size=4, max_running_requests=64, draft_model=draft, speculative_algorithm="EAGLE3",
-              speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, seed=7)
-    oracle = install_oracle(llm, 0.7)
-    oracle.add_reference(prompt_ids, greedy)
+    llm = LLM(target, page_size=4, max_running_requests=64, draft_model=draft,
+              speculative_algorithm="EAGLE3" if draft else "NEXTN", speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=6, seed=7)
+    if draft is not None:
+        oracle = install_oracle(llm, 0.7)
+        oracle.add_reference(prompt_ids, greedy)
     outs = llm.generate([prompt_ids] * n_samples, PARAMS)
     counts = Counter(tuple(o.token_ids) for o in outs)
     accept = llm.engine.stats()["spec"]["mean_accept_length"]
