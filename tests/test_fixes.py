@@ -38,6 +38,7 @@ def spec_llm(draft, target=TARGET, **kw):
 
 def test_every_fix_has_a_revert_test():
     tested = {"draft_scratch_width", "draft_extend_stride", "spec_page_lookahead", "graph_bucket_holds_batch",
+              "eager_reads_eager_outputs",
               "overlap_page_lookahead", "release_after_inflight"}  # the last two: tests/test_overlap.py
     assert set(FIXES) == tested
 
@@ -100,3 +101,31 @@ def test_reverted_graph_bucket_rule_fails_loudly():
     graphs.enabled = True  # the rule is host-side: no GPU needed to check it
     with pytest.raises(InvariantError, match="batch of 12 requests would replay the graph captured for 8"):
         graphs.run("decode", lambda p, kv: None, 12, 10)
+
+
+class _Output:
+    """A phase output as BucketGraphs sees it: the rows it was made for."""
+
+    def __init__(self, rows: int):
+        self.batch_rows = rows
+
+
+@pytest.mark.parametrize("reverted", [False, True])
+def test_eager_phase_reads_eager_outputs(reverted):
+    """SGLang #22832's class: a batch above the largest bucket runs eagerly; its extend must read the eager
+    verify output, not the largest graph's static buffers. The rule is host-side: checked without a GPU."""
+    kw = dict(max_running_requests=12, page_size=4, context_length=64, num_pages=40, chunked_prefill_size=64,
+              graph_max_bs=8, reverted_fixes=frozenset({"eager_reads_eager_outputs"} if reverted else ()))
+    graphs = BucketGraphs(Limits(**kw), torch.device("cpu"), enabled=False)
+    graphs.enabled = True
+    graphs.graphs[("verify", 8)] = (None, _Output(8))  # what a capture of bucket 8 leaves behind
+    graphs.predecessor["extend"] = "verify"
+    seen = []
+    eager_verify = _Output(12)
+    if reverted:
+        with pytest.raises(InvariantError, match="batch of 12 requests .eager. would read its predecessor's output "
+                                                 "made for 8 rows"):
+            graphs.run("extend", lambda p, kv, prev: seen.append(prev), 12, 10, eager_verify)
+    else:
+        graphs.run("extend", lambda p, kv, prev: seen.append(prev), 12, 10, eager_verify)
+        assert seen == [eager_verify]

@@ -5,7 +5,9 @@ persistent buffers (the metadata builder's, the caller's static inputs with rows
 the dummy row) and from the previous phase's output, passed explicitly, and returns tensors. The very same function runs eagerly
 (P = real batch, max_kv_len = the real bound) or is captured once per bucket (max_kv_len = the Limits
 bound) and replayed. A batch larger than the largest bucket runs every phase eagerly, so each phase reads
-the eager outputs of the one before, never a graph's buffers.
+the eager outputs of the one before, never a graph's buffers: an always-on check compares the rows a phase's
+input was made for (`batch_rows`) with the rows it runs (SGLang #22832: a multi-layer draft extend read a
+decode graph's buffers after the decode had run eagerly).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class BucketGraphs:
         self.device = device
         self.enabled = enabled and device.type == "cuda" and bool(limits.graph_buckets)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.predecessor: dict[str, str] = {}  # phase -> the phase whose output it reads (set by capture)
 
     @property
     def kv_bound(self) -> int:
@@ -53,6 +56,19 @@ class BucketGraphs:
                 f"(buckets {self.limits.graph_buckets}, max_running_requests {self.limits.max_running_requests})"
             )
         entry = self.graphs.get((name, bucket)) if bucket is not None else None
+        if entry is None and "eager_reads_eager_outputs" in self.limits.reverted_fixes and name in self.predecessor:
+            largest = self.graphs.get((self.predecessor[name], self.limits.graph_buckets[-1]))
+            if largest is not None:  # reverted: the static output of the largest graph, whatever ran
+                previous = (largest[1],)
+        rows = bucket if entry is not None else bs
+        for prev in previous:
+            made_for = getattr(prev, "batch_rows", rows)
+            if made_for != rows:
+                raise InvariantError(
+                    f"{name}: a batch of {bs} requests ({'graph bucket ' + str(bucket) if entry else 'eager'}) would "
+                    f"read its predecessor's output made for {made_for} rows (a graph's static buffers read by an "
+                    f"eager phase, or the reverse)"
+                )
         if entry is None:
             return fn(bs, max_kv_len, *previous)
         graph, out = entry
@@ -75,7 +91,9 @@ class BucketGraphs:
         for bucket in tqdm(buckets, desc=desc, disable=not show_progress):
             prepare(bucket)
             previous: tuple = ()
-            for name, fn in phases:
+            for (before, _), (name, fn) in zip([(None, None), *phases], phases):
+                if before is not None:
+                    self.predecessor[name] = before
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     fn(bucket, self.kv_bound, *previous)

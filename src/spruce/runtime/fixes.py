@@ -34,6 +34,11 @@ FIXES: dict[str, str] = {
         "a finished or aborted request keeps its row and pages until every launched step that includes it has "
         "completed; reverted, they are freed when the finish is seen, while a step may still write them"
     ),
+    "eager_reads_eager_outputs": (
+        "a phase that runs eagerly (batch above the largest graph bucket) reads the eager output of the phase "
+        "before; reverted, it reads the largest graph's static output buffers, as SGLang's multi-layer draft "
+        "extend did after an eager decode (#22832)"
+    ),
     "graph_bucket_holds_batch": (
         "a batch replays the smallest CUDA-graph bucket that holds it, or runs eagerly above the largest; "
         "reverted, a larger batch is clamped into the largest bucket, whose buffers are too small for it"

@@ -36,6 +36,10 @@ class Verified:
     logits: torch.Tensor  # [P*N, V]
     features: torch.Tensor  # [P*N, F]
 
+    @property
+    def batch_rows(self) -> int:
+        return self.tree.batch_rows
+
 
 class EagleWorker(DecodeStrategy):
     speculative = True

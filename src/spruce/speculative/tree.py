@@ -35,6 +35,11 @@ class Tree:
     depths: torch.Tensor  # [bs, N] int64, 0 for the root
     masks: torch.Tensor  # [bs, N, words] int64 ancestor bitmask (self included)
 
+    @property
+    def batch_rows(self) -> int:
+        """Requests (padded) this tree was built for."""
+        return self.tokens.shape[0]
+
 
 @functools.lru_cache(maxsize=None)
 def own_bits(num_nodes: int, words: int, device, offset: int = 0) -> torch.Tensor:
