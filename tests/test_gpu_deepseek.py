@@ -106,3 +106,27 @@ def _write_report():
         old = json.loads(open(path).read()) if os.path.exists(path) else {}
         with open(path, "w") as f:
             json.dump({**old, **REPORT}, f, indent=2)
+
+
+NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=4,
+             speculative_num_draft_tokens=8)
+
+
+def test_nextn_cuda_graph_equals_eager_every_bucket(pycodemla, prompts_mla):
+    kw = dict(dtype="float32", page_size=16, max_running_requests=16, **NEXTN)
+    for bs in [1, 2, 3, 4, 7, 8, 13, 16]:
+        ps = prompts_mla[:bs]
+        eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, **kw)
+        graph, stats = generate(pycodemla, ps, 24, cuda_graph=True, **kw)
+        assert graph == eager, f"bs={bs}"
+        assert stats["spec"]["mean_accept_length"] > 1.5
+
+
+def test_nextn_eager_above_largest_bucket(pycodemla, prompts_mla):
+    """12 requests with graphs captured up to 4: the batch runs every phase eagerly, reading eager outputs
+    only (the fix toggle eager_reads_eager_outputs), and equals the graph-free run; overlap on."""
+    kw = dict(dtype="float32", page_size=64, max_running_requests=12, speculative_algorithm="NEXTN",
+              speculative_num_steps=5, speculative_eagle_topk=8, speculative_num_draft_tokens=16)
+    ref, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=False, **kw)
+    mixed, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=True, cuda_graph_max_bs=4, **kw)
+    assert mixed == ref

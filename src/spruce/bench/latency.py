@@ -20,6 +20,8 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF model dir (default: --model-shape with random weights)")
     p.add_argument("--model-shape", default=None, help="named shape with random weights, e.g. llama-3.1-8b")
     p.add_argument("--draft", default=None, help="EAGLE/EAGLE-3 draft dir (with --model-shape: random EAGLE-3)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN"],
+                   help="NEXTN: draft with the model's own MTP layers (no --draft needed)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -65,8 +67,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
               disable_overlap_schedule=not overlap)
     if spec is not None:
         s, k, n = spec
-        kw.update(draft_model=draft, speculative_num_steps=s, speculative_eagle_topk=k,
-                  speculative_num_draft_tokens=n)
+        kw.update(draft_model=draft, speculative_algorithm=args.speculative_algorithm, speculative_num_steps=s,
+                  speculative_eagle_topk=k, speculative_num_draft_tokens=n)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
@@ -161,9 +163,11 @@ def run_latency_bench(args) -> int:
             raise SystemExit("give --model PATH or --model-shape NAME")
         tmp = tempfile.TemporaryDirectory()
         model, shape_draft = write_shape_dirs(args.model_shape, Path(tmp.name))
-        model, draft, load_format = str(model), draft or str(shape_draft), "dummy"
+        model, load_format = str(model), "dummy"
+        if args.speculative_algorithm != "NEXTN":
+            draft = draft or str(shape_draft)
     specs = [tuple(int(x) for x in s.split(",")) for s in (args.spec or [])]
-    if draft is None:
+    if draft is None and args.speculative_algorithm != "NEXTN":
         specs = []
     figures: dict = {"runs": []}
     if args.device.startswith("cuda"):
