@@ -1,7 +1,8 @@
 """A short speculative run with CUDA graphs, for `compute-sanitizer --tool memcheck` (the seed configs).
 
-Usage: python bench/sanitize_run.py MODEL [DRAFT]. With a trained DRAFT the rounds accept several tokens, so
-commits of accepted paths run too (a random head accepts almost nothing). Greedy and sampled requests share
+Usage: python bench/sanitize_run.py MODEL [DRAFT | NEXTN]. With a trained DRAFT the rounds accept several tokens,
+so commits of accepted paths run too (a random head accepts almost nothing); NEXTN drafts with the model's own
+MTP layers. Greedy and sampled requests share
 each batch, so both the in-graph greedy acceptance and the eager sampled acceptance run. Overlap scheduling is
 on (the default), so every step is queued behind the one still running; a plain-decoding run follows.
 """
@@ -20,11 +21,13 @@ prompts = ["def fib(n):", "import os\n", "class A:", "x = ["]
 params = [SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.0),
           SamplingParams(max_tokens=48, temperature=0.8, seed=1), SamplingParams(max_tokens=48, temperature=0.8, seed=2)]
 with tempfile.TemporaryDirectory() as tmp:
-    draft = sys.argv[2] if len(sys.argv) > 2 else str(write_eagle3_checkpoint(Path(tmp) / "d", model, seed=3))
+    arg = sys.argv[2] if len(sys.argv) > 2 else None
+    nextn = arg == "NEXTN"
+    draft = None if nextn else arg or str(write_eagle3_checkpoint(Path(tmp) / "d", model, seed=3))
     for page, k, s, n in [(64, 8, 5, 32), (4, 8, 5, 32)]:
         llm = LLM(model, device="cuda", dtype="bfloat16", page_size=page, max_running_requests=4,
-                  draft_model=draft, speculative_num_steps=s, speculative_eagle_topk=k,
-                  speculative_num_draft_tokens=n, cuda_graph=True)
+                  draft_model=draft, speculative_algorithm="NEXTN" if nextn else None, speculative_num_steps=s,
+                  speculative_eagle_topk=k, speculative_num_draft_tokens=n, cuda_graph=True)
         outs = llm.generate(prompts, params)
         stats = llm.engine.stats()["spec"]
         print(f"page={page} topk={k}: {[len(o.token_ids) for o in outs]} tokens, "
