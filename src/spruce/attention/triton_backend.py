@@ -1,9 +1,10 @@
 """The `triton` attention backend: the GPU fast path, same contract as the torch reference.
 
 Every phase runs the same two kernels: `store_kv` then `paged_attention_kernel` (paged prefix + tree scratch
-in one online softmax), plus `merge_splits_kernel` when the kv range is split across programs. No host
-synchronisation: the grid depends only on host ints of the ForwardBatch (batch size, max query tokens per
-request, max kv length), which are fixed per CUDA-graph bucket.
+in one online softmax), plus `merge_splits_kernel` when the kv range is split across programs. MLA (latent)
+attention runs `store_latent_kernel` then `mla_attention_kernel` (blocks of query heads sharing each latent
+tile), plus its merge. No host synchronisation: the grid depends only on host ints of the ForwardBatch
+(batch size, max query tokens per request, max kv length), which are fixed per CUDA-graph bucket.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
+from spruce.attention.triton_kernels.mla_attention import (merge_latent_splits_kernel, mla_attention_kernel,
+                                                          store_latent_kernel)
 from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
 from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
 from spruce.ops.triton_support import triton
@@ -21,6 +24,9 @@ from spruce.ops.triton_support import triton
 BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
+MLA_BLOCK_N = 32
+MLA_MAX_SPLITS = 64  # MLA has few programs (heads share them): bs 1 decode needs many splits to fill the SMs
+MLA_MIN_KV_PER_SPLIT = 64
 
 
 def _num_sms(device: torch.device) -> int:
@@ -42,6 +48,24 @@ class TritonAttention(AttentionBackend):
             self._sms = _num_sms(device)
         want = min(math.ceil(2 * self._sms / max(programs, 1)), math.ceil(max_kv_len / MIN_KV_PER_SPLIT), MAX_SPLITS)
         return 1 if want <= 1 else triton.next_power_of_2(want)
+
+    @staticmethod
+    def latent_block(rows_per_request: int) -> tuple[int, int, int]:
+        """(BLOCK_M, num_warps, programs per SM) of the MLA kernel for requests of `rows_per_request` query rows.
+
+        Its fp32 acc is [BLOCK_M, Dv] (Dv = 512 for DeepSeek). 64 rows on 8 warps (one program per SM) load
+        each latent tile once for 4x more rows than 16 rows on 4 warps (two per SM), which only suit requests
+        of fewer rows (one decode token of 16 heads) that would leave most of a 64-row block empty."""
+        return (64, 8, 1) if rows_per_request >= 64 else (16, 4, 2)
+
+    def num_latent_splits(self, programs: int, per_sm: int, max_kv_len: int, device: torch.device) -> int:
+        """MLA kv splits: the largest power of two (<= MLA_MAX_SPLITS) that does not make the grid outgrow one
+        wave of `per_sm` programs per SM; each split costs a write and a read of its fp32 [rows, Dv] output."""
+        if self._sms is None:
+            self._sms = _num_sms(device)
+        want = min(math.ceil(per_sm * self._sms / max(programs, 1)), math.ceil(max_kv_len / MLA_MIN_KV_PER_SPLIT),
+                   MLA_MAX_SPLITS)
+        return 1 << (max(want, 1).bit_length() - 1)
 
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
         t = batch.num_tokens
@@ -73,4 +97,42 @@ class TritonAttention(AttentionBackend):
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                                 BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=splits)
+        return out
+
+    def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
+        t = batch.num_tokens
+        _, num_heads, key_dim = q.shape
+        if t == 0:
+            return q.new_empty(0, num_heads, value_dim)
+        latent = latent.to(cache.dtype)  # no copy when the model runs in the cache dtype; rounds as the reference
+        latent = latent if latent.stride(1) == 1 else latent.contiguous()
+        store_latent_kernel[(t,)](latent, cache, batch.out_slots, latent.stride(0), cache.stride(0), KEY_DIM=key_dim,
+                                  BLOCK=triton.next_power_of_2(key_dim))
+        # a request's max_q_len * Hq query rows (token-major, head fastest) in blocks of block_m
+        rows = max(batch.max_q_len, 1) * num_heads
+        block_m, num_warps, per_sm = self.latent_block(rows)
+        num_m_blocks = triton.cdiv(rows, block_m)
+        grid0 = batch.batch_size * num_m_blocks
+        splits = self.num_latent_splits(grid0, per_sm, batch.max_kv_len, q.device)
+        q = token_rows_contiguous(q)
+        out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
+        if splits > 1:
+            part_o = torch.empty(splits, t, num_heads, value_dim, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(splits, t, num_heads, dtype=torch.float32, device=q.device)
+        else:
+            part_o = part_lse = out  # unused
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        mla_attention_kernel[(grid0, splits)](
+            q, out, cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
+            part_o, part_lse, num_m_blocks, t, q.stride(0), cache.stride(0), page_table.stride(0),
+            batch.tree_mask.stride(0), scratch_start, scale * 1.4426950408889634,
+            NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
+            BLOCK_DR=max(16, triton.next_power_of_2(key_dim - value_dim)), PAGE_SIZE=self.page_size,
+            SCRATCH_WIDTH=batch.scratch_width, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=MLA_BLOCK_N,
+            DOT_PRECISION=precision, num_warps=num_warps,
+        )
+        if splits > 1:
+            merge_latent_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads,
+                                                       VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
+                                                       NUM_SPLITS=splits)
         return out
