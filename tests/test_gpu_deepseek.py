@@ -55,7 +55,7 @@ def test_mla_cuda_graph_equals_eager_every_bucket(pycodemla, draft_mla, prompts_
     if spec:
         kw.update(draft_model=draft_mla, speculative_num_steps=4, speculative_eagle_topk=4,
                   speculative_num_draft_tokens=12)
-    for bs in [1, 2, 3, 4, 7, 8, 13, 16]:
+    for bs in [1, 2, 3, 7, 13, 16]:  # every bucket (1, 2, 4, 8, 16), most of them padded
         ps = prompts_mla[:bs]
         eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, **kw)
         graph, _ = generate(pycodemla, ps, 24, cuda_graph=True, **kw)
@@ -114,7 +114,7 @@ NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative
 
 def test_nextn_cuda_graph_equals_eager_every_bucket(pycodemla, prompts_mla):
     kw = dict(dtype="float32", page_size=16, max_running_requests=16, **NEXTN)
-    for bs in [1, 2, 3, 4, 7, 8, 13, 16]:
+    for bs in [1, 2, 3, 7, 13, 16]:  # every bucket (1, 2, 4, 8, 16), most of them padded
         ps = prompts_mla[:bs]
         eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, **kw)
         graph, stats = generate(pycodemla, ps, 24, cuda_graph=True, **kw)
