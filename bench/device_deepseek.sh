@@ -16,7 +16,7 @@ for mode in "${@:-tests}"; do
 case "$mode" in
 tests)
   SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider \
-    -m gpu tests/test_triton_mla.py tests/test_moe.py tests/test_gpu_deepseek.py --durations=10 2>&1 \
+    -m gpu ${TEST_FILES:-tests/test_triton_mla.py tests/test_moe.py tests/test_gpu_deepseek.py} --durations=10 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -40 ;;
 sanitize)  # EAGLE-3 (random head) and NEXTN (the fixture's own MTP layer), page 64 and 4, topk 8, graphs
   for draft in "" NEXTN; do
