@@ -1,10 +1,13 @@
 """`spruce train-draft`: the loss goes down on a toy corpus; the checkpoint is the published EAGLE-3 layout and
 spruce drafts losslessly with it; the training forward equals spruce's inference draft (extend and the draft
-steps of a chain); the dense target forward equals the paged one; d2t/t2d; exact resume."""
+steps of a chain); the dense target forward equals the paged one; d2t/t2d; exact resume.
+--draft-arch mtp: the same for one MTP layer (DeepSeek's layout, served as NEXTN), on the Llama-family bundled
+target and on the DeepSeek fixture (MLA + MoE)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +20,10 @@ from spruce.config import builtin_model_path
 from spruce.models.eagle import DraftConfig
 from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import load_target
+from spruce.models.mtp import MTPDraft, mtp_checkpoint_tensors
 from spruce.speculative.tree import own_bits
 from spruce.train.checkpoint import STATE_FILE, make_head
+from spruce.train.mtp_head import make_mtp_head
 from spruce.train.data import PackedWindows
 from spruce.train.target import FrozenTarget
 from spruce.train.trainer import TrainConfig, train
@@ -116,42 +121,51 @@ def test_trained_head_drafts_losslessly(trained):
     assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.5  # it learned this corpus
 
 
+CHAIN_TEXT = "class Point4:\n    x = 4\n    y = 5\n\n\ndef add_1_4(a, b):\n    return a"
+
+
+def assert_unroll_equals_engine(llm, ids: list[int], features: torch.Tensor, want: list[torch.Tensor]) -> None:
+    """Training logits `want` (TTT x [1, L, V]) == the engine's draft on the same weights: step 0 == the paged
+    draft extend over pairs (features[i], ids[i+1]) at every position <= p, and step k at index p == the k-th
+    draft step of a chain rooted at p (scratch KV + ancestor mask), for three roots p."""
+    r = llm.engine.runner
+    lim, words = r.limits, r.limits.mask_words
+    length, steps = len(ids), len(want)
+    for p in (0, 4, length - steps - 1):
+        row = r.page_table.alloc_row()
+        r.page_table.append_pages(row, r.allocator.alloc(lim.pages_for(length + steps)))
+        batch = r.builder.extend([row], [0], [ids[1:p + 2]])  # draft input at position i: (feature i, token i+1)
+        with torch.no_grad():
+            h = r.draft_forward(batch, features[:p + 1])  # [p+1, H]
+            assert (r.draft.compute_logits(h) - want[0][0, :p + 1]).abs().max() < 1e-3
+            feature, mask = h[p:p + 1], torch.zeros(1, 1, words, dtype=torch.int64)
+            for k in range(1, steps):  # chain node at depth k: position p+k, token p+k+1, ancestors 1..k-1
+                mask = mask | own_bits(1, words, "cpu", offset=k - 1)[None]
+                b = r.builder.scratch_phase(
+                    Phase.DRAFT_DECODE, torch.tensor([row]), torch.tensor([p + 1]), torch.tensor([[ids[p + k + 1]]]),
+                    torch.tensor([[k - 1]]), mask, k - 1, r.draft_kv.scratch_start, lim.draft_scratch_width,
+                    p + 1 + steps)
+                feature = r.draft_forward(b, feature, r.draft.step_layer(k))
+                got = r.draft.compute_logits(feature, r.draft.step_layer(k))[0]
+                assert (got - want[k][0, p]).abs().max() < 1e-3, (p, k)
+        r.allocator.free(r.page_table.release_row(row))
+
+
 def test_training_forward_equals_inference_draft(trained):
     """On the same float32 weights: unroll step 0 == the engine's paged draft extend at every position, and
     step k at index p == the engine's k-th draft step of a chain rooted at p (scratch KV + ancestor mask)."""
     cfg, _ = trained
     llm = LLM(TARGET, draft_model=cfg.out, speculative_num_steps=TTT, speculative_eagle_topk=1,
               speculative_num_draft_tokens=TTT + 1, page_size=4)
-    r = llm.engine.runner
     target = FrozenTarget(TARGET, "cpu", torch.float32)
     head = make_head(target.config, 3, DRAFT_VOCAB)
     head.load_state_dict(torch.load(f"{cfg.out}/{STATE_FILE}", weights_only=True)["head"])
-    r.draft.load_weights(list(head.state_dict().items()))  # exact float32 weights (the checkpoint is bf16)
-    ids = llm.tokenizer.encode("class Point4:\n    x = 4\n    y = 5\n\n\ndef add_1_4(a, b):\n    return a")
-    ids_t = torch.tensor([ids])
-    aux, _ = target(ids_t)
+    llm.engine.runner.draft.load_weights(list(head.state_dict().items()))  # exact float32 (the checkpoint is bf16)
+    ids = llm.tokenizer.encode(CHAIN_TEXT)
+    aux = target(torch.tensor([ids])).aux
     with torch.no_grad():
-        want = head(target.model.embed_tokens.weight, ids_t, aux, TTT)  # TTT x [1, L, Vd]
-    lim, words = r.limits, r.limits.mask_words
-    length = len(ids)
-    for p in (0, 4, length - TTT - 1):
-        row = r.page_table.alloc_row()
-        r.page_table.append_pages(row, r.allocator.alloc(lim.pages_for(length + TTT)))
-        batch = r.builder.extend([row], [0], [ids[1:p + 2]])  # draft input at position i: (feature i, token i+1)
-        with torch.no_grad():
-            h = r.draft_forward(batch, aux[0, :p + 1])  # [p+1, H]
-            assert (r.draft.compute_logits(h) - want[0][0, :p + 1]).abs().max() < 1e-3
-            feature, mask = h[p:p + 1], torch.zeros(1, 1, words, dtype=torch.int64)
-            for k in range(1, TTT):  # chain node at depth k: position p+k, token p+k+1, ancestors 1..k-1
-                mask = mask | own_bits(1, words, "cpu", offset=k - 1)[None]
-                b = r.builder.scratch_phase(
-                    Phase.DRAFT_DECODE, torch.tensor([row]), torch.tensor([p + 1]), torch.tensor([[ids[p + k + 1]]]),
-                    torch.tensor([[k - 1]]), mask, k - 1, r.draft_kv.scratch_start, lim.draft_scratch_width,
-                    p + 1 + TTT)
-                feature = r.draft_forward(b, feature)
-                got = r.draft.compute_logits(feature)[0]
-                assert (got - want[k][0, p]).abs().max() < 1e-3, (p, k)
-        r.allocator.free(r.page_table.release_row(row))
+        want = head(target.model.embed_tokens.weight, torch.tensor([ids]), aux, TTT)  # TTT x [1, L, Vd]
+    assert_unroll_equals_engine(llm, ids, aux[0], want)
 
 
 @pytest.mark.parametrize("variant", ["pycode-6m", "qwen3", "deepseek-v3", "deepseek-v2"])
@@ -171,7 +185,7 @@ def test_dense_target_equals_paged(variant, tmp_path):
     target = FrozenTarget(path, "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (2, 37), generator=g)
-    aux, logits = target(ids)
+    aux, _, logits = target(ids)
     paged = load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4), target.aux_layers)
     cache = PagedCache.for_model(paged, rows=2, page_size=4)
     rows = [cache.add_row(37) for _ in range(2)]
@@ -225,10 +239,13 @@ def test_packed_windows_cover_every_window_per_epoch():
     assert torch.equal(w.batch(3, 2), PackedWindows([list(range(10)), list(range(100, 131))], 8, 1).batch(3, 2))
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("arch", ["eagle3", "mtp"])
+def test_resume_continues_exactly(tmp_path, arch):
     """3 steps, stop, resume to 6 == 6 steps straight: weights, optimizer moments, step counter, log."""
     write_corpus(tmp_path / "data")
-    kw = dict(steps=6, heldout_docs=0, batch_size=2, max_length=32, ttt_length=2)
+    kw = dict(steps=6, heldout_docs=0, batch_size=2, max_length=32, ttt_length=2, draft_arch=arch)
+    if arch == "mtp":
+        kw["draft_vocab_size"] = None
     straight = small_config(tmp_path, out=str(tmp_path / "a"), **kw)
     assert train(straight)["steps"] == 6
     parts = small_config(tmp_path, out=str(tmp_path / "b"), stop_after=3, **kw)
@@ -256,5 +273,132 @@ def test_cli(tmp_path, capsys):
     assert main(base) == 2 and "--steps N or --time-budget" in capsys.readouterr().err
     assert main(base + ["--steps", "2", "--draft-vocab-size", "300"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["steps"] == 2 and summary["draft_vocab_size"] == 300
+    assert summary["steps"] == 2 and summary["draft_vocab_size"] == 300 and summary["draft_arch"] == "eagle3"
     assert json.loads((tmp_path / "head" / "config.json").read_text())["draft_vocab_size"] == 300
+    mtp = ["--draft-arch", "mtp", "--out", str(tmp_path / "mtp"), "--steps", "1"]
+    assert main(base + mtp + ["--draft-vocab-size", "300"]) == 2
+    assert "--draft-vocab-size applies to --draft-arch eagle3 only" in capsys.readouterr().err
+    assert not (tmp_path / "mtp").exists()  # refused before anything is loaded or written
+    assert main(base + mtp) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["draft_arch"] == "mtp" and summary["draft_vocab_size"] == ModelConfig.from_dir(TARGET).vocab_size
+    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+# --- --draft-arch mtp ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_mtp(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_mtp")
+    write_corpus(root / "data")
+    cfg = small_config(root, draft_arch="mtp", draft_vocab_size=None)
+    return cfg, train(cfg)
+
+
+def test_mtp_loss_goes_down(trained_mtp):
+    cfg, summary = trained_mtp
+    log = [json.loads(line) for line in open(f"{cfg.out}/train_log.jsonl")]
+    assert [r["step"] for r in log] == list(range(1, 41)) and summary["draft_arch"] == "mtp"
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert sum(r["acc"][0] for r in log[-5:]) / 5 > 0.5
+    assert summary["aux_layers"] == [] and summary["draft_vocab_size"] == ModelConfig.from_dir(TARGET).vocab_size
+    accept = summary["heldout_acceptance"]  # measured by the NEXTN engine
+    assert set(accept) == {f"K=1,S={TTT},N={TTT + 1}", f"K=4,S={TTT},N=16"}
+    assert accept[f"K=1,S={TTT},N={TTT + 1}"]["mean_accept_length"] > 1.2
+
+
+def assert_published_mtp_layout(target, out) -> None:
+    """config.json = the target's plus num_nextn_predict_layers = 1; model-mtp.safetensors holds exactly the
+    names and shapes mtp_checkpoint_tensors gives an MTPDraft of that config (model.layers.{L}.*), in bf16."""
+    raw = json.loads((target / "config.json").read_text())
+    conf = json.loads((out / "config.json").read_text())
+    assert conf == {**raw, "num_nextn_predict_layers": 1}
+    tc = ModelConfig.from_dir(target)
+    with torch.device("meta"):
+        draft = MTPDraft(tc, create_backend("torch", 1), 1, tc.num_layers)
+    expected = {name: tuple(t.shape) for name, t in mtp_checkpoint_tensors(draft).items()}
+    L = tc.num_layers
+    assert {f"model.layers.{L}.embed_tokens.weight", f"model.layers.{L}.shared_head.head.weight",
+            f"model.layers.{L}.eh_proj.weight"} <= set(expected)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model-mtp.safetensors"]
+    with safe_open(str(out / "model-mtp.safetensors"), "pt") as f:
+        assert {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()} == expected
+        assert f.get_tensor(f"model.layers.{L}.eh_proj.weight").dtype == torch.bfloat16
+
+
+def test_mtp_checkpoint_is_the_published_layout(trained_mtp):
+    cfg, _ = trained_mtp
+    assert_published_mtp_layout(Path(TARGET), Path(cfg.out))
+
+
+def test_trained_mtp_drafts_losslessly(trained_mtp):
+    cfg, _ = trained_mtp
+    prompts = ["def add_7_3(a, b):\n", "class Point3:\n    x = 3\n"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(TARGET).generate(prompts, params)]
+    llm = LLM(TARGET, speculative_algorithm="NEXTN", draft_model=cfg.out, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.5  # it learned this corpus
+
+
+def assert_mtp_unroll_equals_nextn(target_dir: str, out: str) -> None:
+    """The MTP head's training forward (float32 state of `out`) == spruce's NEXTN draft with those weights."""
+    llm = LLM(target_dir, speculative_algorithm="NEXTN", draft_model=out, speculative_num_steps=TTT,
+              speculative_eagle_topk=1, speculative_num_draft_tokens=TTT + 1, page_size=4)
+    target = FrozenTarget(target_dir, "cpu", torch.float32, aux_layers=())
+    head = make_mtp_head(target.config, torch.device("cpu"))
+    head.load_state_dict(torch.load(f"{out}/{STATE_FILE}", weights_only=True)["head"])
+    llm.engine.runner.draft.load_weights(mtp_checkpoint_tensors(head.draft).items())  # exact float32 weights
+    ids = llm.tokenizer.encode(CHAIN_TEXT)
+    hidden = target(torch.tensor([ids])).hidden  # the target's final normed hidden states
+    with torch.no_grad():
+        want = head(torch.tensor([ids]), hidden, TTT)  # TTT x [1, L, V]
+    assert_unroll_equals_engine(llm, ids, hidden[0], want)
+
+
+def test_mtp_training_forward_equals_inference_draft(trained_mtp):
+    """Step 0 == NEXTN's draft extend (pairs of the target's final normed hidden at p and token p+1), step k ==
+    NEXTN's k-th draft step of a chain (the layer's own previous output as feature), MHA target."""
+    assert_mtp_unroll_equals_nextn(TARGET, trained_mtp[0].out)
+
+
+def test_trains_an_mtp_layer_for_a_deepseek_target(tmp_path):
+    """--draft-arch mtp with an MLA + MoE target (the pycode-mla fixture, whose own MTP layer is ignored): the
+    published layout, the training forward == NEXTN's draft (MLA chain attention, MoE), lossless serving."""
+    target = PYCODE_MLA
+    if not (target / "config.json").exists():
+        pytest.skip(f"fixture model not found at {target}")
+    write_corpus(tmp_path / "data")
+    cfg = small_config(tmp_path, target=str(target), draft_arch="mtp", draft_vocab_size=None, steps=2, batch_size=2,
+                       max_length=48, heldout_docs=0)
+    assert train(cfg)["steps"] == 2
+    assert_published_mtp_layout(target, Path(cfg.out))
+    assert_mtp_unroll_equals_nextn(str(target), cfg.out)
+    prompts = ["def add_3_4(a, b):\n", "class Point7:\n"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(target)).generate(prompts, params)]
+    llm = LLM(str(target), speculative_algorithm="NEXTN", draft_model=cfg.out, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def test_mtp_gradients_reach_every_parameter_through_triton_dispatch():
+    """On CUDA spruce's fused ops run Triton kernels, which have no backward: the MTP head's forward must switch
+    them to their torch references, or every parameter but shared_head.head silently gets no gradient. Runs
+    where Triton's CPU interpreter is on (the full suite turns it on), forcing the kernels as CUDA would."""
+    import spruce.ops.fused as fused
+    from spruce.ops.triton_support import interpreter_on
+
+    if not (fused.HAS_TRITON and interpreter_on()):
+        pytest.skip("needs Triton with TRITON_INTERPRET=1")
+    target = FrozenTarget(TARGET, "cpu", torch.float32, aux_layers=())
+    ids = torch.randint(0, target.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    head = make_mtp_head(target.config, torch.device("cpu"))
+    fused._FORCE_TRITON[0] = True
+    try:
+        sum(lg.pow(2).mean() for lg in head(ids, target(ids).hidden, 2)).backward()
+    finally:
+        fused._FORCE_TRITON[0] = False
+    assert [n for n, p in head.named_parameters() if p.grad is None or not p.grad.any()] == []

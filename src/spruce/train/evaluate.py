@@ -15,15 +15,17 @@ def chain_and_tree(steps: int) -> list[tuple[int, int, int]]:
 
 
 def acceptance(target: str, draft: str, prompts: list[list[int]], configs: list[tuple[int, int, int]],
-               device: str, dtype: str, max_tokens: int = 64, max_running_requests: int = 16) -> dict:
+               device: str, dtype: str, max_tokens: int = 64, max_running_requests: int = 16,
+               algorithm: str = "EAGLE3") -> dict:
     """{"K=k,S=s,N=n": {mean_accept_length, accept_rate_per_depth, rounds, committed_tokens, seconds}}, greedy.
 
-    prompts are token ids; every config loads a fresh engine (its own CUDA graphs on GPU)."""
+    prompts are token ids; `algorithm` is the engine's speculative_algorithm for `draft` (EAGLE3 for an EAGLE-3
+    head, NEXTN for a directory of MTP layers); every config loads a fresh engine (its own CUDA graphs on GPU)."""
     from spruce import LLM, SamplingParams
 
     result = {}
     for k, s, n in configs:
-        llm = LLM(target, device=device, dtype=dtype, draft_model=draft, speculative_algorithm="EAGLE3",
+        llm = LLM(target, device=device, dtype=dtype, draft_model=draft, speculative_algorithm=algorithm,
                   speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n,
                   max_running_requests=max(1, min(max_running_requests, len(prompts))))
         t0 = time.perf_counter()

@@ -9,6 +9,8 @@ the paged forward.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from spruce.attention.backend import create_backend
@@ -23,11 +25,19 @@ def default_aux_layers(cfg: ModelConfig) -> tuple[int, int, int]:
     return (2, n // 2, n - 3)
 
 
-class FrozenTarget:
-    """target(ids [B, L]) -> (aux [B, L, A*H] features, logits [B, L, V] float32), no gradients.
+class TargetOutputs(NamedTuple):
+    """What one dense target forward over windows [B, L] yields (no gradients)."""
 
-    aux concatenates the residual-stream inputs of `aux_layers` (EAGLE-3's fc input); logits[:, p] is the
-    target's prediction of token p+1."""
+    aux: torch.Tensor | None  # [B, L, A*H] residual-stream inputs of the aux layers (EAGLE-3); None without any
+    hidden: torch.Tensor  # [B, L, H] the final normed hidden state (what an MTP layer reads at step 0)
+    logits: torch.Tensor  # [B, L, V] float32; [:, p] is the target's prediction of token p+1
+
+
+class FrozenTarget:
+    """target(ids [B, L]) -> TargetOutputs(aux, hidden, logits), no gradients.
+
+    aux concatenates the residual-stream inputs of `aux_layers` (EAGLE-3's fc input; aux_layers=() for an
+    MTP head, which reads the final normed hidden instead)."""
 
     def __init__(self, path, device: str | torch.device, dtype: torch.dtype,
                  aux_layers: tuple[int, ...] | None = None):
@@ -45,7 +55,7 @@ class FrozenTarget:
         return self.model.output_weight
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: torch.Tensor) -> TargetOutputs:
         m = self.model
         b, length = ids.shape
         pos = torch.arange(length, device=ids.device).repeat(b)  # [B*L]
@@ -57,6 +67,7 @@ class FrozenTarget:
             x = x + layer.self_attn.dense_causal(layer.input_layernorm(x), pos, b, length)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         inputs[len(m.layers)] = x
-        aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1)  # [B*L, A*H]
-        logits = m.compute_logits(m.norm(x))  # [B*L, V]
-        return aux.view(b, length, -1), logits.view(b, length, -1)
+        hidden = m.norm(x)  # [B*L, H]
+        logits = m.compute_logits(hidden)  # [B*L, V]
+        aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1).view(b, length, -1) if self.aux_layers else None
+        return TargetOutputs(aux, hidden.view(b, length, -1), logits.view(b, length, -1))
