@@ -4,7 +4,7 @@ fraction of nodes, so that every accept length 0..S and every commit path gets e
 How it knows what is right: each request's reference continuation (prompt + the target's greedy output)
 is registered by prompt. A draft row at position p (input pair: feature at p, token at p+1) predicts the
 token at p+2. The wrapper runs the real draft (so its attention and KV paths still run), stamps
-(position, row) into the first two hidden features, and `compute_logits` adds a large bonus to the
+(position as 128 * f0 + f1, row) into the first three hidden features (exact in bf16), and `compute_logits` adds a large bonus to the
 reference token at p+2 (right) or to another token while suppressing the reference one (wrong), decided
 per (request, position) by a hash against `fraction`.
 """
@@ -37,8 +37,10 @@ class OracleDraft(torch.nn.Module):
 
     def forward(self, input_ids, features, batch, kv, page_table, layer=None):
         h = self.draft(input_ids, features, batch, kv, page_table, layer).clone()
-        h[:, 0] = batch.positions.to(h.dtype)
-        h[:, 1] = batch.token_rows.to(h.dtype)
+        # small integers only, so the stamp survives bf16 (exact up to 256): position = 128 * f0 + f1
+        h[:, 0] = torch.div(batch.positions, 128, rounding_mode="floor").to(h.dtype)
+        h[:, 1] = (batch.positions % 128).to(h.dtype)
+        h[:, 2] = batch.token_rows.to(h.dtype)
         return h
 
     def _right(self, key: tuple, pos: int) -> bool:
@@ -50,9 +52,10 @@ class OracleDraft(torch.nn.Module):
         row_to_ref = {q.row: (tuple(q.prompt_ids), self.references.get(tuple(q.prompt_ids)))
                       for q in self.engine.scheduler.running if q.row is not None}
         target_to_draft = self._target_to_draft(logits.shape[-1], logits.device)
-        for i, (pos, row) in enumerate(zip(hidden[:, 0].tolist(), hidden[:, 1].tolist())):
-            key, ref = row_to_ref.get(int(row), (None, None))
-            p = int(pos) + 2
+        stamps = hidden[:, :3].float().round().long().tolist()
+        for i, (hi, lo, row) in enumerate(stamps):
+            key, ref = row_to_ref.get(row, (None, None))
+            p = 128 * hi + lo + 2
             if ref is None or p >= len(ref):
                 continue
             want = target_to_draft.get(ref[p])
