@@ -37,9 +37,11 @@ def one_torch_thread():
 
 
 def engine_kwargs(draft_dir: Path, **overrides) -> dict:
-    """LLM(...) kwargs for the bundled model with a random EAGLE-3 head written to `draft_dir`."""
+    """LLM(...) kwargs for the bundled model with a random EAGLE-3 head written to `draft_dir`. The prefix cache
+    is off unless asked for, so that an idle server holds no KV page (tests check that after every abort);
+    tests/test_server_tooling.py serves with it on."""
     draft = write_eagle3_checkpoint(draft_dir, builtin_model_path(), seed=1)
-    kw = dict(draft_model=str(draft), page_size=4, max_running_requests=8, **SPEC)
+    kw = dict(draft_model=str(draft), page_size=4, max_running_requests=8, disable_radix_cache=True, **SPEC)
     kw.update(overrides)
     return kw
 
@@ -98,12 +100,14 @@ def metric(text: str, name: str) -> float:
 
 
 def wait_idle(base_url: str, timeout: float = 20.0) -> str:
-    """Poll /metrics until no request runs or waits and no KV page is used; returns the last scrape."""
+    """Poll /metrics until no request runs or waits and no KV page is used but the prefix cache's; returns the
+    last scrape."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
+        cached = metric(text, "spruce_prefix_cache_pages") if "spruce_prefix_cache_pages " in text else 0
         busy = sum(metric(text, n) for n in ("spruce_requests_running", "spruce_requests_waiting",
-                                             "spruce_kv_pages_used"))
+                                             "spruce_kv_pages_used")) - cached
         if busy == 0 or time.monotonic() > deadline:
             return text
         time.sleep(0.05)

@@ -68,7 +68,7 @@ def test_out_of_pages_queues_and_preempts(make_llm, pycode19m, hf_reference):
     llm = make_llm(pycode19m, page_size=4, max_running_requests=4, max_total_tokens=360)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
-    assert llm.engine.runner.allocator.num_used == 0
+    assert llm.engine.runner.allocator.num_used == llm.engine.scheduler.cached_pages
 
 
 def test_stop_conditions(make_llm, pycode19m, hf_reference):
@@ -105,10 +105,10 @@ def test_abort_frees_everything_at_once(make_llm, pycode19m, hf_reference):
         if overlap:
             assert eng.drain()[0].finish_reason == "abort"  # the step in flight completes, then pages return
         else:
-            assert eng.runner.allocator.num_used == 0  # no step in flight: freed at once
+            assert eng.runner.allocator.num_used == eng.scheduler.cached_pages  # no step in flight: freed at once
             outs = eng.step()
             assert outs[0].finish_reason == "abort" and outs[0].finished
-        assert eng.runner.allocator.num_used == 0 and not eng.has_unfinished()
+        assert eng.runner.allocator.num_used == eng.scheduler.cached_pages and not eng.has_unfinished()
 
 
 def test_seeded_sampling_is_reproducible_across_batches(make_llm, pycode19m, hf_reference):
@@ -148,7 +148,7 @@ def test_bad_request_is_refused_and_engine_stays_usable(make_llm, pycode19m, pro
     with pytest.raises(InvalidRequestError) as e:
         llm.generate([prompt, "def ok():"] if not params else prompt, SamplingParams(**params))
     assert e.value.field == field
-    assert llm.engine.runner.allocator.num_used == 0 and not llm.engine.has_unfinished()
+    assert llm.engine.runner.allocator.num_used == llm.engine.scheduler.cached_pages and not llm.engine.has_unfinished()
     assert len(llm.generate("def ok():", SamplingParams(max_tokens=3))[0].token_ids) == 3
 
 

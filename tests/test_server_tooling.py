@@ -25,7 +25,7 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "examples" / "grafana-spruce.j
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=128))
+    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=128, disable_radix_cache=False))
     ref = llm.generate([PROMPT], SamplingParams(max_tokens=24))[0]
     install_oracle(llm, 0.7).add_reference(ref.prompt_token_ids, ref.token_ids)
     srv = ServerThread(llm.engine, api_key=KEY).start()
@@ -212,3 +212,21 @@ def test_grafana_dashboard_queries_use_real_metric_names(server):
     assert {"spruce_time_to_first_token_seconds_bucket", "spruce_inter_token_latency_seconds_bucket",
             "spruce_requests_waiting", "spruce_kv_pages_used", "spruce_spec_accepted_tokens_per_pos_total"} <= used
     assert used <= exposed, f"dashboard queries name metrics /metrics does not expose: {sorted(used - exposed)}"
+
+
+# --- prefix cache: OpenAI's cached_tokens, SGLang's /flush_cache, the hit-rate metric ----------------------------
+def test_cached_tokens_flush_cache_and_hit_rate(server):
+    body = {"model": MODEL_NAME, "prompt": PROMPT * 6 + "x = 1\n", "max_tokens": 4, "temperature": 0}
+    first = post(server, "/v1/completions", body).json()["usage"]
+    second = post(server, "/v1/completions", body).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0 or first["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 32  # the shared pages
+    wait_idle(server.base_url)
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 0.0 < metric(text, "spruce_prefix_cache_hit_rate") < 1.0
+    assert metric(text, "spruce_prefix_cache_hit_tokens_total") >= second["prompt_tokens_details"]["cached_tokens"]
+    flushed = post(server, "/flush_cache", {}).json()["flushed_pages"]
+    assert flushed > 0
+    third = post(server, "/v1/completions", body).json()["usage"]
+    assert third["prompt_tokens_details"]["cached_tokens"] == 0  # computed again after the flush
+    assert post(server, "/flush_cache", {}, headers={}).status_code == 401

@@ -9,13 +9,16 @@ import time
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (SGLang's names)."""
+    from spruce.attention import registry as attention_registry  # names and capabilities only: no torch
+
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory (default: the bundled pycode-6m demo model)")
     p.add_argument("--tokenizer-path", default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default=None, choices=attention_registry.choices(),
+                   help="default: auto on cuda (for now: triton), torch on cpu")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--context-length", type=int, default=None)
@@ -33,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache: every prompt is computed in full (SGLang's flag)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="resolve each step before planning the next (overlap scheduling is on by default)")
 
@@ -90,6 +95,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
+        disable_radix_cache=args.disable_radix_cache,
     )
 
 

@@ -9,9 +9,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from spruce.attention import registry as attention_registry
 from spruce.errors import ConfigError
 
-ATTENTION_BACKENDS = ("torch", "triton")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # NEXTN: the checkpoint's own MTP layers (alias MTP)
 ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,7 +82,7 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
-    attention_backend: str | None = None  # None: "triton" on cuda, "torch" on cpu
+    attention_backend: str | None = None  # a registered backend or "auto"; None: "auto" on cuda, "torch" on cpu
     page_size: int = 16
     max_running_requests: int = 16
     context_length: int | None = None  # None: the model's max_position_embeddings
@@ -96,6 +96,7 @@ class EngineConfig:
     show_progress: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks at real shapes)
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
+    disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -103,19 +104,10 @@ class EngineConfig:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ConfigError(f"device={self.device!r} is not supported; expected 'cpu' or 'cuda[:N]'")
         _check_device_available(self.device)
-        backend = self.resolved_attention_backend
-        if backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"attention_backend={self.attention_backend!r} is not supported; expected one of {ATTENTION_BACKENDS}"
-            )
-        if backend == "triton":
-            _check_triton_usable(self.device, default=self.attention_backend is None)
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ConfigError(f"cuda_graph=True needs device='cuda', got device={self.device!r}")
-        if self.cuda_graph and backend != "triton":
-            raise ConfigError(
-                f"cuda_graph=True needs attention_backend='triton' (the torch reference runs eagerly), got {backend!r}"
-            )
+        # names, capabilities and their messages come from the backend registry (DESIGN §13)
+        attention_registry.check_config(self.attention_backend, self.device, self.dtype, self.cuda_graph)
         for name in ("page_size", "max_running_requests", "chunked_prefill_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -131,15 +123,15 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        if self.attention_backend is not None:
-            return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        """The registered backend that runs: None and 'auto' resolve per device (attention/registry.py)."""
+        return attention_registry.resolve(self.attention_backend, self.device)
 
     @property
     def use_cuda_graph(self) -> bool:
         if self.cuda_graph is not None:
             return self.cuda_graph
-        return self.device.startswith("cuda") and self.resolved_attention_backend == "triton"
+        info = attention_registry.get_info(self.resolved_attention_backend)
+        return self.device.startswith("cuda") and info.cuda_graphs
 
 
 def _check_device_available(device: str) -> None:
@@ -153,20 +145,6 @@ def _check_device_available(device: str) -> None:
         available = ", ".join(repr(d) for d in ["cpu"] + [f"cuda:{i}" for i in range(count)])
         raise ConfigError(f"device={device!r} is not available: torch {torch.__version__} sees {count} CUDA "
                           f"device(s); available: {available}")
-
-
-def _check_triton_usable(device: str, default: bool) -> None:
-    """The triton attention backend needs Triton installed, and a CUDA device unless its interpreter is on."""
-    from spruce.ops.triton_support import HAS_TRITON, INSTALL_HINT, interpreter_on
-
-    chosen = "attention_backend='triton'" + (" (the default on cuda)" if default else "")
-    if not HAS_TRITON:
-        raise ConfigError(f"{chosen} needs Triton, which is not installed: {INSTALL_HINT}, "
-                          f"or choose attention_backend='torch'")
-    if device == "cpu" and not interpreter_on():
-        raise ConfigError(f"{chosen} needs a CUDA device, got device='cpu' (Triton runs on CPU only in its "
-                          f"interpreter, TRITON_INTERPRET=1 set before spruce is imported: slow, for tests); "
-                          f"choose attention_backend='torch'")
 
 
 def make_speculative_config(

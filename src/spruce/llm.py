@@ -44,6 +44,7 @@ class LLM:
         show_progress: bool = False,
         load_format: str = "auto",
         disable_overlap_schedule: bool = False,
+        disable_radix_cache: bool = False,
     ):
         model = str(model if model is not None else builtin_model_path())
         spec = make_speculative_config(
@@ -57,7 +58,7 @@ class LLM:
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
-            disable_overlap_schedule=disable_overlap_schedule,
+            disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
         )
         self.engine = Engine(self.config)
 

@@ -29,8 +29,10 @@ import torch
 from spruce.config import EngineConfig
 from spruce.errors import InvalidRequestError
 from spruce.memory.kv_pool import target_pool_bytes_per_token
+from spruce.memory.prefix_cache import PrefixCache
 from spruce.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from spruce.runtime.device import device_name
+from spruce.runtime.logprobs import LogprobPlan, PackReadback, decode_plan, make_entry, prefill_plan
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import Request, SpecStats, Status
@@ -52,6 +54,7 @@ class LaunchedStep:
     result: torch.Tensor  # [len(result_reqs), step_result_width]; valid on the host once `done` has completed
     done: torch.cuda.Event | None  # None on the cpu (the result is already there)
     decode: bool  # a decode step (its accept lengths count toward speculation statistics)
+    logprobs: LogprobPlan | None = None  # what it scored (its pack is read back with `result`); None: nothing
 
 
 class Engine:
@@ -63,7 +66,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                               else self.runner.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator)
+        cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
+        self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache)
         self.strategy = make_strategy(self.runner, debug=self.debug)
         self.speculative = self.strategy.speculative  # decode steps are speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
@@ -79,6 +83,9 @@ class Engine:
         self._inflight: LaunchedStep | None = None
         self._result_buffers, self._result_events = self._make_result_buffers()
         self._next_buffer = 0
+        lim = self.limits  # a logprob pack holds a decode step's committed tokens or a prefill's prompt rows
+        self._pack_readback = PackReadback(max(lim.max_running_requests * lim.step_advance,
+                                               lim.max_running_requests + lim.chunked_prefill_size))
         self._greedy = SamplingTensors.greedy()
         self._stream = torch.cuda.current_stream(self.runner.device) if self._result_buffers else None
         self._sampling_cache: tuple = (None, None)
@@ -263,13 +270,14 @@ class Engine:
             stepped.append(q)
             budget -= take
         finals = [q for q, c in zip(stepped, chunks) if c.final]
+        logprobs = prefill_plan(stepped, chunks, finals)
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, self._sampling(finals))
+            result = self.strategy.prefill(chunks, self._sampling(finals), logprobs)
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
                 q.status = Status.DECODE
-        return self._launched(stepped, finals, result, decode=False)
+        return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
 
     def _launch_decode(self, reqs: list[Request]) -> LaunchedStep:
         """One decode step (speculative round) for `reqs`, whose pages cover `lookahead` positions ahead."""
@@ -279,25 +287,32 @@ class Engine:
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
         repeat = self.limits.num_draft_tokens if self.speculative else 1
-        result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat))
-        return self._launched(reqs, reqs, result, decode=True)
+        logprobs = decode_plan(reqs, self.limits.step_advance)
+        result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+        return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
-                  decode: bool) -> LaunchedStep:
-        """Record a queued step: start the copy of its result to the host and mark its requests in flight."""
+                  decode: bool, logprobs: LogprobPlan | None = None) -> LaunchedStep:
+        """Record a queued step: start the copy of its result (and logprob pack) to the host and mark its
+        requests in flight."""
         for q in reqs:
             q.inflight += 1
         done = None
         if self._result_buffers:
-            host = self._result_buffers[self._next_buffer][: result.shape[0]]
-            done = self._result_events[self._next_buffer]
-            self._next_buffer = 1 - self._next_buffer
+            slot = self._next_buffer
+            host = self._result_buffers[slot][: result.shape[0]]
+            done = self._result_events[slot]
+            self._next_buffer = 1 - slot
             host.copy_(result, non_blocking=True)
+            if logprobs is not None:  # read back under the same event: no extra sync
+                logprobs.host = self._pack_readback.copy(slot, logprobs.pack)
             done.record(self._stream)
             result = host
         else:  # the result may be a view of a static buffer that the next step overwrites
             result = result.clone()
-        return LaunchedStep(reqs, result_reqs, result, done, decode)
+            if logprobs is not None:
+                logprobs.host = logprobs.pack
+        return LaunchedStep(reqs, result_reqs, result, done, decode, logprobs)
 
     def _resolve(self, step: LaunchedStep, touched: dict[str, Request]) -> None:
         """Wait for a launched step and apply its tokens (dropped for requests finished meanwhile)."""
@@ -305,9 +320,14 @@ class Engine:
             if step.done is not None:
                 step.done.synchronize()
             rows = step.result.tolist()
+            packed = step.logprobs.host.tolist() if step.logprobs is not None else None
         for q in step.reqs:
             q.inflight -= 1
-        for q, row in zip(step.result_reqs, rows):
+        slots = {}
+        if packed is not None:
+            slots = step.logprobs.row_slots()
+            self._add_prompt_logprobs(step.logprobs, packed)
+        for i, (q, row) in enumerate(zip(step.result_reqs, rows)):
             if q.finished:
                 continue
             accepted = row[0]
@@ -316,36 +336,61 @@ class Engine:
                 if self.speculative:
                     q.spec.add_round(accepted, self.limits.num_steps)
                     self.spec_stats.add_round(accepted, self.limits.num_steps)
-            self._append(q, row[1:accepted + 2])
+            lps = packed[slots[i]:slots[i] + accepted + 1] if i in slots else None
+            self._append(q, row[1:accepted + 2], lps)
             touched[q.request_id] = q
 
+    # --- logprobs (runtime/logprobs.py) -----------------------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str | None:
+        return self.tokenizer.token_text(token_id) if self.tokenizer is not None else None
+
+    def _add_prompt_logprobs(self, plan: LogprobPlan, packed: list[list[float]]) -> None:
+        """Fill the prompt logprobs a prefill step scored: positions [first, first + count) of each span."""
+        at = len(plan.rows) * plan.width
+        for q, first, count in plan.prompt_spans:
+            if not q.finished:
+                n, ids = q.params.prompt_logprobs, q.prompt_ids
+                for t in range(count):
+                    q.prompt_logprobs[first + t] = make_entry(packed[at + t], ids[first + t], n, self._token_text)
+            at += count
+
+    def _add_logprobs(self, q: Request, tokens: list[int], lps: list[list[float]]) -> None:
+        """The logprob entries of tokens just appended to the output (one pack row each)."""
+        n = q.params.logprobs
+        q.logprobs.extend(make_entry(row, t, n, self._token_text) for t, row in zip(tokens, lps))
+
     # --- stop conditions and outputs ------------------------------------------------------------------------------
-    def _append(self, q: Request, tokens: list[int]) -> None:
-        """Append tokens until a stop condition; the rest are dropped. Text is built per token only for
-        requests with stop strings; the others' text catches up when an output is made."""
+    def _append(self, q: Request, tokens: list[int], lps: list[list[float]] | None = None) -> None:
+        """Append tokens until a stop condition; the rest are dropped (with their logprob pack rows `lps`, one
+        per token, when the request wants logprobs). Text is built per token only for requests with stop
+        strings; the others' text catches up when an output is made."""
         if q.params.stop:
-            for t in tokens:
-                if self._append_tokens(q, [t]):
+            for i, t in enumerate(tokens):
+                if self._append_tokens(q, [t], None if lps is None else lps[i:i + 1]):
                     return
                 added = self._sync_text(q)
                 if added and self._cut_at_stop_string(q, added):
                     self.scheduler.finish(q, "stop")  # the text ends before the stop string: nothing to flush
                     return
         else:
-            self._append_tokens(q, tokens)
+            self._append_tokens(q, tokens, lps)
 
-    def _append_tokens(self, q: Request, tokens: list[int]) -> bool:
-        """Append tokens up to the first stop token or the length limit (finishing the request); True if
-        it finished."""
+    def _append_tokens(self, q: Request, tokens: list[int], lps: list[list[float]] | None = None) -> bool:
+        """Append tokens up to the first stop token or the length limit (finishing the request), and their
+        logprobs; True if it finished."""
         room = q.token_limit - len(q.prompt_ids) - len(q.output_ids)  # tokens before "length"
         if len(tokens) == 1 and room > 1 and tokens[0] not in q.stop_ids:  # the common case, kept cheap
             q.output_ids.append(tokens[0])
+            if lps is not None:
+                self._add_logprobs(q, tokens, lps)
             q.new_token_count += 1
             self.tokens_generated += 1
             return False
         stop_at = next((i for i, t in enumerate(tokens) if t in q.stop_ids), None)
         take = min(len(tokens), room) if stop_at is None else min(stop_at + 1, room)
         q.output_ids.extend(tokens[:take])
+        if lps is not None:
+            self._add_logprobs(q, tokens[:take], lps)
         q.new_token_count += take
         self.tokens_generated += take
         if take == room or stop_at is not None:
@@ -402,6 +447,9 @@ class Engine:
             request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=list(q.output_ids), text=q.text,
             new_token_ids=q.output_ids[len(q.output_ids) - n:] if n else [], finished=q.finished,
             finish_reason=q.finish_reason, spec_stats=q.spec.as_dict() if self.speculative else {},
+            logprobs=None if q.logprobs is None else list(q.logprobs),
+            prompt_logprobs=None if q.prompt_logprobs is None else list(q.prompt_logprobs),
+            num_cached_tokens=q.cached_tokens,
         )
         if q.finished:
             self.requests.pop(q.request_id, None)
@@ -420,7 +468,7 @@ class Engine:
             row = runner.page_table.alloc_row()
             if row is None:
                 raise InvalidRequestError("no free request row to score a sequence: wait for the engine to idle")
-            pages = runner.allocator.alloc(lim.pages_for(len(token_ids)))
+            pages = self.scheduler.alloc_pages(lim.pages_for(len(token_ids)))  # may evict cached pages
             if pages is None:
                 runner.page_table.release_row(row)
                 raise InvalidRequestError(f"no room for {len(token_ids)} positions in the KV cache", status=413)
@@ -488,6 +536,18 @@ class Engine:
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
         }
 
+    def _prefix_cache_stats(self) -> dict | None:
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return None
+        return {"cached_pages": cache.num_pages, "hit_tokens": cache.hit_tokens,
+                "queried_tokens": cache.queried_tokens, "hit_rate": round(cache.hit_rate, 4)}
+
+    def flush_cache(self) -> int:
+        """Drop every prefix-cache page no running request holds (SGLang's /flush_cache); returns how many."""
+        with self._lock:
+            return self.scheduler.flush_cache()
+
     def stats(self) -> dict:
         with self._lock:
             alloc = self.runner.allocator
@@ -499,5 +559,6 @@ class Engine:
                 "kv_pages_total": alloc.capacity,
                 "tokens_generated": self.tokens_generated,
                 "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache": self._prefix_cache_stats(),
                 "spec": self.spec_stats.as_dict() if self.speculative else None,
             }

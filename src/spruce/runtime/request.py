@@ -74,6 +74,23 @@ class Request:
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     new_token_count: int = 0  # tokens appended since the last output was emitted
+    logprobs: list | None = None  # one entry per output token (params.logprobs set), see runtime/logprobs.py
+    prompt_logprobs: list | None = None  # one entry per prompt token, None first (params.prompt_logprobs set)
+    prompt_lp_next: int = 1  # first prompt position whose logprobs no launched step has scored yet
+    cached_path: list = field(default_factory=list)  # prefix-cache nodes whose pages it shares (while it holds a row)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (latest) admission
+
+    def __post_init__(self):
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Prompt logprobs are wanted and not all scored: its whole prompt must be computed (no prefix-cache
+        hit may skip a position)."""
+        return self.prompt_logprobs is not None and self.prompt_lp_next < len(self.prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:
@@ -93,4 +110,5 @@ class Request:
         self.row = None
         self.committed = 0
         self.reserved = 0
+        self.cached_path = []
         self.num_preemptions += 1

@@ -1,6 +1,8 @@
 """Continuous batching: admission, page reservation, preemption and release.
 
-Policy: FIFO admission while a request row and pages for its whole prompt (+ `Limits.lookahead`) are free.
+Policy: FIFO admission while a request row and pages for its whole prompt (+ `Limits.lookahead`) are free;
+with the prefix cache, the longest cached run of full pages is shared instead of computed, and unreferenced
+cached pages are evicted (least recently used) before anything waits or is preempted for memory.
 Prefill (chunked) and decode steps alternate while both have work, so a long prompt never stalls the
 running requests for more than one chunk. Decode steps reserve `lookahead` positions past each request's
 host-known committed length (under overlap, that covers the step still in flight too) and, when pages run
@@ -20,14 +22,17 @@ from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
+from spruce.memory.prefix_cache import PrefixCache
 from spruce.runtime.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, limits: Limits, page_table: PageTable, allocator: PageAllocator):
+    def __init__(self, limits: Limits, page_table: PageTable, allocator: PageAllocator,
+                 prefix_cache: PrefixCache | None = None):
         self.limits = limits
         self.page_table = page_table
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, with a launched step still holding their row
@@ -69,9 +74,15 @@ class Scheduler:
                 f"step(s) that write them have not completed"
             )
         if req.row is not None:
-            self.allocator.free(self.page_table.release_row(req.row))
+            pages = self.page_table.release_row(req.row)
+            if self.prefix_cache is not None:
+                # positions whose target and draft KV match the host's tokens (tokens past a stop are dropped)
+                valid = min(req.committed, req.num_tokens - 1)
+                pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid)
+            self.allocator.free(pages)
             req.row = None
             req.reserved = 0
+            req.cached_path = []
 
     @property
     def has_work(self) -> bool:
@@ -84,28 +95,49 @@ class Scheduler:
         if req.reserved >= num_positions:
             return True
         held = len(self.page_table.pages(req.row))
-        pages = self.allocator.alloc(self.limits.pages_for(num_positions) - held)
+        pages = self.alloc_pages(self.limits.pages_for(num_positions) - held)
         if pages is None:
             return False
         self.page_table.append_pages(req.row, pages)
         req.reserved = (held + len(pages)) * self.limits.page_size
         return True
 
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """n pages, evicting unreferenced cached pages if the free list is short; None if still short."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.alloc(n)
+
     def admit(self) -> None:
         """Move waiting requests (oldest first) into the running set while rows and pages allow."""
+        cache = self.prefix_cache
         while self.waiting:
             req = self.waiting[0]
-            if len(self.running) >= self.limits.max_running_requests:
+            if len(self.running) >= self.limits.max_running_requests or self.page_table.num_free_rows == 0:
                 return
-            need = self.limits.pages_for(req.num_tokens + self.limits.lookahead)
+            # a request that wants prompt logprobs computes its whole prompt (vLLM's rule too): no cache hit
+            path = cache.match(req.token_ids) if cache is not None and not req.prompt_logprobs_pending else []
+            if cache is not None:
+                cache.lock(path)  # before any eviction, so the path stays
+            need = self.limits.pages_for(req.num_tokens + self.limits.lookahead) - len(path)
+            if need > self.allocator.num_free and cache is not None:
+                cache.evict(need - self.allocator.num_free)
             if need > self.allocator.num_free:
+                if cache is not None:
+                    cache.unlock(path)
                 return
             row = self.page_table.alloc_row()
-            if row is None:
-                return
             self.waiting.popleft()
             req.row = row
             req.status = Status.PREFILL
+            req.cached_tokens = len(path) * self.limits.page_size
+            if path:  # the cached prefix: shared pages, already computed
+                self.page_table.append_pages(row, [node.page for node in path])
+                req.cached_path = path
+                req.committed = req.reserved = req.cached_tokens
+            if cache is not None:
+                cache.count_lookup(req.cached_tokens, req.num_tokens)
             if not self._reserve(req, req.num_tokens + self.limits.lookahead):
                 raise InvariantError(f"admission of {req.request_id}: {need} pages checked free but not allocated")
             bisect.insort(self.running, req, key=_arrival)  # running stays oldest first
@@ -153,14 +185,33 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    @property
+    def cached_pages(self) -> int:
+        """Pages the prefix cache holds (some may be shared with running requests)."""
+        return self.prefix_cache.num_pages if self.prefix_cache is not None else 0
+
+    def flush_cache(self) -> int:
+        """Evict every cached page no running request holds; returns how many."""
+        return self.prefix_cache.evict(self.prefix_cache.num_pages) if self.prefix_cache is not None else 0
+
     def check_accounting(self) -> None:
-        """Leak check: pages held by running and retiring requests == pages the allocator counts as used."""
-        held = sum(len(self.page_table.pages(r.row)) for r in self.running + self.retiring)
-        self.allocator.check_accounting(held)
+        """Leak check: pages held by running and retiring requests, and by the prefix cache, == pages the
+        allocator counts as used (a shared page counted once)."""
+        rows = [self.page_table.pages(r.row) for r in self.running + self.retiring]
+        held = sum(len(p) for p in rows)
         if self.page_table.pages_in_use() != held:
             raise InvariantError(
                 f"page table holds {self.page_table.pages_in_use()} pages, running requests {held}"
             )
+        cached = self.prefix_cache.held_pages() if self.prefix_cache is not None else set()
+        live = {p for pages in rows for p in pages}
+        shared = sum(len(r.cached_path) for r in self.running + self.retiring)
+        if self.prefix_cache is None and len(live) != held:
+            raise InvariantError(f"a page is held by two rows without a prefix cache ({held} held, {len(live)} distinct)")
+        if self.prefix_cache is not None and held - len(live) > shared:
+            raise InvariantError(f"{held - len(live)} pages are shared between rows but only {shared} come from "
+                                 f"the prefix cache")
+        self.allocator.check_accounting(len(live | cached))
 
 
 def _arrival(req: Request) -> int:

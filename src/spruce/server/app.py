@@ -25,7 +25,7 @@ from spruce.errors import InvalidRequestError
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
 from spruce.server.protocol import (
     MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
-    completion_choice, envelope, parse_request, usage,
+    chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, usage,
 )
 from spruce.server.settings import (
     MAX_BODY_BYTES, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S, ServingLimits,
@@ -214,7 +214,16 @@ class _Api:
         for ids in prompt_ids:
             max_tokens = self.max_tokens(req, len(ids), COMPLETION_MAX_TOKENS_DEFAULT, "prompt")
             jobs += [(ids, sp) for sp in self.sampling_params(req, max_tokens)]
-        return await self.generate(request, req, jobs, chat=False)
+        echo = None
+        if req.echo:  # each choice's text starts with its prompt's (token-id prompts: decoded)
+            texts = await asyncio.to_thread(lambda: [p if isinstance(p, str) else self.decode(ids)
+                                                     for p, ids in zip(prompts, prompt_ids)])
+            echo = [t for t in texts for _ in range(req.n)]
+        return await self.generate(request, req, jobs, chat=False, echo=echo)
+
+    def decode(self, ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(ids) if tok is not None else ""
 
     async def chat_completions(self, request: Request):
         req = await self.prepare(request, ChatCompletionRequest)
@@ -238,7 +247,7 @@ class _Api:
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    async def generate(self, request: Request, req, jobs, chat: bool):
+    async def generate(self, request: Request, req, jobs, chat: bool, echo: list[str] | None = None):
         base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
             gen = await Generation.start(self.loop, base_id, jobs, self.limits.max_queued_requests,
@@ -248,7 +257,8 @@ class _Api:
         except EngineFailure as e:
             raise failure_error(e) from None
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
-        stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs])
+        stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs, echo,
+                         self.engine.tokenizer.token_text if self.engine.tokenizer is not None else _no_text)
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -313,23 +323,51 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-class _Stream:
-    """Formats one API call's outputs as a response object or as SSE chunks."""
+def _no_text(_token_id: int) -> None:
+    return None
 
-    def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]]):
+
+class _Stream:
+    """Formats one API call's outputs as a response object or as SSE chunks.
+
+    `logprobs`: the number of top alternatives per token (None: no logprobs); `echo`: completions with echo,
+    each choice's prompt text (its prompt's tokens and, with logprobs, their logprobs come first)."""
+
+    def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]],
+                 logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text):
         self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
+        self.logprobs, self.echo, self.token_text = logprobs, echo, token_text
         self.created = int(time.time())
         self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
 
     def usage(self, outs: dict) -> dict:
         prompt = sum(len(o.prompt_token_ids) for i, o in outs.items() if i % self.n == 0)
-        return usage(prompt, sum(len(o.token_ids) for o in outs.values()))
+        cached = sum(o.num_cached_tokens for i, o in outs.items() if i % self.n == 0)
+        return usage(prompt, sum(len(o.token_ids) for o in outs.values()), cached)
 
     def response(self, outs) -> dict:
-        make = chat_choice if self.chat else completion_choice
-        choices = [make(i, o.text, o.finish_reason) for i, o in enumerate(outs)]
+        choices = []
+        for i, o in enumerate(outs):
+            if self.chat:
+                choice = chat_choice(i, o.text, o.finish_reason)
+            else:
+                choice = completion_choice(i, (self.echo[i] if self.echo else "") + o.text, o.finish_reason)
+            choice["logprobs"] = self.logprobs_of(i, o, 0, first=True)
+            choices.append(choice)
         return envelope(self.id, self.obj, self.model, choices, self.created, usage=self.usage(dict(enumerate(outs))))
+
+    def logprobs_of(self, index: int, out, sent_tokens: int, first: bool, text_offset: int = 0) -> dict | None:
+        """The choice's logprobs for its tokens from `sent_tokens` on (with echo, the first time, its prompt's
+        before them); None without logprobs."""
+        if self.logprobs is None:
+            return None
+        ids, entries = out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]
+        if self.chat:
+            return chat_logprobs(ids, entries, self.logprobs, self.token_text)
+        if first and self.echo:
+            ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+        return completion_logprobs(ids, entries, self.token_text, text_offset)
 
     def chunk(self, choices: list, **extra) -> str:
         """One SSE chunk; with include_usage set, every chunk but the final usage one carries "usage": null
@@ -350,6 +388,9 @@ class _Stream:
         disconnect cancels this generator) aborts the unfinished requests."""
         self.include_usage = include_usage
         deltas = [TextDelta(s) for s in self.stops]
+        sent_tokens = [0] * len(deltas)  # tokens whose logprobs were sent
+        sent_chars = [0] * len(deltas)  # characters of text sent (the next logprobs' text_offset)
+        started: set[int] = set()
         finals: dict = {}
         try:
             if self.chat:
@@ -357,10 +398,18 @@ class _Stream:
                                   for i in range(len(deltas))])
             async for i, out in gen.events():
                 text = deltas[i].feed(out.text, out.finished)
+                first = i not in started
+                if first and self.echo:
+                    text = self.echo[i] + text
                 if out.finished:
                     finals[i] = out
-                if text or out.finished:
-                    yield self.chunk([self.choice(i, text, out.finish_reason if out.finished else None)])
+                new_tokens = self.logprobs is not None and len(out.token_ids) > sent_tokens[i]
+                if text or out.finished or new_tokens or (first and self.echo):
+                    choice = self.choice(i, text, out.finish_reason if out.finished else None)
+                    choice["logprobs"] = self.logprobs_of(i, out, sent_tokens[i], first, sent_chars[i])
+                    started.add(i)
+                    sent_tokens[i], sent_chars[i] = len(out.token_ids), sent_chars[i] + len(text)
+                    yield self.chunk([choice])
             if include_usage:
                 yield self.chunk([], usage=self.usage(finals))
             log.info("%s: done", self.id)

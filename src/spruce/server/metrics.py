@@ -193,6 +193,15 @@ class Metrics:
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
             counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
                     {("status", str(k)): v for k, v in sorted(self.errors.items())})
+            cache = s.get("prefix_cache")
+            if cache is not None:
+                gauge("spruce_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / prompt tokens "
+                      "looked up, since start.", cache.get("hit_rate", 0.0))
+                counter("spruce_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.",
+                        cache.get("hit_tokens", 0))
+                counter("spruce_prefix_cache_queried_tokens_total", "Prompt tokens looked up in the prefix cache.",
+                        cache.get("queried_tokens", 0))
+                gauge("spruce_prefix_cache_pages", "KV pages held by the prefix cache.", cache.get("cached_pages", 0))
             spec = s.get("spec")
             if spec is not None:
                 rounds, committed = spec.get("rounds", 0), spec.get("committed_tokens", 0)

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from spruce.errors import InvalidRequestError
-from spruce.sampling_params import SamplingParams
+from spruce.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 64  # choices per request
 MAX_CHOICES = 256  # prompts x n per request
@@ -134,7 +134,6 @@ class StreamOptions(_Strict):
 NOT_SUPPORTED_YET = {
     "presence_penalty": NotYet("null or 0", _unset_or(0)),
     "frequency_penalty": NotYet("null or 0", _unset_or(0)),
-    "logprobs": NotYet("null, false or 0", _unset_or(False)),
     "best_of": NotYet("null, 1 or n", lambda v, req: v is None or v in (1, req.n)),
     "logit_bias": NotYet("null or {}", _unset_or({})),
     "min_tokens": NotYet("null or 0", _unset_or(0)),
@@ -188,6 +187,7 @@ class _GenerationRequest(_Strict):
                                   f"it out", param=name, code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        self.check_logprobs()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP:
             raise OpenAIError(400, f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}", param="stop")
@@ -197,6 +197,19 @@ class _GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_logprobs(self) -> None:
+        """Refuse logprob fields of the wrong kind or out of range (each endpoint's own rules)."""
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per generated token (SamplingParams.logprobs); None: no logprobs."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token (SamplingParams.prompt_logprobs); None: none."""
+        return None
 
     def sampling_params(self, max_tokens: int, vocab_size: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i > 0 gets a distinct seed derived from it.
@@ -210,7 +223,7 @@ class _GenerationRequest(_Strict):
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=choice_seed(self.seed, i),
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
-                ignore_eos=self.ignore_eos))
+                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs))
         outside = [t for t in out[0].stop_token_ids if t >= vocab_size]
         if outside:
             raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",
@@ -221,13 +234,28 @@ class _GenerationRequest(_Strict):
 class CompletionRequest(_GenerationRequest):
     not_supported_yet: ClassVar[dict[str, NotYet]] = {
         **NOT_SUPPORTED_YET,
-        "echo": NotYet("false", _unset_or(False)),
         "suffix": NotYet('null or ""', _unset_or("")),
     }
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     suffix: Text | None = None
+
+    def check_logprobs(self) -> None:
+        """OpenAI's legacy `logprobs`: an integer, the number of top alternatives per token (false = none)."""
+        if self.logprobs is True:
+            raise OpenAIError(400, f"logprobs must be an integer between 0 and {MAX_LOGPROBS} for /v1/completions "
+                              f"(the number of top alternatives per token), got true", param="logprobs")
+        _check_logprobs_range("logprobs", self.num_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """With echo, the prompt's logprobs too (as vLLM: the same count)."""
+        return self.num_logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) of a (possibly batched) request."""
@@ -261,7 +289,6 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     not_supported_yet: ClassVar[dict[str, NotYet]] = {
         **NOT_SUPPORTED_YET,
-        "top_logprobs": NotYet("null or 0", _unset_or(0)),
         "tools": NotYet("null or []", _unset_or([])),
         "tool_choice": NotYet('null or "none"', _unset_or("none")),
         "continue_final_message": NotYet("null or false", _unset_or(False)),
@@ -279,6 +306,25 @@ class ChatCompletionRequest(_GenerationRequest):
     def model_post_init(self, _context) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+
+    def check_logprobs(self) -> None:
+        """Chat's `logprobs` is a boolean; `top_logprobs` (0..20) needs it true."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise OpenAIError(400, f"logprobs must be true or false for chat completions, got {_show(self.logprobs)} "
+                              f"(top_logprobs sets the number of alternatives)", param="logprobs")
+        _check_logprobs_range("top_logprobs", self.top_logprobs)
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError(400, f"top_logprobs={self.top_logprobs} needs logprobs: true", param="top_logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _check_logprobs_range(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise OpenAIError(400, f"{name}={value} is out of range: it must be between 0 and {MAX_LOGPROBS} (the number "
+                          f"of top alternatives per token)", param=name, code="invalid_value")
 
 
 def parse_request(cls: type[_GenerationRequest], body: dict) -> _GenerationRequest:
@@ -333,9 +379,12 @@ class TextDelta:
         return delta
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` counts prompt tokens served by the prefix
+    cache (as OpenAI and vLLM report them)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def envelope(request_id: str, obj: str, model: str, choices: list, created: int | None = None, **extra) -> dict:
@@ -355,6 +404,60 @@ def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
 
 def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+# --- logprobs in OpenAI's shapes (as vLLM's server writes them) ----------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # vLLM's floor for -inf (JSON has no infinity)
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _token_name(token_id: int, logprob, token_text: Callable[[int], str | None]) -> str:
+    """A token as text: its decoded text (vLLM: the token decoded alone), or "token_id:N" without a tokenizer."""
+    text = logprob.decoded_token if logprob is not None else token_text(token_id)
+    return text if text is not None else f"token_id:{token_id}"
+
+
+def completion_logprobs(token_ids: list[int], entries: list, token_text: Callable[[int], str | None],
+                        text_offset: int = 0) -> dict:
+    """The legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset} from RequestOutput-style
+    entries ({token_id: Logprob} per token, the chosen first; None for a prompt's first token: null logprob).
+    top_logprobs maps token text to logprob: the chosen token and its n alternatives (OpenAI: up to n + 1).
+    Offsets count characters of the token texts from `text_offset` (a stream's text sent before)."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            name = _token_name(token_id, None, token_text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            name = _token_name(token_id, entry[token_id], token_text)
+            token_logprobs.append(_lp(entry[token_id].logprob))
+            top_logprobs.append({_token_name(t, lp, token_text): _lp(lp.logprob) for t, lp in entry.items()})
+        tokens.append(name)
+        offsets.append(text_offset)
+        text_offset += len(name)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list, top: int, token_text: Callable[[int], str | None]) -> dict:
+    """Chat's shape {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}: top_logprobs
+    are the `top` most likely tokens (OpenAI's meaning; the chosen token is among them only if it ranks there)."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        name = _token_name(token_id, entry[token_id], token_text)
+        best = sorted(entry.items(), key=lambda kv: kv[1].rank)[:top]
+        content.append({"token": name, "logprob": _lp(entry[token_id].logprob),
+                        "bytes": list(name.encode("utf-8", errors="replace")),
+                        "top_logprobs": [_top(t, lp, token_text) for t, lp in best]})
+    return {"content": content}
+
+
+def _top(token_id: int, logprob, token_text) -> dict:
+    name = _token_name(token_id, logprob, token_text)
+    return {"token": name, "logprob": _lp(logprob.logprob), "bytes": list(name.encode("utf-8", errors="replace"))}
 
 
 # --- vLLM's tokenizer endpoints (/tokenize, /detokenize) -------------------------------------------------------

@@ -4,10 +4,12 @@
   `POST /detokenize` -> `{"prompt"}`;
 - `GET /version` -> `{"version"}`;
 - SGLang's `GET /server_info` (alias `/get_server_info`): server arguments plus `internal_states`, whose first
-  entry's `avg_spec_accept_length` is what `sglang.bench_serving` reports as the accept length.
+  entry's `avg_spec_accept_length` is what `sglang.bench_serving` reports as the accept length;
+- SGLang's `POST /flush_cache` (what `sglang.bench_serving --flush-cache` calls): drops every prefix-cache page
+  no running request holds.
 
 Everything comes from public Engine attributes (`tokenizer`, `vocab_size`, `limits`, `config`, `info()`) and
-from the metrics' snapshot of `Engine.stats()`, so no handler waits on the engine lock.
+from the metrics' snapshot of `Engine.stats()`, so no handler but /flush_cache waits on the engine lock.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def add_tooling_routes(app: FastAPI, api) -> None:
     app.get("/version")(tools.version)
     app.get("/server_info")(tools.server_info)
     app.get("/get_server_info")(tools.server_info)
+    app.post("/flush_cache")(tools.flush_cache)
 
 
 class _Tools:
@@ -74,6 +77,12 @@ class _Tools:
         text = await asyncio.to_thread(tok.decode, req.tokens, False)
         return {"prompt": text}
 
+    async def flush_cache(self, request: Request):
+        """Evict the unreferenced prefix-cache pages (the only handler that takes the engine lock, off the loop)."""
+        self.api.authorize(request)
+        freed = await asyncio.to_thread(self.engine.flush_cache)
+        return {"flushed_pages": freed}
+
     async def version(self):
         import spruce
 
@@ -103,6 +112,7 @@ class _Tools:
             "context_length": lim.context_length, "max_model_len": api.max_request_tokens,
             "max_total_num_tokens": snap.get("kv_pages_total", 0) * lim.page_size,
             "chunked_prefill_size": lim.chunked_prefill_size, "disable_overlap_schedule": not lim.overlap,
+            "disable_radix_cache": cfg.disable_radix_cache,
             "speculative_algorithm": spec.algorithm if spec else None,
             "speculative_draft_model_path": spec.draft_model if spec else None,
             "speculative_num_steps": spec.num_steps if spec else None,
