@@ -43,7 +43,9 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
     weights = scores.gather(1, ids)  # [T, k]
     if cfg.norm_topk_prob and cfg.top_k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
 
 
 class RoutedExperts(nn.Module):
@@ -78,7 +80,8 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
+        # float32 like the router's math (transformers casts it every call): loaded once, never cast again
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False, dtype=torch.float32)
         if cfg.scoring == "sigmoid":
             # kept in float32 whatever the model dtype (transformers keeps it so)
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -90,7 +93,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
+        logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
