@@ -9,6 +9,7 @@ from spruce.errors import InvalidRequestError
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # most top alternatives per position (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class SamplingParams:
     `seed` makes sampling reproducible per request, independent of what else is in the batch.
     `stop` strings end generation; the text is cut before the stop string. `stop_token_ids` (at most
     MAX_STOP_TOKEN_IDS, each >= 0; the engine's vocabulary bounds them above) end it too.
+    `logprobs` (vLLM's meaning): None = none; n in [0, MAX_LOGPROBS] = each generated token's logprob plus its
+    n most likely alternatives (0: the chosen token's alone). `prompt_logprobs` likewise for the prompt tokens
+    (the first has none). Logprobs are the target's raw distribution: float32 log-softmax of its logits, before
+    temperature, top-k and top-p (vLLM v1's default "raw logprobs"), identical with and without speculation.
     """
 
     max_tokens: int = 16
@@ -32,6 +37,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,6 +76,15 @@ class SamplingParams:
             _check_int("stop_token_ids", t)
             if t < 0:
                 raise InvalidRequestError(f"stop_token_ids must be >= 0, got {t}", field="stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check_int(name, value)
+            if not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"{name}={value} is out of range: it must be between 0 and {MAX_LOGPROBS} (the number of top "
+                    f"alternatives returned per token; 0 = only the chosen token's logprob)", field=name)
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,7 @@ class Tokenizer:
         adds_bos = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
         self._prepend_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None and not adds_bos
         self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(tok.model).__name__ != "BPE"
+        self._token_texts: dict[int, str] = {}  # token_text's cache
 
     @staticmethod
     def from_dir(path, model_config: ModelConfig) -> "Tokenizer | None":
@@ -72,6 +73,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._clean(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone, special tokens included: how vLLM names tokens in logprobs (a byte-level
+        BPE token holding part of a UTF-8 character decodes to U+FFFD). Cached per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each sequence, in one call (the library decodes them in parallel)."""

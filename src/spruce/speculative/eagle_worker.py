@@ -5,7 +5,8 @@ The round is three graph-capturable phases over static, Limits-sized buffers (ro
 hold the dummy row): DRAFT_DECODE (all S-1 draft steps + tree build), VERIFY (target forward over the
 tree + logits + greedy acceptance) and DRAFT_EXTEND (commit of the accepted path + draft extend + next
 step-0 top-K). When a batch has sampled requests, their token selection and acceptance run eagerly between
-VERIFY and DRAFT_EXTEND and overwrite the greedy result. Nothing in a round syncs with the host until one
+VERIFY and DRAFT_EXTEND and overwrite the greedy result; so, when a request wants logprobs, does the scoring of
+the accepted path's verify logits (runtime/logprobs.py). Nothing in a round syncs with the host until one
 [bs, S+2] read-back (accept lengths and tokens) at its end. The same phase functions run eagerly or under
 CUDA graphs (runtime/cuda_graph.py).
 """
@@ -20,6 +21,7 @@ from spruce.attention.metadata import Phase
 from spruce.errors import ConfigError
 from spruce.ops import softmax_topk
 from spruce.runtime.batch_builder import paged_slots
+from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.frontier import expand_frontier
@@ -102,7 +104,8 @@ class EagleWorker(DecodeStrategy):
             self._store_step0(rows, h[last])
 
     # --- the round -------------------------------------------------------------------------------------------
-    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
+               logprobs: LogprobPlan | None = None) -> torch.Tensor:
         """One round for the requests in `rows`; `sampling` has one row per tree node ([bs*N])."""
         graphs, timer = self.runner.graphs, self.runner.timer
         bs = len(rows)
@@ -114,6 +117,9 @@ class EagleWorker(DecodeStrategy):
         if not sampling.all_greedy:
             with timer.phase("accept"):  # sampled rows: accept along the target's own samples instead
                 self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling))
+        if logprobs is not None:
+            with timer.phase("logprobs"):
+                logprobs.pack = self._path_logprobs(verified, logprobs)
         with timer.phase("extend"):
             out = graphs.run("extend", self._extend_phase, bs, max_kv, verified)  # [P, S+2]
         return out[:bs]
@@ -126,6 +132,22 @@ class EagleWorker(DecodeStrategy):
         speculation, across batches and through preemption."""
         positions = (self.committed[:bs, None] + verified.tree.depths[:bs] + 1).reshape(-1)  # each node's successor
         return select_tokens(verified.logits[: bs * self.N], sampling, positions).view(bs, self.N)
+
+    def _path_logprobs(self, verified: Verified, plan: LogprobPlan) -> torch.Tensor:
+        """The target's logprobs of the tokens the round commits, for the batch rows of `plan`: [w*(S+1), 2+2k].
+
+        Pack row j of a batch row is the verify logits of its accepted path's node at depth j (the root, then
+        the accepted nodes) at the token after it: the next path node's, or the bonus at depth accept_len.
+        Rows past accept_len are padding (the last node repeated), never read back."""
+        dev, steps = self.runner.device, self.S + 1
+        idx = torch.tensor(plan.rows, dtype=torch.int64).to(dev, non_blocking=True)  # [w]
+        path, accept_lens, bonus = self.path[idx], self.accept_lens[idx], self.bonus[idx]  # [w, S+1], [w], [w]
+        path_tokens = verified.tree.tokens[idx].gather(1, path)  # [w, S+1]
+        depth = torch.arange(steps, device=dev)[None, :]
+        chosen = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)
+        chosen = torch.where(depth == accept_lens[:, None], bonus[:, None], chosen)  # [w, S+1]
+        nodes = (idx[:, None] * self.N + path).reshape(-1)  # verify logits rows of the path nodes
+        return pack_logprobs(verified.logits[nodes], chosen.reshape(-1), plan.k)
 
     def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor) -> None:
         """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing)."""

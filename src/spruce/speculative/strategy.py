@@ -7,6 +7,9 @@ EAGLE worker (EAGLE, EAGLE-3) a tree-verified run of draft tokens plus the targe
 Every step returns a device tensor [n, Limits.step_result_width]: each row's accept length a (0 for plain
 decoding and prefill), then its committed tokens (a + 1 of them, then padding). Nothing inside a strategy
 reads device memory back to the host, so a step can be queued while the previous one still runs.
+
+A step given a `LogprobPlan` (some request wants logprobs) also scores the plan's rows, eagerly after its
+token selection, and leaves the pack in `plan.pack` (runtime/logprobs.py); without one nothing extra runs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 
@@ -48,11 +52,13 @@ class DecodeStrategy:
         self._filled_rows: list[int] | None = None  # what `rows` holds (None: unknown, e.g. after a capture)
 
     # --- prefill ---------------------------------------------------------------------------------------------
-    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors) -> torch.Tensor:
+    def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
+                logprobs: LogprobPlan | None = None) -> torch.Tensor:
         """Run prompt chunks through the target; sample after every final chunk.
 
         `sampling` has one row per final chunk. Returns [finals, step_result_width] (accept length 0, the
-        sampled token) and sets each finished prompt's row state (committed = prompt length, last = token)."""
+        sampled token) and sets each finished prompt's row state (committed = prompt length, last = token).
+        `logprobs`: score the sampled tokens of its final chunks and its prompt rows."""
         r = self.runner
         batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
         hidden, aux = r.target_forward(batch)
@@ -60,6 +66,7 @@ class DecodeStrategy:
         finals = [i for i, c in enumerate(chunks) if c.final]
         result = torch.zeros(len(finals), r.limits.step_result_width, dtype=torch.int64, device=r.device)
         new_tokens = result[:, 1]
+        logits = None
         if finals:
             host = torch.tensor([[ends[i] for i in finals], [chunks[i].row for i in finals],
                                  [chunks[i].start + len(chunks[i].tokens) for i in finals]], dtype=torch.int64)
@@ -67,6 +74,8 @@ class DecodeStrategy:
             logits = r.target.compute_logits(hidden[idx])  # [finals, V]
             new_tokens.copy_(select_tokens(logits, sampling, positions))
             r.row_state.set(rows, positions, new_tokens)
+        if logprobs is not None:
+            logprobs.pack = pack_prefill(logprobs, logits, new_tokens, hidden, r.target.compute_logits)
         self.extend_draft(chunks, r.target_features(hidden, aux), ends, finals, new_tokens)
         return result
 
@@ -75,11 +84,13 @@ class DecodeStrategy:
         """Bring a draft's KV up to the prefilled chunks (features [T, F] of the chunk tokens); none here."""
 
     # --- decode ----------------------------------------------------------------------------------------------
-    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
+               logprobs: LogprobPlan | None = None) -> torch.Tensor:
         """One decode step for the requests in `rows`: [bs, step_result_width] on the device.
 
         max_kv: an upper bound of any row's kv length during the step (eager runs size their split-KV by it).
-        `sampling` has one row per request (per tree node for speculative strategies)."""
+        `sampling` has one row per request (per tree node for speculative strategies). `logprobs`: score the
+        committed tokens of its rows (`width` pack rows each)."""
         raise NotImplementedError
 
     def capture_graphs(self, show_progress: bool) -> None:
@@ -113,7 +124,8 @@ class PlainDecoding(DecodeStrategy):
         self.result = torch.zeros(lim.max_running_requests, lim.step_result_width, dtype=torch.int64,
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
 
-    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors) -> torch.Tensor:
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
+               logprobs: LogprobPlan | None = None) -> torch.Tensor:
         r = self.runner
         bs = len(rows)
         self.fill_rows(rows)
@@ -126,6 +138,10 @@ class PlainDecoding(DecodeStrategy):
                 tokens = select_tokens(logits[:bs], sampling, committed)  # [bs] the token at position committed
                 r.row_state.set(rows_t, committed, tokens)
                 result[:bs, 1] = tokens
+        if logprobs is not None:
+            with r.timer.phase("logprobs"):  # the decode logits of the rows that want them, at their tokens
+                idx = torch.tensor(logprobs.rows, dtype=torch.int64).to(r.device, non_blocking=True)
+                logprobs.pack = pack_logprobs(logits[idx], result[idx, 1], logprobs.k)
         return result[:bs]
 
     def _decode_phase(self, P: int, max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
