@@ -1,25 +1,80 @@
-"""Attention backend interface and registry."""
+"""Attention backend interface (plan / forward) and construction from the registry (DESIGN §13).
+
+Backends are plugins: `spruce.attention.registry` holds each one's capability record and a lazy loader, and
+`create_backend` imports an implementation only when one is built.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from spruce.attention.metadata import ForwardBatch
-from spruce.errors import ConfigError
+from spruce.attention.registry import BackendInfo, get_info
+from spruce.errors import ConfigError, InvariantError
+
+if TYPE_CHECKING:
+    from spruce.limits import Limits
 
 
 class AttentionBackend:
     """Stores the new tokens' K/V and computes attention per the contract in `spruce.attention.metadata`.
 
-    Implementations must accept an empty batch (T == 0) and must not synchronize with the device.
+    The lifecycle, and where each call runs:
+
+    * **construction** `cls(page_size, limits=None, device=None)`, then **`allocate(limits, device)`** once the
+      `Limits` exist (the engine's runner derives them after the weights load, from the memory left, so it builds
+      the backend first, hands it to the model layers, and allocates right after): a backend sizes every
+      persistent buffer it needs (indptr / indices / work partition of a library kernel) from `Limits`, never
+      from a batch, so a CUDA graph captured over them stays valid for every batch of its bucket.
+    * **`plan(batch, page_table)`**: derives what the kernels need from the one `ForwardBatch`. It runs on the
+      host, **outside any CUDA graph**: before every eager forward, and before every graph replay (again, with
+      the replay's own batch) and capture. A phase's graph holds several forwards, and the batch of each is
+      written by the metadata builder *inside* the graph, on the device; so at plan time only the batch's
+      host-side fields (`ForwardBatch.layout`: phase, batch size, tokens, max query and kv lengths, scratch
+      width, and the host lengths of an EXTEND batch) are its real values, and its device tensors are the
+      persistent buffers the forward will read, not yet filled for a replay. `plan` therefore reads host fields
+      only, never device memory (no synchronisation), and may write host state and device buffers it owns
+      (e.g. copy a host-computed schedule into them, non-blocking). Equal layouts must get equal plans: the
+      runner may skip re-planning a layout it has planned. What depends on the batch's device values (kv
+      indices from the page table, per-token lengths) is derived on the device by `forward` itself, where a
+      graph captures it.
+    * **`forward` / `forward_latent`**: one call per attention layer, inside the graph when captured; no host
+      synchronisation, shapes from host ints only. Must accept an empty batch (T == 0).
+
+    Who calls plan: `ModelRunner.plan` (runtime/model_runner.py). A decode-time phase passes a plan callback to
+    `BucketGraphs.run` / `capture` (runtime/cuda_graph.py), which calls it before the eager run or the replay;
+    inside such a phase every forward's batch must match what was planned (an InvariantError otherwise). A
+    forward outside any phase (prefill, scoring) is planned by the runner right before it.
+
+    The torch and triton backends read the ForwardBatch directly: their plan is a no-op.
     """
 
     name = "base"
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, limits: Limits | None = None, device: torch.device | str | None = None):
         self.page_size = page_size
+        self.limits: Limits | None = None
+        self.device: torch.device | None = None
+        if limits is not None:
+            self.allocate(limits, device if device is not None else "cpu")
+
+    @property
+    def info(self) -> BackendInfo:
+        """This backend's capability record."""
+        return get_info(self.name)
+
+    def allocate(self, limits: Limits, device: torch.device | str) -> None:
+        """Size persistent buffers from `limits` (called once, before any plan)."""
+        if limits.page_size != self.page_size:
+            raise InvariantError(f"attention backend {self.name!r} built for page_size {self.page_size}, "
+                                 f"allocated with Limits of page_size {limits.page_size}")
+        self.limits, self.device = limits, torch.device(device)
+
+    def plan(self, batch: ForwardBatch, page_table: torch.Tensor) -> None:
+        """Host-side preparation for forwards over `batch` (see the class docstring); a no-op by default."""
 
     def forward(
         self,
@@ -53,34 +108,18 @@ class AttentionBackend:
         raise NotImplementedError(f"attention backend {self.name!r} has no MLA (latent) attention")
 
 
-_REGISTRY: dict[str, Callable[[], type[AttentionBackend]]] = {}
+def load_backend_class(name: str) -> type[AttentionBackend]:
+    """Import the implementation of a registered backend (ConfigError naming the choices for an unknown name,
+    or the install hint when its package is missing)."""
+    info = get_info(name)
+    missing = info.missing_package()
+    if missing is not None:
+        raise ConfigError(f"attention_backend={name!r} {missing}")
+    module, _, cls = info.loader.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
-def register_backend(name: str, loader: Callable[[], type[AttentionBackend]]) -> None:
-    _REGISTRY[name] = loader
-
-
-def create_backend(name: str, page_size: int) -> AttentionBackend:
-    if name not in _REGISTRY:
-        raise ConfigError(f"attention_backend={name!r} is not supported; expected one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()(page_size)
-
-
-def _load_torch():
-    from spruce.attention.torch_backend import TorchAttention
-
-    return TorchAttention
-
-
-def _load_triton():
-    from spruce.attention.triton_backend import TritonAttention
-    from spruce.ops.triton_support import HAS_TRITON, missing_triton_error
-
-    if not HAS_TRITON:
-        raise missing_triton_error("attention_backend='triton'")
-
-    return TritonAttention
-
-
-register_backend("torch", _load_torch)
-register_backend("triton", _load_triton)
+def create_backend(name: str, page_size: int, limits: Limits | None = None,
+                   device: torch.device | str | None = None) -> AttentionBackend:
+    """Build the backend registered as `name` (not 'auto': resolve it with the registry first)."""
+    return load_backend_class(name)(page_size, limits, device)

@@ -9,7 +9,8 @@ Attention contract (all phases, all backends). Query token t of a batch:
 A token that attends to nothing (padding) produces zeros.
 
 Every phase's metadata is produced by one builder (`spruce.runtime.batch_builder`) into persistent buffers
-sized by `Limits`; eager execution and CUDA-graph replay read the same buffers (DESIGN §4).
+sized by `Limits`; eager execution and CUDA-graph replay read the same buffers (DESIGN §4). A backend derives
+whatever else its kernels need from this batch in its `plan` (host side) and `forward` (DESIGN §13).
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ class ForwardBatch:
     max_kv_len: int  # host-side upper bound of kv_lens (no device sync needed to read it)
     max_q_len: int  # host-side upper bound of query tokens per request (the stride for uniform phases)
     scratch_width: int  # W of the pool this batch attends to (0: no scratch attended)
+    # per request, when the host built the batch (EXTEND): query tokens and the kv length of its last query
+    # token; None for the phases built on the device (a backend's plan may read these, never device memory)
+    host_q_lens: tuple[int, ...] | None = None
+    host_kv_lens: tuple[int, ...] | None = None
+
+    @property
+    def layout(self) -> tuple:
+        """The host-side description a backend plans from (DESIGN §13): equal layouts get equal plans."""
+        return (self.phase, self.batch_size, self.num_tokens, self.max_q_len, self.max_kv_len, self.scratch_width,
+                self.host_q_lens, self.host_kv_lens)
 
     @property
     def tokens_per_request(self) -> int | None:

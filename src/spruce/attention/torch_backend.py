@@ -6,7 +6,8 @@ tokens: the batch is laid out as [bs, m] (request b, its i-th query token; m = m
 one mask row over those keys (length mask | ancestor bits), and `scaled_dot_product_attention` runs in float32.
 Request b's query tokens are qo_indptr[b] .. qo_indptr[b+1]-1 and its row is req_rows[b] (the builder gives
 them token_rows == req_rows[b]; the triton backend reads the same grouping). Shapes come from the batch's host
-ints only, so the backend never synchronises with the device.
+ints only, so the backend never synchronises with the device. It reads the ForwardBatch directly: its `plan` is
+the base class's no-op (DESIGN §13).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every phase runs the same two kernels: `store_kv` then `paged_attention_kernel` 
 in one online softmax), plus `merge_splits_kernel` when the kv range is split across programs. MLA (latent)
 attention runs `store_latent_kernel` then `mla_attention_kernel` (blocks of query heads sharing each latent
 tile), plus its merge. No host synchronisation: the grid depends only on host ints of the ForwardBatch
-(batch size, max query tokens per request, max kv length), which are fixed per CUDA-graph bucket.
+(batch size, max query tokens per request, max kv length), which are fixed per CUDA-graph bucket. It reads the
+ForwardBatch directly: its `plan` is the base class's no-op (DESIGN §13).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttention(AttentionBackend):
     name = "triton"
 
-    def __init__(self, page_size: int):
-        super().__init__(page_size)
+    def __init__(self, page_size: int, limits=None, device=None):
+        super().__init__(page_size, limits, device)
         self._sms: int | None = None
 
     def num_splits(self, programs: int, max_kv_len: int, device: torch.device) -> int:

@@ -58,7 +58,9 @@ class BatchBuilder:
                 f"page_size {lim.page_size} = {cap}"
             )
 
-    def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width, max_q_len=None) -> ForwardBatch:
+    def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width, max_q_len=None,
+              host_lens=None) -> ForwardBatch:
+        q_lens, kv_lens = host_lens if host_lens is not None else (None, None)
         return ForwardBatch(
             phase=phase, batch_size=bs, num_tokens=num_tokens,
             input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens],
@@ -67,7 +69,13 @@ class BatchBuilder:
             req_rows=self.req_rows[:bs], qo_indptr=self.qo_indptr[: bs + 1],
             max_kv_len=max_kv_len, scratch_width=scratch_width,
             max_q_len=max_q_len if max_q_len is not None else (num_tokens // bs if bs else 0),
+            host_q_lens=q_lens, host_kv_lens=kv_lens,
         )
+
+    def describe(self, phase: Phase, bs: int, stride: int, max_kv_len: int, scratch_width: int) -> ForwardBatch:
+        """The batch a uniform-stride phase of `bs` rows will build, as a backend's plan sees it before the
+        phase runs (DESIGN §13): its host fields are final, its device buffers not yet filled."""
+        return self._view(phase, bs, bs * stride, max_kv_len, scratch_width)
 
     # --- EXTEND (prefill chunks; variable length per request) ---------------------------------------------
     def extend(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> ForwardBatch:
@@ -92,7 +100,8 @@ class BatchBuilder:
         self.req_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
         self._fill_paged(n)
-        return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0))
+        return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0),
+                          (tuple(lens), tuple(s + m for s, m in zip(starts, lens))))
 
     def _fill_paged(self, n: int) -> None:
         """out_slots = the token's own page slot; kv_lens = position + 1 (causal); no scratch."""

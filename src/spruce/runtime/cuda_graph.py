@@ -8,10 +8,17 @@ bound) and replayed. A batch larger than the largest bucket runs every phase eag
 the eager outputs of the one before, never a graph's buffers: an always-on check compares the rows a phase's
 input was made for (`batch_rows`) with the rows it runs (SGLang #22832: a multi-layer draft extend read a
 decode graph's buffers after the decode had run eagerly).
+
+A phase comes with a plan callback `plan(P, max_kv_len)` (DESIGN §13): it plans the attention backend for the
+forwards the phase will run, on the host, outside any graph. `run` calls it before the eager `fn` and before
+`graph.replay()` (with the replay's own batch: the bucket's rows and the real max_kv_len), `capture` before
+warming up and capturing; while a phase's Python code runs, `phase` names it, and the runner then requires its
+forwards to be planned (model_runner.py).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -21,6 +28,7 @@ from spruce.errors import InvariantError
 from spruce.limits import Limits
 
 PhaseFn = Callable[..., Any]
+PlanFn = Callable[[int, int], None]  # plan(P, max_kv_len): plan the phase's forwards for P rows (DESIGN §13)
 
 
 class BucketGraphs:
@@ -30,6 +38,16 @@ class BucketGraphs:
         self.enabled = enabled and device.type == "cuda" and bool(limits.graph_buckets)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.predecessor: dict[str, str] = {}  # phase -> the phase whose output it reads (set by capture)
+        self.phase: str | None = None  # the phase whose Python code (eager run, warm-up, capture) is running
+
+    @contextmanager
+    def running(self, name: str):
+        """Mark phase `name`'s Python code as running (its forwards must then be planned: DESIGN §13)."""
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
 
     @property
     def kv_bound(self) -> int:
@@ -44,11 +62,12 @@ class BucketGraphs:
         """Rows the caller fills (real + dummy padding) for a batch of `bs` requests."""
         return self.bucket(bs) or bs
 
-    def run(self, name: str, fn: PhaseFn, bs: int, max_kv_len: int, *previous):
+    def run(self, name: str, fn: PhaseFn, bs: int, max_kv_len: int, *previous, plan: PlanFn | None = None):
         """Replay phase `name` for the batch's bucket, or run `fn(bs, max_kv_len, *previous)` eagerly.
 
         `previous` is the output of the phase before (eager, or the replayed graph's own static output, which
-        is what that graph's successor was captured reading)."""
+        is what that graph's successor was captured reading). `plan(rows, max_kv_len)` runs first, outside the
+        graph: rows = bs (eager) or the bucket (replay: padding rows included)."""
         bucket = self.bucket(bs)
         if bucket is not None and bucket < bs:
             raise InvariantError(
@@ -69,19 +88,22 @@ class BucketGraphs:
                     f"read its predecessor's output made for {made_for} rows (a graph's static buffers read by an "
                     f"eager phase, or the reverse)"
                 )
+        if plan is not None:
+            plan(rows, max_kv_len)
         if entry is None:
-            return fn(bs, max_kv_len, *previous)
+            with self.running(name):
+                return fn(bs, max_kv_len, *previous)
         graph, out = entry
         graph.replay()
         return out
 
-    def capture(self, phases: list[tuple[str, PhaseFn]], prepare: Callable[[int], None], desc: str,
+    def capture(self, phases: list[tuple[str, PhaseFn, PlanFn | None]], prepare: Callable[[int], None], desc: str,
                 show_progress: bool = False) -> None:
-        """Capture the chain of phases for every bucket (largest first; one memory pool for all).
+        """Capture the chain of phases (name, fn, plan) for every bucket (largest first; one memory pool for all).
 
-        `prepare(P)` fills the static inputs with P padding rows. Each phase is warmed up eagerly, captured,
-        then replayed once so the next phase's warm-up reads real values; its captured output is the next
-        phase's `previous` argument.
+        `prepare(P)` fills the static inputs with P padding rows. Each phase is planned (outside the graph),
+        warmed up eagerly, captured, then replayed once so the next phase's warm-up reads real values; its
+        captured output is the next phase's `previous` argument.
         """
         if not self.enabled:
             return
@@ -91,15 +113,17 @@ class BucketGraphs:
         for bucket in tqdm(buckets, desc=desc, disable=not show_progress):
             prepare(bucket)
             previous: tuple = ()
-            for (before, _), (name, fn) in zip([(None, None), *phases], phases):
+            for before, (name, fn, plan) in zip([None, *(p[0] for p in phases)], phases):
                 if before is not None:
                     self.predecessor[name] = before
+                if plan is not None:
+                    plan(bucket, self.kv_bound)
                 stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
+                with torch.cuda.stream(stream), self.running(name):
                     fn(bucket, self.kv_bound, *previous)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream), self.running(name):
                     out = fn(bucket, self.kv_bound, *previous)
                 graph.replay()
                 self.graphs[(name, bucket)] = (graph, out)

@@ -2,17 +2,22 @@
 
 It owns the page table, the page allocator, both KV pools, the rows' device decode state and the metadata
 builder; the scheduler and the decode strategies ask it for forwards and never size anything themselves.
+It also plans the attention backend (DESIGN §13): a decode-time phase plans through `planner`, a callback that
+BucketGraphs runs before the phase (eager or replay); any other forward is planned right before it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
+from spruce.attention import registry as attention_registry
 from spruce.attention.backend import create_backend
-from spruce.attention.metadata import ForwardBatch
+from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.config import EngineConfig
+from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.kv_pool import make_pool, pool_bytes_per_token, target_pool_bytes_per_token
 from spruce.memory.page_allocator import PageAllocator
@@ -36,7 +41,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = ModelConfig.from_dir(config.model)
-        self.backend = create_backend(config.resolved_attention_backend, config.page_size)
+        backend_name = config.resolved_attention_backend
+        attention_registry.check_model(backend_name, head_dim=self.model_config.head_dim,
+                                       mla=self.model_config.mla is not None, what="the target")
+        self.backend = create_backend(backend_name, config.page_size)  # allocated once the Limits exist
         spec = config.speculative
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
@@ -45,6 +53,9 @@ class ModelRunner:
         if spec is not None:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
                                     show_progress=config.show_progress, load_format=config.load_format)
+            dc = self.draft.attention_config
+            attention_registry.check_model(backend_name, head_dim=dc.head_dim, mla=dc.mla is not None,
+                                           what="the draft")
         mc = self.model_config
         kv_bytes = target_pool_bytes_per_token(mc, self.dtype)
         if self.draft is not None:
@@ -61,6 +72,9 @@ class ModelRunner:
                                       lim, self.dtype, self.device)
         self.builder = BatchBuilder(lim, self.page_table, self.device)
         self.graphs = BucketGraphs(lim, self.device, config.use_cuda_graph)
+        self.backend.allocate(lim, self.device)
+        self._planned: dict[Phase, tuple] = {}  # phase -> layout planned by the running decode-time phase
+        self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
         self.timer = PhaseTimer(self.device)
         self.row_state = RowState(lim, self.device)
         logger.info("spruce limits: %s", lim)
@@ -73,9 +87,52 @@ class ModelRunner:
         reserve = total * (1.0 - self.config.mem_fraction_static)
         return int(max(free - reserve, 0) * 0.9)
 
+    # --- attention plans (DESIGN §13) -------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> None:
+        """Plan the attention backend for forwards over `batch` (host side, outside any CUDA graph)."""
+        self.backend.plan(batch, self.page_table.table)
+        self._planned[batch.phase] = batch.layout
+
+    def phase_layout(self, phase: Phase) -> tuple[int, int]:
+        """(tokens per request, scratch width) of a uniform-stride phase, from the Limits."""
+        lim = self.limits
+        layouts = {Phase.DECODE: (1, 0), Phase.VERIFY: (lim.num_draft_tokens, lim.target_scratch_width),
+                   Phase.DRAFT_DECODE: (lim.eagle_topk, lim.draft_scratch_width),
+                   Phase.DRAFT_EXTEND: (lim.draft_extend_stride, 0)}
+        return layouts[phase]
+
+    def planner(self, *phases: Phase) -> Callable[[int, int], None]:
+        """The plan callback of a decode-time phase whose forwards are `phases` (BucketGraphs.run / capture call
+        it with the rows and max_kv_len the phase runs with): plans each from the batch the builder will build."""
+        if phases not in self._planners:
+            def plan(rows: int, max_kv_len: int) -> None:
+                self._planned = {}  # only this phase's plans count for its forwards
+                for phase in phases:
+                    stride, width = self.phase_layout(phase)
+                    self.plan(self.builder.describe(phase, rows, stride, max_kv_len, width))
+
+            self._planners[phases] = plan
+        return self._planners[phases]
+
+    def _ensure_planned(self, batch: ForwardBatch) -> None:
+        """Inside a decode-time phase the batch must be one its plan callback planned; elsewhere (prefill,
+        scoring: eager, host-built batches) it is planned right here, before its forward."""
+        phase = self.graphs.phase
+        if phase is None:
+            self.plan(batch)
+            return
+        planned = self._planned.get(batch.phase)
+        if planned != batch.layout:
+            raise InvariantError(
+                f"phase {phase!r}: {batch.phase.value} forward over a batch of layout {batch.layout}, but the "
+                f"phase planned {planned} (its plan callback must describe every forward it runs: "
+                f"ModelRunner.planner)"
+            )
+
     # --- forwards ------------------------------------------------------------------------------------------
     def target_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None."""
+        self._ensure_planned(batch)
         return self.target(batch, self.target_kv, self.page_table.table)
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -86,4 +143,5 @@ class ModelRunner:
         """Draft hidden [T, Hd] (its next-step feature) for batch.input_ids paired with `features` [T, F].
 
         layer: the draft layer a draft step runs (multi-layer MTP); None for a draft extend (every layer)."""
+        self._ensure_planned(batch)
         return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table, layer)

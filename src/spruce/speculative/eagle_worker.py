@@ -111,9 +111,10 @@ class EagleWorker(DecodeStrategy):
         bs = len(rows)
         self.fill_rows(rows)
         with timer.phase("draft"):
-            tree = graphs.run("draft", self._draft_phase, bs, max_kv)
+            tree = graphs.run("draft", self._draft_phase, bs, max_kv, plan=self.runner.planner(Phase.DRAFT_DECODE))
         with timer.phase("verify"):  # also accepts greedily on the device (the rows' accept state)
-            verified = graphs.run("verify", self._verify_phase, bs, max_kv, tree)
+            verified = graphs.run("verify", self._verify_phase, bs, max_kv, tree,
+                                  plan=self.runner.planner(Phase.VERIFY))
         if not sampling.all_greedy:
             with timer.phase("accept"):  # sampled rows: accept along the target's own samples instead
                 self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling))
@@ -121,7 +122,8 @@ class EagleWorker(DecodeStrategy):
             with timer.phase("logprobs"):
                 logprobs.pack = self._path_logprobs(verified, logprobs)
         with timer.phase("extend"):
-            out = graphs.run("extend", self._extend_phase, bs, max_kv, verified)  # [P, S+2]
+            out = graphs.run("extend", self._extend_phase, bs, max_kv, verified,
+                             plan=self.runner.planner(Phase.DRAFT_EXTEND))  # [P, S+2]
         return out[:bs]
 
     def _sampled_target_tokens(self, bs: int, verified: Verified, sampling: SamplingTensors) -> torch.Tensor:
@@ -248,7 +250,9 @@ class EagleWorker(DecodeStrategy):
 
     # --- graphs -------------------------------------------------------------------------------------------------
     def capture_graphs(self, show_progress: bool) -> None:
-        phases = [("draft", self._draft_phase), ("verify", self._verify_phase), ("extend", self._extend_phase)]
+        plan = self.runner.planner
+        phases = [("draft", self._draft_phase, plan(Phase.DRAFT_DECODE)), ("verify", self._verify_phase,
+                  plan(Phase.VERIFY)), ("extend", self._extend_phase, plan(Phase.DRAFT_EXTEND))]
         self.runner.graphs.capture(phases, lambda p: self.prepare_padding(0, p), "capturing speculative graphs",
                                    show_progress)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spruce.attention.metadata import Phase
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
@@ -130,7 +131,7 @@ class PlainDecoding(DecodeStrategy):
         bs = len(rows)
         self.fill_rows(rows)
         with r.timer.phase("decode"):
-            logits, result = r.graphs.run("decode", self._decode_phase, bs, max_kv)
+            logits, result = r.graphs.run("decode", self._decode_phase, bs, max_kv, plan=r.planner(Phase.DECODE))
         if not sampling.all_greedy:
             with r.timer.phase("sample"):
                 rows_t = self.rows[:bs]
@@ -158,5 +159,6 @@ class PlainDecoding(DecodeStrategy):
         return logits, self.result[:P]
 
     def capture_graphs(self, show_progress: bool) -> None:
-        self.runner.graphs.capture([("decode", self._decode_phase)], lambda p: self.prepare_padding(0, p),
+        self.runner.graphs.capture([("decode", self._decode_phase, self.runner.planner(Phase.DECODE))],
+                                   lambda p: self.prepare_padding(0, p),
                                    "capturing decode graphs", show_progress)
