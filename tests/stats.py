@@ -21,8 +21,10 @@ def chi2_statistic(counts: list[int], probs: list[float]) -> tuple[float, int]:
         else:
             pooled_obs += c
             pooled_exp += e
+    if pooled_obs and pooled_exp == 0:
+        return math.inf, max(len(cells), 1)  # outcomes the distribution cannot produce
     if pooled_exp > 0:
-        cells.append((pooled_obs, max(pooled_exp, 1e-9)))
+        cells.append((pooled_obs, pooled_exp))
     stat = sum((o - e) ** 2 / e for o, e in cells)
     return stat, max(len(cells) - 1, 1)
 

@@ -192,8 +192,7 @@ def test_server_info_names_device_and_speculation(server):
 GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
 USER = [{"role": "user", "content": "hi"}]
 NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
-    ("completions", "best_of", 2), ("completions", "logit_bias", {"7": 5.0}), ("completions", "min_tokens", 2),
-    ("completions", "min_p", 0.1), ("completions", "repetition_penalty", 1.1),
+    ("completions", "best_of", 2), ("completions", "repetition_penalty", 1.1),
     ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
     ("completions", "guided_json", {"type": "object"}), ("completions", "response_format", {"type": "json_object"}),
     ("completions", "presence_penalty", 0.5), ("completions", "suffix", "x"),
@@ -203,11 +202,11 @@ NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
     ("chat/completions", "response_format", {"type": "json_schema"}),
 ]
 NEUTRAL = {  # values of the not-supported-yet fields that change nothing: accepted
-    "completions": dict(best_of=1, logit_bias={}, min_tokens=0, min_p=0, repetition_penalty=1.0,
+    "completions": dict(best_of=1, repetition_penalty=1.0,
                         include_stop_str_in_output=False, skip_special_tokens=True, guided_json=None,
                         response_format={"type": "text"}, presence_penalty=0, echo=False, logprobs=None),
     "chat/completions": dict(tools=[], tool_choice="none", top_logprobs=0, continue_final_message=False,
-                             chat_template=None, logit_bias=None, n=2, best_of=2),
+                             chat_template=None, n=2, best_of=2),
 }
 BAD = [
     ("completions", "{not json", 400, None),

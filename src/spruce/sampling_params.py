@@ -10,6 +10,7 @@ from spruce.errors import InvalidRequestError
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # most top alternatives per position (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,11 @@ class SamplingParams:
     n most likely alternatives (0: the chosen token's alone). `prompt_logprobs` likewise for the prompt tokens
     (the first has none). Logprobs are the target's raw distribution: float32 log-softmax of its logits, before
     temperature, top-k and top-p (vLLM v1's default "raw logprobs"), identical with and without speculation.
+    Logit processors, applied to the target's logits at every position it chooses (every tree node too):
+    `logit_bias` {token id: bias in [-100, 100]} is added to the logits; `min_tokens` masks the stop tokens (eos
+    unless ignored, and stop_token_ids) until that many tokens are generated; then, after temperature, `min_p`
+    drops tokens whose probability is below min_p times the top one (vLLM's order: processors, temperature,
+    min_p, top-k, top-p). Greedy requests take the argmax of the processed logits.
     """
 
     max_tokens: int = 16
@@ -39,6 +45,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {token id: bias} is accepted and stored sorted
+    min_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -86,9 +95,40 @@ class SamplingParams:
                     f"{name}={value} is out of range: it must be between 0 and {MAX_LOGPROBS} (the number of top "
                     f"alternatives returned per token; 0 = only the chosen token's logprob)", field=name)
 
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
+        bias = self.logit_bias or ()
+        if isinstance(bias, dict):
+            bias = bias.items()
+        try:
+            pairs = tuple(sorted((int(t) if not isinstance(t, bool) else t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                      field="logit_bias") from None
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                                      field="logit_bias")
+        for t, b in pairs:
+            _check_int("logit_bias", t)
+            _check_number("logit_bias", b)
+            if t < 0 or not -100.0 <= b <= 100.0:
+                raise InvalidRequestError(f"logit_bias entries must be token id >= 0: bias in [-100, 100], got "
+                                          f"{t}: {b}", field="logit_bias")
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in pairs))
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                                      f"{self.min_tokens}", field="min_tokens")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_logit_processors(self) -> bool:
+        """Whether the chosen token depends on more than the argmax / the plain sampling distribution."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0
 
 
 def _check_int(name: str, value) -> None:

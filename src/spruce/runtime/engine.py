@@ -119,6 +119,11 @@ class Engine:
                 f"prompt has {len(ids)} tokens; the context length is {lim.context_length}, which leaves no room "
                 f"for output (prompt must be < {lim.context_length} tokens)", field="prompt", status=413)
         total = min(len(ids) + params.max_tokens, lim.context_length)
+        vocab = self.runner.model_config.vocab_size
+        outside = [t for t, _ in params.logit_bias if t >= vocab]
+        if outside:
+            raise InvalidRequestError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})",
+                                      field="logit_bias")
         if total > self.max_request_tokens:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
@@ -244,12 +249,13 @@ class Engine:
 
     def _sampling(self, reqs: list[Request], repeat: int = 1) -> SamplingTensors:
         """The batch's sampling tensors: none for an all-greedy batch; else built once per batch composition."""
-        if all(q.params.temperature == 0.0 for q in reqs):
+        if all(q.params.temperature == 0.0 and not q.params.has_logit_processors for q in reqs):
             return self._greedy
         key = (tuple(q.arrival for q in reqs), repeat)  # arrival numbers are never reused, unlike request ids
         if self._sampling_cache[0] != key:
             tensors = SamplingTensors.build([q.params for q in reqs], [q.seed for q in reqs],
-                                            self.runner.model_config.vocab_size, self.runner.device, repeat)
+                                            self.runner.model_config.vocab_size, self.runner.device, repeat,
+                                            [len(q.prompt_ids) for q in reqs], [q.stop_ids for q in reqs])
             self._sampling_cache = (key, tensors)
         return self._sampling_cache[1]
 

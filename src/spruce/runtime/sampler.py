@@ -1,7 +1,9 @@
-"""Token selection: greedy or temperature / top-k / top-p sampling, batched, with no host syncs.
+"""Token selection: greedy or temperature / min-p / top-k / top-p sampling, batched, with no host syncs.
 
 The same function serves plain decode (one row per request) and tree verification (one row per tree node):
-each row carries its own sampling parameters and its own (seed, position, node) random key.
+each row carries its own sampling parameters, logit processors and (seed, position) random key. The logit
+processors (logit_bias; min_tokens, which masks stop tokens before a position) see only the row's parameters
+and the position being chosen, so a tree node is processed exactly as plain decoding processes that position.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ class SamplingTensors:
     top_p: torch.Tensor  # [n] float32
     top_k: torch.Tensor  # [n] int64 (vocab size when unlimited)
     seeds: torch.Tensor  # [n] int64
-    all_greedy: bool  # host-side: skip the sampling path entirely
+    all_greedy: bool  # host-side: skip the sampling path entirely (greedy rows, no logit processors)
+    min_p: torch.Tensor | None = None  # [n] float32 (None: no row uses it)
+    bias_ids: torch.Tensor | None = None  # [n, B] int64 logit_bias token ids (padding: id 0, bias 0)
+    bias_values: torch.Tensor | None = None  # [n, B] float32
+    suppress_ids: torch.Tensor | None = None  # [n, B2] int64 stop tokens min_tokens masks (padding: id 0)
+    suppress_valid: torch.Tensor | None = None  # [n, B2] bool
+    min_positions: torch.Tensor | None = None  # [n] int64: positions below it may not choose a stop token
 
     @staticmethod
     def greedy() -> "SamplingTensors":
@@ -30,23 +38,52 @@ class SamplingTensors:
         return SamplingTensors(empty, empty, empty.long(), empty.long(), all_greedy=True)
 
     @staticmethod
-    def build(params: list, seeds: list[int], vocab_size: int, device, repeat: int = 1) -> "SamplingTensors":
-        """From per-request SamplingParams; `repeat` duplicates each request's row (tree nodes)."""
+    def build(params: list, seeds: list[int], vocab_size: int, device, repeat: int = 1,
+              prompt_lens: list[int] | None = None, stop_ids: list | None = None) -> "SamplingTensors":
+        """From per-request SamplingParams; `repeat` duplicates each request's row (tree nodes). `prompt_lens`
+        and `stop_ids` (each request's stop token set) are needed by min_tokens."""
 
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).repeat_interleave(repeat).to(device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype).repeat_interleave(repeat, dim=0).to(device, non_blocking=True)
 
-        return SamplingTensors(
+        def padded(lists, fill):
+            width = max(1, max(len(x) for x in lists))
+            return [list(x) + [fill] * (width - len(x)) for x in lists]
+
+        st = SamplingTensors(
             temperature=t([p.temperature for p in params], torch.float32),
             top_p=t([p.top_p for p in params], torch.float32),
             top_k=t([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
             seeds=t(seeds, torch.int64),
-            all_greedy=all(p.temperature == 0.0 for p in params),
+            all_greedy=all(p.temperature == 0.0 and not p.has_logit_processors for p in params),
         )
+        if any(p.min_p > 0 for p in params):
+            st.min_p = t([p.min_p for p in params], torch.float32)
+        if any(p.logit_bias for p in params):
+            st.bias_ids = t(padded([[i for i, _ in p.logit_bias] for p in params], 0), torch.int64)
+            st.bias_values = t(padded([[b for _, b in p.logit_bias] for p in params], 0.0), torch.float32)
+        if any(p.min_tokens > 0 for p in params):
+            masked = [sorted(s) if p.min_tokens else [] for p, s in zip(params, stop_ids)]
+            st.suppress_ids = t(padded(masked, 0), torch.int64)
+            st.suppress_valid = t(padded([[True] * len(m) for m in masked], False), torch.bool)
+            st.min_positions = t([n + p.min_tokens for p, n in zip(params, prompt_lens)], torch.int64)
+        return st
+
+
+def process_logits(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
+    """logit_bias and min_tokens applied to float32 logits [n, V] for the tokens chosen at `positions` [n]."""
+    logits = logits.float()
+    if st.bias_ids is not None:
+        logits = logits.scatter_add(-1, st.bias_ids, st.bias_values)
+    if st.suppress_ids is not None:
+        active = st.suppress_valid & (positions < st.min_positions)[:, None]  # [n, B2]
+        logits = logits.scatter_add(-1, st.suppress_ids, torch.where(active, float("-inf"), 0.0))
+    return logits
 
 
 def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The distribution sampling draws from: softmax(logits / T) cut to top-k and top-p, renormalised.
+    """The distribution sampling draws from: softmax(logits / T) cut by min-p, top-k and top-p, renormalised
+    (logits already processed: `process_logits`).
 
     logits [n, V] -> probs [n, V] float32. Greedy rows get a one-hot on the argmax.
     """
@@ -54,6 +91,10 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     scaled = logits / temp[:, None]
+    if st.min_p is not None:  # below min_p x the top probability: out (before top-k / top-p, as vLLM)
+        probs = scaled.softmax(dim=-1)
+        floor = st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [n, V]
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     sorted_logits = sorted_logits.masked_fill(rank >= st.top_k[:, None], float("-inf"))
@@ -79,9 +120,10 @@ def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Te
     Greedy rows take the argmax; others sample target_probs with uniform(seed, position): the
     same uniform whichever tree node (or plain decode step) chooses the token at that position.
     """
-    greedy_tokens = logits.argmax(dim=-1)
     if st.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
+    logits = process_logits(logits, st, positions)
+    greedy_tokens = logits.argmax(dim=-1)
     u = uniform(st.seeds, positions)
     sampled = sample_from_probs(target_probs(logits, st), u)
     return torch.where(st.temperature == 0, greedy_tokens, sampled)

@@ -135,9 +135,6 @@ NOT_SUPPORTED_YET = {
     "presence_penalty": NotYet("null or 0", _unset_or(0)),
     "frequency_penalty": NotYet("null or 0", _unset_or(0)),
     "best_of": NotYet("null, 1 or n", lambda v, req: v is None or v in (1, req.n)),
-    "logit_bias": NotYet("null or {}", _unset_or({})),
-    "min_tokens": NotYet("null or 0", _unset_or(0)),
-    "min_p": NotYet("null or 0", _unset_or(0)),
     "repetition_penalty": NotYet("null or 1", _unset_or(1)),
     "include_stop_str_in_output": NotYet("null or false", _unset_or(False)),
     "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
@@ -217,13 +214,23 @@ class _GenerationRequest(_Strict):
         top_k = self.top_k if self.top_k is not None else -1
         if top_k > vocab_size:
             top_k = -1  # no cut; also keeps huge values out of the device tensors
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():  # JSON object keys are strings: token ids in text
+            if not key.lstrip("-").isdigit():
+                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        outside = [t for t in bias if not 0 <= t < vocab_size]
+        if outside:
+            raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {outside[:5]}",
+                              param="logit_bias")
         out = []
         for i in range(self.n):
             out.append(SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=choice_seed(self.seed, i),
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
-                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs))
+                ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
+                min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0))
         outside = [t for t in out[0].stop_token_ids if t >= vocab_size]
         if outside:
             raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",
