@@ -11,16 +11,18 @@ from spruce.attention.metadata import ForwardBatch
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
+from spruce.models.weights import load_named_tensors
 
 
 class DecoderLM(nn.Module):
     """forward -> (final-normed hidden [T, H], aux [T, len(aux_layers) * H] or None).
 
     aux concatenates the residual-stream input of each layer in `aux_layers` (layer 0's input is the
-    embedding; L is the last layer's output): the features an EAGLE-3 head consumes. Subclasses fill
-    `self.layers` with PreNormLayer-shaped modules."""
+    embedding; L is the last layer's output): the features an EAGLE-3 head consumes. Subclasses say how to
+    build their rope (`build_rotary`) and their PreNormLayer-shaped layers (`build_layer`, also used for MTP
+    layers stored after the main ones)."""
 
-    def __init__(self, cfg: ModelConfig, aux_layers: tuple[int, ...] = ()):
+    def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = ()):
         super().__init__()
         for i in aux_layers:
             if not 0 <= i <= cfg.num_layers:
@@ -32,6 +34,18 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = self.build_rotary(cfg)
+        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
+
+    @staticmethod
+    def build_rotary(cfg: ModelConfig):
+        """The Rotary the architecture's attention uses."""
+        raise NotImplementedError
+
+    @staticmethod
+    def build_layer(cfg: ModelConfig, rotary, backend, index: int, pool_layer: int) -> nn.Module:
+        """Checkpoint layer `index`, caching its K/V (or latents) in layer `pool_layer` of its pool."""
+        raise NotImplementedError
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: ids [n] -> [n, H]."""
@@ -83,7 +97,14 @@ class DecoderLM(nn.Module):
                 total -= bank * (1.0 - share)
         return total
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this module (None: not loaded): the `model.` prefix dropped; rotary
+        tables and, when tied, lm_head skipped."""
+        if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+            return None
+        return name.removeprefix("model.")
+
     def load_weights(self, tensors) -> None:
-        """Copy HF-named (name, tensor) pairs into the parameters. ModelLoadError naming the tensor on a missing,
-        unknown or wrongly shaped one."""
-        raise NotImplementedError
+        """Copy HF-named (name, tensor) pairs (model.layers.N.self_attn.q_proj.weight, lm_head.weight, ...) into
+        the fused parameters. ModelLoadError naming the tensor on a missing, unknown or wrongly shaped one."""
+        load_named_tensors(self, tensors, self.checkpoint_name)

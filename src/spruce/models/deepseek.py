@@ -15,7 +15,7 @@ from spruce.models.decoder import DecoderLM
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import GatedMLP, PreNormLayer
 from spruce.models.mla import MLAttention, rope_rows_to_rotate_half
-from spruce.models.moe import MoE
+from spruce.models.moe import MoE, router_bias_name
 from spruce.models.rope import Rotary
 from spruce.models.weights import load_named_tensors
 
@@ -23,11 +23,6 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 class DeepseekForCausalLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()):
-        super().__init__(cfg, aux_layers)
-        self.rotary = self.build_rotary(cfg)
-        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
-
     @staticmethod
     def build_rotary(cfg: ModelConfig) -> Rotary:
         """Rope over qk_rope_head_dim (the heads' shared rope key)."""
@@ -48,13 +43,11 @@ class DeepseekForCausalLM(DecoderLM):
         cfg = self.config
 
         def rename(name: str) -> str | None:
-            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
+            name = self.checkpoint_name(name)
+            m = _LAYER.match(name or "")
+            if name is None or (m and int(m.group(1)) >= cfg.num_layers):
                 return None
-            name = name.removeprefix("model.")
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= cfg.num_layers:
-                return None
-            return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+            return router_bias_name(name)
 
         buffers = [f"layers.{i}.mlp.e_score_correction_bias" for i in range(cfg.num_layers)]
         load_named_tensors(self, ((n, rope_rows_to_rotate_half(n, t, cfg)) for n, t in tensors), rename,

@@ -7,7 +7,6 @@ from spruce.models.decoder import DecoderLM
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import Attention, GatedMLP, PreNormLayer
 from spruce.models.rope import Rotary
-from spruce.models.weights import load_named_tensors
 
 
 class DecoderLayer(PreNormLayer):
@@ -21,11 +20,6 @@ class DecoderLayer(PreNormLayer):
 
 
 class LlamaForCausalLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, aux_layers: tuple[int, ...] = ()):
-        super().__init__(cfg, aux_layers)
-        self.rotary = self.build_rotary(cfg)
-        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
-
     @staticmethod
     def build_rotary(cfg: ModelConfig) -> Rotary:
         return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -35,13 +29,3 @@ class LlamaForCausalLM(DecoderLM):
                     pool_layer: int) -> PreNormLayer:
         """A decoder layer (every index alike), caching its K/V in layer `pool_layer` of its pool."""
         return DecoderLayer(cfg, rotary, backend, pool_layer)
-
-    def load_weights(self, tensors) -> None:
-        """HF names (model.layers.N.self_attn.q_proj.weight, lm_head.weight, ...) into the fused parameters."""
-
-        def rename(name: str) -> str | None:
-            if name.endswith("rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight"):
-                return None
-            return name.removeprefix("model.")
-
-        load_named_tensors(self, tensors, rename)

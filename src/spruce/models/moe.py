@@ -48,6 +48,11 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
     return weights, ids
 
 
+def router_bias_name(name: str) -> str:
+    """Checkpoints keep the router bias on the gate (`mlp.gate.e_score_correction_bias`); MoE holds it itself."""
+    return name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")
+
+
 class RoutedExperts(nn.Module):
     """E gated MLPs stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] (down).
 

@@ -28,6 +28,7 @@ from spruce.errors import ConfigError, ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.mla import rope_rows_to_rotate_half
+from spruce.models.moe import router_bias_name
 from spruce.models.registry import target_class
 from spruce.models.weights import export_named_tensors, load_named_tensors
 
@@ -129,7 +130,7 @@ class MTPDraft(nn.Module):
                 if rest.endswith("rotary_emb.inv_freq"):
                     continue
                 if not rest.startswith(_OWN_PARTS):
-                    rest = "decoder." + rest.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")
+                    rest = "decoder." + router_bias_name(rest)
                 yield f"layers.{j}.{rest}", rope_rows_to_rotate_half(rest, tensor, cfg)
 
         buffers = [f"layers.{j}.decoder.mlp.e_score_correction_bias" for j in range(n)]
