@@ -36,6 +36,20 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+def _split_partials(splits: int, t: int, num_heads: int, dim: int, out: torch.Tensor):
+    """fp32 per-split outputs [splits, T, H, dim] and log2-sum-exps [splits, T, H] for a kv range split across
+    programs (the merge kernel combines them); with one split the kernel writes `out` directly and these are
+    unused placeholders."""
+    if splits == 1:
+        return out, out
+    return (torch.empty(splits, t, num_heads, dim, dtype=torch.float32, device=out.device),
+            torch.empty(splits, t, num_heads, dtype=torch.float32, device=out.device))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 class TritonAttention(AttentionBackend):
     name = "triton"
 
@@ -43,11 +57,14 @@ class TritonAttention(AttentionBackend):
         super().__init__(page_size, limits, device)
         self._sms: int | None = None
 
-    def num_splits(self, programs: int, max_kv_len: int, device: torch.device) -> int:
-        """Split the kv range when the grid alone would leave most SMs idle (a power of two <= MAX_SPLITS)."""
+    def sm_count(self, device: torch.device) -> int:
         if self._sms is None:
             self._sms = _num_sms(device)
-        want = min(math.ceil(2 * self._sms / max(programs, 1)), math.ceil(max_kv_len / MIN_KV_PER_SPLIT), MAX_SPLITS)
+        return self._sms
+
+    def num_splits(self, programs: int, max_kv_len: int, device: torch.device) -> int:
+        """Split the kv range when the grid alone would leave most SMs idle (a power of two <= MAX_SPLITS)."""
+        want = min(math.ceil(2 * self.sm_count(device) / max(programs, 1)), math.ceil(max_kv_len / MIN_KV_PER_SPLIT), MAX_SPLITS)
         return 1 if want <= 1 else triton.next_power_of_2(want)
 
     @staticmethod
@@ -62,9 +79,7 @@ class TritonAttention(AttentionBackend):
     def num_latent_splits(self, programs: int, per_sm: int, max_kv_len: int, device: torch.device) -> int:
         """MLA kv splits: the largest power of two (<= MLA_MAX_SPLITS) that does not make the grid outgrow one
         wave of `per_sm` programs per SM; each split costs a write and a read of its fp32 [rows, Dv] output."""
-        if self._sms is None:
-            self._sms = _num_sms(device)
-        want = min(math.ceil(per_sm * self._sms / max(programs, 1)), math.ceil(max_kv_len / MLA_MIN_KV_PER_SPLIT),
+        want = min(math.ceil(per_sm * self.sm_count(device) / max(programs, 1)), math.ceil(max_kv_len / MLA_MIN_KV_PER_SPLIT),
                    MLA_MAX_SPLITS)
         return 1 << (max(want, 1).bit_length() - 1)
 
@@ -81,12 +96,8 @@ class TritonAttention(AttentionBackend):
         splits = self.num_splits(grid0 * num_heads, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
-        if splits > 1:
-            part_o = torch.empty(splits, t, num_heads, head_dim, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(splits, t, num_heads, dtype=torch.float32, device=q.device)
-        else:
-            part_o = part_lse = out  # unused
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
+        precision = _dot_precision(q.dtype)
         paged_attention_kernel[(grid0, num_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, num_q_blocks, t, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
@@ -117,12 +128,8 @@ class TritonAttention(AttentionBackend):
         splits = self.num_latent_splits(grid0, per_sm, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)
         out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
-        if splits > 1:
-            part_o = torch.empty(splits, t, num_heads, value_dim, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(splits, t, num_heads, dtype=torch.float32, device=q.device)
-        else:
-            part_o = part_lse = out  # unused
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        part_o, part_lse = _split_partials(splits, t, num_heads, value_dim, out)
+        precision = _dot_precision(q.dtype)
         mla_attention_kernel[(grid0, splits)](
             q, out, cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, num_m_blocks, t, q.stride(0), cache.stride(0), page_table.stride(0),
