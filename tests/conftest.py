@@ -54,6 +54,43 @@ def heldout_prompts(pycode19m) -> list[str]:
     return [json.loads(line)["text"] for line in lines if line.strip()]
 
 
+def hf_greedy(model_dir, texts: list[str], lengths: list[int], max_new: int) -> tuple[list, list]:
+    """The oracle: (prompts as token ids, text i cut to lengths[i] tokens; transformers' float32 greedy
+    continuation of each, max_new tokens, eos ignored)."""
+    transformers = pytest.importorskip("transformers")
+    from spruce.models.hf_config import ModelConfig
+    from spruce.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir, ModelConfig.from_dir(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts, outputs = [], []
+    for text, n in zip(texts, lengths):
+        ids = tok.encode(text)[:n]
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        prompts.append(ids)
+        outputs.append(out[0, len(ids):].tolist())
+    return prompts, outputs
+
+
+def generate_joining(eng, prompts: list, params, first: int = 2, join_at: int = 2) -> dict[int, list[int]]:
+    """Step an engine by hand: prompts[:first] start, the rest join at step `join_at` (mid-flight).
+    Returns {prompt index: output token ids}."""
+    ids = {eng.add_request(prompts[i], params): i for i in range(first)}
+    done = {}
+    for step in range(400):
+        if step == join_at:
+            ids.update({eng.add_request(prompts[i], params): i for i in range(first, len(prompts))})
+        for out in eng.step():
+            if out.finished:
+                done[ids[out.request_id]] = out.token_ids
+        if not eng.has_unfinished() and step > join_at:
+            break
+    return done
+
+
 def assert_no_leaks(llm) -> None:
     """Idle engine: every page is back in the allocator, every row free, accounting consistent."""
     eng = llm.engine if hasattr(llm, "engine") else llm

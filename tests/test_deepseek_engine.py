@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from spruce import SamplingParams
 from checkpoints import write_eagle3_checkpoint
+from conftest import generate_joining, hf_greedy
 from oracle_draft import install_oracle
 
 PROMPT_TOKENS = [37, 90, 11, 150]
@@ -27,23 +27,8 @@ def target(pycodemla):
 @pytest.fixture(scope="module")
 def reference(target):
     """Held-out prompts (token ids) and transformers' float32 greedy continuations."""
-    transformers = pytest.importorskip("transformers")
-    from spruce.models.hf_config import ModelConfig
-    from spruce.models.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(target, ModelConfig.from_dir(target))
     texts = [json.loads(line)["text"] for line in (Path(target) / "heldout_prompts.jsonl").read_text().splitlines()]
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    prompts, outputs = [], []
-    for text, n in zip(texts, PROMPT_TOKENS):
-        ids = tok.encode(text)[:n]
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=model.config.pad_token_id)
-        prompts.append(ids)
-        outputs.append(out[0, len(ids):].tolist())
-    return prompts, outputs
+    return hf_greedy(target, texts, PROMPT_TOKENS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +73,6 @@ def test_spec_joining_mid_flight_and_preemption(make_llm, target, draft, referen
     llm = spec_llm(make_llm, target, draft, reference, 8, 4, oracle=0.8, max_running_requests=3,
                    max_total_tokens=180)
     eng = llm.engine
-    ids = {eng.add_request(prompts[i], PARAMS): i for i in range(2)}
-    done = {}
-    for step in range(400):
-        if step == 2:
-            ids.update({eng.add_request(prompts[i], PARAMS): i for i in range(2, 4)})
-        for o in eng.step():
-            if o.finished:
-                done[ids[o.request_id]] = o.token_ids
-        if not eng.has_unfinished() and step > 2:
-            break
+    done = generate_joining(eng, prompts, PARAMS)
     assert done == dict(enumerate(want))
     assert eng.stats()["preemptions"] > 0

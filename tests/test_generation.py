@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from spruce import SamplingParams
 from spruce.errors import ConfigError, InvalidRequestError, ModelLoadError
+from conftest import hf_greedy
 
 PROMPT_TOKENS = [37, 90, 11, 150]  # mixed prompt lengths
 MAX_NEW = 20
@@ -15,22 +15,7 @@ MAX_NEW = 20
 @pytest.fixture(scope="session")
 def hf_reference(pycode19m, heldout_prompts):
     """Prompts (token ids) and transformers' greedy continuations, float32."""
-    transformers = pytest.importorskip("transformers")
-    from spruce.models.hf_config import ModelConfig
-    from spruce.models.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(pycode19m, ModelConfig.from_dir(pycode19m))
-    model = transformers.AutoModelForCausalLM.from_pretrained(pycode19m, dtype=torch.float32).eval()
-    prompts, outputs = [], []
-    for text, n in zip(heldout_prompts, PROMPT_TOKENS):
-        ids = tok.encode(text)[:n]
-        with torch.no_grad():
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=model.config.pad_token_id)
-        prompts.append(ids)
-        outputs.append(out[0, len(ids):].tolist())
-    return prompts, outputs
+    return hf_greedy(pycode19m, heldout_prompts, PROMPT_TOKENS, MAX_NEW)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16, 64])

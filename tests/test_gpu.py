@@ -34,13 +34,17 @@ def prompts19m(pycode19m, heldout_prompts):
 
 
 def generate(model, prompts, n, oracle_refs=None, **kw):
-    llm = LLM(model, device="cuda", attention_backend="triton", **kw)
+    """Greedy outputs (token ids) and engine stats of a fresh CUDA engine (triton unless `kw` says otherwise),
+    leak-checked. With `oracle_refs`, the draft is wrapped by the oracle, which runs on the host: such an engine
+    must run eagerly (cuda_graph=False), or its captured graphs replay the unwrapped draft."""
+    llm = LLM(model, device="cuda", **{"attention_backend": "triton", **kw})
     if oracle_refs is not None:
         o = install_oracle(llm, 0.7)
         for p, out in zip(prompts, oracle_refs):
             o.add_reference(p, out)
     outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
     stats = llm.engine.stats()
+    llm.engine.check_no_leaks()
     del llm
     torch.cuda.empty_cache()
     return [o.token_ids for o in outs], stats
@@ -89,17 +93,19 @@ def test_bf16_spec_greedy_matches_plain(pycode19m, draft19m, prompts19m, k, page
         matched += len(a) if first is None else first
         if first is not None:
             gaps.append(near_tie_gap(hf, p + a[:first]))
-    REPORT[f"K={k},page={page}"] = {"token_match_rate": matched / total, "divergences": len(gaps),
-                                    "top2_gaps_at_divergence": gaps, "spec": stats["spec"]}
-    _write_report()
+    write_report({f"K={k},page={page}": {"token_match_rate": matched / total, "divergences": len(gaps),
+                                         "top2_gaps_at_divergence": gaps, "spec": stats["spec"]}})
     assert all(g < 0.5 for g in gaps), gaps  # a divergence is only acceptable on a near-tie
 
 
-def _write_report():
+def write_report(entries: dict) -> None:
+    """Add `entries` to the JSON file SPRUCE_GPU_REPORT names (kept across test modules)."""
+    REPORT.update(entries)
     path = os.environ.get("SPRUCE_GPU_REPORT")
     if path:
+        old = json.loads(open(path).read()) if os.path.exists(path) else {}
         with open(path, "w") as f:
-            json.dump(REPORT, f, indent=2)
+            json.dump({**old, **REPORT}, f, indent=2)
 
 
 def test_overlap_equals_synchronous_loop_with_graphs(pycode19m, draft19m, prompts19m):

@@ -7,17 +7,14 @@ SPRUCE_GPU_REPORT=FILE appends the measured match rates to that JSON file."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-from spruce import LLM, SamplingParams
 from checkpoints import write_eagle3_checkpoint
-from oracle_draft import install_oracle
+from test_gpu import generate, near_tie_gap, write_report
 
 pytestmark = pytest.mark.gpu
-REPORT: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +30,6 @@ def prompts_mla(pycodemla):
     texts = [json.loads(line)["text"] for line in (pycodemla / "heldout_prompts.jsonl").read_text().splitlines()]
     tok = Tokenizer.from_dir(pycodemla, ModelConfig.from_dir(pycodemla))
     return [tok.encode(t)[: 40 + 13 * i] for i, t in enumerate(texts[:16])]
-
-
-def generate(model, prompts, n, oracle_refs=None, **kw):
-    llm = LLM(model, device="cuda", **{"attention_backend": "triton", **kw})
-    if oracle_refs is not None:
-        o = install_oracle(llm, 0.7)
-        for p, out in zip(prompts, oracle_refs):
-            o.add_reference(p, out)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    stats = llm.engine.stats()
-    llm.engine.check_no_leaks()
-    del llm
-    torch.cuda.empty_cache()
-    return [o.token_ids for o in outs], stats
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -71,19 +54,13 @@ def test_mla_triton_equals_torch_reference(pycodemla, draft_mla, prompts_mla, pa
     assert fast == ref
 
 
-def near_tie_gap(model, prefix: list[int]) -> float:
-    with torch.no_grad():
-        logits = model(torch.tensor([prefix], device="cuda")).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
 @pytest.mark.parametrize("k,page", [(4, 16), (8, 64), (8, 4)])
 def test_mla_bf16_spec_greedy_matches_plain(pycodemla, draft_mla, prompts_mla, k, page):
     n = 48
     plain, _ = generate(pycodemla, prompts_mla, n, dtype="bfloat16", page_size=page)
+    # eager: the oracle runs on the host, so captured graphs would replay the unwrapped draft
     spec, stats = generate(pycodemla, prompts_mla, n, oracle_refs=plain, dtype="bfloat16", page_size=page,
-                           draft_model=draft_mla, speculative_num_steps=5, speculative_eagle_topk=k,
+                           cuda_graph=False, draft_model=draft_mla, speculative_num_steps=5, speculative_eagle_topk=k,
                            speculative_num_draft_tokens=16)
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(pycodemla, dtype=torch.float32).cuda().eval()
@@ -93,19 +70,10 @@ def test_mla_bf16_spec_greedy_matches_plain(pycodemla, draft_mla, prompts_mla, k
             i = next(j for j in range(len(a)) if a[j] != b[j])
             gaps.append(near_tie_gap(hf, p + a[:i]))
     matched = sum(a == b for a, b in zip(plain, spec))
-    REPORT[f"mla_bf16_K{k}_page{page}"] = {"requests": len(plain), "identical": matched,
-                                           "divergence_top2_gaps": gaps,
-                                           "mean_accept_length": stats["spec"]["mean_accept_length"]}
-    _write_report()
+    write_report({f"mla_bf16_K{k}_page{page}": {"requests": len(plain), "identical": matched,
+                                                 "divergence_top2_gaps": gaps,
+                                                 "mean_accept_length": stats["spec"]["mean_accept_length"]}})
     assert all(g < 0.5 for g in gaps), gaps  # any divergence is a bf16 near-tie of the float32 reference
-
-
-def _write_report():
-    path = os.environ.get("SPRUCE_GPU_REPORT")
-    if path:
-        old = json.loads(open(path).read()) if os.path.exists(path) else {}
-        with open(path, "w") as f:
-            json.dump({**old, **REPORT}, f, indent=2)
 
 
 NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=4,

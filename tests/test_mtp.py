@@ -17,6 +17,7 @@ import torch
 from spruce import SamplingParams
 from spruce.errors import ConfigError
 from checkpoints import write_deepseek_checkpoint, write_llama_checkpoint
+from conftest import generate_joining
 from mtp_checkpoints import add_mtp_layers
 
 MAX_NEW = 24
@@ -67,16 +68,7 @@ def test_nextn_joining_mid_flight_and_preemption(make_llm, pycodemla, prompts, p
     llm = nextn(make_llm, pycodemla, 5, 8, 16, 4, max_running_requests=3, max_total_tokens=170)
     eng = llm.engine
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    ids = {eng.add_request(prompts[i], params): i for i in range(2)}
-    done = {}
-    for step in range(400):
-        if step == 2:
-            ids.update({eng.add_request(prompts[i], params): i for i in range(2, 4)})
-        for o in eng.step():
-            if o.finished:
-                done[ids[o.request_id]] = o.token_ids
-        if not eng.has_unfinished() and step > 2:
-            break
+    done = generate_joining(eng, prompts, params)
     assert done == dict(enumerate(plain))
     assert eng.stats()["preemptions"] > 0
 
