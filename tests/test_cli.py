@@ -118,3 +118,17 @@ def test_help_and_version_import_nothing_heavy():
 def test_bench_subcommands_register_their_flags_when_chosen(capsys, argv, flag):
     rc, out, _ = run_cli(capsys, *argv)
     assert rc == 0 and flag in out
+
+
+def test_engine_flags_reach_the_engine_config():
+    """--disable-radix-cache and --speculative-algorithm NEXTN (no draft path: the model's own MTP layers) are
+    passed on, not dropped."""
+    from spruce.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--model", MODEL, "--prompt", "x", "--disable-radix-cache",
+                                      "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"])
+    kw = engine_kwargs(args)
+    assert kw["disable_radix_cache"] is True
+    assert (kw["draft_model"], kw["speculative_algorithm"], kw["speculative_num_steps"]) == (None, "NEXTN", 2)
+    plain = engine_kwargs(build_parser().parse_args(["generate", "--model", MODEL, "--prompt", "x"]))
+    assert plain["disable_radix_cache"] is False and plain["speculative_algorithm"] is None
