@@ -1,12 +1,14 @@
 """A short speculative run with CUDA graphs, for `compute-sanitizer --tool memcheck` (the seed configs).
 
-Usage: python bench/sanitize_run.py MODEL [DRAFT | NEXTN]. With a trained DRAFT the rounds accept several tokens,
+Usage: python bench/sanitize_run.py MODEL [DRAFT | NEXTN] (env SANITIZE_BACKEND: the attention backend, default
+the CUDA default). With a trained DRAFT the rounds accept several tokens,
 so commits of accepted paths run too (a random head accepts almost nothing); NEXTN drafts with the model's own
 MTP layers. Greedy and sampled requests share
 each batch, so both the in-graph greedy acceptance and the eager sampled acceptance run. Overlap scheduling is
 on (the default), so every step is queued behind the one still running; a plain-decoding run follows.
 """
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -17,6 +19,7 @@ from checkpoints import write_eagle3_checkpoint  # noqa: E402
 from spruce import LLM, SamplingParams  # noqa: E402
 
 model = sys.argv[1]
+backend = os.environ.get("SANITIZE_BACKEND")
 prompts = ["def fib(n):", "import os\n", "class A:", "x = ["]
 params = [SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.0),
           SamplingParams(max_tokens=48, temperature=0.8, seed=1), SamplingParams(max_tokens=48, temperature=0.8, seed=2)]
@@ -27,14 +30,15 @@ with tempfile.TemporaryDirectory() as tmp:
     for page, k, s, n in [(64, 8, 5, 32), (4, 8, 5, 32)]:
         llm = LLM(model, device="cuda", dtype="bfloat16", page_size=page, max_running_requests=4,
                   draft_model=draft, speculative_algorithm="NEXTN" if nextn else None, speculative_num_steps=s,
-                  speculative_eagle_topk=k, speculative_num_draft_tokens=n, cuda_graph=True)
+                  speculative_eagle_topk=k, speculative_num_draft_tokens=n, cuda_graph=True, attention_backend=backend)
         outs = llm.generate(prompts, params)
         stats = llm.engine.stats()["spec"]
         print(f"page={page} topk={k}: {[len(o.token_ids) for o in outs]} tokens, "
               f"mean accept length {stats['mean_accept_length']:.2f} over {stats['rounds']} rounds")
         llm.engine.check_no_leaks()
         del llm
-    plain = LLM(model, device="cuda", dtype="bfloat16", page_size=4, max_running_requests=4, cuda_graph=True)
+    plain = LLM(model, device="cuda", dtype="bfloat16", page_size=4, max_running_requests=4, cuda_graph=True,
+                attention_backend=backend)
     outs = plain.generate(prompts, params)
     print(f"plain page=4: {[len(o.token_ids) for o in outs]} tokens")
     plain.engine.check_no_leaks()

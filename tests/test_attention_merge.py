@@ -176,12 +176,31 @@ def test_config_choices_and_errors_come_from_the_registry():
     assert EngineConfig(model="m", attention_backend="torch-split").resolved_attention_backend == "torch-split"
     assert registry.resolve(None, "cuda") == registry.resolve("auto", "cuda:1") == "triton"
     assert registry.describe_choice(None, "cuda") == "attention_backend='triton' (the default on cuda: 'auto')"
-    assert registry.graph_backends() == ("triton",)
+    assert registry.graph_backends() == ("triton", "flashinfer")
+
+
+def test_flashinfer_is_registered_with_its_limits(monkeypatch):
+    """Listed everywhere; refused with the install hint when the package is missing; no float32, no MLA yet."""
+    monkeypatch.setattr("spruce.config._check_device_available", lambda device: None)
+    info = registry.get_info("flashinfer")
+    assert "flashinfer" in registry.choices() and info.cuda_graphs and not info.mla
+    monkeypatch.setattr(registry, "_importable", lambda package: package != "flashinfer")
+    with pytest.raises(ConfigError, match=r"attention_backend='flashinfer' needs flashinfer, which is not installed: "
+                                          r"pip install 'spruce\[flashinfer\]'"):
+        EngineConfig(model="m", device="cuda", attention_backend="flashinfer")
+    monkeypatch.setattr(registry, "_importable", lambda package: True)
+    with pytest.raises(ConfigError, match=r"attention_backend='flashinfer' does not support dtype='float32'"):
+        EngineConfig(model="m", device="cuda", attention_backend="flashinfer", dtype="float32")
+    with pytest.raises(ConfigError, match="has no MLA"):
+        registry.check_model("flashinfer", mla=True, what="the target")
+    with pytest.raises(ConfigError, match=r"does not support head_dim=96"):
+        registry.check_model("flashinfer", head_dim=96)
 
 
 def test_cuda_graph_rule_names_the_capable_backends(monkeypatch):
     monkeypatch.setattr("spruce.config._check_device_available", lambda device: None)  # a CUDA-less machine
-    with pytest.raises(ConfigError, match=r"cuda_graph=True needs an attention backend with CUDA graphs \('triton'\);"
+    with pytest.raises(ConfigError, match=r"cuda_graph=True needs an attention backend with CUDA graphs "
+                                          r"\('triton', 'flashinfer'\);"
                                           r" attention_backend='torch-split' runs eagerly"):
         EngineConfig(model="m", device="cuda", attention_backend="torch-split", cuda_graph=True)
     assert not EngineConfig(model="m", device="cuda", attention_backend="torch").use_cuda_graph
@@ -329,3 +348,43 @@ def test_engine_on_split_backend_equals_torch_mla(make_llm, tmp_path):
     assert outs["torch"] == outs["torch-split"] and all(len(t) == 12 for t in outs["torch"])
     runner = llm.engine.runner
     assert type(runner.target_kv).__name__ == type(runner.draft_kv).__name__ == "LatentKVPool"
+
+
+# --- the flashinfer backend's split, with torch standing in for FlashInfer (DESIGN §13) ---------------------------
+def request_floors(batch, seed: int) -> torch.Tensor:
+    """A random host-known floor per request: <= every kv length its real tokens attend to (0 for padding)."""
+    g = torch.Generator().manual_seed(seed)
+    floors = []
+    for b in range(batch.batch_size):
+        lens = batch.kv_lens[int(batch.qo_indptr[b]):int(batch.qo_indptr[b + 1])]
+        real = lens[lens > 0]
+        top = int(real.min()) if real.numel() else 0
+        floors.append(int(torch.randint(0, top + 1, (1,), generator=g)) if top else 0)
+    return torch.tensor(floors, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("phase", ["decode", "verify", "draft_decode", "draft_extend"])
+def test_prefix_floor_plus_triton_tail_equals_one_attention(phase, page_size):
+    """[0, floor) by a paged kernel (torch here, FlashInfer on the GPU) merged with the Triton kernel's
+    [floor, kv_len) + scratch half (kv_start, LSE out) equals one masked attention, LSE included."""
+    pytest.importorskip("triton")
+    from spruce.attention.triton_backend import TritonAttention
+
+    ph, prefixes, q_lens, kw = PHASES[phase]
+    q, k, v, kc, vc, start, batch, table = make_case(ph, prefixes, q_lens, page_size, **GQA, **kw, seed=3)
+    scale = q.shape[-1] ** -0.5
+    ref = TorchAttention(page_size).forward(q, k, v, kc, vc, start, batch, table, scale)  # also stores K/V
+    floors = request_floors(batch, seed=page_size)
+    o_prefix, lse_prefix = attend_prefix(q, kc, vc, batch, table, page_size, scale, kv_stop=floors)
+    o_tail, lse_tail = TritonAttention(page_size).attend(q, kc, vc, start, batch, table, scale, kv_start=floors,
+                                                         return_lse=True)
+    want_o, want_lse = merge_states(*attend_prefix(q, kc, vc, batch, table, page_size, scale, kv_start=floors),
+                                    *attend_scratch(q, kc, vc, batch, start, scale))
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(seen, torch.isfinite(lse_tail))
+    assert (lse_tail[seen] - want_lse[seen]).abs().max() < 1e-4 and (o_tail - want_o).abs().max() < 1e-4
+    out, lse = merge_states(o_prefix, lse_prefix, o_tail, lse_tail)
+    out = torch.where(torch.isfinite(lse)[..., None], out, 0.0)  # what the backend does: padding gets zeros
+    assert (out - ref).abs().max().item() < 1e-5
+    assert bool((floors > 0).any()), "the case must exercise a non-empty prefix half"

@@ -117,7 +117,7 @@ def test_overlap_equals_synchronous_loop_with_graphs(pycode19m, draft19m, prompt
     overlap, stats = generate(pycode19m, ps, 32, **kw)
     assert overlap == sync
     REPORT["overlap_vs_sync_bs13"] = {"equal": True, "spec": stats["spec"]}
-    _write_report()
+    write_report({})
 
 
 @pytest.mark.parametrize("spec", [False, True])

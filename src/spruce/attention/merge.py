@@ -50,10 +50,13 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
 
 
 def attend_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                  page_table: torch.Tensor, page_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  page_table: torch.Tensor, page_size: int, scale: float, kv_start: torch.Tensor | None = None,
+                  kv_stop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query token over paged positions 0 .. kv_lens[t]-1 of its row, no other mask.
 
     q [T, Hq, D]; caches [slots, Hkv, D] / [slots, Hkv, Dv] (already holding the batch's new K/V).
+    kv_start / kv_stop [bs] (optional): request b's tokens see only positions in [kv_start[b], kv_stop[b]) of
+    that range (the two halves of a prefix split at a host-known length: FlashInfer's backend, DESIGN §13).
     Returns (o [T, Hq, Dv], lse [T, Hq]) in float32, LSE base 2."""
     pos = torch.arange(batch.max_kv_len, device=q.device)  # [Lp]
     rows = batch.req_rows
@@ -61,7 +64,12 @@ def attend_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     def mask(tok: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
         kv_lens = batch.kv_lens[tok].long().masked_fill(~exists, 0)  # [bs, mb]
-        return pos[None, None, :] < kv_lens[:, :, None]  # [bs, mb, Lp]
+        seen = pos[None, None, :] < kv_lens[:, :, None]  # [bs, mb, Lp]
+        if kv_start is not None:
+            seen &= pos[None, None, :] >= kv_start.long()[:, None, None]
+        if kv_stop is not None:
+            seen &= pos[None, None, :] < kv_stop.long()[:, None, None]
+        return seen
 
     return _partial(q, k_cache, v_cache, batch, slots, mask, scale)
 

@@ -51,12 +51,18 @@ class ForwardBatch:
     # token; None for the phases built on the device (a backend's plan may read these, never device memory)
     host_q_lens: tuple[int, ...] | None = None
     host_kv_lens: tuple[int, ...] | None = None
+    # per request (padding rows included), when the host knows them: its page-table row, and a kv length its
+    # tokens all attend to whose pages are final (a decode step: the committed length as of the last resolved
+    # step, a lower bound under overlap scheduling; EXTEND: the rows of `extend`). Planning data for library
+    # kernels that need host lengths (DESIGN §13); the attention contract itself reads only the device tensors.
+    host_rows: tuple[int, ...] | None = None
+    host_kv_floor: tuple[int, ...] | None = None
 
     @property
     def layout(self) -> tuple:
         """The host-side description a backend plans from (DESIGN §13): equal layouts get equal plans."""
         return (self.phase, self.batch_size, self.num_tokens, self.max_q_len, self.max_kv_len, self.scratch_width,
-                self.host_q_lens, self.host_kv_lens)
+                self.host_q_lens, self.host_kv_lens, self.host_rows, self.host_kv_floor)
 
     @property
     def tokens_per_request(self) -> int | None:

@@ -186,3 +186,10 @@ register(BackendInfo(
     "reference for library kernels: paged prefix and tree scratch as two partial attentions merged by "
     "log-sum-exp (attention/merge.py); CPU and GPU, eager only",
 ))
+register(BackendInfo(
+    "flashinfer", "spruce.attention.flashinfer_backend:FlashInferAttention",
+    "FlashInfer's paged kernels for the committed prefix (host-planned), spruce's Triton kernel for the tail and "
+    "tree scratch, merged by log-sum-exp; MHA/GQA; CUDA graphs",
+    cuda_graphs=True, mla=False, dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), needs_cuda=True,
+    requires="flashinfer",
+))

@@ -84,32 +84,45 @@ class TritonAttention(AttentionBackend):
         return 1 << (max(want, 1).bit_length() - 1)
 
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
-        t = batch.num_tokens
-        if t == 0:
+        if batch.num_tokens == 0:
             return torch.empty_like(q)
         store_kv(k, v, k_cache, v_cache, batch.out_slots)
+        out, _ = self.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale)
+        return out
+
+    def attend(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
+               kv_start: torch.Tensor | None = None, return_lse: bool = False):
+        """Attention of the batch's tokens over their keys (the caches already hold the new K/V).
+
+        kv_start [bs] int32 (optional): request b's paged keys start at kv_start[b] instead of 0, for a backend
+        that serves [0, kv_start) with another kernel and merges (DESIGN §13). return_lse: also the log2-sum-exp
+        of the scaled scores [T, Hq] float32 (-inf where a token saw nothing); the kv range is then not split.
+        Returns (out [T, Hq, D] in q's dtype, lse or None)."""
+        t = batch.num_tokens
         _, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
+        num_kv_heads = k_cache.shape[1]
         block_m = 16 if batch.max_q_len <= 16 else 32
         num_q_blocks = triton.cdiv(max(batch.max_q_len, 1), block_m)
         grid0 = batch.batch_size * num_q_blocks
-        splits = self.num_splits(grid0 * num_heads, batch.max_kv_len, q.device)
+        splits = 1 if return_lse else self.num_splits(grid0 * num_heads, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
+        lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
         precision = _dot_precision(q.dtype)
         paged_attention_kernel[(grid0, num_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
-            part_o, part_lse, num_q_blocks, t, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
+            part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
+            num_q_blocks, t, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
             MASK_WORDS=batch.tree_mask.shape[1], NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            DOT_PRECISION=precision, num_warps=4,
+            DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=4,
         )
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                                 BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=splits)
-        return out
+        return out, lse
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         t = batch.num_tokens

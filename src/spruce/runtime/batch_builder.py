@@ -41,6 +41,28 @@ class BatchBuilder:
         self.qo_indptr = torch.zeros(r + 1, dtype=torch.int32, device=device)  # [R+1]
         # one-launch Triton fill of scratch phases (same values as torch) where Triton can run it
         self.fused = device.type == "cuda" and HAS_TRITON
+        self._known: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # set_known_prefix
+
+    def set_known_prefix(self, rows: list[int] | None, floors: list[int] | None) -> None:
+        """The host's view of the next decode step's requests: page-table rows and, per request, a committed
+        length whose pages are final (<= what the device holds). Every uniform-phase batch carries them (padded
+        with the dummy row and 0) as `host_rows` / `host_kv_floor` until the next call; None forgets them."""
+        if rows is None:
+            self._known = None
+            return
+        if floors is None or len(floors) != len(rows):
+            raise InvariantError(f"set_known_prefix: {len(rows)} rows but floors {floors!r}")
+        self._known = (tuple(rows), tuple(floors))
+
+    def _known_for(self, phase: Phase, bs: int) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        if self._known is None:
+            return None, None
+        rows, floors = self._known
+        if len(rows) > bs:
+            raise InvariantError(f"{phase.value}: batch of {bs} rows, but the step's known prefix lists "
+                                 f"{len(rows)} requests")
+        pad = bs - len(rows)
+        return rows + (self.limits.dummy_row,) * pad, floors + (0,) * pad
 
     # --- checks -------------------------------------------------------------------------------------------
     def _check(self, phase: Phase, bs: int, num_tokens: int, max_kv_len: int) -> None:
@@ -60,7 +82,10 @@ class BatchBuilder:
 
     def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width, max_q_len=None,
               host_lens=None) -> ForwardBatch:
-        q_lens, kv_lens = host_lens if host_lens is not None else (None, None)
+        q_lens, kv_lens, rows = host_lens if host_lens is not None else (None, None, None)
+        floors = None  # EXTEND: host_kv_lens are its exact lengths
+        if phase != Phase.EXTEND:
+            rows, floors = self._known_for(phase, bs)
         return ForwardBatch(
             phase=phase, batch_size=bs, num_tokens=num_tokens,
             input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens],
@@ -69,7 +94,7 @@ class BatchBuilder:
             req_rows=self.req_rows[:bs], qo_indptr=self.qo_indptr[: bs + 1],
             max_kv_len=max_kv_len, scratch_width=scratch_width,
             max_q_len=max_q_len if max_q_len is not None else (num_tokens // bs if bs else 0),
-            host_q_lens=q_lens, host_kv_lens=kv_lens,
+            host_q_lens=q_lens, host_kv_lens=kv_lens, host_rows=rows, host_kv_floor=floors,
         )
 
     def describe(self, phase: Phase, bs: int, stride: int, max_kv_len: int, scratch_width: int) -> ForwardBatch:
@@ -101,7 +126,7 @@ class BatchBuilder:
         self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
         self._fill_paged(n)
         return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0),
-                          (tuple(lens), tuple(s + m for s, m in zip(starts, lens))))
+                          (tuple(lens), tuple(s + m for s, m in zip(starts, lens)), tuple(rows)))
 
     def _fill_paged(self, n: int) -> None:
         """out_slots = the token's own page slot; kv_lens = position + 1 (causal); no scratch."""

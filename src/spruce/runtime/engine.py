@@ -294,7 +294,13 @@ class Engine:
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
         repeat = self.limits.num_draft_tokens if self.speculative else 1
         logprobs = decode_plan(reqs, self.limits.step_advance)
-        result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+        # planning data for library attention kernels: the committed length the host knows (a lower bound of
+        # the device's under overlap) and whose pages are final (DESIGN §13)
+        self.runner.set_known_prefix(rows, [q.committed for q in reqs])
+        try:
+            result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+        finally:
+            self.runner.set_known_prefix(None, None)
         return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,

@@ -93,6 +93,12 @@ class ModelRunner:
         self.backend.plan(batch, self.page_table.table)
         self._planned[batch.phase] = batch.layout
 
+    def set_known_prefix(self, rows: list[int] | None, floors: list[int] | None) -> None:
+        """Before a decode step: its requests' page-table rows and the committed length of each that the host
+        knows (final pages; a lower bound of the device's under overlap). Backends whose library kernels plan
+        from host lengths read them from the batches (`ForwardBatch.host_kv_floor`); None after the step."""
+        self.builder.set_known_prefix(rows, floors)
+
     def phase_layout(self, phase: Phase) -> tuple[int, int]:
         """(tokens per request, scratch width) of a uniform-stride phase, from the Limits."""
         lim = self.limits

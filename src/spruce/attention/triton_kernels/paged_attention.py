@@ -7,8 +7,9 @@ prefill, the committed length for tree phases). The last split also walks the re
 masked per token by its ancestor bitmask. Online softmax in the log2 domain:
     m' = max(m, rowmax(s));  alpha = 2^(m - m');  p = 2^(s - m')
     l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ V
-With one split the program writes acc / l; with several it writes acc / l and lse = m + log2(l) per split
-and `merge_splits_kernel` combines them. A token with nothing to attend to gets zeros. Every size that
+With one split the program writes acc / l (and, when asked, lse = m + log2(l)); with several it writes
+acc / l and lse per split and `merge_splits_kernel` combines them. With `kv_start` the paged range starts at
+the request's kv_start instead of 0 (the tail half of a split attention, DESIGN §13). A token with nothing to attend to gets zeros. Every size that
 shapes the grid is a host int fixed per CUDA-graph bucket; per-request lengths are read on the device.
 """
 
@@ -33,10 +34,11 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRE
 @triton.jit(do_not_specialize=["num_q_blocks", "num_tokens"])  # vary per call: one compiled kernel for all
 def paged_attention_kernel(
     q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse,
-    num_q_blocks, num_tokens, q_stride, table_stride, scratch_start, sm_scale_log2,
+    kv_start, lse_ptr, num_q_blocks, num_tokens, q_stride, table_stride, scratch_start, sm_scale_log2,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -60,9 +62,13 @@ def paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         kv_stride = NUM_KV_HEADS * HEAD_DIM
 
-        # paged prefix: this split's share of [0, kv_max), in whole BLOCK_N chunks
-        chunk = tl.cdiv(tl.cdiv(kv_max, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        # paged prefix: this split's share of [kv_lo, kv_max), in whole BLOCK_N chunks; kv_lo = 0, or the
+        # request's kv_start when another kernel attends to [0, kv_start) (FlashInfer's half: DESIGN §13)
+        kv_lo = 0
+        if HAS_KV_START:
+            kv_lo = tl.load(kv_start + b)
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -100,6 +106,9 @@ def paged_attention_kernel(
         o_mask = m_valid[:, None] & d_valid[None, :]
         if NUM_SPLITS == 1:
             tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            if RETURN_LSE:  # log2-sum-exp of the scaled scores: FlashInfer's convention (merge_state)
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+                tl.store(lse_ptr + offs_m * NUM_HEADS + head, lse, mask=m_valid)
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             tl.store(part_o + split * num_tokens * NUM_HEADS * HEAD_DIM + o_off, out, mask=o_mask)

@@ -1,0 +1,219 @@
+"""The `flashinfer` attention backend (MHA / GQA): FlashInfer's paged kernels for the committed prefix, spruce's
+Triton kernel for what only the device knows, merged by FlashInfer's `merge_state` (DESIGN §13).
+
+Every forward is split at a length the host knows exactly:
+
+* **EXTEND** (prefill chunks, host-built): one causal FlashInfer paged prefill over each request's whole range
+  (its host lengths are exact). No tree, no merge.
+* **Decode-time phases** (DECODE, VERIFY, DRAFT_DECODE, DRAFT_EXTEND): request b's tokens see the committed
+  pages [0, kv_lens[t]) plus tree scratch. The host knows a floor F_b <= every kv_lens[t] of the request whose
+  pages are final (the committed length as of the last resolved step, `ForwardBatch.host_kv_floor`; under
+  overlap scheduling the device may be a round or two ahead of it). So:
+    prefix half  [0, F_b)             FlashInfer paged attention, non-causal, planned from exact host lengths;
+    tail half    [F_b, kv_lens[t])    + the ancestor-masked scratch: spruce's Triton kernel (`kv_start` = F);
+    merge        log-sum-exp, base 2  (flashinfer.merge_state).
+  Without a floor (a batch the engine did not describe, graph capture) F = 0: the tail kernel then does all the
+  work, which is correct and merely slower. Page size and topk still never meet in FlashInfer: it sees pages
+  only; the tree stays in spruce's kernel. Padding tokens (nothing seen in either half) get zeros, as the
+  contract requires.
+
+Plans (host, outside graphs): FlashInfer's `plan` reads host indptr / last-page-len arrays, which the backend
+derives from the floors; the page indices are gathered from the page table on the device (no host copy of the
+table). Graph-mode wrappers are kept per (phase, model shape, bucket rows) with Limits-sized index buffers per
+phase (FlashInfer fixes a graph wrapper's batch size); eager batches of other sizes use one plain wrapper per
+(phase, shape). FlashInfer's plan stages its schedule in a pinned host buffer and copies it asynchronously: a
+wrapper's next plan first waits for the event recorded after its previous plan, so the host can never
+overwrite a schedule the device has not read yet (overlap scheduling plans a step while the last one runs).
+
+Model shapes (heads, KV heads, head dim, scale) are learned from the first forward of each phase and model
+(eager: graph capture warms up eagerly first); every later plan of the phase re-plans each of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flashinfer
+import torch
+
+from spruce.attention.backend import AttentionBackend
+from spruce.attention.metadata import ForwardBatch, Phase
+from spruce.attention.triton_backend import TritonAttention
+from spruce.attention.triton_kernels.store_kv import store_kv
+from spruce.errors import InvariantError
+
+FLOAT_WORKSPACE_BYTES = 256 << 20  # split-kv partial outputs, shared by every wrapper (they run one at a time)
+INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's default schedule buffer, one per phase on the device
+GRAPH_KERNELS = "fa2"  # decode-time phases: FlashInfer's graph-mode schedule (split-kv) is FA2's
+EXTEND_KERNELS = "auto"  # prefill: FlashInfer's choice (FA3 on Hopper)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model's attention as FlashInfer plans it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    dtype: torch.dtype
+
+
+@dataclass
+class PrefixPlan:
+    """The host side of one phase's plan: what FlashInfer's `plan` takes, and the Triton tail's start."""
+
+    rows: int  # batch rows (padding included)
+    causal: bool
+    qo_indptr: torch.Tensor  # [rows+1] int32, host
+    kv_indptr: torch.Tensor  # [rows+1] int32, host (pages)
+    last_page_len: torch.Tensor  # [rows] int32, host
+    kv_indices: torch.Tensor  # [nnz pages] int32, device
+    kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
+    graph_mode: bool
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, page_size: int, limits=None, device=None):
+        self.tail = TritonAttention(page_size)  # the tail + scratch half
+        self._shapes: dict[Phase, list[Shape]] = {}
+        self._plans: dict[Phase, PrefixPlan] = {}
+        self._wrappers: dict[tuple, flashinfer.BatchPrefillWithPagedKVCacheWrapper] = {}
+        self._planned: dict[tuple, PrefixPlan] = {}  # wrapper key -> the plan it was last planned with
+        self._fences: dict[tuple, torch.cuda.Event] = {}
+        super().__init__(page_size, limits, device)
+
+    def allocate(self, limits, device) -> None:
+        super().allocate(limits, device)
+        self.tail.allocate(limits, device)
+        rows = limits.num_rows
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.float_workspace = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._int_workspace: dict[Phase, torch.Tensor] = {}
+        # per phase: graph-mode wrappers' fixed buffers (views of these for each bucket), and the gathered indices
+        max_pages = rows * limits.max_pages_per_request
+        self._buffers = {phase: dict(qo_indptr=torch.zeros(rows + 1, **i32), kv_indptr=torch.zeros(rows + 1, **i32),
+                                     last_page_len=torch.zeros(rows, **i32), kv_indices=torch.zeros(max_pages, **i32),
+                                     kv_start=torch.zeros(rows, **i32), staged=torch.zeros(max_pages + 1, **i32))
+                         for phase in Phase}
+
+    # --- plan (host, outside graphs) ---------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch, page_table: torch.Tensor) -> None:
+        plan = self._prefix_plan(batch, page_table)
+        self._plans[batch.phase] = plan
+        for shape in self._shapes.get(batch.phase, ()):
+            self._plan_wrapper(batch.phase, shape, plan)
+
+    def _prefix_plan(self, batch: ForwardBatch, page_table: torch.Tensor) -> PrefixPlan:
+        bs, ps = batch.batch_size, self.page_size
+        bufs = self._buffers[batch.phase]
+        if batch.phase == Phase.EXTEND:
+            if batch.host_rows is None or batch.host_q_lens is None:
+                raise InvariantError("extend: the flashinfer backend plans from the batch's host rows and lengths")
+            rows, lengths, q_lens = batch.host_rows, batch.host_kv_lens, batch.host_q_lens
+        else:
+            rows = batch.host_rows if batch.host_rows is not None else (self.limits.dummy_row,) * bs
+            lengths = batch.host_kv_floor if batch.host_kv_floor is not None else (0,) * bs
+            q_lens = (batch.max_q_len,) * bs
+        pages = [-(-n // ps) for n in lengths]  # ceil
+        qo_indptr = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        kv_indptr = torch.tensor([0, *pages], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * ps if p else 0 for n, p in zip(lengths, pages)], dtype=torch.int32)
+        nnz = int(kv_indptr[-1])
+        indices = self._gather_indices(bufs, page_table, rows, pages, kv_indptr, nnz)
+        kv_start = None
+        if batch.phase != Phase.EXTEND:
+            kv_start = bufs["kv_start"][:bs]
+            kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
+        graph_mode = batch.phase != Phase.EXTEND and bs in self.limits.graph_buckets
+        return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last, indices, kv_start, graph_mode)
+
+    def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
+        """The page ids of rows[b]'s first pages[b] pages, concatenated: [nnz] on the device (enqueued, no sync).
+
+        Invalid (row, column) pairs scatter into one trash entry past the end."""
+        staged = bufs["staged"]
+        width = max(pages, default=0)
+        if nnz == 0 or width == 0:
+            return staged[:0]
+        dev = self.device
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        counts = torch.tensor(pages, dtype=torch.int64).to(dev, non_blocking=True)
+        starts = kv_indptr[:-1].to(torch.int64).to(dev, non_blocking=True)
+        cols = torch.arange(width, device=dev)[None, :]  # [1, width]
+        dest = torch.where(cols < counts[:, None], starts[:, None] + cols, staged.shape[0] - 1)  # [bs, width]
+        staged.scatter_(0, dest.reshape(-1), page_table[rows_t, :width].reshape(-1))
+        return staged[:nnz]
+
+    def _wrapper(self, phase: Phase, shape: Shape, plan: PrefixPlan):
+        key = (phase, shape, plan.rows if plan.graph_mode else None)
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            if phase not in self._int_workspace:
+                self._int_workspace[phase] = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            if plan.graph_mode:
+                bufs, n = self._buffers[phase], plan.rows
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"][:n + 1],
+                    paged_kv_indptr_buf=bufs["kv_indptr"][:n + 1], paged_kv_indices_buf=bufs["kv_indices"],
+                    paged_kv_last_page_len_buf=bufs["last_page_len"][:n], backend=GRAPH_KERNELS)
+            else:
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.float_workspace, "NHD", backend=EXTEND_KERNELS if phase == Phase.EXTEND else GRAPH_KERNELS)
+            wrapper.reset_workspace_buffer(self.float_workspace, self._int_workspace[phase])
+            self._wrappers[key] = wrapper
+        return key, wrapper
+
+    def _plan_wrapper(self, phase: Phase, shape: Shape, plan: PrefixPlan):
+        key, wrapper = self._wrapper(phase, shape, plan)
+        fence = self._fences.get(key)
+        if fence is not None:
+            fence.synchronize()  # the device has read this wrapper's previous schedule from its pinned buffer
+        wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, shape.num_heads,
+                     shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.causal, sm_scale=shape.scale,
+                     q_data_type=shape.dtype, kv_data_type=shape.dtype)
+        fence = fence or torch.cuda.Event()
+        fence.record()
+        self._fences[key] = fence
+        self._planned[key] = plan
+        return wrapper
+
+    def _planned_wrapper(self, batch: ForwardBatch, shape: Shape):
+        """The wrapper planned for this phase and shape; a shape seen for the first time is planned here, which
+        must be outside graph capture (capture warms every phase up eagerly first)."""
+        plan = self._plans.get(batch.phase)
+        if plan is None or plan.rows != batch.batch_size:
+            raise InvariantError(f"{batch.phase.value}: flashinfer forward over {batch.batch_size} rows, but the "
+                                 f"phase was planned for {plan.rows if plan else 'nothing'}")
+        shapes = self._shapes.setdefault(batch.phase, [])
+        key = (batch.phase, shape, plan.rows if plan.graph_mode else None)
+        if shape not in shapes or self._planned.get(key) is not plan:
+            if torch.cuda.is_current_stream_capturing():
+                raise InvariantError(f"{batch.phase.value}: attention shape {shape} first seen inside a CUDA graph "
+                                     f"capture (it must be planned before: warm-up runs eagerly)")
+            if shape not in shapes:
+                shapes.append(shape)
+            return self._plan_wrapper(batch.phase, shape, plan), plan
+        return self._wrappers[key], plan
+
+    # --- forward -------------------------------------------------------------------------------------------------
+    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+        if batch.num_tokens == 0:
+            return torch.empty_like(q)
+        store_kv(k, v, k_cache, v_cache, batch.out_slots)
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        shape = Shape(q.shape[1], num_kv_heads, head_dim, float(scale), q.dtype)
+        wrapper, plan = self._planned_wrapper(batch, shape)
+        paged = (k_cache[:scratch_start].view(-1, self.page_size, num_kv_heads, head_dim),
+                 v_cache[:scratch_start].view(-1, self.page_size, num_kv_heads, head_dim))
+        q = q.contiguous()
+        if batch.phase == Phase.EXTEND:
+            return wrapper.run(q, paged)
+        o_prefix, lse_prefix = wrapper.run(q, paged, return_lse=True)  # [T, Hq, D], [T, Hq] (log2)
+        o_tail, lse_tail = self.tail.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale,
+                                            kv_start=plan.kv_start, return_lse=True)
+        out, lse = flashinfer.merge_state(o_prefix, lse_prefix, o_tail, lse_tail)
+        # a token that saw nothing in either half (padding) merges to NaN / -inf: zeros, as the contract says
+        return torch.where(torch.isfinite(lse)[..., None], out, 0.0).to(q.dtype)
