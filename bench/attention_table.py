@@ -2,7 +2,8 @@
 
 Phases: decode, verify (N=32 tree tokens), draft decode (K=8 frontier, scratch K*S=40), draft extend (stride
 S+1=6), prefill (bs 1). Batch 1/16/64 x context 1k/8k/32k, bf16, page 16. Each case times the backend's forward
-(store + attention; FlashInfer's plan is host work outside it, timed apart) with CUDA events over many calls,
+(store + attention; decode-time phases replayed from a CUDA graph as the engine runs them, prefill eagerly;
+FlashInfer's plan is host work outside it, timed apart),
 and reports the HBM roofline of the KV bytes it must read. Under overlap scheduling the host's known length
 trails the device by a round, so the FlashInfer half gets floor = context - (S+1) (decode: context - 1) and the
 Triton tail the rest.
@@ -70,13 +71,45 @@ def build(phase: Phase, bs: int, ctx: int, device="cuda"):
     q = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    limits = SimpleNamespace(page_size=PAGE, num_rows=bs + 1, max_pages_per_request=pages_per, dummy_row=bs,
-                             graph_buckets=(bs,))
+    limits = SimpleNamespace(page_size=PAGE, num_rows=bs + 1, max_pages_per_request=pages_per, dummy_row=bs)
     return q, k, v, kc, vc, scratch_start, batch, table, limits
 
 
-def time_forward(backend, case, iters: int) -> tuple[float, float]:
-    """(ms per forward, ms per plan)."""
+def graph_ms(fn, iters: int) -> float:
+    """Mean ms of `fn` replayed from a CUDA graph (one eager warm-up first, on the capture stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def eager_ms(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def time_backend(backend, case, iters: int) -> dict:
+    """Forward time (decode-time phases: CUDA-graph replays, as the engine runs them; prefill: eager), the host
+    plan time, and for flashinfer the Triton tail + scratch half alone."""
     q, k, v, kc, vc, start, batch, table, _ = case
     scale = HEAD_DIM ** -0.5
     torch.cuda.synchronize()
@@ -84,16 +117,19 @@ def time_forward(backend, case, iters: int) -> tuple[float, float]:
     for _ in range(5):
         backend.plan(batch, table)
     torch.cuda.synchronize()
-    plan_ms = (time.perf_counter() - t0) / 5 * 1e3
-    for _ in range(3):
+    res = {"plan_ms": (time.perf_counter() - t0) / 5 * 1e3}
+
+    def forward():
         backend.forward(q, k, v, kc, vc, start, batch, table, scale)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        backend.forward(q, k, v, kc, vc, start, batch, table, scale)
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters, plan_ms
+
+    timer = eager_ms if batch.phase == Phase.EXTEND else graph_ms
+    forward()  # first forward of a shape plans it (outside any capture)
+    res["ms"] = timer(forward, iters)
+    if backend.name == "flashinfer" and batch.phase != Phase.EXTEND:
+        plan = backend._plans[batch.phase]
+        res["tail_ms"] = graph_ms(lambda: backend.tail.attend(q, kc, vc, start, batch, table, scale,
+                                                              kv_start=plan.kv_start, return_lse=True), iters)
+    return res
 
 
 def main() -> None:
@@ -122,11 +158,10 @@ def main() -> None:
                     backend = create_backend(name, PAGE)
                     backend.allocate(case[-1], "cuda")
                     iters = 3 if phase == Phase.EXTEND and ctx >= 16384 else 20
-                    ms, plan_ms = time_forward(backend, case, iters)
-                    entry[f"{name}_ms"] = ms
-                    entry[f"{name}_plan_ms"] = plan_ms
+                    for key, value in time_backend(backend, case, iters).items():
+                        entry[f"{name}_{key}"] = value
                     if "attention_tflop" in entry:
-                        entry[f"{name}_tflops"] = entry["attention_tflop"] / (ms / 1e3)
+                        entry[f"{name}_tflops"] = entry["attention_tflop"] / (entry[f"{name}_ms"] / 1e3)
                     del backend
                 ms = {n: entry[f"{n}_ms"] for n in args.backends}
                 entry["faster"] = min(ms, key=ms.get)
@@ -134,7 +169,7 @@ def main() -> None:
                 print(json.dumps(entry), flush=True)
                 del case
                 torch.cuda.empty_cache()
-    result = {"bench": "attention_table", "device": device_name(torch.device("cuda")),
+    result = {"bench": "attention_table", "device": device_name("cuda"),
               "commit": os.environ.get("SPRUCE_GIT_COMMIT", "unknown"),
               "config": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "page_size": PAGE,
                          "dtype": "bfloat16", "steps": STEPS, "topk": TOPK, "verify_tokens": VERIFY_N,

@@ -68,17 +68,17 @@ def with_host_fields(batch, table, floors: str, seed: int):
     return dataclasses.replace(batch, host_rows=rows, host_kv_floor=tuple(out))
 
 
-def limits_for(table, page_size: int, bs: int, graph: bool):
-    return SimpleNamespace(page_size=page_size, num_rows=table.shape[0], max_pages_per_request=table.shape[1],
-                           dummy_row=table.shape[0] - 1, graph_buckets=(bs,) if graph else ())
+def limits_for(table, page_size: int, bs: int):
+    """The Limits fields the backend sizes its buffers from (padding rows share the table's dummy row)."""
+    return SimpleNamespace(page_size=page_size, num_rows=max(table.shape[0], bs), max_pages_per_request=table.shape[1],
+                           dummy_row=table.shape[0] - 1)
 
 
-@pytest.mark.parametrize("graph_mode", [False, True])
 @pytest.mark.parametrize("floors", ["none", "random", "exact"])
 @pytest.mark.parametrize("topk", [1, 4, 8])
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_flashinfer_equals_torch_every_phase(shape, page, topk, floors, graph_mode, monkeypatch):
+def test_flashinfer_equals_torch_every_phase(shape, page, topk, floors, monkeypatch):
     from spruce.attention.flashinfer_backend import FlashInferAttention
 
     monkeypatch.setattr(test_torch_attention, "MAX_PAGES", 2048)
@@ -94,16 +94,19 @@ def test_flashinfer_equals_torch_every_phase(shape, page, topk, floors, graph_mo
         ref_k, ref_v = kc.float(), vc.float()
         ref = TorchAttention(page).forward(q.float(), k.float(), v.float(), ref_k, ref_v, start, batch, table, scale)
         backend = FlashInferAttention(page)
-        backend.allocate(limits_for(table, page, batch.batch_size, graph_mode and phase != Phase.EXTEND), "cuda")
+        backend.allocate(limits_for(table, page, batch.batch_size), "cuda")
         backend.plan(batch, table)
         out = backend.forward(q, k, v, kc, vc, start, batch, table, scale)
-        assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v), f"{name}: KV store differs"
-        assert torch.isfinite(out).all(), name
         silent = (batch.kv_lens == 0) & (batch.tree_mask == 0).all(dim=1)
+        stored = torch.ones(kc.shape[0], dtype=torch.bool, device="cuda")
+        stored[batch.out_slots[silent]] = False  # padding tokens all write the dummy slot, in any order
+        assert torch.equal(kc[stored].float(), ref_k[stored]) and torch.equal(vc[stored].float(), ref_v[stored]), \
+            f"{name}: KV store differs"
+        assert torch.isfinite(out).all(), name
         assert torch.all(out[silent] == 0), f"{name}: padding tokens must produce zeros"
         worst[name] = (out.float() - ref).abs().max().item()
         assert worst[name] < 2e-2, (name, worst[name])
-    write_report({f"flashinfer_vs_torch[{shape},page={page},topk={topk},floors={floors},graph={graph_mode}]": worst})
+    write_report({f"flashinfer_vs_torch[{shape},page={page},topk={topk},floors={floors}]": worst})
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

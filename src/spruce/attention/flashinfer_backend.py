@@ -19,9 +19,10 @@ Every forward is split at a length the host knows exactly:
 
 Plans (host, outside graphs): FlashInfer's `plan` reads host indptr / last-page-len arrays, which the backend
 derives from the floors; the page indices are gathered from the page table on the device (no host copy of the
-table). Graph-mode wrappers are kept per (phase, model shape, bucket rows) with Limits-sized index buffers per
-phase (FlashInfer fixes a graph wrapper's batch size); eager batches of other sizes use one plain wrapper per
-(phase, shape). FlashInfer's plan stages its schedule in a pinned host buffer and copies it asynchronously: a
+table). Decode-time phases use graph-mode wrappers, one per (phase, model shape, rows) since FlashInfer fixes a
+graph wrapper's batch size, over Limits-sized buffers per phase, whether the batch then replays a graph or runs
+eagerly: an eager batch gets the very schedule (split-kv chunks) a replay of its size gets, so graphs and eager
+agree bit for bit in bf16. EXTEND uses one plain wrapper per model shape. FlashInfer's plan stages its schedule in a pinned host buffer and copies it asynchronously: a
 wrapper's next plan first waits for the event recorded after its previous plan, so the host can never
 overwrite a schedule the device has not read yet (overlap scheduling plans a step while the last one runs).
 
@@ -43,7 +44,10 @@ from spruce.attention.triton_kernels.store_kv import store_kv
 from spruce.errors import InvariantError
 
 FLOAT_WORKSPACE_BYTES = 256 << 20  # split-kv partial outputs, shared by every wrapper (they run one at a time)
-INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's default schedule buffer, one per phase on the device
+# schedule buffers, one per phase on the device (each wrapper has a pinned copy): FlashInfer's default for
+# prefill; a decode-time schedule of R rows x N tokens needs ~(3 x tiles + rows) ints, well under 1 MiB
+EXTEND_INT_WORKSPACE_BYTES = 8 << 20
+DECODE_INT_WORKSPACE_BYTES = 1 << 20
 GRAPH_KERNELS = "fa2"  # decode-time phases: FlashInfer's graph-mode schedule (split-kv) is FA2's
 EXTEND_KERNELS = "auto"  # prefill: FlashInfer's choice (FA3 on Hopper)
 
@@ -127,7 +131,7 @@ class FlashInferAttention(AttentionBackend):
         if batch.phase != Phase.EXTEND:
             kv_start = bufs["kv_start"][:bs]
             kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
-        graph_mode = batch.phase != Phase.EXTEND and bs in self.limits.graph_buckets
+        graph_mode = batch.phase != Phase.EXTEND
         return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last, indices, kv_start, graph_mode)
 
     def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
@@ -152,7 +156,8 @@ class FlashInferAttention(AttentionBackend):
         wrapper = self._wrappers.get(key)
         if wrapper is None:
             if phase not in self._int_workspace:
-                self._int_workspace[phase] = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+                size = EXTEND_INT_WORKSPACE_BYTES if phase == Phase.EXTEND else DECODE_INT_WORKSPACE_BYTES
+                self._int_workspace[phase] = torch.empty(size, dtype=torch.uint8, device=self.device)
             if plan.graph_mode:
                 bufs, n = self._buffers[phase], plan.rows
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -215,5 +220,11 @@ class FlashInferAttention(AttentionBackend):
         o_tail, lse_tail = self.tail.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale,
                                             kv_start=plan.kv_start, return_lse=True)
         out, lse = flashinfer.merge_state(o_prefix, lse_prefix, o_tail, lse_tail)
-        # a token that saw nothing in either half (padding) merges to NaN / -inf: zeros, as the contract says
-        return torch.where(torch.isfinite(lse)[..., None], out, 0.0).to(q.dtype)
+        # padding tokens get zeros, as the contract says: without scratch (DECODE, DRAFT_EXTEND) they are the
+        # tokens of kv length 0, which the prefix half (one floor per request) does not know; tree phases have
+        # padding rows only, whose floor is 0, so both halves are empty and merge to -inf / NaN
+        if batch.scratch_width == 0:
+            seen = (batch.kv_lens > 0)[:, None, None]  # [T, 1, 1]
+        else:
+            seen = torch.isfinite(lse)[..., None]  # [T, Hq, 1]
+        return torch.where(seen, out, 0.0).to(q.dtype)
