@@ -11,6 +11,7 @@ bundled trained EAGLE-3 head where real acceptance matters. Start-up timing is r
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,26 @@ def test_adaptive_needs_speculation():
 
     with pytest.raises(ConfigError, match="speculative_adaptive must be True or False, got 'yes'"):
         SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive="yes")
+
+
+DRAFT_19M = Path(__file__).resolve().parents[1] / "bench" / "assets" / "pycode-19m-eagle3"  # its trained head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_prompts, overlap):
+    """On the GPU with graphs (both candidates' phases replayed, costs timed from the replays): forced switching
+    on pycode-19m with its trained EAGLE-3 head gives plain decoding's greedy tokens (float32: no bf16 near-ties),
+    rounds after plain steps still accept, and every bucket has a measured cost."""
+    kw = dict(device="cuda", dtype="float32", max_running_requests=8, disable_overlap_schedule=not overlap)
+    prompts = [t[:600] for t in heldout_prompts[:8]]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want = LLM(pycode19m, **kw).generate(prompts, params)
+    llm = LLM(pycode19m, draft_model=DRAFT_19M, speculative_adaptive=True, **kw)
+    assert all(t > 0 for t in llm.engine.strategy.policy.device_seconds.values())
+    assert {("plain_decode", 8), ("plain_extend", 8), ("verify", 8)} <= set(llm.engine.runner.graphs.graphs)
+    log = force(llm, [1, 0, 0, 1, 1, 0, 1])
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and {PLAIN, SPECULATIVE} <= set(log)
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 2.0
+    assert_no_leaks(llm)
