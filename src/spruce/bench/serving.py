@@ -256,7 +256,8 @@ def _print_level(lv: dict) -> None:
 
     acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
     steps = lv["adaptive_steps"]
-    adaptive = "" if not steps else f" | adaptive steps plain/spec {steps.get('plain', 0)}/{steps.get('speculative', 0)}"
+    adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
+                                     f"{steps.get('speculative', 0)}")
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
