@@ -35,6 +35,7 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
     (["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"],
      "--speculative-eagle-topk, --speculative-num-draft-tokens"),
+    (["--speculative-adaptive"], "--speculative-adaptive"),
 ])
 def test_speculative_flags_without_draft_are_refused(capsys, flags, named):
     """With --model and no --speculative-draft-model-path, speculation flags are an error, not plain decoding."""
@@ -132,3 +133,6 @@ def test_engine_flags_reach_the_engine_config():
     assert (kw["draft_model"], kw["speculative_algorithm"], kw["speculative_num_steps"]) == (None, "NEXTN", 2)
     plain = engine_kwargs(build_parser().parse_args(["generate", "--model", MODEL, "--prompt", "x"]))
     assert plain["disable_radix_cache"] is False and plain["speculative_algorithm"] is None
+    assert plain["speculative_adaptive"] is False and kw["speculative_adaptive"] is False
+    adaptive = engine_kwargs(build_parser().parse_args(["serve", "--speculative-adaptive"]))  # the bundled head
+    assert adaptive["speculative_adaptive"] is True and adaptive["draft_model"] is not None

@@ -41,8 +41,11 @@ class SpeculativeConfig:
     num_steps: int
     eagle_topk: int
     num_draft_tokens: int
+    adaptive: bool = False  # per decode step: this (S, K, N) round or a plain step (speculative/adaptive.py)
 
     def __post_init__(self):
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_adaptive must be True or False, got {self.adaptive!r}")
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
                 f"speculative_algorithm={self.algorithm!r} is not supported; expected one of {SPECULATIVE_ALGORITHMS}"
@@ -154,14 +157,19 @@ def make_speculative_config(
     eagle_topk: int | None = None,
     num_draft_tokens: int | None = None,
     model: str | None = None,
+    adaptive: bool = False,
 ) -> SpeculativeConfig | None:
     """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
 
-    NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself."""
+    NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
+    choose per decode step between these rounds and plain steps."""
     if algorithm is None and draft_model is None:
-        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)):
-            raise ConfigError("speculative_num_steps/eagle_topk/num_draft_tokens need a draft model (draft_model=PATH)"
-                              " or speculative_algorithm='NEXTN' (the target's own MTP layers)")
+        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)) or adaptive:
+            given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
+                                    ("speculative_num_draft_tokens", num_draft_tokens),
+                                    ("speculative_adaptive", adaptive or None)) if v is not None]
+            raise ConfigError(f"{'/'.join(given)} need a draft model (draft_model=PATH) or "
+                              f"speculative_algorithm='NEXTN' (the target's own MTP layers)")
         return None
     if algorithm is not None and not isinstance(algorithm, str):
         raise ConfigError(f"speculative_algorithm must be a string, got {algorithm!r}")
@@ -181,7 +189,7 @@ def make_speculative_config(
         n = s + 1 if k == 1 else min(n_def, 1 + k + (s - 1) * k * k)
     else:
         n = num_draft_tokens
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n)
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive)
 
 
 def _guess_algorithm(draft_model: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from spruce.config import EngineConfig
-from spruce.errors import ConfigError
+from spruce.errors import ConfigError, InvariantError
 
 MASK_WORD_BITS = 64
 DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
@@ -18,6 +18,14 @@ DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens re
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _size_buckets(largest: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then every multiple of 8 below `largest`, then `largest` itself (none when it is 0)."""
+    if largest == 0:
+        return ()
+    cands = {b for b in [1, 2, 4, 8, *range(16, largest + 1, 8)] if b < largest}
+    return tuple(sorted(cands | {largest}))
 
 
 @dataclass(frozen=True)
@@ -140,10 +148,21 @@ class Limits:
     @property
     def graph_buckets(self) -> tuple[int, ...]:
         """Batch-size buckets captured as CUDA graphs; always includes the largest (graph_max_bs)."""
-        if self.graph_max_bs == 0:
-            return ()
-        cands = {b for b in [1, 2, 4, 8, *range(16, self.graph_max_bs + 1, 8)] if b < self.graph_max_bs}
-        return tuple(sorted(cands | {self.graph_max_bs}))
+        return _size_buckets(self.graph_max_bs)
+
+    @property
+    def cost_buckets(self) -> tuple[int, ...]:
+        """Batch-size buckets adaptive speculation keeps one cost and one choice per: the graph buckets, then
+        the same grid up to max_running_requests for batches that run eagerly."""
+        graphs = self.graph_buckets
+        return graphs + tuple(b for b in _size_buckets(self.max_running_requests) if b > self.graph_max_bs)
+
+    def cost_bucket_for(self, batch_size: int) -> int:
+        """Smallest cost bucket holding `batch_size` requests (1 <= batch_size <= max_running_requests)."""
+        for b in self.cost_buckets:
+            if b >= batch_size:
+                return b
+        raise InvariantError(f"batch size {batch_size} > max_running_requests {self.max_running_requests}")
 
     def bucket_for(self, batch_size: int) -> int | None:
         """Smallest graph bucket holding `batch_size` requests, or None (run eagerly)."""

@@ -16,7 +16,8 @@ class LLM:
     """Load a Hugging Face Llama-family model (optionally with an EAGLE / EAGLE-3 draft) and generate.
 
     `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
-    to SGLang's (5, 4, 8) when omitted.
+    to SGLang's (5, 4, 8) when omitted. `speculative_adaptive=True` chooses per decode step between such a
+    round and a plain step, by expected tokens per second (speculative/adaptive.py).
     """
 
     def __init__(
@@ -40,6 +41,7 @@ class LLM:
         speculative_num_steps: int | None = None,
         speculative_eagle_topk: int | None = None,
         speculative_num_draft_tokens: int | None = None,
+        speculative_adaptive: bool = False,
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
@@ -50,6 +52,7 @@ class LLM:
         spec = make_speculative_config(
             speculative_algorithm, None if draft_model is None else str(draft_model),
             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
+            adaptive=speculative_adaptive,
         )
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, device=device,

@@ -1,7 +1,17 @@
 """`spruce bench serving`: drive a running OpenAI-compatible server (`spruce serve`) with N concurrent streaming
-clients per level; report throughput, TTFT / inter-token / end-to-end latency percentiles and the speculative
-accept length (read from the server's /metrics), write bench/results/serving-<device>-<time>.json and a PNG of
-latency vs concurrency (when matplotlib is installed)."""
+clients per level; report throughput, TTFT / inter-token / end-to-end latency percentiles, prompt tokens served
+by the prefix cache, the speculative accept length and adaptive speculation's steps per choice (read from the
+server's /metrics), write bench/results/serving-<device>-<time>.json and a PNG of latency vs concurrency (when
+matplotlib is installed).
+
+Workloads: each request is a held-out prompt cut to --prompt-tokens; with --shared-prefix-tokens N every request
+is one common N-token prefix followed by its own prompt (a system prompt / few-shot header: what a prefix cache
+serves).
+
+`--launch NAME=FLAGS` (repeatable) starts `spruce serve` itself for each configuration in turn (common flags in
+--server-args; --compare-prefix-cache runs each once more with --disable-radix-cache), drives each through its
+HTTP API like any server, and writes all of them into one result: figures.runs[i] = {name, prefix_cache,
+server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run)."""
 
 from __future__ import annotations
 
@@ -11,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,6 +54,17 @@ def add_serving_parser(sub) -> None:
                    "(default: cuda when this machine has one)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="prepend one common prefix of this many tokens (cut from the prompt file's text) to "
+                        "every request (default 0: none)")
+    p.add_argument("--launch", action="append", default=[], metavar="NAME=FLAGS",
+                   help="start `spruce serve --server-args FLAGS` for this configuration and benchmark it "
+                        "(repeatable; one result for all); without it, the server at --base-url is measured")
+    p.add_argument("--server-args", default="", help="engine/server flags every --launch configuration gets")
+    p.add_argument("--compare-prefix-cache", action="store_true",
+                   help="with --launch: run every configuration with the prefix cache and again without it")
+    p.add_argument("--launch-timeout", type=float, default=900.0,
+                   help="seconds a launched server may take to load and capture its graphs")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -55,6 +77,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
 
 
 def default_prompts_path() -> Path:
@@ -75,15 +98,22 @@ def _load_tokenizer(candidates: list[str | None]):
     return None
 
 
-def load_prompts(path: Path, prompt_tokens: int, tokenizer) -> list[str | list[int]]:
+def load_prompts(path: Path, prompt_tokens: int, tokenizer, shared_prefix_tokens: int = 0) -> list[str | list[int]]:
     """Prompts from {"text"} JSONL, cut to `prompt_tokens` tokens (token ids), or ~4 chars/token without a
-    tokenizer."""
+    tokenizer. `shared_prefix_tokens`: each prompt follows one common prefix of that many tokens, the start of
+    the file's texts joined in reverse order (so that no request's own prompt starts it)."""
     texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
     if not texts:
         raise SystemExit(f"no prompts in {path}")
+    source = "\n".join(reversed(texts))
     if tokenizer is None:
-        return [t[: 4 * prompt_tokens] for t in texts]
-    return [tokenizer.encode(t)[:prompt_tokens] for t in texts]
+        prefix = source[: 4 * shared_prefix_tokens]
+        return [prefix + t[: 4 * prompt_tokens] for t in texts]
+    prefix = tokenizer.encode(source)[:shared_prefix_tokens] if shared_prefix_tokens else []
+    if len(prefix) < shared_prefix_tokens:
+        raise SystemExit(f"{path} holds only {len(prefix)} tokens; --shared-prefix-tokens {shared_prefix_tokens} "
+                         f"needs more text")
+    return [prefix + tokenizer.encode(t)[:prompt_tokens] for t in texts]
 
 
 async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:
@@ -107,6 +137,8 @@ async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> Re
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens", 0)
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     if last is None:
@@ -135,20 +167,22 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
     return {}
 
 
-async def _accept_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
-    """(sum, count) of the server's accept-length histogram, or None if it exposes none."""
+COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count",
+            'spruce_adaptive_steps_total{choice="plain"}', 'spruce_adaptive_steps_total{choice="speculative"}')
+
+
+async def _counters(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
-        return None
+        return {}
     vals = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count"):
+        name, _, value = line.rpartition(" ")
+        if name in COUNTERS:
             vals[name] = float(value)
-    if len(vals) < 2:
-        return None
-    return vals["spruce_spec_accept_length_sum"], vals["spruce_spec_accept_length_count"]
+    return vals
 
 
 async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concurrency: int, num_requests: int,
@@ -161,16 +195,19 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         for i in todo:
             results.append(await _stream_one(client, model, prompts[i % len(prompts)], args))
 
-    before = await _accept_counters(client)
+    before = await _counters(client)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - t0
-    after = await _accept_counters(client)
+    after = await _counters(client)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     accept = None
-    if before and after and after[1] > before[1]:
-        accept = (after[0] - before[0]) / (after[1] - before[1])
+    if delta.get("spruce_spec_accept_length_count", 0) > 0:
+        accept = delta["spruce_spec_accept_length_sum"] / delta["spruce_spec_accept_length_count"]
+    adaptive = {c: int(delta[f'spruce_adaptive_steps_total{{choice="{c}"}}']) for c in ("plain", "speculative")
+                if f'spruce_adaptive_steps_total{{choice="{c}"}}' in delta}
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
@@ -179,9 +216,10 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         "output_throughput_tok_s": out_tokens / duration,
         "input_throughput_tok_s": sum(r.prompt_tokens for r in ok) / duration,
         "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "ttft_s": percentiles([r.ttft for r in ok]), "itl_s": percentiles([x for r in ok for x in r.itls]),
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
-        "mean_accept_length": accept,
+        "mean_accept_length": accept, "adaptive_steps": adaptive or None,
     }
 
 
@@ -193,10 +231,13 @@ def percentiles(values: list[float]) -> dict:
     return out | {"mean": sum(s) / len(s)}
 
 
-async def _bench(args, prompts, model: str) -> list[dict]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+def _headers(args) -> dict:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+async def _bench(args, base_url: str, prompts, model: str) -> list[dict]:
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
+    async with httpx.AsyncClient(base_url=base_url, headers=_headers(args), timeout=args.timeout,
                                  limits=limits) as client:
         for i in range(args.warmup):
             await _stream_one(client, model, prompts[i % len(prompts)], args)
@@ -214,11 +255,16 @@ def _print_level(lv: dict) -> None:
         return "-" if d[k] is None else f"{1e3 * d[k]:.1f}"
 
     acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
+    steps = lv["adaptive_steps"]
+    adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
+                                     f"{steps.get('speculative', 0)}")
+    cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
           f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
           f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
-          f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | accept length {acc}")
+          f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | cached prompt {100 * cached:.0f}% | "
+          f"accept length {acc}{adaptive}")
     for err in lv["errors"]:
         print(f"  error: {err}", file=sys.stderr)
 
@@ -258,36 +304,117 @@ def plot(series: dict[str, list[dict]], path: Path) -> Path | None:
     return path
 
 
-def run_serving_bench(args: argparse.Namespace) -> int:
-    from spruce.bench.common import write_result
+def _prompts_for(args, model: str) -> tuple[Path, list]:
+    """The benchmark's prompts (token ids when a tokenizer is found) for a server serving `model`."""
     from spruce.config import builtin_model_path
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    try:
-        served = httpx.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-        print(f"spruce bench serving: cannot list models at {args.base_url}/v1/models: {e}", file=sys.stderr)
-        return 2
-    model = args.model or served[0]["id"]
     prompts_path = Path(args.prompts) if args.prompts else default_prompts_path()
     if not prompts_path.exists():
-        print(f"spruce bench serving: prompt file {prompts_path} not found (pass --prompts FILE.jsonl)",
-              file=sys.stderr)
-        return 2
+        raise SystemExit(f"spruce bench serving: prompt file {prompts_path} not found (pass --prompts FILE.jsonl)")
     builtin = str(builtin_model_path()) if model == builtin_model_path().name else None
     tokenizer = _load_tokenizer([args.tokenizer, model, builtin, str(default_prompts_path().parent)])
     if tokenizer is None:
         print("spruce bench serving: no tokenizer found; truncating prompts to ~4 characters per token")
-    prompts = load_prompts(prompts_path, args.prompt_tokens, tokenizer)
-    levels = asyncio.run(_bench(args, prompts, model))
+    return prompts_path, load_prompts(prompts_path, args.prompt_tokens, tokenizer, args.shared_prefix_tokens)
+
+
+def _served_model(args, base_url: str) -> str:
+    try:
+        served = httpx.get(f"{base_url}/v1/models", headers=_headers(args), timeout=30).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        raise SystemExit(f"spruce bench serving: cannot list models at {base_url}/v1/models: {e}") from None
+    return args.model or served[0]["id"]
+
+
+def _device(args, info: dict) -> str:
     import torch
 
-    info = server_info(args.base_url, headers)
-    device = args.device or info.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args.device or info.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run_serving_bench(args: argparse.Namespace) -> int:
+    from spruce.bench.common import write_result
+
+    if args.shared_prefix_tokens < 0:
+        print(f"spruce bench serving: --shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}",
+              file=sys.stderr)
+        return 2
+    if args.launch:
+        return _run_launched(args)
+    if args.server_args or args.compare_prefix_cache:
+        print("spruce bench serving: --server-args and --compare-prefix-cache configure --launch servers; add "
+              "--launch NAME=FLAGS (or drop them to measure the server at --base-url)", file=sys.stderr)
+        return 2
+    try:
+        model = _served_model(args, args.base_url)
+        prompts_path, prompts = _prompts_for(args, model)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    levels = asyncio.run(_bench(args, args.base_url, prompts, model))
+    info = server_info(args.base_url, _headers(args))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")} | {
         "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
-    path = write_result("serving", device, config, {"levels": levels}, Path(args.out_dir))
+    path = write_result("serving", _device(args, info), config, {"levels": levels}, Path(args.out_dir))
     print(f"results: {path}")
     png = plot({"spruce": levels}, path.with_suffix(".png"))
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
     return 0 if all(lv["failed"] == 0 for lv in levels) else 1
+
+
+def _run_launched(args: argparse.Namespace) -> int:
+    """Start, measure and stop one server per configuration (x prefix cache on/off); one result for all."""
+    from spruce.bench.common import write_result
+    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer
+
+    try:
+        configs = [LaunchConfig.parse(text) for text in args.launch]
+    except ValueError as e:
+        print(f"spruce bench serving: {e}", file=sys.stderr)
+        return 2
+    if len({c.name for c in configs}) != len(configs):
+        print(f"spruce bench serving: --launch names must differ, got {[c.name for c in configs]}", file=sys.stderr)
+        return 2
+    common = shlex.split(args.server_args)
+    modes = (True, False) if args.compare_prefix_cache else (True,)
+    out_dir = Path(args.out_dir)
+    runs, prompts, prompts_path = [], None, None
+    for cache in modes:
+        for cfg in configs:
+            flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
+            label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
+            print(f"== {label}: spruce serve {shlex.join(flags)}")
+            log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
+            try:
+                with LaunchedServer(flags, log, args.launch_timeout) as base_url:
+                    model = _served_model(args, base_url)
+                    if prompts is None:
+                        prompts_path, prompts = _prompts_for(args, model)
+                    levels = asyncio.run(_bench(args, base_url, prompts, model))
+                    info = server_info(base_url, _headers(args))
+            except (RuntimeError, SystemExit) as e:
+                print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
+                return 2
+            runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "server": info,
+                         "levels": levels})
+    summary = {("prefix_cache" if cache else "no_prefix_cache"): {
+        str(c): {r["name"]: lv["output_throughput_tok_s"] for r in runs if r["prefix_cache"] == cache
+                 for lv in r["levels"] if lv["concurrency"] == c} for c in args.concurrency} for cache in modes}
+    _print_summary(summary)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
+        "prompts": str(prompts_path), "num_prompts": len(prompts)}
+    path = write_result("serving", _device(args, runs[0]["server"]), config, {"runs": runs, "summary": summary},
+                        out_dir)
+    print(f"results: {path}")
+    png = plot({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": r["levels"] for r in runs},
+               path.with_suffix(".png"))
+    print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
+    return 0 if all(lv["failed"] == 0 for r in runs for lv in r["levels"]) else 1
+
+
+def _print_summary(summary: dict) -> None:
+    """Output tokens/s per run at each concurrency, per prefix-cache mode."""
+    for mode, per_level in summary.items():
+        print(f"-- output tokens/s, {mode.replace('_', ' ')}")
+        for c, per_run in per_level.items():
+            print(f"   concurrency {c:>3}: " + ", ".join(f"{name} {tps:.0f}" for name, tps in per_run.items()))

@@ -21,6 +21,7 @@ import itertools
 import os
 import random
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -53,7 +54,8 @@ class LaunchedStep:
     result_reqs: list[Request]  # the request of each result row
     result: torch.Tensor  # [len(result_reqs), step_result_width]; valid on the host once `done` has completed
     done: torch.cuda.Event | None  # None on the cpu (the result is already there)
-    decode: bool  # a decode step (its accept lengths count toward speculation statistics)
+    decode: bool  # a decode step
+    speculated: bool = False  # a speculative round (its accept lengths count toward speculation statistics)
     logprobs: LogprobPlan | None = None  # what it scored (its pack is read back with `result`); None: nothing
 
 
@@ -68,10 +70,12 @@ class Engine:
                               else self.runner.model_config.eos_token_ids)
         cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache)
-        self.strategy = make_strategy(self.runner, debug=self.debug)
-        self.speculative = self.strategy.speculative  # decode steps are speculative rounds (a draft is loaded)
+        spec = config.speculative
+        self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
+        self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
+        self.strategy.measure_costs()
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
         self.tokens_generated = 0
@@ -292,19 +296,21 @@ class Engine:
         ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
-        repeat = self.limits.num_draft_tokens if self.speculative else 1
-        logprobs = decode_plan(reqs, self.limits.step_advance)
+        strategy = self.strategy.choose(reqs)  # adaptive speculation: a round or a plain step
+        spec = strategy.speculative
+        repeat = self.limits.num_draft_tokens if spec else 1
+        logprobs = decode_plan(reqs, self.limits.step_advance if spec else 1)
         # planning data for library attention kernels: the committed length the host knows (a lower bound of
         # the device's under overlap) and whose pages are final (DESIGN §13)
         self.runner.set_known_prefix(rows, [q.committed for q in reqs])
         try:
-            result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+            result = strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
         finally:
             self.runner.set_known_prefix(None, None)
-        return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs)
+        return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
-                  decode: bool, logprobs: LogprobPlan | None = None) -> LaunchedStep:
+                  decode: bool, logprobs: LogprobPlan | None = None, speculated: bool = False) -> LaunchedStep:
         """Record a queued step: start the copy of its result (and logprob pack) to the host and mark its
         requests in flight."""
         for q in reqs:
@@ -324,13 +330,15 @@ class Engine:
             result = result.clone()
             if logprobs is not None:
                 logprobs.host = logprobs.pack
-        return LaunchedStep(reqs, result_reqs, result, done, decode, logprobs)
+        return LaunchedStep(reqs, result_reqs, result, done, decode, speculated, logprobs)
 
     def _resolve(self, step: LaunchedStep, touched: dict[str, Request]) -> None:
         """Wait for a launched step and apply its tokens (dropped for requests finished meanwhile)."""
         with self.runner.timer.phase("sync"):
+            t0 = time.perf_counter()
             if step.done is not None:
                 step.done.synchronize()
+            waited = time.perf_counter() - t0
             rows = step.result.tolist()
             packed = step.logprobs.host.tolist() if step.logprobs is not None else None
         for q in step.reqs:
@@ -345,12 +353,13 @@ class Engine:
             accepted = row[0]
             if step.decode:
                 q.committed += accepted + 1
-                if self.speculative:
+                if step.speculated:
                     q.spec.add_round(accepted, self.limits.num_steps)
                     self.spec_stats.add_round(accepted, self.limits.num_steps)
             lps = packed[slots[i]:slots[i] + accepted + 1] if i in slots else None
             self._append(q, row[1:accepted + 2], lps)
             touched[q.request_id] = q
+        self.strategy.resolved(step.result_reqs, rows, step.speculated, waited)
 
     # --- logprobs (runtime/logprobs.py) -----------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str | None:
@@ -543,7 +552,7 @@ class Engine:
             "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,
             "attention_backend": self.runner.backend.name, "page_size": str(lim.page_size),
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
-                            if spec is not None else "off"),
+                            + (" adaptive" if spec.adaptive else "") if spec is not None else "off"),
             "overlap_schedule": "on" if lim.overlap else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
         }
@@ -573,4 +582,5 @@ class Engine:
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_cache": self._prefix_cache_stats(),
                 "spec": self.spec_stats.as_dict() if self.speculative else None,
+                "adaptive": self.strategy.stats(),
             }

@@ -214,9 +214,42 @@ class Metrics:
                       {("depth", str(d + 1)): r for d, r in enumerate(spec.get("accept_rate_per_depth", []))})
                 out += self.accept.render()
                 self._render_spec_counters(out, spec_counters(spec, self.num_spec_steps))
+            if s.get("adaptive") is not None:
+                _render_adaptive(out, s["adaptive"])
             for h in (self.ttft, self.itl, self.e2e):
                 out += h.render()
         return "\n".join(out) + "\n"
+
+
+def _render_adaptive(out: list[str], a: dict) -> None:
+    """Adaptive speculation (speculative/adaptive_policy.py): per cost bucket the current choice with its reason,
+    and the figures it compared (each candidate's expected tokens per step, seconds per step and tokens/s);
+    the cost table (device seconds measured at start-up, host seconds measured online); steps per choice."""
+    def series(name: str, kind: str, help: str, rows: list[tuple[str, float]]) -> None:
+        out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+        out.extend(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}" for labels, v in rows)
+
+    buckets = sorted(a.get("buckets", {}).items())
+    series("spruce_adaptive_choice", "gauge", "Current choice per batch-size bucket (one series, value 1, "
+           "labelled with the choice and its reason: model = higher expected tokens/s, probe = re-measuring "
+           "acceptance after plain steps).",
+           [(f'bucket="{b}",choice="{d["choice"]}",reason="{d["reason"]}"', 1) for b, d in buckets])
+    for key, name, help in (
+            ("tokens_per_second", "spruce_adaptive_expected_tokens_per_second",
+             "Expected committed tokens/s of each candidate for the bucket's last batch (the choice's reason)."),
+            ("tokens_per_step", "spruce_adaptive_expected_tokens_per_step",
+             "Expected tokens per request per step of each candidate (plain: 1; speculative: 1 + accept EMA)."),
+            ("step_seconds", "spruce_adaptive_step_seconds", "Modelled seconds per step of each candidate.")):
+        series(name, "gauge", help, [(f'bucket="{b}",choice="{c}"', v) for b, d in buckets
+                                     for c, v in sorted(d[key].items())])
+    for key, help in (("device_seconds", "Device seconds per step, measured at start-up over padding rows."),
+                      ("host_seconds", "Host seconds per step around the device, measured online (EMA).")):
+        series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
+                                                         for c, per in sorted(a.get(key, {}).items())
+                                                         for b, v in sorted(per.items())])
+    series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
+           [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
+    series("spruce_adaptive_probes_total", "counter", "Speculative rounds run as probes.", [("", a.get("probes", 0))])
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class EagleWorker(DecodeStrategy):
         self.no_masks = torch.zeros(r, k, lim.mask_words, **i64)  # [R, K, words]
 
     # --- draft state after an extend ------------------------------------------------------------------------
-    def _store_step0(self, rows: torch.Tensor, last_hidden: torch.Tensor) -> None:
+    def store_step0(self, rows: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """From the draft's hidden at each request's last committed position: top-K for the next round."""
         p, ids = softmax_topk(self.runner.draft.compute_logits(last_hidden), self.K)  # [bs, K]
         self.topk_p[rows] = p
@@ -101,7 +101,7 @@ class EagleWorker(DecodeStrategy):
         h = r.draft_forward(batch, features)  # [T, Hd]
         if finals:
             rows = torch.tensor([chunks[i].row for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
-            self._store_step0(rows, h[last])
+            self.store_step0(rows, h[last])
 
     # --- the round -------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
@@ -207,7 +207,7 @@ class EagleWorker(DecodeStrategy):
         ext = r.builder.draft_extend(rows, committed, accept_lens + 1, next_tokens, max_kv)
         h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), -1))  # [P*(S+1), Hd]
         last = h.view(P, self.S + 1, -1).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
-        self._store_step0(rows, last[:, 0])
+        self.store_step0(rows, last[:, 0])
         r.row_state.set(rows, committed + accept_lens + 1, bonus)
         return torch.cat([accept_lens[:, None], next_tokens], dim=1)
 

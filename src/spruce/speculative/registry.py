@@ -6,10 +6,16 @@ from spruce.runtime.model_runner import ModelRunner
 from spruce.speculative.strategy import DecodeStrategy, PlainDecoding
 
 
-def make_strategy(runner: ModelRunner, debug: bool = False) -> DecodeStrategy:
-    """EAGLE (EAGLE, EAGLE-3) when a draft is loaded, else plain decoding."""
+def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy:
+    """EAGLE (EAGLE, EAGLE-3, NEXTN) when a draft is loaded, else plain decoding; `adaptive`: the EAGLE worker
+    or a plain step per decode step, whichever is expected to commit more tokens per second."""
     if runner.draft is None:
         return PlainDecoding(runner)
     from spruce.speculative.eagle_worker import EagleWorker
 
-    return EagleWorker(runner, debug=debug)
+    worker = EagleWorker(runner, debug=debug)
+    if not adaptive:
+        return worker
+    from spruce.speculative.adaptive import AdaptiveDecoding
+
+    return AdaptiveDecoding(worker)

@@ -98,6 +98,21 @@ class DecodeStrategy:
         """Capture this strategy's decode-time phases for every graph bucket."""
         raise NotImplementedError
 
+    # --- per-step choice (adaptive speculation: speculative/adaptive.py; a fixed strategy is its own choice) ---
+    def choose(self, requests: list) -> "DecodeStrategy":
+        """The strategy whose `decode` runs the next decode step over `requests`."""
+        return self
+
+    def resolved(self, requests: list, results: list[list[int]], speculated: bool, waited_s: float) -> None:
+        """A decode step's result rows were read (after the host waited `waited_s` on the device)."""
+
+    def measure_costs(self) -> None:
+        """Time what the per-step choice needs, once the graphs are captured."""
+
+    def stats(self) -> dict | None:
+        """The per-step choice's state for /metrics (None: no choice is made)."""
+        return None
+
     def fill_rows(self, rows: list[int]) -> None:
         """Copy the batch's rows into the static input, padded to its graph bucket (skipped when the batch is
         the previous step's: steady decoding then copies nothing)."""

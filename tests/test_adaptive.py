@@ -1,0 +1,199 @@
+"""Adaptive speculation in the engine: switching between speculative rounds and plain steps mid-request changes no
+token (greedy and seeded sampling equal plain decoding, K 1/4, pages 1/16, overlap on and off), a plain step
+leaves the draft exactly where a round would have (the next round accepts what a round from a fresh prefill of
+the same text accepts), and the measured costs and acceptance drive the choice, reported in /metrics.
+
+Target: the bundled pycode-6m. Drafts: random checkpoints with the oracle wrapper (tests/oracle_draft.py), and the
+bundled trained EAGLE-3 head where real acceptance matters. Start-up timing is replaced by a fixed table
+(`fixed_costs`), so the choice does not depend on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from spruce import LLM, SamplingParams
+from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.errors import ConfigError
+from spruce.server.metrics import Metrics
+from spruce.speculative import adaptive
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
+from spruce.speculative.draft_tracking import DraftTrackingDecoding
+from checkpoints import write_eagle3_checkpoint
+from conftest import assert_no_leaks
+from oracle_draft import install_oracle
+
+TARGET = builtin_model_path()
+PROMPTS = [
+    "def fib(n):\n    ",
+    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n",
+    "for i in range(10):",
+    "x = [",
+]
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("drafts") / "eagle3", TARGET, seed=4))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Plain decoding (no draft) of every prompt under the given parameters (computed once per parameters)."""
+    llm = LLM(TARGET, page_size=16, max_running_requests=8)
+    done = {}
+
+    def generate(params):
+        key = repr(params)
+        if key not in done:
+            done[key] = llm.generate(PROMPTS, params)
+        return done[key]
+
+    return generate
+
+
+def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
+    """Start-up timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size."""
+    monkeypatch.setattr(adaptive, "_time_step", lambda strategy, rows, max_kv, cuda:
+                        plain if isinstance(strategy, DraftTrackingDecoding) else spec)
+
+
+def force(llm, pattern: list[int]) -> list[str]:
+    """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made."""
+    policy = llm.engine.strategy.policy
+    decide, cycle, log = policy.decide, itertools.cycle(pattern), []
+
+    def forced(requests):
+        d = decide(requests)
+        d.choice = SPECULATIVE if next(cycle) else PLAIN
+        log.append(d.choice)
+        return d
+
+    policy.decide = forced
+    return log
+
+
+def adaptive_llm(draft, k=4, s=3, n=8, page=16, oracle_refs=None, **kw) -> LLM:
+    llm = LLM(TARGET, page_size=page, max_running_requests=8, draft_model=draft, speculative_num_steps=s,
+              speculative_eagle_topk=k, speculative_num_draft_tokens=n, speculative_adaptive=True, **kw)
+    if oracle_refs is not None:
+        oracle = install_oracle(llm, 0.8)
+        for o in oracle_refs:
+            oracle.add_reference(o.prompt_token_ids, o.token_ids)
+    return llm
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy, greedy with logprobs, seeded top-p sampling, and a short greedy one (ends mid-round)."""
+    return [GREEDY, SamplingParams(max_tokens=MAX_NEW, logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True),
+            SamplingParams(max_tokens=5, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("k,s,n,page,overlap", [(1, 3, 4, 1, True), (4, 2, 6, 16, False)])
+def test_switching_mid_request_equals_plain_decoding(monkeypatch, draft, reference, k, s, n, page, overlap):
+    fixed_costs(monkeypatch)
+    params = mixed_params()
+    want = reference(params)
+    llm = adaptive_llm(draft, k, s, n, page, oracle_refs=reference(GREEDY), disable_overlap_schedule=not overlap)
+    log = force(llm, [1, 0, 0, 1, 1, 0, 1])  # every transition: spec->plain, plain->plain, plain->spec, spec->spec
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got[1].logprobs, want[1].logprobs):  # plain steps' and rounds' logprobs are the target's
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert {PLAIN, SPECULATIVE} <= set(log)
+    stats = llm.engine.stats()
+    assert stats["spec"]["rounds"] > 0 and stats["adaptive"]["chosen"][PLAIN] > 0
+    assert stats["spec"]["mean_accept_length"] > 1.5  # the rounds after plain steps still accept (oracle 0.8)
+    assert_no_leaks(llm)
+
+
+def test_plain_steps_keep_the_draft_current(monkeypatch):
+    """With the bundled trained head (real acceptance): every round that follows plain steps accepts exactly what
+    the first round after a fresh prefill of the same text accepts, so the draft KV and step-0 top-K a plain
+    step leaves are a round's."""
+    fixed_costs(monkeypatch)
+    prompt = "def fib(n):\n    "
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True)
+    force(llm, [0, 0, 1, 0, 1])
+    rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
+    resolved, before = llm.engine.strategy.resolved, {}
+
+    def record(requests, results, speculated, waited_s):
+        for q, row in zip(requests, results):
+            if speculated and before.get(q.request_id) == PLAIN:
+                rounds.append((q.committed - row[0] - 1, row[0]))
+            before[q.request_id] = SPECULATIVE if speculated else PLAIN
+        resolved(requests, results, speculated, waited_s)
+
+    llm.engine.strategy.resolved = record
+    out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    text = out.prompt_token_ids + out.token_ids
+    fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True)
+    assert len(rounds) >= 5 and sum(a for _, a in rounds[:5]) > 0
+    for committed, accepted in rounds[:5]:
+        first = fresh.generate([text[:committed]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        counts = first.spec_stats["accept_length_counts"]
+        assert first.token_ids[0] == text[committed] and counts[accepted] == 1, (committed, accepted, counts)
+
+
+@pytest.mark.parametrize("fraction,expected", [(0.0, PLAIN), (1.0, SPECULATIVE)])
+def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fraction, expected):
+    """A round costs 2 plain steps: an oracle that is always wrong makes the engine decode plainly (with probes),
+    one that is always right makes it speculate; tokens equal plain decoding either way; /metrics shows it."""
+    fixed_costs(monkeypatch, plain=1.0, spec=2.0)
+    want = reference(GREEDY)
+    llm = adaptive_llm(draft, oracle_refs=want)
+    llm.engine.runner.draft.fraction = fraction
+    got = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    stats = llm.engine.stats()
+    chosen = stats["adaptive"]["chosen"]
+    assert chosen[expected] > 3 * chosen[PLAIN if expected == SPECULATIVE else SPECULATIVE], chosen
+    metrics = Metrics(3)
+    metrics.on_engine_stats(stats)
+    text = metrics.render()
+    bucket = max(stats["adaptive"]["buckets"])
+    assert f'spruce_adaptive_choice{{bucket="{bucket}",choice="' in text
+    assert f'spruce_adaptive_device_seconds{{bucket="8",choice="speculative"}} 2.0' in text
+    assert f'spruce_adaptive_steps_total{{choice="{expected}"}} {chosen[expected]}' in text
+    assert "S=3 K=4 N=8 adaptive" in llm.engine.info()["speculative"]
+
+
+def test_adaptive_needs_speculation():
+    with pytest.raises(ConfigError, match="speculative_adaptive need a draft model"):
+        LLM(TARGET, speculative_adaptive=True)
+    from spruce.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match="speculative_adaptive must be True or False, got 'yes'"):
+        SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive="yes")
+
+
+DRAFT_19M = Path(__file__).resolve().parents[1] / "bench" / "assets" / "pycode-19m-eagle3"  # its trained head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_prompts, overlap):
+    """On the GPU with graphs (both candidates' phases replayed, costs timed from the replays): forced switching
+    on pycode-19m with its trained EAGLE-3 head gives plain decoding's greedy tokens (float32: no bf16 near-ties),
+    rounds after plain steps still accept, and every bucket has a measured cost."""
+    kw = dict(device="cuda", dtype="float32", max_running_requests=8, disable_overlap_schedule=not overlap)
+    prompts = [t[:600] for t in heldout_prompts[:8]]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want = LLM(pycode19m, **kw).generate(prompts, params)
+    llm = LLM(pycode19m, draft_model=DRAFT_19M, speculative_adaptive=True, **kw)
+    assert all(t > 0 for t in llm.engine.strategy.policy.device_seconds.values())
+    assert {("plain_decode", 8), ("plain_extend", 8), ("verify", 8)} <= set(llm.engine.runner.graphs.graphs)
+    log = force(llm, [1, 0, 0, 1, 1, 0, 1])
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and {PLAIN, SPECULATIVE} <= set(log)
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 2.0
+    assert_no_leaks(llm)

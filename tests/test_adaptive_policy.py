@@ -1,0 +1,148 @@
+"""The adaptive speculation rule (speculative/adaptive_policy.py) on numbers: expected tokens per second from the
+batch's acceptance and the device + host cost per step, per-request acceptance, the host clock, probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from spruce.speculative.adaptive_policy import PLAIN, PROBE_FIRST, SPECULATIVE, AdaptivePolicy
+
+BUCKETS = (1, 2, 4, 8)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Req:  # a request is any hashable, weak-referenceable object to the policy
+    pass
+
+
+def policy(plain=1e-3, spec=3e-3, overlapped=True, device_on_host=False, clock=None, s=4) -> AdaptivePolicy:
+    table = {(c, b): (plain if c == PLAIN else spec) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
+    return AdaptivePolicy(BUCKETS, table, overlapped=overlapped, device_on_host=device_on_host, max_accept=s,
+                          clock=clock or Clock())
+
+
+def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
+    for _ in range(rounds):
+        for q in reqs:
+            p.accepted(q, accepted)
+
+
+def test_device_bound_choice_follows_expected_tokens_per_second():
+    """No host time: a round costs 3x a plain step, so it pays iff a request commits more than 3 tokens."""
+    p = policy()
+    reqs = [Req() for _ in range(4)]
+    assert p.decide(reqs).choice == SPECULATIVE  # no acceptance measured yet: the optimistic prior S
+    settle(p, reqs, 3)  # 4 tokens per round > 3
+    d = p.decide(reqs)
+    assert d.choice == SPECULATIVE and d.reason == "model"
+    assert d.tokens_per_second(SPECULATIVE) == pytest.approx(4 * 4 / 3e-3, rel=1e-3)
+    settle(p, reqs, 1)  # 2 tokens per round < 3
+    d = p.decide(reqs)
+    assert d.choice == PLAIN and d.tokens_per_second(PLAIN) == pytest.approx(4 / 1e-3)
+
+
+def test_one_collapsed_request_counts_as_one_token_not_as_a_veto():
+    """A request whose acceptance collapsed adds ~1 token to the batch's mean: three good requests keep the batch
+    speculating; when most collapse, it goes plain."""
+    p = policy()
+    good, bad = [Req() for _ in range(3)], [Req()]
+    settle(p, good, 4)
+    settle(p, bad, 0)
+    d = p.decide(good + bad)
+    assert d.choice == SPECULATIVE and d.tokens_per_step[SPECULATIVE] == pytest.approx((3 * 5 + 1) / 4, rel=1e-3)
+    more_bad = [Req() for _ in range(3)]
+    settle(p, more_bad, 0)
+    assert p.decide(good[:1] + bad + more_bad).choice == PLAIN
+
+
+def test_new_requests_take_the_engine_wide_acceptance():
+    p = policy()
+    settle(p, [Req() for _ in range(8)], 0, rounds=100)  # the engine-wide EMA falls towards 0
+    assert p.global_accept < 0.01
+    assert p.decide([Req()]).choice == PLAIN
+
+
+def test_host_bound_steps_favour_speculation():
+    """Host time 5 ms per step dwarfs the device's (1 ms plain, 3 ms round): under overlap each step costs ~5 ms
+    either way, so even 1.5 tokens per round win; without the host term plain would have looked 2x better."""
+    clock = Clock()
+    p = policy(clock=clock)
+    reqs = [Req() for _ in range(2)]
+    settle(p, reqs, 1)  # 2 tokens per round: device-only, plain wins (1/1ms > 2/3ms)
+    assert p.decide(reqs).choice == PLAIN
+    for _ in range(3):  # plain steps launched 5 ms apart, the host never waiting
+        clock.now += 5e-3
+        p.decide(reqs)
+    assert p.host_seconds[(PLAIN, 2)] == pytest.approx(5e-3)
+    d = p.decide(reqs)
+    assert d.step_seconds == {PLAIN: pytest.approx(5e-3), SPECULATIVE: pytest.approx(5e-3)}  # H borrowed
+    assert d.choice == SPECULATIVE
+
+
+def test_host_time_excludes_waits_and_serial_device_work():
+    clock = Clock()
+    p = policy(clock=clock, overlapped=False, device_on_host=True)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    p.decide(reqs)  # plain
+    clock.now += 4e-3
+    p.waited(2e-3)  # of the 4 ms, 2 ms waiting and 1 ms plain device work (on the host): 1 ms host
+    p.decide(reqs)
+    assert p.host_seconds[(PLAIN, 1)] == pytest.approx(1e-3)
+    assert p.step_seconds(PLAIN, 1) == pytest.approx(2e-3)  # serial: D + H
+
+
+def test_prefill_breaks_the_clock_and_idle_gaps_are_ignored():
+    clock = Clock()
+    p = policy(clock=clock)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    p.decide(reqs)
+    clock.now += 1e-3
+    p.decide(reqs)
+    assert p.host_seconds[(PLAIN, 1)] == pytest.approx(1e-3)
+    clock.now += 1.0  # an idle second, then the next decode step: not a step's host time
+    p.decide(reqs)
+    assert p.host_seconds[(PLAIN, 1)] == pytest.approx(1e-3)
+    p.break_chain()  # a prefill step: the time until the next decode launch is not counted
+    clock.now += 5e-3
+    p.decide(reqs)
+    assert p.host_seconds[(PLAIN, 1)] == pytest.approx(1e-3)
+
+
+def test_plain_runs_are_probed_with_backoff():
+    """After PROBE_FIRST plain choices one round re-measures; a probe that changes nothing doubles the wait."""
+    p = policy()
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    choices = [p.decide(reqs) for _ in range(3 * PROBE_FIRST + 3)]
+    probes = [i for i, d in enumerate(choices) if d.choice == SPECULATIVE]
+    assert probes == [PROBE_FIRST, 3 * PROBE_FIRST + 1] and choices[PROBE_FIRST].reason == "probe"
+    assert p.probes == 2 and p.chosen == {PLAIN: len(choices) - 2, SPECULATIVE: 2}
+    settle(p, reqs, 4)  # acceptance recovered: the model speculates again and the probe interval resets
+    assert p.decide(reqs).choice == SPECULATIVE
+
+
+def test_snapshot_reports_each_bucket_choice_and_reason():
+    p = policy()
+    reqs = [Req() for _ in range(3)]
+    settle(p, reqs, 0)
+    p.decide(reqs)
+    snap = p.snapshot()
+    b4 = snap["buckets"][4]
+    assert b4["choice"] == PLAIN and b4["reason"] == "model" and b4["batch_size"] == 3
+    assert b4["tokens_per_second"][PLAIN] > b4["tokens_per_second"][SPECULATIVE]
+    assert snap["device_seconds"][SPECULATIVE][8] == 3e-3 and snap["chosen"][PLAIN] == 1
+
+
+def test_incomplete_cost_table_is_refused():
+    with pytest.raises(ValueError, match=r"device_seconds lacks \[\('speculative', 8\)\]"):
+        AdaptivePolicy(BUCKETS, {(c, b): 1.0 for c in (PLAIN, SPECULATIVE) for b in BUCKETS if (c, b) !=
+                                 (SPECULATIVE, 8)}, overlapped=True, device_on_host=False, max_accept=3)

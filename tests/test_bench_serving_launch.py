@@ -1,0 +1,42 @@
+"""`spruce bench serving --launch`: the benchmark starts `spruce serve` itself for each configuration (here plain
+and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
+a shared prefix, and writes one result holding every run. A tiny smoke configuration, so CI keeps it working."""
+
+from __future__ import annotations
+
+import json
+
+from spruce.cli import main
+from checkpoints import python_source_prompts
+
+
+def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in python_source_prompts(400)))
+    out = tmp_path / "results"
+    rc = main(["bench", "serving", "--launch", "plain=--disable-speculative", "--launch",
+               "adaptive=--speculative-adaptive --speculative-num-steps 2 --speculative-eagle-topk 2 "
+               "--speculative-num-draft-tokens 3",
+               "--server-args", "--device cpu --page-size 4 --max-running-requests 2", "--compare-prefix-cache",
+               "--shared-prefix-tokens", "24", "--prompt-tokens", "6", "--max-tokens", "4", "--concurrency", "2",
+               "--num-requests", "3", "--warmup", "1", "--prompts", str(prompts), "--out-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads(next(out.glob("serving-*.json")).read_text())
+    runs = result["figures"]["runs"]
+    assert [(r["name"], r["prefix_cache"]) for r in runs] == [("plain", True), ("adaptive", True),
+                                                              ("plain", False), ("adaptive", False)]
+    assert result["git_commit"] and result["config"]["shared_prefix_tokens"] == 24
+    for r in runs:
+        (lv,) = r["levels"]
+        assert lv["completed"] == 3 and lv["mean_output_tokens"] == 4 and lv["prompt_tokens"] == 3 * 30
+        assert lv["ttft_s"]["p99"] >= lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p50"] > 0
+        # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
+        # that repeats the warm-up's prompt finds more)
+        cached = lv["cached_prompt_tokens"]
+        assert 3 * 24 <= cached < 3 * 30 if r["prefix_cache"] else cached == 0
+        adaptive = r["name"] == "adaptive"
+        assert ("adaptive" in r["server"]["speculative"]) == adaptive
+        assert (lv["adaptive_steps"] is not None and sum(lv["adaptive_steps"].values()) > 0) == adaptive
+    assert set(result["figures"]["summary"]) == {"prefix_cache", "no_prefix_cache"}
+    assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed
