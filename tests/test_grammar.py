@@ -252,3 +252,20 @@ def test_without_the_library_a_request_gets_a_clear_error(make_llm, monkeypatch)
         llm.engine.add_request(PROMPTS[0], SamplingParams(json_object=True))
     assert e.value.field == "json_object"
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # others run
+
+
+def test_no_module_imports_the_grammar_library_at_import_time():
+    """The base install has no llguidance: only runtime/grammar.py uses it, and only inside a function."""
+    import ast
+    from pathlib import Path
+
+    import spruce
+
+    offenders = []
+    for path in sorted(Path(spruce.__file__).parent.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.split(".")[0] == "llguidance" for n in names):
+                offenders.append(path.name)
+    assert offenders == []
