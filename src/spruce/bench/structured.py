@@ -126,10 +126,12 @@ def run_structured_bench(args) -> None:
                 run = _measure(llm, prompts, constraint, args, spec is not None)
                 run.update(engine=name, batch_size=bs)
                 results.append(run)
+                dead = run["dead_node_fraction"]
                 print(f"{name:>12} bs={bs:<3} {constraint:<11} ms/round={run['ms_per_round'] or 0:7.2f} "
-                      f"tok/s={run['tokens_per_s']:8.1f} grammar_host_ms/round={run['grammar_host_ms_per_round'] or 0:6.2f} "
+                      f"tok/s={run['tokens_per_s']:8.1f} "
+                      f"grammar_host_ms/round={run['grammar_host_ms_per_round'] or 0:6.2f} "
                       f"accept={(run['spec'] or {}).get('mean_accept_length', 1.0):.2f} "
-                      f"dead={run['dead_node_fraction'] if run['dead_node_fraction'] is not None else '-'}")
+                      f"dead={'-' if dead is None else f'{dead:.2f}'}")
             del llm
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()

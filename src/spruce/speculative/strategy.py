@@ -60,8 +60,9 @@ class DecodeStrategy:
                 logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         """Run prompt chunks through the target; sample after every final chunk.
 
-        `sampling` (and `grammar`, if any) has one row per final chunk. Returns [finals, step_result_width] (accept length 0, the
-        sampled token) and sets each finished prompt's row state (committed = prompt length, last = token).
+        `sampling` (and `grammar`, if any) has one row per final chunk. Returns [finals, step_result_width]
+        (accept length 0, the sampled token) and sets each finished prompt's row state (committed = prompt
+        length, last = token).
         `logprobs`: score the sampled tokens of its final chunks and its prompt rows."""
         r = self.runner
         batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
