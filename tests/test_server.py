@@ -194,12 +194,11 @@ USER = [{"role": "user", "content": "hi"}]
 NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
     ("completions", "best_of", 2), ("completions", "repetition_penalty", 1.1),
     ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
-    ("completions", "guided_json", {"type": "object"}), ("completions", "response_format", {"type": "json_object"}),
+    ("completions", "guided_json", {"type": "object"}),
     ("completions", "presence_penalty", 0.5), ("completions", "suffix", "x"),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat/completions", "tool_choice", "auto"),
     ("chat/completions", "continue_final_message", True), ("chat/completions", "chat_template", "{{ 1 }}"),
-    ("chat/completions", "response_format", {"type": "json_schema"}),
 ]
 NEUTRAL = {  # values of the not-supported-yet fields that change nothing: accepted
     "completions": dict(best_of=1, repetition_penalty=1.0,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError
+from spruce.structured_output import StructuredOutput, structured_output_of
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP_TOKEN_IDS = 256
@@ -33,6 +34,12 @@ class SamplingParams:
     unless ignored, and stop_token_ids) until that many tokens are generated; then, after temperature, `min_p`
     drops tokens whose probability is below min_p times the top one (vLLM's order: processors, temperature,
     min_p, top-k, top-p). Greedy requests take the argmax of the processed logits.
+    Structured output (at most one; needs the `llguidance` package, `spruce[grammar]`): `json_schema` (a dict
+    or its JSON text), `json_object` (any JSON object), `regex`, `grammar` (Lark-style EBNF or GBNF) or
+    `choice` (a list of strings). The output is constrained to match it: at every position the target's logits
+    are masked (-inf) to the tokens the grammar allows, before the processors and temperature (logprobs stay
+    the raw distribution). Generation ends when the grammar is complete and allows nothing but eos, or with
+    eos where the grammar may end; `min_tokens` cannot be combined with it (the grammar decides the end).
     """
 
     max_tokens: int = 16
@@ -48,6 +55,12 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {token id: bias} is accepted and stored sorted
     min_tokens: int = 0
+    # structured output (structured_output.py): at most one of these
+    json_schema: str | dict | None = None  # stored as its JSON text
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -120,6 +133,23 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                                       f"{self.min_tokens}", field="min_tokens")
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        spec = structured_output_of(self.json_schema, self.json_object, self.regex, self.grammar, self.choice)
+        if spec is not None and spec.kind == "json_schema":
+            object.__setattr__(self, "json_schema", spec.text)
+        if spec is not None and spec.kind == "choice":
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if spec is not None and self.min_tokens:
+            raise InvalidRequestError(f"min_tokens={self.min_tokens} cannot be combined with {spec.kind}: the "
+                                      f"grammar decides where the output ends", field="min_tokens")
+        object.__setattr__(self, "_structured_output", spec)
+
+    @property
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint the output must match (json_schema, json_object, regex, grammar or choice), or None."""
+        return self._structured_output
 
     @property
     def greedy(self) -> bool:

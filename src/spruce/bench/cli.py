@@ -1,4 +1,4 @@
-"""`spruce bench {latency,serving,parity,serving-compare}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
+"""`spruce bench {latency,serving,parity,serving-compare,structured}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ BENCHMARKS = (
     ("parity", "plain vs speculative greedy: divergences vs near-ties", "spruce.bench.parity", "add_parity_parser"),
     ("serving-compare", "several serving results on the same axes", "spruce.bench.serving_compare",
      "add_serving_compare_parser"),
+    ("structured", "structured output: cost per round with and without speculation", "spruce.bench.structured",
+     "add_structured_parser"),
 )
 
 

@@ -67,6 +67,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar library builds its token tables from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return [self.bos_token_id] + ids if add_special_tokens and self._prepend_bos else ids

@@ -9,7 +9,9 @@ carries each row's positions and last token from step to step (runtime/row_state
 accept lengths one step late and reserves pages for the worst case ahead (`Limits.lookahead`). A request
 finished at resolve may still sit in the step in flight: its extra tokens are dropped and its pages are
 released only once that step has completed. `disable_overlap_schedule` resolves each step right after
-launching it; both orders produce the same tokens.
+launching it; both orders produce the same tokens. A step that includes a request with structured output is
+resolved right after its launch: the request's grammar state must know the step's tokens before the next step's
+masks are built (runtime/grammar.py).
 
 Thread-safe: `add_request`, `abort` and `step` take one lock, so a server thread may call them while another
 thread drives `step()` in a loop.
@@ -33,6 +35,7 @@ from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.memory.prefix_cache import PrefixCache
 from spruce.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from spruce.runtime.device import device_name
+from spruce.runtime.grammar import GrammarBackend, GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan, PackReadback, decode_plan, make_entry, prefill_plan
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
@@ -57,6 +60,7 @@ class LaunchedStep:
     decode: bool  # a decode step
     speculated: bool = False  # a speculative round (its accept lengths count toward speculation statistics)
     logprobs: LogprobPlan | None = None  # what it scored (its pack is read back with `result`); None: nothing
+    grammar: bool = False  # it includes a request with structured output (resolved at once, never left in flight)
 
 
 class Engine:
@@ -93,6 +97,7 @@ class Engine:
         self._greedy = SamplingTensors.greedy()
         self._stream = torch.cuda.current_stream(self.runner.device) if self._result_buffers else None
         self._sampling_cache: tuple = (None, None)
+        self._grammar: GrammarBackend | None = None  # built by the first request with structured output
 
     @property
     def max_request_tokens(self) -> int:
@@ -138,16 +143,46 @@ class Engine:
             rid = request_id or uuid.uuid4().hex
             if rid in self.requests:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
+            grammar = self._request_grammar(params)
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             req = Request(rid, ids, params, seed, next(self._arrival),
                           token_limit=min(len(ids) + params.max_tokens, lim.context_length),
                           stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
-                                                                          else self.eos_token_ids))
+                                                                          else self.eos_token_ids),
+                          grammar=grammar)
             if self.tokenizer is not None:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
             self.requests[rid] = req
             self.scheduler.add(req)
         return rid
+
+    def _request_grammar(self, params: SamplingParams):
+        """The request's grammar state (runtime/grammar.py) when it asks for structured output, else None;
+        InvalidRequestError naming the field when the constraint cannot be served or does not compile."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{spec.field} needs the model's tokenizer (tokenizer.json), which this "
+                                          f"model does not ship", field=spec.field)
+            self._grammar = GrammarBackend(self.tokenizer.to_json(), self.runner.model_config.vocab_size,
+                                           self.eos_token_ids, spec.field)
+        return self._grammar.request_grammar(spec)
+
+    def _grammar_batch(self, reqs: list[Request]) -> GrammarBatch | None:
+        """The step's grammar rows (one per request), or None when no request has structured output."""
+        if self._grammar is None or all(q.grammar is None for q in reqs):
+            return None
+        return GrammarBatch(self._grammar, [q.grammar for q in reqs])
+
+    @property
+    def grammar_stats(self) -> dict | None:
+        """Tree nodes masked, how many were dead (their token refused by the grammar), host seconds spent on
+        masks; None before the first request with structured output."""
+        g = self._grammar
+        return None if g is None else {"tree_nodes": g.tree_nodes, "dead_nodes": g.dead_nodes,
+                                       "mask_seconds": g.mask_seconds}
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -197,7 +232,7 @@ class Engine:
             if previous is not None:
                 self._resolve(previous, touched)
             if launched is not None:
-                if self.limits.overlap:
+                if self.limits.overlap and not launched.grammar:
                     self._inflight = launched
                 else:
                     self._resolve(launched, touched)
@@ -282,7 +317,7 @@ class Engine:
         finals = [q for q, c in zip(stepped, chunks) if c.final]
         logprobs = prefill_plan(stepped, chunks, finals)
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, self._sampling(finals), logprobs)
+            result = self.strategy.prefill(chunks, self._sampling(finals), logprobs, self._grammar_batch(finals))
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
@@ -304,7 +339,8 @@ class Engine:
         # the device's under overlap) and whose pages are final (DESIGN §13)
         self.runner.set_known_prefix(rows, [q.committed for q in reqs])
         try:
-            result = strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+            result = strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs,
+                                     self._grammar_batch(reqs))
         finally:
             self.runner.set_known_prefix(None, None)
         return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
@@ -330,7 +366,8 @@ class Engine:
             result = result.clone()
             if logprobs is not None:
                 logprobs.host = logprobs.pack
-        return LaunchedStep(reqs, result_reqs, result, done, decode, speculated, logprobs)
+        return LaunchedStep(reqs, result_reqs, result, done, decode, speculated, logprobs,
+                            grammar=any(q.grammar is not None for q in reqs))
 
     def _resolve(self, step: LaunchedStep, touched: dict[str, Request]) -> None:
         """Wait for a launched step and apply its tokens (dropped for requests finished meanwhile)."""
@@ -357,7 +394,13 @@ class Engine:
                     q.spec.add_round(accepted, self.limits.num_steps)
                     self.spec_stats.add_round(accepted, self.limits.num_steps)
             lps = packed[slots[i]:slots[i] + accepted + 1] if i in slots else None
-            self._append(q, row[1:accepted + 2], lps)
+            tokens = row[1:accepted + 2]
+            if q.grammar is not None:  # its grammar consumes the tokens, up to the one that completes it
+                tokens = tokens[:q.grammar.advance(tokens)]
+            self._append(q, tokens, lps)
+            if q.grammar is not None and q.grammar.stopped and not q.finished:
+                self._final_text.append(q)
+                self.scheduler.finish(q, "stop")  # the grammar is complete: nothing but eos may follow
             touched[q.request_id] = q
         self.strategy.resolved(step.result_reqs, rows, step.speculated, waited)
 

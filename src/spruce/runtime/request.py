@@ -79,6 +79,7 @@ class Request:
     prompt_lp_next: int = 1  # first prompt position whose logprobs no launched step has scored yet
     cached_path: list = field(default_factory=list)  # prefix-cache nodes whose pages it shares (while it holds a row)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (latest) admission
+    grammar: object | None = None  # RequestGrammar (runtime/grammar.py) when it has structured output
 
     def __post_init__(self):
         if self.params.logprobs is not None:

@@ -173,7 +173,7 @@ class _Api:
         try:
             return req.sampling_params(max_tokens, self.engine.vocab_size)
         except InvalidRequestError as e:
-            raise OpenAIError.from_invalid_request(e) from None
+            raise OpenAIError.from_invalid_request(e, req.param_names) from None
 
     def max_tokens(self, req, prompt_tokens: int, default: int, prompt_param: str) -> int:
         """The request's max_tokens, refused (not cut) when prompt + max_tokens exceeds what one request can
@@ -253,7 +253,8 @@ class _Api:
             gen = await Generation.start(self.loop, base_id, jobs, self.limits.max_queued_requests,
                                          self.limits.request_timeout)
         except InvalidRequestError as e:
-            raise OpenAIError.from_invalid_request(e, {"prompt": "messages"} if chat else None) from None
+            raise OpenAIError.from_invalid_request(e, {**req.param_names, **({"prompt": "messages"} if chat else {})}
+                                                   ) from None
         except EngineFailure as e:
             raise failure_error(e) from None
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)

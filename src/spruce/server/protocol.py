@@ -139,9 +139,39 @@ NOT_SUPPORTED_YET = {
     "include_stop_str_in_output": NotYet("null or false", _unset_or(False)),
     "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
                                   _unset_or(True)),
-    "response_format": NotYet('null or {"type": "text"}', _unset_or({"type": "text"})),
-    "guided_json": NotYet("null", _unset_or()),
+    "guided_json": NotYet('null (vLLM removed it in 0.12: send structured_outputs: {"json": ...})', _unset_or()),
 }
+
+
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. `strict` is accepted either way: spruce always enforces the schema."""
+
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs (its current name for the guided_* fields): at most one constraint."""
+
+    json_: dict | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+# SamplingParams field of each structured_outputs key
+STRUCTURED_OUTPUTS_FIELDS = {"json_": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                             "json_object": "json_object"}
 
 
 class _GenerationRequest(_Strict):
@@ -172,7 +202,8 @@ class _GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
 
     def check_supported(self) -> None:
@@ -190,6 +221,35 @@ class _GenerationRequest(_Strict):
             raise OpenAIError(400, f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}", param="stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise OpenAIError(400, f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+
+    def structured_output(self) -> tuple[dict, dict[str, str]]:
+        """SamplingParams kwargs of the request's structured output (response_format or structured_outputs),
+        and the request parameter that names each kwarg in errors."""
+        kwargs, names = {}, {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            kwargs["json_object"], names["json_object"] = True, "response_format"
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                param = "response_format.json_schema" + ("" if fmt.json_schema is None else ".schema")
+                raise OpenAIError(400, f'{param} is required when response_format.type is "json_schema"',
+                                  param=param)
+            kwargs["json_schema"] = fmt.json_schema.schema_
+            names["json_schema"] = "response_format.json_schema.schema"
+        given = {key: getattr(self.structured_outputs, key) for key in STRUCTURED_OUTPUTS_FIELDS
+                 if self.structured_outputs is not None and getattr(self.structured_outputs, key) not in (None, False)}
+        if given and kwargs:
+            raise OpenAIError(400, "response_format and structured_outputs both constrain the output; send one of "
+                              "them", param="structured_outputs")
+        for key, value in given.items():  # more than one: SamplingParams names the second
+            field = STRUCTURED_OUTPUTS_FIELDS[key]
+            kwargs[field], names[field] = value, f"structured_outputs.{key.rstrip('_')}"
+        return kwargs, names
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        """SamplingParams field -> this request's parameter, for errors raised after translation."""
+        return self.structured_output()[1]
 
     @property
     def include_usage(self) -> bool:
@@ -223,6 +283,7 @@ class _GenerationRequest(_Strict):
         if outside:
             raise OpenAIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {outside[:5]}",
                               param="logit_bias")
+        structured, _ = self.structured_output()
         out = []
         for i in range(self.n):
             out.append(SamplingParams(
@@ -230,7 +291,7 @@ class _GenerationRequest(_Strict):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=choice_seed(self.seed, i),
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
-                min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0))
+                min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0, **structured))
         outside = [t for t in out[0].stop_token_ids if t >= vocab_size]
         if outside:
             raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",

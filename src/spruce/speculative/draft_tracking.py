@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.attention.metadata import Phase
+from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.strategy import DecodeStrategy
@@ -57,16 +58,18 @@ class DraftTrackingDecoding(DecodeStrategy):
                                   device=dev)  # [R, S+2]: accept length 0, the token, padding
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None) -> torch.Tensor:
-        """One plain step for `rows` ([bs, S+2] result; `sampling` has one row per request)."""
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        """One plain step for `rows` ([bs, S+2] result; `sampling` and `grammar` have one row per request)."""
         r = self.runner
         bs = len(rows)
         self.fill_rows(rows)
         with r.timer.phase("plain_decode"):
             step = r.graphs.run("plain_decode", self._decode_phase, bs, max_kv, plan=r.planner(Phase.DECODE))
-        if not sampling.all_greedy:
+        if not sampling.all_greedy or grammar is not None:
             with r.timer.phase("sample"):  # the token at p+1 = committed + 1 under the request's parameters
-                self.tokens[:bs] = select_tokens(step.logits[:bs], sampling, self.committed[:bs] + 1)
+                chosen_from = step.logits[:bs] if grammar is None else apply_token_mask(step.logits[:bs],
+                                                                                        grammar.row_masks(r.device))
+                self.tokens[:bs] = select_tokens(chosen_from, sampling, self.committed[:bs] + 1)
         if logprobs is not None:
             with r.timer.phase("logprobs"):
                 idx = torch.tensor(logprobs.rows, dtype=torch.int64).to(r.device, non_blocking=True)

@@ -6,7 +6,9 @@ hold the dummy row): DRAFT_DECODE (all S-1 draft steps + tree build), VERIFY (ta
 tree + logits + greedy acceptance) and DRAFT_EXTEND (commit of the accepted path + draft extend + next
 step-0 top-K). When a batch has sampled requests, their token selection and acceptance run eagerly between
 VERIFY and DRAFT_EXTEND and overwrite the greedy result; so, when a request wants logprobs, does the scoring of
-the accepted path's verify logits (runtime/logprobs.py). Nothing in a round syncs with the host until one
+the accepted path's verify logits (runtime/logprobs.py). When a request has structured output, the tree is read
+back after DRAFT_DECODE, each node gets its grammar mask on the host (runtime/grammar.py), and every row's
+selection and acceptance run eagerly on the masked verify logits. Nothing in a round syncs with the host until one
 [bs, S+2] read-back (accept lengths and tokens) at its end. The same phase functions run eagerly or under
 CUDA graphs (runtime/cuda_graph.py).
 """
@@ -21,6 +23,7 @@ from spruce.attention.metadata import Phase
 from spruce.errors import ConfigError
 from spruce.ops import softmax_topk
 from spruce.runtime.batch_builder import paged_slots
+from spruce.runtime.grammar import GrammarBatch, allowed_tokens, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
@@ -105,19 +108,27 @@ class EagleWorker(DecodeStrategy):
 
     # --- the round -------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None) -> torch.Tensor:
-        """One round for the requests in `rows`; `sampling` has one row per tree node ([bs*N])."""
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        """One round for the requests in `rows`; `sampling` has one row per tree node ([bs*N]), `grammar` one
+        entry per request."""
         graphs, timer = self.runner.graphs, self.runner.timer
         bs = len(rows)
         self.fill_rows(rows)
+        if grammar is not None:
+            with timer.phase("grammar"):  # the depth-1 draft tokens: only what the grammar allows next
+                self._prune_step0(bs, grammar.row_masks(self.runner.device))
         with timer.phase("draft"):
             tree = graphs.run("draft", self._draft_phase, bs, max_kv, plan=self.runner.planner(Phase.DRAFT_DECODE))
+        masks = None
+        if grammar is not None:
+            with timer.phase("grammar"):  # [bs*N, words]: each node's mask after its path (reads the tree back)
+                masks = grammar.tree_masks(tree.tokens[:bs], tree.parents[:bs], self.runner.device)
         with timer.phase("verify"):  # also accepts greedily on the device (the rows' accept state)
             verified = graphs.run("verify", self._verify_phase, bs, max_kv, tree,
                                   plan=self.runner.planner(Phase.VERIFY))
-        if not sampling.all_greedy:
-            with timer.phase("accept"):  # sampled rows: accept along the target's own samples instead
-                self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling))
+        if not sampling.all_greedy or masks is not None:
+            with timer.phase("accept"):  # sampled or masked rows: accept along the target's own choices instead
+                self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling, masks))
         if logprobs is not None:
             with timer.phase("logprobs"):
                 logprobs.pack = self._path_logprobs(verified, logprobs)
@@ -126,14 +137,32 @@ class EagleWorker(DecodeStrategy):
                              plan=self.runner.planner(Phase.DRAFT_EXTEND))  # [P, S+2]
         return out[:bs]
 
-    def _sampled_target_tokens(self, bs: int, verified: Verified, sampling: SamplingTensors) -> torch.Tensor:
-        """The target's token after each tree node under the requests' sampling parameters: [bs, N].
+    def _prune_step0(self, bs: int, masks: torch.Tensor) -> None:
+        """Recompute the rows' step-0 top-K from the draft's stored hidden state with the draft logits masked by
+        each request's grammar (masks [bs, words], target vocabulary), so no depth-1 slot of the tree holds a
+        token the grammar refuses. A row whose mask allows no draft-vocabulary token keeps its unmasked top-K
+        (its nodes are then dead; verification never accepts them)."""
+        rows = self.rows[:bs]
+        logits = self.runner.draft.compute_logits(self.hidden[rows])  # [bs, Vd]
+        allowed = allowed_tokens(masks, self.runner.model_config.vocab_size)[:, self.to_target]  # [bs, Vd]
+        allowed |= ~allowed.any(dim=-1, keepdim=True)
+        p, ids = softmax_topk(logits.float().masked_fill(~allowed, float("-inf")), self.K)  # [bs, K]
+        self.topk_p[rows] = p
+        self.topk_ids[rows] = self.to_target[ids]
+
+    def _sampled_target_tokens(self, bs: int, verified: Verified, sampling: SamplingTensors,
+                               masks: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's token after each tree node under the requests' sampling parameters (and grammar masks
+        [bs*N, words], if given): [bs, N].
 
         The random key is (seed, position) alone, as in plain decoding: the committed token at a position is
         the same sample whichever tree (or no tree) led there, so seeded output is identical with and without
         speculation, across batches and through preemption."""
         positions = (self.committed[:bs, None] + verified.tree.depths[:bs] + 1).reshape(-1)  # each node's successor
-        return select_tokens(verified.logits[: bs * self.N], sampling, positions).view(bs, self.N)
+        logits = verified.logits[: bs * self.N]
+        if masks is not None:
+            logits = apply_token_mask(logits, masks)
+        return select_tokens(logits, sampling, positions).view(bs, self.N)
 
     def _path_logprobs(self, verified: Verified, plan: LogprobPlan) -> torch.Tensor:
         """The target's logprobs of the tokens the round commits, for the batch rows of `plan`: [w*(S+1), 2+2k].

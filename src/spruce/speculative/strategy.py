@@ -10,6 +10,8 @@ reads device memory back to the host, so a step can be queued while the previous
 
 A step given a `LogprobPlan` (some request wants logprobs) also scores the plan's rows, eagerly after its
 token selection, and leaves the pack in `plan.pack` (runtime/logprobs.py); without one nothing extra runs.
+A step given a `GrammarBatch` (some request has structured output) selects its tokens eagerly from the target's
+logits masked by the requests' grammars (runtime/grammar.py); logprobs still score the raw logits.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.attention.metadata import Phase
+from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.sampler import SamplingTensors, select_tokens
@@ -54,11 +57,12 @@ class DecodeStrategy:
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
-                logprobs: LogprobPlan | None = None) -> torch.Tensor:
+                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         """Run prompt chunks through the target; sample after every final chunk.
 
-        `sampling` has one row per final chunk. Returns [finals, step_result_width] (accept length 0, the
-        sampled token) and sets each finished prompt's row state (committed = prompt length, last = token).
+        `sampling` (and `grammar`, if any) has one row per final chunk. Returns [finals, step_result_width]
+        (accept length 0, the sampled token) and sets each finished prompt's row state (committed = prompt
+        length, last = token).
         `logprobs`: score the sampled tokens of its final chunks and its prompt rows."""
         r = self.runner
         batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
@@ -73,7 +77,8 @@ class DecodeStrategy:
                                  [chunks[i].start + len(chunks[i].tokens) for i in finals]], dtype=torch.int64)
             idx, rows, positions = host.to(r.device, non_blocking=True).unbind(0)
             logits = r.target.compute_logits(hidden[idx])  # [finals, V]
-            new_tokens.copy_(select_tokens(logits, sampling, positions))
+            chosen_from = logits if grammar is None else apply_token_mask(logits, grammar.row_masks(r.device))
+            new_tokens.copy_(select_tokens(chosen_from, sampling, positions))
             r.row_state.set(rows, positions, new_tokens)
         if logprobs is not None:
             logprobs.pack = pack_prefill(logprobs, logits, new_tokens, hidden, r.target.compute_logits)
@@ -86,12 +91,12 @@ class DecodeStrategy:
 
     # --- decode ----------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None) -> torch.Tensor:
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         """One decode step for the requests in `rows`: [bs, step_result_width] on the device.
 
         max_kv: an upper bound of any row's kv length during the step (eager runs size their split-KV by it).
         `sampling` has one row per request (per tree node for speculative strategies). `logprobs`: score the
-        committed tokens of its rows (`width` pack rows each)."""
+        committed tokens of its rows (`width` pack rows each). `grammar`: one entry per request in `rows`."""
         raise NotImplementedError
 
     def capture_graphs(self, show_progress: bool) -> None:
@@ -141,17 +146,19 @@ class PlainDecoding(DecodeStrategy):
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None) -> torch.Tensor:
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         r = self.runner
         bs = len(rows)
         self.fill_rows(rows)
         with r.timer.phase("decode"):
             logits, result = r.graphs.run("decode", self._decode_phase, bs, max_kv, plan=r.planner(Phase.DECODE))
-        if not sampling.all_greedy:
+        if not sampling.all_greedy or grammar is not None:
             with r.timer.phase("sample"):
                 rows_t = self.rows[:bs]
                 committed, _ = r.row_state.gather(rows_t)  # already advanced past the decoded token
-                tokens = select_tokens(logits[:bs], sampling, committed)  # [bs] the token at position committed
+                chosen_from = logits[:bs] if grammar is None else apply_token_mask(logits[:bs],
+                                                                                   grammar.row_masks(r.device))
+                tokens = select_tokens(chosen_from, sampling, committed)  # [bs] the token at position committed
                 r.row_state.set(rows_t, committed, tokens)
                 result[:bs, 1] = tokens
         if logprobs is not None:

@@ -1,0 +1,37 @@
+"""Twenty small JSON schemas for structured-output tests: each exercises a different part of JSON Schema
+(types, enums, bounds, patterns, arrays, nesting, anyOf, const, $defs) and is small enough that the bundled
+Python-code model, masked by the grammar, finishes an instance within a few dozen tokens."""
+
+SCHEMAS = [
+    {"type": "boolean"},
+    {"type": "integer", "minimum": 0, "maximum": 99},
+    {"enum": ["red", "green", "blue"]},
+    {"type": "string", "maxLength": 6},
+    {"type": "string", "pattern": "^[a-z]{2,5}$"},
+    {"type": "null"},
+    {"const": "ok"},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "flag": {"type": "boolean"}},
+     "required": ["kind", "flag"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                               "maxItems": 2}}, "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer",
+                                                                                     "minimum": 0, "maximum": 9}},
+                                            "required": ["x"], "additionalProperties": False}},
+     "required": ["p"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
+    {"type": "number", "minimum": 0, "maximum": 10},
+    {"type": ["string", "null"], "maxLength": 4},
+    {"$defs": {"bit": {"enum": [0, 1]}}, "type": "array", "items": {"$ref": "#/$defs/bit"}, "minItems": 2,
+     "maxItems": 2},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[0-9]{3}$"},
+                                      "on": {"type": "boolean"}}, "required": ["id", "on"],
+     "additionalProperties": False},
+]
