@@ -132,3 +132,7 @@ def test_engine_flags_reach_the_engine_config():
     assert (kw["draft_model"], kw["speculative_algorithm"], kw["speculative_num_steps"]) == (None, "NEXTN", 2)
     plain = engine_kwargs(build_parser().parse_args(["generate", "--model", MODEL, "--prompt", "x"]))
     assert plain["disable_radix_cache"] is False and plain["speculative_algorithm"] is None
+    assert plain["tp_size"] == 1
+    for flag in ("--tp-size", "--tensor-parallel-size"):
+        served = build_parser().parse_args(["serve", "--model", MODEL, flag, "2"])
+        assert engine_kwargs(served)["tp_size"] == 2

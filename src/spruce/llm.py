@@ -81,9 +81,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop a tensor-parallel engine's workers (nothing to do for one process); idempotent."""
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

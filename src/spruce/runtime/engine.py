@@ -498,6 +498,9 @@ class Engine:
             finally:
                 runner.allocator.free(runner.page_table.release_row(row))
 
+    def shutdown(self) -> None:
+        """Stop what the engine started: nothing for one process (a tensor-parallel driver stops its workers)."""
+
     # --- introspection ----------------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
