@@ -14,6 +14,7 @@ Nothing here runs when tp_size is 1: a single-process engine never initialises t
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -104,7 +105,9 @@ def init_tp_group(rank: int, size: int, device: str, init_method: str, local_ran
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # before NCCL initialises (spawned workers inherit it too)
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    # NCCL bound to this rank's GPU at once (torch >= 2.3), so the first collective is not inside a graph capture
+    eager = dev.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters
+    kwargs = {"device_id": dev} if eager else {}
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=collective_timeout(), **kwargs)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
