@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from spruce import LLM, SamplingParams
 from spruce.config import EngineConfig, make_speculative_config
@@ -67,11 +68,54 @@ def spec(algorithm, draft, model, s, k, n):
 
 
 def test_llama_plain_tp2_equals_tp1(pycode19m):
+    """Plain decoding; then the other calls the driver forwards (scoring a sequence, flushing the cache)."""
     prompts, params = jobs(prompts_of(pycode19m))
-    want, _ = run(LLM.from_engine(create_engine(config(pycode19m))), prompts, params)
-    got, _ = run_tp2(config(pycode19m, tp_size=2), prompts, params)
+    one = LLM.from_engine(create_engine(config(pycode19m)))
+    want, _ = run(one, prompts, params)
+    sequence = prompts[0] + want[0]
+    two = LLM.from_engine(create_engine(config(pycode19m, tp_size=2)))
+    try:
+        got, _ = run(two, prompts, params)
+        logits = two.engine.next_token_logits(sequence, first=len(prompts[0]))
+        flushed = two.engine.flush_cache()
+        two.engine.check_no_leaks()
+    finally:
+        two.shutdown()
     assert got == want
     assert got[0] != got[len(PROMPT_TOKENS)]  # the seeded run sampled (not the greedy text)
+    torch.testing.assert_close(logits, one.engine.next_token_logits(sequence, first=len(prompts[0])),
+                               rtol=1e-4, atol=1e-4)
+    assert flushed == one.engine.flush_cache() > 0
+
+
+def test_sharded_load_reads_only_the_ranks_part(tmp_path):
+    """A split parameter takes its rank's rows / columns straight from the file (get_slice), never the whole."""
+    from safetensors.torch import save_file
+
+    from spruce.distributed.group import TPGroup
+    from spruce.distributed.layers import RowParallelLinear, column_parallel_linear
+    from spruce.models.loader import iter_tensor_slices
+    from spruce.models.weights import load_named_tensors
+
+    full = {"col.weight": torch.arange(48.0).view(8, 6), "row.weight": torch.arange(48.0).view(6, 8)}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    rank1 = TPGroup(rank=1, size=2, device=torch.device("cpu"), device_group=None, control_group=None)
+    module = torch.nn.Module()
+    module.col = column_parallel_linear(6, 8, rank1, "columns")
+    module.row = RowParallelLinear(8, 6, rank1, "rows")
+    boxes = []
+
+    def recorded(items):
+        for name, part in items:
+            read = part._read_box
+            part._read_box = lambda box, read=read, name=name: boxes.append((name, box)) or read(box)
+            yield name, part
+
+    with torch.no_grad():
+        load_named_tensors(module, recorded(iter_tensor_slices(tmp_path)))
+    assert sorted(boxes) == [("col.weight", (slice(4, 8),)), ("row.weight", (slice(None), slice(4, 8)))]
+    assert torch.equal(module.col.weight, full["col.weight"][4:])
+    assert torch.equal(module.row.weight, full["row.weight"][:, 4:])
 
 
 def test_llama_eagle3_tree_tp2_equals_tp1(pycode19m, tmp_path):
@@ -141,3 +185,38 @@ def test_tp_size_must_divide_the_heads(pycode19m):
 def test_bad_tp_size(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(model="m", **kw)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out.append((int(stat.parent.name), cmd))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_server_exits_when_a_worker_dies(tmp_path):
+    """`spruce serve --tp-size 2`: killing the worker ends the server (exit 1) with an error naming it."""
+    import os
+    import signal
+
+    import httpx
+    from server_util import ServeProcess
+
+    server = ServeProcess(tmp_path / "serve.log", "--tp-size", "2", "--device", "cpu").start(120)
+    try:
+        reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                           json={"model": "pycode-6m", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        (worker,) = [pid for pid, cmd in _children(server.proc.pid) if "spawn_main" in cmd]
+        os.kill(worker, signal.SIGKILL)
+        assert server.wait(30) == 1
+        assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in server.log()
+    finally:
+        server.kill()
