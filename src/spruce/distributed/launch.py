@@ -133,6 +133,10 @@ def _worker_main(rank: int, config, init_method: str, messages, rank_setup, pare
     from spruce.runtime.engine import Engine
 
     _watch_parent(parent_pid)
+    if config.device == "cpu":  # the ranks share the host's cores
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.tp_size))
     try:
         messages.put(("ready", rank, ""))
         tp = init_tp_group(rank, config.tp_size, config.device, init_method)
