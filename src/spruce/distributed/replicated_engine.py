@@ -25,6 +25,7 @@ committed a different token stop at the next call with an InvariantError naming 
 from __future__ import annotations
 
 import itertools
+import logging
 import pickle
 import time
 import zlib
@@ -35,6 +36,7 @@ from spruce.distributed.group import TPGroup, destroy_tp_group
 from spruce.errors import InvalidRequestError, InvariantError, WorkerFailedError
 from spruce.runtime.engine import Engine
 
+logger = logging.getLogger("spruce")
 OP_NONE, OP_STEP, OP_DRAIN, OP_FLUSH, OP_SCORE, OP_SHUTDOWN = range(6)
 OP_NAMES = {OP_STEP: "step", OP_DRAIN: "drain", OP_FLUSH: "flush_cache", OP_SCORE: "next_token_logits",
             OP_SHUTDOWN: "shutdown"}
@@ -177,8 +179,8 @@ class DriverEngine(Engine):
                 try:
                     with self._busy():
                         self._exchange(OP_SHUTDOWN)
-                except (WorkerFailedError, InvariantError):
-                    pass  # reported already; the workers are gone or going
+                except Exception as e:  # the workers are gone or going: leave anyway
+                    logger.warning("tensor-parallel shutdown: %s: %s", type(e).__name__, e)
             self._closed = True
             destroy_tp_group()  # before joining: a worker leaving the group may wait for the driver to leave too
             if self._workers is not None:
