@@ -136,13 +136,16 @@ def test_llama_eagle3_tree_tp2_equals_tp1(pycode19m, tmp_path):
 
 @pytest.mark.parametrize("algorithm", [None, "NEXTN"])
 def test_deepseek_mla_moe_tp2_equals_tp1(pycodemla, algorithm):
-    """pycode-mla (MLA heads split, latent replicated; MoE experts cut by intermediate), plain and NEXTN."""
+    """pycode-mla (MLA heads split, latent replicated; MoE experts cut by intermediate), plain and NEXTN (its
+    trained MTP layer drafting a K=4 tree)."""
     prompts, params = jobs(prompts_of(pycodemla))
-    cfg = {} if algorithm is None else dict(speculative=spec("NEXTN", None, pycodemla, 3, 1, 4))
+    cfg = {} if algorithm is None else dict(speculative=spec("NEXTN", None, pycodemla, 3, 4, 8))
     want, want_stats = run(LLM.from_engine(create_engine(config(pycodemla, **cfg))), prompts, params)
     got, got_stats = run_tp2(config(pycodemla, tp_size=2, **cfg), prompts, params)
     assert got == want
     assert got_stats == want_stats
+    if algorithm is not None:
+        assert min(s["mean_accept_length"] for s in got_stats[:len(PROMPT_TOKENS)]) > 1.5
 
 
 def test_worker_failure_raises_naming_the_worker(pycode19m):
