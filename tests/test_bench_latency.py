@@ -34,3 +34,17 @@ def test_latency_bench_writes_result(tmp_path):
     assert runs[(1, (3, 2, 4))]["spec"]["mean_accept_length"] >= 1.0
     assert res["figures"]["hf"]["1"]["plain"]["output_tokens"] == 18
     assert "assisted_prompt_lookup" in res["figures"]["hf"]["1"]
+
+
+def test_latency_bench_tp_sizes(tmp_path):
+    """--tp-size 1 2 on the cpu (gloo): one run per size, the tp=2 run compared with the tp=1 one."""
+    rc = main(["bench", "latency", "--model", str(builtin_model_path()), "--device", "cpu", "--dtype", "float32",
+               "--batch-sizes", "2", "--input-len", "8", "--output-len", "4", "--num-prompts", "2", "--spec",
+               "--graphs", "off", "--repeats", "1", "--tp-size", "1", "2", "--out-dir", str(tmp_path / "out")])
+    assert rc == 0
+    (path,) = (tmp_path / "out").glob("latency-*.json")
+    runs = {r["tp_size"]: r for r in json.loads(path.read_text())["figures"]["runs"]}
+    assert set(runs) == {1, 2}
+    assert runs[2]["output_tokens"] == runs[1]["output_tokens"] == 8
+    assert runs[2]["tp_speedup_tokens_per_s"] == runs[2]["decode_tokens_per_s"] / runs[1]["decode_tokens_per_s"]
+    assert runs[2]["weight_bytes"] < runs[1]["weight_bytes"]  # one rank's slices

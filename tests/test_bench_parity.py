@@ -101,3 +101,31 @@ def test_target_logits_reproduce_greedy_and_free_their_pages(make_llm):
     assert logits.argmax(dim=1).tolist() == out
     assert torch.all(token_deficits(logits, out) == 0)
     assert llm.engine.runner.allocator.num_used == llm.engine.scheduler.cached_pages
+
+
+def test_tp_parity_cli_float32_is_identical(tmp_path):
+    """`spruce bench tp-parity` on the cpu (gloo, 2 processes): float32 tp=2 gives tp=1's tokens."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in PROMPTS))
+    code = main(["bench", "tp-parity", "--prompts", str(prompts), "--num-prompts", "2", "--max-tokens", "6",
+                 "--tp-size", "2", "--device", "cpu", "--dtype", "float32", "--out-dir", str(tmp_path)])
+    assert code == 0
+    (path,) = tmp_path.glob("tp-parity-*.json")
+    figures = json.loads(path.read_text())["figures"]
+    assert figures["verdict"] == "identical" and figures["token_match_rate"] == 1.0 and figures["tokens"] == 12
+
+
+def test_tp_parity_divergence_entry_names_both_views():
+    """A tp=N token far below the top logit is reported as no near-tie, seen by both engines (here the same
+    one-process engine stands in for both)."""
+    from spruce import LLM
+    from spruce.bench.tp_parity import describe, divergence_entry
+
+    llm = LLM(page_size=16, max_running_requests=2)
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    prompt, a = out.prompt_token_ids, out.token_ids
+    b = a[:3] + [(a[3] + 17) % 4096] + a[4:]
+    d = divergence_entry(llm, llm, prompt, a, b, 0.5, 2)
+    assert (d["position"], d["tp1_token"], d["tp2_token"], d["near_tie"]) == (3, a[3], b[3], False)
+    assert d["seen_by_tp2"]["tp2_run"]["top2_gap"] >= 0.0
+    assert d["seen_by_tp1"]["tp2_token"] == b[3] and "NOT A NEAR-TIE" in describe({"prompt_index": 0, **d}, 2)

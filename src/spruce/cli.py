@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no prefix cache: every prompt is computed in full (SGLang's flag)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="resolve each step before planning the next (overlap scheduling is on by default)")
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel ranks: this process and N-1 spawned workers (rank r on cuda:r; gloo on "
+                        "cpu), or the processes torchrun started (WORLD_SIZE must equal N)")
 
 
 SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
@@ -99,7 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_radix_cache=args.disable_radix_cache,
+        disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
     )
 
 
@@ -108,6 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from spruce import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
+    if args.tp_size > 1:
+        from spruce.distributed.launch import exit_on_worker_failure
+
+        exit_on_worker_failure(llm.engine)  # a dead worker ends the command with its error, whatever it waits on
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     t0 = time.perf_counter()
@@ -122,6 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         summary += (f"; speculative: {s['rounds']} rounds, mean accept length {s['mean_accept_length']:.2f}, "
                     f"accept rate per depth [{rates}]")
     print(summary, file=sys.stderr)
+    llm.shutdown()
     return 0
 
 

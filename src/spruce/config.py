@@ -100,6 +100,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks at real shapes)
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
     disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
+    tp_size: int = 1  # tensor-parallel ranks (processes); 1: one process, torch.distributed untouched
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -119,6 +120,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        _check_tp_size(self.tp_size, self.device)
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={self.load_format!r} is not supported; expected one of {LOAD_FORMATS}")
         if not (0.0 < self.mem_fraction_static < 1.0):
@@ -148,6 +150,23 @@ def _check_device_available(device: str) -> None:
         available = ", ".join(repr(d) for d in ["cpu"] + [f"cuda:{i}" for i in range(count)])
         raise ConfigError(f"device={device!r} is not available: torch {torch.__version__} sees {count} CUDA "
                           f"device(s); available: {available}")
+
+
+def _check_tp_size(tp_size, device: str) -> None:
+    """tp_size: an integer >= 1; on CUDA, rank r runs on cuda:r, so the device names no index and that many
+    GPUs are visible."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    if tp_size == 1 or device == "cpu":
+        return
+    if device != "cuda":
+        raise ConfigError(f"tp_size={tp_size} runs rank r on cuda:r, so device must be 'cuda' (no index), got "
+                          f"{device!r}; choose the GPUs with CUDA_VISIBLE_DEVICES")
+    import torch
+
+    count = torch.cuda.device_count()
+    if count < tp_size:
+        raise ConfigError(f"tp_size={tp_size} needs {tp_size} GPUs, but torch sees {count}")
 
 
 def make_speculative_config(

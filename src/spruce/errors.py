@@ -27,3 +27,8 @@ class InvalidRequestError(SpruceError, ValueError):
 
 class InvariantError(SpruceError, AssertionError):
     """An always-on invariant failed: the engine refused to run a launch that would corrupt memory."""
+
+
+class WorkerFailedError(SpruceError, RuntimeError):
+    """A tensor-parallel worker process died or failed: the engine cannot go on (its message names the rank,
+    its exit code and its last error)."""

@@ -17,7 +17,11 @@ class LLM:
 
     `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
     to SGLang's (5, 4, 8) when omitted. `speculative_adaptive=True` chooses per decode step between such a
-    round and a plain step, by expected tokens per second (speculative/adaptive.py).
+    round and a plain step, by expected tokens per second (speculative/adaptive.py). `tp_size=N` runs the model
+    tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r, or gloo on the CPU):
+    call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at interpreter exit.
+    Spawning re-imports the main module, so a script that builds one needs the usual
+    `if __name__ == "__main__":` guard.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class LLM:
         load_format: str = "auto",
         disable_overlap_schedule: bool = False,
         disable_radix_cache: bool = False,
+        tp_size: int = 1,
     ):
         model = str(model if model is not None else builtin_model_path())
         spec = make_speculative_config(
@@ -62,8 +67,31 @@ class LLM:
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
+            tp_size=tp_size,
         )
-        self.engine = Engine(self.config)
+        if tp_size == 1:
+            self.engine = Engine(self.config)
+        else:
+            from spruce.distributed.launch import create_engine
+
+            self.engine = create_engine(self.config)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """An LLM around an engine built elsewhere (e.g. spruce.distributed.launch.create_engine)."""
+        llm = cls.__new__(cls)
+        llm.config, llm.engine = engine.config, engine
+        return llm
+
+    def shutdown(self) -> None:
+        """Stop a tensor-parallel engine's workers (nothing to do for one process); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

@@ -9,6 +9,8 @@ BENCHMARKS = (
     ("latency", "offline latency/throughput benchmark", "spruce.bench.latency", "add_latency_parser"),
     ("serving", "online benchmark against a running server", "spruce.bench.serving", "add_serving_parser"),
     ("parity", "plain vs speculative greedy: divergences vs near-ties", "spruce.bench.parity", "add_parity_parser"),
+    ("tp-parity", "tensor-parallel vs one-GPU greedy: match rate, divergences vs near-ties", "spruce.bench.tp_parity",
+     "add_tp_parity_parser"),
     ("serving-compare", "several serving results on the same axes", "spruce.bench.serving_compare",
      "add_serving_compare_parser"),
     ("structured", "structured output: cost per round with and without speculation", "spruce.bench.structured",

@@ -34,6 +34,9 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--graphs", nargs="+", default=["on"], choices=["on", "off"])
     p.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
                    help="overlap scheduling on (default) and/or off (--disable-overlap-schedule)")
+    p.add_argument("--tp-size", type=int, nargs="+", default=[1],
+                   help="tensor-parallel sizes to run (each its own engine); above 1 on cuda, the collectives a "
+                        "decode step pays are measured alone too and added to the roofline")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -57,14 +60,15 @@ def _prompt_batches(args, tokenizer, vocab: int, bs: int) -> list[list[list[int]
     return [flat[i:i + bs] for i in range(0, n, bs)]
 
 
-def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, overlap: bool = True) -> dict:
+def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, overlap: bool = True,
+             tp_size: int = 1) -> dict:
     from spruce import LLM, SamplingParams
 
     kw = dict(model=model, device=args.device, dtype=args.dtype, page_size=args.page_size,
               attention_backend=args.attention_backend, max_running_requests=max(bs, 1), cuda_graph=graphs,
               cuda_graph_max_bs=bs, context_length=args.input_len + args.output_len + 64,
               max_total_tokens=bs * (args.input_len + args.output_len + 80), load_format=load_format,
-              disable_overlap_schedule=not overlap)
+              disable_overlap_schedule=not overlap, tp_size=tp_size)
     if spec is not None:
         s, k, n = spec
         kw.update(draft_model=draft, speculative_algorithm=args.speculative_algorithm, speculative_num_steps=s,
@@ -112,6 +116,7 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
     best["decode_read_bytes"] = eng.decode_read_bytes(bs, args.input_len + args.output_len // 2)
     best["init_s"] = init_s
     best["model"] = eng.model_shape()
+    llm.shutdown()  # tensor-parallel: the workers exit and free their GPUs
     del llm, eng
     gc.collect()
     if args.device.startswith("cuda"):
@@ -172,16 +177,20 @@ def run_latency_bench(args) -> int:
     figures: dict = {"runs": []}
     if args.device.startswith("cuda"):
         figures["copy_bandwidth_GBps"] = measure_copy_bandwidth(args.device) / 1e9
-    for overlap in args.overlap:
-        for graphs in args.graphs:
-            for bs in args.batch_sizes:
-                configs = ([] if args.no_plain else [None]) + specs
-                for spec in configs:
-                    run = _run_one(args, model, draft, spec, graphs == "on", bs, load_format, overlap == "on")
-                    run.update({"batch_size": bs, "cuda_graph": graphs == "on", "overlap": overlap == "on",
-                                "spec": run["spec"], "spec_config": list(spec) if spec else None})
-                    figures["runs"].append(run)
-                    _print_run(run)
+        figures["collectives"] = _measure_collectives(args, model)  # before any engine holds NCCL
+    for tp_size in args.tp_size:
+        for overlap in args.overlap:
+            for graphs in args.graphs:
+                for bs in args.batch_sizes:
+                    configs = ([] if args.no_plain else [None]) + specs
+                    for spec in configs:
+                        run = _run_one(args, model, draft, spec, graphs == "on", bs, load_format, overlap == "on",
+                                       tp_size)
+                        run.update({"batch_size": bs, "cuda_graph": graphs == "on", "overlap": overlap == "on",
+                                    "tp_size": tp_size, "spec": run["spec"],
+                                    "spec_config": list(spec) if spec else None})
+                        figures["runs"].append(run)
+                        _print_run(run)
     _add_ratios(figures)
     if args.compare_hf and args.model:
         figures["hf"] = {str(bs): _run_hf(args, args.model, bs) for bs in args.batch_sizes}
@@ -192,25 +201,56 @@ def run_latency_bench(args) -> int:
     return 0
 
 
+def _measure_collectives(args, model: str) -> dict:
+    """{tp: {batch size: per-collective ms}} for every --tp-size above 1 (bench/collectives.py)."""
+    from spruce.bench.collectives import measure_tp_collectives
+    from spruce.models.hf_config import ModelConfig
+
+    mc = ModelConfig.from_dir(model)
+    dtype = getattr(torch, args.dtype)
+    return {str(tp): {str(bs): v for bs, v in measure_tp_collectives(tp, mc.hidden_size, mc.vocab_size,
+                                                                    args.batch_sizes, dtype).items()}
+            for tp in args.tp_size if tp > 1}
+
+
 def _add_ratios(figures: dict) -> None:
-    """Roofline fraction of plain decode (bytes the step reads / measured copy bandwidth) and round-time /
-    decode-step ratios, from this run's numbers."""
+    """Roofline fraction of plain decode (bytes one GPU reads / measured copy bandwidth; tensor-parallel: plus
+    the step's collectives, each measured alone), round-time / decode-step ratios and tp speedups, from this
+    run's numbers."""
+    from spruce.bench.collectives import collective_ms_per_step
+
     bw = figures.get("copy_bandwidth_GBps")
-    for run in figures["runs"]:
+    runs = figures["runs"]
+    for run in runs:
+        tp = run.get("tp_size", 1)
         if bw and run.get("decode_step_ms"):
             floor_ms = run["decode_read_bytes"] / (bw * 1e9) * 1e3
             run["roofline_step_ms"] = floor_ms
             run["fraction_of_roofline"] = floor_ms / run["decode_step_ms"]
-        plain = next((p for p in figures["runs"] if p["spec_config"] is None and p["batch_size"] == run["batch_size"]
-                      and p["cuda_graph"] == run["cuda_graph"] and p["overlap"] == run["overlap"]), None)
+            coll = figures.get("collectives", {}).get(str(tp), {}).get(str(run["batch_size"]))
+            if coll is not None:
+                run["collective_ms_per_step"] = collective_ms_per_step(coll, run["model"]["layers"])
+                run["roofline_plus_collectives_ms"] = floor_ms + run["collective_ms_per_step"]
+                run["fraction_of_roofline_plus_collectives"] = run["roofline_plus_collectives_ms"] / run["decode_step_ms"]
+
+        def same(p, **kw):
+            return all(p.get(k, 1 if k == "tp_size" else None) == v for k, v in kw.items())
+
+        key = dict(batch_size=run["batch_size"], cuda_graph=run["cuda_graph"], overlap=run["overlap"])
+        plain = next((p for p in runs if p["spec_config"] is None and same(p, tp_size=tp, **key)), None)
         if run.get("round_ms") and plain and plain.get("decode_step_ms"):
             run["round_over_decode_step"] = run["round_ms"] / plain["decode_step_ms"]
             run["speedup_tokens_per_s"] = run["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        tp1 = next((p for p in runs if p["spec_config"] == run["spec_config"] and same(p, tp_size=1, **key)), None)
+        if tp > 1 and tp1 is not None:
+            run["tp_speedup_tokens_per_s"] = run["decode_tokens_per_s"] / tp1["decode_tokens_per_s"]
+            if run.get("decode_step_ms") and tp1.get("decode_step_ms"):
+                run["tp_speedup_decode_step"] = tp1["decode_step_ms"] / run["decode_step_ms"]
 
 
 def _print_run(run: dict) -> None:
     spec = run["spec_config"]
-    line = (f"bs={run['batch_size']:3d} graphs={'on ' if run['cuda_graph'] else 'off'} "
+    line = (f"tp={run.get('tp_size', 1)} bs={run['batch_size']:3d} graphs={'on ' if run['cuda_graph'] else 'off'} "
             f"overlap={'on ' if run['overlap'] else 'off'} spec={spec or '-'} tok/s={run['tokens_per_s']:.1f} "
             f"decode_tok/s={run['decode_tokens_per_s']:.1f} wall/gpu={run['wall_over_gpu_phases'] or 0:.2f}")
     if run.get("decode_step_ms"):

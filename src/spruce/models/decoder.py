@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from spruce.attention.metadata import ForwardBatch
+from spruce.distributed.layers import VocabParallelEmbedding, column_parallel_linear, vocab_parallel_logits
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
@@ -20,22 +21,29 @@ class DecoderLM(nn.Module):
     aux concatenates the residual-stream input of each layer in `aux_layers` (layer 0's input is the
     embedding; L is the last layer's output): the features an EAGLE-3 head consumes. Subclasses say how to
     build their rope (`build_rotary`) and their PreNormLayer-shaped layers (`build_layer`, also used for MTP
-    layers stored after the main ones)."""
+    layers stored after the main ones).
 
-    def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = ()):
+    With a tensor-parallel group `tp` (distributed/group.py) this rank holds its slice of every layer (heads,
+    intermediate, experts' intermediate), the embedding and lm head are vocab-parallel, and hidden states, aux
+    features and logits are whole on every rank (DESIGN §16)."""
+
+    def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         super().__init__()
         for i in aux_layers:
             if not 0 <= i <= cfg.num_layers:
                 raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
                                      f"(the target has {cfg.num_layers} layers; {cfg.num_layers} = last layer's output)")
         self.config = cfg
+        self.tp = tp
         self.aux_layers = tuple(aux_layers)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else column_parallel_linear(cfg.hidden_size, cfg.vocab_size, tp, "vocab_size"))
         self.rotary = self.build_rotary(cfg)
-        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i) for i in range(cfg.num_layers))
+        self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i, tp) for i in range(cfg.num_layers))
 
     @staticmethod
     def build_rotary(cfg: ModelConfig):
@@ -43,8 +51,9 @@ class DecoderLM(nn.Module):
         raise NotImplementedError
 
     @staticmethod
-    def build_layer(cfg: ModelConfig, rotary, backend, index: int, pool_layer: int) -> nn.Module:
-        """Checkpoint layer `index`, caching its K/V (or latents) in layer `pool_layer` of its pool."""
+    def build_layer(cfg: ModelConfig, rotary, backend, index: int, pool_layer: int, tp=None) -> nn.Module:
+        """Checkpoint layer `index`, caching its K/V (or latents) in layer `pool_layer` of its pool (this rank's
+        slice of it with a tensor-parallel group `tp`)."""
         raise NotImplementedError
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -69,19 +78,21 @@ class DecoderLM(nn.Module):
         return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n, V] float32."""
+        """[n, H] -> [n, V] float32 (tensor-parallel: every rank's V/tp logits gathered, on every rank)."""
+        if self.tp is not None:
+            return vocab_parallel_logits(hidden, self.output_weight, self.tp)
         return nn.functional.linear(hidden, self.output_weight).float()
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """[V, H] the lm_head (the embedding when tied)."""
+        """[V, H] the lm_head (the embedding when tied); this rank's [V/tp, H] rows when tensor-parallel."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def weight_bytes_read(self, num_tokens: int) -> float:
         """Weight bytes one forward over `num_tokens` tokens reads at least once: every parameter except the
         embedding table (only its rows are gathered; tied, it is read whole as the lm_head), with each routed
         expert bank counted by the expected share of experts the tokens pick (E * (1 - (1 - k/E)^T) under
-        uniform routing; exactly k of E at one token)."""
+        uniform routing; exactly k of E at one token). Tensor-parallel: this rank's slices (bytes per GPU)."""
         from spruce.models.moe import MoE
 
         total = 0.0

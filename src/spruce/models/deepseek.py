@@ -30,13 +30,13 @@ class DeepseekForCausalLM(DecoderLM):
 
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
-                    pool_layer: int) -> PreNormLayer:
+                    pool_layer: int, tp=None) -> PreNormLayer:
         """Checkpoint layer `index` (MoE past first_k_dense_replace, MTP layers included), caching its latents
         in layer `pool_layer` of its pool."""
         h = cfg.hidden_size
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(index)
-        mlp = MoE(h, cfg.moe) if moe else GatedMLP(h, cfg.intermediate_size)
-        return PreNormLayer(h, cfg.rms_norm_eps, MLAttention(cfg, rotary, backend, pool_layer), mlp)
+        mlp = MoE(h, cfg.moe, tp) if moe else GatedMLP(h, cfg.intermediate_size, tp)
+        return PreNormLayer(h, cfg.rms_norm_eps, MLAttention(cfg, rotary, backend, pool_layer, tp), mlp)
 
     def load_weights(self, tensors) -> None:
         """Published names into the model; the MTP layers (index >= num_layers) are skipped."""

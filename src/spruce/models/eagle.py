@@ -227,9 +227,12 @@ class EagleDraft(nn.Module):
         return 0
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [n] -> [n, H] with the draft's own embedding, else the target's."""
-        w = self._shared["embed"] if self.embed_tokens is None else self.embed_tokens.weight
-        return nn.functional.embedding(ids, w)
+        """ids [n] -> [n, H] with the draft's own embedding, else the target's (its vocab-parallel module when
+        the target is tensor-parallel)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(ids)
+        shared = self._shared["embed"]
+        return shared(ids) if isinstance(shared, nn.Module) else nn.functional.embedding(ids, shared)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, batch, kv, page_table,
                 layer: int | None = None) -> torch.Tensor:
@@ -267,6 +270,8 @@ class EagleDraft(nn.Module):
             w = self._shared["embed"] if self.embed_tokens is None else self.embed_tokens.weight
         else:
             w = self._shared["lm_head"]
+        if isinstance(w, nn.Module):  # a tensor-parallel target's vocab-parallel embedding (tied), or the target
+            return w.logits(hidden) if hasattr(w, "logits") else w.compute_logits(hidden)
         return nn.functional.linear(hidden, w).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
@@ -274,19 +279,25 @@ class EagleDraft(nn.Module):
         return ids + self.d2t[ids]
 
     def use_target_weights(self, target) -> None:
-        """Share the target's embedding / lm_head for those this checkpoint does not bring."""
+        """Share the target's embedding / lm_head for those this checkpoint does not bring. A tensor-parallel
+        target holds only its rank's vocabulary rows: the draft (replicated on every rank) then calls the
+        target's vocab-parallel embedding and logits, which gather the whole."""
         tc = target.config
+        sharded = getattr(target, "tp", None) is not None
         if self.embed_tokens is None:
             if self.hidden_size != tc.hidden_size:
                 raise ConfigError(f"draft has no embed_tokens and its hidden size {self.hidden_size} differs from "
                                   f"the target's {tc.hidden_size}, so the target's embedding cannot be shared")
-            self._shared["embed"] = target.embed_tokens.weight
+            self._shared["embed"] = target.embed_tokens if sharded else target.embed_tokens.weight
         if self.lm_head is None and not self.config.tie_word_embeddings:
             if self.hidden_size != tc.hidden_size or self.draft_vocab_size != tc.vocab_size:
                 raise ConfigError(f"draft has no lm_head and cannot share the target's: draft hidden "
                                   f"{self.hidden_size} / vocab {self.draft_vocab_size} vs target {tc.hidden_size} / "
                                   f"{tc.vocab_size}")
-            self._shared["lm_head"] = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+            if sharded:
+                self._shared["lm_head"] = target
+            else:
+                self._shared["lm_head"] = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
 
     def load_weights(self, tensors) -> None:
         """Load (name, tensor) pairs in the published layouts; checks d2t against the vocabularies."""

@@ -8,6 +8,7 @@ from torch import nn
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
+from spruce.distributed.layers import mark_shard, row_parallel_linear
 from spruce.models.rope import Rotary
 from spruce.ops import add_rms_norm, rms_norm, silu_and_mul
 
@@ -32,16 +33,26 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Fused qkv projection (optionally biased), optional per-head q/k norm, rope, paged attention, o_proj.
 
-    `in_features` is the width q/k/v read (EAGLE-3's midlayer reads 2 * hidden)."""
+    `in_features` is the width q/k/v read (EAGLE-3's midlayer reads 2 * hidden). With a tensor-parallel group
+    `tp`, this rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (qkv column-parallel by
+    head, o_proj row-parallel with one all-reduce); num_heads and friends are then this rank's counts."""
 
     def __init__(self, in_features: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: Rotary, backend: AttentionBackend, layer_id: int, bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6):
+                 o_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6, tp=None):
         super().__init__()
+        if tp is not None:
+            num_heads, num_kv_heads = tp.shard(num_heads, "num_attention_heads"), tp.shard(num_kv_heads,
+                                                                                           "num_key_value_heads")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv = nn.Linear(in_features, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        if tp is not None:  # q, k and v rows each cut by head: this rank's heads of each
+            mark_shard(self.qkv.weight, 0, tp)
+            if bias:
+                mark_shard(self.qkv.bias, 0, tp)
+        self.o_proj = row_parallel_linear(self.q_size * (tp.size if tp else 1), hidden, tp, "o_proj input",
+                                          bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.rotary = rotary
@@ -112,13 +123,20 @@ class PreNormLayer(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2I, H] weight.
 
-    def __init__(self, hidden: int, intermediate: int):
+    With a tensor-parallel group `tp` this rank holds I / tp of the intermediate (gate/up column-parallel,
+    down row-parallel: one all-reduce, or none with `reduce=False`, the caller then reducing a sum of partials);
+    `intermediate` is then this rank's share."""
+
+    def __init__(self, hidden: int, intermediate: int, tp=None, reduce: bool = True):
         super().__init__()
-        self.intermediate = intermediate
-        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down = nn.Linear(intermediate, hidden, bias=False)
+        local = intermediate if tp is None else tp.shard(intermediate, "intermediate_size")
+        self.intermediate = local
+        self.gate_up = nn.Linear(hidden, 2 * local, bias=False)
+        if tp is not None:  # gate rows and up rows each cut: this rank's part of each
+            mark_shard(self.gate_up.weight, 0, tp)
+        self.down = row_parallel_linear(intermediate, hidden, tp, "intermediate_size", reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""

@@ -12,11 +12,12 @@ from spruce.models.rope import Rotary
 class DecoderLayer(PreNormLayer):
     """Llama's layer: multi-head (grouped-query) attention and a gated MLP."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int, tp=None):
         h = cfg.hidden_size
         attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
-                         bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps)
-        super().__init__(h, cfg.rms_norm_eps, attn, GatedMLP(h, cfg.intermediate_size))
+                         bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
+                         tp=tp)
+        super().__init__(h, cfg.rms_norm_eps, attn, GatedMLP(h, cfg.intermediate_size, tp))
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -26,6 +27,6 @@ class LlamaForCausalLM(DecoderLM):
 
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
-                    pool_layer: int) -> PreNormLayer:
+                    pool_layer: int, tp=None) -> PreNormLayer:
         """A decoder layer (every index alike), caching its K/V in layer `pool_layer` of its pool."""
-        return DecoderLayer(cfg, rotary, backend, pool_layer)
+        return DecoderLayer(cfg, rotary, backend, pool_layer, tp)

@@ -81,6 +81,41 @@ def iter_tensors(path, show_progress: bool = False, desc: str = "loading") -> It
             h.__exit__(None, None, None)
 
 
+def iter_tensor_slices(path, show_progress: bool = False, desc: str = "loading"):
+    """(name, CheckpointSlice) for every tensor of the checkpoint: nothing is read until the loader asks for a
+    part (a tensor-parallel rank's) or the whole (distributed/checkpoint.py). Each slice is valid until the
+    next one is taken."""
+    from spruce.distributed.checkpoint import CheckpointSlice
+
+    files = safetensors_files(path)
+    handles = [_open(f) for f in files]
+    try:
+        keys = [list(h.keys()) for h in handles]
+        with tqdm(total=sum(map(len, keys)), desc=desc, disable=not show_progress, unit="tensor") as bar:
+            for file, handle, names in zip(files, handles, keys):
+                for name in names:
+                    try:
+                        part = handle.get_slice(name)
+                        shape = tuple(part.get_shape())
+                    except _READ_ERRORS as e:
+                        raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
+                    yield name, CheckpointSlice(name, shape, _box_reader(part, name, file))
+                    bar.update(1)
+    finally:
+        for h in handles:
+            h.__exit__(None, None, None)
+
+
+def _box_reader(part, name: str, file: Path):
+    def read(index: tuple) -> torch.Tensor:
+        try:
+            return part[index] if index else part[:]
+        except _READ_ERRORS as e:
+            raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
+
+    return read
+
+
 def _build(module_fn, dtype: torch.dtype, device: torch.device):
     """Construct directly on `device` with `dtype` as the default float dtype (no float32 detour)."""
     previous = torch.get_default_dtype()
@@ -106,21 +141,23 @@ def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> N
 
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
-                show_progress: bool = False, load_format: str = "auto"):
+                show_progress: bool = False, load_format: str = "auto", tp=None):
     """The target (its class from the model registry) with weights from `path` (random with load_format='dummy').
 
-    aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3)."""
+    aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3).
+    tp: a tensor-parallel group; the model is then this rank's slice, read straight from the files."""
     from spruce.models.registry import target_class
 
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     model_class = target_class(cfg)
-    model = _build(lambda: model_class(cfg, backend, aux_layers), dtype, device)
+    model = _build(lambda: model_class(cfg, backend, aux_layers, tp=tp), dtype, device)
     if load_format == "dummy":
         random_init_(model)
     else:
+        reader = iter_tensors if tp is None else iter_tensor_slices
         with torch.no_grad():
-            model.load_weights(iter_tensors(path, show_progress, "loading target"))
+            model.load_weights(reader(path, show_progress, "loading target"))
     return model.eval().requires_grad_(False)
 
 

@@ -21,6 +21,8 @@ from torch import nn
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
+from spruce.distributed.checkpoint import CheckpointSlice
+from spruce.distributed.layers import column_parallel_linear, row_parallel_linear
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.rope import Rotary
@@ -42,8 +44,10 @@ def rope_rows_to_rotate_half(name: str, tensor: torch.Tensor, cfg: ModelConfig, 
     perm = rope_row_permutation(mla.qk_rope_head_dim)
     if inverse:
         perm = torch.argsort(perm)
-    if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
-        heads = tensor.view(cfg.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim, -1)
+    if isinstance(tensor, CheckpointSlice):  # not read yet (a tensor-parallel load): permute what is read
+        return tensor.map(lambda t: rope_rows_to_rotate_half(name, t, cfg, inverse))
+    if name.endswith((".q_b_proj.weight", ".q_proj.weight")):  # whole heads (all, or a tensor-parallel rank's)
+        heads = tensor.view(-1, mla.qk_nope_head_dim + mla.qk_rope_head_dim, tensor.shape[-1])
         rope = heads[:, mla.qk_nope_head_dim:][:, perm]
         return torch.cat([heads[:, :mla.qk_nope_head_dim], rope], dim=1).reshape(tensor.shape)
     if name.endswith(".kv_a_proj_with_mqa.weight"):
@@ -53,26 +57,33 @@ def rope_rows_to_rotate_half(name: str, tensor: torch.Tensor, cfg: ModelConfig, 
 
 
 class MLAttention(nn.Module):
-    """x [T, H] -> [T, H]; stores each token's latent in a LatentKVPool layer at batch.out_slots."""
+    """x [T, H] -> [T, H]; stores each token's latent in a LatentKVPool layer at batch.out_slots.
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int):
+    With a tensor-parallel group `tp` the heads are split (q_b_proj / q_proj and kv_b_proj column-parallel by
+    head, o_proj row-parallel with one all-reduce) and the latent path (q_a_proj, kv_a_proj_with_mqa, their
+    norms) and the latent cache are replicated, as SGLang does: every rank caches the same latents and
+    attends with its own heads. `num_heads` is then this rank's count."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int, tp=None):
         super().__init__()
         mla = cfg.mla
-        h, heads = cfg.hidden_size, cfg.num_heads
+        h, all_heads = cfg.hidden_size, cfg.num_heads
+        heads = all_heads if tp is None else tp.shard(all_heads, "num_attention_heads")
         self.num_heads = heads
         self.nope, self.rope, self.v_dim, self.kv_rank = (mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
                                                           mla.kv_lora_rank)
         self.qk_dim = self.nope + self.rope
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, heads * self.qk_dim, bias=False)
+            self.q_proj = column_parallel_linear(h, all_heads * self.qk_dim, tp, "num_attention_heads")
         else:
             self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.qk_dim, bias=False)
+            self.q_b_proj = column_parallel_linear(mla.q_lora_rank, all_heads * self.qk_dim, tp, "num_attention_heads")
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, h, bias=False)
+        self.kv_b_proj = column_parallel_linear(self.kv_rank, all_heads * (self.nope + self.v_dim), tp,
+                                                "num_attention_heads")
+        self.o_proj = row_parallel_linear(all_heads * self.v_dim, h, tp, "num_attention_heads")
         self.rotary = rotary
         self.backend = backend
         self.layer_id = layer_id

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spruce.distributed.layers import mark_shard
 from spruce.models.hf_config import MoEConfig
 from spruce.models.layers import GatedMLP
 from spruce.ops.moe import fused_moe
@@ -57,13 +58,20 @@ class RoutedExperts(nn.Module):
     """E gated MLPs stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] (down).
 
     Checkpoints store them per expert (`experts.{i}.gate_proj/up_proj/down_proj.weight`); the loader writes
-    each into its rows (`expert_rows`)."""
+    each into its rows (`expert_rows`). With a tensor-parallel group `tp`, every rank holds every expert with
+    I / tp of its intermediate (gate/up rows, down columns: `intermediate` is then this rank's share), and the
+    output is a partial sum the caller all-reduces (DESIGN §16: why not experts split across ranks)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp=None):
         super().__init__()
+        if tp is not None:
+            intermediate = tp.shard(intermediate, "moe_intermediate_size")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+        if tp is not None:  # rows of each expert's gate / up, columns of its down
+            mark_shard(self.w13, 0, tp)
+            mark_shard(self.w2, 1, tp)
 
     def expert_rows(self, expert: int, proj: str) -> tuple[str, tuple[int, int]]:
         """(parameter, row range of its [E * rows, cols] flattening) holding expert `expert`'s `proj` weight."""
@@ -80,11 +88,15 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k per token) plus shared experts (every token)."""
+    """Routed experts (top-k per token) plus shared experts (every token).
 
-    def __init__(self, hidden: int, cfg: MoEConfig):
+    Tensor-parallel (`tp`): the router is replicated (every rank routes every token alike), routed and shared
+    experts hold I / tp of their intermediate, and their partial sums are all-reduced once."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, tp=None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         # float32 like the router's math (transformers casts it every call): loaded once, never cast again
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False, dtype=torch.float32)
         if cfg.scoring == "sigmoid":
@@ -92,13 +104,14 @@ class MoE(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size)
+        self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
         shared = cfg.intermediate_size * cfg.num_shared_experts
-        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+        self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.tp is None else self.tp.all_reduce(out)

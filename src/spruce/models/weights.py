@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from spruce.distributed.checkpoint import take_shard, whole
 from spruce.errors import ModelLoadError
 from spruce.models.layers import Attention, GatedMLP, fused_slices
 from spruce.models.moe import RoutedExperts
@@ -114,10 +115,15 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
     return loaded
 
 
-def copy_into(dst: torch.Tensor, tensor: torch.Tensor, rows: tuple[int, int] | None, name: str) -> None:
-    """dst[rows] = tensor (rows of dst's [-1, cols] flattening), checking the shape and naming both on mismatch."""
+def copy_into(dst: torch.Tensor, tensor, rows: tuple[int, int] | None, name: str) -> None:
+    """dst[rows] = tensor (rows of dst's [-1, cols] flattening), checking the shape and naming both on mismatch.
+
+    `tensor` may be a CheckpointSlice (read here); a tensor-parallel parameter (`tp_shard`) takes only its
+    rank's part of it (distributed/checkpoint.py)."""
     flat = dst.data.flatten(0, -2) if dst.dim() > 2 else dst.data
     view = dst.data if rows is None else flat[rows[0]:rows[1]]
+    shard = getattr(dst, "tp_shard", None)
+    tensor = whole(tensor) if shard is None else take_shard(tensor, tuple(view.shape), shard, name)
     if tuple(view.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
     view.copy_(tensor.to(view.dtype))

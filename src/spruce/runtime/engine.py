@@ -64,10 +64,13 @@ class LaunchedStep:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    """One engine. With a tensor-parallel group `tp` this is one rank's replica: every rank runs the same
+    deterministic engine on the same inputs (distributed/replicated_engine.py feeds them; DESIGN §16)."""
+
+    def __init__(self, config: EngineConfig, tp=None):
         self.config = config
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, tp)
         self.limits = self.runner.limits
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
@@ -145,16 +148,24 @@ class Engine:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
             grammar = self._request_grammar(params)
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            req = Request(rid, ids, params, seed, next(self._arrival),
-                          token_limit=min(len(ids) + params.max_tokens, lim.context_length),
-                          stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
-                                                                          else self.eos_token_ids),
-                          grammar=grammar)
-            if self.tokenizer is not None:
-                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-            self.requests[rid] = req
-            self.scheduler.add(req)
+            self._enqueue(rid, ids, params, seed, grammar)
         return rid
+
+    def _enqueue(self, rid: str, ids: list[int], params: SamplingParams, seed: int, grammar=None) -> None:
+        """Queue a validated request (the caller holds the lock). A tensor-parallel driver also records it for
+        its workers, which queue it through here too (distributed/replicated_engine.py) and compile its grammar
+        themselves (`grammar` None while the request asks for structured output)."""
+        if grammar is None and params.structured_output is not None:
+            grammar = self._request_grammar(params)
+        req = Request(rid, ids, params, seed, next(self._arrival),
+                      token_limit=min(len(ids) + params.max_tokens, self.limits.context_length),
+                      stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
+                                                                      else self.eos_token_ids),
+                      grammar=grammar)
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        self.requests[rid] = req
+        self.scheduler.add(req)
 
     def _request_grammar(self, params: SamplingParams):
         """The request's grammar state (runtime/grammar.py) when it asks for structured output, else None;
@@ -548,6 +559,9 @@ class Engine:
             finally:
                 runner.allocator.free(runner.page_table.release_row(row))
 
+    def shutdown(self) -> None:
+        """Stop what the engine started: nothing for one process (a tensor-parallel driver stops its workers)."""
+
     # --- introspection ----------------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -574,13 +588,15 @@ class Engine:
         return {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}
 
     def weight_bytes(self) -> int:
-        """Bytes of the target model's weights (all of them, every expert included)."""
+        """Bytes of the target model's weights (all of them, every expert included; tensor-parallel: this
+        rank's slices)."""
         return sum(p.numel() * p.element_size() for p in self.runner.target.parameters())
 
     def decode_read_bytes(self, batch_size: int, context_len: int) -> float:
         """Bytes a plain decode step of `batch_size` requests at `context_len` cached tokens each must read at
-        least once: the weights it touches (routed experts by their expected share) plus the cached KV."""
-        kv = target_pool_bytes_per_token(self.runner.model_config, self.runner.dtype) * batch_size * context_len
+        least once: the weights it touches (routed experts by their expected share) plus the cached KV
+        (tensor-parallel: what one rank reads, its slices and its KV heads)."""
+        kv = target_pool_bytes_per_token(self.runner.target_pool_config, self.runner.dtype) * batch_size * context_len
         return self.runner.target.weight_bytes_read(batch_size) + kv
 
     def check_no_leaks(self) -> None:

@@ -4,10 +4,15 @@ It owns the page table, the page allocator, both KV pools, the rows' device deco
 builder; the scheduler and the decode strategies ask it for forwards and never size anything themselves.
 It also plans the attention backend (DESIGN §13): a decode-time phase plans through `planner`, a callback that
 BucketGraphs runs before the phase (eager or replay); any other forward is planned right before it.
+
+Tensor-parallel (a `tp` group, DESIGN §16): the runner holds this rank's slice of the target, a KV pool of its
+KV heads (MLA: the whole latent, replicated), the whole draft, and sizes the cache from the smallest free
+memory of any rank, so every rank derives the same Limits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -36,9 +41,10 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp=None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        self.device = tp.device if tp is not None else torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = ModelConfig.from_dir(config.model)
         backend_name = config.resolved_attention_backend
@@ -48,7 +54,7 @@ class ModelRunner:
         spec = config.speculative
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
-                                  show_progress=config.show_progress, load_format=config.load_format)
+                                  show_progress=config.show_progress, load_format=config.load_format, tp=tp)
         self.draft = None
         if spec is not None:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
@@ -57,7 +63,8 @@ class ModelRunner:
             attention_registry.check_model(backend_name, head_dim=dc.head_dim, mla=dc.mla is not None,
                                            what="the draft")
         mc = self.model_config
-        kv_bytes = target_pool_bytes_per_token(mc, self.dtype)
+        self.target_pool_config = self._rank_attention_config(mc)
+        kv_bytes = target_pool_bytes_per_token(self.target_pool_config, self.dtype)
         if self.draft is not None:
             kv_bytes += pool_bytes_per_token(self.draft.attention_config, self.draft.num_layers, self.dtype)
         self.limits = Limits.derive(config, mc.max_position_embeddings, kv_bytes, self._kv_budget_bytes(),
@@ -65,7 +72,8 @@ class ModelRunner:
         lim = self.limits
         self.page_table = PageTable(lim, self.device)
         self.allocator = PageAllocator(lim)
-        self.target_kv = make_pool(mc, mc.num_layers, lim.target_scratch_width, lim, self.dtype, self.device)
+        self.target_kv = make_pool(self.target_pool_config, mc.num_layers, lim.target_scratch_width, lim, self.dtype,
+                                   self.device)
         self.draft_kv = None
         if self.draft is not None:
             self.draft_kv = make_pool(self.draft.attention_config, self.draft.num_layers, lim.draft_scratch_width,
@@ -79,13 +87,21 @@ class ModelRunner:
         self.row_state = RowState(lim, self.device)
         logger.info("spruce limits: %s", lim)
 
+    def _rank_attention_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The attention shape this rank's target pool holds: its KV heads (MLA: the latent, replicated)."""
+        if self.tp is None or cfg.mla is not None:
+            return cfg
+        return dataclasses.replace(cfg, num_kv_heads=self.tp.shard(cfg.num_kv_heads, "num_key_value_heads"))
+
     def _kv_budget_bytes(self) -> int | None:
-        """Free device memory times mem_fraction_static (cuda); None on cpu (Limits' default applies)."""
+        """Free device memory times mem_fraction_static (cuda; tensor-parallel: the smallest of any rank's, so
+        that every rank sizes its cache alike); None on cpu (Limits' default applies)."""
         if self.device.type != "cuda" or self.config.max_total_tokens is not None:
             return None
         free, total = torch.cuda.mem_get_info(self.device)
         reserve = total * (1.0 - self.config.mem_fraction_static)
-        return int(max(free - reserve, 0) * 0.9)
+        budget = int(max(free - reserve, 0) * 0.9)
+        return budget if self.tp is None else self.tp.min_over_ranks(budget)
 
     # --- attention plans (DESIGN §13) -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:

@@ -73,6 +73,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLM(**engine_kwargs(args)).engine
+    if args.tp_size > 1:  # the server cannot serve without every rank: a dead worker ends it with its error
+        from spruce.distributed.launch import exit_on_worker_failure
+
+        exit_on_worker_failure(engine)
     limits = {} if args.max_request_bytes is None else {"max_body_bytes": args.max_request_bytes}
     app = create_app(EngineLoop(engine), model_name=served_name(args), api_key=args.api_key,
                      max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
@@ -83,4 +87,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     server = GracefulServer(config, app.state.drain)
     server.run()
+    engine.shutdown()  # a tensor-parallel engine's workers stop with the server
     return 0 if server.started else 1
