@@ -277,8 +277,13 @@ class Engine:
             budget -= take
         finals = [q for q, c in zip(stepped, chunks) if c.final]
         logprobs = prefill_plan(stepped, chunks, finals)
+        sampling = self._sampling(finals)
+        if sampling.penalties is not None:
+            self._start_penalties(finals)
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, self._sampling(finals), logprobs)
+            result = self.strategy.prefill(chunks, sampling, logprobs)
+        if sampling.penalties is not None:
+            self._count_penalties(finals, result)
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
@@ -294,8 +299,24 @@ class Engine:
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
         repeat = self.limits.num_draft_tokens if self.speculative else 1
         logprobs = decode_plan(reqs, self.limits.step_advance)
-        result = self.strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs)
+        sampling = self._sampling(reqs, repeat)
+        result = self.strategy.decode(rows, max(ends), sampling, logprobs)
+        if sampling.penalties is not None:
+            self._count_penalties(reqs, result)
         return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs)
+
+    def _start_penalties(self, finals: list[Request]) -> None:
+        """Requests with penalties whose prompt completes: set their rows' prompt masks and output counts (the
+        output kept through a preemption) on the device (runtime/penalties.py)."""
+        started = [q for q in finals if q.params.has_penalties]
+        self.runner.penalties.start([q.row for q in started], [q.prompt_ids for q in started],
+                                    [q.output_ids for q in started])
+
+    def _count_penalties(self, reqs: list[Request], result: torch.Tensor) -> None:
+        """Add a launched step's committed tokens (result rows, still on the device) to the output counts of
+        its requests with penalties: the next step counts them with no host sync."""
+        idx = [i for i, q in enumerate(reqs) if q.params.has_penalties]
+        self.runner.penalties.commit([reqs[i].row for i in idx], idx, result)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
                   decode: bool, logprobs: LogprobPlan | None = None) -> LaunchedStep:

@@ -27,6 +27,7 @@ from spruce.models.loader import draft_aux_layers, load_draft, load_target
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import reverted_fixes_from_env
+from spruce.runtime.penalties import PenaltyState
 from spruce.runtime.row_state import RowState
 from spruce.runtime.timer import PhaseTimer
 
@@ -77,6 +78,7 @@ class ModelRunner:
         self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
         self.timer = PhaseTimer(self.device)
         self.row_state = RowState(lim, self.device)
+        self.penalties = PenaltyState(lim, mc.vocab_size, self.device)  # allocated when first used
         logger.info("spruce limits: %s", lim)
 
     def _kv_budget_bytes(self) -> int | None:

@@ -22,6 +22,7 @@ import torch
 from spruce.attention.metadata import Phase
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
+from spruce.runtime.penalties import TokenHistory
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 
 
@@ -73,7 +74,7 @@ class DecodeStrategy:
                                  [chunks[i].start + len(chunks[i].tokens) for i in finals]], dtype=torch.int64)
             idx, rows, positions = host.to(r.device, non_blocking=True).unbind(0)
             logits = r.target.compute_logits(hidden[idx])  # [finals, V]
-            new_tokens.copy_(select_tokens(logits, sampling, positions))
+            new_tokens.copy_(select_tokens(logits, sampling, positions, self.history(sampling, rows)))
             r.row_state.set(rows, positions, new_tokens)
         if logprobs is not None:
             logprobs.pack = pack_prefill(logprobs, logits, new_tokens, hidden, r.target.compute_logits)
@@ -97,6 +98,14 @@ class DecodeStrategy:
     def capture_graphs(self, show_progress: bool) -> None:
         """Capture this strategy's decode-time phases for every graph bucket."""
         raise NotImplementedError
+
+    def history(self, sampling: SamplingTensors, rows: torch.Tensor, path: torch.Tensor | None = None,
+                path_valid: torch.Tensor | None = None) -> TokenHistory | None:
+        """What penalties count for the requests in `rows` [b] (device), plus per-node `path` tokens [n, W] for
+        a tree; None when no request of the batch uses penalties."""
+        if sampling.penalties is None:
+            return None
+        return self.runner.penalties.history(rows, path, path_valid)
 
     def fill_rows(self, rows: list[int]) -> None:
         """Copy the batch's rows into the static input, padded to its graph bucket (skipped when the batch is
@@ -136,7 +145,8 @@ class PlainDecoding(DecodeStrategy):
             with r.timer.phase("sample"):
                 rows_t = self.rows[:bs]
                 committed, _ = r.row_state.gather(rows_t)  # already advanced past the decoded token
-                tokens = select_tokens(logits[:bs], sampling, committed)  # [bs] the token at position committed
+                tokens = select_tokens(logits[:bs], sampling, committed,  # [bs] the token at position committed
+                                       self.history(sampling, rows_t))
                 r.row_state.set(rows_t, committed, tokens)
                 result[:bs, 1] = tokens
         if logprobs is not None:
