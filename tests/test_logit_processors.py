@@ -104,7 +104,7 @@ def test_sampled_processors_keep_the_distribution(make_llm, lossy, monkeypatch):
 
     exact = {(a, b): pa * pb for a, pa in dist(prompt).items() for b, pb in dist(prompt + [a]).items()}
     if lossy:
-        def unprocessed(logits, st_, positions):
+        def unprocessed(logits, st_, positions, history=None):
             plain_st = SamplingTensors(st_.temperature, st_.top_p, st_.top_k, st_.seeds, False)
             return select_tokens(logits, plain_st, positions)
 

@@ -103,6 +103,21 @@ def test_chat_matches_offline(client, reference):
     assert chunks[-1].usage.total_tokens == len(want.prompt_token_ids) + len(want.token_ids)
 
 
+def test_penalties_match_offline(client, offline):
+    """presence_penalty and frequency_penalty (OpenAI's) and repetition_penalty (vLLM's extension, through
+    extra_body) reach the engine: the speculative server gives offline plain-API output with the same values."""
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3)
+    want = offline.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS, **kw))[0].text
+    chat_ids = offline.tokenizer.encode(offline.tokenizer.apply_chat_template(CHAT), add_special_tokens=False)
+    want_chat = offline.generate([chat_ids], SamplingParams(max_tokens=MAX_TOKENS, **kw))[0].text
+    extra = dict(presence_penalty=0.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, **extra)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                          **extra)
+    assert r.choices[0].text == want and chat.choices[0].message.content == want_chat
+    assert want != offline.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_TOKENS))[0].text
+
+
 def test_n2_greedy_and_seeded(client, reference):
     want = reference[PROMPTS[0]]
     r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
@@ -192,18 +207,17 @@ def test_server_info_names_device_and_speculation(server):
 GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
 USER = [{"role": "user", "content": "hi"}]
 NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
-    ("completions", "best_of", 2), ("completions", "repetition_penalty", 1.1),
+    ("completions", "best_of", 2),
     ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
-    ("completions", "guided_json", {"type": "object"}),
-    ("completions", "presence_penalty", 0.5), ("completions", "suffix", "x"),
+    ("completions", "guided_json", {"type": "object"}), ("completions", "suffix", "x"),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat/completions", "tool_choice", "auto"),
     ("chat/completions", "continue_final_message", True), ("chat/completions", "chat_template", "{{ 1 }}"),
 ]
 NEUTRAL = {  # values of the not-supported-yet fields that change nothing: accepted
-    "completions": dict(best_of=1, repetition_penalty=1.0,
+    "completions": dict(best_of=1,
                         include_stop_str_in_output=False, skip_special_tokens=True, guided_json=None,
-                        response_format={"type": "text"}, presence_penalty=0, echo=False, logprobs=None),
+                        response_format={"type": "text"}, echo=False, logprobs=None),
     "chat/completions": dict(tools=[], tool_choice="none", top_logprobs=0, continue_final_message=False,
                              chat_template=None, n=2, best_of=2),
 }
@@ -231,6 +245,9 @@ BAD = [
     ("completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),  # more than vLLM's 20 (tests/test_logprobs.py)
+    ("completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("chat/completions", {"messages": USER, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("completions", {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"model": MODEL_NAME, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL_NAME, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),

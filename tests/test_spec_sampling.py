@@ -77,7 +77,7 @@ def sample_counts(setup, lossy: bool, monkeypatch, n_samples: int | None = None)
     if n_samples is None:
         n_samples = N_SAMPLES_MLA if target == PYCODE_MLA else N_SAMPLES
     if lossy:
-        def lossy_select(logits, st, positions):
+        def lossy_select(logits, st, positions, history=None):
             return logits.argmax(dim=-1)  # the classic bug: greedy verification of a sampled request
 
         monkeypatch.setattr(ew, "select_tokens", lossy_select)

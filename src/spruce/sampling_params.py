@@ -12,6 +12,7 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # most top alternatives per position (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,11 @@ class SamplingParams:
     are masked (-inf) to the tokens the grammar allows, before the processors and temperature (logprobs stay
     the raw distribution). Generation ends when the grammar is complete and allows nothing but eos, or with
     eos where the grammar may end; `min_tokens` cannot be combined with it (the grammar decides the end).
+
+    Penalties (vLLM's semantics, after logit_bias and min_tokens, before temperature; runtime/penalties.py):
+    `repetition_penalty` > 0 (1 = off) divides the positive logits and multiplies the negative ones of every
+    token in the prompt or generated so far; `frequency_penalty` in [-2, 2] times a token's count among the
+    generated tokens and `presence_penalty` in [-2, 2] (once, if it was generated) are subtracted.
     """
 
     max_tokens: int = 16
@@ -61,6 +67,9 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -133,6 +142,17 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                                       f"{self.min_tokens}", field="min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}", field=name)
+            object.__setattr__(self, name, float(value))
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = no penalty), got "
+                                      f"{self.repetition_penalty}", field="repetition_penalty")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:
@@ -158,7 +178,12 @@ class SamplingParams:
     @property
     def has_logit_processors(self) -> bool:
         """Whether the chosen token depends on more than the argmax / the plain sampling distribution."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0 or self.has_penalties
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (they count earlier tokens)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _check_int(name: str, value) -> None:

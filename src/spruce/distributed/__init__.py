@@ -1,4 +1,4 @@
-"""Tensor parallelism (DESIGN §16), one idea per file:
+"""Tensor parallelism (DESIGN §18), one idea per file:
 
 group.py              the process groups and the collectives (device: NCCL / gloo; control: gloo)
 layers.py             column-, row- and vocab-parallel layers; which dimensions a tp_size must divide

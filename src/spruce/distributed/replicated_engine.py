@@ -59,7 +59,7 @@ def check_agreement(header: list[list[int]], call: int, op: int) -> None:
         ranks = ", ".join(f"rank {r}: {d:#010x}" for r, d in enumerate(digests))
         raise InvariantError(
             f"tensor-parallel ranks diverged before call {call} ({OP_NAMES.get(op, op)}): their engine states "
-            f"differ ({ranks}); every rank must plan the same steps and commit the same tokens (DESIGN §16)")
+            f"differ ({ranks}); every rank must plan the same steps and commit the same tokens (DESIGN §18)")
 
 
 def apply_commands(engine: Engine, commands: list[tuple]) -> None:

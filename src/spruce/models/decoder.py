@@ -25,7 +25,7 @@ class DecoderLM(nn.Module):
 
     With a tensor-parallel group `tp` (distributed/group.py) this rank holds its slice of every layer (heads,
     intermediate, experts' intermediate), the embedding and lm head are vocab-parallel, and hidden states, aux
-    features and logits are whole on every rank (DESIGN §16)."""
+    features and logits are whole on every rank (DESIGN §18)."""
 
     def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         super().__init__()

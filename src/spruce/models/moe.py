@@ -60,7 +60,7 @@ class RoutedExperts(nn.Module):
     Checkpoints store them per expert (`experts.{i}.gate_proj/up_proj/down_proj.weight`); the loader writes
     each into its rows (`expert_rows`). With a tensor-parallel group `tp`, every rank holds every expert with
     I / tp of its intermediate (gate/up rows, down columns: `intermediate` is then this rank's share), and the
-    output is a partial sum the caller all-reduces (DESIGN §16: why not experts split across ranks)."""
+    output is a partial sum the caller all-reduces (DESIGN §18: why not experts split across ranks)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp=None):
         super().__init__()

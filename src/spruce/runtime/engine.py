@@ -65,7 +65,7 @@ class LaunchedStep:
 
 class Engine:
     """One engine. With a tensor-parallel group `tp` this is one rank's replica: every rank runs the same
-    deterministic engine on the same inputs (distributed/replicated_engine.py feeds them; DESIGN §16)."""
+    deterministic engine on the same inputs (distributed/replicated_engine.py feeds them; DESIGN §18)."""
 
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config
@@ -327,8 +327,13 @@ class Engine:
             budget -= take
         finals = [q for q, c in zip(stepped, chunks) if c.final]
         logprobs = prefill_plan(stepped, chunks, finals)
+        sampling = self._sampling(finals)
+        if sampling.penalties is not None:
+            self._start_penalties(finals)
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, self._sampling(finals), logprobs, self._grammar_batch(finals))
+            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
+        if sampling.penalties is not None:
+            self._count_penalties(finals, result)
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
@@ -346,15 +351,30 @@ class Engine:
         spec = strategy.speculative
         repeat = self.limits.num_draft_tokens if spec else 1
         logprobs = decode_plan(reqs, self.limits.step_advance if spec else 1)
+        sampling = self._sampling(reqs, repeat)
         # planning data for library attention kernels: the committed length the host knows (a lower bound of
         # the device's under overlap) and whose pages are final (DESIGN §13)
         self.runner.set_known_prefix(rows, [q.committed for q in reqs])
         try:
-            result = strategy.decode(rows, max(ends), self._sampling(reqs, repeat), logprobs,
-                                     self._grammar_batch(reqs))
+            result = strategy.decode(rows, max(ends), sampling, logprobs, self._grammar_batch(reqs))
         finally:
             self.runner.set_known_prefix(None, None)
+        if sampling.penalties is not None:
+            self._count_penalties(reqs, result)
         return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
+
+    def _start_penalties(self, finals: list[Request]) -> None:
+        """Requests with penalties whose prompt completes: set their rows' prompt masks and output counts (the
+        output kept through a preemption) on the device (runtime/penalties.py)."""
+        started = [q for q in finals if q.params.has_penalties]
+        self.runner.penalties.start([q.row for q in started], [q.prompt_ids for q in started],
+                                    [q.output_ids for q in started])
+
+    def _count_penalties(self, reqs: list[Request], result: torch.Tensor) -> None:
+        """Add a launched step's committed tokens (result rows, still on the device) to the output counts of
+        its requests with penalties: the next step counts them with no host sync."""
+        idx = [i for i, q in enumerate(reqs) if q.params.has_penalties]
+        self.runner.penalties.commit([reqs[i].row for i in idx], idx, result)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
                   decode: bool, logprobs: LogprobPlan | None = None, speculated: bool = False) -> LaunchedStep:

@@ -5,7 +5,7 @@ builder; the scheduler and the decode strategies ask it for forwards and never s
 It also plans the attention backend (DESIGN §13): a decode-time phase plans through `planner`, a callback that
 BucketGraphs runs before the phase (eager or replay); any other forward is planned right before it.
 
-Tensor-parallel (a `tp` group, DESIGN §16): the runner holds this rank's slice of the target, a KV pool of its
+Tensor-parallel (a `tp` group, DESIGN §18): the runner holds this rank's slice of the target, a KV pool of its
 KV heads (MLA: the whole latent, replicated), the whole draft, and sizes the cache from the smallest free
 memory of any rank, so every rank derives the same Limits.
 """
@@ -32,6 +32,7 @@ from spruce.models.loader import draft_aux_layers, load_draft, load_target
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.fixes import reverted_fixes_from_env
+from spruce.runtime.penalties import PenaltyState
 from spruce.runtime.row_state import RowState
 from spruce.runtime.timer import PhaseTimer
 
@@ -85,6 +86,7 @@ class ModelRunner:
         self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
         self.timer = PhaseTimer(self.device)
         self.row_state = RowState(lim, self.device)
+        self.penalties = PenaltyState(lim, mc.vocab_size, self.device)  # allocated when first used
         logger.info("spruce limits: %s", lim)
 
     def _rank_attention_config(self, cfg: ModelConfig) -> ModelConfig:

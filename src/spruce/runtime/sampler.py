@@ -4,6 +4,8 @@ The same function serves plain decode (one row per request) and tree verificatio
 each row carries its own sampling parameters, logit processors and (seed, position) random key. The logit
 processors (logit_bias; min_tokens, which masks stop tokens before a position) see only the row's parameters
 and the position being chosen, so a tree node is processed exactly as plain decoding processes that position.
+Penalties also count the tokens generated before that position: the caller passes a `TokenHistory`
+(runtime/penalties.py: the request's committed output, plus a tree node's own path).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spruce.runtime.penalties import PenaltyParams, TokenHistory, apply_penalties
 from spruce.runtime.rng import uniform
 
 
@@ -30,6 +33,7 @@ class SamplingTensors:
     suppress_ids: torch.Tensor | None = None  # [n, B2] int64 stop tokens min_tokens masks (padding: id 0)
     suppress_valid: torch.Tensor | None = None  # [n, B2] bool
     min_positions: torch.Tensor | None = None  # [n] int64: positions below it may not choose a stop token
+    penalties: PenaltyParams | None = None  # presence / frequency / repetition (runtime/penalties.py)
 
     @staticmethod
     def greedy() -> "SamplingTensors":
@@ -67,17 +71,22 @@ class SamplingTensors:
             st.suppress_ids = t(padded(masked, 0), torch.int64)
             st.suppress_valid = t(padded([[True] * len(m) for m in masked], False), torch.bool)
             st.min_positions = t([n + p.min_tokens for p, n in zip(params, prompt_lens)], torch.int64)
+        st.penalties = PenaltyParams.build(params, t)
         return st
 
 
-def process_logits(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
-    """logit_bias and min_tokens applied to float32 logits [n, V] for the tokens chosen at `positions` [n]."""
+def process_logits(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
+                   history: TokenHistory | None = None) -> torch.Tensor:
+    """logit_bias, min_tokens, then penalties (which count `history`) applied to float32 logits [n, V] for the
+    tokens chosen at `positions` [n]."""
     logits = logits.float()
     if st.bias_ids is not None:
         logits = logits.scatter_add(-1, st.bias_ids, st.bias_values)
     if st.suppress_ids is not None:
         active = st.suppress_valid & (positions < st.min_positions)[:, None]  # [n, B2]
         logits = logits.scatter_add(-1, st.suppress_ids, torch.where(active, float("-inf"), 0.0))
+    if st.penalties is not None:
+        logits = apply_penalties(logits, st.penalties, history)
     return logits
 
 
@@ -114,15 +123,17 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
-    """One token per row. positions [n]: position of the token being chosen (the random key with the seed).
+def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
+                  history: TokenHistory | None = None) -> torch.Tensor:
+    """One token per row. positions [n]: position of the token being chosen (the random key with the seed);
+    `history`: what penalties count at each row (needed when `st.penalties` is set).
 
     Greedy rows take the argmax; others sample target_probs with uniform(seed, position): the
     same uniform whichever tree node (or plain decode step) chooses the token at that position.
     """
     if st.all_greedy:
         return logits.argmax(dim=-1)
-    logits = process_logits(logits, st, positions)
+    logits = process_logits(logits, st, positions, history)
     greedy_tokens = logits.argmax(dim=-1)
     u = uniform(st.seeds, positions)
     sampled = sample_from_probs(target_probs(logits, st), u)

@@ -132,10 +132,7 @@ class StreamOptions(_Strict):
 
 # name -> how spruce accepts a field it does not implement yet (for both endpoints)
 NOT_SUPPORTED_YET = {
-    "presence_penalty": NotYet("null or 0", _unset_or(0)),
-    "frequency_penalty": NotYet("null or 0", _unset_or(0)),
     "best_of": NotYet("null, 1 or n", lambda v, req: v is None or v in (1, req.n)),
-    "repetition_penalty": NotYet("null or 1", _unset_or(1)),
     "include_stop_str_in_output": NotYet("null or false", _unset_or(False)),
     "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
                                   _unset_or(True)),
@@ -192,14 +189,14 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: Text | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = None  # OpenAI's, in [-2, 2]
+    frequency_penalty: float | None = None  # OpenAI's, in [-2, 2]
     logprobs: bool | int | None = None
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     min_p: float | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension, > 0 (1 = off)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     response_format: ResponseFormat | None = None
@@ -268,6 +265,11 @@ class _GenerationRequest(_Strict):
         """Top alternatives per prompt token (SamplingParams.prompt_logprobs); None: none."""
         return None
 
+    def penalties(self) -> dict[str, float]:
+        """presence / frequency / repetition penalties as SamplingParams takes them (null: no penalty)."""
+        return dict(presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty)
+
     def sampling_params(self, max_tokens: int, vocab_size: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i > 0 gets a distinct seed derived from it.
         Raises InvalidRequestError (SamplingParams' checks) or OpenAIError (stop token ids outside the vocab)."""
@@ -289,6 +291,7 @@ class _GenerationRequest(_Strict):
             out.append(SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=choice_seed(self.seed, i),
+                **self.penalties(),
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0, **structured))

@@ -69,7 +69,8 @@ class DraftTrackingDecoding(DecodeStrategy):
             with r.timer.phase("sample"):  # the token at p+1 = committed + 1 under the request's parameters
                 chosen_from = step.logits[:bs] if grammar is None else apply_token_mask(step.logits[:bs],
                                                                                         grammar.row_masks(r.device))
-                self.tokens[:bs] = select_tokens(chosen_from, sampling, self.committed[:bs] + 1)
+                self.tokens[:bs] = select_tokens(chosen_from, sampling, self.committed[:bs] + 1,
+                                                 self.history(sampling, self.rows[:bs]))
         if logprobs is not None:
             with r.timer.phase("logprobs"):
                 idx = torch.tensor(logprobs.rows, dtype=torch.int64).to(r.device, non_blocking=True)

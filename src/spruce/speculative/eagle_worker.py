@@ -26,6 +26,7 @@ from spruce.runtime.batch_builder import paged_slots
 from spruce.runtime.grammar import GrammarBatch, allowed_tokens, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
+from spruce.runtime.penalties import node_paths
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
@@ -157,12 +158,18 @@ class EagleWorker(DecodeStrategy):
 
         The random key is (seed, position) alone, as in plain decoding: the committed token at a position is
         the same sample whichever tree (or no tree) led there, so seeded output is identical with and without
-        speculation, across batches and through preemption."""
-        positions = (self.committed[:bs, None] + verified.tree.depths[:bs] + 1).reshape(-1)  # each node's successor
+        speculation, across batches and through preemption. Penalties count the committed output and the
+        node's path (runtime/penalties.py)."""
+        tree = verified.tree
+        positions = (self.committed[:bs, None] + tree.depths[:bs] + 1).reshape(-1)  # each node's successor
+        history = None
+        if sampling.penalties is not None:  # a node's penalties count its own path below the root too
+            history = self.history(sampling, self.rows[:bs],
+                                   *node_paths(tree.tokens[:bs], tree.parents[:bs], tree.depths[:bs], self.S))
         logits = verified.logits[: bs * self.N]
         if masks is not None:
             logits = apply_token_mask(logits, masks)
-        return select_tokens(logits, sampling, positions).view(bs, self.N)
+        return select_tokens(logits, sampling, positions, history).view(bs, self.N)
 
     def _path_logprobs(self, verified: Verified, plan: LogprobPlan) -> torch.Tensor:
         """The target's logprobs of the tokens the round commits, for the batch rows of `plan`: [w*(S+1), 2+2k].

@@ -25,6 +25,7 @@ from spruce.attention.metadata import Phase
 from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
+from spruce.runtime.penalties import TokenHistory
 from spruce.runtime.sampler import SamplingTensors, select_tokens
 
 
@@ -78,7 +79,7 @@ class DecodeStrategy:
             idx, rows, positions = host.to(r.device, non_blocking=True).unbind(0)
             logits = r.target.compute_logits(hidden[idx])  # [finals, V]
             chosen_from = logits if grammar is None else apply_token_mask(logits, grammar.row_masks(r.device))
-            new_tokens.copy_(select_tokens(chosen_from, sampling, positions))
+            new_tokens.copy_(select_tokens(chosen_from, sampling, positions, self.history(sampling, rows)))
             r.row_state.set(rows, positions, new_tokens)
         if logprobs is not None:
             logprobs.pack = pack_prefill(logprobs, logits, new_tokens, hidden, r.target.compute_logits)
@@ -117,6 +118,14 @@ class DecodeStrategy:
     def stats(self) -> dict | None:
         """The per-step choice's state for /metrics (None: no choice is made)."""
         return None
+
+    def history(self, sampling: SamplingTensors, rows: torch.Tensor, path: torch.Tensor | None = None,
+                path_valid: torch.Tensor | None = None) -> TokenHistory | None:
+        """What penalties count for the requests in `rows` [b] (device), plus per-node `path` tokens [n, W] for
+        a tree; None when no request of the batch uses penalties."""
+        if sampling.penalties is None:
+            return None
+        return self.runner.penalties.history(rows, path, path_valid)
 
     def fill_rows(self, rows: list[int]) -> None:
         """Copy the batch's rows into the static input, padded to its graph bucket (skipped when the batch is
@@ -158,7 +167,8 @@ class PlainDecoding(DecodeStrategy):
                 committed, _ = r.row_state.gather(rows_t)  # already advanced past the decoded token
                 chosen_from = logits[:bs] if grammar is None else apply_token_mask(logits[:bs],
                                                                                    grammar.row_masks(r.device))
-                tokens = select_tokens(chosen_from, sampling, committed)  # [bs] the token at position committed
+                tokens = select_tokens(chosen_from, sampling, committed,  # [bs] the token at position committed
+                                       self.history(sampling, rows_t))
                 r.row_state.set(rows_t, committed, tokens)
                 result[:bs, 1] = tokens
         if logprobs is not None:
