@@ -121,9 +121,9 @@ class DriverEngine(Engine):
         self._digest = state_digest(self)
 
     # --- state changes, recorded for the workers ----------------------------------------------------------------
-    def _enqueue(self, rid, ids, params, seed) -> None:
+    def _enqueue(self, rid, ids, params, seed, grammar=None) -> None:
         self._check_alive()
-        super()._enqueue(rid, ids, params, seed)
+        super()._enqueue(rid, ids, params, seed, grammar)  # workers compile the request's grammar themselves
         self._commands.append(("add", rid, ids, params, seed))
 
     def abort(self, request_id: str) -> None:

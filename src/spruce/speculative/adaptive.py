@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from spruce.runtime.grammar import GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan
 from spruce.runtime.sampler import SamplingTensors
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
@@ -49,13 +50,13 @@ class AdaptiveDecoding(DecodeStrategy):
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
-                logprobs: LogprobPlan | None = None) -> torch.Tensor:
+                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         if self.policy is not None:
             self.policy.break_chain()  # the time until the next decode launch is not a decode step's
-        return self.worker.prefill(chunks, sampling, logprobs)
+        return self.worker.prefill(chunks, sampling, logprobs, grammar)
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None) -> torch.Tensor:
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) which strategy "
                         "runs the step")
 
