@@ -28,7 +28,7 @@ for mode in ${MODE:-phases table}; do
               python3 bench/sanitize_run.py "$SPRUCE_PYCODE_19M" > "$OUT/sanitizer.log" 2>&1
               echo "sanitizer exit $?"; tail -12 "$OUT/sanitizer.log" ;;
     latency) for be in ${LAT_BACKENDS:-flashinfer triton}; do
-               timeout ${LAT_TIMEOUT:-200} python3 -m spruce.bench.cli latency --model-shape llama-3.1-8b --batch-sizes 1 \
+               timeout ${LAT_TIMEOUT:-200} python3 -m spruce.cli bench latency --model-shape llama-3.1-8b --batch-sizes 1 \
                  --input-len ${LAT_INPUT:-32768} --output-len 64 --num-prompts 1 --repeats 1 --spec --attention-backend $be \
                  --out-dir "$OUT/latency-$be" 2>&1 | tail -4; done ;;
   esac
