@@ -72,6 +72,20 @@ def near_tie_gap(model, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def divergences(hf, prompts, reference, other) -> tuple[float, list[float]]:
+    """Token match rate of `other` against `reference` (greedy outputs per prompt), and the float32 target's
+    top-2 gap at each first divergence."""
+    matched = total = 0
+    gaps = []
+    for p, a, b in zip(prompts, reference, other):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        total += len(a)
+        matched += len(a) if first is None else first
+        if first is not None:
+            gaps.append(near_tie_gap(hf, p + a[:first]))
+    return matched / total, gaps
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_bf16_spec_greedy_matches_plain(pycode19m, draft19m, prompts19m, k, page):
@@ -85,15 +99,8 @@ def test_bf16_spec_greedy_matches_plain(pycode19m, draft19m, prompts19m, k, page
                            draft_model=draft19m, speculative_num_steps=s, speculative_eagle_topk=k,
                            speculative_num_draft_tokens=nd)
     hf = transformers.AutoModelForCausalLM.from_pretrained(pycode19m, dtype=torch.float32).cuda().eval()
-    matched = total = 0
-    gaps = []
-    for p, a, b in zip(prompts19m, plain, spec):
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        total += len(a)
-        matched += len(a) if first is None else first
-        if first is not None:
-            gaps.append(near_tie_gap(hf, p + a[:first]))
-    write_report({f"K={k},page={page}": {"token_match_rate": matched / total, "divergences": len(gaps),
+    rate, gaps = divergences(hf, prompts19m, plain, spec)
+    write_report({f"K={k},page={page}": {"token_match_rate": rate, "divergences": len(gaps),
                                          "top2_gaps_at_divergence": gaps, "spec": stats["spec"]}})
     assert all(g < 0.5 for g in gaps), gaps  # a divergence is only acceptable on a near-tie
 

@@ -16,7 +16,7 @@ import torch
 import test_torch_attention
 from spruce.attention.metadata import Phase
 from spruce.attention.torch_backend import TorchAttention
-from test_gpu import draft19m, generate, near_tie_gap, prompts19m, write_report  # noqa: F401 (fixtures)
+from test_gpu import divergences, draft19m, generate, prompts19m, write_report  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.gpu
 flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
@@ -125,15 +125,8 @@ def test_flashinfer_spec_greedy_matches_plain(pycode19m, draft19m, prompts19m, k
     hf = transformers.AutoModelForCausalLM.from_pretrained(pycode19m, dtype=torch.float32).cuda().eval()
     report = {}
     for name, other in (("spec_vs_plain", spec), ("plain_vs_triton", triton_plain)):
-        matched = total = 0
-        gaps = []
-        for p, a, b in zip(prompts19m, plain, other):
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            total += len(a)
-            matched += len(a) if first is None else first
-            if first is not None:
-                gaps.append(near_tie_gap(hf, p + a[:first]))
-        report[name] = {"token_match_rate": matched / total, "top2_gaps_at_divergence": gaps}
+        rate, gaps = divergences(hf, prompts19m, plain, other)
+        report[name] = {"token_match_rate": rate, "top2_gaps_at_divergence": gaps}
         assert all(g < 0.5 for g in gaps), (name, gaps)
     report["spec"] = stats["spec"]
     write_report({f"flashinfer_K={k},page={page}": report})

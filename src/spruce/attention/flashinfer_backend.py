@@ -74,7 +74,7 @@ class PrefixPlan:
     last_page_len: torch.Tensor  # [rows] int32, host
     kv_indices: torch.Tensor  # [nnz pages] int32, device
     kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
-    graph_mode: bool
+    graph_mode: bool  # a decode-time phase: FlashInfer graph-mode wrappers (fixed rows), eager or replayed
 
 
 class FlashInferAttention(AttentionBackend):
@@ -165,8 +165,8 @@ class FlashInferAttention(AttentionBackend):
                     paged_kv_indptr_buf=bufs["kv_indptr"][:n + 1], paged_kv_indices_buf=bufs["kv_indices"],
                     paged_kv_last_page_len_buf=bufs["last_page_len"][:n], backend=GRAPH_KERNELS)
             else:
-                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.float_workspace, "NHD", backend=EXTEND_KERNELS if phase == Phase.EXTEND else GRAPH_KERNELS)
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_workspace, "NHD",
+                                                                         backend=EXTEND_KERNELS)
             wrapper.reset_workspace_buffer(self.float_workspace, self._int_workspace[phase])
             self._wrappers[key] = wrapper
         return key, wrapper
