@@ -121,6 +121,10 @@ class EngineConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
         _check_tp_size(self.tp_size, self.device)
+        if self.tp_size > 1 and self.speculative is not None and self.speculative.adaptive:
+            # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks
+            raise ConfigError(f"speculative_adaptive=True cannot run with tp_size={self.tp_size}: its per-step choice "
+                              f"depends on measured times, which differ between ranks (use fixed speculation)")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={self.load_format!r} is not supported; expected one of {LOAD_FORMATS}")
         if not (0.0 < self.mem_fraction_static < 1.0):

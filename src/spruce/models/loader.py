@@ -63,22 +63,8 @@ def checkpoint_names(path) -> set[str]:
 
 def iter_tensors(path, show_progress: bool = False, desc: str = "loading") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint; one tqdm bar over all tensors when show_progress."""
-    files = safetensors_files(path)
-    handles = [_open(f) for f in files]
-    try:
-        keys = [list(h.keys()) for h in handles]
-        with tqdm(total=sum(map(len, keys)), desc=desc, disable=not show_progress, unit="tensor") as bar:
-            for file, handle, names in zip(files, handles, keys):
-                for name in names:
-                    try:
-                        tensor = handle.get_tensor(name)
-                    except _READ_ERRORS as e:
-                        raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
-                    yield name, tensor
-                    bar.update(1)
-    finally:
-        for h in handles:
-            h.__exit__(None, None, None)
+    for name, part in iter_tensor_slices(path, show_progress, desc):
+        yield name, part.read()
 
 
 def iter_tensor_slices(path, show_progress: bool = False, desc: str = "loading"):
@@ -99,17 +85,18 @@ def iter_tensor_slices(path, show_progress: bool = False, desc: str = "loading")
                         shape = tuple(part.get_shape())
                     except _READ_ERRORS as e:
                         raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
-                    yield name, CheckpointSlice(name, shape, _box_reader(part, name, file))
+                    yield name, CheckpointSlice(name, shape, _box_reader(handle, part, name, file))
                     bar.update(1)
     finally:
         for h in handles:
             h.__exit__(None, None, None)
 
 
-def _box_reader(part, name: str, file: Path):
+def _box_reader(handle, part, name: str, file: Path):
+    """read(index): tensor[index] (a tuple of slices), or the whole tensor for ()."""
     def read(index: tuple) -> torch.Tensor:
         try:
-            return part[index] if index else part[:]
+            return part[index] if index else handle.get_tensor(name)
         except _READ_ERRORS as e:
             raise ModelLoadError(f"cannot read tensor {name!r} from safetensors file {file}: {e}") from e
 
