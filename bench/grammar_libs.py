@@ -1,4 +1,4 @@
-"""llguidance vs xgrammar for spruce's structured output (docs/DESIGN.md §16): tokenizer tables, schema compile,
+"""llguidance vs xgrammar for spruce's structured output (docs/DESIGN.md §17): tokenizer tables, schema compile,
 next-token mask time along a valid JSON instance, fork / rollback cost, and the masks of whole draft trees
 (depth-first with consume / rollback, xgrammar's C++ traverse_draft_tree, and fork per node + one parallel
 llguidance call, which is what spruce does).
