@@ -22,9 +22,10 @@ derives from the floors; the page indices are gathered from the page table on th
 table). Decode-time phases use graph-mode wrappers, one per (phase, model shape, rows) since FlashInfer fixes a
 graph wrapper's batch size, over Limits-sized buffers per phase, whether the batch then replays a graph or runs
 eagerly: an eager batch gets the very schedule (split-kv chunks) a replay of its size gets, so graphs and eager
-agree bit for bit in bf16. EXTEND uses one plain wrapper per model shape. FlashInfer's plan stages its schedule in a pinned host buffer and copies it asynchronously: a
-wrapper's next plan first waits for the event recorded after its previous plan, so the host can never
-overwrite a schedule the device has not read yet (overlap scheduling plans a step while the last one runs).
+agree bit for bit in bf16. EXTEND uses one plain wrapper per model shape. FlashInfer's plan stages its
+schedule in a pinned host buffer and copies it asynchronously: a wrapper's next plan first waits for the event
+recorded after its previous plan, so the host can never overwrite a schedule the device has not read yet
+(overlap scheduling plans a step while the last one runs).
 
 Model shapes (heads, KV heads, head dim, scale) are learned from the first forward of each phase and model
 (eager: graph capture warms up eagerly first); every later plan of the phase re-plans each of them.
@@ -68,13 +69,12 @@ class PrefixPlan:
     """The host side of one phase's plan: what FlashInfer's `plan` takes, and the Triton tail's start."""
 
     rows: int  # batch rows (padding included)
-    causal: bool
+    extend: bool  # EXTEND: causal, one plain wrapper; else a decode-time phase: graph-mode wrappers (fixed rows)
     qo_indptr: torch.Tensor  # [rows+1] int32, host
     kv_indptr: torch.Tensor  # [rows+1] int32, host (pages)
     last_page_len: torch.Tensor  # [rows] int32, host
     kv_indices: torch.Tensor  # [nnz pages] int32, device
     kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
-    graph_mode: bool  # a decode-time phase: FlashInfer graph-mode wrappers (fixed rows), eager or replayed
 
 
 class FlashInferAttention(AttentionBackend):
@@ -131,8 +131,7 @@ class FlashInferAttention(AttentionBackend):
         if batch.phase != Phase.EXTEND:
             kv_start = bufs["kv_start"][:bs]
             kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
-        graph_mode = batch.phase != Phase.EXTEND
-        return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last, indices, kv_start, graph_mode)
+        return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last, indices, kv_start)
 
     def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
         """The page ids of rows[b]'s first pages[b] pages, concatenated: [nnz] on the device (enqueued, no sync).
@@ -151,14 +150,19 @@ class FlashInferAttention(AttentionBackend):
         staged.scatter_(0, dest.reshape(-1), page_table[rows_t, :width].reshape(-1))
         return staged[:nnz]
 
+    @staticmethod
+    def _key(phase: Phase, shape: Shape, plan: PrefixPlan) -> tuple:
+        """A wrapper's identity: graph-mode wrappers fix their rows, EXTEND's plain wrapper does not."""
+        return phase, shape, None if plan.extend else plan.rows
+
     def _wrapper(self, phase: Phase, shape: Shape, plan: PrefixPlan):
-        key = (phase, shape, plan.rows if plan.graph_mode else None)
+        key = self._key(phase, shape, plan)
         wrapper = self._wrappers.get(key)
         if wrapper is None:
             if phase not in self._int_workspace:
                 size = EXTEND_INT_WORKSPACE_BYTES if phase == Phase.EXTEND else DECODE_INT_WORKSPACE_BYTES
                 self._int_workspace[phase] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if plan.graph_mode:
+            if not plan.extend:
                 bufs, n = self._buffers[phase], plan.rows
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self.float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"][:n + 1],
@@ -177,7 +181,7 @@ class FlashInferAttention(AttentionBackend):
         if fence is not None:
             fence.synchronize()  # the device has read this wrapper's previous schedule from its pinned buffer
         wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, shape.num_heads,
-                     shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.causal, sm_scale=shape.scale,
+                     shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.extend, sm_scale=shape.scale,
                      q_data_type=shape.dtype, kv_data_type=shape.dtype)
         fence = fence or torch.cuda.Event()
         fence.record()
@@ -193,7 +197,7 @@ class FlashInferAttention(AttentionBackend):
             raise InvariantError(f"{batch.phase.value}: flashinfer forward over {batch.batch_size} rows, but the "
                                  f"phase was planned for {plan.rows if plan else 'nothing'}")
         shapes = self._shapes.setdefault(batch.phase, [])
-        key = (batch.phase, shape, plan.rows if plan.graph_mode else None)
+        key = self._key(batch.phase, shape, plan)
         if shape not in shapes or self._planned.get(key) is not plan:
             if torch.cuda.is_current_stream_capturing():
                 raise InvariantError(f"{batch.phase.value}: attention shape {shape} first seen inside a CUDA graph "
