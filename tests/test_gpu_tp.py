@@ -50,15 +50,15 @@ def outputs(model, tp_size, **kw):
 
 
 @pytest.mark.parametrize("case", ["llama-plain", "llama-eagle3", "mla-nextn"])
-def test_tp2_equals_tp1_under_cuda_graphs(case, pycode19m, pycodemla):
+def test_tp2_equals_tp1_under_cuda_graphs(case, request):
     if case == "mla-nextn":
-        model, kw = pycodemla, dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
+        model, kw = request.getfixturevalue("pycodemla"), dict(speculative_algorithm="NEXTN", speculative_num_steps=3,
                                     speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     elif case == "llama-eagle3":
-        model, kw = pycode19m, dict(draft_model=str(TRAINED_HEAD), speculative_algorithm="EAGLE3",
+        model, kw = request.getfixturevalue("pycode19m"), dict(draft_model=str(TRAINED_HEAD), speculative_algorithm="EAGLE3",
                                     speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     else:
-        model, kw = pycode19m, {}
+        model, kw = request.getfixturevalue("pycode19m"), {}
     want, want_stats = outputs(model, 1, **kw)
     got, got_stats = outputs(model, 2, **kw)
     assert got == want

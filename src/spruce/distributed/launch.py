@@ -81,8 +81,8 @@ def _free_port() -> int:
 
 
 def _spawn(config, rank_setup):
-    from spruce.distributed.group import destroy_tp_group, init_tp_group
-    from spruce.distributed.replicated_engine import DriverEngine
+    from spruce.distributed.group import init_tp_group
+    from spruce.distributed.replicated_engine import DriverEngine, leave_group
 
     if config.device != "cpu":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # the workers inherit it (NVLink multicast off)
@@ -107,7 +107,7 @@ def _spawn(config, rank_setup):
         failure = workers.wait_failure(5.0)
         workers.stopping = True
         workers.join(5.0)
-        destroy_tp_group()
+        leave_group(engine)
         if failure is not None and not isinstance(e, WorkerFailedError):
             raise WorkerFailedError(failure) from e
         raise
@@ -128,8 +128,8 @@ def _shutdown_at_exit(engine) -> None:
 
 def _worker_main(rank: int, config, init_method: str, messages, rank_setup, parent_pid: int) -> None:
     """A spawned worker: join the group, build the engine replica, serve the driver until it shuts down."""
-    from spruce.distributed.group import destroy_tp_group, init_tp_group
-    from spruce.distributed.replicated_engine import serve_commands
+    from spruce.distributed.group import init_tp_group
+    from spruce.distributed.replicated_engine import leave_group, serve_commands
     from spruce.runtime.engine import Engine
 
     _watch_parent(parent_pid)
@@ -144,7 +144,7 @@ def _worker_main(rank: int, config, init_method: str, messages, rank_setup, pare
         if rank_setup is not None:
             rank_setup(engine, rank)
         serve_commands(engine, tp)
-        destroy_tp_group()
+        leave_group(engine)
     except BaseException as e:
         messages.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         time.sleep(0.2)  # let the queue's feeder thread hand the report over
@@ -276,8 +276,8 @@ class WorkerSet:
 
 # --- torchrun -----------------------------------------------------------------------------------------------------
 def _join_torchrun(config, rank_setup):
-    from spruce.distributed.group import destroy_tp_group, init_tp_group
-    from spruce.distributed.replicated_engine import DriverEngine, serve_commands
+    from spruce.distributed.group import init_tp_group
+    from spruce.distributed.replicated_engine import DriverEngine, leave_group, serve_commands
     from spruce.runtime.engine import Engine
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -295,5 +295,5 @@ def _join_torchrun(config, rank_setup):
     if rank_setup is not None:
         rank_setup(engine, rank)
     serve_commands(engine, tp)
-    destroy_tp_group()
+    leave_group(engine)
     raise SystemExit(0)

@@ -75,6 +75,13 @@ def apply_commands(engine: Engine, commands: list[tuple]) -> None:
             raise InvariantError(f"unknown tensor-parallel command {command[0]!r}")
 
 
+def leave_group(engine: Engine | None) -> None:
+    """Free the engine's CUDA graphs (their captured collectives hold the NCCL group), then leave the group."""
+    if engine is not None:
+        engine.runner.graphs.release()
+    destroy_tp_group()
+
+
 def serve_commands(engine: Engine, tp: TPGroup) -> None:
     """A worker's loop: wait for the driver's next call, apply its commands, run the call; until shutdown."""
     digest, call = state_digest(engine), 0
@@ -182,7 +189,7 @@ class DriverEngine(Engine):
                 except Exception as e:  # the workers are gone or going: leave anyway
                     logger.warning("tensor-parallel shutdown: %s: %s", type(e).__name__, e)
             self._closed = True
-            destroy_tp_group()  # before joining: a worker leaving the group may wait for the driver to leave too
+            leave_group(self)  # before joining: a worker leaving the group may wait for the driver to leave too
             if self._workers is not None:
                 self._workers.join(timeout)
 

@@ -97,6 +97,17 @@ class BucketGraphs:
         graph.replay()
         return out
 
+    def release(self) -> None:
+        """Free every captured graph; later phases run eagerly. A tensor-parallel rank calls this before it
+        leaves its NCCL group: NCCL waits for the collectives captured in live graphs, so destroying the group
+        while they exist hangs (seen on 2 H200s)."""
+        if self.graphs:
+            torch.cuda.synchronize(self.device)
+            for graph, _ in self.graphs.values():
+                graph.reset()
+            self.graphs.clear()
+        self.enabled = False
+
     def capture(self, phases: list[tuple[str, PhaseFn, PlanFn | None]], prepare: Callable[[int], None], desc: str,
                 show_progress: bool = False) -> None:
         """Capture the chain of phases (name, fn, plan) for every bucket (largest first; one memory pool for all).
