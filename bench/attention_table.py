@@ -9,6 +9,9 @@ trails the device by a round, so the FlashInfer half gets floor = context - (S+1
 Triton tail the rest.
 
     python bench/attention_table.py --out bench/results/attention-table-<device>.json
+    python -m spruce.attention.kernel_table bench/results/attention-table-<device>.json  # the table `auto` reads
+
+(the second step copies the result into the package, spruce/attention/tables/, in this same format: DESIGN §13).
 """
 
 from __future__ import annotations

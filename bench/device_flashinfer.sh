@@ -4,6 +4,8 @@
 #   phases   per-phase FlashInfer vs torch (tests/test_gpu_flashinfer.py::test_flashinfer_equals_torch_every_phase)
 #   table    bench/attention_table.py -> $OUT/attention-table.json
 #   engine   greedy spec == plain, graphs == eager on pycode-19m
+#   auto     `auto` (the CUDA default) on pycode-19m: the H100's per-phase choice, spec == plain, a mixed
+#            triton/flashinfer composite's graphs == eager (tests/test_gpu_auto.py)
 #   sanitize compute-sanitizer memcheck, page 64 + topk 8 and page 4 + topk 8
 #   latency  Llama-3.1-8B shape: decode at 32k context and a 16k prefill, triton vs flashinfer
 # The JIT cache lives under FLASHINFER_WORKSPACE_BASE (carried in .carry/fi-cache when present).
@@ -24,6 +26,8 @@ for mode in ${MODE:-phases table}; do
               ${TABLE_ARGS:-} 2>&1 | tail -40 ;;
     engine) SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout ${ENGINE_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider \
               tests/test_gpu_flashinfer.py -k "${ENGINE_K:-not every_phase}" 2>&1 | tee "$OUT/engine.log" | tail -25 ;;
+    auto) SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout ${AUTO_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider \
+              tests/test_gpu_auto.py 2>&1 | tee "$OUT/auto.log" | tail -25 ;;
     sanitize) SANITIZE_BACKEND=flashinfer timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --print-limit 20 \
               python3 bench/sanitize_run.py "$SPRUCE_PYCODE_19M" > "$OUT/sanitizer.log" 2>&1
               echo "sanitizer exit $?"; tail -12 "$OUT/sanitizer.log" ;;

@@ -18,7 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--attention-backend", default=None, choices=attention_registry.choices(),
-                   help="default: auto on cuda (for now: triton), torch on cpu")
+                   help=f"default: {attention_registry.AUTO} on cuda (per phase, the backend this GPU's kernel table "
+                        f"measured faster; else {attention_registry.AUTO_FALLBACK}), "
+                        f"{attention_registry.AUTO_CPU_BACKEND} on cpu")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--context-length", type=int, default=None)

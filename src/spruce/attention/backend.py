@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spruce.attention.metadata import ForwardBatch
-from spruce.attention.registry import BackendInfo, get_info
+from spruce.attention.registry import BackendInfo, check_model, get_info
 from spruce.errors import ConfigError, InvariantError
 
 if TYPE_CHECKING:
@@ -65,6 +65,16 @@ class AttentionBackend:
     def info(self) -> BackendInfo:
         """This backend's capability record."""
         return get_info(self.name)
+
+    def check_model(self, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> None:
+        """Refuse a model whose attention this backend cannot serve (ConfigError from the registry's record);
+        the runner calls it for the target and the draft before `allocate`."""
+        check_model(self.name, head_dim=head_dim, mla=mla, what=what)
+
+    def describe(self) -> str:
+        """How the engine's info (/metrics, the start-up log) names this backend: its name; a composite also
+        names the backend of each phase."""
+        return self.name
 
     def allocate(self, limits: Limits, device: torch.device | str) -> None:
         """Size persistent buffers from `limits` (called once, before any plan)."""

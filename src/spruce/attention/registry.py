@@ -5,10 +5,11 @@ choices and `spruce --help` list and validate backends from these records alone,
 imported only when `spruce.attention.backend.create_backend` builds it. A backend plugs in by calling
 `register(BackendInfo(...))` (DESIGN §13).
 
-`auto` is not a backend but a choice: it resolves to a registered backend for the device. On CUDA it is the
-default and, for now, always resolves to `triton` (AUTO_CUDA_BACKEND); nothing is measured yet. Once a FlashInfer
-backend is registered and measured, `auto` is meant to pick per phase the backend measured faster (at start-up or
-from a committed table); until then it is a fixed alias, and says so.
+`auto` is not a backend but a choice. On CPU it is `torch`. On CUDA (the default there) it is a per-phase composite
+(`attention/auto_backend.py`): each phase runs the backend a kernel table measured faster on this device
+(`attention/kernel_table.py`), and `triton` (AUTO_FALLBACK) wherever there is no table, the faster backend is not
+installed, or it cannot serve the config or the model. The config is checked against the fallback's record, so
+`auto` accepts whatever `triton` accepts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 from spruce.errors import ConfigError
 
 AUTO = "auto"
-AUTO_CUDA_BACKEND = "triton"  # what `auto` resolves to on CUDA until per-phase measurements exist
+AUTO_FALLBACK = "triton"  # what `auto` runs on CUDA in every phase the kernel table gives no runnable backend
 AUTO_CPU_BACKEND = "torch"
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,11 +93,17 @@ def get_info(name: str) -> BackendInfo:
 
 
 def resolve(name: str | None, device: str) -> str:
-    """The registered backend `name` stands for on `device`: None is the device's default ('auto' on CUDA,
-    'torch' on CPU) and 'auto' resolves to AUTO_CUDA_BACKEND on CUDA, AUTO_CPU_BACKEND on CPU."""
+    """The registered backend whose record checks the config of `name` on `device`: None is the device's
+    default ('auto' on CUDA, 'torch' on CPU); 'auto' is AUTO_CPU_BACKEND on CPU and, on CUDA, AUTO_FALLBACK (the
+    backend every phase of the per-phase composite can fall back to: `is_auto` says the runner builds that)."""
     if name is None or name == AUTO:
-        return AUTO_CUDA_BACKEND if device.startswith("cuda") else AUTO_CPU_BACKEND
+        return AUTO_FALLBACK if device.startswith("cuda") else AUTO_CPU_BACKEND
     return get_info(name).name
+
+
+def is_auto(name: str | None, device: str) -> bool:
+    """Whether `name` on `device` runs the per-phase composite (`auto`, the default, on CUDA)."""
+    return (name is None or name == AUTO) and device.startswith("cuda")
 
 
 def describe_choice(name: str | None, device: str) -> str:
@@ -120,23 +127,48 @@ def check_config(name: str | None, device: str, dtype: str, cuda_graph: bool | N
         others = [n for n in backend_names() if n != info.name and _REGISTRY[n].refusal(device) is None]
         raise ConfigError(f"{chosen} {why}" + (f"; choose attention_backend={_or(others)}" if others else ""))
     if dtype not in info.dtypes:
-        raise ConfigError(f"{chosen} does not support dtype={dtype!r}; it supports {_quoted(info.dtypes)}")
+        raise ConfigError(f"{chosen} {_dtype_refusal(info, dtype)}")
     if cuda_graph and not info.cuda_graphs:
         raise ConfigError(f"cuda_graph=True needs an attention backend with CUDA graphs ({_quoted(graph_backends())}"
                           f"); {chosen} runs eagerly")
     return info
 
 
-def check_model(name: str, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> None:
-    """Refuse a backend that cannot serve a model's attention (MHA head dim, or MLA)."""
+def config_refusal(name: str, device: str, dtype: str, cuda_graph: bool) -> str | None:
+    """Why backend `name` cannot run a config on `device` ("needs flashinfer, which is not installed: ...",
+    "does not support dtype='float32'; ...", "runs eagerly, and cuda graphs are on"), or None. `auto` asks this
+    of every registered backend; `check_config` raises the same reasons for the chosen backend."""
+    info = get_info(name)
+    why = info.refusal(device)
+    if why is not None:
+        return why
+    if dtype not in info.dtypes:
+        return _dtype_refusal(info, dtype)
+    if cuda_graph and not info.cuda_graphs:
+        return "runs eagerly, and cuda graphs are on"
+    return None
+
+
+def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> str | None:
+    """Why backend `name` cannot serve a model's attention (MHA head dim, or MLA), or None."""
     info = get_info(name)
     if mla and not info.mla:
         served = [n for n, i in _REGISTRY.items() if i.mla]
-        raise ConfigError(f"attention_backend={name!r} has no MLA (latent) attention, which {what} needs; backends "
-                          f"with MLA: {_quoted(served)}")
+        return f"has no MLA (latent) attention, which {what} needs; backends with MLA: {_quoted(served)}"
     if not mla and head_dim is not None and info.head_dims is not None and head_dim not in info.head_dims:
-        raise ConfigError(f"attention_backend={name!r} does not support head_dim={head_dim} ({what}); it supports "
-                          f"{_quoted(info.head_dims)}")
+        return f"does not support head_dim={head_dim} ({what}); it supports {_quoted(info.head_dims)}"
+    return None
+
+
+def check_model(name: str, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> None:
+    """Refuse a backend that cannot serve a model's attention (MHA head dim, or MLA)."""
+    why = model_refusal(name, head_dim=head_dim, mla=mla, what=what)
+    if why is not None:
+        raise ConfigError(f"attention_backend={name!r} {why}")
+
+
+def _dtype_refusal(info: BackendInfo, dtype: str) -> str:
+    return f"does not support dtype={dtype!r}; it supports {_quoted(info.dtypes)}"
 
 
 def _quoted(values) -> str:

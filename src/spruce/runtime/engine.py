@@ -629,7 +629,7 @@ class Engine:
         cfg, lim, spec = self.config, self.limits, self.config.speculative
         return {
             "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,
-            "attention_backend": self.runner.backend.name, "page_size": str(lim.page_size),
+            "attention_backend": self.runner.backend.describe(), "page_size": str(lim.page_size),
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
                             + (" adaptive" if spec.adaptive else "") if spec is not None else "off"),
             "overlap_schedule": "on" if lim.overlap else "off",

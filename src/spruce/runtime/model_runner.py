@@ -31,6 +31,7 @@ from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import draft_aux_layers, load_draft, load_target
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
+from spruce.runtime.device import device_name
 from spruce.runtime.fixes import reverted_fixes_from_env
 from spruce.runtime.penalties import PenaltyState
 from spruce.runtime.row_state import RowState
@@ -48,10 +49,9 @@ class ModelRunner:
         self.device = tp.device if tp is not None else torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.model_config = ModelConfig.from_dir(config.model)
-        backend_name = config.resolved_attention_backend
-        attention_registry.check_model(backend_name, head_dim=self.model_config.head_dim,
-                                       mla=self.model_config.mla is not None, what="the target")
-        self.backend = create_backend(backend_name, config.page_size)  # allocated once the Limits exist
+        self.backend = self._build_backend(config)  # allocated once the Limits exist
+        self.backend.check_model(head_dim=self.model_config.head_dim, mla=self.model_config.mla is not None,
+                                 what="the target")
         spec = config.speculative
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
@@ -61,8 +61,7 @@ class ModelRunner:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
                                     show_progress=config.show_progress, load_format=config.load_format)
             dc = self.draft.attention_config
-            attention_registry.check_model(backend_name, head_dim=dc.head_dim, mla=dc.mla is not None,
-                                           what="the draft")
+            self.backend.check_model(head_dim=dc.head_dim, mla=dc.mla is not None, what="the draft")
         mc = self.model_config
         self.target_pool_config = self._rank_attention_config(mc)
         kv_bytes = target_pool_bytes_per_token(self.target_pool_config, self.dtype)
@@ -88,6 +87,15 @@ class ModelRunner:
         self.row_state = RowState(lim, self.device)
         self.penalties = PenaltyState(lim, mc.vocab_size, self.device)  # allocated when first used
         logger.info("spruce limits: %s", lim)
+
+    def _build_backend(self, config: EngineConfig):
+        """The configured attention backend; `auto` on CUDA: the per-phase composite for this device (DESIGN §13)."""
+        if attention_registry.is_auto(config.attention_backend, config.device):
+            from spruce.attention.auto_backend import auto_attention
+
+            return auto_attention(config.page_size, str(self.device), device_name(str(self.device)), config.dtype,
+                                  config.use_cuda_graph)
+        return create_backend(config.resolved_attention_backend, config.page_size)
 
     def _rank_attention_config(self, cfg: ModelConfig) -> ModelConfig:
         """The attention shape this rank's target pool holds: its KV heads (MLA: the latent, replicated)."""
