@@ -126,9 +126,9 @@ def time_backend(backend, case, iters: int) -> dict:
     forward()  # first forward of a shape plans it (outside any capture)
     res["ms"] = timer(forward, iters)
     if backend.name == "flashinfer" and batch.phase != Phase.EXTEND:
-        plan = backend._plans[batch.phase]
+        kv_start = backend.tail_start(batch.phase)
         res["tail_ms"] = graph_ms(lambda: backend.tail.attend(q, kc, vc, start, batch, table, scale,
-                                                              kv_start=plan.kv_start, return_lse=True), iters)
+                                                              kv_start=kv_start, return_lse=True), iters)
     return res
 
 
