@@ -350,15 +350,18 @@ def test_engine_on_split_backend_equals_torch_mla(make_llm, tmp_path):
 
 
 # --- the flashinfer backend's split, with torch standing in for FlashInfer (DESIGN §13) ---------------------------
-def request_floors(batch, seed: int) -> torch.Tensor:
-    """A random host-known floor per request: <= every kv length its real tokens attend to (0 for padding)."""
+def request_floors(batch, seed: int, exact: bool = False) -> torch.Tensor:
+    """A host-known floor per request: <= every kv length its real tokens attend to (0 for padding); random in
+    that range, or (exact) the largest, as without overlap scheduling. [bs] int32 on the CPU."""
     g = torch.Generator().manual_seed(seed)
+    starts = [int(x) for x in batch.qo_indptr.cpu()]
+    lens = batch.kv_lens.cpu()
     floors = []
     for b in range(batch.batch_size):
-        lens = batch.kv_lens[int(batch.qo_indptr[b]):int(batch.qo_indptr[b + 1])]
-        real = lens[lens > 0]
+        real = lens[starts[b]:starts[b + 1]]
+        real = real[real > 0]
         top = int(real.min()) if real.numel() else 0
-        floors.append(int(torch.randint(0, top + 1, (1,), generator=g)) if top else 0)
+        floors.append(top if exact or not top else int(torch.randint(0, top + 1, (1,), generator=g)))
     return torch.tensor(floors, dtype=torch.int32)
 
 

@@ -16,6 +16,7 @@ import torch
 import test_torch_attention
 from spruce.attention.metadata import Phase
 from spruce.attention.torch_backend import TorchAttention
+from test_attention_merge import request_floors
 from test_gpu import divergences, draft19m, generate, prompts19m, write_report  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -57,15 +58,8 @@ def with_host_fields(batch, table, floors: str, seed: int):
         return dataclasses.replace(batch, host_q_lens=q_lens, host_kv_lens=kv, host_rows=rows)
     if floors == "none":
         return batch
-    g = torch.Generator().manual_seed(seed)
-    lens = batch.kv_lens.cpu()
-    out = []
-    for b in range(bs):
-        real = lens[starts[b]:starts[b + 1]]
-        real = real[real > 0]
-        top = int(real.min()) if real.numel() else 0
-        out.append(top if floors == "exact" else int(torch.randint(0, top + 1, (1,), generator=g)) if top else 0)
-    return dataclasses.replace(batch, host_rows=rows, host_kv_floor=tuple(out))
+    return dataclasses.replace(batch, host_rows=rows,
+                               host_kv_floor=tuple(request_floors(batch, seed, exact=floors == "exact").tolist()))
 
 
 def limits_for(table, page_size: int, bs: int):

@@ -22,9 +22,10 @@ derives from the floors; the page indices are gathered from the page table on th
 table). Decode-time phases use graph-mode wrappers, one per (phase, model shape, rows) since FlashInfer fixes a
 graph wrapper's batch size, over Limits-sized buffers per phase, whether the batch then replays a graph or runs
 eagerly: an eager batch gets the very schedule (split-kv chunks) a replay of its size gets, so graphs and eager
-agree bit for bit in bf16. EXTEND uses one plain wrapper per model shape. FlashInfer's plan stages its schedule in a pinned host buffer and copies it asynchronously: a
-wrapper's next plan first waits for the event recorded after its previous plan, so the host can never
-overwrite a schedule the device has not read yet (overlap scheduling plans a step while the last one runs).
+agree bit for bit in bf16. EXTEND uses one plain wrapper per model shape. FlashInfer's plan stages its
+schedule in a pinned host buffer and copies it asynchronously: a wrapper's next plan first waits for the event
+recorded after its previous plan, so the host can never overwrite a schedule the device has not read yet
+(overlap scheduling plans a step while the last one runs).
 
 Model shapes (heads, KV heads, head dim, scale) are learned from the first forward of each phase and model
 (eager: graph capture warms up eagerly first); every later plan of the phase re-plans each of them.
@@ -82,14 +83,13 @@ class PrefixPlan:
     """The host side of one phase's plan: what FlashInfer's `plan` takes, and the Triton tail's start."""
 
     rows: int  # batch rows (padding included)
-    causal: bool
+    extend: bool  # EXTEND: causal, one plain wrapper; else a decode-time phase: graph-mode wrappers (fixed rows)
     qo_indptr: torch.Tensor  # [rows+1] int32, host
     kv_indptr: torch.Tensor  # [rows+1] int32, host (pages)
     last_page_len: torch.Tensor  # [rows] int32, host
     kv_lens: torch.Tensor  # [rows] int32, host (tokens: FlashInfer MLA's kv_len_arr)
     kv_indices: torch.Tensor  # [nnz pages] int32, device
     kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
-    graph_mode: bool  # a decode-time phase: FlashInfer graph-mode wrappers (fixed rows), eager or replayed
 
 
 class FlashInferAttention(AttentionBackend):
@@ -147,9 +147,8 @@ class FlashInferAttention(AttentionBackend):
         if batch.phase != Phase.EXTEND:
             kv_start = bufs["kv_start"][:bs]
             kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
-        graph_mode = batch.phase != Phase.EXTEND
         return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last,
-                          torch.tensor(lengths, dtype=torch.int32), indices, kv_start, graph_mode)
+                          torch.tensor(lengths, dtype=torch.int32), indices, kv_start)
 
     def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
         """The page ids of rows[b]'s first pages[b] pages, concatenated: [nnz] on the device (enqueued, no sync).
@@ -168,8 +167,13 @@ class FlashInferAttention(AttentionBackend):
         staged.scatter_(0, dest.reshape(-1), page_table[rows_t, :width].reshape(-1))
         return staged[:nnz]
 
+    @staticmethod
+    def _key(phase: Phase, shape, plan: PrefixPlan) -> tuple:
+        """A wrapper's identity: graph-mode wrappers fix their rows, EXTEND's plain wrapper does not."""
+        return phase, shape, None if plan.extend else plan.rows
+
     def _wrapper(self, phase: Phase, shape, plan: PrefixPlan):
-        key = (phase, shape, plan.rows if plan.graph_mode else None)
+        key = self._key(phase, shape, plan)
         wrapper = self._wrappers.get(key)
         if wrapper is None:
             if phase not in self._int_workspace:
@@ -179,9 +183,9 @@ class FlashInferAttention(AttentionBackend):
             if isinstance(shape, LatentShape):
                 graph = dict(use_cuda_graph=True, qo_indptr=bufs["qo_indptr"][:n + 1],
                              kv_indptr=bufs["kv_indptr"][:n + 1], kv_indices=bufs["kv_indices"],
-                             kv_len_arr=bufs["kv_lens"][:n]) if plan.graph_mode else {}
+                             kv_len_arr=bufs["kv_lens"][:n]) if not plan.extend else {}
                 wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.float_workspace, **graph)
-            elif plan.graph_mode:
+            elif not plan.extend:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self.float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"][:n + 1],
                     paged_kv_indptr_buf=bufs["kv_indptr"][:n + 1], paged_kv_indices_buf=bufs["kv_indices"],
@@ -200,11 +204,11 @@ class FlashInferAttention(AttentionBackend):
             fence.synchronize()  # the device has read this wrapper's previous schedule from its pinned buffer
         if isinstance(shape, LatentShape):
             wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, shape.num_heads,
-                         shape.value_dim, shape.key_dim - shape.value_dim, self.page_size, plan.causal, shape.scale,
+                         shape.value_dim, shape.key_dim - shape.value_dim, self.page_size, plan.extend, shape.scale,
                          shape.dtype, shape.dtype)
         else:
             wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, shape.num_heads,
-                         shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.causal,
+                         shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.extend,
                          sm_scale=shape.scale, q_data_type=shape.dtype, kv_data_type=shape.dtype)
         fence = fence or torch.cuda.Event()
         fence.record()
@@ -220,7 +224,7 @@ class FlashInferAttention(AttentionBackend):
             raise InvariantError(f"{batch.phase.value}: flashinfer forward over {batch.batch_size} rows, but the "
                                  f"phase was planned for {plan.rows if plan else 'nothing'}")
         shapes = self._shapes.setdefault(batch.phase, [])
-        key = (batch.phase, shape, plan.rows if plan.graph_mode else None)
+        key = self._key(batch.phase, shape, plan)
         if shape not in shapes or self._planned.get(key) is not plan:
             if torch.cuda.is_current_stream_capturing():
                 raise InvariantError(f"{batch.phase.value}: attention shape {shape} first seen inside a CUDA graph "

@@ -5,24 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# what Llama-3.1-8B and -70B share (they differ in width, depth and query heads)
+_LLAMA_31 = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
+    eos_token_id=128001, rope_theta=500000.0,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+)
+
 TARGET_SHAPES: dict[str, dict] = {
-    "llama-3.1-8b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
-        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128001, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-    ),
+    "llama-3.1-8b": dict(**_LLAMA_31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32),
     # Llama-3.1-70B: 141 GB of bf16 weights, more than one GPU holds (tensor parallelism: --tp-size 2 on H200s)
-    "llama-3.1-70b": dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192, intermediate_size=28672,
-        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=128000,
-        eos_token_id=128001, rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-    ),
+    "llama-3.1-70b": dict(**_LLAMA_31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64),
     "llama-3.2-1b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
