@@ -8,6 +8,7 @@
 #            triton/flashinfer composite's graphs == eager (tests/test_gpu_auto.py)
 #   sanitize compute-sanitizer memcheck, page 64 + topk 8 and page 4 + topk 8
 #   latency  Llama-3.1-8B shape: decode at 32k context and a 16k prefill, triton vs flashinfer
+#   mla      FlashInfer MLA per phase vs torch, and pycode-mla graphs == eager (fixture in .carry/models/pycode-mla)
 # The JIT cache lives under FLASHINFER_WORKSPACE_BASE (carried in .carry/fi-cache when present).
 set -u
 . bench/device_env.sh
@@ -28,6 +29,9 @@ for mode in ${MODE:-phases table}; do
               tests/test_gpu_flashinfer.py -k "${ENGINE_K:-not every_phase}" 2>&1 | tee "$OUT/engine.log" | tail -25 ;;
     auto) SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout ${AUTO_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider \
               tests/test_gpu_auto.py 2>&1 | tee "$OUT/auto.log" | tail -25 ;;
+    mla) SPRUCE_PYCODE_MLA=$PWD/.carry/models/pycode-mla SPRUCE_GPU_REPORT=$OUT/gpu_report.json \
+           timeout ${MLA_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider tests/test_gpu_flashinfer.py -k mla 2>&1 \
+           | tee "$OUT/mla.log" | tail -25 ;;
     sanitize) SANITIZE_BACKEND=flashinfer timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --print-limit 20 \
               python3 bench/sanitize_run.py "$SPRUCE_PYCODE_19M" > "$OUT/sanitizer.log" 2>&1
               echo "sanitizer exit $?"; tail -12 "$OUT/sanitizer.log" ;;

@@ -180,10 +180,10 @@ def test_config_choices_and_errors_come_from_the_registry():
 
 
 def test_flashinfer_is_registered_with_its_limits(monkeypatch):
-    """Listed everywhere; refused with the install hint when the package is missing; no float32, no MLA yet."""
+    """Listed everywhere; refused with the install hint when the package is missing; no float32."""
     monkeypatch.setattr("spruce.config._check_device_available", lambda device: None)
     info = registry.get_info("flashinfer")
-    assert "flashinfer" in registry.choices() and info.cuda_graphs and not info.mla
+    assert "flashinfer" in registry.choices() and info.cuda_graphs and info.mla
     monkeypatch.setattr(registry, "_importable", lambda package: package != "flashinfer")
     with pytest.raises(ConfigError, match=r"attention_backend='flashinfer' needs flashinfer, which is not installed: "
                                           r"pip install 'spruce\[flashinfer\]'"):
@@ -191,8 +191,7 @@ def test_flashinfer_is_registered_with_its_limits(monkeypatch):
     monkeypatch.setattr(registry, "_importable", lambda package: True)
     with pytest.raises(ConfigError, match=r"attention_backend='flashinfer' does not support dtype='float32'"):
         EngineConfig(model="m", device="cuda", attention_backend="flashinfer", dtype="float32")
-    with pytest.raises(ConfigError, match="has no MLA"):
-        registry.check_model("flashinfer", mla=True, what="the target")
+    registry.check_model("flashinfer", mla=True, what="the target")
     with pytest.raises(ConfigError, match=r"does not support head_dim=96"):
         registry.check_model("flashinfer", head_dim=96)
 
@@ -391,3 +390,27 @@ def test_prefix_floor_plus_triton_tail_equals_one_attention(phase, page_size):
     out = torch.where(torch.isfinite(lse)[..., None], out, 0.0)  # what the backend does: padding gets zeros
     assert (out - ref).abs().max().item() < 1e-5
     assert bool((floors > 0).any()), "the case must exercise a non-empty prefix half"
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("phase", ["decode", "verify", "draft_decode", "draft_extend"])
+def test_latent_prefix_floor_plus_triton_tail_equals_one_attention(phase, page_size):
+    """The MLA form of the split above: the latent as one KV head whose value is its first Dv columns."""
+    pytest.importorskip("triton")
+    from spruce.attention.triton_backend import TritonAttention
+
+    ph, prefixes, q_lens, kw = PHASES[phase]
+    case, value_dim = latent_case(ph, prefixes, q_lens, page_size, **MLA, **kw, seed=4)
+    q, k, v, kc, vc, start, batch, table = case
+    scale = q.shape[-1] ** -0.5
+    cache = kc[:, 0]  # [slots, Dk]
+    ref = TorchAttention(page_size).forward_latent(q, k[:, 0], cache, value_dim, start, batch, table, scale)
+    keys, vals = cache[:, None, :], cache[:, None, :value_dim]
+    floors = request_floors(batch, seed=page_size)
+    o_prefix, lse_prefix = attend_prefix(q, keys, vals, batch, table, page_size, scale, kv_stop=floors)
+    o_tail, lse_tail = TritonAttention(page_size).attend_latent(q, cache, value_dim, start, batch, table, scale,
+                                                                kv_start=floors, return_lse=True)
+    out, lse = merge_states(o_prefix, lse_prefix, o_tail, lse_tail)
+    out = torch.where(torch.isfinite(lse)[..., None], out, 0.0)
+    assert (out - ref).abs().max().item() < 1e-5
+    assert bool((floors > 0).any())

@@ -190,7 +190,7 @@ def test_flashinfer_missing_or_unable_falls_back(monkeypatch, caplog):
 
 
 def test_a_model_the_chosen_backend_cannot_serve_falls_back(monkeypatch, caplog):
-    """MLA target (flashinfer has none on main) and an unsupported draft head dim: every phase to triton, before
+    """MLA target (the table timed MHA/GQA only) and an unsupported draft head dim: every phase to triton, before
     anything of flashinfer is built (allocate builds triton only)."""
     monkeypatch.setattr(registry, "_importable", lambda package: True)
     backend = auto_for(H100)
@@ -199,7 +199,8 @@ def test_a_model_the_chosen_backend_cannot_serve_falls_back(monkeypatch, caplog)
     backend.check_model(mla=True, what="the target")
     assert set(choices_of(backend).values()) == {"triton"}
     line = allocate_logged(backend, caplog)
-    assert "-> triton: flashinfer (measured faster) has no MLA (latent) attention, which the target needs" in line
+    assert "-> triton: flashinfer (measured faster) was timed on MHA/GQA only: the kernel table has no MLA " \
+           "(latent) rows for the target" in line
     assert list(backend._backends) == ["triton"]
     draft = auto_for(H100)
     draft.check_model(head_dim=96, what="the draft")

@@ -139,3 +139,49 @@ def test_flashinfer_graphs_equal_eager_every_bucket(pycode19m, draft19m, prompts
         eager, _ = generate(pycode19m, ps, 24, cuda_graph=False, **kw)
         graph, _ = generate(pycode19m, ps, 24, cuda_graph=True, **kw)
         assert graph == eager, f"bs={bs}"
+
+
+@pytest.mark.parametrize("floors", ["none", "random", "exact"])
+@pytest.mark.parametrize("topk", [1, 8])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_flashinfer_mla_equals_torch_every_phase(heads, page, topk, floors, monkeypatch):
+    """DeepSeek's absorbed MLA (latent 512 + rope 64) through FlashInfer's MLA kernel + the Triton latent tail."""
+    from spruce.attention.flashinfer_backend import FlashInferAttention
+
+    monkeypatch.setattr(test_torch_attention, "MAX_PAGES", 2048)
+    worst = {}
+    for name, (phase, prefixes, q_lens, kw) in phase_cases(topk).items():
+        case = test_torch_attention.make_case(phase, prefixes, q_lens, page, heads=heads, kv_heads=1, head_dim=576,
+                                              **kw, dtype=torch.bfloat16, seed=page + topk)
+        q, k, v, kc, vc, start, batch, table = to_cuda(case)
+        batch = with_host_fields(batch, table, floors, seed=page)
+        scale = 192 ** -0.5  # DeepSeek's qk head dim (128 + 64), as the model passes it
+        cache = kc[:, 0]  # [slots, 576]
+        ref_cache = cache.float()
+        ref = TorchAttention(page).forward_latent(q.float(), k[:, 0].float(), ref_cache, 512, start, batch, table,
+                                                  scale)
+        backend = FlashInferAttention(page)
+        backend.allocate(limits_for(table, page, batch.batch_size), "cuda")
+        backend.plan(batch, table)
+        out = backend.forward_latent(q, k[:, 0], cache, 512, start, batch, table, scale)
+        silent = (batch.kv_lens == 0) & (batch.tree_mask == 0).all(dim=1)
+        assert torch.isfinite(out).all(), name
+        assert torch.all(out[silent] == 0), f"{name}: padding tokens must produce zeros"
+        worst[name] = (out.float() - ref).abs().max().item()
+        assert worst[name] < 2e-2, (name, worst[name])
+    write_report({f"flashinfer_mla_vs_torch[heads={heads},page={page},topk={topk},floors={floors}]": worst})
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_flashinfer_mla_graphs_equal_eager_every_bucket(pycodemla, spec):
+    """pycode-mla (MLA + MoE) on flashinfer, bf16: graphs == eager for every bucket, plain and NEXTN trees."""
+    kw = dict(dtype="bfloat16", page_size=16, max_running_requests=16, attention_backend="flashinfer")
+    if spec:
+        kw.update(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=8)
+    prompts = [[100 + 7 * i + j for j in range(20 + 5 * i)] for i in range(16)]
+    for bs in [1, 3, 8, 13, 16]:
+        eager, _ = generate(pycodemla, prompts[:bs], 24, cuda_graph=False, **kw)
+        graph, _ = generate(pycodemla, prompts[:bs], 24, cuda_graph=True, **kw)
+        assert graph == eager, f"bs={bs}"

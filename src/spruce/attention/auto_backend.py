@@ -55,6 +55,8 @@ class PerPhaseAttention(AttentionBackend):
             raise InvariantError("per-phase attention: check_model after allocate (the choice is fixed by then)")
         for phase, choice in self.choices.items():
             why = registry.model_refusal(choice.backend, head_dim=head_dim, mla=mla, what=what)
+            if why is None and mla and choice.backend != self.fallback:
+                why = f"was timed on MHA/GQA only: the kernel table has no MLA (latent) rows for {what}"
             if why is not None:
                 self.choices[phase] = PhaseChoice(self.fallback, f"{choice.backend} (measured faster) {why}",
                                                   fell_back=True)

@@ -36,11 +36,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import flashinfer
+import flashinfer.mla
 import torch
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.attention.triton_backend import TritonAttention
+from spruce.attention.triton_kernels.mla_attention import store_latent
 from spruce.attention.triton_kernels.store_kv import store_kv
 from spruce.errors import InvariantError
 
@@ -64,6 +66,18 @@ class Shape:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class LatentShape:
+    """One MLA model's attention as FlashInfer plans it (absorbed form: one latent of key_dim per position,
+    whose first value_dim columns are the value)."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    scale: float
+    dtype: torch.dtype
+
+
 @dataclass
 class PrefixPlan:
     """The host side of one phase's plan: what FlashInfer's `plan` takes, and the Triton tail's start."""
@@ -73,6 +87,7 @@ class PrefixPlan:
     qo_indptr: torch.Tensor  # [rows+1] int32, host
     kv_indptr: torch.Tensor  # [rows+1] int32, host (pages)
     last_page_len: torch.Tensor  # [rows] int32, host
+    kv_lens: torch.Tensor  # [rows] int32, host (tokens: FlashInfer MLA's kv_len_arr)
     kv_indices: torch.Tensor  # [nnz pages] int32, device
     kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
 
@@ -99,7 +114,8 @@ class FlashInferAttention(AttentionBackend):
         # per phase: graph-mode wrappers' fixed buffers (views of these for each bucket), and the gathered indices
         max_pages = rows * limits.max_pages_per_request
         self._buffers = {phase: dict(qo_indptr=torch.zeros(rows + 1, **i32), kv_indptr=torch.zeros(rows + 1, **i32),
-                                     last_page_len=torch.zeros(rows, **i32), kv_indices=torch.zeros(max_pages, **i32),
+                                     last_page_len=torch.zeros(rows, **i32), kv_lens=torch.zeros(rows, **i32),
+                                     kv_indices=torch.zeros(max_pages, **i32),
                                      kv_start=torch.zeros(rows, **i32), staged=torch.zeros(max_pages + 1, **i32))
                          for phase in Phase}
 
@@ -131,7 +147,8 @@ class FlashInferAttention(AttentionBackend):
         if batch.phase != Phase.EXTEND:
             kv_start = bufs["kv_start"][:bs]
             kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
-        return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last, indices, kv_start)
+        return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last,
+                          torch.tensor(lengths, dtype=torch.int32), indices, kv_start)
 
     def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
         """The page ids of rows[b]'s first pages[b] pages, concatenated: [nnz] on the device (enqueued, no sync).
@@ -151,19 +168,24 @@ class FlashInferAttention(AttentionBackend):
         return staged[:nnz]
 
     @staticmethod
-    def _key(phase: Phase, shape: Shape, plan: PrefixPlan) -> tuple:
+    def _key(phase: Phase, shape, plan: PrefixPlan) -> tuple:
         """A wrapper's identity: graph-mode wrappers fix their rows, EXTEND's plain wrapper does not."""
         return phase, shape, None if plan.extend else plan.rows
 
-    def _wrapper(self, phase: Phase, shape: Shape, plan: PrefixPlan):
+    def _wrapper(self, phase: Phase, shape, plan: PrefixPlan):
         key = self._key(phase, shape, plan)
         wrapper = self._wrappers.get(key)
         if wrapper is None:
             if phase not in self._int_workspace:
                 size = EXTEND_INT_WORKSPACE_BYTES if phase == Phase.EXTEND else DECODE_INT_WORKSPACE_BYTES
                 self._int_workspace[phase] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if not plan.extend:
-                bufs, n = self._buffers[phase], plan.rows
+            bufs, n = self._buffers[phase], plan.rows
+            if isinstance(shape, LatentShape):
+                graph = dict(use_cuda_graph=True, qo_indptr=bufs["qo_indptr"][:n + 1],
+                             kv_indptr=bufs["kv_indptr"][:n + 1], kv_indices=bufs["kv_indices"],
+                             kv_len_arr=bufs["kv_lens"][:n]) if not plan.extend else {}
+                wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.float_workspace, **graph)
+            elif not plan.extend:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self.float_workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=bufs["qo_indptr"][:n + 1],
                     paged_kv_indptr_buf=bufs["kv_indptr"][:n + 1], paged_kv_indices_buf=bufs["kv_indices"],
@@ -175,21 +197,26 @@ class FlashInferAttention(AttentionBackend):
             self._wrappers[key] = wrapper
         return key, wrapper
 
-    def _plan_wrapper(self, phase: Phase, shape: Shape, plan: PrefixPlan):
+    def _plan_wrapper(self, phase: Phase, shape, plan: PrefixPlan):
         key, wrapper = self._wrapper(phase, shape, plan)
         fence = self._fences.get(key)
         if fence is not None:
             fence.synchronize()  # the device has read this wrapper's previous schedule from its pinned buffer
-        wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, shape.num_heads,
-                     shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.extend, sm_scale=shape.scale,
-                     q_data_type=shape.dtype, kv_data_type=shape.dtype)
+        if isinstance(shape, LatentShape):
+            wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_lens, shape.num_heads,
+                         shape.value_dim, shape.key_dim - shape.value_dim, self.page_size, plan.extend, shape.scale,
+                         shape.dtype, shape.dtype)
+        else:
+            wrapper.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.last_page_len, shape.num_heads,
+                         shape.num_kv_heads, shape.head_dim, self.page_size, causal=plan.extend,
+                         sm_scale=shape.scale, q_data_type=shape.dtype, kv_data_type=shape.dtype)
         fence = fence or torch.cuda.Event()
         fence.record()
         self._fences[key] = fence
         self._planned[key] = plan
         return wrapper
 
-    def _planned_wrapper(self, batch: ForwardBatch, shape: Shape):
+    def _planned_wrapper(self, batch: ForwardBatch, shape):
         """The wrapper planned for this phase and shape; a shape seen for the first time is planned here, which
         must be outside graph capture (capture warms every phase up eagerly first)."""
         plan = self._plans.get(batch.phase)
@@ -228,12 +255,32 @@ class FlashInferAttention(AttentionBackend):
         o_prefix, lse_prefix = wrapper.run(q, paged, return_lse=True)  # [T, Hq, D], [T, Hq] (log2)
         o_tail, lse_tail = self.tail.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale,
                                             kv_start=plan.kv_start, return_lse=True)
+        return self._merge(batch, o_prefix, lse_prefix, o_tail, lse_tail, q.dtype)
+
+    def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
+        t, num_heads, key_dim = q.shape
+        if t == 0:
+            return q.new_empty(0, num_heads, value_dim)
+        store_latent(latent, cache, batch.out_slots)
+        wrapper, plan = self._planned_wrapper(batch, LatentShape(num_heads, key_dim, value_dim, float(scale), q.dtype))
+        pages = cache[:scratch_start].view(-1, self.page_size, key_dim)  # [pages, page_size, Dk]
+        q_nope, q_pe = q[..., :value_dim].contiguous(), q[..., value_dim:].contiguous()
+        ckv, kpe = pages[..., :value_dim], pages[..., value_dim:]
+        if batch.phase == Phase.EXTEND:
+            return wrapper.run(q_nope, q_pe, ckv, kpe)
+        o_prefix, lse_prefix = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)  # [T, Hq, Dv], [T, Hq] (log2)
+        o_tail, lse_tail = self.tail.attend_latent(q, cache, value_dim, scratch_start, batch, page_table, scale,
+                                                   kv_start=plan.kv_start, return_lse=True)
+        return self._merge(batch, o_prefix, lse_prefix, o_tail, lse_tail, q.dtype)
+
+    @staticmethod
+    def _merge(batch: ForwardBatch, o_prefix, lse_prefix, o_tail, lse_tail, dtype) -> torch.Tensor:
+        """The two halves by log-sum-exp; padding tokens get zeros, as the contract says: without scratch (DECODE,
+        DRAFT_EXTEND) they are the tokens of kv length 0, which the prefix half (one floor per request) does not
+        know; tree phases have padding rows only, whose floor is 0, so both halves are empty (-inf / NaN)."""
         out, lse = flashinfer.merge_state(o_prefix, lse_prefix, o_tail, lse_tail)
-        # padding tokens get zeros, as the contract says: without scratch (DECODE, DRAFT_EXTEND) they are the
-        # tokens of kv length 0, which the prefix half (one floor per request) does not know; tree phases have
-        # padding rows only, whose floor is 0, so both halves are empty and merge to -inf / NaN
         if batch.scratch_width == 0:
             seen = (batch.kv_lens > 0)[:, None, None]  # [T, 1, 1]
         else:
             seen = torch.isfinite(lse)[..., None]  # [T, Hq, 1]
-        return torch.where(seen, out, 0.0).to(q.dtype)
+        return torch.where(seen, out, 0.0).to(dtype)

@@ -221,7 +221,7 @@ register(BackendInfo(
 register(BackendInfo(
     "flashinfer", "spruce.attention.flashinfer_backend:FlashInferAttention",
     "FlashInfer's paged kernels for the committed prefix (host-planned), spruce's Triton kernel for the tail and "
-    "tree scratch, merged by log-sum-exp; MHA/GQA; CUDA graphs",
-    cuda_graphs=True, mla=False, dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), needs_cuda=True,
+    "tree scratch, merged by log-sum-exp; MHA/GQA and MLA; CUDA graphs",
+    cuda_graphs=True, mla=True, dtypes=("bfloat16", "float16"), head_dims=(64, 128, 256), needs_cuda=True,
     requires="flashinfer",
 ))

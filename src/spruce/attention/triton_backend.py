@@ -17,7 +17,7 @@ import torch
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.attention.triton_kernels.mla_attention import (merge_latent_splits_kernel, mla_attention_kernel,
-                                                          store_latent_kernel)
+                                                          store_latent)
 from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
 from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
 from spruce.ops.triton_support import triton
@@ -126,34 +126,41 @@ class TritonAttention(AttentionBackend):
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         t = batch.num_tokens
-        _, num_heads, key_dim = q.shape
         if t == 0:
-            return q.new_empty(0, num_heads, value_dim)
-        latent = latent.to(cache.dtype)  # no copy when the model runs in the cache dtype; rounds as the reference
-        latent = latent if latent.stride(1) == 1 else latent.contiguous()
-        store_latent_kernel[(t,)](latent, cache, batch.out_slots, latent.stride(0), cache.stride(0), KEY_DIM=key_dim,
-                                  BLOCK=triton.next_power_of_2(key_dim))
+            return q.new_empty(0, q.shape[1], value_dim)
+        store_latent(latent, cache, batch.out_slots)
+        out, _ = self.attend_latent(q, cache, value_dim, scratch_start, batch, page_table, scale)
+        return out
+
+    def attend_latent(self, q, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale,
+                      kv_start: torch.Tensor | None = None, return_lse: bool = False):
+        """MLA attention of the batch's tokens over their latents (the cache already holds the new ones); the
+        same `kv_start` / `return_lse` contract as `attend`. Returns (out [T, Hq, Dv], lse [T, Hq] or None)."""
+        t = batch.num_tokens
+        _, num_heads, key_dim = q.shape
         # a request's max_q_len * Hq query rows (token-major, head fastest) in blocks of block_m
         rows = max(batch.max_q_len, 1) * num_heads
         block_m, num_warps, per_sm = self.latent_block(rows)
         num_m_blocks = triton.cdiv(rows, block_m)
         grid0 = batch.batch_size * num_m_blocks
-        splits = self.num_latent_splits(grid0, per_sm, batch.max_kv_len, q.device)
+        splits = 1 if return_lse else self.num_latent_splits(grid0, per_sm, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)
         out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
+        lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]
         part_o, part_lse = _split_partials(splits, t, num_heads, value_dim, out)
         precision = _dot_precision(q.dtype)
         mla_attention_kernel[(grid0, splits)](
             q, out, cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
-            part_o, part_lse, num_m_blocks, t, q.stride(0), cache.stride(0), page_table.stride(0),
+            part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
+            num_m_blocks, t, q.stride(0), cache.stride(0), page_table.stride(0),
             batch.tree_mask.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
             BLOCK_DR=max(16, triton.next_power_of_2(key_dim - value_dim)), PAGE_SIZE=self.page_size,
             SCRATCH_WIDTH=batch.scratch_width, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=MLA_BLOCK_N,
-            DOT_PRECISION=precision, num_warps=num_warps,
+            DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=num_warps,
         )
         if splits > 1:
             merge_latent_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads,
                                                        VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
                                                        NUM_SPLITS=splits)
-        return out
+        return out, lse

@@ -18,8 +18,10 @@ where the value tile is the key tile's first part, loaded once for both products
 domain, as in `paged_attention`:
     m' = max(m, rowmax(s));  alpha = 2^(m - m');  p = 2^(s - m')
     l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ kv[:, :Dv]
-With one split the program writes acc / l; with several it writes acc / l and lse = m + log2(l) per split
-and `merge_latent_splits_kernel` combines them. A row with nothing to attend to gets zeros.
+With one split the program writes acc / l (and, when asked, lse = m + log2(l)); with several it writes acc / l
+and lse per split and `merge_latent_splits_kernel` combines them. A row with nothing to attend to gets zeros.
+With `kv_start` the paged range starts at the request's kv_start instead of 0 (the tail half of a split
+attention, DESIGN §13).
 
 Blocking (chosen by the backend from host ints): acc is [BLOCK_M, Dv] fp32, so BLOCK_M is 64 rows on 8 warps
 when a request has that many rows (prefill, verify, decode with >= 64 heads) and 16 rows on 4 warps
@@ -43,6 +45,17 @@ def store_latent_kernel(latent_ptr, cache, slots, latent_stride, cache_stride, K
     mask = offs < KEY_DIM
     x = tl.load(latent_ptr + t * latent_stride + offs, mask=mask)
     tl.store(cache + slot * cache_stride + offs, x, mask=mask)
+
+
+def store_latent(latent, cache, slots) -> None:
+    """latent [T, Dk] -> cache[slots] ([slots_total, Dk]), rounded to the cache dtype as the reference does."""
+    t, key_dim = latent.shape
+    if t == 0:
+        return
+    latent = latent.to(cache.dtype)  # no copy when the model runs in the cache dtype
+    latent = latent if latent.stride(1) == 1 else latent.contiguous()
+    store_latent_kernel[(t,)](latent, cache, slots, latent.stride(0), cache.stride(0), KEY_DIM=key_dim,
+                              BLOCK=triton.next_power_of_2(key_dim))
 
 
 @triton.jit
@@ -73,11 +86,12 @@ def _latent_step(q_v, q_r, kv, kr, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PR
 
 @triton.jit(do_not_specialize=["num_m_blocks", "num_tokens"])  # vary per call: one compiled kernel for all
 def mla_attention_kernel(
-    q_ptr, o_ptr, cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse,
+    q_ptr, o_ptr, cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse, kv_start, lse_ptr,
     num_m_blocks, num_tokens, q_stride, cache_stride, table_stride, mask_stride, scratch_start, sm_scale_log2,
     NUM_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr, PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
 ):
     ROPE_DIM: tl.constexpr = KEY_DIM - VALUE_DIM
     pid = tl.program_id(0)
@@ -106,9 +120,13 @@ def mla_attention_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-        # paged prefix: this split's share of [0, kv_max), in whole BLOCK_N chunks
-        chunk = tl.cdiv(tl.cdiv(kv_max, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        # paged prefix: this split's share of [kv_lo, kv_max), in whole BLOCK_N chunks; kv_lo = 0, or the
+        # request's kv_start when another kernel attends to [0, kv_start) (FlashInfer's half: DESIGN §13)
+        kv_lo = 0
+        if HAS_KV_START:
+            kv_lo = tl.load(kv_start + b)
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -141,6 +159,9 @@ def mla_attention_kernel(
         o_mask = m_valid[:, None] & (offs_dv < VALUE_DIM)[None, :]
         if NUM_SPLITS == 1:
             tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+            if RETURN_LSE:  # log2-sum-exp of the scaled scores: FlashInfer's convention (merge_state)
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+                tl.store(lse_ptr + o_row, lse, mask=m_valid)
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             tl.store(part_o + split * num_tokens * NUM_HEADS * VALUE_DIM + o_off, out, mask=o_mask)
