@@ -1,7 +1,9 @@
 """Adaptive speculation in the engine: switching between speculative rounds and plain steps mid-request changes no
-token (greedy and seeded sampling equal plain decoding, K 1/4, pages 1/16, overlap on and off), a plain step
-leaves the draft exactly where a round would have (the next round accepts what a round from a fresh prefill of
-the same text accepts), and the measured costs and acceptance drive the choice, reported in /metrics.
+token (greedy and seeded sampling equal plain decoding, K 1/4, pages 1/16, overlap on and off); a plain step runs
+no draft forward, and the catch-up before a round leaves the draft exactly where rounds would have (the round
+accepts what a round from a fresh prefill of the same text accepts, after lags of one to many plain steps, across
+pages); the prefix cache only takes pages whose draft KV is valid; the measured costs and acceptance drive the
+choice, reported in /metrics.
 
 Target: the bundled pycode-6m. Drafts: random checkpoints with the oracle wrapper (tests/oracle_draft.py), and the
 bundled trained EAGLE-3 head where real acceptance matters. Start-up timing is replaced by a fixed table
@@ -20,8 +22,8 @@ from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.server.metrics import Metrics
 from spruce.speculative import adaptive
-from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
-from spruce.speculative.draft_tracking import DraftTrackingDecoding
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy
+from spruce.speculative.strategy import PlainDecoding
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
 from oracle_draft import install_oracle
@@ -57,9 +59,11 @@ def reference():
 
 
 def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
-    """Start-up timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size."""
+    """Device timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size (the
+    start-up table; online device samples are dropped)."""
     monkeypatch.setattr(adaptive, "_time_step", lambda strategy, rows, max_kv, cuda:
-                        plain if isinstance(strategy, DraftTrackingDecoding) else spec)
+                        plain if isinstance(strategy, PlainDecoding) else spec)
+    monkeypatch.setattr(AdaptivePolicy, "measured", lambda self, *a, **kw: None)
 
 
 def force(llm, pattern: list[int]) -> list[str]:
@@ -67,8 +71,8 @@ def force(llm, pattern: list[int]) -> list[str]:
     policy = llm.engine.strategy.policy
     decide, cycle, log = policy.decide, itertools.cycle(pattern), []
 
-    def forced(requests):
-        d = decide(requests)
+    def forced(requests, *args):
+        d = decide(requests, *args)
         d.choice = SPECULATIVE if next(cycle) else PLAIN
         log.append(d.choice)
         return d
@@ -115,33 +119,89 @@ def test_switching_mid_request_equals_plain_decoding(monkeypatch, draft, referen
     assert_no_leaks(llm)
 
 
-def test_plain_steps_keep_the_draft_current(monkeypatch):
-    """With the bundled trained head (real acceptance): every round that follows plain steps accepts exactly what
-    the first round after a fresh prefill of the same text accepts, so the draft KV and step-0 top-K a plain
-    step leaves are a round's."""
+@pytest.mark.parametrize("pattern,page,overlap", [([0, 0, 1, 0, 1], 16, True), ([0] * 7 + [1, 1], 4, True),
+                                                  ([0] * 5 + [1], 4, False)])
+def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page, overlap):
+    """With the bundled trained head (real acceptance): every round that follows plain steps (lags of 1, 2, 5 and 7
+    positions, crossing pages of 4) accepts exactly what the first round after a fresh prefill of the same text
+    accepts, so the catch-up writes the draft KV and the step-0 top-K rounds would have."""
     fixed_costs(monkeypatch)
     prompt = "def fib(n):\n    "
-    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True)
-    force(llm, [0, 0, 1, 0, 1])
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
+              page_size=page, disable_overlap_schedule=not overlap)
+    force(llm, pattern)
     rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
     resolved, before = llm.engine.strategy.resolved, {}
 
-    def record(requests, results, speculated, waited_s):
+    def record(step, requests, results, waited_s):
+        speculated = step is not None and step.speculative
         for q, row in zip(requests, results):
-            if speculated and before.get(q.request_id) == PLAIN:
+            if step is not None and speculated and before.get(q.request_id) == PLAIN:
                 rounds.append((q.committed - row[0] - 1, row[0]))
-            before[q.request_id] = SPECULATIVE if speculated else PLAIN
-        resolved(requests, results, speculated, waited_s)
+            if step is not None:
+                before[q.request_id] = SPECULATIVE if speculated else PLAIN
+        resolved(step, requests, results, waited_s)
 
     llm.engine.strategy.resolved = record
     out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     text = out.prompt_token_ids + out.token_ids
     fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True)
-    assert len(rounds) >= 5 and sum(a for _, a in rounds[:5]) > 0
-    for committed, accepted in rounds[:5]:
+    assert len(rounds) >= 3 and sum(a for _, a in rounds) > 0
+    for committed, accepted in rounds:
         first = fresh.generate([text[:committed]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
         counts = first.spec_stats["accept_length_counts"]
         assert first.token_ids[0] == text[committed] and counts[accepted] == 1, (committed, accepted, counts)
+
+
+def test_plain_step_runs_no_draft_forward(monkeypatch, draft):
+    """Plain steps run the target alone: the draft runs once (the prompt's extend), and the request's draft lags by
+    one position per plain step."""
+    fixed_costs(monkeypatch)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    force(llm, [0])
+    runner, calls = llm.engine.runner, []
+    draft_forward = runner.draft_forward
+    monkeypatch.setattr(runner, "draft_forward", lambda batch, *a, **kw: calls.append(batch.phase) or
+                        draft_forward(batch, *a, **kw))
+    lags = []
+    resolved = llm.engine.strategy.resolved
+
+    def record(step, requests, results, waited_s):
+        lags.extend(q.draft_lag for q in requests if step is not None)
+        resolved(step, requests, results, waited_s)
+
+    llm.engine.strategy.resolved = record
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert len(calls) == 1 and lags == list(range(1, MAX_NEW))  # the prefill gave the first token
+
+
+def _round_counts(llm, prompts, params):
+    return [(o.token_ids, o.spec_stats["accept_length_counts"]) for o in (llm.generate([p], params)[0]
+                                                                          for p in prompts)]
+
+
+@pytest.mark.parametrize("pattern", [[0], [0, 0, 0, 1, 0]], ids=["finishes-lagging", "caught-up"])
+def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern):
+    """Request A decodes with plain steps (finishing while its draft lags, or with rounds catching it up, pages of 4);
+    request B's prompt is A's whole text plus more, so it hits A's pages, including those A wrote while lagging.
+    B (all rounds) gives the tokens and round-by-round accept lengths of the same run without the cache: the tree
+    never holds a page whose draft KV is missing or wrong."""
+    fixed_costs(monkeypatch)
+    kw = dict(draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = LLM(TARGET, **kw)
+    force(llm, pattern)
+    a = llm.generate([PROMPTS[1]], params)[0]
+    b_prompt = a.prompt_token_ids + a.token_ids + llm.tokenizer.encode("\n\n\ndef")
+    force(llm, [1])
+    got = _round_counts(llm, [b_prompt], params)
+    base = LLM(TARGET, disable_radix_cache=True, **kw)
+    force(base, [1])
+    assert got == _round_counts(base, [b_prompt], params)
+    cached = llm.engine.stats()["prefix_cache"]["hit_tokens"]
+    prompt_pages = len(a.prompt_token_ids) // 4 * 4  # the prompt's draft is current: its prefill extended it
+    assert cached > prompt_pages if pattern != [0] else cached == prompt_pages, (cached, prompt_pages)
+    assert_no_leaks(llm)
 
 
 @pytest.mark.parametrize("fraction,expected", [(0.0, PLAIN), (1.0, SPECULATIVE)])
