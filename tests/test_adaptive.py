@@ -16,8 +16,9 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 
-from spruce import LLM, SamplingParams
+from spruce import LLM, SamplingParams, limits
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.server.metrics import Metrics
@@ -119,17 +120,30 @@ def test_switching_mid_request_equals_plain_decoding(monkeypatch, draft, referen
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("pattern,page,overlap", [([0, 0, 1, 0, 1], 16, True), ([0] * 7 + [1, 1], 4, True),
-                                                  ([0] * 5 + [1], 4, False)])
-def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page, overlap):
-    """With the bundled trained head (real acceptance): every round that follows plain steps (lags of 1, 2, 5 and 7
-    positions, crossing pages of 4) accepts exactly what the first round after a fresh prefill of the same text
-    accepts, so the catch-up writes the draft KV and the step-0 top-K rounds would have."""
+@pytest.mark.parametrize("pattern,page,overlap,window", [([0, 0, 1, 0, 1], 16, True, 256),
+                                                         ([0] * 7 + [1, 1], 4, True, 256),
+                                                         ([0] * 5 + [1], 4, False, 256),
+                                                         ([0] * 10 + [1], 4, True, 3)])
+def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page, overlap, window):
+    """With the bundled trained head (real acceptance): after every catch-up (lags of 1, 2, 5 and 7 positions,
+    crossing pages of 4; or forced every 3 plain steps by a feature ring of 3) the draft's step-0 state (its hidden
+    at the last committed position, which attends to the draft KV of every earlier one) equals a fresh prefill's of
+    the same text, and every round that follows plain steps accepts exactly what the first round after that fresh
+    prefill accepts."""
     fixed_costs(monkeypatch)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     prompt = "def fib(n):\n    "
     llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
               page_size=page, disable_overlap_schedule=not overlap)
     force(llm, pattern)
+    worker, caught = llm.engine.strategy.worker, []  # (committed length, step-0 hidden) after each catch-up
+    catch_up = worker.catch_up
+
+    def recording(lagging, ring):
+        catch_up(lagging, ring)
+        caught.extend((g.end, worker.hidden[g.row].clone()) for g in lagging)
+
+    monkeypatch.setattr(worker, "catch_up", recording)
     rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
     resolved, before = llm.engine.strategy.resolved, {}
 
@@ -147,10 +161,15 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     text = out.prompt_token_ids + out.token_ids
     fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True)
     assert len(rounds) >= 3 and sum(a for _, a in rounds) > 0
+    forced = 10 // window * len(rounds) if window < 10 else 0  # catch-ups before plain steps, at a full ring
+    assert len(caught) == len(rounds) + forced == llm.engine.stats()["adaptive"]["catch_ups"]
     for committed, accepted in rounds:
         first = fresh.generate([text[:committed]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
         counts = first.spec_stats["accept_length_counts"]
         assert first.token_ids[0] == text[committed] and counts[accepted] == 1, (committed, accepted, counts)
+    for end, hidden in caught:
+        fresh.generate([text[:end]], SamplingParams(max_tokens=1))  # its draft state after the prefill
+        assert torch.allclose(hidden, fresh.engine.strategy.hidden[0], atol=1e-4), end
 
 
 def test_plain_step_runs_no_draft_forward(monkeypatch, draft):

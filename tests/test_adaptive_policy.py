@@ -167,13 +167,14 @@ def test_start_up_table_that_underestimates_rounds_is_corrected_online():
 def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
     """A round pays 2x a plain step's device time and commits 2.5 tokens: it wins over a current draft, but not over
     one lagging by 40 positions, whose catch-up (fitted as 0.2 ms + 10 us per position from two catch-ups) makes
-    it cost 2 + 0.6 ms. A round's measured time excludes the catch-up it ran."""
+    it cost 2 + 0.6 ms."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     p.accepted(reqs[0], 2)
     p.accepted(reqs[0], 1)  # EMA 1.5: 2.5 tokens per round
-    p.measured(SPECULATIVE, 1, 2.3e-3, catch_up_positions=10, catch_up_device_seconds=0.3e-3)
-    p.measured(SPECULATIVE, 1, 2.0e-3 + 0.7e-3, catch_up_positions=50, catch_up_device_seconds=0.7e-3)
+    for positions, seconds in ((10, 0.3e-3), (50, 0.7e-3)):
+        p.caught_up(positions, seconds, 0.0)
+        p.measured(SPECULATIVE, 1, 2e-3)
     assert p.device(SPECULATIVE, 1) == pytest.approx(2e-3)
     assert p.catch_up_device.coefficients() == (pytest.approx(0.2e-3), pytest.approx(1e-5))
     assert p.decide(reqs).choice == SPECULATIVE

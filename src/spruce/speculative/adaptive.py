@@ -138,11 +138,12 @@ class AdaptiveDecoding(DecodeStrategy):
         self.policy.waited(waited_s)
         if step is None:
             return
-        d = step.decision
-        m = step.marks
-        catch_up_s = self._elapsed(m["catch_up_start"], m["catch_up_end"]) if step.lagging else 0.0
-        self.policy.measured(d.choice, d.bucket, self._elapsed(m["start"], m["end"]), step.catch_up_positions,
-                             catch_up_s, step.catch_up_host_s)
+        d, m = step.decision, step.marks
+        catch_up_s = 0.0
+        if step.lagging:
+            catch_up_s = self._elapsed(m["catch_up_start"], m["catch_up_end"])
+            self.policy.caught_up(step.catch_up_positions, catch_up_s, step.catch_up_host_s)
+        self.policy.measured(d.choice, d.bucket, max(self._elapsed(m["start"], m["end"]) - catch_up_s, 0.0))
         if self.cuda:
             self._events.extend(v for k, v in m.items() if k != "catch_up_start")
         if step.speculative:

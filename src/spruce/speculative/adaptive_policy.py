@@ -224,20 +224,20 @@ class AdaptivePolicy:
         ran device work itself (CPU), or launched a catch-up (counted in the catch-up's own cost)."""
         self._not_host += seconds
 
-    def measured(self, choice: str, bucket: int, device_seconds: float, catch_up_positions: int = 0,
-                 catch_up_device_seconds: float = 0.0, catch_up_host_seconds: float = 0.0) -> None:
-        """A launched step of `choice` at `bucket` took `device_seconds` on the device, of which
-        `catch_up_device_seconds` were a catch-up over `catch_up_positions` positions (whose launch took
-        `catch_up_host_seconds` of host time)."""
+    def measured(self, choice: str, bucket: int, device_seconds: float) -> None:
+        """A launched step of `choice` at `bucket` took `device_seconds` on the device (without its catch-up)."""
         key = (choice, bucket)
-        sample = max(device_seconds - catch_up_device_seconds, 0.0)
         old = self.measured_device_seconds.get(key)
-        self.measured_device_seconds[key] = sample if old is None else old + COST_ALPHA * (sample - old)
-        if catch_up_positions:
-            self.catch_ups += 1
-            self.catch_up_positions += catch_up_positions
-            self.catch_up_device.add(catch_up_positions, catch_up_device_seconds)
-            self.catch_up_host.add(catch_up_positions, catch_up_host_seconds)
+        self.measured_device_seconds[key] = (device_seconds if old is None
+                                             else old + COST_ALPHA * (device_seconds - old))
+
+    def caught_up(self, positions: int, device_seconds: float, host_seconds: float) -> None:
+        """A catch-up over `positions` missing positions took `device_seconds` on the device and `host_seconds` to
+        launch (0 where the device work is the host's: it is then all in `device_seconds`)."""
+        self.catch_ups += 1
+        self.catch_up_positions += positions
+        self.catch_up_device.add(positions, device_seconds)
+        self.catch_up_host.add(positions, host_seconds)
 
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens."""
