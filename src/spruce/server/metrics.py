@@ -256,6 +256,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
     series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",
            [("", a.get("catch_up_positions", 0))])
+    series("spruce_adaptive_catch_up_seconds", "gauge", "A catch-up's fitted cost: device or host seconds, fixed and "
+           "per missing position.", [(f'part="{k.split("_", 1)[0]}",term="{k.split("_", 1)[1]}"', v)
+                                     for k, v in sorted(a.get("catch_up_seconds", {}).items())])
 
 
 @dataclass(frozen=True)

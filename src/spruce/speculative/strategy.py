@@ -106,8 +106,9 @@ class DecodeStrategy:
         raise NotImplementedError
 
     # --- per-step choice (adaptive speculation: speculative/adaptive.py; a fixed strategy is its own choice) ---
-    def choose(self, requests: list) -> "DecodeStrategy":
-        """The strategy whose `decode` runs the next decode step over `requests`."""
+    def choose(self, requests: list):
+        """What runs the next decode step over `requests`, called right before its launch: an object with
+        `speculative` and this class's `decode` (a fixed strategy: itself; adaptive speculation: one step)."""
         return self
 
     def resolved(self, step, requests: list, results: list[list[int]], waited_s: float) -> None:
