@@ -136,14 +136,7 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
               page_size=page, disable_overlap_schedule=not overlap)
     force(llm, pattern)
-    worker, caught = llm.engine.strategy.worker, []  # (committed length, step-0 hidden) after each catch-up
-    catch_up = worker.catch_up
-
-    def recording(lagging, ring):
-        catch_up(lagging, ring)
-        caught.extend((g.end, worker.hidden[g.row].clone()) for g in lagging)
-
-    monkeypatch.setattr(worker, "catch_up", recording)
+    caught = record_catch_ups(monkeypatch, llm)
     rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
     resolved, before = llm.engine.strategy.resolved, {}
 
@@ -167,9 +160,44 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
         first = fresh.generate([text[:committed]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
         counts = first.spec_stats["accept_length_counts"]
         assert first.token_ids[0] == text[committed] and counts[accepted] == 1, (committed, accepted, counts)
+    assert_caught_up_as_fresh(caught, fresh, text)
+
+
+def record_catch_ups(monkeypatch, llm) -> list[tuple[int, torch.Tensor]]:
+    """(committed length, the draft's step-0 hidden) of every request after each catch-up, as they happen."""
+    worker, caught = llm.engine.strategy.worker, []
+    catch_up = worker.catch_up
+
+    def recording(lagging, ring):
+        catch_up(lagging, ring)
+        caught.extend((g.end, worker.hidden[g.row].clone()) for g in lagging)
+
+    monkeypatch.setattr(worker, "catch_up", recording)
+    return caught
+
+
+def assert_caught_up_as_fresh(caught, fresh: LLM, text: list[int]) -> None:
+    """Each caught-up draft state equals the one `fresh` (a non-adaptive engine) has after prefilling the text."""
     for end, hidden in caught:
-        fresh.generate([text[:end]], SamplingParams(max_tokens=1))  # its draft state after the prefill
+        fresh.generate([text[:end]], SamplingParams(max_tokens=1))  # its draft state after the prefill (row 0)
         assert torch.allclose(hidden, fresh.engine.strategy.hidden[0], atol=1e-4), end
+
+
+def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
+    """NEXTN (the target's MTP layer) on the DeepSeek-V3-architecture fixture: the plain step keeps the final normed
+    hidden as the feature, the catch-up extends the MTP layer's latent cache; tokens equal plain decoding and the
+    caught-up draft state equals a fresh prefill's."""
+    fixed_costs(monkeypatch)
+    kw = dict(page_size=4, max_running_requests=4, speculative_algorithm="NEXTN", speculative_num_steps=3,
+              speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_radix_cache=True)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = LLM(pycodemla, page_size=4).generate([PROMPTS[0]], params)[0]
+    llm = LLM(pycodemla, speculative_adaptive=True, **kw)
+    force(llm, [0, 0, 0, 1])
+    caught = record_catch_ups(monkeypatch, llm)
+    got = llm.generate([PROMPTS[0]], params)[0]
+    assert got.token_ids == want.token_ids and len(caught) >= 3
+    assert_caught_up_as_fresh(caught, LLM(pycodemla, **kw), got.prompt_token_ids + got.token_ids)
 
 
 def test_plain_step_runs_no_draft_forward(monkeypatch, draft):
