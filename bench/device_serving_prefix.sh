@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# Issue 16's serving bar on the device: pycode-19m served plain, with a fixed EAGLE-3 (S, K, N) = (5, 4, 8) and
-# with adaptive speculation over the same (5, 4, 8), each with and without the prefix cache; every request is one
-# shared 1024-token prefix + its own 256-token held-out prompt; concurrency 1, 8, 32, 64. One result JSON (+ PNG
-# and the server logs) under $OUT. Adaptive must never be slower than the better of plain and fixed at any level.
-# Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> bash bench/device_serving_prefix.sh
+# Issue 16's serving bar on the device: pycode-19m served plain, with a fixed EAGLE-3 (S, K, N) = (5, 4, 8) and with
+# adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 256 requests of 128 output tokens per
+# level, every level run twice (passes 1 and 2, both reported) on each server. One result JSON (+ PNG and the
+# server logs) per workload under $OUT. Adaptive must never be slower than the better of plain and fixed.
+#   MODE=prefix (default): every request is one shared 1024-token prefix + its own 256-token held-out prompt,
+#                          prefix cache on (speculation loses on pycode-19m: accept length ~1.2 at that context).
+#   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
+#                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
+# Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
 M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
-timeout ${BENCH_TIMEOUT:-570} python3 -m spruce.cli bench serving \
-  --server-args "--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64" \
-  --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" --compare-prefix-cache \
-  --shared-prefix-tokens 1024 --prompt-tokens 256 --max-tokens 128 --concurrency 1 8 32 64 --num-requests 64 \
-  --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" --out-dir "$OUT" 2>&1 | tail -60
-for f in "$OUT"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
-ls -la "$OUT"
+SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64"
+bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
+  local name=$1; shift
+  mkdir -p "$OUT/$name"
+  timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
+    --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" \
+    --max-tokens 128 --concurrency 1 8 32 64 --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    --out-dir "$OUT/$name" "$@" 2>&1 | grep -v "^pass" | tail -40
+  for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
+}
+case "${MODE:-prefix}" in
+  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 256 --passes 2 ;;
+  short)
+    bench short --prompt-tokens 128 --num-requests 256 --passes 2
+    SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
+      bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
+  *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
+esac
+ls -laR "$OUT"

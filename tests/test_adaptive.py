@@ -1,7 +1,9 @@
 """Adaptive speculation in the engine: switching between speculative rounds and plain steps mid-request changes no
-token (greedy and seeded sampling equal plain decoding, K 1/4, pages 1/16, overlap on and off), a plain step
-leaves the draft exactly where a round would have (the next round accepts what a round from a fresh prefill of
-the same text accepts), and the measured costs and acceptance drive the choice, reported in /metrics.
+token (greedy and seeded sampling equal plain decoding, K 1/4, pages 1/16, overlap on and off); a plain step runs
+no draft forward, and the catch-up before a round leaves the draft exactly where rounds would have (the round
+accepts what a round from a fresh prefill of the same text accepts, after lags of one to many plain steps, across
+pages); the prefix cache only takes pages whose draft KV is valid; the measured costs and acceptance drive the
+choice, reported in /metrics.
 
 Target: the bundled pycode-6m. Drafts: random checkpoints with the oracle wrapper (tests/oracle_draft.py), and the
 bundled trained EAGLE-3 head where real acceptance matters. Start-up timing is replaced by a fixed table
@@ -14,14 +16,15 @@ import itertools
 from pathlib import Path
 
 import pytest
+import torch
 
-from spruce import LLM, SamplingParams
+from spruce import LLM, SamplingParams, limits
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.server.metrics import Metrics
 from spruce.speculative import adaptive
-from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
-from spruce.speculative.draft_tracking import DraftTrackingDecoding
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy
+from spruce.speculative.strategy import PlainDecoding
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
 from oracle_draft import install_oracle
@@ -57,9 +60,11 @@ def reference():
 
 
 def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
-    """Start-up timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size."""
+    """Device timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size (the
+    start-up table; online device samples are dropped)."""
     monkeypatch.setattr(adaptive, "_time_step", lambda strategy, rows, max_kv, cuda:
-                        plain if isinstance(strategy, DraftTrackingDecoding) else spec)
+                        plain if isinstance(strategy, PlainDecoding) else spec)
+    monkeypatch.setattr(AdaptivePolicy, "measured", lambda self, *a, **kw: None)
 
 
 def force(llm, pattern: list[int]) -> list[str]:
@@ -67,8 +72,8 @@ def force(llm, pattern: list[int]) -> list[str]:
     policy = llm.engine.strategy.policy
     decide, cycle, log = policy.decide, itertools.cycle(pattern), []
 
-    def forced(requests):
-        d = decide(requests)
+    def forced(requests, *args):
+        d = decide(requests, *args)
         d.choice = SPECULATIVE if next(cycle) else PLAIN
         log.append(d.choice)
         return d
@@ -115,33 +120,135 @@ def test_switching_mid_request_equals_plain_decoding(monkeypatch, draft, referen
     assert_no_leaks(llm)
 
 
-def test_plain_steps_keep_the_draft_current(monkeypatch):
-    """With the bundled trained head (real acceptance): every round that follows plain steps accepts exactly what
-    the first round after a fresh prefill of the same text accepts, so the draft KV and step-0 top-K a plain
-    step leaves are a round's."""
+@pytest.mark.parametrize("pattern,page,overlap,window", [([0, 0, 1, 0, 1], 16, True, 256),
+                                                         ([0] * 7 + [1, 1], 4, True, 256),
+                                                         ([0] * 5 + [1], 4, False, 256),
+                                                         ([0] * 10 + [1], 4, True, 3)])
+def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page, overlap, window):
+    """With the bundled trained head (real acceptance): after every catch-up (lags of 1, 2, 5 and 7 positions,
+    crossing pages of 4; or forced every 3 plain steps by a feature ring of 3) the draft's step-0 state (its hidden
+    at the last committed position, which attends to the draft KV of every earlier one) equals a fresh prefill's of
+    the same text, and every round that follows plain steps accepts exactly what the first round after that fresh
+    prefill accepts."""
     fixed_costs(monkeypatch)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     prompt = "def fib(n):\n    "
-    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True)
-    force(llm, [0, 0, 1, 0, 1])
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
+              page_size=page, disable_overlap_schedule=not overlap)
+    force(llm, pattern)
+    caught = record_catch_ups(monkeypatch, llm)
     rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
     resolved, before = llm.engine.strategy.resolved, {}
 
-    def record(requests, results, speculated, waited_s):
+    def record(step, requests, results, waited_s):
+        speculated = step is not None and step.speculative
         for q, row in zip(requests, results):
-            if speculated and before.get(q.request_id) == PLAIN:
+            if step is not None and speculated and before.get(q.request_id) == PLAIN:
                 rounds.append((q.committed - row[0] - 1, row[0]))
-            before[q.request_id] = SPECULATIVE if speculated else PLAIN
-        resolved(requests, results, speculated, waited_s)
+            if step is not None:
+                before[q.request_id] = SPECULATIVE if speculated else PLAIN
+        resolved(step, requests, results, waited_s)
 
     llm.engine.strategy.resolved = record
     out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
     text = out.prompt_token_ids + out.token_ids
     fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True)
-    assert len(rounds) >= 5 and sum(a for _, a in rounds[:5]) > 0
-    for committed, accepted in rounds[:5]:
+    assert len(rounds) >= 3 and sum(a for _, a in rounds) > 0
+    forced = 10 // window * len(rounds) if window < 10 else 0  # catch-ups before plain steps, at a full ring
+    assert len(caught) == len(rounds) + forced == llm.engine.stats()["adaptive"]["catch_ups"]
+    for committed, accepted in rounds:
         first = fresh.generate([text[:committed]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
         counts = first.spec_stats["accept_length_counts"]
         assert first.token_ids[0] == text[committed] and counts[accepted] == 1, (committed, accepted, counts)
+    assert_caught_up_as_fresh(caught, fresh, text)
+
+
+def record_catch_ups(monkeypatch, llm) -> list[tuple[int, torch.Tensor]]:
+    """(committed length, the draft's step-0 hidden) of every request after each catch-up, as they happen."""
+    worker, caught = llm.engine.strategy.worker, []
+    catch_up = worker.catch_up
+
+    def recording(lagging, ring):
+        catch_up(lagging, ring)
+        caught.extend((g.end, worker.hidden[g.row].clone()) for g in lagging)
+
+    monkeypatch.setattr(worker, "catch_up", recording)
+    return caught
+
+
+def assert_caught_up_as_fresh(caught, fresh: LLM, text: list[int]) -> None:
+    """Each caught-up draft state equals the one `fresh` (a non-adaptive engine) has after prefilling the text."""
+    for end, hidden in caught:
+        fresh.generate([text[:end]], SamplingParams(max_tokens=1))  # its draft state after the prefill (row 0)
+        assert torch.allclose(hidden, fresh.engine.strategy.hidden[0], atol=1e-4), end
+
+
+def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
+    """NEXTN (the target's MTP layer) on the DeepSeek-V3-architecture fixture: the plain step keeps the final normed
+    hidden as the feature, the catch-up extends the MTP layer's latent cache; tokens equal plain decoding and the
+    caught-up draft state equals a fresh prefill's."""
+    fixed_costs(monkeypatch)
+    kw = dict(page_size=4, max_running_requests=4, speculative_algorithm="NEXTN", speculative_num_steps=3,
+              speculative_eagle_topk=4, speculative_num_draft_tokens=8, disable_radix_cache=True)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = LLM(pycodemla, page_size=4).generate([PROMPTS[0]], params)[0]
+    llm = LLM(pycodemla, speculative_adaptive=True, **kw)
+    force(llm, [0, 0, 0, 1])
+    caught = record_catch_ups(monkeypatch, llm)
+    got = llm.generate([PROMPTS[0]], params)[0]
+    assert got.token_ids == want.token_ids and len(caught) >= 3
+    assert_caught_up_as_fresh(caught, LLM(pycodemla, **kw), got.prompt_token_ids + got.token_ids)
+
+
+def test_plain_step_runs_no_draft_forward(monkeypatch, draft):
+    """Plain steps run the target alone: the draft runs once (the prompt's extend), and the request's draft lags by
+    one position per plain step."""
+    fixed_costs(monkeypatch)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    force(llm, [0])
+    runner, calls = llm.engine.runner, []
+    draft_forward = runner.draft_forward
+    monkeypatch.setattr(runner, "draft_forward", lambda batch, *a, **kw: calls.append(batch.phase) or
+                        draft_forward(batch, *a, **kw))
+    lags = []
+    resolved = llm.engine.strategy.resolved
+
+    def record(step, requests, results, waited_s):
+        lags.extend(q.draft_lag for q in requests if step is not None)
+        resolved(step, requests, results, waited_s)
+
+    llm.engine.strategy.resolved = record
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert len(calls) == 1 and lags == list(range(1, MAX_NEW))  # the prefill gave the first token
+
+
+def _round_counts(llm, prompts, params):
+    return [(o.token_ids, o.spec_stats["accept_length_counts"]) for o in (llm.generate([p], params)[0]
+                                                                          for p in prompts)]
+
+
+@pytest.mark.parametrize("pattern", [[0], [0, 0, 0, 1, 0]], ids=["finishes-lagging", "caught-up"])
+def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern):
+    """Request A decodes with plain steps (finishing while its draft lags, or with rounds catching it up, pages of 4);
+    request B's prompt is A's whole text plus more, so it hits A's pages, including those A wrote while lagging.
+    B (all rounds) gives the tokens and round-by-round accept lengths of the same run without the cache: the tree
+    never holds a page whose draft KV is missing or wrong."""
+    fixed_costs(monkeypatch)
+    kw = dict(draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = LLM(TARGET, **kw)
+    force(llm, pattern)
+    a = llm.generate([PROMPTS[1]], params)[0]
+    b_prompt = a.prompt_token_ids + a.token_ids + llm.tokenizer.encode("\n\n\ndef")
+    force(llm, [1])
+    got = _round_counts(llm, [b_prompt], params)
+    base = LLM(TARGET, disable_radix_cache=True, **kw)
+    force(base, [1])
+    assert got == _round_counts(base, [b_prompt], params)
+    cached = llm.engine.stats()["prefix_cache"]["hit_tokens"]
+    prompt_pages = len(a.prompt_token_ids) // 4 * 4  # the prompt's draft is current: its prefill extended it
+    assert cached > prompt_pages if pattern != [0] else cached == prompt_pages, (cached, prompt_pages)
+    assert_no_leaks(llm)
 
 
 @pytest.mark.parametrize("fraction,expected", [(0.0, PLAIN), (1.0, SPECULATIVE)])
@@ -164,6 +271,8 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     assert f'spruce_adaptive_choice{{bucket="{bucket}",choice="' in text
     assert f'spruce_adaptive_device_seconds{{bucket="8",choice="speculative"}} 2.0' in text
     assert f'spruce_adaptive_steps_total{{choice="{expected}"}} {chosen[expected]}' in text
+    assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
+    assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
     assert "S=3 K=4 N=8 adaptive" in llm.engine.info()["speculative"]
 
 
@@ -184,16 +293,19 @@ DRAFT_19M = Path(__file__).resolve().parents[1] / "bench" / "assets" / "pycode-1
 def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_prompts, overlap):
     """On the GPU with graphs (both candidates' phases replayed, costs timed from the replays): forced switching
     on pycode-19m with its trained EAGLE-3 head gives plain decoding's greedy tokens (float32: no bf16 near-ties),
-    rounds after plain steps still accept, and every bucket has a measured cost."""
+    rounds after plain steps (after a catch-up) still accept, every bucket has a start-up cost, and the steps' device
+    times are measured online."""
     kw = dict(device="cuda", dtype="float32", max_running_requests=8, disable_overlap_schedule=not overlap)
     prompts = [t[:600] for t in heldout_prompts[:8]]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     want = LLM(pycode19m, **kw).generate(prompts, params)
     llm = LLM(pycode19m, draft_model=DRAFT_19M, speculative_adaptive=True, **kw)
     assert all(t > 0 for t in llm.engine.strategy.policy.device_seconds.values())
-    assert {("plain_decode", 8), ("plain_extend", 8), ("verify", 8)} <= set(llm.engine.runner.graphs.graphs)
+    assert {("decode", 8), ("verify", 8)} <= set(llm.engine.runner.graphs.graphs)
     log = force(llm, [1, 0, 0, 1, 1, 0, 1])
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want] and {PLAIN, SPECULATIVE} <= set(log)
-    assert llm.engine.stats()["spec"]["mean_accept_length"] > 2.0
+    stats = llm.engine.stats()
+    assert stats["spec"]["mean_accept_length"] > 2.0  # catch-ups read the features the plain graphs kept
+    assert stats["adaptive"]["catch_ups"] > 0 and llm.engine.strategy.policy.measured_device_seconds  # events
     assert_no_leaks(llm)

@@ -1,11 +1,12 @@
 """The adaptive speculation rule (speculative/adaptive_policy.py) on numbers: expected tokens per second from the
-batch's acceptance and the device + host cost per step, per-request acceptance, the host clock, probes."""
+batch's acceptance and the device + host cost per step, per-request acceptance, the host clock, the online device
+time, the catch-up's cost, probes."""
 
 from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import PLAIN, PROBE_FIRST, SPECULATIVE, AdaptivePolicy
+from spruce.speculative.adaptive_policy import PLAIN, PROBE_FIRST, SPECULATIVE, AdaptivePolicy, LinearCost
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -22,10 +23,9 @@ class Req:  # a request is any hashable, weak-referenceable object to the policy
     pass
 
 
-def policy(plain=1e-3, spec=3e-3, overlapped=True, device_on_host=False, clock=None, s=4) -> AdaptivePolicy:
+def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptivePolicy:
     table = {(c, b): (plain if c == PLAIN else spec) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
-    return AdaptivePolicy(BUCKETS, table, overlapped=overlapped, device_on_host=device_on_host, max_accept=s,
-                          clock=clock or Clock())
+    return AdaptivePolicy(BUCKETS, table, overlapped=overlapped, max_accept=s, clock=clock or Clock())
 
 
 def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
@@ -88,12 +88,13 @@ def test_host_bound_steps_favour_speculation():
 
 def test_host_time_excludes_waits_and_serial_device_work():
     clock = Clock()
-    p = policy(clock=clock, overlapped=False, device_on_host=True)
+    p = policy(clock=clock, overlapped=False)
     reqs = [Req()]
     settle(p, reqs, 0)
     p.decide(reqs)  # plain
     clock.now += 4e-3
-    p.waited(2e-3)  # of the 4 ms, 2 ms waiting and 1 ms plain device work (on the host): 1 ms host
+    p.waited(2e-3)  # of the 4 ms, 2 ms waiting and 1 ms plain device work (on the host, as the strategy reports)
+    p.waited(1e-3)
     p.decide(reqs)
     assert p.host_seconds[(PLAIN, 1)] == pytest.approx(1e-3)
     assert p.step_seconds(PLAIN, 1) == pytest.approx(2e-3)  # serial: D + H
@@ -130,6 +131,69 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.decide(reqs).choice == SPECULATIVE
 
 
+def test_speculative_runs_probe_a_plain_step_too():
+    """A plain step's cost is re-measured during a run of rounds, with the same backoff."""
+    p = policy()
+    reqs = [Req()]
+    settle(p, reqs, 4)
+    choices = [p.decide(reqs) for _ in range(PROBE_FIRST + 2)]
+    assert [i for i, d in enumerate(choices) if d.choice == PLAIN] == [PROBE_FIRST]
+    assert choices[PROBE_FIRST].reason == "probe" and p.probes == 1
+
+
+def test_start_up_table_that_underestimates_rounds_is_corrected_online():
+    """The bad choice of the first H100 serving run (pycode-19m, 1k-token shared prefix, concurrency 1): the start-up
+    table times padding rows, which attend to no context, and the host samples never contain device time (the
+    waits are taken out), so a table that puts a round at 1.2x a plain step, with host time 0.4 ms for both, makes
+    a request that accepted once (EMA 0.5: 1.5 tokens per round) speculate, although its rounds really take 2x a
+    plain step on the device. Measured device time replaces the table and the batch decodes plainly."""
+    clock = Clock()
+    p = policy(plain=0.45e-3, spec=0.55e-3, clock=clock)
+    q = Req()
+    p.accepted(q, 0)
+    p.accepted(q, 1)  # EMA 0.5
+    for choice in (PLAIN, SPECULATIVE, PLAIN):  # host time 0.4 ms per step, whatever ran
+        p.decide([q])
+        clock.now += 0.4e-3
+    assert p.decide([q]).choice == SPECULATIVE  # what the table alone chooses: 1.5 / 0.55 > 1 / 0.45
+    p.measured(PLAIN, 1, 0.5e-3)
+    p.measured(SPECULATIVE, 1, 1.0e-3)
+    d = p.decide([q])
+    assert d.step_seconds == {PLAIN: pytest.approx(0.5e-3), SPECULATIVE: pytest.approx(1.0e-3)}
+    assert d.choice == PLAIN
+    assert p.snapshot()["device_seconds"][SPECULATIVE][1] == pytest.approx(1.0e-3)
+
+
+def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
+    """A round pays 2x a plain step's device time and commits 2.5 tokens: it wins over a current draft, but not over
+    one lagging by 40 positions, whose catch-up (fitted as 0.2 ms + 10 us per position from two catch-ups) makes
+    it cost 2 + 0.6 ms."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req()]
+    p.accepted(reqs[0], 2)
+    p.accepted(reqs[0], 1)  # EMA 1.5: 2.5 tokens per round
+    for positions, seconds in ((10, 0.3e-3), (50, 0.7e-3)):
+        p.caught_up(positions, seconds, 0.0)
+        p.measured(SPECULATIVE, 1, 2e-3)
+    assert p.device(SPECULATIVE, 1) == pytest.approx(2e-3)
+    assert p.catch_up_device.coefficients() == (pytest.approx(0.2e-3), pytest.approx(1e-5))
+    assert p.decide(reqs).choice == SPECULATIVE
+    d = p.decide(reqs, catch_up_positions=40)
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(2.6e-3) and d.choice == PLAIN
+    snap = p.snapshot()
+    assert snap["catch_ups"] == 2 and snap["catch_up_positions"] == 60
+
+
+def test_linear_cost_fit():
+    fit = LinearCost()
+    assert fit.predict(100) == 0.0
+    fit.add(8, 1e-3)
+    assert fit.predict(100) == pytest.approx(1e-3)  # one size seen: its mean
+    for n in (8, 64, 8, 256, 32):
+        fit.add(n, 0.5e-3 + 2e-6 * n)
+    assert fit.coefficients()[1] > 0 and fit.predict(128) == pytest.approx(0.5e-3 + 2e-6 * 128, rel=0.2)
+
+
 def test_snapshot_reports_each_bucket_choice_and_reason():
     p = policy()
     reqs = [Req() for _ in range(3)]
@@ -145,4 +209,4 @@ def test_snapshot_reports_each_bucket_choice_and_reason():
 def test_incomplete_cost_table_is_refused():
     with pytest.raises(ValueError, match=r"device_seconds lacks \[\('speculative', 8\)\]"):
         AdaptivePolicy(BUCKETS, {(c, b): 1.0 for c in (PLAIN, SPECULATIVE) for b in BUCKETS if (c, b) !=
-                                 (SPECULATIVE, 8)}, overlapped=True, device_on_host=False, max_accept=3)
+                                 (SPECULATIVE, 8)}, overlapped=True, max_accept=3)

@@ -1,6 +1,7 @@
 """`spruce bench serving --launch`: the benchmark starts `spruce serve` itself for each configuration (here plain
 and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
-a shared prefix, and writes one result holding every run. A tiny smoke configuration, so CI keeps it working."""
+a shared prefix, runs the level twice (two passes, both reported), and writes one result holding every run, with
+adaptive speculation's steps and cost tables. A tiny smoke configuration, so CI keeps it working."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                "--speculative-num-draft-tokens 3",
                "--server-args", "--device cpu --page-size 4 --max-running-requests 2", "--compare-prefix-cache",
                "--shared-prefix-tokens", "24", "--prompt-tokens", "6", "--max-tokens", "4", "--concurrency", "2",
-               "--num-requests", "3", "--warmup", "1", "--prompts", str(prompts), "--out-dir", str(out)])
+               "--num-requests", "3", "--warmup", "1", "--passes", "2", "--prompts", str(prompts),
+               "--out-dir", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads(next(out.glob("serving-*.json")).read_text())
@@ -28,7 +30,8 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                                                               ("plain", False), ("adaptive", False)]
     assert result["git_commit"] and result["config"]["shared_prefix_tokens"] == 24
     for r in runs:
-        (lv,) = r["levels"]
+        assert [lv["pass"] for lv in r["levels"]] == [1, 2]
+        lv = r["levels"][0]
         assert lv["completed"] == 3 and lv["mean_output_tokens"] == 4 and lv["prompt_tokens"] == 3 * 30
         assert lv["ttft_s"]["p99"] >= lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p50"] > 0
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
@@ -37,6 +40,12 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert 3 * 24 <= cached < 3 * 30 if r["prefix_cache"] else cached == 0
         adaptive = r["name"] == "adaptive"
         assert ("adaptive" in r["server"]["speculative"]) == adaptive
-        assert (lv["adaptive_steps"] is not None and sum(lv["adaptive_steps"].values()) > 0) == adaptive
-    assert set(result["figures"]["summary"]) == {"prefix_cache", "no_prefix_cache"}
+        steps = lv["adaptive_steps"]
+        assert (steps is not None and steps["plain"] + steps["speculative"] > 0) == adaptive
+        assert (lv["adaptive_costs"] is not None) == adaptive
+        if adaptive:  # what the policy compared, after the level
+            assert set(lv["adaptive_costs"]) == {"device_seconds", "host_seconds", "catch_up_seconds"}
+            assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions"}
+    summary = result["figures"]["summary"]
+    assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed

@@ -14,6 +14,7 @@ from spruce.errors import ConfigError, InvariantError
 
 MASK_WORD_BITS = 64
 DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
+DRAFT_LAG_WINDOW = 256  # adaptive speculation's feature ring per row (DESIGN §16 gives the cost either way)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -43,6 +44,7 @@ class Limits:
     num_draft_tokens: int = 0  # N (tree size, root included)
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
     overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
+    adaptive: bool = False  # adaptive speculation: plain steps may leave the draft behind (feature ring)
     reverted_fixes: frozenset = frozenset()  # fix toggles reverted for A/B debugging (spruce.runtime.fixes)
 
     def __post_init__(self):
@@ -73,6 +75,13 @@ class Limits:
         """Positions past the host-known committed length that pages must cover before a decode step."""
         per_step = 1 if "spec_page_lookahead" in self.reverted_fixes else self.step_advance
         return per_step * self.steps_ahead
+
+    @property
+    def draft_lag_window(self) -> int:
+        """Adaptive speculation: most positions a request's draft may lag its target (plain steps since the draft
+        was last current), and so the slots per row of the feature ring that a catch-up reads (DESIGN §16).
+        0 without adaptive speculation."""
+        return DRAFT_LAG_WINDOW if self.adaptive else 0
 
     @property
     def num_candidates(self) -> int:
@@ -202,5 +211,6 @@ class Limits:
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
             graph_max_bs=graph_max_bs, overlap=not config.disable_overlap_schedule,
+            adaptive=spec is not None and spec.adaptive,
             reverted_fixes=frozenset(reverted_fixes),
         )

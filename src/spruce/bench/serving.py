@@ -11,7 +11,8 @@ serves).
 `--launch NAME=FLAGS` (repeatable) starts `spruce serve` itself for each configuration in turn (common flags in
 --server-args; --compare-prefix-cache runs each once more with --disable-radix-cache), drives each through its
 HTTP API like any server, and writes all of them into one result: figures.runs[i] = {name, prefix_cache,
-server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run)."""
+server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
+pass). `--passes N` runs the levels N times over on each server; every pass is reported."""
 
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def add_serving_parser(sub) -> None:
                    help="with --launch: run every configuration with the prefix cache and again without it")
     p.add_argument("--launch-timeout", type=float, default=900.0,
                    help="seconds a launched server may take to load and capture its graphs")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run every concurrency level this many times in turn on the same server (each pass is "
+                        "reported: levels[i]['pass']), to see how much a figure moves between passes")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -167,22 +171,36 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
     return {}
 
 
-COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count",
-            'spruce_adaptive_steps_total{choice="plain"}', 'spruce_adaptive_steps_total{choice="speculative"}')
+ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
+ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
+                     "catch_up_positions": "spruce_adaptive_catch_up_positions_total"}
+COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
+            *ADAPTIVE_COUNTERS.values())
+ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_host_seconds",
+                   "spruce_adaptive_catch_up_seconds")
 
 
-async def _counters(client: httpx.AsyncClient) -> dict[str, float]:
-    """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps)."""
+async def _metrics(client: httpx.AsyncClient) -> tuple[dict[str, float], dict]:
+    """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
+    adaptive speculation's cost tables ({device,host}_seconds: {choice: {bucket: s}}; catch_up_seconds:
+    {device|host: {fixed|per_position: s}}; empty when not adaptive)."""
     try:
         text = (await client.get("/metrics")).text
     except httpx.HTTPError:
-        return {}
-    vals = {}
+        return {}, {}
+    vals, tables = {}, {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         if name in COUNTERS:
             vals[name] = float(value)
-    return vals
+        elif name.split("{")[0] in ADAPTIVE_TABLES:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
+            table = tables.setdefault(name.split("{")[0].removeprefix("spruce_adaptive_"), {})
+            if "choice" in labels:
+                table.setdefault(labels["choice"], {})[labels["bucket"]] = float(value)
+            else:
+                table.setdefault(labels["part"], {})[labels["term"]] = float(value)
+    return vals, tables
 
 
 async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concurrency: int, num_requests: int,
@@ -195,19 +213,20 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         for i in todo:
             results.append(await _stream_one(client, model, prompts[i % len(prompts)], args))
 
-    before = await _counters(client)
+    before, _ = await _metrics(client)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - t0
-    after = await _counters(client)
+    after, tables = await _metrics(client)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     accept = None
     if delta.get("spruce_spec_accept_length_count", 0) > 0:
         accept = delta["spruce_spec_accept_length_sum"] / delta["spruce_spec_accept_length_count"]
-    adaptive = {c: int(delta[f'spruce_adaptive_steps_total{{choice="{c}"}}']) for c in ("plain", "speculative")
-                if f'spruce_adaptive_steps_total{{choice="{c}"}}' in delta}
+    adaptive = {name.split('"')[1]: int(delta[name]) for name in ADAPTIVE_STEPS if name in delta}
+    if adaptive:
+        adaptive |= {key: int(delta.get(name, 0)) for key, name in ADAPTIVE_COUNTERS.items()}
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
@@ -220,6 +239,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         "ttft_s": percentiles([r.ttft for r in ok]), "itl_s": percentiles([x for r in ok for x in r.itls]),
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
+        "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
     }
 
 
@@ -242,12 +262,19 @@ async def _bench(args, base_url: str, prompts, model: str) -> list[dict]:
         for i in range(args.warmup):
             await _stream_one(client, model, prompts[i % len(prompts)], args)
         levels = []
-        for c in args.concurrency:
-            n = args.num_requests or max(16, 4 * c)
-            level = await run_level(client, model, prompts, c, n, args)
-            _print_level(level)
-            levels.append(level)
+        for k in range(1, args.passes + 1):
+            for c in args.concurrency:
+                n = args.num_requests or max(16, 4 * c)
+                level = await run_level(client, model, prompts, c, n, args) | {"pass": k}
+                _print_level(level)
+                levels.append(level)
         return levels
+
+
+def last_pass(levels: list[dict]) -> list[dict]:
+    """The levels of the last pass (what the plots show; results written before --passes have one)."""
+    last = max((lv.get("pass", 1) for lv in levels), default=1)
+    return [lv for lv in levels if lv.get("pass", 1) == last]
 
 
 def _print_level(lv: dict) -> None:
@@ -257,9 +284,10 @@ def _print_level(lv: dict) -> None:
     acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
     steps = lv["adaptive_steps"]
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
-                                     f"{steps.get('speculative', 0)}")
+                                     f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
+                                     f"{steps['catch_ups']} ({steps['catch_up_positions']} positions)")
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
-    print(f"concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
+    print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
           f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
           f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
@@ -339,6 +367,9 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"spruce bench serving: --shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}",
               file=sys.stderr)
         return 2
+    if args.passes < 1:
+        print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)
+        return 2
     if args.launch:
         return _run_launched(args)
     if args.server_args or args.compare_prefix_cache:
@@ -357,7 +388,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
     path = write_result("serving", _device(args, info), config, {"levels": levels}, Path(args.out_dir))
     print(f"results: {path}")
-    png = plot({"spruce": levels}, path.with_suffix(".png"))
+    png = plot({"spruce": last_pass(levels)}, path.with_suffix(".png"))
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
     return 0 if all(lv["failed"] == 0 for lv in levels) else 1
 
@@ -398,23 +429,24 @@ def _run_launched(args: argparse.Namespace) -> int:
             runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "server": info,
                          "levels": levels})
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
-        str(c): {r["name"]: lv["output_throughput_tok_s"] for r in runs if r["prefix_cache"] == cache
-                 for lv in r["levels"] if lv["concurrency"] == c} for c in args.concurrency} for cache in modes}
+        str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
+                 for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
     _print_summary(summary)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
         "prompts": str(prompts_path), "num_prompts": len(prompts)}
     path = write_result("serving", _device(args, runs[0]["server"]), config, {"runs": runs, "summary": summary},
                         out_dir)
     print(f"results: {path}")
-    png = plot({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": r["levels"] for r in runs},
+    png = plot({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"]) for r in runs},
                path.with_suffix(".png"))
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
     return 0 if all(lv["failed"] == 0 for r in runs for lv in r["levels"]) else 1
 
 
 def _print_summary(summary: dict) -> None:
-    """Output tokens/s per run at each concurrency, per prefix-cache mode."""
+    """Output tokens/s per run at each concurrency (one figure per pass), per prefix-cache mode."""
     for mode, per_level in summary.items():
         print(f"-- output tokens/s, {mode.replace('_', ' ')}")
         for c, per_run in per_level.items():
-            print(f"   concurrency {c:>3}: " + ", ".join(f"{name} {tps:.0f}" for name, tps in per_run.items()))
+            print(f"   concurrency {c:>3}: " + ", ".join(f"{name} {'/'.join(f'{t:.0f}' for t in tps)}"
+                                                       for name, tps in per_run.items()))

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from spruce.bench.serving import plot
+from spruce.bench.serving import last_pass, plot
 
 
 def add_serving_compare_parser(sub) -> None:
@@ -38,7 +38,7 @@ def run_serving_compare(args: argparse.Namespace) -> int:
         return 2
     if len(set(labels)) != len(labels):
         labels = [f"{label} ({Path(f).stem})" for label, f in zip(labels, args.results)]
-    series = {label: r["figures"]["levels"] for label, r in zip(labels, results)}
+    series = {label: last_pass(r["figures"]["levels"]) for label, r in zip(labels, results)}
     for label, levels in series.items():
         cells = ", ".join(f"c{lv['concurrency']}: {lv['output_throughput_tok_s']:.0f} tok/s" for lv in levels)
         print(f"{label}: {cells}")

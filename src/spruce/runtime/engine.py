@@ -61,6 +61,7 @@ class LaunchedStep:
     speculated: bool = False  # a speculative round (its accept lengths count toward speculation statistics)
     logprobs: LogprobPlan | None = None  # what it scored (its pack is read back with `result`); None: nothing
     grammar: bool = False  # it includes a request with structured output (resolved at once, never left in flight)
+    chosen: object | None = None  # a decode step: what `strategy.choose` returned for it (None: a prefill)
 
 
 class Engine:
@@ -361,7 +362,9 @@ class Engine:
             self.runner.set_known_prefix(None, None)
         if sampling.penalties is not None:
             self._count_penalties(reqs, result)
-        return self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
+        launched = self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
+        launched.chosen = strategy
+        return launched
 
     def _start_penalties(self, finals: list[Request]) -> None:
         """Requests with penalties whose prompt completes: set their rows' prompt masks and output counts (the
@@ -433,7 +436,7 @@ class Engine:
                 self._final_text.append(q)
                 self.scheduler.finish(q, "stop")  # the grammar is complete: nothing but eos may follow
             touched[q.request_id] = q
-        self.strategy.resolved(step.result_reqs, rows, step.speculated, waited)
+        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited)
 
     # --- logprobs (runtime/logprobs.py) -----------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str | None:

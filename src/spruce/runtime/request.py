@@ -64,7 +64,8 @@ class Request:
     row: int | None = None
     token_limit: int = 0  # prompt + output tokens at which it ends ("length"): min(prompt + max_tokens, context)
     stop_ids: frozenset = frozenset()  # token ids that end it ("stop"): eos (unless ignored) and stop_token_ids
-    committed: int = 0  # positions whose target (and draft) KV is in the pages, as far as the host knows
+    committed: int = 0  # positions whose target KV is in the pages, as far as the host knows
+    draft_lag: int = 0  # of those, the last ones whose draft KV is missing (adaptive plain steps since a catch-up)
     reserved: int = 0  # positions its pages cover (0 while it holds no row)
     inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None
@@ -110,6 +111,7 @@ class Request:
         self.status = Status.WAITING
         self.row = None
         self.committed = 0
+        self.draft_lag = 0
         self.reserved = 0
         self.cached_path = []
         self.num_preemptions += 1

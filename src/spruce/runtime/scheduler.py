@@ -76,8 +76,9 @@ class Scheduler:
         if req.row is not None:
             pages = self.page_table.release_row(req.row)
             if self.prefix_cache is not None:
-                # positions whose target and draft KV match the host's tokens (tokens past a stop are dropped)
-                valid = min(req.committed, req.num_tokens - 1)
+                # positions whose target and draft KV match the host's tokens (tokens past a stop are dropped;
+                # a lagging draft (adaptive speculation) holds no KV for its last draft_lag positions)
+                valid = min(req.committed - req.draft_lag, req.num_tokens - 1)
                 pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid)
             self.allocator.free(pages)
             req.row = None

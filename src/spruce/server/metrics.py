@@ -224,7 +224,7 @@ class Metrics:
 def _render_adaptive(out: list[str], a: dict) -> None:
     """Adaptive speculation (speculative/adaptive_policy.py): per cost bucket the current choice with its reason,
     and the figures it compared (each candidate's expected tokens per step, seconds per step and tokens/s);
-    the cost table (device seconds measured at start-up, host seconds measured online); steps per choice."""
+    the cost table (device and host seconds, measured online); steps per choice, probes and draft catch-ups."""
     def series(name: str, kind: str, help: str, rows: list[tuple[str, float]]) -> None:
         out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
         out.extend(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}" for labels, v in rows)
@@ -232,7 +232,7 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     buckets = sorted(a.get("buckets", {}).items())
     series("spruce_adaptive_choice", "gauge", "Current choice per batch-size bucket (one series, value 1, "
            "labelled with the choice and its reason: model = higher expected tokens/s, probe = re-measuring "
-           "acceptance after plain steps).",
+           "the other candidate after a run of one).",
            [(f'bucket="{b}",choice="{d["choice"]}",reason="{d["reason"]}"', 1) for b, d in buckets])
     for key, name, help in (
             ("tokens_per_second", "spruce_adaptive_expected_tokens_per_second",
@@ -242,14 +242,23 @@ def _render_adaptive(out: list[str], a: dict) -> None:
             ("step_seconds", "spruce_adaptive_step_seconds", "Modelled seconds per step of each candidate.")):
         series(name, "gauge", help, [(f'bucket="{b}",choice="{c}"', v) for b, d in buckets
                                      for c, v in sorted(d[key].items())])
-    for key, help in (("device_seconds", "Device seconds per step, measured at start-up over padding rows."),
+    for key, help in (("device_seconds", "Device seconds per step, measured online (EMA; until a choice has run "
+                                         "at a bucket: measured at start-up over padding rows)."),
                       ("host_seconds", "Host seconds per step around the device, measured online (EMA).")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])
     series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
-    series("spruce_adaptive_probes_total", "counter", "Speculative rounds run as probes.", [("", a.get("probes", 0))])
+    series("spruce_adaptive_probes_total", "counter", "Steps run as probes (the candidate the model did not choose, "
+           "re-measured).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
+           "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
+    series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",
+           [("", a.get("catch_up_positions", 0))])
+    series("spruce_adaptive_catch_up_seconds", "gauge", "A catch-up's fitted cost: device or host seconds, fixed and "
+           "per missing position.", [(f'part="{k.split("_", 1)[0]}",term="{k.split("_", 1)[1]}"', v)
+                                     for k, v in sorted(a.get("catch_up_seconds", {}).items())])
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,23 @@
 round or a plain step, whichever the cost model expects to commit more tokens per second for this batch.
 
 Pieces:
-- the EAGLE worker (the configured (S, K, N) round) and `DraftTrackingDecoding` (a plain step that keeps the
-  draft current, so switching either way costs nothing and changes no token: speculative/draft_tracking.py);
-  both read and advance the same device row state and share the KV pools;
-- `AdaptivePolicy` (speculative/adaptive_policy.py): the rule, the acceptance EMAs and the host-time clock;
-- the device time table it needs, measured here at start-up (`measure_costs`): every cost bucket
-  (Limits.cost_buckets), each candidate's decode step run over padding rows (the dummy row) and timed, the
-  median of a few runs. Graph buckets replay their captured graphs; larger batches run eagerly, as they will
-  when serving. On CUDA the time is the device's (events around the call); on the CPU it is the call's wall
-  time, which is the device work there. Padding rows attend to no cached token, so the table leaves out
-  attention over the context: a long context costs both candidates more (a tree more, N tokens per request
-  read it), and the online host term does not see that. What it measures is what the engine replays.
+- the EAGLE worker (the configured (S, K, N) round) and a plain step (`PlainDecoding` with a feature ring): the
+  plain step costs what a plain engine's step costs, the target alone. The draft falls behind by one position
+  per plain step; the step keeps the target's draft feature at its position (speculative/feature_ring.py), and
+  each request counts the positions its draft misses (`Request.draft_lag`, host side: every plain step commits
+  exactly one token, so the host knows the lag even before it reads the step's result);
+- the catch-up (`EagleWorker.catch_up`): before a round over requests whose draft lags, one ragged draft extend
+  over their missing pairs, which also gives the round its step-0 top-K. The round then runs exactly as after a
+  fresh prefill. A plain step whose batch holds a request lagging by `Limits.draft_lag_window` positions catches
+  up first too (the ring would overwrite a feature not consumed yet);
+- `AdaptivePolicy` (speculative/adaptive_policy.py): the rule, the acceptance EMAs and the cost clocks, fed here
+  with each step's device time (events around its launch, read when its result is read: no extra sync) and the
+  catch-up's cost;
+- the start-up device time table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's
+  decode step run over padding rows (the dummy row) and timed, the median of a few runs. It is the policy's prior
+  until a candidate has run at a bucket. Graph buckets replay their captured graphs; larger batches run eagerly,
+  as they will when serving. On CUDA the time is the device's (events around the call); on the CPU it is the
+  call's wall time, which is the device work there.
 
 Losslessness: a committed token is the target's choice at its position whichever candidate ran (greedy:
 the argmax; sampled: the draw keyed by (seed, position), DESIGN §9), so adaptive output equals plain output.
@@ -22,31 +28,63 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from spruce.errors import InvariantError
 from spruce.runtime.grammar import GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan
 from spruce.runtime.sampler import SamplingTensors
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
-from spruce.speculative.draft_tracking import DraftTrackingDecoding
-from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
+from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft
+from spruce.speculative.feature_ring import FeatureRing
+from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk
 
 WARMUP_RUNS = 2
 TIMED_RUNS = 5
 
 
+@dataclass
+class AdaptiveStep:
+    """What `AdaptiveDecoding.choose` hands the engine for one decode step: the decision, the drafts to catch up
+    first, and (once launched) the marks that time it (CUDA events, or perf_counter seconds on the CPU)."""
+
+    owner: "AdaptiveDecoding"
+    decision: Decision
+    lagging: list[LaggingDraft]
+    marks: dict = field(default_factory=dict)  # start, end, and with a catch-up catch_up_start, catch_up_end
+    catch_up_host_s: float = 0.0  # host seconds of the catch-up's launch (CUDA)
+
+    @property
+    def speculative(self) -> bool:
+        return self.decision.choice == SPECULATIVE
+
+    @property
+    def catch_up_positions(self) -> int:
+        return sum(g.end - g.start for g in self.lagging)
+
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        """Launch the step (DecodeStrategy.decode's contract)."""
+        return self.owner.run(self, rows, max_kv, sampling, logprobs, grammar)
+
+
 class AdaptiveDecoding(DecodeStrategy):
-    """Runs the worker's rounds or draft-tracking plain steps, as `AdaptivePolicy` decides per step."""
+    """Runs the worker's rounds or plain steps, as `AdaptivePolicy` decides per step, and catches the draft up."""
 
     speculative = True
 
-    def __init__(self, worker):
+    def __init__(self, worker: EagleWorker):
         super().__init__(worker.runner)
+        r = worker.runner
         self.worker = worker
-        self.plain = DraftTrackingDecoding(worker)
+        self.ring = FeatureRing(r.limits, r.draft.feature_width_first_step, r.dtype, r.device)
+        self.plain = PlainDecoding(r, self.ring)
         self.policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture)
         self.last_decision: Decision | None = None
+        self.cuda = r.device.type == "cuda"
+        self._events: list[torch.cuda.Event] = []  # timing events of resolved steps, reused
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
@@ -57,18 +95,58 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
-        raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) which strategy "
-                        "runs the step")
+        raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list) -> DecodeStrategy:
-        """The strategy that runs the next decode step over `requests`: the worker (a round) or the plain step."""
-        self.last_decision = self.policy.decide(requests)
-        return self.worker if self.last_decision.choice == SPECULATIVE else self.plain
+    def choose(self, requests: list) -> AdaptiveStep:
+        """The next decode step over `requests` (called right before its launch): a round, or a plain step.
 
-    def resolved(self, requests: list, results: list[list[int]], speculated: bool, waited_s: float) -> None:
-        """A step's results were read after waiting `waited_s` on the device: feed the policy."""
+        Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
+        more after a plain step."""
+        d = self.policy.decide(requests, sum(q.draft_lag for q in requests))
+        self.last_decision = d
+        spec = d.choice == SPECULATIVE
+        window = self.runner.limits.draft_lag_window
+        catch_up = spec or any(q.draft_lag >= window for q in requests)
+        lagging = [_lagging(q) for q in requests if q.draft_lag] if catch_up else []
+        for q in requests:
+            q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
+        return AdaptiveStep(self, d, lagging)
+
+    def run(self, step: AdaptiveStep, rows: list[int], max_kv: int, sampling: SamplingTensors,
+            logprobs: LogprobPlan | None, grammar: GrammarBatch | None) -> torch.Tensor:
+        """Launch `step`: the catch-up it needs, then the chosen candidate's step; both timed."""
+        t0 = time.perf_counter()
+        step.marks["start"] = self._mark()
+        if step.lagging:
+            with self.runner.timer.phase("catch_up"):
+                step.marks["catch_up_start"] = step.marks["start"]
+                self.worker.catch_up(step.lagging, self.ring)
+                step.marks["catch_up_end"] = self._mark()
+            if self.cuda:  # its launch is host time of the catch-up, not of the step
+                step.catch_up_host_s = time.perf_counter() - t0
+                self.policy.waited(step.catch_up_host_s)
+        strategy = self.worker if step.speculative else self.plain
+        out = strategy.decode(rows, max_kv, sampling, logprobs, grammar)
+        step.marks["end"] = self._mark()
+        if not self.cuda:  # the device work ran on the host: not host overhead
+            self.policy.waited(time.perf_counter() - t0)
+        return out
+
+    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float) -> None:
+        """A step's results were read after waiting `waited_s` on the device: feed the policy (a decode step's
+        device time from its marks, which completed before its result; a round's acceptance)."""
         self.policy.waited(waited_s)
-        if speculated:
+        if step is None:
+            return
+        d, m = step.decision, step.marks
+        catch_up_s = 0.0
+        if step.lagging:
+            catch_up_s = self._elapsed(m["catch_up_start"], m["catch_up_end"])
+            self.policy.caught_up(step.catch_up_positions, catch_up_s, step.catch_up_host_s)
+        self.policy.measured(d.choice, d.bucket, max(self._elapsed(m["start"], m["end"]) - catch_up_s, 0.0))
+        if self.cuda:
+            self._events.extend(v for k, v in m.items() if k != "catch_up_start")
+        if step.speculative:
             for q, row in zip(requests, results):
                 if not q.finished:
                     self.policy.accepted(q, row[0])
@@ -80,16 +158,39 @@ class AdaptiveDecoding(DecodeStrategy):
     def measure_costs(self) -> None:
         """Time each candidate's step per cost bucket and build the policy (see the module docstring)."""
         r, lim = self.runner, self.runner.limits
-        cuda = r.device.type == "cuda"
         device_seconds = {}
         for b in lim.cost_buckets:
             for choice, strategy in ((PLAIN, self.plain), (SPECULATIVE, self.worker)):
-                device_seconds[(choice, b)] = _time_step(strategy, [lim.dummy_row] * b, lim.page_size, cuda)
-        self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=cuda and lim.overlap,
-                                     device_on_host=not cuda, max_accept=lim.num_steps)
+                device_seconds[(choice, b)] = _time_step(strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
+        self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
+                                     max_accept=lim.num_steps)
 
     def stats(self) -> dict | None:
         return None if self.policy is None else self.policy.snapshot()
+
+    # --- timing marks -----------------------------------------------------------------------------------------
+    def _mark(self):
+        """A point in the stream's work: a recorded timing event (CUDA), or the host clock (CPU, where the
+        device work is the host's)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+def _lagging(q) -> LaggingDraft:
+    """The pairs request `q`'s draft misses, as of a launch: its target holds positions up to q.committed plus one
+    per plain step in flight (a lagging request's steps in flight are all plain steps: inflight <= draft_lag)."""
+    if q.inflight > q.draft_lag:
+        raise InvariantError(f"request {q.request_id}: {q.inflight} steps in flight but its draft lags by only "
+                             f"{q.draft_lag} plain steps, so a round's commits are not resolved yet")
+    end = q.committed + q.inflight
+    start = end - q.draft_lag
+    return LaggingDraft(q.row, start, end, q.token_ids[start + 1:end])
 
 
 def _time_step(strategy: DecodeStrategy, rows: list[int], max_kv: int, cuda: bool) -> float:

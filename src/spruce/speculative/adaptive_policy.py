@@ -9,16 +9,25 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   rounds of its own takes the engine-wide EMA; before any round at all, the tree depth S (optimistic, so the
   first rounds measure it). A request whose acceptance collapsed thus counts ~1 token in both candidates: it
   neither forces the batch to plain nor makes speculation look better than it is for the others.
-- t(c, b) = D(c, b) (+) H(c, b): D is the device time of one step of c over a batch of bucket b, measured at
-  start-up (speculative/adaptive.py); H is the host's time per step around it (scheduling, launching, reading
-  results, detokenizing, serving), measured online as (time between consecutive decode launches) - (time the
-  host waited on the device) [- D, on the CPU, where the device work is host time]. A choice not yet run at a
-  bucket borrows the other's H. (+) is max when the host and the device overlap (CUDA with overlap
-  scheduling), + otherwise. The host term is what makes the model right for small models, whose steps are
-  host-bound: a plain step then costs as much wall time as a round that commits several tokens.
-- While plain steps run, no acceptance is measured, so the estimates could stay stale forever: after a run of
-  `probe_after` plain choices at a bucket the next step speculates once ("probe"); a probe that does not change
-  the choice doubles that interval (16 .. 1024), a model choice of speculation resets it.
+- t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
+  - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
+    CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
+    (speculative/adaptive.py, padding rows) stands in.
+  - H, the host's time per step (scheduling, launching, reading results, serving): the time between consecutive
+    decode launches minus the time the host waited on the device in between [minus the step's own device work,
+    on the CPU]. Until c has run at b it borrows the other candidate's H.
+  - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
+  H alone never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
+  start-up table runs padding rows, which attend to no context, and a round reads its context more than a plain
+  step does.
+- A round over requests whose draft lags (adaptive plain steps since its last catch-up) first runs the draft's
+  catch-up over the missing positions; its cost, D_c(n) and H_c(n) for n missing positions (each fitted online as
+  fixed + per-position seconds), is added to the round's D and H for that batch, and taken out of the samples of
+  the step that ran it.
+- While one candidate runs, the other is not measured (acceptance is measured only in rounds; costs only by
+  running): after a run of `probe_after` model choices of one candidate at a bucket, the next step runs the other
+  once ("probe"); a probe that does not change the model's choice doubles that interval (16 .. 1024), a change
+  of the model's choice resets it.
 - Ties go to plain (the cheaper step).
 
 Pure Python and torch-free: the unit tests feed it numbers.
@@ -35,9 +44,13 @@ PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.5  # per-request acceptance EMA: reacts within a few rounds when a request's text changes
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
-HOST_ALPHA = 0.1  # host time per step EMA
-OUTLIER_FACTOR = 8.0  # a period sample this many times the EMA is an idle gap, not a step: ignored
+COST_ALPHA = 0.1  # host and device seconds per step EMAs, and the catch-up fits' forgetting
+OUTLIER_FACTOR = 8.0  # a host sample this many times the EMA is an idle gap, not a step: ignored
 PROBE_FIRST, PROBE_MAX = 16, 1024
+
+
+def _other(choice: str) -> str:
+    return SPECULATIVE if choice == PLAIN else PLAIN
 
 
 @dataclass
@@ -47,9 +60,10 @@ class Decision:
     bucket: int
     batch_size: int
     choice: str  # PLAIN or SPECULATIVE
-    reason: str  # "model" (the higher expected tokens/s) or "probe" (re-measuring acceptance after plain steps)
+    reason: str  # "model" (the higher expected tokens/s) or "probe" (re-measuring the other candidate)
     tokens_per_step: dict[str, float]  # per request: 1 (plain), mean 1 + a_i (speculative)
-    step_seconds: dict[str, float]  # t(c, bucket)
+    step_seconds: dict[str, float]  # t(c, bucket), the round's including its catch-up
+    catch_up_positions: int = 0  # positions the batch's drafts miss (a round catches them up first)
 
     def tokens_per_second(self, choice: str) -> float:
         t = self.step_seconds[choice]
@@ -58,35 +72,66 @@ class Decision:
     def as_dict(self) -> dict:
         return {"choice": self.choice, "reason": self.reason, "batch_size": self.batch_size,
                 "tokens_per_step": dict(self.tokens_per_step), "step_seconds": dict(self.step_seconds),
+                "catch_up_positions": self.catch_up_positions,
                 "tokens_per_second": {c: self.tokens_per_second(c) for c in CHOICES}}
+
+
+class LinearCost:
+    """seconds ~ fixed + per_position * n, fitted online by exponentially weighted least squares (forgetting
+    factor COST_ALPHA). With one distinct n seen so far it predicts the mean; before any sample, 0."""
+
+    def __init__(self):
+        self._sums = None  # weighted means of (n, n^2, y, n*y)
+
+    def add(self, n: int, seconds: float) -> None:
+        x = (float(n), float(n) ** 2, seconds, n * seconds)
+        s = self._sums
+        self._sums = x if s is None else tuple(a + COST_ALPHA * (b - a) for a, b in zip(s, x))
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per position)."""
+        if self._sums is None:
+            return 0.0, 0.0
+        n, nn, y, ny = self._sums
+        var = nn - n * n
+        if var <= 1e-9 * max(1.0, n * n):
+            return y, 0.0
+        slope = max((ny - n * y) / var, 0.0)
+        return max(y - slope * n, 0.0), slope
+
+    def predict(self, n: int) -> float:
+        fixed, per = self.coefficients()
+        return fixed + per * n
 
 
 @dataclass
 class _BucketState:
     probe_after: int = PROBE_FIRST
-    plain_streak: int = 0
+    streak: int = 0  # consecutive model choices of `model_choice`
+    model_choice: str | None = None
     last: Decision | None = None
 
 
 @dataclass
 class AdaptivePolicy:
-    """Chooses plain or speculative per decode step; fed by the engine through the strategy's hooks.
+    """Chooses plain or speculative per decode step; fed by the adaptive strategy (speculative/adaptive.py).
 
-    buckets: the cost buckets (Limits.cost_buckets); device_seconds: {(choice, bucket): D} for every pair;
-    overlapped: host and device run concurrently (max) rather than one after the other (+); device_on_host:
-    the device work is the host's own time (CPU), so it is taken out of the measured host time;
-    max_accept: S (the optimistic prior); clock: seconds (tests pass a fake one)."""
+    buckets: the cost buckets (Limits.cost_buckets); device_seconds: the start-up table {(choice, bucket): D} for
+    every pair (the prior of D); overlapped: host and device run concurrently (max) rather than one after the other
+    (+); max_accept: S (the optimistic prior); clock: seconds (tests pass a fake one)."""
 
     buckets: tuple[int, ...]
     device_seconds: dict[tuple[str, int], float]
     overlapped: bool
-    device_on_host: bool
     max_accept: int
     clock: Callable[[], float] = time.perf_counter
     host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    measured_device_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     global_accept: float | None = None
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHOICES, 0))
     probes: int = 0
+    catch_ups: int = 0
+    catch_up_positions: int = 0
 
     def __post_init__(self):
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
@@ -95,7 +140,9 @@ class AdaptivePolicy:
         self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance EMA
         self._state = {b: _BucketState() for b in self.buckets}
         self._last_launch: tuple[float, str, int] | None = None  # (time, choice, bucket) of the last decode launch
-        self._waited = 0.0  # seconds the host waited on the device since then
+        self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
+        self.catch_up_device = LinearCost()
+        self.catch_up_host = LinearCost()
 
     # --- the choice ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -111,48 +158,53 @@ class AdaptivePolicy:
             return own
         return self.global_accept if self.global_accept is not None else float(self.max_accept)
 
-    def step_seconds(self, choice: str, bucket: int) -> float:
-        """t(choice, bucket) = D (+) H; H borrowed from the other choice until this one has run here."""
-        d = self.device_seconds[(choice, bucket)]
-        other = SPECULATIVE if choice == PLAIN else PLAIN
-        h = self.host_seconds.get((choice, bucket), self.host_seconds.get((other, bucket), 0.0))
+    def device(self, choice: str, bucket: int) -> float:
+        """D(choice, bucket): measured, else the start-up table."""
+        return self.measured_device_seconds.get((choice, bucket), self.device_seconds[(choice, bucket)])
+
+    def step_seconds(self, choice: str, bucket: int, catch_up_positions: int = 0) -> float:
+        """t(choice, bucket) = D (+) H; H borrowed from the other choice until this one has run here. A round
+        over drafts missing `catch_up_positions` positions adds the catch-up's D and H."""
+        d = self.device(choice, bucket)
+        h = self.host_seconds.get((choice, bucket), self.host_seconds.get((_other(choice), bucket), 0.0))
+        if choice == SPECULATIVE and catch_up_positions:
+            d += self.catch_up_device.predict(catch_up_positions)
+            h += self.catch_up_host.predict(catch_up_positions)
         return max(d, h) if self.overlapped else d + h
 
-    def decide(self, requests: list) -> Decision:
-        """The choice for a decode step over `requests` (also marks the step's launch for the host clock)."""
+    def decide(self, requests: list, catch_up_positions: int = 0) -> Decision:
+        """The choice for a decode step over `requests`, whose drafts miss `catch_up_positions` positions in all
+        (also marks the step's launch for the host clock)."""
         bs = len(requests)
         bucket = self.bucket_for(bs)
         spec_tokens = sum(1.0 + self.expected_accept(q) for q in requests) / bs
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self.step_seconds(c, bucket) for c in CHOICES})
-        st = self._state[bucket]
+                     {c: self.step_seconds(c, bucket, catch_up_positions) for c in CHOICES}, catch_up_positions)
         if d.tokens_per_second(SPECULATIVE) > d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
-            st.plain_streak, st.probe_after = 0, PROBE_FIRST
-        else:
-            st.plain_streak += 1
-            if st.plain_streak > st.probe_after:
-                d.choice, d.reason = SPECULATIVE, "probe"
-                st.plain_streak, st.probe_after = 0, min(2 * st.probe_after, PROBE_MAX)
-                self.probes += 1
+        st = self._state[bucket]
+        if d.choice != st.model_choice:
+            st.model_choice, st.streak, st.probe_after = d.choice, 0, PROBE_FIRST
+        st.streak += 1
+        if st.streak > st.probe_after:
+            d.choice, d.reason = _other(d.choice), "probe"
+            st.streak, st.probe_after = 0, min(2 * st.probe_after, PROBE_MAX)
+            self.probes += 1
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket)
         return d
 
-    # --- what the engine reports back ------------------------------------------------------------------------------
+    # --- what the strategy reports back ----------------------------------------------------------------------------
     def _launched(self, choice: str, bucket: int) -> None:
         """A decode step is being launched: the time since the previous one (if it was a decode step, with no
-        prefill between) minus the host's waits is one host-time sample of the previous step's choice."""
+        prefill between) minus what was not host overhead is one host-time sample of the previous step's choice."""
         now = self.clock()
         if self._last_launch is not None:
             t0, prev_choice, prev_bucket = self._last_launch
-            host = now - t0 - self._waited
-            if self.device_on_host:
-                host -= self.device_seconds[(prev_choice, prev_bucket)]
-            self._add_host_sample(prev_choice, prev_bucket, max(host, 0.0))
+            self._add_host_sample(prev_choice, prev_bucket, max(now - t0 - self._not_host, 0.0))
         self._last_launch = (now, choice, bucket)
-        self._waited = 0.0
+        self._not_host = 0.0
 
     def _add_host_sample(self, choice: str, bucket: int, seconds: float) -> None:
         key = (choice, bucket)
@@ -160,16 +212,32 @@ class AdaptivePolicy:
         if old is None:
             self.host_seconds[key] = seconds
         elif seconds <= OUTLIER_FACTOR * max(old, 1e-6):
-            self.host_seconds[key] = old + HOST_ALPHA * (seconds - old)
+            self.host_seconds[key] = old + COST_ALPHA * (seconds - old)
 
     def break_chain(self) -> None:
         """A non-decode step (prefill) or an idle gap: the next decode launch starts a new measurement."""
         self._last_launch = None
-        self._waited = 0.0
+        self._not_host = 0.0
 
     def waited(self, seconds: float) -> None:
-        """The host blocked this long on the device (reading a step's results)."""
-        self._waited += seconds
+        """Seconds since the last decode launch that were not its host overhead: the host blocked on the device,
+        ran device work itself (CPU), or launched a catch-up (counted in the catch-up's own cost)."""
+        self._not_host += seconds
+
+    def measured(self, choice: str, bucket: int, device_seconds: float) -> None:
+        """A launched step of `choice` at `bucket` took `device_seconds` on the device (without its catch-up)."""
+        key = (choice, bucket)
+        old = self.measured_device_seconds.get(key)
+        self.measured_device_seconds[key] = (device_seconds if old is None
+                                             else old + COST_ALPHA * (device_seconds - old))
+
+    def caught_up(self, positions: int, device_seconds: float, host_seconds: float) -> None:
+        """A catch-up over `positions` missing positions took `device_seconds` on the device and `host_seconds` to
+        launch (0 where the device work is the host's: it is then all in `device_seconds`)."""
+        self.catch_ups += 1
+        self.catch_up_positions += positions
+        self.catch_up_device.add(positions, device_seconds)
+        self.catch_up_host.add(positions, host_seconds)
 
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens."""
@@ -180,12 +248,18 @@ class AdaptivePolicy:
 
     # --- reporting ----------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """What /metrics shows: per bucket the last decision and its reason, the cost table, the counts."""
-        def per_choice(table: dict) -> dict:
-            return {c: {b: v for (c2, b), v in table.items() if c2 == c} for c in CHOICES}
+        """What /metrics shows: per bucket the last decision and its reason, the cost tables, the counts."""
+        def per_choice(value) -> dict:
+            return {c: {b: value(c, b) for b in self.buckets if value(c, b) is not None} for c in CHOICES}
 
+        fixed, per = self.catch_up_device.coefficients()
+        host_fixed, host_per = self.catch_up_host.coefficients()
         return {
             "buckets": {b: st.last.as_dict() for b, st in self._state.items() if st.last is not None},
-            "device_seconds": per_choice(self.device_seconds), "host_seconds": per_choice(self.host_seconds),
+            "device_seconds": per_choice(self.device),
+            "host_seconds": per_choice(lambda c, b: self.host_seconds.get((c, b))),
             "chosen": dict(self.chosen), "probes": self.probes, "global_accept": self.global_accept,
+            "catch_ups": self.catch_ups, "catch_up_positions": self.catch_up_positions,
+            "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
+                                 "host_per_position": host_per},
         }

@@ -15,12 +15,13 @@ CUDA graphs (runtime/cuda_graph.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from spruce.attention.metadata import Phase
-from spruce.errors import ConfigError
+from spruce.errors import ConfigError, InvariantError
 from spruce.ops import softmax_topk
 from spruce.runtime.batch_builder import paged_slots
 from spruce.runtime.grammar import GrammarBatch, allowed_tokens, apply_token_mask
@@ -28,10 +29,28 @@ from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.penalties import node_paths
 from spruce.runtime.sampler import SamplingTensors, select_tokens
+from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.tree import DraftCandidates, Tree, build_tree, own_bits
 from spruce.speculative.verify import accept
+
+
+@dataclass(frozen=True)
+class LaggingDraft:
+    """A request whose draft misses the pairs at positions [start, end) (its target has committed up to `end`).
+    `next_tokens` are the tokens at positions start+1 .. end-1 (the host knows them); the token at `end` is read
+    from the device."""
+
+    row: int
+    start: int
+    end: int
+    next_tokens: list[int]
+
+    def __post_init__(self):
+        if not 0 <= self.start < self.end or len(self.next_tokens) != self.end - self.start - 1:
+            raise InvariantError(f"lagging draft of row {self.row}: pairs [{self.start}, {self.end}) with "
+                                 f"{len(self.next_tokens)} next tokens (need start < end and end - start - 1 tokens)")
 
 
 @dataclass
@@ -106,6 +125,22 @@ class EagleWorker(DecodeStrategy):
         if finals:
             rows = torch.tensor([chunks[i].row for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
             self.store_step0(rows, h[last])
+
+    def catch_up(self, lagging: list[LaggingDraft], ring: FeatureRing) -> None:
+        """Draft extend over the pairs a lagging draft misses (adaptive speculation, DESIGN §16): for each entry,
+        (target feature at p, token at p+1) for p in [start, end), features from `ring`. One ragged EXTEND batch,
+        eager, like the extend after a prefill chunk; each request then gets its step-0 top-K, so a round runs
+        exactly as after a fresh prefill. The token at `end` (after the last pair) is the row's last token on the
+        device: under overlap the host may not know it yet."""
+        r = self.runner
+        rows = [g.row for g in lagging]
+        batch = r.builder.extend(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging])
+        ends = list(itertools.accumulate(g.end - g.start for g in lagging))
+        host = torch.tensor([[e - 1 for e in ends], rows], dtype=torch.int64)
+        last, rows_t = host.to(r.device, non_blocking=True).unbind(0)  # [n] index of each last pair, its row
+        batch.input_ids[last] = r.row_state.last_token[rows_t]
+        h = r.draft_forward(batch, ring.gather(batch.token_rows, batch.positions))  # [T, Hd]
+        self.store_step0(rows_t, h[last])
 
     # --- the round -------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,

@@ -27,6 +27,7 @@ from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.penalties import TokenHistory
 from spruce.runtime.sampler import SamplingTensors, select_tokens
+from spruce.speculative.feature_ring import FeatureRing
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,14 @@ class DecodeStrategy:
         raise NotImplementedError
 
     # --- per-step choice (adaptive speculation: speculative/adaptive.py; a fixed strategy is its own choice) ---
-    def choose(self, requests: list) -> "DecodeStrategy":
-        """The strategy whose `decode` runs the next decode step over `requests`."""
+    def choose(self, requests: list):
+        """What runs the next decode step over `requests`, called right before its launch: an object with
+        `speculative` and this class's `decode` (a fixed strategy: itself; adaptive speculation: one step)."""
         return self
 
-    def resolved(self, requests: list, results: list[list[int]], speculated: bool, waited_s: float) -> None:
-        """A decode step's result rows were read (after the host waited `waited_s` on the device)."""
+    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float) -> None:
+        """A step's result rows were read (after the host waited `waited_s` on the device); `step` is what
+        `choose` returned for it (None: a prefill step)."""
 
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""
@@ -146,10 +149,15 @@ class DecodeStrategy:
 
 class PlainDecoding(DecodeStrategy):
     """One target token per step. The DECODE phase (graph-capturable) runs the target, takes the greedy token
-    and advances the rows' state; a batch with sampled requests then re-selects their tokens eagerly."""
+    and advances the rows' state; a batch with sampled requests then re-selects their tokens eagerly.
 
-    def __init__(self, runner: ModelRunner):
+    `features` (adaptive speculation's plain step, speculative/adaptive.py): the phase also keeps the target's
+    draft features at each row's position in this ring, for the draft's later catch-up; the draft itself does
+    not run."""
+
+    def __init__(self, runner: ModelRunner, features: FeatureRing | None = None):
         super().__init__(runner)
+        self.features = features
         lim = runner.limits
         self.result = torch.zeros(lim.max_running_requests, lim.step_result_width, dtype=torch.int64,
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
@@ -183,7 +191,9 @@ class PlainDecoding(DecodeStrategy):
         rows = self.rows[:P]
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
-        hidden, _ = r.target_forward(batch)
+        hidden, aux = r.target_forward(batch)
+        if self.features is not None:
+            self.features.store(rows, positions, r.target_features(hidden, aux))
         logits = r.target.compute_logits(hidden)  # [P, V]
         greedy = logits.argmax(dim=-1)  # [P]
         r.row_state.set(rows, positions + 1, greedy)
