@@ -18,6 +18,8 @@ forwards to be planned (model_runner.py).
 
 from __future__ import annotations
 
+import gc
+
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -118,6 +120,10 @@ class BucketGraphs:
         """
         if not self.enabled:
             return
+        with _no_gc_during_capture():
+            self._capture(phases, prepare, desc, show_progress)
+
+    def _capture(self, phases, prepare, desc: str, show_progress: bool) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         buckets = sorted(self.limits.graph_buckets, reverse=True)
@@ -140,3 +146,19 @@ class BucketGraphs:
                 self.graphs[(name, bucket)] = (graph, out)
                 previous = (out,)
         torch.cuda.synchronize(self.device)
+
+
+@contextmanager
+def _no_gc_during_capture():
+    """Collect garbage now and not while graphs are captured: a collection during capture can free an earlier
+    engine's pinned host buffers, whose release records CUDA events on other streams, which invalidates the
+    capture (`cudaErrorStreamCaptureInvalidated`: seen on the H100 with FlashInfer, creating an engine after
+    deleting one). torch.cuda.graph no longer collects before capture by default."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
