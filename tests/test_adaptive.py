@@ -163,6 +163,32 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     assert_caught_up_as_fresh(caught, fresh, text)
 
 
+def test_a_catch_up_larger_than_one_forward_is_split(monkeypatch):
+    """Four requests lagging 12 positions each (48 pairs) with forwards of at most 32 tokens: the catch-up runs as
+    several draft extends, each within Limits.max_tokens_per_forward, and every caught-up draft equals a fresh
+    prefill's (found on the H100: 32 requests lagging 2650 positions in all, one extend over a 2048 limit)."""
+    fixed_costs(monkeypatch)
+    kw = dict(draft_model=builtin_draft_path(), disable_radix_cache=True, page_size=4, max_running_requests=4,
+              speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
+              chunked_prefill_size=32)
+    llm = LLM(TARGET, speculative_adaptive=True, **kw)
+    budget = llm.engine.runner.limits.max_tokens_per_forward
+    assert budget == 32
+    force(llm, [0] * 12 + [1])
+    caught = record_catch_ups(monkeypatch, llm)
+    extends = []
+    draft_forward = llm.engine.runner.draft_forward
+    monkeypatch.setattr(llm.engine.runner, "draft_forward", lambda batch, *a: extends.append(
+        batch.num_tokens) or draft_forward(batch, *a))
+    outs = llm.generate(PROMPTS[:4], SamplingParams(max_tokens=16, ignore_eos=True))
+    want = LLM(TARGET, page_size=4).generate(PROMPTS[:4], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert len(caught) == 4 and max(extends) <= budget
+    fresh = LLM(TARGET, **kw)
+    for out, (end, hidden) in zip(outs, caught):
+        assert_caught_up_as_fresh([(end, hidden)], fresh, out.prompt_token_ids + out.token_ids)
+
+
 def record_catch_ups(monkeypatch, llm) -> list[tuple[int, torch.Tensor]]:
     """(committed length, the draft's step-0 hidden) of every request after each catch-up, as they happen."""
     worker, caught = llm.engine.strategy.worker, []

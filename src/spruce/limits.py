@@ -79,9 +79,9 @@ class Limits:
     @property
     def draft_lag_window(self) -> int:
         """Adaptive speculation: most positions a request's draft may lag its target (plain steps since the draft
-        was last current), and so the slots per row of the feature ring that a catch-up reads (DESIGN §16).
-        0 without adaptive speculation."""
-        return DRAFT_LAG_WINDOW if self.adaptive else 0
+        was last current), and so the slots per row of the feature ring that a catch-up reads (DESIGN §16); one
+        request's catch-up fits one forward. 0 without adaptive speculation."""
+        return min(DRAFT_LAG_WINDOW, self.max_tokens_per_forward) if self.adaptive else 0
 
     @property
     def num_candidates(self) -> int:

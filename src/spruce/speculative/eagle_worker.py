@@ -128,10 +128,26 @@ class EagleWorker(DecodeStrategy):
 
     def catch_up(self, lagging: list[LaggingDraft], ring: FeatureRing) -> None:
         """Draft extend over the pairs a lagging draft misses (adaptive speculation, DESIGN §16): for each entry,
-        (target feature at p, token at p+1) for p in [start, end), features from `ring`. One ragged EXTEND batch,
-        eager, like the extend after a prefill chunk; each request then gets its step-0 top-K, so a round runs
-        exactly as after a fresh prefill. The token at `end` (after the last pair) is the row's last token on the
-        device: under overlap the host may not know it yet."""
+        (target feature at p, token at p+1) for p in [start, end), features from `ring`. Ragged EXTEND batches,
+        eager, like the extend after a prefill chunk, each within Limits.max_tokens_per_forward (a request's lag
+        never exceeds Limits.draft_lag_window, which fits one); each request then gets its step-0 top-K, so a
+        round runs exactly as after a fresh prefill."""
+        budget = self.runner.limits.max_tokens_per_forward
+        group: list[LaggingDraft] = []
+        for entry in lagging:
+            if entry.end - entry.start > budget:
+                raise InvariantError(f"row {entry.row}: its draft lags {entry.end - entry.start} positions, more "
+                                     f"than one forward holds ({budget}); Limits.draft_lag_window bounds the lag")
+            if sum(g.end - g.start for g in group) + entry.end - entry.start > budget:
+                self._catch_up_batch(group, ring)
+                group = []
+            group.append(entry)
+        if group:
+            self._catch_up_batch(group, ring)
+
+    def _catch_up_batch(self, lagging: list[LaggingDraft], ring: FeatureRing) -> None:
+        """One ragged draft extend over `lagging` (at most max_tokens_per_forward pairs). The token at `end` (after
+        the last pair) is the row's last token on the device: under overlap the host may not know it yet."""
         r = self.runner
         rows = [g.row for g in lagging]
         batch = r.builder.extend(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging])
