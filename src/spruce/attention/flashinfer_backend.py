@@ -49,6 +49,9 @@ from spruce.errors import InvariantError
 FLOAT_WORKSPACE_BYTES = 256 << 20  # split-kv partial outputs, shared by every wrapper (they run one at a time)
 # schedule buffers, one per phase on the device (each wrapper has a pinned copy): FlashInfer's default for
 # prefill; a decode-time schedule of R rows x N tokens needs ~(3 x tiles + rows) ints, well under 1 MiB
+# flashinfer.merge_state runs one thread block per token with (head_dim / 8) x heads threads: at most 1024 threads,
+# so heads x head_dim <= 8192 per call (128 MLA heads x 512 failed with "invalid argument" on the H100)
+MERGE_MAX_BLOCK_ELEMENTS = 8192
 EXTEND_INT_WORKSPACE_BYTES = 8 << 20
 DECODE_INT_WORKSPACE_BYTES = 1 << 20
 GRAPH_KERNELS = "fa2"  # decode-time phases: FlashInfer's graph-mode schedule (split-kv) is FA2's
@@ -176,9 +179,6 @@ class FlashInferAttention(AttentionBackend):
         key = self._key(phase, shape, plan)
         wrapper = self._wrappers.get(key)
         if wrapper is None:
-            if phase not in self._int_workspace:
-                size = EXTEND_INT_WORKSPACE_BYTES if phase == Phase.EXTEND else DECODE_INT_WORKSPACE_BYTES
-                self._int_workspace[phase] = torch.empty(size, dtype=torch.uint8, device=self.device)
             bufs, n = self._buffers[phase], plan.rows
             if isinstance(shape, LatentShape):
                 graph = dict(use_cuda_graph=True, qo_indptr=bufs["qo_indptr"][:n + 1],
@@ -193,7 +193,11 @@ class FlashInferAttention(AttentionBackend):
             else:
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.float_workspace, "NHD",
                                                                          backend=EXTEND_KERNELS)
-            wrapper.reset_workspace_buffer(self.float_workspace, self._int_workspace[phase])
+            if not isinstance(shape, LatentShape):  # the MLA wrapper keeps its own int workspace (8 MB)
+                if phase not in self._int_workspace:
+                    size = EXTEND_INT_WORKSPACE_BYTES if phase == Phase.EXTEND else DECODE_INT_WORKSPACE_BYTES
+                    self._int_workspace[phase] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                wrapper.reset_workspace_buffer(self.float_workspace, self._int_workspace[phase])
             self._wrappers[key] = wrapper
         return key, wrapper
 
@@ -278,7 +282,12 @@ class FlashInferAttention(AttentionBackend):
         """The two halves by log-sum-exp; padding tokens get zeros, as the contract says: without scratch (DECODE,
         DRAFT_EXTEND) they are the tokens of kv length 0, which the prefix half (one floor per request) does not
         know; tree phases have padding rows only, whose floor is 0, so both halves are empty (-inf / NaN)."""
-        out, lse = flashinfer.merge_state(o_prefix, lse_prefix, o_tail, lse_tail)
+        t, heads, dim = o_prefix.shape
+        group = max(g for g in range(1, heads + 1) if heads % g == 0 and g * dim <= MERGE_MAX_BLOCK_ELEMENTS)
+        rows = t * heads // group  # merge_state is per (token, head): fold heads into rows to fit its thread block
+        out, lse = flashinfer.merge_state(o_prefix.reshape(rows, group, dim), lse_prefix.reshape(rows, group),
+                                          o_tail.reshape(rows, group, dim), lse_tail.reshape(rows, group))
+        out, lse = out.view(t, heads, dim), lse.view(t, heads)
         if batch.scratch_width == 0:
             seen = (batch.kv_lens > 0)[:, None, None]  # [T, 1, 1]
         else:
