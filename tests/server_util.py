@@ -48,9 +48,10 @@ def engine_kwargs(draft_dir: Path, **overrides) -> dict:
 
 class ServerThread:
     """`create_app` + uvicorn (spruce's GracefulServer, as `spruce serve` runs it) on a pre-bound loopback
-    socket, run in a daemon thread."""
+    socket, run in a daemon thread. `exit_on_engine_failure`: shut down when the engine fails, as `spruce serve`
+    does (default: keep answering 503, as with --keep-alive-on-engine-failure)."""
 
-    def __init__(self, engine, *, api_key: str | None = None, **app_kwargs):
+    def __init__(self, engine, *, api_key: str | None = None, exit_on_engine_failure: bool = False, **app_kwargs):
         import uvicorn
 
         from spruce.server import EngineLoop, create_app
@@ -64,7 +65,8 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = GracefulServer(config, app.state.drain)
+        self.server = GracefulServer(config, app.state.drain,
+                                     app.state.engine_failure if exit_on_engine_failure else None)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

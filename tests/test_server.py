@@ -395,22 +395,6 @@ def test_disconnect_mid_stream_frees_pages(server):
     server.engine.check_no_leaks()
 
 
-def test_engine_failure_fails_request_and_keeps_serving(server, client, reference):
-    engine = server.engine
-
-    def fail_once():
-        del engine.step  # back to the class's method
-        raise RuntimeError("injected fault")
-
-    engine.step = fail_once
-    r = httpx.post(f"{server.base_url}/v1/completions", json=GOOD, headers=AUTH)
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    assert metric(wait_idle(server.base_url), "spruce_kv_pages_used") == 0
-    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == reference[PROMPTS[2]].text
-    assert httpx.get(f"{server.base_url}/health").status_code == 200
-
-
 def test_serve_cli_flags():
     from spruce.cli import build_parser
     from spruce.server.cli import served_name
@@ -421,6 +405,8 @@ def test_serve_cli_flags():
     args = build_parser().parse_args(["serve", "--model", "/m/llama", "--served-model-name", "llama"])
     assert served_name(args) == "llama"
     assert (args.max_queued_requests, args.request_timeout, args.shutdown_grace_period) == (256, 600.0, 30.0)
+    assert not args.keep_alive_on_engine_failure  # a failed engine ends the process (exit code 70)
+    assert build_parser().parse_args(["serve", "--keep-alive-on-engine-failure"]).keep_alive_on_engine_failure
     args = build_parser().parse_args(["serve", "--max-queued-requests", "0", "--request-timeout", "2.5",
                                       "--shutdown-grace-period", "0"])
     assert (args.max_queued_requests, args.request_timeout, args.shutdown_grace_period) == (0, 2.5, 0.0)

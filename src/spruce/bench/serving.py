@@ -12,7 +12,12 @@ serves).
 --server-args; --compare-prefix-cache runs each once more with --disable-radix-cache), drives each through its
 HTTP API like any server, and writes all of them into one result: figures.runs[i] = {name, prefix_cache,
 server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
-pass). `--passes N` runs the levels N times over on each server; every pass is reported."""
+pass). `--passes N` runs the levels N times over on each server; every pass is reported.
+
+No request waits forever: each has `--timeout` seconds in all (connect to last byte). A request that times out,
+finds the server gone, or is refused because its engine failed stops the run: the level sends nothing more
+(the requests it did not send count as failed, with the reason), later levels are skipped, the result is
+written with `stopped` naming why, and the command exits 1 (as it does whenever a request failed)."""
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from pathlib import Path
 import httpx
 
 PERCENTILES = (50, 90, 99)
+METRICS_TIMEOUT_S = 30.0  # a scrape of /metrics (milliseconds on a live server)
+ENGINE_FAILED = "engine_failed"  # the error code of a server whose engine failed (spruce.server.engine_loop)
 
 
 def add_serving_parser(sub) -> None:
@@ -53,7 +60,9 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     p.add_argument("--device", default=None, help="device the server runs on, for the result's name "
                    "(default: cuda when this machine has one)")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take in all (connect to last byte); past it the request fails "
+                        "and the run stops (default 600)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--shared-prefix-tokens", type=int, default=0,
                    help="prepend one common prefix of this many tokens (cut from the prompt file's text) to "
@@ -82,6 +91,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
+    fatal: bool = False  # the run cannot go on: the request timed out, the server is gone or its engine failed
 
 
 def default_prompts_path() -> Path:
@@ -121,41 +131,53 @@ def load_prompts(path: Path, prompt_tokens: int, tokenizer, shared_prefix_tokens
 
 
 async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:
+    """One streaming request, failed (not raised) on any error; at most `args.timeout` seconds in all."""
+    res = RequestResult(ok=False)
+    try:
+        await asyncio.wait_for(_stream_into(res, client, model, prompt, args), args.timeout)
+    except TimeoutError:
+        res.ok, res.fatal = False, True
+        res.error = f"timed out after {args.timeout:g} s"
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+        res.fatal = isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError))
+    return res
+
+
+async def _stream_into(res: RequestResult, client: httpx.AsyncClient, model: str, prompt, args) -> None:
+    """Send one streaming request and fill `res` as its chunks come."""
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos}
     t0 = time.perf_counter()
-    res = RequestResult(ok=False)
     last = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message", "error")
-                    return res
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    res.cached_tokens = details.get("cached_tokens", 0)
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            text = await r.aread()
+            res.error = f"HTTP {r.status_code}: {text[:200]!r}"
+            res.fatal = ENGINE_FAILED.encode() in text
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # the request id the server prefixes is left out: errors are counted by kind
+                res.error = re.sub(r"^(chatcmpl|cmpl)-\w+: ", "", chunk["error"].get("message", "error"))
+                res.fatal = chunk["error"].get("code") == ENGINE_FAILED
+                return
+            if chunk.get("usage"):
+                res.output_tokens = chunk["usage"]["completion_tokens"]
+                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                res.cached_tokens = details.get("cached_tokens", 0)
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itls.append(now - last)
+                last = now
     res.e2e = time.perf_counter() - t0
     res.ok = True
-    return res
 
 
 def server_info(base_url: str, headers: dict) -> dict[str, str]:
@@ -180,12 +202,13 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_host_secon
                    "spruce_adaptive_catch_up_seconds")
 
 
-async def _metrics(client: httpx.AsyncClient) -> tuple[dict[str, float], dict]:
+async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,host}_seconds: {choice: {bucket: s}}; catch_up_seconds:
-    {device|host: {fixed|per_position: s}}; empty when not adaptive)."""
+    {device|host: {fixed|per_position: s}}; empty when not adaptive); nothing if it does not answer within
+    `timeout` seconds."""
     try:
-        text = (await client.get("/metrics")).text
+        text = (await client.get("/metrics", timeout=timeout)).text
     except httpx.HTTPError:
         return {}, {}
     vals, tables = {}, {}
@@ -205,19 +228,29 @@ async def _metrics(client: httpx.AsyncClient) -> tuple[dict[str, float], dict]:
 
 async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concurrency: int, num_requests: int,
                     args) -> dict:
-    """Send `num_requests` streaming requests with `concurrency` in flight; the level's figures."""
+    """Send `num_requests` streaming requests with `concurrency` in flight; the level's figures. A fatal
+    failure (see RequestResult.fatal) stops the level: the requests not sent yet fail with its reason
+    (`stopped`)."""
     todo = iter(range(num_requests))
     results: list[RequestResult] = []
+    stopped: list[str] = []
 
     async def worker():
         for i in todo:
-            results.append(await _stream_one(client, model, prompts[i % len(prompts)], args))
+            if stopped:
+                results.append(RequestResult(ok=False, error=f"not sent: the run stopped ({stopped[0]})"))
+                continue
+            res = await _stream_one(client, model, prompts[i % len(prompts)], args)
+            results.append(res)
+            if res.fatal and not stopped:
+                stopped.append(res.error)
 
-    before, _ = await _metrics(client)
+    metrics_timeout = min(args.timeout, METRICS_TIMEOUT_S)
+    before, _ = await _metrics(client, metrics_timeout)
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - t0
-    after, tables = await _metrics(client)
+    after, tables = await _metrics(client, metrics_timeout)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -240,6 +273,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
+        "stopped": stopped[0] if stopped else None,  # why the level stopped sending requests (None: it did not)
     }
 
 
@@ -255,12 +289,16 @@ def _headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def _bench(args, base_url: str, prompts, model: str) -> list[dict]:
+async def _bench(args, base_url: str, prompts, model: str) -> tuple[list[dict], str | None]:
+    """The levels measured, and why the run stopped early (None: it did not)."""
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(args), timeout=args.timeout,
                                  limits=limits) as client:
         for i in range(args.warmup):
-            await _stream_one(client, model, prompts[i % len(prompts)], args)
+            res = await _stream_one(client, model, prompts[i % len(prompts)], args)
+            if res.fatal:
+                print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
+                return [], f"warm-up: {res.error}"
         levels = []
         for k in range(1, args.passes + 1):
             for c in args.concurrency:
@@ -268,7 +306,10 @@ async def _bench(args, base_url: str, prompts, model: str) -> list[dict]:
                 level = await run_level(client, model, prompts, c, n, args) | {"pass": k}
                 _print_level(level)
                 levels.append(level)
-        return levels
+                if level["stopped"]:
+                    print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
+                    return levels, level["stopped"]
+        return levels, None
 
 
 def last_pass(levels: list[dict]) -> list[dict]:
@@ -299,7 +340,9 @@ def _print_level(lv: dict) -> None:
 
 def plot(series: dict[str, list[dict]], path: Path) -> Path | None:
     """TTFT, inter-token latency (p50 solid, p99 dashed) and output throughput vs concurrency of one or more
-    runs (label -> levels), each run one colour on the same axes, as a PNG (None without matplotlib)."""
+    runs (label -> levels), each run one colour on the same axes, as a PNG (None without matplotlib). Levels
+    that completed no request (a run that stopped) are left out."""
+    series = {label: [lv for lv in levels if lv.get("completed") != 0] for label, levels in series.items()}
     try:
         import matplotlib
 
@@ -367,6 +410,9 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"spruce bench serving: --shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}",
               file=sys.stderr)
         return 2
+    if not args.timeout > 0:
+        print(f"spruce bench serving: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
     if args.passes < 1:
         print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)
         return 2
@@ -382,15 +428,15 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
-    levels = asyncio.run(_bench(args, args.base_url, prompts, model))
+    levels, stopped = asyncio.run(_bench(args, args.base_url, prompts, model))
     info = server_info(args.base_url, _headers(args))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")} | {
         "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
-    path = write_result("serving", _device(args, info), config, {"levels": levels}, Path(args.out_dir))
+    path = write_result("serving", _device(args, info), config, {"levels": levels, "stopped": stopped},
+                        Path(args.out_dir))
     print(f"results: {path}")
-    png = plot({"spruce": last_pass(levels)}, path.with_suffix(".png"))
-    print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
-    return 0 if all(lv["failed"] == 0 for lv in levels) else 1
+    _plot_and_print({"spruce": last_pass(levels)}, path.with_suffix(".png"))
+    return 0 if stopped is None and all(lv["failed"] == 0 for lv in levels) else 1
 
 
 def _run_launched(args: argparse.Namespace) -> int:
@@ -421,13 +467,15 @@ def _run_launched(args: argparse.Namespace) -> int:
                     model = _served_model(args, base_url)
                     if prompts is None:
                         prompts_path, prompts = _prompts_for(args, model)
-                    levels = asyncio.run(_bench(args, base_url, prompts, model))
+                    levels, stopped = asyncio.run(_bench(args, base_url, prompts, model))
                     info = server_info(base_url, _headers(args))
             except (RuntimeError, SystemExit) as e:
                 print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
                 return 2
+            if stopped:
+                print(f"spruce bench serving: {label}: stopped early; the server's log is {log}", file=sys.stderr)
             runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "server": info,
-                         "levels": levels})
+                         "levels": levels, "stopped": stopped})
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
@@ -437,10 +485,19 @@ def _run_launched(args: argparse.Namespace) -> int:
     path = write_result("serving", _device(args, runs[0]["server"]), config, {"runs": runs, "summary": summary},
                         out_dir)
     print(f"results: {path}")
-    png = plot({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"]) for r in runs},
-               path.with_suffix(".png"))
+    _plot_and_print({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"])
+                     for r in runs}, path.with_suffix(".png"))
+    clean = all(r["stopped"] is None for r in runs) and all(lv["failed"] == 0 for r in runs for lv in r["levels"])
+    return 0 if clean else 1
+
+
+def _plot_and_print(series: dict[str, list[dict]], path: Path) -> None:
+    """Plot the runs (see `plot`) and say where, or why not."""
+    if not any(lv["completed"] for levels in series.values() for lv in levels):
+        print("no request completed: no latency plot")
+        return
+    png = plot(series, path)
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
-    return 0 if all(lv["failed"] == 0 for r in runs for lv in r["levels"]) else 1
 
 
 def _print_summary(summary: dict) -> None:

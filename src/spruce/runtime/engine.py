@@ -600,12 +600,6 @@ class Engine:
         with self._lock:
             self.spec_stats = SpecStats()
 
-    def active_request_ids(self) -> list[str]:
-        """Ids of the requests a step may be running (running ones, else the queued ones)."""
-        with self._lock:
-            sched = self.scheduler
-            return [q.request_id for q in sched.running] or [q.request_id for q in sched.waiting]
-
     def model_shape(self) -> dict[str, int]:
         mc = self.runner.model_config
         return {"layers": mc.num_layers, "hidden": mc.hidden_size, "vocab": mc.vocab_size}

@@ -53,6 +53,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     api = _Api(engine_loop, model_name, api_key, limits)
     app.state.drain = api.drain
+    app.state.engine_failure = lambda: engine_loop.failure  # why the engine failed, or None (server exits on it)
     metrics = engine_loop.metrics
     metrics.model_name = model_name  # the model_name label of the vllm:* metric aliases
 
@@ -81,6 +82,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
 
     @app.get("/health")
     async def health():
+        if engine_loop.failure is not None:
+            return JSONResponse({"status": "engine failed", "error": engine_loop.failure}, status_code=503)
         if not engine_loop.alive:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         if not engine_loop.accepting:

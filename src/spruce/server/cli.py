@@ -1,7 +1,8 @@
 """`spruce serve`: load the engine (with a progress bar) and serve the OpenAI-compatible API with uvicorn.
 
 SIGTERM / SIGINT drain the server (see `spruce.server.graceful`) and the process exits 0; a second signal
-stops it at once.
+stops it at once. If the engine fails (a step raised), every request in flight gets a 500 and the process exits
+with code 70 so that a supervisor restarts it (`--keep-alive-on-engine-failure`: keep answering 503 instead).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--shutdown-grace-period", type=_seconds, default=SHUTDOWN_GRACE_PERIOD_S,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended with "
                         f"an error (default {SHUTDOWN_GRACE_PERIOD_S:g}); new requests get 503 meanwhile")
+    p.add_argument("--keep-alive-on-engine-failure", action="store_true",
+                   help="when the engine fails (a step raised), keep the process up answering 503 (and /health "
+                        "503) instead of exiting with code 70 (default: exit, so that a supervisor restarts it)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -85,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                             engine.info()["speculative"])
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
-    server = GracefulServer(config, app.state.drain)
+    failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
+    server = GracefulServer(config, app.state.drain, failure)
     server.run()
     engine.shutdown()  # a tensor-parallel engine's workers stop with the server
-    return 0 if server.started else 1
+    return server.exit_code if server.started else 1

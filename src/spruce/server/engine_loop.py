@@ -11,6 +11,13 @@ per engine request: a slow client gets bigger deltas, never an unbounded backlog
 Back-pressure: `submit` refuses (503, Retry-After) a call whose engine requests would queue more than
 `max_queued` beyond the running set, and everything once `stop_accepting` began a shutdown. A `Generation`
 past its timeout fails with 504 (its requests are aborted by whoever reads it).
+
+Engine failure is fail-stop (DESIGN §20): an exception from a step (or from anything else the engine thread
+does) marks the engine failed. Every request in flight, running or waiting, fails at once with a 500 naming the
+error; the thread stops stepping; `submit` refuses new requests with 503; `failure` says why (for /health and
+for the server, which exits so that a supervisor restarts it). A step is not a transaction (the step in flight,
+half-launched device work, the scheduler's and strategy's state, a sticky CUDA error), so no request is ever
+served by an engine that raised.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from spruce.server.metrics import Metrics, RequestClock
 
 log = logging.getLogger("spruce.server")
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
+ENGINE_FAILED = "engine_failed"  # the error code of requests failed by, or refused after, an engine failure
 
 
 class EngineFailure(Exception):
@@ -95,6 +103,7 @@ class EngineLoop:
         self._pending = False
         self._stopping = False
         self._accepting = True
+        self._failure: str | None = None  # set once the engine failed: "ExceptionType: message"
         self._thread = threading.Thread(target=self._run, name="spruce-engine", daemon=True)
         self.metrics.on_engine_stats(engine.stats())
 
@@ -122,7 +131,12 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self._failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed ("ExceptionType: message"), or None while it has not."""
+        return self._failure
 
     @property
     def accepting(self) -> bool:
@@ -145,6 +159,7 @@ class EngineLoop:
         (tokenising, the engine lock) runs in a worker thread.
         """
         if not self.alive:
+            self._check_failure()
             raise EngineFailure("the engine is not running", status=503)
         with self._cond:
             self._check_admission(len(items), max_queued)
@@ -161,6 +176,7 @@ class EngineLoop:
         """Refuse `count` more engine requests (caller holds the lock) while shutting down, or when they would
         queue more than `max_queued` beyond the running set. A call is always let in when nothing else is in
         flight, so one larger than the queue is served on an idle server instead of never."""
+        self._check_failure()
         if not self._accepting:
             raise EngineFailure("the server is shutting down and accepts no new requests", status=503,
                                 code="server_shutting_down")
@@ -172,6 +188,12 @@ class EngineLoop:
                 f"the server is overloaded: this request's {count} choice(s) would make {queued} requests wait "
                 f"beyond the {running} that run at once (at most {max_queued} may wait); retry after "
                 f"{RETRY_AFTER_S} s", status=503, code="server_overloaded", retry_after=RETRY_AFTER_S)
+
+    def _check_failure(self) -> None:
+        """Refuse (503) every request once the engine has failed."""
+        if self._failure is not None:
+            raise EngineFailure(f"the engine failed ({self._failure}) and this server accepts no more requests "
+                                f"until it is restarted", status=503, code=ENGINE_FAILED)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op once it finished); its pages are freed before the engine's next step."""
@@ -214,24 +236,16 @@ class EngineLoop:
                 self._pending = False
             try:
                 self._iteration(aborts)
-            except Exception:  # the thread must outlive any bug: fail what was running and carry on
-                log.exception("engine loop iteration failed")
-                self._fail_affected("internal error in the engine loop")
+            except Exception as e:  # fail-stop: no request is served by an engine that raised
+                log.exception("engine step failed: the engine is stopped and every request in flight fails")
+                self._fail_all(f"{type(e).__name__}: {e}")
+                break
         log.info("engine loop stopped")
 
     def _iteration(self, aborts: list[str]) -> None:
         for rid in aborts:
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                log.exception("abort of request %s failed", rid)
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed")
-            self._fail_affected(f"the engine failed while running this request: {type(e).__name__}: {e}")
-            outputs = []
-        self._dispatch(outputs)
+            self.engine.abort(rid)
+        self._dispatch(self.engine.step())
         self.metrics.on_engine_stats(self.engine.stats())
         if self.engine.has_unfinished():
             with self._cond:
@@ -250,21 +264,19 @@ class EngineLoop:
                                    out.finish_reason if out.finished else None, now)
             st.mailbox.post(st.index, out)
 
-    def _fail_affected(self, message: str) -> None:
-        """After a failed step: fail (500) and abort the requests the step was running (all, if none ran)."""
-        ids = self.engine.active_request_ids()
+    def _fail_all(self, error: str) -> None:
+        """Mark the engine failed with `error` and fail every request in flight (500). Under the lock, so a
+        `submit` either registered its streams before (and they fail here) or sees the failure (503)."""
         with self._cond:
-            ids = ids or list(self._streams)
-            streams = {rid: self._streams.pop(rid, None) for rid in ids}
-            self._pending = True
-        for rid, st in streams.items():
-            log.error("request %s failed: %s", rid, message)
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                log.exception("abort of request %s failed", rid)
-            if st is not None:
-                st.mailbox.post(st.index, EngineFailure(message))
+            self._failure = error
+            streams, self._streams = self._streams, {}
+            self._aborts = []
+        log.error("the engine failed (%s): failing %d request(s) in flight; new requests get 503", error,
+                  len(streams))
+        failure = EngineFailure(f"the engine failed while this request was in flight ({error}); the server "
+                                f"accepts no more requests until it is restarted", code=ENGINE_FAILED)
+        for st in streams.values():
+            st.mailbox.post(st.index, failure)
 
 
 class Generation:
