@@ -311,6 +311,7 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     bucket = max(stats["adaptive"]["buckets"])
     assert f'spruce_adaptive_choice{{bucket="{bucket}",choice="' in text
     assert f'spruce_adaptive_device_seconds{{bucket="8",choice="speculative"}} 2.0' in text
+    assert f'spruce_adaptive_resolve_seconds{{bucket="{bucket}",choice="' in text  # deciding steps' resolves
     assert f'spruce_adaptive_steps_total{{choice="{expected}"}} {chosen[expected]}' in text
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
