@@ -68,17 +68,24 @@ def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
 
 
 def force(llm, pattern: list[int]) -> list[str]:
-    """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made."""
+    """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made. A plain
+    entry may be served by the plain fast path (`AdaptivePolicy.repeat`) where the policy's last decision stands."""
     policy = llm.engine.strategy.policy
-    decide, cycle, log = policy.decide, itertools.cycle(pattern), []
+    decide, repeat, log = policy.decide, policy.repeat, []
 
     def forced(requests, *args):
         d = decide(requests, *args)
-        d.choice = SPECULATIVE if next(cycle) else PLAIN
+        d.choice = SPECULATIVE if pattern[len(log) % len(pattern)] else PLAIN
         log.append(d.choice)
         return d
 
-    policy.decide = forced
+    def forced_repeat():
+        if pattern[len(log) % len(pattern)] or not repeat():
+            return False
+        log.append(PLAIN)
+        return True
+
+    policy.decide, policy.repeat = forced, forced_repeat
     return log
 
 
@@ -140,14 +147,14 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     rounds = []  # (committed length before the round, accepted drafts) of each round after a plain step
     resolved, before = llm.engine.strategy.resolved, {}
 
-    def record(step, requests, results, waited_s):
+    def record(step, requests, results, waited_s, **kw):
         speculated = step is not None and step.speculative
         for q, row in zip(requests, results):
             if step is not None and speculated and before.get(q.request_id) == PLAIN:
                 rounds.append((q.committed - row[0] - 1, row[0]))
             if step is not None:
                 before[q.request_id] = SPECULATIVE if speculated else PLAIN
-        resolved(step, requests, results, waited_s)
+        resolved(step, requests, results, waited_s, **kw)
 
     llm.engine.strategy.resolved = record
     out = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
@@ -226,26 +233,34 @@ def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
     assert_caught_up_as_fresh(caught, LLM(pycodemla, **kw), got.prompt_token_ids + got.token_ids)
 
 
-def test_plain_step_runs_no_draft_forward(monkeypatch, draft):
-    """Plain steps run the target alone: the draft runs once (the prompt's extend), and the request's draft lags by
-    one position per plain step."""
-    fixed_costs(monkeypatch)
+@pytest.mark.parametrize("window", [256, 3])
+def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window):
+    """The model chooses plain (rounds priced at 100 plain steps): the draft runs for the prompt and for the catch-ups
+    a full feature ring forces (window 3), never in a plain step; the lag grows by one per plain step; the plain
+    fast path serves every step that no catch-up interrupts (one decision per catch-up, plus the first); the tokens
+    are plain decoding's."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
-    force(llm, [0])
-    runner, calls = llm.engine.runner, []
-    draft_forward = runner.draft_forward
+    runner, policy, calls, decisions = llm.engine.runner, llm.engine.strategy.policy, [], []
+    draft_forward, decide = runner.draft_forward, policy.decide
     monkeypatch.setattr(runner, "draft_forward", lambda batch, *a, **kw: calls.append(batch.phase) or
                         draft_forward(batch, *a, **kw))
+    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
     lags = []
     resolved = llm.engine.strategy.resolved
 
-    def record(step, requests, results, waited_s):
+    def record(step, requests, results, waited_s, **kw):
         lags.extend(q.draft_lag for q in requests if step is not None)
-        resolved(step, requests, results, waited_s)
+        resolved(step, requests, results, waited_s, **kw)
 
     llm.engine.strategy.resolved = record
-    llm.generate([PROMPTS[0]], GREEDY)
-    assert len(calls) == 1 and lags == list(range(1, MAX_NEW))  # the prefill gave the first token
+    got = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert got.token_ids == reference(GREEDY)[0].token_ids
+    want_lags = [i % window + 1 for i in range(MAX_NEW - 1)]  # the prefill gave the first token
+    catch_ups = sum(lag == 1 for lag in want_lags[1:])
+    assert lags == want_lags and len(calls) == 1 + catch_ups and len(decisions) == 1 + catch_ups
+    assert llm.engine.stats()["adaptive"]["chosen"] == {PLAIN: MAX_NEW - 1, SPECULATIVE: 0}
 
 
 def _round_counts(llm, prompts, params):
@@ -296,6 +311,7 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     bucket = max(stats["adaptive"]["buckets"])
     assert f'spruce_adaptive_choice{{bucket="{bucket}",choice="' in text
     assert f'spruce_adaptive_device_seconds{{bucket="8",choice="speculative"}} 2.0' in text
+    assert f'spruce_adaptive_resolve_seconds{{bucket="{bucket}",choice="' in text  # deciding steps' resolves
     assert f'spruce_adaptive_steps_total{{choice="{expected}"}} {chosen[expected]}' in text
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import PLAIN, PROBE_FIRST, SPECULATIVE, AdaptivePolicy, LinearCost
+from spruce.speculative.adaptive_policy import (PLAIN, PROBE_FIRST, REUSE_STEPS, SPECULATIVE, AdaptivePolicy,
+                                                 LinearCost)
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -210,3 +211,64 @@ def test_incomplete_cost_table_is_refused():
     with pytest.raises(ValueError, match=r"device_seconds lacks \[\('speculative', 8\)\]"):
         AdaptivePolicy(BUCKETS, {(c, b): 1.0 for c in (PLAIN, SPECULATIVE) for b in BUCKETS if (c, b) !=
                                  (SPECULATIVE, 8)}, overlapped=True, max_accept=3)
+
+
+def test_a_plain_choice_stands_for_the_same_batch_until_something_changes():
+    """`repeat` (the plain fast path): after a model choice of plain, up to REUSE_STEPS steps reuse it, counted as
+    plain steps; a round's new acceptance, a due probe, or the reuse budget ends it; a probe is never skipped."""
+    p = policy()
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    assert p.repeat() is False  # nothing decided yet
+    assert p.decide(reqs).choice == PLAIN
+    assert all(p.repeat() for _ in range(PROBE_FIRST - 1)) and p.repeat() is False  # the probe is due next
+    d = p.decide(reqs)
+    assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat() is False
+    assert p.decide(reqs).choice == PLAIN and p.repeat()
+    p.accepted(reqs[0], 0)  # a round's result: decide afresh
+    assert p.repeat() is False
+    assert p.chosen == {PLAIN: PROBE_FIRST + 2, SPECULATIVE: 1} and p.probes == 1
+    assert p.decide(reqs).choice == PLAIN
+    left = 2 * PROBE_FIRST - 3  # model choices until the next probe (its interval doubled; 3 made since it)
+    assert sum(p.repeat() for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
+
+
+def test_round_resolve_is_charged_to_the_round():
+    """Overlap: a step's results are read after the next step's launch, so the interval after launching a probe
+    round holds the previous plain step's resolve, and the round's own resolve falls in the plain step after it.
+    Host work per step here: launch 0.3 ms (plain) / 1 ms (round), resolve 0.5 / 3 ms, scheduling 1.5 ms: a plain
+    step costs 2.3 ms, a round 5.5 ms, and with 1.19 tokens per round plain is 2x better. Counting intervals alone
+    gave the probe round 3 ms (1 + 0.5 + 1.5) and, as rounds kept coming, chose them; with resolves measured and
+    charged to their own step, each choice costs what it does."""
+    clock = Clock()
+    p = policy(plain=0.2e-3, spec=0.4e-3, clock=clock)  # device time small: host-bound
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 0)
+    for q in reqs:
+        p.accepted(q, 1)  # EMA 0.5 then the rounds below
+    launch, resolve, plan = {PLAIN: 0.3e-3, SPECULATIVE: 1e-3}, {PLAIN: 0.5e-3, SPECULATIVE: 3e-3}, 1.5e-3
+    previous = None
+    for step in range(40):
+        choice = SPECULATIVE if step % 4 == 1 else PLAIN  # forced: a round every 4 steps
+        p.decide(reqs)
+        clock.now += launch[choice]
+        if previous is not None:  # overlap: the previous step is resolved after this launch
+            clock.now += resolve[previous]
+            p.waited(resolve[previous])  # what the strategy reports: resolve_s
+            p.resolved_host(previous, 4, resolve[previous])
+        clock.now += plan
+        p._last_launch = (p._last_launch[0], choice, 4)  # the forced choice's sample
+        previous = choice
+    assert p.host_seconds[(PLAIN, 4)] == pytest.approx(0.3e-3 + plan, rel=1e-3)
+    assert p.host_seconds[(SPECULATIVE, 4)] == pytest.approx(1e-3 + plan, rel=1e-3)
+    assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
+    assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
+    for q in reqs:
+        p._accept[q] = 0.19
+    assert p.decide(reqs).choice == PLAIN
+    p.resolve_seconds.clear()  # the interval alone (before): the round's resolve missing, a plain one's in
+    p.host_seconds[(SPECULATIVE, 4)] = 1e-3 + 0.5e-3 + plan
+    p.host_seconds[(PLAIN, 4)] = 0.3e-3 + 0.5e-3 + plan
+    for q in reqs:
+        p._accept[q] = 1.0
+    assert p.decide(reqs).choice == SPECULATIVE  # 2 tokens / 3 ms > 1 / 2.3 ms, though really 2 / 5.5 ms

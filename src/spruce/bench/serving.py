@@ -199,12 +199,12 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spr
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values())
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_host_seconds",
-                   "spruce_adaptive_catch_up_seconds")
+                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_catch_up_seconds")
 
 
 async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,host}_seconds: {choice: {bucket: s}}; catch_up_seconds:
+    adaptive speculation's cost tables ({device,host,resolve}_seconds: {choice: {bucket: s}}; catch_up_seconds:
     {device|host: {fixed|per_position: s}}; empty when not adaptive); nothing if it does not answer within
     `timeout` seconds."""
     try:

@@ -409,7 +409,8 @@ class Engine:
             t0 = time.perf_counter()
             if step.done is not None:
                 step.done.synchronize()
-            waited = time.perf_counter() - t0
+            t_read = time.perf_counter()
+            waited = t_read - t0
             rows = step.result.tolist()
             packed = step.logprobs.host.tolist() if step.logprobs is not None else None
         for q in step.reqs:
@@ -436,7 +437,8 @@ class Engine:
                 self._final_text.append(q)
                 self.scheduler.finish(q, "stop")  # the grammar is complete: nothing but eos may follow
             touched[q.request_id] = q
-        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited)
+        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited,
+                               resolve_s=time.perf_counter() - t_read)
 
     # --- logprobs (runtime/logprobs.py) -----------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str | None:

@@ -23,8 +23,10 @@ class SpecStats:
     committed_tokens: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)  # [S]: rounds whose depth d+1 was accepted
     accept_length_counts: list[int] = field(default_factory=list)  # [S+1]: rounds that accepted a drafts
+    _dict: dict | None = field(default=None, repr=False, compare=False)  # as_dict's, until the next round
 
     def add_round(self, accepted: int, num_steps: int) -> None:
+        self._dict = None
         if not self.accepted_per_depth:
             self.accepted_per_depth = [0] * num_steps
             self.accept_length_counts = [0] * (num_steps + 1)
@@ -43,13 +45,18 @@ class SpecStats:
         return [v / self.rounds for v in self.accepted_per_depth] if self.rounds else []
 
     def as_dict(self) -> dict:
-        return {
-            "rounds": self.rounds,
-            "committed_tokens": self.committed_tokens,
-            "mean_accept_length": round(self.mean_accept_length, 4),
-            "accept_rate_per_depth": [round(r, 4) for r in self.accept_rate_per_depth],
-            "accept_length_counts": list(self.accept_length_counts),
-        }
+        """The statistics as a dict, built once per round and shared by every output until the next round (every
+        output of a speculative engine carries one, so adaptive plain steps must not build it anew): read it, do
+        not modify it."""
+        if self._dict is None:
+            self._dict = {
+                "rounds": self.rounds,
+                "committed_tokens": self.committed_tokens,
+                "mean_accept_length": round(self.mean_accept_length, 4),
+                "accept_rate_per_depth": [round(r, 4) for r in self.accept_rate_per_depth],
+                "accept_length_counts": list(self.accept_length_counts),
+            }
+        return self._dict
 
 
 @dataclass(eq=False)  # identity: queues look requests up by object, never by comparing their fields

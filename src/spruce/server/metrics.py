@@ -244,7 +244,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                      for c, v in sorted(d[key].items())])
     for key, help in (("device_seconds", "Device seconds per step, measured online (EMA; until a choice has run "
                                          "at a bucket: measured at start-up over padding rows)."),
-                      ("host_seconds", "Host seconds per step around the device, measured online (EMA).")):
+                      ("host_seconds", "Host seconds per step around the device, measured online (EMA), less the "
+                                       "time reading the step's own results (resolve_seconds)."),
+                      ("resolve_seconds", "Host seconds reading and applying a step's own results, measured online "
+                                          "(EMA); a step costs device (+) host + resolve.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])

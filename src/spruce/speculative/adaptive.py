@@ -12,8 +12,11 @@ Pieces:
   fresh prefill. A plain step whose batch holds a request lagging by `Limits.draft_lag_window` positions catches
   up first too (the ring would overwrite a feature not consumed yet);
 - `AdaptivePolicy` (speculative/adaptive_policy.py): the rule, the acceptance EMAs and the cost clocks, fed here
-  with each step's device time (events around its launch, read when its result is read: no extra sync) and the
-  catch-up's cost;
+  with each deciding step's device time (events around its launch, read when its result is read: no extra sync),
+  the host time of reading its results, and the catch-up's cost;
+- the plain fast path: while the policy's last decision (a model choice of plain) stands (`AdaptivePolicy.repeat`)
+  and the batch is the same requests, `choose` returns the plain strategy itself. Such a step is exactly a plain
+  engine's step plus one lag increment per request: no decision object, no timing events, no wrapper;
 - the start-up device time table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's
   decode step run over padding rows (the dummy row) and timed, the median of a few runs. It is the policy's prior
   until a candidate has run at a bucket. Graph buckets replay their captured graphs; larger batches run eagerly,
@@ -85,6 +88,8 @@ class AdaptiveDecoding(DecodeStrategy):
         self.last_decision: Decision | None = None
         self.cuda = r.device.type == "cuda"
         self._events: list[torch.cuda.Event] = []  # timing events of resolved steps, reused
+        self._plain_batch: list | None = None  # the requests of the last decided step, if it was a plain step
+        self._plain_steps_left = 0  # plain steps that batch may still take before a request's lag fills the ring
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
@@ -97,11 +102,17 @@ class AdaptiveDecoding(DecodeStrategy):
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list) -> AdaptiveStep:
-        """The next decode step over `requests` (called right before its launch): a round, or a plain step.
+    def choose(self, requests: list) -> AdaptiveStep | PlainDecoding:
+        """The next decode step over `requests` (called right before its launch): a round, or a plain step (the
+        plain strategy itself while the last decision stands for this batch: see the module docstring).
 
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
+        if self._plain_steps_left > 0 and requests == self._plain_batch and self.policy.repeat():
+            self._plain_steps_left -= 1  # every lag stays below the window: no catch-up is due
+            for q in requests:
+                q.draft_lag += 1
+            return self.plain
         d = self.policy.decide(requests, sum(q.draft_lag for q in requests))
         self.last_decision = d
         spec = d.choice == SPECULATIVE
@@ -110,6 +121,8 @@ class AdaptiveDecoding(DecodeStrategy):
         lagging = [_lagging(q) for q in requests if q.draft_lag] if catch_up else []
         for q in requests:
             q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
+        self._plain_batch = None if spec else requests
+        self._plain_steps_left = 0 if spec else window - max(q.draft_lag for q in requests)
         return AdaptiveStep(self, d, lagging)
 
     def run(self, step: AdaptiveStep, rows: list[int], max_kv: int, sampling: SamplingTensors,
@@ -132,13 +145,16 @@ class AdaptiveDecoding(DecodeStrategy):
             self.policy.waited(time.perf_counter() - t0)
         return out
 
-    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float) -> None:
-        """A step's results were read after waiting `waited_s` on the device: feed the policy (a decode step's
-        device time from its marks, which completed before its result; a round's acceptance)."""
-        self.policy.waited(waited_s)
-        if step is None:
+    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float,
+                 resolve_s: float = 0.0) -> None:
+        """A step's results were read after waiting `waited_s` on the device and applied in `resolve_s` host
+        seconds: feed the policy (a decided step's device time from its marks, which completed before its result,
+        and its resolve time; a round's acceptance)."""
+        self.policy.waited(waited_s + resolve_s)
+        if step is None or step is self.plain:  # a prefill, or a plain step the last decision stood for
             return
         d, m = step.decision, step.marks
+        self.policy.resolved_host(d.choice, d.bucket, resolve_s)
         catch_up_s = 0.0
         if step.lagging:
             catch_up_s = self._elapsed(m["catch_up_start"], m["catch_up_end"])

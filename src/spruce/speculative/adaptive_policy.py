@@ -13,9 +13,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
     (speculative/adaptive.py, padding rows) stands in.
-  - H, the host's time per step (scheduling, launching, reading results, serving): the time between consecutive
-    decode launches minus the time the host waited on the device in between [minus the step's own device work,
-    on the CPU]. Until c has run at b it borrows the other candidate's H.
+  - H, the host's time per step (scheduling, launching, reading results, serving), in two parts:
+    - the time between a decode launch and the next one minus the time the host waited on the device in between
+      [minus the step's own device work, on the CPU] and minus the time it spent reading and applying results;
+    - R, the host seconds of reading and applying the step's own results (its resolve). Under overlap a step's
+      results are read after the next step's launch, so without this split a round's resolve (more tokens per
+      request, the acceptance bookkeeping) was charged to the step after it, usually a plain step: rounds looked
+      cheaper and plain steps dearer than they are (test_round_resolve_is_charged_to_the_round).
+    Until c has run at b it borrows the other candidate's H and R.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
   H alone never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
   start-up table runs padding rows, which attend to no context, and a round reads its context more than a plain
@@ -29,6 +34,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   once ("probe"); a probe that does not change the model's choice doubles that interval (16 .. 1024), a change
   of the model's choice resets it.
 - Ties go to plain (the cheaper step).
+- A model choice of plain stands for up to `REUSE_STEPS` further steps over the same batch (`repeat`): those
+  steps skip the evaluation and the timing, so an adaptive engine that decodes plainly costs the host what a
+  plain engine does. Only the steps that decide are timed (host interval, resolve, device events). Rounds, probes,
+  a changed batch, a round's new acceptance and a probe due all decide afresh.
 
 Pure Python and torch-free: the unit tests feed it numbers.
 """
@@ -47,6 +56,7 @@ GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without
 COST_ALPHA = 0.1  # host and device seconds per step EMAs, and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # a host sample this many times the EMA is an idle gap, not a step: ignored
 PROBE_FIRST, PROBE_MAX = 16, 1024
+REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
 
 
 def _other(choice: str) -> str:
@@ -126,6 +136,7 @@ class AdaptivePolicy:
     max_accept: int
     clock: Callable[[], float] = time.perf_counter
     host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    resolve_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     measured_device_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     global_accept: float | None = None
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHOICES, 0))
@@ -143,6 +154,9 @@ class AdaptivePolicy:
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
         self.catch_up_device = LinearCost()
         self.catch_up_host = LinearCost()
+        self._reuse_left = 0  # further steps the last decision (a model choice of plain) stands for
+        self._reuse_state: _BucketState | None = None  # its bucket's state
+        self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
 
     # --- the choice ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -166,7 +180,8 @@ class AdaptivePolicy:
         """t(choice, bucket) = D (+) H; H borrowed from the other choice until this one has run here. A round
         over drafts missing `catch_up_positions` positions adds the catch-up's D and H."""
         d = self.device(choice, bucket)
-        h = self.host_seconds.get((choice, bucket), self.host_seconds.get((_other(choice), bucket), 0.0))
+        h = (_own_or_other(self.host_seconds, choice, bucket)
+             + _own_or_other(self.resolve_seconds, choice, bucket))
         if choice == SPECULATIVE and catch_up_positions:
             d += self.catch_up_device.predict(catch_up_positions)
             h += self.catch_up_host.predict(catch_up_positions)
@@ -193,7 +208,28 @@ class AdaptivePolicy:
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket)
+        if d.choice == PLAIN and d.reason == "model":
+            self._reuse_left, self._reuse_state = min(REUSE_STEPS, st.probe_after - st.streak), st
+        else:
+            self._reuse_left = 0
+        self._tables = None
         return d
+
+    def repeat(self) -> bool:
+        """The next step runs over the same batch as the last decision (the caller checks that): True when that
+        decision, a model choice of plain, stands for it (counted as a plain step, not timed); False when the step
+        must be decided (`decide`): a round or a probe ran, the batch's acceptance changed, a probe is due, or
+        REUSE_STEPS steps have passed."""
+        if self._reuse_left <= 0:
+            return False
+        self._reuse_left -= 1
+        self._reuse_state.streak += 1
+        self.chosen[PLAIN] += 1
+        if self._last_launch is not None:  # the host interval the deciding step opened ends here
+            t0, choice, bucket = self._last_launch
+            self._add_host_sample(choice, bucket, max(self.clock() - t0 - self._not_host, 0.0))
+            self._last_launch = None
+        return True
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
     def _launched(self, choice: str, bucket: int) -> None:
@@ -207,12 +243,8 @@ class AdaptivePolicy:
         self._not_host = 0.0
 
     def _add_host_sample(self, choice: str, bucket: int, seconds: float) -> None:
-        key = (choice, bucket)
-        old = self.host_seconds.get(key)
-        if old is None:
-            self.host_seconds[key] = seconds
-        elif seconds <= OUTLIER_FACTOR * max(old, 1e-6):
-            self.host_seconds[key] = old + COST_ALPHA * (seconds - old)
+        _ema(self.host_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+        self._tables = None
 
     def break_chain(self) -> None:
         """A non-decode step (prefill) or an idle gap: the next decode launch starts a new measurement."""
@@ -221,15 +253,19 @@ class AdaptivePolicy:
 
     def waited(self, seconds: float) -> None:
         """Seconds since the last decode launch that were not its host overhead: the host blocked on the device,
-        ran device work itself (CPU), or launched a catch-up (counted in the catch-up's own cost)."""
+        ran device work itself (CPU), launched a catch-up (counted in the catch-up's own cost) or read a step's
+        results (counted in that step's resolve seconds)."""
         self._not_host += seconds
+
+    def resolved_host(self, choice: str, bucket: int, seconds: float) -> None:
+        """The host spent `seconds` reading and applying the results of a step of `choice` at `bucket` (R)."""
+        _ema(self.resolve_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+        self._tables = None
 
     def measured(self, choice: str, bucket: int, device_seconds: float) -> None:
         """A launched step of `choice` at `bucket` took `device_seconds` on the device (without its catch-up)."""
-        key = (choice, bucket)
-        old = self.measured_device_seconds.get(key)
-        self.measured_device_seconds[key] = (device_seconds if old is None
-                                             else old + COST_ALPHA * (device_seconds - old))
+        _ema(self.measured_device_seconds, (choice, bucket), device_seconds)
+        self._tables = None
 
     def caught_up(self, positions: int, device_seconds: float, host_seconds: float) -> None:
         """A catch-up over `positions` missing positions took `device_seconds` on the device and `host_seconds` to
@@ -238,6 +274,7 @@ class AdaptivePolicy:
         self.catch_up_positions += positions
         self.catch_up_device.add(positions, device_seconds)
         self.catch_up_host.add(positions, host_seconds)
+        self._tables = None
 
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens."""
@@ -245,12 +282,22 @@ class AdaptivePolicy:
         self._accept[request] = float(drafts) if own is None else own + REQUEST_ALPHA * (drafts - own)
         g = self.global_accept
         self.global_accept = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
+        self._reuse_left = 0  # the batch's expected tokens changed: decide the next step afresh
 
     # --- reporting ----------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
-        """What /metrics shows: per bucket the last decision and its reason, the cost tables, the counts."""
+        """What /metrics shows: per bucket the last decision and its reason, the cost tables, the counts. The
+        server takes one after every step, so the tables are rebuilt only after they changed (a decision, a
+        sample); the counts are read each time."""
+        if self._tables is None:
+            self._tables = self._build_tables()
+        return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
+                "global_accept": self.global_accept, "catch_ups": self.catch_ups,
+                "catch_up_positions": self.catch_up_positions}
+
+    def _build_tables(self) -> dict:
         def per_choice(value) -> dict:
-            return {c: {b: value(c, b) for b in self.buckets if value(c, b) is not None} for c in CHOICES}
+            return {c: {b: v for b in self.buckets if (v := value(c, b)) is not None} for c in CHOICES}
 
         fixed, per = self.catch_up_device.coefficients()
         host_fixed, host_per = self.catch_up_host.coefficients()
@@ -258,8 +305,22 @@ class AdaptivePolicy:
             "buckets": {b: st.last.as_dict() for b, st in self._state.items() if st.last is not None},
             "device_seconds": per_choice(self.device),
             "host_seconds": per_choice(lambda c, b: self.host_seconds.get((c, b))),
-            "chosen": dict(self.chosen), "probes": self.probes, "global_accept": self.global_accept,
-            "catch_ups": self.catch_ups, "catch_up_positions": self.catch_up_positions,
+            "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
+
+
+def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int) -> float:
+    """The choice's entry at the bucket, else the other choice's (not run here yet), else 0."""
+    return table.get((choice, bucket), table.get((_other(choice), bucket), 0.0))
+
+
+def _ema(table: dict, key, sample: float, outlier: float | None = None) -> None:
+    """Fold `sample` into table[key] (EMA, COST_ALPHA; the first sample sets it). With `outlier`, a sample that
+    many times the current value is dropped (an idle gap, not a step)."""
+    old = table.get(key)
+    if old is None:
+        table[key] = sample
+    elif outlier is None or sample <= outlier * max(old, 1e-6):
+        table[key] = old + COST_ALPHA * (sample - old)

@@ -111,9 +111,10 @@ class DecodeStrategy:
         `speculative` and this class's `decode` (a fixed strategy: itself; adaptive speculation: one step)."""
         return self
 
-    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float) -> None:
-        """A step's result rows were read (after the host waited `waited_s` on the device); `step` is what
-        `choose` returned for it (None: a prefill step)."""
+    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float,
+                 resolve_s: float = 0.0) -> None:
+        """A step's result rows were read (after the host waited `waited_s` on the device) and applied (in
+        `resolve_s` host seconds); `step` is what `choose` returned for it (None: a prefill step)."""
 
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""

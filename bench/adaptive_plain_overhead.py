@@ -1,0 +1,165 @@
+"""What an adaptive engine's plain step costs on the host beyond a plain engine's step (issue 16, finding 1).
+
+Two engines on the same target: plain decoding, and `speculative_adaptive=True` whose start-up table prices
+rounds out (1 s each), so that its model chooses plain as it does on a host-bound model; its probes are turned into
+plain steps too (they still decide afresh, as probes do). Greedy, batch sizes given, every
+request decoding (prompts prefilled first). Each decode step's wall time is split into:
+- forward: the DECODE phase function (target forward, token selection; adaptive: also the feature ring store),
+  which is device work on a GPU (one graph replay there);
+- host: the rest of `Engine.step` (on a GPU also the time blocked on the device: compare `block` there), with the
+  strategy's choose and resolved (both engines' wrapped alike) and, separately, `Engine.stats()`, which the
+  server's engine loop takes after every step (server/engine_loop.py);
+- block: wall seconds per step over the whole run of steps (stats included), synchronised at its ends only: on a
+  GPU, the figure to compare (overlap keeps the device busy while the host works).
+Engines alternate per repeat and medians are taken, so the other processes on a shared CPU weigh on both alike.
+
+Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--batch-sizes 1 8] [--steps 200]
+    [--repeats 5] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from spruce import LLM, SamplingParams
+from spruce.bench.common import device_name, git_commit
+from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
+
+PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n"
+
+
+class Clocks:
+    """Seconds spent inside wrapped callables, per name, for the current step."""
+
+    def __init__(self):
+        self.step: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.step[name] += time.perf_counter() - t0
+        return timed
+
+
+def build(adaptive: bool, bs: int, device: str, clocks: Clocks) -> LLM:
+    kw = dict(page_size=16, max_running_requests=max(bs, 8), device=device, context_length=2048)
+    if device == "cuda":
+        kw.update(dtype="bfloat16")
+    if adaptive:
+        kw.update(draft_model=str(builtin_draft_path()), speculative_num_steps=5, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=8, speculative_adaptive=True)
+    llm = LLM(str(builtin_model_path()), **kw)
+    engine = engine_of(llm)
+    if adaptive:
+        strategy = engine.strategy
+        policy = strategy.policy
+        for b in policy.buckets:  # rounds priced out: the model chooses plain, as on a host-bound model
+            policy.device_seconds[(SPECULATIVE, b)] = 1.0
+        decide = policy.decide
+
+        def plain_only(requests, *args):  # the real decide runs (its cost is measured); probes stay plain too
+            d = decide(requests, *args)
+            d.choice = PLAIN
+            return d
+
+        policy.decide = plain_only
+        plain = strategy.plain
+    else:
+        plain = engine.strategy
+    strategy = engine.strategy  # both engines' per-step hooks wrapped alike (the wrapper's cost cancels)
+    strategy.choose = clocks.wrap("choose", strategy.choose)
+    strategy.resolved = clocks.wrap("resolved", strategy.resolved)
+    plain._decode_phase = clocks.wrap("forward", plain._decode_phase)
+    return llm
+
+
+def engine_of(llm: LLM):
+    return llm.engine
+
+
+def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync) -> dict[str, list[float]]:
+    """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts."""
+    engine = engine_of(llm)
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    ids = [engine.add_request(PROMPT, params) for _ in range(bs)]
+    while any(q.status.value != "decode" for q in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(8):  # settle: the first decode steps fill static rows
+        engine.step()
+    out = defaultdict(list)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):  # no per-step sync: on a GPU the steps overlap as when serving
+        clocks.step.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        engine.stats()
+        t2 = time.perf_counter()
+        out["step"].append(t1 - t0)
+        out["stats"].append(t2 - t1)
+        for k in ("forward", "choose", "resolved"):
+            out[k].append(clocks.step.get(k, 0.0))
+    sync()
+    out["block"].append((time.perf_counter() - start) / steps)  # wall per step, stats() included
+    for rid in ids:
+        engine.abort(rid)
+    engine.drain()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    results = []
+    for bs in args.batch_sizes:
+        clocks = {name: Clocks() for name in ("plain", "adaptive")}
+        llms = {name: build(name == "adaptive", bs, args.device, clocks[name]) for name in clocks}
+        samples = {name: defaultdict(list) for name in llms}
+        for _ in range(args.repeats):
+            for name, llm in llms.items():
+                for k, v in measure(llm, bs, args.steps, clocks[name], sync).items():
+                    samples[name][k].extend(v)
+        row = {"batch_size": bs}
+        for name, s in samples.items():
+            med = {k: statistics.median(v) * 1e3 for k, v in s.items()}
+            host = [a - b for a, b in zip(s["step"], s["forward"])]
+            med["host"] = statistics.median(host) * 1e3
+            med["host_with_stats"] = statistics.median(h + st for h, st in zip(host, s["stats"])) * 1e3
+            row[name] = {k: round(v, 4) for k, v in med.items()}
+        p, a = row["plain"], row["adaptive"]
+        row["extra_host_ms"] = round(a["host"] - p["host"], 4)
+        row["extra_host_with_stats_ms"] = round(a["host_with_stats"] - p["host_with_stats"], 4)
+        row["host_ratio"] = round(a["host"] / p["host"], 4)
+        row["host_with_stats_ratio"] = round(a["host_with_stats"] / p["host_with_stats"], 4)
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        del llms
+    Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
+                                          "steps": args.steps, "repeats": args.repeats,
+                                          "unit": "milliseconds per decode step (medians)", "runs": results},
+                                         indent=1))
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
