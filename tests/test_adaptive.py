@@ -28,14 +28,10 @@ from spruce.speculative.strategy import PlainDecoding
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
 from oracle_draft import install_oracle
+from test_overlap import PROMPTS as OVERLAP_PROMPTS
 
 TARGET = builtin_model_path()
-PROMPTS = [
-    "def fib(n):\n    ",
-    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n",
-    "for i in range(10):",
-    "x = [",
-]
+PROMPTS = OVERLAP_PROMPTS[:4]
 MAX_NEW = 16
 
 

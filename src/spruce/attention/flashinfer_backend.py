@@ -33,6 +33,7 @@ Model shapes (heads, KV heads, head dim, scale) are learned from the first forwa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import flashinfer
@@ -283,7 +284,7 @@ class FlashInferAttention(AttentionBackend):
         DRAFT_EXTEND) they are the tokens of kv length 0, which the prefix half (one floor per request) does not
         know; tree phases have padding rows only, whose floor is 0, so both halves are empty (-inf / NaN)."""
         t, heads, dim = o_prefix.shape
-        group = max(g for g in range(1, heads + 1) if heads % g == 0 and g * dim <= MERGE_MAX_BLOCK_ELEMENTS)
+        group = _heads_per_merge_row(heads, dim)
         rows = t * heads // group  # merge_state is per (token, head): fold heads into rows to fit its thread block
         out, lse = flashinfer.merge_state(o_prefix.reshape(rows, group, dim), lse_prefix.reshape(rows, group),
                                           o_tail.reshape(rows, group, dim), lse_tail.reshape(rows, group))
@@ -293,3 +294,10 @@ class FlashInferAttention(AttentionBackend):
         else:
             seen = torch.isfinite(lse)[..., None]  # [T, Hq, 1]
         return torch.where(seen, out, 0.0).to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _heads_per_merge_row(heads: int, dim: int) -> int:
+    """The most heads one merge_state row may hold: the largest divisor g of `heads` with g x dim within one
+    thread block (MERGE_MAX_BLOCK_ELEMENTS). Cached: every layer's forward asks with the same shape."""
+    return max(g for g in range(1, heads + 1) if heads % g == 0 and g * dim <= MERGE_MAX_BLOCK_ELEMENTS)

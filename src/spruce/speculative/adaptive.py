@@ -65,7 +65,7 @@ class AdaptiveStep:
 
     @property
     def catch_up_positions(self) -> int:
-        return sum(g.end - g.start for g in self.lagging)
+        return sum(g.pairs for g in self.lagging)
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:

@@ -47,8 +47,13 @@ class LaggingDraft:
     end: int
     next_tokens: list[int]
 
+    @property
+    def pairs(self) -> int:
+        """Positions the draft misses: end - start."""
+        return self.end - self.start
+
     def __post_init__(self):
-        if not 0 <= self.start < self.end or len(self.next_tokens) != self.end - self.start - 1:
+        if not 0 <= self.start < self.end or len(self.next_tokens) != self.pairs - 1:
             raise InvariantError(f"lagging draft of row {self.row}: pairs [{self.start}, {self.end}) with "
                                  f"{len(self.next_tokens)} next tokens (need start < end and end - start - 1 tokens)")
 
@@ -134,14 +139,16 @@ class EagleWorker(DecodeStrategy):
         round runs exactly as after a fresh prefill."""
         budget = self.runner.limits.max_tokens_per_forward
         group: list[LaggingDraft] = []
+        size = 0  # pairs in `group`
         for entry in lagging:
-            if entry.end - entry.start > budget:
-                raise InvariantError(f"row {entry.row}: its draft lags {entry.end - entry.start} positions, more "
-                                     f"than one forward holds ({budget}); Limits.draft_lag_window bounds the lag")
-            if sum(g.end - g.start for g in group) + entry.end - entry.start > budget:
+            if entry.pairs > budget:
+                raise InvariantError(f"row {entry.row}: its draft lags {entry.pairs} positions, more than one "
+                                     f"forward holds ({budget}); Limits.draft_lag_window bounds the lag")
+            if size + entry.pairs > budget:
                 self._catch_up_batch(group, ring)
-                group = []
+                group, size = [], 0
             group.append(entry)
+            size += entry.pairs
         if group:
             self._catch_up_batch(group, ring)
 
@@ -151,7 +158,7 @@ class EagleWorker(DecodeStrategy):
         r = self.runner
         rows = [g.row for g in lagging]
         batch = r.builder.extend(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging])
-        ends = list(itertools.accumulate(g.end - g.start for g in lagging))
+        ends = list(itertools.accumulate(g.pairs for g in lagging))
         host = torch.tensor([[e - 1 for e in ends], rows], dtype=torch.int64)
         last, rows_t = host.to(r.device, non_blocking=True).unbind(0)  # [n] index of each last pair, its row
         batch.input_ids[last] = r.row_state.last_token[rows_t]
