@@ -151,16 +151,19 @@ def step(self, *a, **k):
         raise RuntimeError("injected fault")
     return real(self, *a, **k)
 Engine.step = step
-sys.exit(main(["serve", "--port", "0", "--disable-speculative", "--context-length", "128"]))
+sys.exit(main(["serve", "--port", "0", "--disable-speculative", "--context-length", "128", *sys.argv[1:]]))
 """
 
 
-def test_spruce_serve_exits_70_for_a_supervisor(tmp_path):
-    """The process itself: a request gets its 500 and `spruce serve` exits with code 70."""
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["exit-70", "keep-alive"])
+def test_spruce_serve_exits_70_for_a_supervisor(tmp_path, keep_alive):
+    """The process itself: a request gets its 500 and `spruce serve` exits with code 70; with
+    --keep-alive-on-engine-failure it stays up and /health answers 503 naming the failure."""
     log = tmp_path / "serve.log"
+    flags = ["--keep-alive-on-engine-failure"] if keep_alive else []
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAULT], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAULT, *flags], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 60
         while not (found := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())):
@@ -169,12 +172,18 @@ def test_spruce_serve_exits_70_for_a_supervisor(tmp_path):
         r = httpx.post(f"{found.group(1)}/v1/completions", json={**BODY, "prompt": "def f(x):\n", "max_tokens": 50},
                        timeout=30)
         assert r.status_code == 500 and FAULT in r.json()["error"]["message"], r.text
-        assert proc.wait(30) == ENGINE_FAILED_EXIT_CODE, log.read_text()[-3000:]
+        if keep_alive:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(2)  # the server ticks every 0.1 s: an exit on failure would have happened by now
+            health = httpx.get(f"{found.group(1)}/health", timeout=30)
+            assert health.status_code == 503 and FAULT in health.text, health.text
+        else:
+            assert proc.wait(30) == ENGINE_FAILED_EXIT_CODE, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert "exit code 70" in log.read_text()
+    assert ("exit code 70" in log.read_text()) != keep_alive
 
 
 # --- the serving benchmark client -----------------------------------------------------------------------------
