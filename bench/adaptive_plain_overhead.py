@@ -14,7 +14,7 @@ request decoding (prompts prefilled first). Each decode step's wall time is spli
 Engines alternate per repeat and medians are taken, so the other processes on a shared CPU weigh on both alike.
 
 Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--batch-sizes 1 8] [--steps 200]
-    [--repeats 5] [--device cpu]
+    [--repeats 5] [--device cpu] [--model DIR --draft DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import json
 import os
 import statistics
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -53,14 +55,14 @@ class Clocks:
         return timed
 
 
-def build(adaptive: bool, bs: int, device: str, clocks: Clocks) -> LLM:
+def build(adaptive: bool, bs: int, device: str, clocks: Clocks, model: str, draft: str) -> LLM:
     kw = dict(page_size=16, max_running_requests=max(bs, 8), device=device, context_length=2048)
     if device == "cuda":
         kw.update(dtype="bfloat16")
     if adaptive:
-        kw.update(draft_model=str(builtin_draft_path()), speculative_num_steps=5, speculative_eagle_topk=4,
+        kw.update(draft_model=draft, speculative_num_steps=5, speculative_eagle_topk=4,
                   speculative_num_draft_tokens=8, speculative_adaptive=True)
-    llm = LLM(str(builtin_model_path()), **kw)
+    llm = LLM(model, **kw)
     engine = engine_of(llm)
     if adaptive:
         strategy = engine.strategy
@@ -89,8 +91,9 @@ def engine_of(llm: LLM):
     return llm.engine
 
 
-def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync) -> dict[str, list[float]]:
-    """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts."""
+def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync, syncs: Counter | None = None) -> dict[str, list[float]]:
+    """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts. With `syncs`
+    (CUDA), torch's sync debug mode is on during the timed steps and each synchronising call site is counted."""
     engine = engine_of(llm)
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
     ids = [engine.add_request(PROMPT, params) for _ in range(bs)]
@@ -100,6 +103,12 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync) -> dict[str, li
         engine.step()
     out = defaultdict(list)
     sync()
+    if syncs is not None:
+        caught = warnings.catch_warnings()
+        caught.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *rest, **kw: syncs.update([_call_site(message)])
+        torch.cuda.set_sync_debug_mode("warn")
     start = time.perf_counter()
     for _ in range(steps):  # no per-step sync: on a GPU the steps overlap as when serving
         clocks.step.clear()
@@ -114,10 +123,20 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync) -> dict[str, li
             out[k].append(clocks.step.get(k, 0.0))
     sync()
     out["block"].append((time.perf_counter() - start) / steps)  # wall per step, stats() included
+    if syncs is not None:
+        torch.cuda.set_sync_debug_mode("default")
+        caught.__exit__(None, None, None)
     for rid in ids:
         engine.abort(rid)
     engine.drain()
     return out
+
+
+def _call_site(message) -> str:
+    """Where a sync warning was raised (called while it is being shown): spruce's two innermost frames."""
+    frames = [f for f in traceback.extract_stack() if "/spruce/" in f.filename and "bench/adaptive" not in f.filename]
+    where = " < ".join(f"{f.filename.rsplit('/spruce/', 1)[-1]}:{f.lineno}" for f in frames[-2:][::-1]) or "?"
+    return f"{where}: {str(message)[:60]}"
 
 
 def main() -> None:
@@ -127,18 +146,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="CUDA: count the call sites that synchronise with the device during the timed steps")
+    ap.add_argument("--model", default=str(builtin_model_path()), help="target (default: the bundled demo)")
+    ap.add_argument("--draft", default=str(builtin_draft_path()), help="EAGLE draft (default: the bundled demo's)")
     args = ap.parse_args()
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     results = []
     for bs in args.batch_sizes:
         clocks = {name: Clocks() for name in ("plain", "adaptive")}
-        llms = {name: build(name == "adaptive", bs, args.device, clocks[name]) for name in clocks}
+        llms = {name: build(name == "adaptive", bs, args.device, clocks[name], args.model, args.draft)
+                for name in clocks}
         samples = {name: defaultdict(list) for name in llms}
+        syncs = {name: Counter() for name in llms} if args.sync_debug else {}
         for _ in range(args.repeats):
             for name, llm in llms.items():
-                for k, v in measure(llm, bs, args.steps, clocks[name], sync).items():
+                for k, v in measure(llm, bs, args.steps, clocks[name], sync, syncs.get(name)).items():
                     samples[name][k].extend(v)
         row = {"batch_size": bs}
+        if syncs:
+            row["syncs"] = {name: dict(c.most_common(20)) for name, c in syncs.items()}
         for name, s in samples.items():
             med = {k: statistics.median(v) * 1e3 for k, v in s.items()}
             host = [a - b for a, b in zip(s["step"], s["forward"])]
@@ -154,6 +181,7 @@ def main() -> None:
         results.append(row)
         del llms
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
+                                          "model": args.model, "draft": args.draft,
                                           "steps": args.steps, "repeats": args.repeats,
                                           "unit": "milliseconds per decode step (medians)", "runs": results},
                                          indent=1))
