@@ -1,7 +1,8 @@
 """`spruce bench serving --launch`: the benchmark starts `spruce serve` itself for each configuration (here plain
 and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
-a shared prefix, runs the level twice (two passes, both reported), and writes one result holding every run, with
-adaptive speculation's steps and cost tables. A tiny smoke configuration, so CI keeps it working."""
+a shared prefix, runs the level twice (two passes, both reported) with all four servers up at once and each level
+run on each server in turn (--interleave), and writes one result holding every run, with adaptive speculation's
+steps and cost tables. A tiny smoke configuration, so CI keeps it working."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                "--speculative-num-draft-tokens 3",
                "--server-args", "--device cpu --page-size 4 --max-running-requests 2", "--compare-prefix-cache",
                "--shared-prefix-tokens", "24", "--prompt-tokens", "6", "--max-tokens", "4", "--concurrency", "2",
-               "--num-requests", "3", "--warmup", "1", "--passes", "2", "--prompts", str(prompts),
+               "--num-requests", "3", "--warmup", "1", "--passes", "2", "--interleave", "--prompts", str(prompts),
                "--out-dir", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -47,6 +48,9 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             assert set(lv["adaptive_costs"]) == {"device_seconds", "host_seconds", "resolve_seconds",
                                                    "catch_up_seconds"}
             assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions"}
+    # --interleave: all four servers ran at once, each level on each server in turn, pass after pass
+    starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])
+    assert [k for _, k in starts] == [0, 1, 2, 3, 0, 1, 2, 3]
     summary = result["figures"]["summary"]
     assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed

@@ -12,7 +12,8 @@ serves).
 --server-args; --compare-prefix-cache runs each once more with --disable-radix-cache), drives each through its
 HTTP API like any server, and writes all of them into one result: figures.runs[i] = {name, prefix_cache,
 server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
-pass). `--passes N` runs the levels N times over on each server; every pass is reported.
+pass). `--passes N` runs the levels N times over on each server; every pass is reported. `--interleave` starts
+every configuration at once and runs each level on each server in turn, so a comparison is side by side in time.
 
 No request waits forever: each has `--timeout` seconds in all (connect to last byte). A request that times out,
 finds the server gone, or is refused because its engine failed stops the run: the level sends nothing more
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -78,6 +80,10 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--passes", type=int, default=1,
                    help="run every concurrency level this many times in turn on the same server (each pass is "
                         "reported: levels[i]['pass']), to see how much a figure moves between passes")
+    p.add_argument("--interleave", action="store_true",
+                   help="with several --launch configurations: start them all at once and run each level on each "
+                        "server in turn, pass after pass, so that drifts of the machine weigh on every server "
+                        "alike (needs the memory of all servers at once)")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -247,6 +253,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
 
     metrics_timeout = min(args.timeout, METRICS_TIMEOUT_S)
     before, _ = await _metrics(client, metrics_timeout)
+    started_at = time.time()
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - t0
@@ -262,7 +269,7 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         adaptive |= {key: int(delta.get(name, 0)) for key, name in ADAPTIVE_COUNTERS.items()}
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "concurrency": concurrency, "num_requests": num_requests, "completed": len(ok),
+        "concurrency": concurrency, "num_requests": num_requests, "started_at": started_at, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput_tok_s": out_tokens / duration,
@@ -289,27 +296,39 @@ def _headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def _bench(args, base_url: str, prompts, model: str) -> tuple[list[dict], str | None]:
-    """The levels measured, and why the run stopped early (None: it did not)."""
+async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[list[dict], str | None]]:
+    """Measure every server in `targets` ((base_url, model) each): per server, the levels measured and why its
+    run stopped early (None: it did not). Each pass runs every level on each server in turn (level c on server
+    1, 2, ..., then the next level), so servers measured together see the same machine at the same time."""
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
-    async with httpx.AsyncClient(base_url=base_url, headers=_headers(args), timeout=args.timeout,
-                                 limits=limits) as client:
-        for i in range(args.warmup):
-            res = await _stream_one(client, model, prompts[i % len(prompts)], args)
-            if res.fatal:
-                print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
-                return [], f"warm-up: {res.error}"
-        levels = []
+    clients = [httpx.AsyncClient(base_url=url, headers=_headers(args), timeout=args.timeout, limits=limits)
+               for url, _ in targets]
+    levels: list[list[dict]] = [[] for _ in targets]
+    stopped: list[str | None] = [None] * len(targets)
+    try:
+        for i, (client, (_, model)) in enumerate(zip(clients, targets)):
+            for w in range(args.warmup):
+                res = await _stream_one(client, model, prompts[w % len(prompts)], args)
+                if res.fatal:
+                    print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
+                    stopped[i] = f"warm-up: {res.error}"
+                    break
         for k in range(1, args.passes + 1):
             for c in args.concurrency:
-                n = args.num_requests or max(16, 4 * c)
-                level = await run_level(client, model, prompts, c, n, args) | {"pass": k}
-                _print_level(level)
-                levels.append(level)
-                if level["stopped"]:
-                    print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
-                    return levels, level["stopped"]
-        return levels, None
+                for i, (client, (_, model)) in enumerate(zip(clients, targets)):
+                    if stopped[i]:
+                        continue
+                    n = args.num_requests or max(16, 4 * c)
+                    level = await run_level(client, model, prompts, c, n, args) | {"pass": k}
+                    _print_level(level)
+                    levels[i].append(level)
+                    if level["stopped"]:
+                        print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
+                        stopped[i] = level["stopped"]
+    finally:
+        for client in clients:
+            await client.aclose()
+    return list(zip(levels, stopped))
 
 
 def last_pass(levels: list[dict]) -> list[dict]:
@@ -428,7 +447,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
-    levels, stopped = asyncio.run(_bench(args, args.base_url, prompts, model))
+    [(levels, stopped)] = asyncio.run(_bench(args, [(args.base_url, model)], prompts))
     info = server_info(args.base_url, _headers(args))
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")} | {
         "model": model, "prompts": str(prompts_path), "num_prompts": len(prompts), "server": info}
@@ -455,27 +474,34 @@ def _run_launched(args: argparse.Namespace) -> int:
     common = shlex.split(args.server_args)
     modes = (True, False) if args.compare_prefix_cache else (True,)
     out_dir = Path(args.out_dir)
-    runs, prompts, prompts_path = [], None, None
-    for cache in modes:
-        for cfg in configs:
-            flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
-            label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
-            print(f"== {label}: spruce serve {shlex.join(flags)}")
-            log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
-            try:
-                with LaunchedServer(flags, log, args.launch_timeout) as base_url:
+    servers = [(cfg, cache) for cache in modes for cfg in configs]
+    groups = [servers] if args.interleave else [[server] for server in servers]
+    runs = []
+    prompts_path, prompts = None, None
+    for group in groups:  # the servers of a group run at the same time, measured level by level in turn
+        with contextlib.ExitStack() as stack:
+            targets = []
+            for cfg, cache in group:
+                flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
+                label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
+                print(f"== {label}: spruce serve {shlex.join(flags)}")
+                log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
+                try:
+                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout))
                     model = _served_model(args, base_url)
-                    if prompts is None:
-                        prompts_path, prompts = _prompts_for(args, model)
-                    levels, stopped = asyncio.run(_bench(args, base_url, prompts, model))
-                    info = server_info(base_url, _headers(args))
-            except (RuntimeError, SystemExit) as e:
-                print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
-                return 2
-            if stopped:
-                print(f"spruce bench serving: {label}: stopped early; the server's log is {log}", file=sys.stderr)
-            runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "server": info,
-                         "levels": levels, "stopped": stopped})
+                except (RuntimeError, SystemExit) as e:
+                    print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
+                    return 2
+                if prompts is None:
+                    prompts_path, prompts = _prompts_for(args, model)
+                targets.append((base_url, model))
+                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log)})
+            measured = asyncio.run(_bench(args, targets, prompts))
+            for run, (base_url, _), (levels, stopped) in zip(runs[-len(group):], targets, measured):
+                run |= {"server": server_info(base_url, _headers(args)), "levels": levels, "stopped": stopped}
+                if stopped:
+                    print(f"spruce bench serving: {run['name']}: stopped early; the server's log is {run['log']}",
+                          file=sys.stderr)
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
