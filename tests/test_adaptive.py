@@ -56,10 +56,10 @@ def reference():
 
 
 def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
-    """Device timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size (the
-    start-up table; online device samples are dropped)."""
+    """Device timing replaced: a plain step costs `plain` seconds, a round `spec`, at every batch size, with no
+    launch time (the start-up table; online device samples are dropped)."""
     monkeypatch.setattr(adaptive, "_time_step", lambda strategy, rows, max_kv, cuda:
-                        plain if isinstance(strategy, PlainDecoding) else spec)
+                        (plain if isinstance(strategy, PlainDecoding) else spec, 0.0))
     monkeypatch.setattr(AdaptivePolicy, "measured", lambda self, *a, **kw: None)
 
 

@@ -204,14 +204,16 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spr
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total"}
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values())
-ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_host_seconds",
-                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_catch_up_seconds")
+ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
+                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_other_host_seconds",
+                   "spruce_adaptive_catch_up_seconds")
 
 
 async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,host,resolve}_seconds: {choice: {bucket: s}}; catch_up_seconds:
-    {device|host: {fixed|per_position: s}}; empty when not adaptive); nothing if it does not answer within
+    adaptive speculation's cost tables ({device,launch,resolve}_seconds: {choice: {bucket: s}};
+    other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
+    adaptive); nothing if it does not answer within
     `timeout` seconds."""
     try:
         text = (await client.get("/metrics", timeout=timeout)).text
@@ -227,6 +229,8 @@ async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str,
             table = tables.setdefault(name.split("{")[0].removeprefix("spruce_adaptive_"), {})
             if "choice" in labels:
                 table.setdefault(labels["choice"], {})[labels["bucket"]] = float(value)
+            elif "bucket" in labels:
+                table[labels["bucket"]] = float(value)
             else:
                 table.setdefault(labels["part"], {})[labels["term"]] = float(value)
     return vals, tables

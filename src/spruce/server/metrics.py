@@ -244,13 +244,17 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                      for c, v in sorted(d[key].items())])
     for key, help in (("device_seconds", "Device seconds per step, measured online (EMA; until a choice has run "
                                          "at a bucket: measured at start-up over padding rows)."),
-                      ("host_seconds", "Host seconds per step around the device, measured online (EMA), less the "
-                                       "time reading the step's own results (resolve_seconds)."),
+                      ("launch_seconds", "Host seconds launching a step, measured online (EMA; until a choice has "
+                                         "run at a bucket: measured at start-up; 0 on the CPU, where it is device "
+                                         "work)."),
                       ("resolve_seconds", "Host seconds reading and applying a step's own results, measured online "
-                                          "(EMA); a step costs device (+) host + resolve.")):
+                                          "(EMA); a step costs device (+) (launch + resolve + other host).")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])
+    series("spruce_adaptive_other_host_seconds", "gauge", "Host seconds per decode step outside its launch and "
+           "resolve (scheduling, serving), measured online per bucket over both choices (EMA).",
+           [(f'bucket="{b}"', v) for b, v in sorted(a.get("other_host_seconds", {}).items())])
     series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
     series("spruce_adaptive_probes_total", "counter", "Steps run as probes (the candidate the model did not choose, "

@@ -13,13 +13,13 @@ Pieces:
   up first too (the ring would overwrite a feature not consumed yet);
 - `AdaptivePolicy` (speculative/adaptive_policy.py): the rule, the acceptance EMAs and the cost clocks, fed here
   with each deciding step's device time (events around its launch, read when its result is read: no extra sync),
-  the host time of reading its results, and the catch-up's cost;
+  the host time of its launch and of reading its results, and the catch-up's cost;
 - the plain fast path: while the policy's last decision (a model choice of plain) stands (`AdaptivePolicy.repeat`)
   and the batch is the same requests, `choose` returns the plain strategy itself. Such a step is exactly a plain
   engine's step plus one lag increment per request: no decision object, no timing events, no wrapper;
-- the start-up device time table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's
-  decode step run over padding rows (the dummy row) and timed, the median of a few runs. It is the policy's prior
-  until a candidate has run at a bucket. Graph buckets replay their captured graphs; larger batches run eagerly,
+- the start-up cost table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's decode
+  step run over padding rows (the dummy row) and timed, the median of a few runs: its device time and the host
+  time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their captured graphs; larger batches run eagerly,
   as they will when serving. On CUDA the time is the device's (events around the call); on the CPU it is the
   call's wall time, which is the device work there.
 
@@ -139,9 +139,12 @@ class AdaptiveDecoding(DecodeStrategy):
                 step.catch_up_host_s = time.perf_counter() - t0
                 self.policy.waited(step.catch_up_host_s)
         strategy = self.worker if step.speculative else self.plain
+        t1 = time.perf_counter()
         out = strategy.decode(rows, max_kv, sampling, logprobs, grammar)
         step.marks["end"] = self._mark()
-        if not self.cuda:  # the device work ran on the host: not host overhead
+        if self.cuda:  # the launch's host time (E)
+            self.policy.launched_host(step.decision.choice, step.decision.bucket, time.perf_counter() - t1)
+        else:  # the device work ran on the host: in D, not host overhead
             self.policy.waited(time.perf_counter() - t0)
         return out
 
@@ -173,13 +176,14 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def measure_costs(self) -> None:
         """Time each candidate's step per cost bucket and build the policy (see the module docstring)."""
-        r, lim = self.runner, self.runner.limits
-        device_seconds = {}
+        lim = self.runner.limits
+        device_seconds, launch_seconds = {}, {}
         for b in lim.cost_buckets:
             for choice, strategy in ((PLAIN, self.plain), (SPECULATIVE, self.worker)):
-                device_seconds[(choice, b)] = _time_step(strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
+                device_seconds[(choice, b)], launch_seconds[(choice, b)] = _time_step(
+                    strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
         self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
-                                     max_accept=lim.num_steps)
+                                     max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {})
 
     def stats(self) -> dict | None:
         return None if self.policy is None else self.policy.snapshot()
@@ -209,23 +213,27 @@ def _lagging(q) -> LaggingDraft:
     return LaggingDraft(q.row, start, end, q.token_ids[start + 1:end])
 
 
-def _time_step(strategy: DecodeStrategy, rows: list[int], max_kv: int, cuda: bool) -> float:
-    """Median seconds of one greedy decode step over `rows` (padding rows): device time on CUDA (events),
-    wall time on the CPU."""
+def _time_step(strategy: DecodeStrategy, rows: list[int], max_kv: int, cuda: bool) -> tuple[float, float]:
+    """Medians of one greedy decode step over `rows` (padding rows): (device seconds, host seconds of its launch).
+    On CUDA the device's (events) and the launch call's; on the CPU the call's wall time, which is the device work
+    there, and 0."""
     greedy = SamplingTensors.greedy()
     for _ in range(WARMUP_RUNS):
         strategy.decode(rows, max_kv, greedy)
-    times = []
+    device, launch = [], []
     for _ in range(TIMED_RUNS):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             strategy.decode(rows, max_kv, greedy)
+            launch.append(time.perf_counter() - t0)
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            device.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
             strategy.decode(rows, max_kv, greedy)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            device.append(time.perf_counter() - t0)
+            launch.append(0.0)
+    return statistics.median(device), statistics.median(launch)

@@ -13,16 +13,22 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
     (speculative/adaptive.py, padding rows) stands in.
-  - H, the host's time per step (scheduling, launching, reading results, serving), in two parts:
-    - the time between a decode launch and the next one minus the time the host waited on the device in between
-      [minus the step's own device work, on the CPU] and minus the time it spent reading and applying results;
+  - H, the host's time per step (launching, reading results, scheduling, serving), in three parts:
+    - E, the host seconds of launching the step itself (CUDA; measured around the launch; until c has run at b,
+      the start-up table's launch time). On the CPU the launch is the device work: it is in D, and E is 0;
     - R, the host seconds of reading and applying the step's own results (its resolve). Under overlap a step's
       results are read after the next step's launch, so without this split a round's resolve (more tokens per
       request, the acceptance bookkeeping) was charged to the step after it, usually a plain step: rounds looked
-      cheaper and plain steps dearer than they are (test_round_resolve_is_charged_to_the_round).
-    Until c has run at b it borrows the other candidate's H and R.
+      cheaper and plain steps dearer than they are (test_round_resolve_is_charged_to_the_round). Until c has run
+      at b it borrows the other candidate's R;
+    - X, everything else between one decode launch and the next (scheduling, the server's work, a GIL held by
+      its event loop): the interval less waits on the device, less E and R. X is pooled over the candidates of a
+      bucket, because it does not depend on the candidate (one output per request per step either way) and it is
+      the noisy part: a candidate that runs rarely (a probe) would otherwise be priced from a few noisy intervals
+      and win or lose by chance (the H100 serving run of 2026-11-23 chose rounds at batch 2 for a host sample
+      3x the plain one). The candidates then differ by what is measured directly and steadily: D, E and R.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
-  H alone never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
+  H never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
   start-up table runs padding rows, which attend to no context, and a round reads its context more than a plain
   step does.
 - A round over requests whose draft lags (adaptive plain steps since its last catch-up) first runs the draft's
@@ -30,9 +36,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   fixed + per-position seconds), is added to the round's D and H for that batch, and taken out of the samples of
   the step that ran it.
 - While one candidate runs, the other is not measured (acceptance is measured only in rounds; costs only by
-  running): after a run of `probe_after` model choices of one candidate at a bucket, the next step runs the other
-  once ("probe"); a probe that does not change the model's choice doubles that interval (16 .. 1024), a change
-  of the model's choice resets it.
+  running): after a run of model choices of one candidate at a bucket, the next step runs the other once
+  ("probe"). The run is `probe_after` long (16 .. 1024: a probe that does not change the model's choice doubles
+  it, a change of the model's choice resets it) and at least long enough that probes cost at most PROBE_BUDGET of
+  the time: a probe costs its step's modelled excess over the chosen step (a round's with its catch-up), so a
+  probe that costs 25 plain steps comes at most once every 25 / PROBE_BUDGET steps.
 - Ties go to plain (the cheaper step).
 - A model choice of plain stands for up to `REUSE_STEPS` further steps over the same batch (`repeat`): those
   steps skip the evaluation and the timing, so an adaptive engine that decodes plainly costs the host what a
@@ -44,6 +52,7 @@ Pure Python and torch-free: the unit tests feed it numbers.
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -56,6 +65,7 @@ GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without
 COST_ALPHA = 0.1  # host and device seconds per step EMAs, and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # a host sample this many times the EMA is an idle gap, not a step: ignored
 PROBE_FIRST, PROBE_MAX = 16, 1024
+PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
 REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
 
 
@@ -128,14 +138,17 @@ class AdaptivePolicy:
 
     buckets: the cost buckets (Limits.cost_buckets); device_seconds: the start-up table {(choice, bucket): D} for
     every pair (the prior of D); overlapped: host and device run concurrently (max) rather than one after the other
-    (+); max_accept: S (the optimistic prior); clock: seconds (tests pass a fake one)."""
+    (+); max_accept: S (the optimistic prior); launch_prior: the start-up table's host seconds of launching each
+    (choice, bucket) (the prior of E; none: 0); clock: seconds (tests pass a fake one)."""
 
     buckets: tuple[int, ...]
     device_seconds: dict[tuple[str, int], float]
     overlapped: bool
     max_accept: int
+    launch_prior: dict[tuple[str, int], float] = field(default_factory=dict)
     clock: Callable[[], float] = time.perf_counter
-    host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
+    launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
+    other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
     resolve_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     measured_device_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     global_accept: float | None = None
@@ -150,7 +163,7 @@ class AdaptivePolicy:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
         self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance EMA
         self._state = {b: _BucketState() for b in self.buckets}
-        self._last_launch: tuple[float, str, int] | None = None  # (time, choice, bucket) of the last decode launch
+        self._last_launch: tuple[float, int] | None = None  # (time, bucket) of the last decode launch
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
         self.catch_up_device = LinearCost()
         self.catch_up_host = LinearCost()
@@ -176,12 +189,16 @@ class AdaptivePolicy:
         """D(choice, bucket): measured, else the start-up table."""
         return self.measured_device_seconds.get((choice, bucket), self.device_seconds[(choice, bucket)])
 
+    def launch(self, choice: str, bucket: int) -> float:
+        """E(choice, bucket): measured, else the start-up table, else 0."""
+        return self.launch_seconds.get((choice, bucket), self.launch_prior.get((choice, bucket), 0.0))
+
     def step_seconds(self, choice: str, bucket: int, catch_up_positions: int = 0) -> float:
-        """t(choice, bucket) = D (+) H; H borrowed from the other choice until this one has run here. A round
-        over drafts missing `catch_up_positions` positions adds the catch-up's D and H."""
+        """t(choice, bucket) = D (+) (E + R + X); R borrowed from the other choice until this one has run here. A
+        round over drafts missing `catch_up_positions` positions adds the catch-up's D and H."""
         d = self.device(choice, bucket)
-        h = (_own_or_other(self.host_seconds, choice, bucket)
-             + _own_or_other(self.resolve_seconds, choice, bucket))
+        h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
+             + self.other_host_seconds.get(bucket, 0.0))
         if choice == SPECULATIVE and catch_up_positions:
             d += self.catch_up_device.predict(catch_up_positions)
             h += self.catch_up_host.predict(catch_up_positions)
@@ -201,15 +218,16 @@ class AdaptivePolicy:
         if d.choice != st.model_choice:
             st.model_choice, st.streak, st.probe_after = d.choice, 0, PROBE_FIRST
         st.streak += 1
-        if st.streak > st.probe_after:
+        if st.streak > max(st.probe_after, _budget_steps(d)):
             d.choice, d.reason = _other(d.choice), "probe"
             st.streak, st.probe_after = 0, min(2 * st.probe_after, PROBE_MAX)
             self.probes += 1
         st.last = d
         self.chosen[d.choice] += 1
-        self._launched(d.choice, bucket)
+        self._launched(bucket)
         if d.choice == PLAIN and d.reason == "model":
-            self._reuse_left, self._reuse_state = min(REUSE_STEPS, st.probe_after - st.streak), st
+            due = max(st.probe_after, _budget_steps(d))
+            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak), st
         else:
             self._reuse_left = 0
         self._tables = None
@@ -226,24 +244,25 @@ class AdaptivePolicy:
         self._reuse_state.streak += 1
         self.chosen[PLAIN] += 1
         if self._last_launch is not None:  # the host interval the deciding step opened ends here
-            t0, choice, bucket = self._last_launch
-            self._add_host_sample(choice, bucket, max(self.clock() - t0 - self._not_host, 0.0))
+            t0, bucket = self._last_launch
+            self._add_host_sample(bucket, max(self.clock() - t0 - self._not_host, 0.0))
             self._last_launch = None
         return True
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
-    def _launched(self, choice: str, bucket: int) -> None:
+    def _launched(self, bucket: int) -> None:
         """A decode step is being launched: the time since the previous one (if it was a decode step, with no
-        prefill between) minus what was not host overhead is one host-time sample of the previous step's choice."""
+        prefill between) minus what was not X (waits, launches, resolves) is one sample of the previous step's
+        bucket's X."""
         now = self.clock()
         if self._last_launch is not None:
-            t0, prev_choice, prev_bucket = self._last_launch
-            self._add_host_sample(prev_choice, prev_bucket, max(now - t0 - self._not_host, 0.0))
-        self._last_launch = (now, choice, bucket)
+            t0, prev_bucket = self._last_launch
+            self._add_host_sample(prev_bucket, max(now - t0 - self._not_host, 0.0))
+        self._last_launch = (now, bucket)
         self._not_host = 0.0
 
-    def _add_host_sample(self, choice: str, bucket: int, seconds: float) -> None:
-        _ema(self.host_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+    def _add_host_sample(self, bucket: int, seconds: float) -> None:
+        _ema(self.other_host_seconds, bucket, seconds, OUTLIER_FACTOR)
         self._tables = None
 
     def break_chain(self) -> None:
@@ -252,10 +271,16 @@ class AdaptivePolicy:
         self._not_host = 0.0
 
     def waited(self, seconds: float) -> None:
-        """Seconds since the last decode launch that were not its host overhead: the host blocked on the device,
-        ran device work itself (CPU), launched a catch-up (counted in the catch-up's own cost) or read a step's
-        results (counted in that step's resolve seconds)."""
+        """Seconds since the last decode launch that were not X: the host blocked on the device, ran device work
+        itself (CPU), launched a catch-up (counted in the catch-up's own cost) or read a step's results (counted
+        in that step's resolve seconds)."""
         self._not_host += seconds
+
+    def launched_host(self, choice: str, bucket: int, seconds: float) -> None:
+        """The host spent `seconds` launching a step of `choice` at `bucket` (E; its catch-up not included)."""
+        _ema(self.launch_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+        self._not_host += seconds
+        self._tables = None
 
     def resolved_host(self, choice: str, bucket: int, seconds: float) -> None:
         """The host spent `seconds` reading and applying the results of a step of `choice` at `bucket` (R)."""
@@ -304,11 +329,22 @@ class AdaptivePolicy:
         return {
             "buckets": {b: st.last.as_dict() for b, st in self._state.items() if st.last is not None},
             "device_seconds": per_choice(self.device),
-            "host_seconds": per_choice(lambda c, b: self.host_seconds.get((c, b))),
+            "launch_seconds": per_choice(self.launch),
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
+            "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
+
+
+def _budget_steps(d: Decision) -> int:
+    """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe's
+    modelled excess over the chosen step (the step it replaces), in chosen steps, over the budget."""
+    chosen = d.step_seconds[d.choice]
+    if chosen <= 0:
+        return 0
+    excess = max(d.step_seconds[_other(d.choice)] - chosen, 0.0)
+    return math.ceil(excess / (PROBE_BUDGET * chosen) - 1e-9)
 
 
 def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int) -> float:
