@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16's serving bar on the device: pycode-19m served plain, with a fixed EAGLE-3 (S, K, N) = (5, 4, 8) and with
 # adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 256 requests of 128 output tokens per
-# level, every level run twice (passes 1 and 2, both reported) on each server. One result JSON (+ PNG and the
+# level, every level run twice (passes 1 and 2, both reported) on each server; the three servers run at once and
+# each level runs on each in turn (--interleave), so the comparison is side by side in time. One result JSON (+ PNG and the
 # server logs) per workload under $OUT. Adaptive must never be slower than the better of plain and fixed.
 #   MODE=prefix (default): every request is one shared 1024-token prefix + its own 256-token held-out prompt,
 #                          prefix cache on (speculation loses on pycode-19m: accept length ~1.2 at that context).
@@ -19,7 +20,7 @@ bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   mkdir -p "$OUT/$name"
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" \
-    --max-tokens 128 --concurrency 1 8 32 64 --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    --max-tokens 128 --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | grep -v "^pass" | tail -40
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }

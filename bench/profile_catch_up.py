@@ -131,19 +131,25 @@ def profile_catch_up(args, cuda: bool) -> dict:
 
 
 def prefill_ms(llm: LLM, prompt: list[int], repeats: int, sync) -> dict:
-    """Engine.step() of one prompt's prefill, to its result on the device (the first step after adding it)."""
+    """Engine.step() of one prompt's prefill, to its result on the device (the first step after adding it), and
+    a cProfile of those steps (top functions by own time)."""
     engine = llm.engine
     times = []
+    prof = cProfile.Profile()
     for _ in range(repeats):
         rid = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         sync()
         t0 = time.perf_counter()
+        prof.enable()
         engine.step()
         sync()
+        prof.disable()
         times.append(time.perf_counter() - t0)
         engine.abort(rid)
         engine.drain()
-    return _ms(times[1:])
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return _ms(times[1:]) | {"profile": text.getvalue().splitlines()[:30]}
 
 
 def _ms(values: list[float]) -> dict:
@@ -173,7 +179,9 @@ def main() -> None:
     del adaptive
     plain = LLM(args.model, **engine_kwargs(args.device))
     prefill["plain"] = prefill_ms(plain, prompt, args.repeats, sync)
-    print(json.dumps(prefill), flush=True)
+    for name in ("adaptive", "plain"):
+        print(name, json.dumps({k: v for k, v in prefill[name].items() if k != "profile"}))
+        print("\n".join(prefill[name]["profile"]), flush=True)
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
                                           "model": args.model, "draft": args.draft, "catch_up": catch_up,
                                           "prefill_ms": prefill}, indent=1))
