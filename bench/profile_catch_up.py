@@ -123,7 +123,7 @@ def profile_catch_up(args, cuda: bool) -> dict:
     engine.abort(rid)
     engine.drain()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("spruce/|triton/compiler", 20)
     calls = sum(v[1] for v in pstats.Stats(prof).stats.values()) / max(len(host_s), 1)
     return {"lag": args.lag, "catch_ups": len(host_s), "host_ms": _ms(host_s[1:] or host_s),
             "device_ms": _ms(device_s[1:] or device_s) if cuda else None, "python_calls_per_catch_up": calls,
@@ -136,20 +136,22 @@ def prefill_ms(llm: LLM, prompt: list[int], repeats: int, sync) -> dict:
     engine = llm.engine
     times = []
     prof = cProfile.Profile()
-    for _ in range(repeats):
+    for i in range(repeats + 2):  # the first two warm up (and are not profiled)
         rid = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
         sync()
         t0 = time.perf_counter()
-        prof.enable()
+        if i >= 2:
+            prof.enable()
         engine.step()
         sync()
         prof.disable()
-        times.append(time.perf_counter() - t0)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
         engine.abort(rid)
         engine.drain()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    return _ms(times[1:]) | {"profile": text.getvalue().splitlines()[:30]}
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("spruce/", 25)
+    return _ms(times) | {"profile": text.getvalue().splitlines()[:45]}
 
 
 def _ms(values: list[float]) -> dict:

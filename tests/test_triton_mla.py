@@ -92,6 +92,7 @@ def test_decode_and_split_kv(page_size, splits):
 
 def test_decode_wide_split_kv():
     compare(mixed_case(Phase.DECODE, [70, 33], [1, 1], 4, **WIDE, seed=3), 4, 1e-4, splits=2)
+    compare(mixed_case(Phase.DECODE, [70, 33], [1, 1], 4, **WIDE, seed=3), 4, 1e-4, splits=3)
 
 
 @pytest.mark.parametrize("page_size,splits", [(1, None), (16, 2), (64, None)])

@@ -113,15 +113,16 @@ class TritonAttention(AttentionBackend):
         paged_attention_kernel[(grid0, num_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
-            num_q_blocks, t, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
+            num_q_blocks, t, splits, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
-            MASK_WORDS=batch.tree_mask.shape[1], NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+            MASK_WORDS=batch.tree_mask.shape[1], SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=4,
         )
         if splits > 1:
-            merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                                                BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=splits)
+            merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
+                                                HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                                                MAX_SPLITS=MAX_SPLITS)
         return out, lse
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
@@ -152,15 +153,15 @@ class TritonAttention(AttentionBackend):
         mla_attention_kernel[(grid0, splits)](
             q, out, cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
-            num_m_blocks, t, q.stride(0), cache.stride(0), page_table.stride(0),
+            num_m_blocks, t, splits, q.stride(0), cache.stride(0), page_table.stride(0),
             batch.tree_mask.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
             BLOCK_DR=max(16, triton.next_power_of_2(key_dim - value_dim)), PAGE_SIZE=self.page_size,
-            SCRATCH_WIDTH=batch.scratch_width, NUM_SPLITS=splits, BLOCK_M=block_m, BLOCK_N=MLA_BLOCK_N,
+            SCRATCH_WIDTH=batch.scratch_width, SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=MLA_BLOCK_N,
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=num_warps,
         )
         if splits > 1:
-            merge_latent_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, NUM_HEADS=num_heads,
+            merge_latent_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
                                                        VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
-                                                       NUM_SPLITS=splits)
+                                                       MAX_SPLITS=MLA_MAX_SPLITS)
         return out, lse

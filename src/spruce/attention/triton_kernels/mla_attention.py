@@ -84,12 +84,14 @@ def _latent_step(q_v, q_r, kv, kr, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PR
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_m_blocks", "num_tokens"])  # vary per call: one compiled kernel for all
+# num_m_blocks, num_tokens and num_splits vary per call: one compiled kernel for all their values (a new value of a
+# specialised int compiles a kernel in the middle of serving)
+@triton.jit(do_not_specialize=["num_m_blocks", "num_tokens", "num_splits"])
 def mla_attention_kernel(
     q_ptr, o_ptr, cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse, kv_start, lse_ptr,
-    num_m_blocks, num_tokens, q_stride, cache_stride, table_stride, mask_stride, scratch_start, sm_scale_log2,
-    NUM_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr, PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    num_m_blocks, num_tokens, num_splits, q_stride, cache_stride, table_stride, mask_stride, scratch_start,
+    sm_scale_log2, NUM_HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr, PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, SPLIT_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
 ):
@@ -125,7 +127,7 @@ def mla_attention_kernel(
         kv_lo = 0
         if HAS_KV_START:
             kv_lo = tl.load(kv_start + b)
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
         for start in range(lo, hi, BLOCK_N):
@@ -139,7 +141,7 @@ def mla_attention_kernel(
 
         # tree scratch of this row (last split only): entry j allowed where bit j of the token's mask is set
         if SCRATCH_WIDTH > 0:
-            if split == NUM_SPLITS - 1:
+            if split == num_splits - 1:
                 for start in range(0, SCRATCH_WIDTH, BLOCK_N):
                     j = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
                     n_valid = j < SCRATCH_WIDTH
@@ -157,7 +159,7 @@ def mla_attention_kernel(
         o_row = tok * NUM_HEADS + head  # [BLOCK_M] row of the [T, Hq] output
         o_off = o_row[:, None] * VALUE_DIM + offs_dv[None, :]
         o_mask = m_valid[:, None] & (offs_dv < VALUE_DIM)[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if RETURN_LSE:  # log2-sum-exp of the scaled scores: FlashInfer's convention (merge_state)
                 lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -168,23 +170,25 @@ def mla_attention_kernel(
             tl.store(part_lse + split * num_tokens * NUM_HEADS + o_row, lse, mask=m_valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def merge_latent_splits_kernel(part_o, part_lse, o_ptr, num_tokens, NUM_HEADS: tl.constexpr,
-                               VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """out = sum_s 2^(lse_s - m) * out_s / sum_s 2^(lse_s - m), m = max_s lse_s (splits that saw nothing: -inf).
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def merge_latent_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEADS: tl.constexpr,
+                               VALUE_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """out = sum_s 2^(lse_s - m) * out_s / sum_s 2^(lse_s - m), m = max_s lse_s, over the num_splits (<= MAX_SPLITS)
+    splits (splits that saw nothing: -inf).
 
-    One program per (token, head); the splits' rows are summed one at a time, so any NUM_SPLITS fits."""
+    One program per (token, head); the splits' rows are summed one at a time."""
     t = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse + (offs_s * num_tokens + t) * NUM_HEADS + head)  # [S]
+    offs_s = tl.arange(0, MAX_SPLITS)
+    lse = tl.load(part_lse + (offs_s * num_tokens + t) * NUM_HEADS + head, mask=offs_s < num_splits,
+                  other=float("-inf"))  # [S]
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.sum(tl.exp2(lse - m_safe), axis=0)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_valid = offs_dv < VALUE_DIM
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         row = (s * num_tokens + t) * NUM_HEADS + head
         w = tl.exp2(tl.load(part_lse + row) - m_safe)
         acc += w * tl.load(part_o + row * VALUE_DIM + offs_dv, mask=dv_valid, other=0.0)

@@ -31,13 +31,15 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRE
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_q_blocks", "num_tokens"])  # vary per call: one compiled kernel for all
+# num_q_blocks, num_tokens and num_splits vary per call: one compiled kernel for all their values (a new value of a
+# specialised int compiles a kernel in the middle of serving, ~0.1 s)
+@triton.jit(do_not_specialize=["num_q_blocks", "num_tokens", "num_splits"])
 def paged_attention_kernel(
     q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, tree_mask, part_o, part_lse,
-    kv_start, lse_ptr, num_q_blocks, num_tokens, q_stride, table_stride, scratch_start, sm_scale_log2,
+    kv_start, lse_ptr, num_q_blocks, num_tokens, num_splits, q_stride, table_stride, scratch_start, sm_scale_log2,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -67,7 +69,7 @@ def paged_attention_kernel(
         kv_lo = 0
         if HAS_KV_START:
             kv_lo = tl.load(kv_start + b)
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
         for start in range(lo, hi, BLOCK_N):
@@ -84,7 +86,7 @@ def paged_attention_kernel(
 
         # tree scratch of this row (last split only): entry j allowed where bit j of the token's mask is set
         if SCRATCH_WIDTH > 0:
-            if split == NUM_SPLITS - 1:
+            if split == num_splits - 1:
                 for start in range(0, SCRATCH_WIDTH, BLOCK_N):
                     j = start + tl.arange(0, BLOCK_N)
                     n_valid = j < SCRATCH_WIDTH
@@ -104,7 +106,7 @@ def paged_attention_kernel(
         out = acc / l_safe[:, None]
         o_off = (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :]
         o_mask = m_valid[:, None] & d_valid[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if RETURN_LSE:  # log2-sum-exp of the scaled scores: FlashInfer's convention (merge_state)
                 lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -115,14 +117,17 @@ def paged_attention_kernel(
             tl.store(part_lse + (split * num_tokens + offs_m) * NUM_HEADS + head, lse, mask=m_valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s (splits that saw nothing: -inf)."""
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEADS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s over the num_splits (<= MAX_SPLITS) splits
+    (splits that saw nothing: -inf)."""
     t = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse + (offs_s * num_tokens + t) * NUM_HEADS + head)  # [S]
+    offs_s = tl.arange(0, MAX_SPLITS)
+    s_valid = offs_s < num_splits
+    lse = tl.load(part_lse + (offs_s * num_tokens + t) * NUM_HEADS + head, mask=s_valid,
+                  other=float("-inf"))  # [S]
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # [S]
@@ -131,6 +136,6 @@ def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, NUM_HEADS: tl.const
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     parts = tl.load(part_o + ((offs_s[:, None] * num_tokens + t) * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :],
-                    mask=d_valid[None, :], other=0.0)  # [S, BLOCK_D]
+                    mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [S, BLOCK_D]
     out = tl.sum(parts * w[:, None], axis=0)
     tl.store(o_ptr + (t * NUM_HEADS + head) * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
