@@ -166,6 +166,66 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     assert_caught_up_as_fresh(caught, fresh, text)
 
 
+def lazy_prefills(monkeypatch) -> None:
+    """The policy's model prefers plain steps at every batch size: every prefill that may be lazy is."""
+    monkeypatch.setattr(AdaptivePolicy, "model_choice", lambda self, batch_size: PLAIN)
+
+
+@pytest.mark.parametrize("page,overlap", [(16, True), (4, False)])
+def test_lazy_prefill_catches_up_where_an_eager_one_is(monkeypatch, page, overlap):
+    """A prefill while the policy prefers plain steps runs the target alone (its features go to the ring) and the
+    draft lags by the prompt; the first round catches it up over prompt and plain steps at once. With the trained
+    head: the caught-up draft state equals a fresh (eager) prefill's of the same text, the rounds accept exactly what
+    rounds after a fresh prefill accept, and the tokens are plain decoding's."""
+    fixed_costs(monkeypatch)
+    lazy_prefills(monkeypatch)
+    prompt = "def fib(n):\n    "
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = LLM(TARGET, page_size=page).generate([prompt], params)[0]
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
+              page_size=page, disable_overlap_schedule=not overlap)
+    force(llm, [0, 0, 1, 0, 1])
+    caught = record_catch_ups(monkeypatch, llm)
+    lags = []
+    extend = llm.engine.strategy.worker.extend_draft
+    monkeypatch.setattr(llm.engine.strategy.worker, "extend_draft", lambda *a: lags.append("eager") or extend(*a))
+    got = llm.generate([prompt], params)[0]
+    assert got.token_ids == want.token_ids
+    assert lags == []  # the prompt's draft extend never ran at prefill: the catch-ups did it
+    text = got.prompt_token_ids + got.token_ids
+    prompt_len = len(got.prompt_token_ids)
+    assert caught and caught[0][0] == prompt_len + 2  # the first catch-up: the prompt and two plain steps
+    fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True, page_size=page)
+    assert_caught_up_as_fresh(caught, fresh, text)
+    assert llm.engine.stats()["spec"]["rounds"] >= 3
+    assert_no_leaks(llm)
+
+
+def test_lazy_prefill_in_a_mixed_batch_equals_plain_decoding(monkeypatch, draft, reference):
+    """Four requests (greedy, logprobs, seeded sampling, short) prefilled together, three chunks lazy and one not
+    (its prompt, 22 tokens, is longer than half the ring of 32), then every switch: the tokens and logprobs are
+    plain decoding's, and no page leaks."""
+    fixed_costs(monkeypatch)
+    lazy_prefills(monkeypatch)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", 32)
+    params = mixed_params()
+    want = reference(params)
+    llm = adaptive_llm(draft, 4, 2, 6, 16, oracle_refs=reference(GREEDY))
+    force(llm, [0, 0, 1, 0, 1, 1])
+    calls = []
+    extend = llm.engine.strategy.worker.extend_draft
+    monkeypatch.setattr(llm.engine.strategy.worker, "extend_draft",
+                        lambda chunks, *a: calls.append(len(chunks)) or extend(chunks, *a))
+    got = llm.generate(PROMPTS, params)
+    assert [len(o.prompt_token_ids) for o in got] == [8, 22, 8, 4]
+    assert calls == [1]  # one prefill of four chunks: the 22-token prompt's draft extend ran, the others waited
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got[1].logprobs, want[1].logprobs):
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert llm.engine.stats()["spec"]["rounds"] > 0
+    assert_no_leaks(llm)
+
+
 def test_a_catch_up_larger_than_one_forward_is_split(monkeypatch):
     """Four requests lagging 12 positions each (48 pairs) with forwards of at most 32 tokens: the catch-up runs as
     several draft extends, each within Limits.max_tokens_per_forward, and every caught-up draft equals a fresh
@@ -327,12 +387,14 @@ DRAFT_19M = Path(__file__).resolve().parents[1] / "bench" / "assets" / "pycode-1
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [True, False])
-def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_prompts, overlap):
+@pytest.mark.parametrize("overlap,lazy", [(True, False), (False, False), (True, True)])
+def test_switching_under_cuda_graphs_equals_plain_decoding(monkeypatch, pycode19m, heldout_prompts, overlap, lazy):
     """On the GPU with graphs (both candidates' phases replayed, costs timed from the replays): forced switching
     on pycode-19m with its trained EAGLE-3 head gives plain decoding's greedy tokens (float32: no bf16 near-ties),
     rounds after plain steps (after a catch-up) still accept, every bucket has a start-up cost, and the steps' device
-    times are measured online."""
+    times are measured online. `lazy`: the prompts' draft extends wait for the first catch-up (lazy prefill)."""
+    if lazy:
+        lazy_prefills(monkeypatch)
     kw = dict(device="cuda", dtype="float32", max_running_requests=8, disable_overlap_schedule=not overlap)
     prompts = [t[:600] for t in heldout_prompts[:8]]
     params = SamplingParams(max_tokens=64, ignore_eos=True)

@@ -14,7 +14,7 @@ from spruce.errors import ConfigError, InvariantError
 
 MASK_WORD_BITS = 64
 DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
-DRAFT_LAG_WINDOW = 256  # adaptive speculation's feature ring per row (DESIGN §16 gives the cost either way)
+DRAFT_LAG_WINDOW = 1024  # adaptive speculation's feature ring per row (DESIGN §16 gives the cost either way)
 
 
 def ceil_div(a: int, b: int) -> int:

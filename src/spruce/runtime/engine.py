@@ -323,7 +323,8 @@ class Engine:
             self.runner.page_table.check_covers(q.row, start + take, f"prefill of request {q.request_id}")
             ids = q.token_ids
             final = start + take == q.num_tokens
-            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final))
+            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final,
+                                       request=q))
             stepped.append(q)
             budget -= take
         finals = [q for q, c in zip(stepped, chunks) if c.final]

@@ -29,8 +29,10 @@ the argmax; sampled: the draw keyed by (seed, position), DESIGN §9), so adaptiv
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -90,13 +92,69 @@ class AdaptiveDecoding(DecodeStrategy):
         self._events: list[torch.cuda.Event] = []  # timing events of resolved steps, reused
         self._plain_batch: list | None = None  # the requests of the last decided step, if it was a plain step
         self._plain_steps_left = 0  # plain steps that batch may still take before a request's lag fills the ring
+        self._batch_size = 0  # requests in the last decode step
+        self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
+        self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
                 logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        """The target's prefill, then the draft's extend over the chunks, except over lazy ones (`_lazy_chunks`),
+        whose features go to the ring instead: their drafts lag like a plain step's."""
         if self.policy is not None:
             self.policy.break_chain()  # the time until the next decode launch is not a decode step's
-        return self.worker.prefill(chunks, sampling, logprobs, grammar)
+        self._lazy = self._lazy_chunks(chunks)
+        try:
+            return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
+        finally:
+            self._lazy = frozenset()
+
+    def _lazy_chunks(self, chunks: list[PrefillChunk]) -> frozenset[int]:
+        """The chunks whose draft extend is left to a later catch-up: none unless the policy's model prefers plain
+        steps for the batch these requests join (the last decode batch plus them); then each final chunk of a
+        request whose draft is current and that leaves at least half the ring to plain steps before a catch-up
+        is due. A draft that would catch up at once anyway, or whose rounds are expected, is extended now."""
+        finals = sum(c.final for c in chunks)
+        if self.policy is None or not finals:
+            return frozenset()
+        size = min(self._batch_size + finals, self.policy.buckets[-1])
+        if self.policy.model_choice(size) != PLAIN:
+            return frozenset()
+        half = self.runner.limits.draft_lag_window // 2
+        return frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
+                         and c.request.draft_lag == 0 and len(c.tokens) <= half)
+
+    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
+                     new_tokens: torch.Tensor) -> None:
+        """The draft extend over the prefill's eager chunks; each lazy chunk's features [its tokens, F] go to the
+        ring at its positions, and its request's draft lags by its length from this launch on."""
+        if not self._lazy:
+            self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
+            return
+        dev = self.runner.device
+        firsts = [end - len(c.tokens) + 1 for end, c in zip(ends, chunks)]  # each chunk's first token in the batch
+        lazy = sorted(self._lazy)
+        host = torch.tensor([[t for i in lazy for t in range(firsts[i], ends[i] + 1)],
+                             [chunks[i].row for i in lazy for _ in chunks[i].tokens],
+                             [chunks[i].start + j for i in lazy for j in range(len(chunks[i].tokens))]],
+                            dtype=torch.int64)
+        idx, rows, positions = host.to(dev, non_blocking=True).unbind(0)
+        self.ring.store(rows, positions, features[idx])
+        for i in lazy:
+            req = chunks[i].request
+            req.draft_lag += len(chunks[i].tokens)
+            self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
+        eager = [i for i in range(len(chunks)) if i not in self._lazy]
+        if not eager:
+            return
+        sub = [chunks[i] for i in eager]
+        slot_of_final = {i: k for k, i in enumerate(finals)}  # new_tokens has one entry per final chunk
+        sub_finals = [k for k, i in enumerate(eager) if chunks[i].final]
+        host = torch.tensor([t for i in eager for t in range(firsts[i], ends[i] + 1)], dtype=torch.int64)
+        picks = torch.tensor([slot_of_final[eager[k]] for k in sub_finals], dtype=torch.int64)
+        self.worker.extend_draft(sub, features[host.to(dev, non_blocking=True)],
+                                 [n - 1 for n in itertools.accumulate(len(c.tokens) for c in sub)], sub_finals,
+                                 new_tokens[picks.to(dev, non_blocking=True)])
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
@@ -113,12 +171,13 @@ class AdaptiveDecoding(DecodeStrategy):
             for q in requests:
                 q.draft_lag += 1
             return self.plain
+        self._batch_size = len(requests)
         d = self.policy.decide(requests, sum(q.draft_lag for q in requests))
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         window = self.runner.limits.draft_lag_window
         catch_up = spec or any(q.draft_lag >= window for q in requests)
-        lagging = [_lagging(q) for q in requests if q.draft_lag] if catch_up else []
+        lagging = [_lagging(q, self._lazy_in_flight.get(q, 0)) for q in requests if q.draft_lag] if catch_up else []
         for q in requests:
             q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
         self._plain_batch = None if spec else requests
@@ -154,7 +213,13 @@ class AdaptiveDecoding(DecodeStrategy):
         seconds: feed the policy (a decided step's device time from its marks, which completed before its result,
         and its resolve time; a round's acceptance)."""
         self.policy.waited(waited_s + resolve_s)
-        if step is None or step is self.plain:  # a prefill, or a plain step the last decision stood for
+        if step is None:  # a prefill: its lazy requests' positions are all committed now
+            for q in requests:
+                left = self._lazy_in_flight.pop(q, 0) - 1
+                if left > 0:
+                    self._lazy_in_flight[q] = left
+            return
+        if step is self.plain:  # a plain step the last decision stood for
             return
         d, m = step.decision, step.marks
         self.policy.resolved_host(d.choice, d.bucket, resolve_s)
@@ -202,13 +267,15 @@ class AdaptiveDecoding(DecodeStrategy):
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
-def _lagging(q) -> LaggingDraft:
+def _lagging(q, prefills_in_flight: int) -> LaggingDraft:
     """The pairs request `q`'s draft misses, as of a launch: its target holds positions up to q.committed plus one
-    per plain step in flight (a lagging request's steps in flight are all plain steps: inflight <= draft_lag)."""
-    if q.inflight > q.draft_lag:
-        raise InvariantError(f"request {q.request_id}: {q.inflight} steps in flight but its draft lags by only "
-                             f"{q.draft_lag} plain steps, so a round's commits are not resolved yet")
-    end = q.committed + q.inflight
+    per decode step in flight (a lagging request's decode steps in flight are all plain steps: at most draft_lag of
+    them; a lazy prefill in flight, `prefills_in_flight`, committed its positions at its launch)."""
+    decodes = q.inflight - prefills_in_flight
+    if decodes > q.draft_lag:
+        raise InvariantError(f"request {q.request_id}: {decodes} decode steps in flight but its draft lags by only "
+                             f"{q.draft_lag} positions, so a round's commits are not resolved yet")
+    end = q.committed + decodes
     start = end - q.draft_lag
     return LaggingDraft(q.row, start, end, q.token_ids[start + 1:end])
 

@@ -178,6 +178,11 @@ class AdaptivePolicy:
                 return b
         raise ValueError(f"batch size {batch_size} exceeds the largest cost bucket {self.buckets[-1]}")
 
+    def model_choice(self, batch_size: int) -> str | None:
+        """The model's current choice for batches of `batch_size` (its bucket's last, probes aside); None before
+        the bucket's first decision."""
+        return self._state[self.bucket_for(batch_size)].model_choice
+
     def expected_accept(self, request) -> float:
         """Request's expected accepted drafts per round: its EMA, else the engine's, else S."""
         own = self._accept.get(request)

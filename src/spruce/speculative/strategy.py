@@ -43,6 +43,7 @@ class PrefillChunk:
     tokens: list[int]
     next_tokens: list[int]
     final: bool
+    request: object | None = None  # the engine's Request (adaptive speculation records a draft it leaves behind)
 
 
 class DecodeStrategy:
