@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, REUSE_STEPS, SPECULATIVE,
-                                                 AdaptivePolicy, LinearCost)
+from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, REUSE_STEPS, SPECULATION_MARGIN,
+                                                 SPECULATIVE, AdaptivePolicy, LinearCost)
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -311,3 +311,16 @@ def test_probes_stay_within_their_budget():
     probes = choices.count(SPECULATIVE)
     assert 1 <= probes <= steps * PROBE_BUDGET / 25 + 1
     assert choices.index(SPECULATIVE) >= 25 / PROBE_BUDGET
+
+
+def test_rounds_must_win_by_the_margin():
+    """A round expected to commit 5% more tokens per second than a plain step is not taken (the host term's error
+    under a loaded server is larger than that); one expected to commit 20% more is."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req()]
+    p._accept[reqs[0]] = 2 * 1.05 - 1  # 2.1 tokens per 2 ms round: 1.05x plain's 1 per 1 ms
+    d = p.decide(reqs)
+    assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
+    assert d.choice == PLAIN and SPECULATION_MARGIN > 0.05
+    p._accept[reqs[0]] = 2 * 1.2 - 1
+    assert p.decide(reqs).choice == SPECULATIVE
