@@ -324,3 +324,22 @@ def test_rounds_must_win_by_the_margin():
     assert d.choice == PLAIN and SPECULATION_MARGIN > 0.05
     p._accept[reqs[0]] = 2 * 1.2 - 1
     assert p.decide(reqs).choice == SPECULATIVE
+
+
+def test_a_catch_up_is_shared_by_the_rounds_it_opens():
+    """The H100 short-prompt run (2026-11-23, concurrency 1): rounds of 0.7 ms commit 4.35 tokens against 1 per
+    0.4 ms plain step, but every new request's draft lagged by its 128-token prompt (lazy prefill), and charged to
+    one round its catch-up (3.8 ms) priced rounds out, so the engine decoded plainly at 2.5x less than it could. The
+    catch-up opens as many rounds as the request has tokens left for: shared by them, rounds win; with one token
+    left, the catch-up is not worth it."""
+    p = policy(plain=0.4e-3, spec=0.7e-3)
+    q = Req()
+    p._accept[q] = 3.35
+    for n in (100, 300):
+        p.caught_up(n, 2.5e-3 + 1e-5 * n, 0.0)
+    assert p.decide([q], catch_up_positions=128).choice == PLAIN  # one round pays it all (tokens_left unknown)
+    d = p.decide([q], catch_up_positions=128, tokens_left=128)
+    rounds = 128 / 4.35
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(0.7e-3 + (2.5e-3 + 1.28e-3) / rounds)
+    assert d.choice == SPECULATIVE
+    assert p.decide([q], catch_up_positions=128, tokens_left=1).choice == PLAIN
