@@ -250,6 +250,8 @@ def test_round_resolve_is_charged_to_the_round():
     for step in range(40):
         choice = SPECULATIVE if step % 4 == 1 else PLAIN  # forced: a round every 4 steps
         p.decide(reqs)
+        p._last_launch = (p._last_launch[0], choice, 4, previous == choice)  # the forced choice's interval
+        p._previous_choice = choice
         clock.now += launch[choice]
         p.launched_host(choice, 4, launch[choice])  # what the strategy reports: the launch's host seconds
         if previous is not None:  # overlap: the previous step is resolved after this launch
@@ -296,7 +298,9 @@ def test_a_noisy_host_interval_moves_both_candidates_alike():
     assert decisions[0].choice == decisions[1].choice
     x = p.other_host_seconds[2]
     assert 0.9e-3 < x < 2.6e-3
-    assert decisions[1].step_seconds == {PLAIN: pytest.approx(x + 0.1e-3, rel=0.02),
+    w = p.wall_seconds[(PLAIN, 2)]  # steady plain steps' whole intervals: a floor of the plain step's cost
+    assert w == pytest.approx(2.7e-3) and (SPECULATIVE, 2) not in p.wall_seconds  # one round: never steady
+    assert decisions[1].step_seconds == {PLAIN: pytest.approx(max(x + 0.1e-3, w), rel=0.02),
                                          SPECULATIVE: pytest.approx(x + 0.3e-3, rel=0.02)}
 
 
@@ -343,3 +347,29 @@ def test_a_catch_up_is_shared_by_the_rounds_it_opens():
     assert d.step_seconds[SPECULATIVE] == pytest.approx(0.7e-3 + (2.5e-3 + 1.28e-3) / rounds)
     assert d.choice == SPECULATIVE
     assert p.decide([q], catch_up_positions=128, tokens_left=1).choice == PLAIN
+
+
+def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
+    """The H100 serving runs at concurrency 8 (2026-11-23): device time, launch, resolve and the pooled rest put a
+    round at 1.2x a plain step, and with 1.3 tokens per round the model chose rounds, but back-to-back rounds were
+    launched 2x a plain step apart (the server's work per committed token). The whole interval of a steady step is a
+    floor of its cost: after a few rounds in a row, plain steps win again."""
+    clock = Clock()
+    p = policy(plain=0.5e-3, spec=0.6e-3, clock=clock)
+    reqs = [Req() for _ in range(8)]
+    for q in reqs:
+        p._accept[q] = 0.3
+    for _ in range(4):  # plain steps 1 ms apart
+        p.decide(reqs)
+        p._last_launch = (p._last_launch[0], PLAIN, 8, p._previous_choice == PLAIN)
+        p._previous_choice = PLAIN
+        clock.now += 1e-3
+    assert p.decide(reqs).choice == SPECULATIVE  # its parts: 1.3 tokens per ~1.1 ms
+    for _ in range(4):  # rounds 2 ms apart
+        p.decide(reqs)
+        p._last_launch = (p._last_launch[0], SPECULATIVE, 8, p._previous_choice == SPECULATIVE)
+        p._previous_choice = SPECULATIVE
+        clock.now += 2e-3
+    d = p.decide(reqs)
+    assert p.wall_seconds[(SPECULATIVE, 8)] == pytest.approx(2e-3, rel=0.05)
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(2e-3, rel=0.05) and d.choice == PLAIN

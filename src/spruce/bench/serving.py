@@ -205,13 +205,13 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spr
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values())
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
-                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_other_host_seconds",
-                   "spruce_adaptive_catch_up_seconds")
+                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
+                   "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds")
 
 
 async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,launch,resolve}_seconds: {choice: {bucket: s}};
+    adaptive speculation's cost tables ({device,launch,resolve,wall}_seconds: {choice: {bucket: s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within
     `timeout` seconds."""

@@ -248,7 +248,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                          "run at a bucket: measured at start-up; 0 on the CPU, where it is device "
                                          "work)."),
                       ("resolve_seconds", "Host seconds reading and applying a step's own results, measured online "
-                                          "(EMA); a step costs device (+) (launch + resolve + other host).")):
+                                          "(EMA); a step costs device (+) (launch + resolve + other host)."),
+                      ("wall_seconds", "Seconds from a steady step's launch to the next launch (EMA): a floor of "
+                                       "its cost.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])

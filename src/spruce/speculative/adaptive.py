@@ -19,8 +19,8 @@ Pieces:
   engine's step plus one lag increment per request: no decision object, no timing events, no wrapper;
 - the start-up cost table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's decode
   step run over padding rows (the dummy row) and timed, the median of a few runs: its device time and the host
-  time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their captured graphs; larger batches run eagerly,
-  as they will when serving. On CUDA the time is the device's (events around the call); on the CPU it is the
+  time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their
+  captured graphs; larger batches run eagerly, as they will when serving. On CUDA the time is the device's (events around the call); on the CPU it is the
   call's wall time, which is the device work there.
 
 Losslessness: a committed token is the target's choice at its position whichever candidate ran (greedy:

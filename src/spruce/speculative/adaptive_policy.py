@@ -28,6 +28,12 @@ Rule: pick the candidate with the most expected committed tokens per second for 
       and win or lose by chance (the H100 serving run of 2026-11-23 chose rounds at batch 2 for a host sample
       3x the plain one). The candidates then differ by what is measured directly and steadily: D, E and R.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
+  - W, the whole launch-to-launch interval of a steady step (the step before it had the same choice, with no
+    prefill between), is a floor: t = max(D (+) H, W). The parts miss what a step costs the serving process
+    outside the engine: on the H100 at concurrency 8-32, a server running only rounds took 1.3-2x a plain
+    server's time per step while D, E, R and X put rounds within 10% of plain steps (the event loop's work per
+    committed token, and its GIL, fall on later intervals). A candidate without W is priced by its parts (so it
+    gets tried), and its first steady steps measure W.
   H never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
   start-up table runs padding rows, which attend to no context, and a round reads its context more than a plain
   step does.
@@ -156,6 +162,7 @@ class AdaptivePolicy:
     clock: Callable[[], float] = time.perf_counter
     launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
     other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
+    wall_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # W: launch to launch, steady steps
     resolve_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     measured_device_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     global_accept: float | None = None
@@ -170,7 +177,9 @@ class AdaptivePolicy:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
         self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance EMA
         self._state = {b: _BucketState() for b in self.buckets}
-        self._last_launch: tuple[float, int] | None = None  # (time, bucket) of the last decode launch
+        self._last_launch: tuple[float, str, int, bool] | None = None  # the last decode launch: (time, choice,
+        # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
+        self._previous_choice: str | None = None  # the last decode step's choice (None after a prefill)
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
         self.catch_up_device = LinearCost()
         self.catch_up_host = LinearCost()
@@ -212,10 +221,13 @@ class AdaptivePolicy:
         d = self.device(choice, bucket)
         h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
              + self.other_host_seconds.get(bucket, 0.0))
+        t = max(d, h) if self.overlapped else d + h
+        t = max(t, self.wall_seconds.get((choice, bucket), 0.0))
         if choice == SPECULATIVE and catch_up_positions:
-            d += self.catch_up_device.predict(catch_up_positions) / rounds
-            h += self.catch_up_host.predict(catch_up_positions) / rounds
-        return max(d, h) if self.overlapped else d + h
+            c_d = self.catch_up_device.predict(catch_up_positions) / rounds
+            c_h = self.catch_up_host.predict(catch_up_positions) / rounds
+            t += max(c_d, c_h) if self.overlapped else c_d + c_h
+        return t
 
     def decide(self, requests: list, catch_up_positions: int = 0, tokens_left: float = 0.0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `catch_up_positions` positions in all
@@ -241,7 +253,7 @@ class AdaptivePolicy:
             self.probes += 1
         st.last = d
         self.chosen[d.choice] += 1
-        self._launched(bucket)
+        self._launched(d.choice, bucket)
         if d.choice == PLAIN and d.reason == "model":
             due = max(st.probe_after, _budget_steps(d))
             self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak), st
@@ -260,23 +272,31 @@ class AdaptivePolicy:
         self._reuse_left -= 1
         self._reuse_state.streak += 1
         self.chosen[PLAIN] += 1
-        if self._last_launch is not None:  # the host interval the deciding step opened ends here
-            t0, bucket = self._last_launch
-            self._add_host_sample(bucket, max(self.clock() - t0 - self._not_host, 0.0))
+        if self._last_launch is not None:  # the interval the deciding step opened ends here
+            self._close_interval(self.clock())
             self._last_launch = None
+            self._previous_choice = PLAIN
         return True
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
-    def _launched(self, bucket: int) -> None:
-        """A decode step is being launched: the time since the previous one (if it was a decode step, with no
-        prefill between) minus what was not X (waits, launches, resolves) is one sample of the previous step's
-        bucket's X."""
+    def _launched(self, choice: str, bucket: int) -> None:
+        """A decode step is being launched: closes the interval the previous decode launch opened (if no prefill
+        came between) and opens this one's."""
         now = self.clock()
         if self._last_launch is not None:
-            t0, prev_bucket = self._last_launch
-            self._add_host_sample(prev_bucket, max(now - t0 - self._not_host, 0.0))
-        self._last_launch = (now, bucket)
+            self._close_interval(now)
+        self._last_launch = (now, choice, bucket, self._previous_choice == choice)
+        self._previous_choice = choice
         self._not_host = 0.0
+
+    def _close_interval(self, now: float) -> None:
+        """The interval from the last decode launch to `now`: less what was not X (waits, launches, resolves), one
+        sample of its bucket's X; whole, when its step was steady (the step before it had the same choice, so the
+        interval holds one step of that choice and nothing of a switch), one sample of W for its choice."""
+        t0, choice, bucket, steady = self._last_launch
+        self._add_host_sample(bucket, max(now - t0 - self._not_host, 0.0))
+        if steady:
+            _ema(self.wall_seconds, (choice, bucket), now - t0, OUTLIER_FACTOR)
 
     def _add_host_sample(self, bucket: int, seconds: float) -> None:
         _ema(self.other_host_seconds, bucket, seconds, OUTLIER_FACTOR)
@@ -285,6 +305,7 @@ class AdaptivePolicy:
     def break_chain(self) -> None:
         """A non-decode step (prefill) or an idle gap: the next decode launch starts a new measurement."""
         self._last_launch = None
+        self._previous_choice = None
         self._not_host = 0.0
 
     def waited(self, seconds: float) -> None:
@@ -349,6 +370,7 @@ class AdaptivePolicy:
             "launch_seconds": per_choice(self.launch),
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
+            "wall_seconds": per_choice(lambda c, b: self.wall_seconds.get((c, b))),
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
