@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, REUSE_STEPS, SPECULATION_MARGIN,
-                                                 SPECULATIVE, AdaptivePolicy, LinearCost)
+                                                 SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost)
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -373,3 +373,17 @@ def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
     d = p.decide(reqs)
     assert p.wall_seconds[(SPECULATIVE, 8)] == pytest.approx(2e-3, rel=0.05)
     assert d.step_seconds[SPECULATIVE] == pytest.approx(2e-3, rel=0.05) and d.choice == PLAIN
+
+
+def test_a_wall_floor_not_re_measured_lapses():
+    """W is measured only while its choice runs: a plain step's floor measured while the server was loaded (1.5 ms
+    against 0.4 ms now) would keep plain steps priced out for good. Not re-measured in WALL_TTL decisions at its
+    bucket, it lapses, and the parts price the step again."""
+    p = policy(plain=0.4e-3, spec=0.8e-3)
+    q = Req()
+    p._accept[q] = 0.5  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
+    p.wall_seconds[(PLAIN, 1)] = 1.5e-3
+    p.wall_decision[(PLAIN, 1)] = 0
+    decisions = [p.decide([q]) for _ in range(WALL_TTL + 1)]  # the first decision above was number 1
+    model = [d.choice for d in decisions if d.reason == "model"]
+    assert model[-2:] == [SPECULATIVE, PLAIN] and model.count(PLAIN) == 1  # plain again once W lapsed

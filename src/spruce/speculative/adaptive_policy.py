@@ -33,7 +33,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
     outside the engine: on the H100 at concurrency 8-32, a server running only rounds took 1.3-2x a plain
     server's time per step while D, E, R and X put rounds within 10% of plain steps (the event loop's work per
     committed token, and its GIL, fall on later intervals). A candidate without W is priced by its parts (so it
-    gets tried), and its first steady steps measure W.
+    gets tried), and its first steady steps measure W. A W not re-measured in WALL_TTL decisions at its bucket
+    lapses: W is measured only while its choice runs, and a stale one (a plain step's at batch 1 measured while a
+    concurrency-64 level drained) kept the next level's batch-1 steps in rounds for 12% of them.
   H never sees device time (the waits are taken out), so a wrong D is corrected only by measuring D: the
   start-up table runs padding rows, which attend to no context, and a round reads its context more than a plain
   step does.
@@ -80,6 +82,7 @@ PROBE_FIRST, PROBE_MAX = 16, 1024
 PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
 REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps
+WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 
 
 def _other(choice: str) -> str:
@@ -143,6 +146,7 @@ class _BucketState:
     streak: int = 0  # consecutive model choices of `model_choice`
     model_choice: str | None = None
     last: Decision | None = None
+    decisions: int = 0  # decide() calls at this bucket
 
 
 @dataclass
@@ -163,6 +167,7 @@ class AdaptivePolicy:
     launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
     other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
     wall_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # W: launch to launch, steady steps
+    wall_decision: dict[tuple[str, int], int] = field(default_factory=dict)  # its bucket's decision count then
     resolve_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     measured_device_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
     global_accept: float | None = None
@@ -222,7 +227,8 @@ class AdaptivePolicy:
         h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
              + self.other_host_seconds.get(bucket, 0.0))
         t = max(d, h) if self.overlapped else d + h
-        t = max(t, self.wall_seconds.get((choice, bucket), 0.0))
+        if self._state[bucket].decisions - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
+            t = max(t, self.wall_seconds[(choice, bucket)])
         if choice == SPECULATIVE and catch_up_positions:
             c_d = self.catch_up_device.predict(catch_up_positions) / rounds
             c_h = self.catch_up_host.predict(catch_up_positions) / rounds
@@ -244,6 +250,7 @@ class AdaptivePolicy:
         if d.tokens_per_second(SPECULATIVE) > (1.0 + SPECULATION_MARGIN) * d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
         st = self._state[bucket]
+        st.decisions += 1
         if d.choice != st.model_choice:
             st.model_choice, st.streak, st.probe_after = d.choice, 0, PROBE_FIRST
         st.streak += 1
@@ -297,6 +304,7 @@ class AdaptivePolicy:
         self._add_host_sample(bucket, max(now - t0 - self._not_host, 0.0))
         if steady:
             _ema(self.wall_seconds, (choice, bucket), now - t0, OUTLIER_FACTOR)
+            self.wall_decision[(choice, bucket)] = self._state[bucket].decisions
 
     def _add_host_sample(self, bucket: int, seconds: float) -> None:
         _ema(self.other_host_seconds, bucket, seconds, OUTLIER_FACTOR)
