@@ -20,8 +20,10 @@ Pieces:
 - the start-up cost table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's decode
   step run over padding rows (the dummy row) and timed, the median of a few runs: its device time and the host
   time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their
-  captured graphs; larger batches run eagerly, as they will when serving. On CUDA the time is the device's (events around the call); on the CPU it is the
-  call's wall time, which is the device work there.
+  captured graphs; larger batches run eagerly, as they will when serving. On CUDA the time is the device's
+  (events around the call); on the CPU it is the call's wall time, which is the device work there;
+- the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
+  the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up.
 
 Losslessness: a committed token is the target's choice at its position whichever candidate ran (greedy:
 the argmax; sampled: the draw keyed by (seed, position), DESIGN §9), so adaptive output equals plain output.
@@ -112,9 +114,9 @@ class AdaptiveDecoding(DecodeStrategy):
     def _lazy_chunks(self, chunks: list[PrefillChunk]) -> frozenset[int]:
         """The chunks whose draft extend is left to a later catch-up: none unless the policy's model prefers plain
         steps for the batch these requests join (about the last decode batch's size: requests come as others
-        finish; or these alone); then each final chunk of a
-        request whose draft is current and that leaves at least half the ring to plain steps before a catch-up
-        is due. A draft that would catch up at once anyway, or whose rounds are expected, is extended now."""
+        finish; or these alone); then each final chunk of a request whose draft is current and that leaves at least
+        half the ring to plain steps before a catch-up is due. A draft that would catch up at once anyway, or whose
+        rounds are expected, is extended now."""
         finals = sum(c.final for c in chunks)
         if self.policy is None or not finals:
             return frozenset()
