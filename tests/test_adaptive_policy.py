@@ -387,3 +387,20 @@ def test_a_wall_floor_not_re_measured_lapses():
     decisions = [p.decide([q]) for _ in range(WALL_TTL + 1)]  # the first decision above was number 1
     model = [d.choice for d in decisions if d.reason == "model"]
     assert model[-2:] == [SPECULATIVE, PLAIN] and model.count(PLAIN) == 1  # plain again once W lapsed
+
+
+def test_a_plain_probe_amid_rounds_is_charged_the_catch_up_it_causes():
+    """Amid rounds, a probe plain step makes the next round catch its draft up first (one position per request):
+    on the H100 a catch-up took ~3.5 ms against 0.7 ms rounds, so each such probe cost ~5 rounds, and the backoff
+    alone (16 .. 1024) probed 100-140 times a pass at concurrency 1. Charged its catch-up, a plain probe comes at
+    most once per (its excess) / PROBE_BUDGET rounds."""
+    p = policy(plain=0.3e-3, spec=0.7e-3)
+    q = Req()
+    p._accept[q] = 3.35
+    for n in (1, 64):
+        p.caught_up(n, 3.5e-3, 0.0)  # fixed cost: the same at 1 and 64 positions
+    decisions = [p.decide([q]) for _ in range(1500)]
+    probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
+    assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
+    spacing = (0.3e-3 + 3.5e-3 - 0.7e-3) / (PROBE_BUDGET * 0.7e-3)  # ~221 rounds per probe
+    assert 1 <= len(probes) <= 1500 / spacing + 1 and probes[0] >= spacing

@@ -49,8 +49,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   running): after a run of model choices of one candidate at a bucket, the next step runs the other once
   ("probe"). The run is `probe_after` long (16 .. 1024: a probe that does not change the model's choice doubles
   it, a change of the model's choice resets it) and at least long enough that probes cost at most PROBE_BUDGET of
-  the time: a probe costs its step's modelled excess over the chosen step (a round's with its catch-up), so a
-  probe that costs 25 plain steps comes at most once every 25 / PROBE_BUDGET steps.
+  the time: a probe costs its step's modelled excess over the chosen step (a probe round with the whole catch-up
+  due; a probe plain step with the one-position catch-up it makes the next round pay), so a probe that costs 25
+  chosen steps comes at most once every 25 / PROBE_BUDGET steps. (On the H100 a catch-up cost 2.3-4.3 ms against
+  0.7 ms rounds, so a plain probe amid rounds cost ~5 rounds; at 16 .. 1024 alone there were 100-140 a pass.)
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
@@ -254,7 +256,8 @@ class AdaptivePolicy:
         if d.choice != st.model_choice:
             st.model_choice, st.streak, st.probe_after = d.choice, 0, PROBE_FIRST
         st.streak += 1
-        if st.streak > max(st.probe_after, _budget_steps(d)):
+        budget_steps = self._budget_steps(d, catch_up_positions)
+        if st.streak > max(st.probe_after, budget_steps):
             d.choice, d.reason = _other(d.choice), "probe"
             st.streak, st.probe_after = 0, min(2 * st.probe_after, PROBE_MAX)
             self.probes += 1
@@ -262,12 +265,27 @@ class AdaptivePolicy:
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket)
         if d.choice == PLAIN and d.reason == "model":
-            due = max(st.probe_after, _budget_steps(d))
+            due = max(st.probe_after, budget_steps)
             self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak), st
         else:
             self._reuse_left = 0
         self._tables = None
         return d
+
+    def _budget_steps(self, d: Decision, catch_up_positions: int) -> int:
+        """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe's
+        excess over the chosen step (the step it replaces), in chosen steps, over the budget. A probe round pays
+        the whole catch-up due now (it opens no run of rounds); a probe plain step makes the next round catch up
+        one position per request first."""
+        chosen = d.step_seconds[d.choice]
+        if chosen <= 0:
+            return 0
+        if d.choice == PLAIN:
+            probe = self.step_seconds(SPECULATIVE, d.bucket, catch_up_positions)
+        else:
+            c_d, c_h = self.catch_up_device.predict(d.batch_size), self.catch_up_host.predict(d.batch_size)
+            probe = d.step_seconds[PLAIN] + (max(c_d, c_h) if self.overlapped else c_d + c_h)
+        return math.ceil(max(probe - chosen, 0.0) / (PROBE_BUDGET * chosen) - 1e-9)
 
     def repeat(self) -> bool:
         """The next step runs over the same batch as the last decision (the caller checks that): True when that
@@ -382,16 +400,6 @@ class AdaptivePolicy:
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
-
-
-def _budget_steps(d: Decision) -> int:
-    """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe's
-    modelled excess over the chosen step (the step it replaces), in chosen steps, over the budget."""
-    chosen = d.step_seconds[d.choice]
-    if chosen <= 0:
-        return 0
-    excess = max(d.step_seconds[_other(d.choice)] - chosen, 0.0)
-    return math.ceil(excess / (PROBE_BUDGET * chosen) - 1e-9)
 
 
 def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int) -> float:
