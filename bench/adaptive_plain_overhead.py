@@ -20,6 +20,7 @@ Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--batch-siz
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,7 +92,8 @@ def engine_of(llm: LLM):
     return llm.engine
 
 
-def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync, syncs: Counter | None = None) -> dict[str, list[float]]:
+def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
+            syncs: Counter | None = None) -> dict[str, list[float]]:
     """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts. With `syncs`
     (CUDA), torch's sync debug mode is on during the timed steps and each synchronising call site is counted."""
     engine = engine_of(llm)
@@ -103,38 +105,45 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync, syncs: Counter 
         engine.step()
     out = defaultdict(list)
     sync()
-    if syncs is not None:
-        caught = warnings.catch_warnings()
-        caught.__enter__()
-        warnings.simplefilter("always")
-        warnings.showwarning = lambda message, *rest, **kw: syncs.update([_call_site(message)])
-        torch.cuda.set_sync_debug_mode("warn")
-    start = time.perf_counter()
-    for _ in range(steps):  # no per-step sync: on a GPU the steps overlap as when serving
-        clocks.step.clear()
-        t0 = time.perf_counter()
-        engine.step()
-        t1 = time.perf_counter()
-        engine.stats()
-        t2 = time.perf_counter()
-        out["step"].append(t1 - t0)
-        out["stats"].append(t2 - t1)
-        for k in ("forward", "choose", "resolved"):
-            out[k].append(clocks.step.get(k, 0.0))
-    sync()
-    out["block"].append((time.perf_counter() - start) / steps)  # wall per step, stats() included
-    if syncs is not None:
-        torch.cuda.set_sync_debug_mode("default")
-        caught.__exit__(None, None, None)
+    with count_syncs(syncs) if syncs is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        for _ in range(steps):  # no per-step sync: on a GPU the steps overlap as when serving
+            clocks.step.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            engine.stats()
+            t2 = time.perf_counter()
+            out["step"].append(t1 - t0)
+            out["stats"].append(t2 - t1)
+            for k in ("forward", "choose", "resolved"):
+                out[k].append(clocks.step.get(k, 0.0))
+        sync()
+        out["block"].append((time.perf_counter() - start) / steps)  # wall per step, stats() included
     for rid in ids:
         engine.abort(rid)
     engine.drain()
     return out
 
 
+@contextlib.contextmanager
+def count_syncs(counter: Counter):
+    """While inside: torch's sync debug mode is on (CUDA) and each synchronisation is counted in `counter` by
+    where it came from (spruce's two innermost frames; also used by bench/profile_catch_up.py)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *rest, **kw: counter.update([_call_site(message)])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _call_site(message) -> str:
-    """Where a sync warning was raised (called while it is being shown): spruce's two innermost frames."""
-    frames = [f for f in traceback.extract_stack() if "/spruce/" in f.filename and "bench/adaptive" not in f.filename]
+    """Where a sync warning was raised (called while it is being shown): spruce's two innermost frames outside
+    bench/."""
+    frames = [f for f in traceback.extract_stack() if "/spruce/" in f.filename and "/bench/" not in f.filename]
     where = " < ".join(f"{f.filename.rsplit('/spruce/', 1)[-1]}:{f.lineno}" for f in frames[-2:][::-1]) or "?"
     return f"{where}: {str(message)[:60]}"
 

@@ -21,13 +21,12 @@ import os
 import pstats
 import statistics
 import time
-import traceback
-import warnings
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from adaptive_plain_overhead import count_syncs  # bench/ is this script's directory
 from spruce import LLM, SamplingParams
 from spruce.bench.common import device_name, git_commit
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
@@ -54,29 +53,6 @@ def forced_choices(engine) -> dict:
     policy.decide = forced
     policy.repeat = lambda: False
     return force
-
-
-def sync_sites(counter: Counter):
-    """A context that counts, by spruce's innermost two frames, each GPU synchronisation (CUDA)."""
-    caught = warnings.catch_warnings()
-
-    class Ctx:
-        def __enter__(self):
-            caught.__enter__()
-            warnings.simplefilter("always")
-            warnings.showwarning = lambda message, *rest, **kw: counter.update([_site(message)])
-            torch.cuda.set_sync_debug_mode("warn")
-
-        def __exit__(self, *exc):
-            torch.cuda.set_sync_debug_mode("default")
-            caught.__exit__(*exc)
-    return Ctx()
-
-
-def _site(message) -> str:
-    frames = [f for f in traceback.extract_stack() if "/spruce/" in f.filename and "/bench/" not in f.filename]
-    where = " < ".join(f"{f.filename.rsplit('/spruce/', 1)[-1]}:{f.lineno}" for f in frames[-2:][::-1]) or "?"
-    return f"{where}: {str(message)[:60]}"
 
 
 def profile_catch_up(args, cuda: bool) -> dict:
@@ -116,7 +92,7 @@ def profile_catch_up(args, cuda: bool) -> dict:
             engine.step()
         force["choice"] = SPECULATIVE
         if cuda:
-            with sync_sites(syncs):
+            with count_syncs(syncs):
                 engine.step()
         else:
             engine.step()
