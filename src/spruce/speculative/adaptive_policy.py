@@ -225,17 +225,22 @@ class AdaptivePolicy:
         """t(choice, bucket) = D (+) (E + R + X); R borrowed from the other choice until this one has run here. A
         round over drafts missing `catch_up_positions` positions adds the catch-up's D and H, shared by the
         `rounds` rounds it opens (the draft stays current while rounds go on)."""
-        d = self.device(choice, bucket)
         h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
              + self.other_host_seconds.get(bucket, 0.0))
-        t = max(d, h) if self.overlapped else d + h
+        t = self._join(self.device(choice, bucket), h)
         if self._state[bucket].decisions - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
             t = max(t, self.wall_seconds[(choice, bucket)])
         if choice == SPECULATIVE and catch_up_positions:
-            c_d = self.catch_up_device.predict(catch_up_positions) / rounds
-            c_h = self.catch_up_host.predict(catch_up_positions) / rounds
-            t += max(c_d, c_h) if self.overlapped else c_d + c_h
+            t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
+
+    def catch_up_seconds(self, positions: int) -> float:
+        """A catch-up over `positions` missing positions: its fitted device (+) host seconds."""
+        return self._join(self.catch_up_device.predict(positions), self.catch_up_host.predict(positions))
+
+    def _join(self, device_seconds: float, host_seconds: float) -> float:
+        """(+): max when host and device overlap, + when one waits for the other."""
+        return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
     def decide(self, requests: list, catch_up_positions: int = 0, tokens_left: float = 0.0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `catch_up_positions` positions in all
@@ -283,8 +288,7 @@ class AdaptivePolicy:
         if d.choice == PLAIN:
             probe = self.step_seconds(SPECULATIVE, d.bucket, catch_up_positions)
         else:
-            c_d, c_h = self.catch_up_device.predict(d.batch_size), self.catch_up_host.predict(d.batch_size)
-            probe = d.step_seconds[PLAIN] + (max(c_d, c_h) if self.overlapped else c_d + c_h)
+            probe = d.step_seconds[PLAIN] + self.catch_up_seconds(d.batch_size)
         return math.ceil(max(probe - chosen, 0.0) / (PROBE_BUDGET * chosen) - 1e-9)
 
     def repeat(self) -> bool:
