@@ -135,9 +135,12 @@ class AdaptiveDecoding(DecodeStrategy):
             self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
             return
         dev = self.runner.device
-        firsts = [end - len(c.tokens) + 1 for end, c in zip(ends, chunks)]  # each chunk's first token in the batch
+
+        def token_indices(picked: list[int]) -> list[int]:  # the batch's tokens of the picked chunks
+            return [t for i in picked for t in range(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1)]
+
         lazy = sorted(self._lazy)
-        host = torch.tensor([[t for i in lazy for t in range(firsts[i], ends[i] + 1)],
+        host = torch.tensor([token_indices(lazy),
                              [chunks[i].row for i in lazy for _ in chunks[i].tokens],
                              [chunks[i].start + j for i in lazy for j in range(len(chunks[i].tokens))]],
                             dtype=torch.int64)
@@ -153,7 +156,7 @@ class AdaptiveDecoding(DecodeStrategy):
         sub = [chunks[i] for i in eager]
         slot_of_final = {i: k for k, i in enumerate(finals)}  # new_tokens has one entry per final chunk
         sub_finals = [k for k, i in enumerate(eager) if chunks[i].final]
-        host = torch.tensor([t for i in eager for t in range(firsts[i], ends[i] + 1)], dtype=torch.int64)
+        host = torch.tensor(token_indices(eager), dtype=torch.int64)
         picks = torch.tensor([slot_of_final[eager[k]] for k in sub_finals], dtype=torch.int64)
         self.worker.extend_draft(sub, features[host.to(dev, non_blocking=True)],
                                  [n - 1 for n in itertools.accumulate(len(c.tokens) for c in sub)], sub_finals,
