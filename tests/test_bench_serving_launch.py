@@ -2,11 +2,14 @@
 and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
 a shared prefix, runs the level twice (two passes, both reported) with all four servers up at once and each level
 run on each server in turn (--interleave), and writes one result holding every run, with adaptive speculation's
-steps and cost tables. A tiny smoke configuration, so CI keeps it working."""
+steps and cost tables. A tiny smoke configuration, so CI keeps it working. Flags that configure launched servers
+are refused without --launch."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from spruce.cli import main
 from checkpoints import python_source_prompts
@@ -54,3 +57,11 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
     summary = result["figures"]["summary"]
     assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed
+
+
+@pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"]])
+def test_launch_only_flags_are_refused_without_launch(capsys, flag):
+    """A flag that configures --launch servers is refused (exit 2, naming it) when no server is launched, rather
+    than accepted and ignored against --base-url."""
+    assert main(["bench", "serving", "--base-url", "http://127.0.0.1:9", *flag]) == 2
+    assert flag[0] in capsys.readouterr().err

@@ -213,8 +213,7 @@ async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str,
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,launch,resolve,wall}_seconds: {choice: {bucket: s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
-    adaptive); nothing if it does not answer within
-    `timeout` seconds."""
+    adaptive); nothing if it does not answer within `timeout` seconds."""
     try:
         text = (await client.get("/metrics", timeout=timeout)).text
     except httpx.HTTPError:
@@ -441,9 +440,9 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.launch:
         return _run_launched(args)
-    if args.server_args or args.compare_prefix_cache:
-        print("spruce bench serving: --server-args and --compare-prefix-cache configure --launch servers; add "
-              "--launch NAME=FLAGS (or drop them to measure the server at --base-url)", file=sys.stderr)
+    if args.server_args or args.compare_prefix_cache or args.interleave:
+        print("spruce bench serving: --server-args, --compare-prefix-cache and --interleave configure --launch "
+              "servers; add --launch NAME=FLAGS (or drop them to measure the server at --base-url)", file=sys.stderr)
         return 2
     try:
         model = _served_model(args, args.base_url)
