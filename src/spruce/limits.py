@@ -84,6 +84,12 @@ class Limits:
         return min(DRAFT_LAG_WINDOW, self.max_tokens_per_forward) if self.adaptive else 0
 
     @property
+    def lazy_prefill_tokens(self) -> int:
+        """Adaptive speculation: the longest final prompt chunk whose draft extend may wait for a catch-up (lazy
+        prefill): half the ring, so the request still has half of it for plain steps before a catch-up is due."""
+        return self.draft_lag_window // 2
+
+    @property
     def num_candidates(self) -> int:
         """M: draft candidates one round produces, K at step 0 and K*K at each later step."""
         return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
