@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, REUSE_STEPS, SPECULATION_MARGIN,
-                                                 SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost)
+from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX, REUSE_STEPS,
+                                                 SPECULATION_MARGIN,
+                                                 SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
+                                                 _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -27,6 +29,11 @@ class Req:  # a request is any hashable, weak-referenceable object to the policy
 def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptivePolicy:
     table = {(c, b): (plain if c == PLAIN else spec) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
     return AdaptivePolicy(BUCKETS, table, overlapped=overlapped, max_accept=s, clock=clock or Clock())
+
+
+def set_ema(p: AdaptivePolicy, request, ema: float) -> None:
+    """Give `request` a running acceptance of `ema` drafts per round (the prior untouched)."""
+    p._accept[request] = _RequestAcceptance(ema)
 
 
 def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
@@ -153,7 +160,7 @@ def test_start_up_table_that_underestimates_rounds_is_corrected_online():
     p = policy(plain=0.45e-3, spec=0.55e-3, clock=clock)
     q = Req()
     p.accepted(q, 0)
-    p.accepted(q, 1)  # EMA 0.5
+    p.accepted(q, 2)  # EMA 0.5
     for choice in (PLAIN, SPECULATIVE, PLAIN):  # host time 0.4 ms per step, whatever ran
         p.decide([q])
         clock.now += 0.4e-3
@@ -173,14 +180,14 @@ def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     p.accepted(reqs[0], 2)
-    p.accepted(reqs[0], 1)  # EMA 1.5: 2.5 tokens per round
+    p.accepted(reqs[0], 1)  # EMA 1.75: 2.75 tokens per round
     for positions, seconds in ((10, 0.3e-3), (50, 0.7e-3)):
         p.caught_up(positions, seconds, 0.0)
         p.measured(SPECULATIVE, 1, 2e-3)
     assert p.device(SPECULATIVE, 1) == pytest.approx(2e-3)
     assert p.catch_up_device.coefficients() == (pytest.approx(0.2e-3), pytest.approx(1e-5))
     assert p.decide(reqs).choice == SPECULATIVE
-    d = p.decide(reqs, catch_up_positions=40)
+    d = p.decide(reqs, lags=[40])
     assert d.step_seconds[SPECULATIVE] == pytest.approx(2.6e-3) and d.choice == PLAIN
     snap = p.snapshot()
     assert snap["catch_ups"] == 2 and snap["catch_up_positions"] == 60
@@ -265,13 +272,13 @@ def test_round_resolve_is_charged_to_the_round():
     assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
     assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
     for q in reqs:
-        p._accept[q] = 0.19
+        set_ema(p, q, 0.19)
     assert p.decide(reqs).choice == PLAIN
     p.resolve_seconds.clear()  # the interval alone (before): launches and resolves in the pooled rest
     p.launch_seconds.clear()
     p.other_host_seconds[4] = 1e-3 + 0.5e-3 + plan
     for q in reqs:
-        p._accept[q] = 1.0
+        set_ema(p, q, 1.0)
     assert p.decide(reqs).choice == SPECULATIVE  # 2 tokens / 3 ms > 1 / 3 ms, though really 2 / 5.5 ms
 
 
@@ -287,7 +294,7 @@ def test_a_noisy_host_interval_moves_both_candidates_alike():
         p = policy(plain=0.3e-3, spec=0.9e-3, clock=clock)
         reqs = [Req(), Req()]
         for q in reqs:
-            p._accept[q] = 0.18
+            set_ema(p, q, 0.18)
         for step, choice in enumerate((PLAIN, PLAIN, SPECULATIVE, PLAIN, PLAIN)):
             p.decide(reqs)
             launch = 0.1e-3 if choice == PLAIN else 0.3e-3
@@ -322,11 +329,11 @@ def test_rounds_must_win_by_the_margin():
     under a loaded server is larger than that); one expected to commit 20% more is."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
-    p._accept[reqs[0]] = 2 * 1.05 - 1  # 2.1 tokens per 2 ms round: 1.05x plain's 1 per 1 ms
+    set_ema(p, reqs[0], 2 * 1.05 - 1)  # 2.1 tokens per 2 ms round: 1.05x plain's 1 per 1 ms
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
     assert d.choice == PLAIN and SPECULATION_MARGIN > 0.05
-    p._accept[reqs[0]] = 2 * 1.2 - 1
+    set_ema(p, reqs[0], 2 * 1.2 - 1)
     assert p.decide(reqs).choice == SPECULATIVE
 
 
@@ -338,15 +345,15 @@ def test_a_catch_up_is_shared_by_the_rounds_it_opens():
     left, the catch-up is not worth it."""
     p = policy(plain=0.4e-3, spec=0.7e-3)
     q = Req()
-    p._accept[q] = 3.35
+    p.accepted(q, 3.35)
     for n in (100, 300):
         p.caught_up(n, 2.5e-3 + 1e-5 * n, 0.0)
-    assert p.decide([q], catch_up_positions=128).choice == PLAIN  # one round pays it all (tokens_left unknown)
-    d = p.decide([q], catch_up_positions=128, tokens_left=128)
+    assert p.decide([q], lags=[128]).choice == PLAIN  # one round pays it all (tokens_left unknown)
+    d = p.decide([q], lags=[128], tokens_left=128)
     rounds = 128 / 4.35
     assert d.step_seconds[SPECULATIVE] == pytest.approx(0.7e-3 + (2.5e-3 + 1.28e-3) / rounds)
     assert d.choice == SPECULATIVE
-    assert p.decide([q], catch_up_positions=128, tokens_left=1).choice == PLAIN
+    assert p.decide([q], lags=[128], tokens_left=1).choice == PLAIN
 
 
 def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
@@ -358,7 +365,7 @@ def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
     p = policy(plain=0.5e-3, spec=0.6e-3, clock=clock)
     reqs = [Req() for _ in range(8)]
     for q in reqs:
-        p._accept[q] = 0.3
+        set_ema(p, q, 0.3)
     for _ in range(4):  # plain steps 1 ms apart
         p.decide(reqs)
         p._last_launch = (p._last_launch[0], PLAIN, 8, p._previous_choice == PLAIN)
@@ -381,7 +388,7 @@ def test_a_wall_floor_not_re_measured_lapses():
     bucket, it lapses, and the parts price the step again."""
     p = policy(plain=0.4e-3, spec=0.8e-3)
     q = Req()
-    p._accept[q] = 0.5  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
+    set_ema(p, q, 0.5)  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
     p.wall_seconds[(PLAIN, 1)] = 1.5e-3
     p.wall_decision[(PLAIN, 1)] = 0
     decisions = [p.decide([q]) for _ in range(WALL_TTL + 1)]  # the first decision above was number 1
@@ -396,7 +403,7 @@ def test_a_plain_probe_amid_rounds_is_charged_the_catch_up_it_causes():
     most once per (its excess) / PROBE_BUDGET rounds."""
     p = policy(plain=0.3e-3, spec=0.7e-3)
     q = Req()
-    p._accept[q] = 3.35
+    p.accepted(q, 3.35)
     for n in (1, 64):
         p.caught_up(n, 3.5e-3, 0.0)  # fixed cost: the same at 1 and 64 positions
     decisions = [p.decide([q]) for _ in range(1500)]
@@ -404,3 +411,58 @@ def test_a_plain_probe_amid_rounds_is_charged_the_catch_up_it_causes():
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
     spacing = (0.3e-3 + 3.5e-3 - 0.7e-3) / (PROBE_BUDGET * 0.7e-3)  # ~221 rounds per probe
     assert 1 <= len(probes) <= 1500 / spacing + 1 and probes[0] >= spacing
+
+
+def test_a_collapsed_request_is_retried_with_backoff():
+    """The H100 short-prompt run (2026-11-23, concurrency 1): rounds of 0.87 ms commit ~4.3 tokens against one per
+    0.55 ms plain step, yet 42% of the steps were plain: a few rejected rounds put a request's EMA below the
+    margin, and nothing re-measured it until the request ended. A collapsed request (EMA below half the prior) is
+    priced at the prior once its draft lags by its retry distance: RETRY_FIRST, doubled by a retry that accepts
+    little; a retry that accepts restarts its EMA and its backoff."""
+    p = policy(plain=0.55e-3, spec=0.87e-3)
+    q = Req()
+    for _ in range(4):
+        p.accepted(q, 0)
+    settle(p, [Req() for _ in range(8)], 4, rounds=100)  # the engine-wide EMA: ~4 drafts per round
+    assert p.expected_accept(q) == 0.0 and p.prior_accept() > 3.9
+    assert p.decide([q], lags=[0]).choice == PLAIN
+    assert p.decide([q], lags=[RETRY_FIRST - 1]).choice == PLAIN
+    d = p.decide([q], lags=[RETRY_FIRST])
+    assert d.choice == SPECULATIVE and d.reason == "model" and p.retries == 1
+    p.accepted(q, 0)  # the retry failed: the next one waits twice as long
+    assert p.decide([q], lags=[RETRY_FIRST]).choice == PLAIN
+    assert p.decide([q], lags=[2 * RETRY_FIRST]).choice == SPECULATIVE and p.retries == 2
+    p.accepted(q, 4)  # the text moved on: the request speculates again from its fresh EMA
+    assert p.expected_accept(q) == 4.0
+    assert p.decide([q], lags=[0]).choice == SPECULATIVE
+    for _ in range(20):  # retries that keep failing back off up to RETRY_MAX positions
+        p.accepted(q, 0)
+        p._accept[q].retrying = True
+        p.accepted(q, 0)
+    assert p._accept[q].retry_after == RETRY_MAX
+    assert p.decide([q], lags=[RETRY_MAX - 1]).choice == PLAIN
+
+
+def test_a_request_with_a_few_rejected_rounds_is_not_collapsed():
+    """Four rounds in a row that accept nothing (the text turned) leave a request that accepted 4 per round
+    speculating at concurrency 1's H100 costs (at the old REQUEST_ALPHA of 0.5 they put it at 1.25 tokens per
+    round: plain)."""
+    p = policy(plain=0.55e-3, spec=0.87e-3)
+    settle(p, [Req() for _ in range(8)], 4, rounds=100)
+    q = Req()
+    p.accepted(q, 4)
+    for _ in range(4):
+        p.accepted(q, 0)
+    assert p.decide([q]).choice == SPECULATIVE
+
+
+def test_a_plain_choice_stands_no_longer_than_a_retry_is_due():
+    """The plain fast path skips decisions, so it ends when a collapsed request of the batch is due for a retry:
+    lag RETRY_FIRST - 4 at the deciding step, which adds one, leaves 3 steps that repeat it."""
+    p = policy(plain=0.55e-3, spec=0.87e-3)
+    q = Req()
+    p.accepted(q, 0)
+    settle(p, [Req() for _ in range(8)], 4, rounds=100)
+    assert p.decide([q], lags=[RETRY_FIRST - 4]).choice == PLAIN
+    assert [p.repeat() for _ in range(4)] == [True, True, True, False]
+    assert p.decide([q], lags=[RETRY_FIRST]).choice == SPECULATIVE

@@ -261,6 +261,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
     series("spruce_adaptive_probes_total", "counter", "Steps run as probes (the candidate the model did not choose, "
            "re-measured).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
+           "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
+           [("", a.get("retries", 0))])
     series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
            "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
     series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",

@@ -179,7 +179,7 @@ class AdaptiveDecoding(DecodeStrategy):
             return self.plain
         self._batch_size = len(requests)
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / len(requests)
-        d = self.policy.decide(requests, sum(q.draft_lag for q in requests), tokens_left)
+        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left)
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         window = self.runner.limits.draft_lag_window

@@ -9,6 +9,15 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   rounds of its own takes the engine-wide EMA; before any round at all, the tree depth S (optimistic, so the
   first rounds measure it). A request whose acceptance collapsed thus counts ~1 token in both candidates: it
   neither forces the batch to plain nor makes speculation look better than it is for the others.
+- A request's EMA below the engine-wide one is not measured while it decodes plainly, so a dip would stand for
+  the rest of the request. On the H100 (128-token prompts, rounds committing ~4.3 tokens), runs of rejected rounds
+  put 103 of 256 requests at concurrency 1 in plain steps until they ended: 42% of the steps were plain at ~3x a
+  round's cost per token. So a collapsed request (EMA below half the engine-wide one) is retried (priced at the
+  engine-wide EMA) once its draft lags by `retry_after` positions (plain steps since its last round):
+  RETRY_FIRST, doubled (up to RETRY_MAX) after each retry round that accepts less than half the engine-wide EMA,
+  so a request whose text truly defeats the draft pays a catch-up ever more rarely; a retry that accepts resets
+  its EMA to that round's count (the text moved on) and its backoff. A lower REQUEST_ALPHA makes a collapse take
+  several rejected rounds in a row.
 - t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
@@ -76,7 +85,8 @@ from typing import Callable
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
-REQUEST_ALPHA = 0.5  # per-request acceptance EMA: reacts within a few rounds when a request's text changes
+REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
+RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a request estimated low is retried (doubling backoff)
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
 COST_ALPHA = 0.1  # host and device seconds per step EMAs, and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # a host sample this many times the EMA is an idle gap, not a step: ignored
@@ -143,6 +153,15 @@ class LinearCost:
 
 
 @dataclass
+class _RequestAcceptance:
+    """One request's acceptance: its EMA, and when a low estimate is retried (see the module docstring)."""
+
+    ema: float
+    retry_after: int = RETRY_FIRST  # draft lag (positions) from which an EMA below the prior is retried
+    retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
+
+
+@dataclass
 class _BucketState:
     probe_after: int = PROBE_FIRST
     streak: int = 0  # consecutive model choices of `model_choice`
@@ -177,12 +196,13 @@ class AdaptivePolicy:
     probes: int = 0
     catch_ups: int = 0
     catch_up_positions: int = 0
+    retries: int = 0  # rounds that retried a request estimated below the engine-wide acceptance
 
     def __post_init__(self):
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
         if missing:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
-        self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its acceptance EMA
+        self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> _RequestAcceptance
         self._state = {b: _BucketState() for b in self.buckets}
         self._last_launch: tuple[float, str, int, bool] | None = None  # the last decode launch: (time, choice,
         # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
@@ -206,12 +226,18 @@ class AdaptivePolicy:
         the bucket's first decision."""
         return self._state[self.bucket_for(batch_size)].model_choice
 
-    def expected_accept(self, request) -> float:
-        """Request's expected accepted drafts per round: its EMA, else the engine's, else S."""
-        own = self._accept.get(request)
-        if own is not None:
-            return own
+    def prior_accept(self) -> float:
+        """Expected accepted drafts per round of a request without rounds: the engine-wide EMA, else S."""
         return self.global_accept if self.global_accept is not None else float(self.max_accept)
+
+    def expected_accept(self, request, lag: int = 0) -> float:
+        """Request's expected accepted drafts per round, its draft lagging by `lag` positions: its EMA, except
+        that a collapsed one (below half the prior) is retried (the prior) from a lag of its `retry_after`; without
+        rounds of its own, the prior."""
+        own = self._accept.get(request)
+        if own is None or (self._low(request) is not None and lag >= own.retry_after):
+            return self.prior_accept()
+        return own.ema
 
     def device(self, choice: str, bucket: int) -> float:
         """D(choice, bucket): measured, else the start-up table."""
@@ -242,14 +268,16 @@ class AdaptivePolicy:
         """(+): max when host and device overlap, + when one waits for the other."""
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
-    def decide(self, requests: list, catch_up_positions: int = 0, tokens_left: float = 0.0) -> Decision:
-        """The choice for a decode step over `requests`, whose drafts miss `catch_up_positions` positions in all
-        and which may each still generate `tokens_left` tokens on average (also marks the step's launch for the
-        host clock). A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens
-        left for (at least one)."""
+    def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0) -> Decision:
+        """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
+        which may each still generate `tokens_left` tokens on average (also marks the step's launch for the host
+        clock). A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for
+        (at least one)."""
         bs = len(requests)
         bucket = self.bucket_for(bs)
-        spec_tokens = sum(1.0 + self.expected_accept(q) for q in requests) / bs
+        lags = lags if lags is not None else [0] * bs
+        catch_up_positions = sum(lags)
+        spec_tokens = sum(1.0 + self.expected_accept(q, lag) for q, lag in zip(requests, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: self.step_seconds(c, bucket, catch_up_positions, rounds) for c in CHOICES},
@@ -271,11 +299,34 @@ class AdaptivePolicy:
         self._launched(d.choice, bucket)
         if d.choice == PLAIN and d.reason == "model":
             due = max(st.probe_after, budget_steps)
-            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak), st
+            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak, self._retry_in(requests, lags)), st
         else:
             self._reuse_left = 0
+            if d.choice == SPECULATIVE:
+                self._mark_retries(requests, lags)
         self._tables = None
         return d
+
+    def _low(self, request) -> _RequestAcceptance | None:
+        """The request's acceptance state if its EMA collapsed (below half the prior: a retry candidate), else
+        None."""
+        own = self._accept.get(request)
+        return own if own is not None and own.ema < self.prior_accept() / 2 else None
+
+    def _retry_in(self, requests: list, lags: list[int]) -> int:
+        """Further plain steps (after this one) before the first of `requests` estimated low is due for a retry
+        (REUSE_STEPS if none is)."""
+        due = [own.retry_after - lag - 1 for q, lag in zip(requests, lags)
+               if (own := self._low(q)) is not None and lag < own.retry_after]
+        return max(min(due, default=REUSE_STEPS), 0)
+
+    def _mark_retries(self, requests: list, lags: list[int]) -> None:
+        """A round is launched: the requests in it priced on the prior (a retry) are judged by its acceptance."""
+        for q, lag in zip(requests, lags):
+            own = self._low(q)
+            if own is not None and lag >= own.retry_after:
+                own.retrying = True
+                self.retries += 1
 
     def _budget_steps(self, d: Decision, catch_up_positions: int) -> int:
         """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe's
@@ -370,9 +421,18 @@ class AdaptivePolicy:
         self._tables = None
 
     def accepted(self, request, drafts: int) -> None:
-        """A speculative round of `request` accepted `drafts` draft tokens."""
+        """A speculative round of `request` accepted `drafts` draft tokens. A retry's round (see the module
+        docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
+        doubles the lag before the next retry."""
         own = self._accept.get(request)
-        self._accept[request] = float(drafts) if own is None else own + REQUEST_ALPHA * (drafts - own)
+        if own is None:
+            self._accept[request] = _RequestAcceptance(float(drafts))
+        elif own.retrying and drafts >= self.prior_accept() / 2:
+            own.ema, own.retry_after, own.retrying = float(drafts), RETRY_FIRST, False
+        else:
+            own.ema += REQUEST_ALPHA * (drafts - own.ema)
+            if own.retrying:
+                own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
         g = self.global_accept
         self.global_accept = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
         self._reuse_left = 0  # the batch's expected tokens changed: decide the next step afresh
@@ -386,7 +446,7 @@ class AdaptivePolicy:
             self._tables = self._build_tables()
         return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
-                "catch_up_positions": self.catch_up_positions}
+                "catch_up_positions": self.catch_up_positions, "retries": self.retries}
 
     def _build_tables(self) -> dict:
         def per_choice(value) -> dict:
