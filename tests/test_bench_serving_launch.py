@@ -38,6 +38,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         lv = r["levels"][0]
         assert lv["completed"] == 3 and lv["mean_output_tokens"] == 4 and lv["prompt_tokens"] == 3 * 30
         assert lv["ttft_s"]["p99"] >= lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p50"] > 0
+        assert 0 < lv["client_cpu_fraction"] < 4  # the client's CPU seconds per second (threads may add up)
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
         # that repeats the warm-up's prompt finds more)
         cached = lv["cached_prompt_tokens"]
@@ -50,10 +51,11 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         if adaptive:  # what the policy compared, after the level
             parts = {"device_seconds", "launch_seconds", "resolve_seconds", "other_host_seconds", "catch_up_seconds"}
             assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds"}  # W: once a step was steady
-            assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions"}
-    # --interleave: all four servers ran at once, each level on each server in turn, pass after pass
+            assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions", "retries"}
+    # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
+    # a level starts one server later than the round before, so no server always runs last
     starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])
-    assert [k for _, k in starts] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [k for _, k in starts] == [0, 1, 2, 3, 1, 2, 3, 0]
     summary = result["figures"]["summary"]
     assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed

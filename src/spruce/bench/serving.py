@@ -201,7 +201,8 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
 ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
-                     "catch_up_positions": "spruce_adaptive_catch_up_positions_total"}
+                     "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
+                     "retries": "spruce_adaptive_retries_total"}
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values())
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
@@ -257,9 +258,10 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
     metrics_timeout = min(args.timeout, METRICS_TIMEOUT_S)
     before, _ = await _metrics(client, metrics_timeout)
     started_at = time.time()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     duration = time.perf_counter() - t0
+    client_cpu = time.process_time() - cpu0
     after, tables = await _metrics(client, metrics_timeout)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     ok = [r for r in results if r.ok]
@@ -284,6 +286,8 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
         "stopped": stopped[0] if stopped else None,  # why the level stopped sending requests (None: it did not)
+        "client_cpu_fraction": client_cpu / duration,  # this client's CPU seconds per second: near 1, the client
+        # (one process, one event loop) limits the level, not the server
     }
 
 
@@ -302,7 +306,9 @@ def _headers(args) -> dict:
 async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[list[dict], str | None]]:
     """Measure every server in `targets` ((base_url, model) each): per server, the levels measured and why its
     run stopped early (None: it did not). Each pass runs every level on each server in turn (level c on server
-    1, 2, ..., then the next level), so servers measured together see the same machine at the same time."""
+    1, 2, ..., then the next level), so servers measured together see the same machine at the same time. Each
+    such round starts one server later than the round before (1, 2, 3; then 2, 3, 1; ...): the client process
+    and the machine carry state from one server's level to the next, so no server should always run last."""
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
     clients = [httpx.AsyncClient(base_url=url, headers=_headers(args), timeout=args.timeout, limits=limits)
                for url, _ in targets]
@@ -316,9 +322,11 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                     print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
                     stopped[i] = f"warm-up: {res.error}"
                     break
+        order = list(range(len(targets)))
         for k in range(1, args.passes + 1):
             for c in args.concurrency:
-                for i, (client, (_, model)) in enumerate(zip(clients, targets)):
+                for i in order:
+                    client, (_, model) = clients[i], targets[i]
                     if stopped[i]:
                         continue
                     n = args.num_requests or max(16, 4 * c)
@@ -328,6 +336,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                     if level["stopped"]:
                         print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
                         stopped[i] = level["stopped"]
+                order = order[1:] + order[:1]
     finally:
         for client in clients:
             await client.aclose()
@@ -348,14 +357,15 @@ def _print_level(lv: dict) -> None:
     steps = lv["adaptive_steps"]
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
-                                     f"{steps['catch_ups']} ({steps['catch_up_positions']} positions)")
+                                     f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
+                                     f"{steps['retries']}")
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
           f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
           f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
           f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | cached prompt {100 * cached:.0f}% | "
-          f"accept length {acc}{adaptive}")
+          f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}")
     for err in lv["errors"]:
         print(f"  error: {err}", file=sys.stderr)
 
