@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -149,3 +150,32 @@ def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
         assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"] and lv["e2e_s"]["p90"] > 0 and lv["itl_s"]["p50"] > 0
         assert lv["mean_accept_length"] >= 1.0
     assert "concurrency   4" in capsys.readouterr().out
+
+
+def test_a_steps_outputs_wake_the_event_loop_once():
+    """The engine thread posts one step's outputs for many streams, then wakes the event loop with one cross-thread
+    call (each call writes to the loop's self-pipe: 64 of them per step were host time at concurrency 64); every
+    taker still gets its output, and a failure stays final."""
+    from spruce.server.engine_loop import EngineFailure, Mailbox, wake
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        boxes = [Mailbox() for _ in range(5)]
+        calls = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(a), real(*a))[1]
+        try:
+            for i, box in enumerate(boxes):
+                assert box.put(0, f"out{i}")
+            assert boxes[0].put(1, EngineFailure("gone")) and not boxes[0].put(1, "late")
+            engine_thread = threading.Thread(target=wake, args=(boxes,))
+            engine_thread.start()
+            engine_thread.join()
+            taken = await asyncio.wait_for(asyncio.gather(*(box.take() for box in boxes)), 5)
+        finally:
+            del loop.call_soon_threadsafe
+        assert len(calls) == 1
+        assert [t[0] for t in taken] == [f"out{i}" for i in range(5)]
+        assert isinstance(taken[0][1], EngineFailure)
+
+    asyncio.run(main())

@@ -62,14 +62,18 @@ class Mailbox:
         self._event = asyncio.Event()
 
     def post(self, index: int, item: RequestOutput | EngineFailure) -> None:
+        """Store `item` as slot `index`'s latest and wake the taker."""
+        if self.put(index, item):
+            wake([self])
+
+    def put(self, index: int, item: RequestOutput | EngineFailure) -> bool:
+        """Store `item` as slot `index`'s latest without waking the taker (the caller wakes it, see `wake`);
+        False if the slot already failed (a failure is final)."""
         with self._lock:
             if isinstance(self._latest.get(index), EngineFailure):
-                return  # a failure is final
+                return False
             self._latest[index] = item
-        try:
-            self.loop.call_soon_threadsafe(self._event.set)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+            return True
 
     async def take(self) -> dict[int, RequestOutput | EngineFailure]:
         """Wait for, and take, everything posted since the previous take."""
@@ -80,6 +84,24 @@ class Mailbox:
             if items:
                 return items
             await self._event.wait()
+
+
+def wake(mailboxes) -> None:
+    """Wake the takers of `mailboxes` (an iterable): one cross-thread call per event loop, however many boxes (a
+    step's outputs for 64 streams cost one wake-up of the loop, not 64)."""
+    by_loop: dict = {}
+    for box in mailboxes:
+        by_loop.setdefault(box.loop, []).append(box._event)
+    for loop, events in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 @dataclass
@@ -252,17 +274,22 @@ class EngineLoop:
                 self._pending = True
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Post a step's outputs to their streams' mailboxes, then wake their takers at once (see `wake`)."""
         now = time.perf_counter()
-        for out in outputs:
-            with self._cond:
-                st = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+        with self._cond:
+            streams = [self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+                       for out in outputs]
+        posted: dict[int, Mailbox] = {}
+        for out, st in zip(outputs, streams):
             if st is None:  # aborted by its client (or failed): only count its end
                 if out.finished:
                     self.metrics.on_finished(out.finish_reason or "abort")
                 continue
             self.metrics.on_output(st.clock, len(out.new_token_ids), out.spec_stats,
                                    out.finish_reason if out.finished else None, now)
-            st.mailbox.post(st.index, out)
+            if st.mailbox.put(st.index, out):
+                posted[id(st.mailbox)] = st.mailbox
+        wake(posted.values())
 
     def _fail_all(self, error: str) -> None:
         """Mark the engine failed with `error` and fail every request in flight (500). Under the lock, so a
