@@ -155,7 +155,7 @@ def test_start_up_table_that_underestimates_rounds_is_corrected_online():
     table times padding rows, which attend to no context, and the host samples never contain device time (the
     waits are taken out), so a table that puts a round at 1.2x a plain step, with host time 0.4 ms for both, makes
     a request that accepted once (EMA 0.5: 1.5 tokens per round) speculate, although its rounds really take 2x a
-    plain step on the device. Measured device time replaces the table and the batch decodes plainly."""
+    plain step on the device. Measured device time outweighs the table and the batch decodes plainly."""
     clock = Clock()
     p = policy(plain=0.45e-3, spec=0.55e-3, clock=clock)
     q = Req()
@@ -165,12 +165,13 @@ def test_start_up_table_that_underestimates_rounds_is_corrected_online():
         p.decide([q])
         clock.now += 0.4e-3
     assert p.decide([q]).choice == SPECULATIVE  # what the table alone chooses: 1.5 / 0.55 > 1 / 0.45
-    p.measured(PLAIN, 1, 0.5e-3)
-    p.measured(SPECULATIVE, 1, 1.0e-3)
+    for _ in range(30):  # the table counts as one sample: measured device time outweighs it within a few
+        p.measured(PLAIN, 1, 0.5e-3)
+        p.measured(SPECULATIVE, 1, 1.0e-3)
     d = p.decide([q])
-    assert d.step_seconds == {PLAIN: pytest.approx(0.5e-3), SPECULATIVE: pytest.approx(1.0e-3)}
+    assert d.step_seconds == {PLAIN: pytest.approx(0.5e-3, rel=0.02), SPECULATIVE: pytest.approx(1.0e-3, rel=0.02)}
     assert d.choice == PLAIN
-    assert p.snapshot()["device_seconds"][SPECULATIVE][1] == pytest.approx(1.0e-3)
+    assert p.snapshot()["device_seconds"][SPECULATIVE][1] == pytest.approx(1.0e-3, rel=0.02)
 
 
 def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
@@ -254,7 +255,7 @@ def test_round_resolve_is_charged_to_the_round():
     settle(p, reqs, 0)
     launch, resolve, plan = {PLAIN: 0.3e-3, SPECULATIVE: 1e-3}, {PLAIN: 0.5e-3, SPECULATIVE: 3e-3}, 1.5e-3
     previous = None
-    for step in range(40):
+    for step in range(120):
         choice = SPECULATIVE if step % 4 == 1 else PLAIN  # forced: a round every 4 steps
         p.decide(reqs)
         p._last_launch = (p._last_launch[0], choice, 4, previous == choice)  # the forced choice's interval
@@ -300,12 +301,12 @@ def test_a_noisy_host_interval_moves_both_candidates_alike():
             launch = 0.1e-3 if choice == PLAIN else 0.3e-3
             p.launched_host(choice, 2, launch)
             clock.now += launch + (0.9e-3 if step == lucky else 2.6e-3)
+        x, w = p.other_host_seconds[2], p.wall_seconds[(PLAIN, 2)]  # what the next decision prices with
         decisions.append(p.decide(reqs))
     assert decisions[0].step_seconds == pytest.approx(decisions[1].step_seconds, rel=0.02)
     assert decisions[0].choice == decisions[1].choice
-    x = p.other_host_seconds[2]
     assert 0.9e-3 < x < 2.6e-3
-    w = p.wall_seconds[(PLAIN, 2)]  # steady plain steps' whole intervals: a floor of the plain step's cost
+    # w: steady plain steps' whole intervals, a floor of the plain step's cost
     assert w == pytest.approx(2.7e-3) and (SPECULATIVE, 2) not in p.wall_seconds  # one round: never steady
     assert decisions[1].step_seconds == {PLAIN: pytest.approx(max(x + 0.1e-3, w), rel=0.02),
                                          SPECULATIVE: pytest.approx(x + 0.3e-3, rel=0.02)}
@@ -466,3 +467,26 @@ def test_a_plain_choice_stands_no_longer_than_a_retry_is_due():
     assert p.decide([q], lags=[RETRY_FIRST - 4]).choice == PLAIN
     assert [p.repeat() for _ in range(4)] == [True, True, True, False]
     assert p.decide([q], lags=[RETRY_FIRST]).choice == SPECULATIVE
+
+
+def test_one_stalled_step_does_not_price_a_choice_out():
+    """The H100 prefix run (2026-11-23, concurrency 8): the first plain step measured at batch 4 stalled (device
+    1.8 ms, launch 1.6 ms, resolve 1.5 ms against a table of 0.35 ms and 60 us); as the first samples of their EMAs
+    those set the plain step's cost there, and rounds accepting 0.2 drafts were chosen for the rest of the level.
+    D, E and R are medians of recent samples with the table counted: the stall moves nothing, steady samples do."""
+    table = {(c, b): (0.35e-3 if c == PLAIN else 0.9e-3) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
+    launch = {(c, b): (60e-6 if c == PLAIN else 160e-6) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
+    p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=5, launch_prior=launch, clock=Clock())
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 0)
+    for q in reqs:
+        set_ema(p, q, 0.2)
+    p.resolved_host(SPECULATIVE, 4, 98e-6)
+    p.measured(PLAIN, 4, 1.8e-3)
+    p.launched_host(PLAIN, 4, 1.575e-3)
+    p.resolved_host(PLAIN, 4, 1.534e-3)
+    d = p.decide(reqs)
+    assert d.step_seconds[PLAIN] == pytest.approx(0.35e-3) and d.choice == PLAIN
+    for _ in range(2):  # a real change: two samples show it
+        p.measured(PLAIN, 4, 1.8e-3)
+    assert p.device(PLAIN, 4) == pytest.approx(1.8e-3)

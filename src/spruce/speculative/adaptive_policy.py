@@ -37,6 +37,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
       and win or lose by chance (the H100 serving run of 2026-11-23 chose rounds at batch 2 for a host sample
       3x the plain one). The candidates then differ by what is measured directly and steadily: D, E and R.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
+  - D, E and R are each the median of their last MEDIAN_WINDOW samples (a start-up table's value, or the other
+    choice's R, counted as the first), so one stalled step (a garbage collection, say) moves nothing; X and W are
+    running means (an EMA once they have enough samples) that drop a sample OUTLIER_FACTOR times their value.
   - W, the whole launch-to-launch interval of a steady step (the step before it had the same choice, with no
     prefill between), is a floor: t = max(D (+) H, W). The parts miss what a step costs the serving process
     outside the engine: on the H100 at concurrency 8-32, a server running only rounds took 1.3-2x a plain
@@ -77,7 +80,9 @@ Pure Python and torch-free: the unit tests feed it numbers.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -88,12 +93,13 @@ CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a request estimated low is retried (doubling backoff)
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
-COST_ALPHA = 0.1  # host and device seconds per step EMAs, and the catch-up fits' forgetting
-OUTLIER_FACTOR = 8.0  # a host sample this many times the EMA is an idle gap, not a step: ignored
+COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
+OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 16, 1024
 PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
 REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps
+MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 
 
@@ -213,6 +219,8 @@ class AdaptivePolicy:
         self._reuse_left = 0  # further steps the last decision (a model choice of plain) stands for
         self._reuse_state: _BucketState | None = None  # its bucket's state
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
+        self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
+        self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}}  # their recent samples
 
     # --- the choice ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -251,14 +259,18 @@ class AdaptivePolicy:
         """t(choice, bucket) = D (+) (E + R + X); R borrowed from the other choice until this one has run here. A
         round over drafts missing `catch_up_positions` positions adds the catch-up's D and H, shared by the
         `rounds` rounds it opens (the draft stays current while rounds go on)."""
-        h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
-             + self.other_host_seconds.get(bucket, 0.0))
-        t = self._join(self.device(choice, bucket), h)
+        t = self._parts_seconds(choice, bucket)
         if self._state[bucket].decisions - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
             t = max(t, self.wall_seconds[(choice, bucket)])
         if choice == SPECULATIVE and catch_up_positions:
             t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
+
+    def _parts_seconds(self, choice: str, bucket: int) -> float:
+        """D (+) (E + R + X): a step's seconds from its parts, without the floor W."""
+        h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
+             + self.other_host_seconds.get(bucket, 0.0))
+        return self._join(self.device(choice, bucket), h)
 
     def catch_up_seconds(self, positions: int) -> float:
         """A catch-up over `positions` missing positions: its fitted device (+) host seconds."""
@@ -375,12 +387,12 @@ class AdaptivePolicy:
         interval holds one step of that choice and nothing of a switch), one sample of W for its choice."""
         t0, choice, bucket, steady = self._last_launch
         self._add_host_sample(bucket, max(now - t0 - self._not_host, 0.0))
-        if steady:
-            _ema(self.wall_seconds, (choice, bucket), now - t0, OUTLIER_FACTOR)
+        if steady and now - t0 <= OUTLIER_FACTOR * self._parts_seconds(choice, bucket):  # else a stall
+            _ema(self.wall_seconds, self._counts["wall"], (choice, bucket), now - t0, OUTLIER_FACTOR)
             self.wall_decision[(choice, bucket)] = self._state[bucket].decisions
 
     def _add_host_sample(self, bucket: int, seconds: float) -> None:
-        _ema(self.other_host_seconds, bucket, seconds, OUTLIER_FACTOR)
+        _ema(self.other_host_seconds, self._counts["other_host"], bucket, seconds, OUTLIER_FACTOR)
         self._tables = None
 
     def break_chain(self) -> None:
@@ -397,18 +409,21 @@ class AdaptivePolicy:
 
     def launched_host(self, choice: str, bucket: int, seconds: float) -> None:
         """The host spent `seconds` launching a step of `choice` at `bucket` (E; its catch-up not included)."""
-        _ema(self.launch_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+        _median(self.launch_seconds, self._windows["launch"], (choice, bucket), seconds,
+                self.launch_prior.get((choice, bucket)))
         self._not_host += seconds
         self._tables = None
 
     def resolved_host(self, choice: str, bucket: int, seconds: float) -> None:
         """The host spent `seconds` reading and applying the results of a step of `choice` at `bucket` (R)."""
-        _ema(self.resolve_seconds, (choice, bucket), seconds, OUTLIER_FACTOR)
+        _median(self.resolve_seconds, self._windows["resolve"], (choice, bucket), seconds,
+                self.resolve_seconds.get((_other(choice), bucket)))
         self._tables = None
 
     def measured(self, choice: str, bucket: int, device_seconds: float) -> None:
         """A launched step of `choice` at `bucket` took `device_seconds` on the device (without its catch-up)."""
-        _ema(self.measured_device_seconds, (choice, bucket), device_seconds)
+        _median(self.measured_device_seconds, self._windows["device"], (choice, bucket), device_seconds,
+                self.device_seconds[(choice, bucket)])
         self._tables = None
 
     def caught_up(self, positions: int, device_seconds: float, host_seconds: float) -> None:
@@ -471,11 +486,30 @@ def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int)
     return table.get((choice, bucket), table.get((_other(choice), bucket), 0.0))
 
 
-def _ema(table: dict, key, sample: float, outlier: float | None = None) -> None:
-    """Fold `sample` into table[key] (EMA, COST_ALPHA; the first sample sets it). With `outlier`, a sample that
-    many times the current value is dropped (an idle gap, not a step)."""
-    old = table.get(key)
-    if old is None:
-        table[key] = sample
-    elif outlier is None or sample <= outlier * max(old, 1e-6):
-        table[key] = old + COST_ALPHA * (sample - old)
+def _ema(table: dict, counts: dict, key, sample: float, outlier: float | None = None) -> None:
+    """Fold `sample` into table[key]: a running mean whose weights fall to COST_ALPHA (an EMA from then on); the
+    first sample (or a value set directly) starts it. With `outlier`, a sample that many times the current value is
+    dropped: an idle gap or a stall, not a step. `counts` (keyed like `table`) holds the samples behind each."""
+    n = counts.get(key)
+    if n is None:
+        if key not in table:
+            table[key], counts[key] = sample, 1
+            return
+        n = counts[key] = 1
+    old = table[key]
+    if outlier is not None and sample > outlier * max(old, 1e-6):
+        return
+    table[key] = old + max(1.0 / (n + 1), COST_ALPHA) * (sample - old)
+    counts[key] = n + 1
+
+
+def _median(table: dict, windows: dict, key, sample: float, prior: float | None) -> None:
+    """table[key] = the (low) median of the key's last MEDIAN_WINDOW samples, `prior` counted as the first of them.
+    One stalled step moves nothing, a real change shows after two samples: on the H100 one stalled plain step at
+    batch 4 (device, launch and resolve 1.5-1.8 ms each, against 0.06-0.35 ms) had set all three EMAs (its first
+    samples) and priced plain steps out of that bucket for a whole level."""
+    window = windows.get(key)
+    if window is None:
+        window = windows[key] = collections.deque([] if prior is None else [prior], maxlen=MEDIAN_WINDOW)
+    window.append(sample)
+    table[key] = statistics.median_low(window)
