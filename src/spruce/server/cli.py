@@ -8,6 +8,7 @@ with code 70 so that a supervisor restarts it (`--keep-alive-on-engine-failure`:
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 
@@ -87,10 +88,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      shutdown_grace_period=args.shutdown_grace_period, **limits)
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
+    freeze_startup_objects()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
     server = GracefulServer(config, app.state.drain, failure)
     server.run()
+    gc.unfreeze()  # the start-up objects are freed at exit as usual (frozen, native extensions report leaks)
     engine.shutdown()  # a tensor-parallel engine's workers stop with the server
     return server.exit_code if server.started else 1
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive after start-up (the model, the tokenizer, graphs, the app) out of the garbage
+    collector's reach (gc.freeze), so that full collections while serving walk only what serving creates; returns
+    how many were frozen. Unfrozen, every full collection walks the start-up heap: 140 ms for the bundled demo
+    model's server on a CPU (209k objects), a stall inside whichever decode step it lands in (one-off 1.5 ms
+    stalls skewed the adaptive policy's step costs on the H100). vLLM and SGLang freeze too."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
