@@ -240,8 +240,8 @@ def test_bench_request_times_out_on_a_hung_server():
     args = bench_args("--timeout", "0.5")
 
     async def level():
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listener.getsockname()[1]}") as client:
-            return await run_level(client, MODEL_NAME, ["def f(x):\n"], 2, 6, args)
+        return await run_level(f"http://127.0.0.1:{listener.getsockname()[1]}", {}, MODEL_NAME, ["def f(x):\n"], 2,
+                               6, args)
 
     try:
         t0 = time.monotonic()

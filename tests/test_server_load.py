@@ -140,11 +140,14 @@ def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
     add_serving_parser(sub)
     args = sub.choices["serving"].parse_args([
         "--base-url", server.base_url, "--concurrency", "1", "4", "--num-requests", "6", "--max-tokens", "8",
-        "--prompt-tokens", "32", "--prompts", str(prompts), "--out-dir", str(tmp_path / "results"), "--warmup", "1"])
+        "--prompt-tokens", "32", "--prompts", str(prompts), "--out-dir", str(tmp_path / "results"), "--warmup", "1",
+        "--client-processes", "2"])
     assert args.func(args) == 0
     result = json.loads(next((tmp_path / "results").glob("serving-*.json")).read_text())
     levels = result["figures"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 4] and all(lv["completed"] == 6 for lv in levels)
+    # concurrency 1 is sent from this process; 4 streams are dealt over two client processes
+    assert [lv["client_processes"] for lv in levels] == [1, 2] and all(lv["client_cpu_fraction"] > 0 for lv in levels)
     for lv in levels:
         assert lv["output_throughput_tok_s"] > 0 and lv["mean_output_tokens"] == 8
         assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"] and lv["e2e_s"]["p90"] > 0 and lv["itl_s"]["p50"] > 0

@@ -14,6 +14,8 @@ HTTP API like any server, and writes all of them into one result: figures.runs[i
 server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
 pass). `--passes N` runs the levels N times over on each server; every pass is reported. `--interleave` starts
 every configuration at once and runs each level on each server in turn, so a comparison is side by side in time.
+A level's requests go out from `--client-processes` processes (default: one per 8 streams in flight), so that the
+client's own parsing does not limit the levels of high concurrency (bench/serving_client.py).
 
 No request waits forever: each has `--timeout` seconds in all (connect to last byte). A request that times out,
 finds the server gone, or is refused because its engine failed stops the run: the level sends nothing more
@@ -32,14 +34,14 @@ import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from spruce.bench.serving_client import client_processes, process_pool, send_level, stream_one
+
 PERCENTILES = (50, 90, 99)
 METRICS_TIMEOUT_S = 30.0  # a scrape of /metrics (milliseconds on a live server)
-ENGINE_FAILED = "engine_failed"  # the error code of a server whose engine failed (spruce.server.engine_loop)
 
 
 def add_serving_parser(sub) -> None:
@@ -80,24 +82,15 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--passes", type=int, default=1,
                    help="run every concurrency level this many times in turn on the same server (each pass is "
                         "reported: levels[i]['pass']), to see how much a figure moves between passes")
+    p.add_argument("--client-processes", type=int, default=0,
+                   help="client processes that send a level's requests (0, the default: one per 8 streams in "
+                        "flight, at most 8 and half the CPUs); one event loop parsing every chunk limits a level "
+                        "at high concurrency (bench/serving_client.py)")
     p.add_argument("--interleave", action="store_true",
                    help="with several --launch configurations: start them all at once and run each level on each "
                         "server in turn, pass after pass, so that drifts of the machine weigh on every server "
                         "alike (needs the memory of all servers at once)")
     p.set_defaults(func=run_serving_bench)
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    error: str = ""
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
-    fatal: bool = False  # the run cannot go on: the request timed out, the server is gone or its engine failed
 
 
 def default_prompts_path() -> Path:
@@ -136,56 +129,6 @@ def load_prompts(path: Path, prompt_tokens: int, tokenizer, shared_prefix_tokens
     return [prefix + tokenizer.encode(t)[:prompt_tokens] for t in texts]
 
 
-async def _stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:
-    """One streaming request, failed (not raised) on any error; at most `args.timeout` seconds in all."""
-    res = RequestResult(ok=False)
-    try:
-        await asyncio.wait_for(_stream_into(res, client, model, prompt, args), args.timeout)
-    except TimeoutError:
-        res.ok, res.fatal = False, True
-        res.error = f"timed out after {args.timeout:g} s"
-    except httpx.HTTPError as e:
-        res.error = f"{type(e).__name__}: {e}"
-        res.fatal = isinstance(e, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError))
-    return res
-
-
-async def _stream_into(res: RequestResult, client: httpx.AsyncClient, model: str, prompt, args) -> None:
-    """Send one streaming request and fill `res` as its chunks come."""
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos}
-    t0 = time.perf_counter()
-    last = None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            text = await r.aread()
-            res.error = f"HTTP {r.status_code}: {text[:200]!r}"
-            res.fatal = ENGINE_FAILED.encode() in text
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:  # the request id the server prefixes is left out: errors are counted by kind
-                res.error = re.sub(r"^(chatcmpl|cmpl)-\w+: ", "", chunk["error"].get("message", "error"))
-                res.fatal = chunk["error"].get("code") == ENGINE_FAILED
-                return
-            if chunk.get("usage"):
-                res.output_tokens = chunk["usage"]["completion_tokens"]
-                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                details = chunk["usage"].get("prompt_tokens_details") or {}
-                res.cached_tokens = details.get("cached_tokens", 0)
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft = now - t0
-                else:
-                    res.itls.append(now - last)
-                last = now
-    res.e2e = time.perf_counter() - t0
-    res.ok = True
-
-
 def server_info(base_url: str, headers: dict) -> dict[str, str]:
     """Labels of the server's spruce_server_info metric (device, model, speculation, ...); {} if absent."""
     try:
@@ -210,13 +153,14 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds")
 
 
-async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str, float], dict]:
+async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,launch,resolve,wall}_seconds: {choice: {bucket: s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within `timeout` seconds."""
     try:
-        text = (await client.get("/metrics", timeout=timeout)).text
+        async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
+            text = (await client.get("/metrics", timeout=timeout)).text
     except httpx.HTTPError:
         return {}, {}
     vals, tables = {}, {}
@@ -236,33 +180,18 @@ async def _metrics(client: httpx.AsyncClient, timeout: float) -> tuple[dict[str,
     return vals, tables
 
 
-async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concurrency: int, num_requests: int,
-                    args) -> dict:
-    """Send `num_requests` streaming requests with `concurrency` in flight; the level's figures. A fatal
-    failure (see RequestResult.fatal) stops the level: the requests not sent yet fail with its reason
-    (`stopped`)."""
-    todo = iter(range(num_requests))
-    results: list[RequestResult] = []
-    stopped: list[str] = []
-
-    async def worker():
-        for i in todo:
-            if stopped:
-                results.append(RequestResult(ok=False, error=f"not sent: the run stopped ({stopped[0]})"))
-                continue
-            res = await _stream_one(client, model, prompts[i % len(prompts)], args)
-            results.append(res)
-            if res.fatal and not stopped:
-                stopped.append(res.error)
-
+async def run_level(base_url: str, headers: dict, model: str, prompts: list, concurrency: int, num_requests: int,
+                    args, pool=None, processes: int = 1) -> dict:
+    """Send `num_requests` streaming requests with `concurrency` in flight (from this process, or dealt over
+    `processes` client processes of `pool`: bench/serving_client.py); the level's figures. A fatal failure (see
+    RequestResult.fatal) stops the level: the requests not sent yet fail with its reason (`stopped`)."""
     metrics_timeout = min(args.timeout, METRICS_TIMEOUT_S)
-    before, _ = await _metrics(client, metrics_timeout)
+    before, _ = await _metrics(base_url, headers, metrics_timeout)
     started_at = time.time()
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    duration = time.perf_counter() - t0
-    client_cpu = time.process_time() - cpu0
-    after, tables = await _metrics(client, metrics_timeout)
+    sent = await send_level(base_url, headers, model, prompts, concurrency, num_requests, args, pool, processes)
+    duration = sent.ended - sent.started
+    results, stopped = sent.results, sent.stopped
+    after, tables = await _metrics(base_url, headers, metrics_timeout)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -285,9 +214,10 @@ async def run_level(client: httpx.AsyncClient, model: str, prompts: list, concur
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
-        "stopped": stopped[0] if stopped else None,  # why the level stopped sending requests (None: it did not)
-        "client_cpu_fraction": client_cpu / duration,  # this client's CPU seconds per second: near 1, the client
-        # (one process, one event loop) limits the level, not the server
+        "stopped": stopped,  # why the level stopped sending requests (None: it did not)
+        "client_processes": processes,
+        "client_cpu_fraction": sent.cpu_seconds / duration,  # the busiest client process's CPU seconds per second:
+        # near 1, the client (one event loop per process) limits the level, not the server
     }
 
 
@@ -309,28 +239,30 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
     1, 2, ..., then the next level), so servers measured together see the same machine at the same time. Each
     such round starts one server later than the round before (1, 2, 3; then 2, 3, 1; ...): the client process
     and the machine carry state from one server's level to the next, so no server should always run last."""
-    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
-    clients = [httpx.AsyncClient(base_url=url, headers=_headers(args), timeout=args.timeout, limits=limits)
-               for url, _ in targets]
+    headers = _headers(args)
     levels: list[list[dict]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
+    processes = {c: client_processes(args.client_processes, c) for c in args.concurrency}
+    pool = process_pool(max(processes.values())) if max(processes.values()) > 1 else None
     try:
-        for i, (client, (_, model)) in enumerate(zip(clients, targets)):
-            for w in range(args.warmup):
-                res = await _stream_one(client, model, prompts[w % len(prompts)], args)
-                if res.fatal:
-                    print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
-                    stopped[i] = f"warm-up: {res.error}"
-                    break
+        for i, (base_url, model) in enumerate(targets):
+            async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout) as client:
+                for w in range(args.warmup):
+                    res = await stream_one(client, model, prompts[w % len(prompts)], args)
+                    if res.fatal:
+                        print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
+                        stopped[i] = f"warm-up: {res.error}"
+                        break
         order = list(range(len(targets)))
         for k in range(1, args.passes + 1):
             for c in args.concurrency:
                 for i in order:
-                    client, (_, model) = clients[i], targets[i]
+                    base_url, model = targets[i]
                     if stopped[i]:
                         continue
                     n = args.num_requests or max(16, 4 * c)
-                    level = await run_level(client, model, prompts, c, n, args) | {"pass": k}
+                    level = await run_level(base_url, headers, model, prompts, c, n, args, pool,
+                                            processes[c]) | {"pass": k}
                     _print_level(level)
                     levels[i].append(level)
                     if level["stopped"]:
@@ -338,8 +270,8 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                         stopped[i] = level["stopped"]
                 order = order[1:] + order[:1]
     finally:
-        for client in clients:
-            await client.aclose()
+        if pool is not None:
+            pool.shutdown()
     return list(zip(levels, stopped))
 
 
@@ -447,6 +379,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.passes < 1:
         print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)
+        return 2
+    if args.client_processes < 0:
+        print(f"spruce bench serving: --client-processes must be >= 0 (0: automatic), got {args.client_processes}",
+              file=sys.stderr)
         return 2
     if args.launch:
         return _run_launched(args)
