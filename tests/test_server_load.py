@@ -199,3 +199,15 @@ def test_serve_freezes_its_start_up_objects():
         assert time.perf_counter() - started < 0.05
     finally:
         gc.unfreeze()
+
+
+def test_the_server_runs_on_uvloop_and_httptools():
+    """`spruce serve` leaves uvicorn's loop and HTTP parser on auto, which takes uvloop and httptools, installed
+    with spruce: the event loop's work per streamed chunk bounds the server's throughput at high concurrency."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    config = uvicorn.Config(FastAPI())
+    config.load()
+    assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
+    assert config.get_loop_factory().__module__.startswith("uvloop")
