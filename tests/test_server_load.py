@@ -211,17 +211,3 @@ def test_the_server_runs_on_uvloop_and_httptools():
     config.load()
     assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
     assert config.get_loop_factory().__module__.startswith("uvloop")
-
-
-def test_serve_sets_the_gil_switch_interval(tmp_path):
-    """`spruce serve --gil-switch-interval S` runs with sys.getswitchinterval() == S (reported by /server_info);
-    0 is refused."""
-    from spruce.bench.serving_launch import LaunchedServer
-    from spruce.cli import main
-
-    with LaunchedServer(["--gil-switch-interval", "0.002", "--max-running-requests", "2"], tmp_path / "log",
-                        timeout=120) as base_url:
-        info = httpx.get(f"{base_url}/server_info", timeout=30).json()
-    assert info["gil_switch_interval"] == pytest.approx(0.002)
-    with pytest.raises(SystemExit):
-        main(["serve", "--gil-switch-interval", "0"])

@@ -11,10 +11,8 @@ import argparse
 import gc
 import logging
 import os
-import sys
 
-from spruce.server.settings import (GIL_SWITCH_INTERVAL_S, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S,
-                                   SHUTDOWN_GRACE_PERIOD_S)
+from spruce.server.settings import MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S
 
 API_KEY_ENV = "SPRUCE_API_KEY"
 UVICORN_SHUTDOWN_TIMEOUT_S = 5  # after the drain, for responses to finish writing
@@ -33,14 +31,6 @@ def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a duration in seconds, > 0 (NaN refused)."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
     return value
 
 
@@ -64,10 +54,6 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--shutdown-grace-period", type=_seconds, default=SHUTDOWN_GRACE_PERIOD_S,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended with "
                         f"an error (default {SHUTDOWN_GRACE_PERIOD_S:g}); new requests get 503 meanwhile")
-    p.add_argument("--gil-switch-interval", type=_positive_seconds, default=GIL_SWITCH_INTERVAL_S,
-                   help="seconds a thread of the serving process may hold the GIL while another waits for it "
-                        f"(sys.setswitchinterval; default {GIL_SWITCH_INTERVAL_S:g}, Python's own 0.005): the engine "
-                        "thread waits this long for the GIL behind a busy HTTP event loop, many times a step")
     p.add_argument("--keep-alive-on-engine-failure", action="store_true",
                    help="when the engine fails (a step raised), keep the process up answering 503 (and /health "
                         "503) instead of exiting with code 70 (default: exit, so that a supervisor restarts it)")
@@ -103,7 +89,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
     freeze_startup_objects()
-    sys.setswitchinterval(args.gil_switch_interval)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure

@@ -9,7 +9,6 @@ MAX_BODY_BYTES = 4 << 20
 MAX_QUEUED_REQUESTS = 256
 REQUEST_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_PERIOD_S = 30.0
-GIL_SWITCH_INTERVAL_S = 0.0005  # the serving process's sys.setswitchinterval (Python's default: 0.005)
 
 
 @dataclass(frozen=True)

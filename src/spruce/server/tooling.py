@@ -15,7 +15,6 @@ from the metrics' snapshot of `Engine.stats()`, so no handler but /flush_cache w
 from __future__ import annotations
 
 import asyncio
-import sys
 
 from fastapi import FastAPI, Request
 
@@ -121,7 +120,6 @@ class _Tools:
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
             "speculative_adaptive": spec.adaptive if spec else False,
             "avg_spec_accept_length": accept,
-            "gil_switch_interval": sys.getswitchinterval(),  # spruce's: `spruce serve --gil-switch-interval`
             "internal_states": [state],
             "version": spruce.__version__,
         }
