@@ -8,6 +8,7 @@
 #                          prefix cache on (speculation loses on pycode-19m: accept length ~1.2 at that context).
 #   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
+#   EXTRA="NAME=FLAGS":    one more server in the comparison.
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
@@ -20,6 +21,7 @@ bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   mkdir -p "$OUT/$name"
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" \
+    ${EXTRA:+--launch "$EXTRA"} \
     --max-tokens 128 --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | grep -v "^pass" | tail -40
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
