@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's serving bar on the device: pycode-19m served plain, with a fixed EAGLE-3 (S, K, N) = (5, 4, 8) and with
-# adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 256 requests of 128 output tokens per
-# level, every level run twice (passes 1 and 2, both reported) on each server; the three servers run at once and
+# adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 256, 256, 512 and 1024 requests of 128
+# output tokens per level, every level run twice (passes 1 and 2, both reported) on each server; the three servers run at once and
 # each level runs on each in turn (--interleave), so the comparison is side by side in time. One result JSON (+ PNG and the
 # server logs) per workload under $OUT. Adaptive must never be slower than the better of plain and fixed.
 #   MODE=prefix (default): every request is one shared 1024-token prefix + its own 256-token held-out prompt,
@@ -27,9 +27,9 @@ bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 case "${MODE:-prefix}" in
-  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 256 --passes 2 ;;
+  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 256 256 512 1024 --passes 2 ;;
   short)
-    bench short --prompt-tokens 128 --num-requests 256 --passes 2
+    bench short --prompt-tokens 128 --num-requests 256 256 512 1024 --passes 2
     SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
       bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;

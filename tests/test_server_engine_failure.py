@@ -258,3 +258,13 @@ def test_bench_refuses_a_timeout_that_is_not_positive(capsys):
 
     assert run_serving_bench(bench_args("--timeout", "0")) == 2
     assert "--timeout must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_bench_refuses_request_counts_that_do_not_match_the_levels(capsys):
+    from spruce.bench.serving import run_serving_bench
+
+    assert run_serving_bench(bench_args("--concurrency", "1", "4", "--num-requests", "6", "8", "9")) == 2
+    assert "one per --concurrency level (2), got [6, 8, 9]" in capsys.readouterr().err
+    assert run_serving_bench(bench_args("--num-requests", "0")) == 2
+    assert run_serving_bench(bench_args("--client-processes", "-1")) == 2
+    assert "--client-processes must be >= 0 (0: automatic), got -1" in capsys.readouterr().err

@@ -14,7 +14,7 @@ HTTP API like any server, and writes all of them into one result: figures.runs[i
 server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
 pass). `--passes N` runs the levels N times over on each server; every pass is reported. `--interleave` starts
 every configuration at once and runs each level on each server in turn, so a comparison is side by side in time.
-A level's requests go out from `--client-processes` processes (default: one per 8 streams in flight), so that the
+A level's requests go out from `--client-processes` processes (default: one per 4 streams in flight), so that the
 client's own parsing does not limit the levels of high concurrency (bench/serving_client.py).
 
 No request waits forever: each has `--timeout` seconds in all (connect to last byte). A request that times out,
@@ -51,8 +51,9 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("SPRUCE_API_KEY"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per concurrency level (default: max(16, 4 x concurrency))")
+    p.add_argument("--num-requests", type=int, nargs="+", default=None,
+                   help="requests per concurrency level: one count for every level, or one per --concurrency "
+                        "level (default: max(16, 4 x concurrency))")
     p.add_argument("--prompts", default=None, help="JSONL of {'text': ...} lines (default: the fixture's held-out "
                    "prompts, ../shared/models/pycode-19m/heldout_prompts.jsonl)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="truncate each prompt to this many tokens")
@@ -83,7 +84,7 @@ def add_serving_parser(sub) -> None:
                    help="run every concurrency level this many times in turn on the same server (each pass is "
                         "reported: levels[i]['pass']), to see how much a figure moves between passes")
     p.add_argument("--client-processes", type=int, default=0,
-                   help="client processes that send a level's requests (0, the default: one per 8 streams in "
+                   help="client processes that send a level's requests (0, the default: one per 4 streams in "
                         "flight, at most 8 and half the CPUs); one event loop parsing every chunk limits a level "
                         "at high concurrency (bench/serving_client.py)")
     p.add_argument("--interleave", action="store_true",
@@ -260,7 +261,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                     base_url, model = targets[i]
                     if stopped[i]:
                         continue
-                    n = args.num_requests or max(16, 4 * c)
+                    n = requests_per_level(args)[c]
                     level = await run_level(base_url, headers, model, prompts, c, n, args, pool,
                                             processes[c]) | {"pass": k}
                     _print_level(level)
@@ -273,6 +274,14 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
         if pool is not None:
             pool.shutdown()
     return list(zip(levels, stopped))
+
+
+def requests_per_level(args) -> dict[int, int]:
+    """{concurrency: requests} from --num-requests (one count for all levels, or one per level)."""
+    counts = args.num_requests or [max(16, 4 * c) for c in args.concurrency]
+    if len(counts) == 1:
+        counts = counts * len(args.concurrency)
+    return dict(zip(args.concurrency, counts))
 
 
 def last_pass(levels: list[dict]) -> list[dict]:
@@ -379,6 +388,11 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.passes < 1:
         print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)
+        return 2
+    if args.num_requests is not None and (len(args.num_requests) not in (1, len(args.concurrency))
+                                          or min(args.num_requests) < 1):
+        print(f"spruce bench serving: --num-requests takes one count >= 1 or one per --concurrency level "
+              f"({len(args.concurrency)}), got {args.num_requests}", file=sys.stderr)
         return 2
     if args.client_processes < 0:
         print(f"spruce bench serving: --client-processes must be >= 0 (0: automatic), got {args.client_processes}",
