@@ -8,7 +8,7 @@
 #                          prefix cache on (speculation loses on pycode-19m: accept length ~1.2 at that context).
 #   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
-#   EXTRA="NAME=FLAGS":    one more server in the comparison.
+#   EXTRA="NAME=FLAGS":    one more server in the comparison; NO_CACHE_RUN=0: MODE=short without its second part.
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
@@ -30,7 +30,7 @@ case "${MODE:-prefix}" in
   prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 256 256 512 1024 --passes 2 ;;
   short)
     bench short --prompt-tokens 128 --num-requests 256 256 512 1024 --passes 2
-    SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
+    [ "${NO_CACHE_RUN:-1}" = 1 ] && SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
       bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
 esac

@@ -39,6 +39,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert lv["completed"] == 3 and lv["mean_output_tokens"] == 4 and lv["prompt_tokens"] == 3 * 30
         assert lv["ttft_s"]["p99"] >= lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p50"] > 0
         assert 0 < lv["client_cpu_fraction"] < 4  # the client's CPU seconds per second (threads may add up)
+        assert lv["triton_compiles"] is None  # the CPU interpreter compiles nothing: the server counts nothing
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
         # that repeats the warm-up's prompt finds more)
         cached = lv["cached_prompt_tokens"]

@@ -147,8 +147,9 @@ ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in (
 ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total"}
+SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
-            *ADAPTIVE_COUNTERS.values())
+            *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES)
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds")
@@ -217,6 +218,8 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
         "stopped": stopped,  # why the level stopped sending requests (None: it did not)
         "client_processes": processes,
+        "triton_compiles": int(delta[SERVING_COMPILES]) if SERVING_COMPILES in delta else None,  # in the server
+        # during the level (each stalled a step); None: the server does not count them (no Triton)
         "client_cpu_fraction": sent.cpu_seconds / duration,  # the busiest client process's CPU seconds per second:
         # near 1, the client (one event loop per process) limits the level, not the server
     }
@@ -306,7 +309,8 @@ def _print_level(lv: dict) -> None:
           f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
           f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
           f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | cached prompt {100 * cached:.0f}% | "
-          f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}")
+          f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}"
+          + (f" | Triton compiled {lv['triton_compiles']} kernel(s) in the server" if lv["triton_compiles"] else ""))
     for err in lv["errors"]:
         print(f"  error: {err}", file=sys.stderr)
 

@@ -34,6 +34,7 @@ from spruce.errors import InvalidRequestError
 from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.memory.prefix_cache import PrefixCache
 from spruce.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from spruce.ops import compile_watch
 from spruce.runtime.device import device_name
 from spruce.runtime.grammar import GrammarBackend, GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan, PackReadback, decode_plan, make_entry, prefill_plan
@@ -71,6 +72,7 @@ class Engine:
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        compile_watch.install()  # counts Triton's compilations (a server names those made while serving)
         self.runner = ModelRunner(config, tp)
         self.limits = self.runner.limits
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
@@ -662,4 +664,5 @@ class Engine:
                 "prefix_cache": self._prefix_cache_stats(),
                 "spec": self.spec_stats.as_dict() if self.speculative else None,
                 "adaptive": self.strategy.stats(),
+                "triton_compiles": compile_watch.compiles(),
             }

@@ -72,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from spruce.cli import engine_kwargs
     from spruce.llm import LLM
+    from spruce.ops import compile_watch
     from spruce.server.app import create_app
     from spruce.server.engine_loop import EngineLoop
     from spruce.server.graceful import GracefulServer
@@ -89,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
     freeze_startup_objects()
+    compile_watch.serving()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure

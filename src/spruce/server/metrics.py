@@ -193,6 +193,9 @@ class Metrics:
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
             counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
                     {("status", str(k)): v for k, v in sorted(self.errors.items())})
+            counter("spruce_triton_compiles_total", "Triton kernel compilations, during start-up and while serving "
+                    "(each one made while serving stalled a step: ops/compile_watch.py).",
+                    {("phase", k): v for k, v in sorted(s.get("triton_compiles", {}).items())})
             cache = s.get("prefix_cache")
             if cache is not None:
                 gauge("spruce_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / prompt tokens "
