@@ -211,3 +211,31 @@ def test_the_server_runs_on_uvloop_and_httptools():
     config.load()
     assert config.http_protocol_class.__name__ == "HttpToolsProtocol"
     assert config.get_loop_factory().__module__.startswith("uvloop")
+
+
+def test_step_and_stats_are_taken_in_one_hold_of_the_engine_lock():
+    """The server's engine thread takes a step's outputs and the stats after it together: the stats are those of
+    that step (an add_request waiting on the lock meanwhile comes after both), and hold what `stats()` holds."""
+    from spruce.runtime.engine import Engine
+
+    engine = LLM(max_running_requests=2, page_size=4).engine
+    engine.add_request("def f(x):\n", spruce.SamplingParams(max_tokens=4, ignore_eos=True))
+    added = threading.Event()
+
+    def add_during_the_step():
+        engine.add_request("class A:\n", spruce.SamplingParams(max_tokens=4, ignore_eos=True))
+        added.set()
+
+    real_step = Engine.step
+
+    def step(self, *args, **kwargs):  # another thread queues on the lock while the step holds it
+        threading.Thread(target=add_during_the_step).start()
+        time.sleep(0.05)
+        return real_step(self, *args, **kwargs)
+
+    engine.step = step.__get__(engine)
+    outputs, stats = engine.step_and_stats()
+    assert added.wait(5)
+    assert set(stats) == set(engine.stats())
+    assert stats["running"] + stats["waiting"] == 1 and engine.stats()["waiting"] + engine.stats()["running"] == 2
+    assert isinstance(outputs, list) and stats["tokens_generated"] == engine.stats()["tokens_generated"]

@@ -252,6 +252,13 @@ class Engine:
                     self._resolve(launched, touched)
             return self._outputs(touched, finished_only)
 
+    def step_and_stats(self) -> tuple[list[RequestOutput], dict]:
+        """`step()` and then `stats()` within one hold of the engine lock: what the server's engine thread takes
+        after every step. Taken apart, the stats waited behind the add_request calls queued on the lock during
+        the step (1.8 ms a step at concurrency 64 on the H100, ~10% of the engine thread's time)."""
+        with self._lock:
+            return self.step(), self.stats()
+
     def drain(self) -> list[RequestOutput]:
         """Resolve the step in flight (if any) and flush aborts without launching anything; outputs as from
         `step`. Afterwards no launched step holds a row, so every finished request's pages are free."""

@@ -267,8 +267,9 @@ class EngineLoop:
     def _iteration(self, aborts: list[str]) -> None:
         for rid in aborts:
             self.engine.abort(rid)
-        self._dispatch(self.engine.step())
-        self.metrics.on_engine_stats(self.engine.stats())
+        outputs, stats = self.engine.step_and_stats()
+        self._dispatch(outputs)
+        self.metrics.on_engine_stats(stats)
         if self.engine.has_unfinished():
             with self._cond:
                 self._pending = True
