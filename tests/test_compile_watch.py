@@ -72,3 +72,14 @@ def test_gpu_a_new_specialisation_while_serving_is_counted(monkeypatch):
     after = compile_watch.compiles()
     assert after["startup"] - before["startup"] >= 1 and after["serving"] - before.get("serving", 0) == 1
     assert out[:32].eq(3.0).all()
+
+
+def test_a_compilation_is_named_by_its_kernel_constexprs_and_specialisations():
+    class Fn:
+        name = "paged_attention_kernel"
+
+    text = compile_watch._describe({"repr": "paged_attention_kernel[num_warps=4](q_ptr: ()", "fn": Fn(),
+                                    "compile": {"constants": {(5,): 16}, "signature": {"q_ptr": "*bf16"},
+                                                "configs": [{(3,): [["tt.divisibility", 16]]}]}})
+    assert text.startswith("paged_attention_kernel constexprs {(5,): 16}") and "*bf16" in text
+    assert "tt.divisibility" in text

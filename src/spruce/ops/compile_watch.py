@@ -42,12 +42,25 @@ def install() -> bool:
         previous = runtime.jit_post_compile_hook
 
         def on_compile(*args, **kwargs):
-            _record(kwargs.get("repr", "?"))
+            _record(_describe(kwargs))
             return previous(*args, **kwargs) if previous is not None else None
 
         runtime.jit_post_compile_hook = on_compile
         _state["installed"] = True
         return True
+
+
+def _describe(hook_kwargs: dict) -> str:
+    """A compilation as the log names it: the kernel, its constexprs and its specialised arguments (Triton's own
+    repr of the arguments is empty on some versions)."""
+    fn = hook_kwargs.get("fn")
+    name = getattr(fn, "name", None) or str(hook_kwargs.get("repr", "?")).split("[", 1)[0]
+    compiled = hook_kwargs.get("compile") or {}
+    constants = compiled.get("constants") or {}
+    signature = compiled.get("signature") or {}
+    specialised = (compiled.get("configs") or [None])[0]
+    return (f"{name} constexprs {dict(constants)} signature {dict(signature)} specialisations {specialised}"
+            [:2000])
 
 
 def _record(kernel: str) -> None:
