@@ -64,11 +64,21 @@ def client_processes(requested: int, concurrency: int) -> int:
 
 
 def process_pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
-    """A pool of `processes` client processes (spawned: no state of this one is shared), all started now, so that
-    no level pays their start-up."""
+    """A pool of `processes` client processes (spawned: no state of this one is shared), all started and answering
+    now, so that no level pays their start-up (a process starting late would stretch its level)."""
     pool = concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-    list(pool.map(time.sleep, [0.0] * processes * 2))
-    return pool
+    pids: set[int] = set()
+    for _ in range(50):
+        pids |= set(pool.map(_pid, range(4 * processes)))
+        if len(pids) == processes:
+            return pool
+    pool.shutdown()
+    raise RuntimeError(f"only {len(pids)} of {processes} client processes started")
+
+
+def _pid(_task: int) -> int:
+    time.sleep(0.01)  # long enough that one process cannot take every task of a round
+    return os.getpid()
 
 
 async def send_level(base_url: str, headers: dict, model: str, prompts: list, concurrency: int,
