@@ -52,6 +52,38 @@ def test_page_table_rows_and_reset_to_dummy():
     assert [pt.alloc_row() for _ in range(4)] == [0, 1, 2, 3] and pt.alloc_row() is None
 
 
+def test_batched_page_appends_reach_the_device_together_and_equal_one_by_one():
+    """Appends inside PageTable.batched() are written when the block ends (one copy and one scatter) and leave the
+    table exactly as the same appends one by one; a read of the table before that fails loudly, and a block that
+    raises still writes what the host recorded."""
+    import random
+
+    lim = limits(max_running_requests=4, context_length=64)
+    rng = random.Random(0)
+    one, many = PageTable(lim, torch.device("cpu")), PageTable(lim, torch.device("cpu"))
+    rows = [(one.alloc_row(), many.alloc_row()) for _ in range(3)]
+    for _ in range(4):
+        plan = [(i, [rng.randrange(1, 10) for _ in range(rng.randrange(0, 3))]) for i in range(3)]
+        for i, pages in plan:
+            one.append_pages(rows[i][0], pages)
+        with many.batched():
+            for i, pages in plan:
+                many.append_pages(rows[i][1], pages)
+            if any(pages for _, pages in plan):
+                with pytest.raises(InvariantError, match="not on the device yet"):
+                    many.check_written("a forward")
+        many.check_written("a forward")
+        assert torch.equal(one.table, many.table)
+    with pytest.raises(RuntimeError, match="boom"):
+        with many.batched():
+            many.append_pages(rows[0][1], [7])
+            raise RuntimeError("boom")
+    assert many.table[rows[0][1], len(many.pages(rows[0][1])) - 1].item() == 7
+    with pytest.raises(InvariantError, match="entered twice"):
+        with many.batched(), many.batched():
+            pass
+
+
 def test_limits_widths_come_from_one_place():
     lim = limits(num_steps=3, eagle_topk=4, num_draft_tokens=70, graph_max_bs=20)
     assert lim.target_scratch_width == 70

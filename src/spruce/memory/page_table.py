@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from spruce.errors import InvariantError
@@ -12,7 +14,11 @@ class PageTable:
     """`table[row, i]` is the page holding positions [i*page_size, (i+1)*page_size) of the request in `row`.
 
     Unused entries point at the dummy page, so a stray read never leaves the pool. Rows are handed out
-    host-side; the device tensor is updated only where pages are appended.
+    host-side; the device tensor is updated only where pages are appended. Inside `batched()` appends are written
+    to the device together when the block ends, one copy and one scatter for all of them: a decode step reserves
+    pages for many requests, and one small copy each cost the engine thread ~0.8 ms apiece under a loaded server
+    on the H100 (yappi: 40% of its time at concurrency 64). `check_written` (always on, before a forward reads the
+    table) fails if an append is still pending.
     """
 
     def __init__(self, limits: Limits, device: torch.device):
@@ -22,6 +28,7 @@ class PageTable:
         )  # [rows, max_pages_per_request]
         self._free_rows = list(range(limits.max_running_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
+        self._pending: list[tuple[int, int, list[int]]] | None = None  # inside batched(): (row, start, pages)
 
     @property
     def num_free_rows(self) -> int:
@@ -47,9 +54,41 @@ class PageTable:
             )
         if pages:
             start = len(held)
-            new = torch.tensor(pages, dtype=torch.int32)  # staged at once: no wait for the device's queued work
-            self.table[row, start:start + len(pages)].copy_(new, non_blocking=True)
+            if self._pending is not None:
+                self._pending.append((row, start, list(pages)))
+            else:
+                new = torch.tensor(pages, dtype=torch.int32)
+                self.table[row, start:start + len(pages)].copy_(new, non_blocking=True)
             held.extend(pages)
+
+    @contextlib.contextmanager
+    def batched(self):
+        """Appends inside the block reach the device when it ends (also when it raises: the host's pages and
+        the device's must agree), in one host-to-device copy and one scatter. Not reentrant."""
+        if self._pending is not None:
+            raise InvariantError("PageTable.batched() entered twice")
+        self._pending = []
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            self._write(pending)
+
+    def _write(self, pending: list[tuple[int, int, list[int]]]) -> None:
+        if not pending:
+            return
+        rows = [row for row, _, pages in pending for _ in pages]
+        cols = [start + i for _, start, pages in pending for i in range(len(pages))]
+        values = [page for _, _, pages in pending for page in pages]
+        host = torch.tensor([rows, cols, values], dtype=torch.int64)  # [3, n]
+        rows_d, cols_d, values_d = host.to(self.table.device, non_blocking=True).unbind(0)
+        self.table[rows_d, cols_d] = values_d.to(self.table.dtype)
+
+    def check_written(self, what: str) -> None:
+        """Always-on: no append is waiting for the end of a `batched()` block when `what` reads the table."""
+        if self._pending:
+            raise InvariantError(f"{what} reads the page table while {len(self._pending)} appended page runs "
+                                 f"are not on the device yet (inside PageTable.batched())")
 
     def release_row(self, row: int) -> list[int]:
         """Frees the row; returns its pages for the allocator. The row is reset to the dummy page."""

@@ -116,6 +116,7 @@ class ModelRunner:
     # --- attention plans (DESIGN §13) -------------------------------------------------------------------------
     def plan(self, batch: ForwardBatch) -> None:
         """Plan the attention backend for forwards over `batch` (host side, outside any CUDA graph)."""
+        self.page_table.check_written("an attention plan")
         self.backend.plan(batch, self.page_table.table)
         self._planned[batch.phase] = batch.layout
 
@@ -165,6 +166,7 @@ class ModelRunner:
     def target_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None."""
         self._ensure_planned(batch)
+        self.page_table.check_written("a target forward")
         return self.target(batch, self.target_kv, self.page_table.table)
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
@@ -176,4 +178,5 @@ class ModelRunner:
 
         layer: the draft layer a draft step runs (multi-layer MTP); None for a draft extend (every layer)."""
         self._ensure_planned(batch)
+        self.page_table.check_written("a draft forward")
         return self.draft(batch.input_ids, features, batch, self.draft_kv, self.page_table.table, layer)

@@ -112,6 +112,10 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting requests (oldest first) into the running set while rows and pages allow."""
+        with self.page_table.batched():  # one device write for every admitted request's pages
+            self._admit()
+
+    def _admit(self) -> None:
         cache = self.prefix_cache
         while self.waiting:
             req = self.waiting[0]
@@ -175,8 +179,9 @@ class Scheduler:
         """Reserve `lookahead` positions past each request's committed length; the first one short of pages,
         or None when all are covered."""
         lookahead = self.limits.lookahead
-        return next((r for r in reqs if r.committed + lookahead > r.reserved
-                     and not self._reserve(r, r.committed + lookahead)), None)
+        with self.page_table.batched():  # one device write for the step's new pages
+            return next((r for r in reqs if r.committed + lookahead > r.reserved
+                         and not self._reserve(r, r.committed + lookahead)), None)
 
     def preempt_youngest(self) -> None:
         """Drop the youngest running request's cache and queue it (first in line) for recomputation."""
