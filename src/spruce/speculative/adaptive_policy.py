@@ -9,7 +9,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   rounds of its own takes the engine-wide EMA; before any round at all, the tree depth S (optimistic, so the
   first rounds measure it). A request whose acceptance collapsed thus counts ~1 token in both candidates: it
   neither forces the batch to plain nor makes speculation look better than it is for the others.
-- A request's EMA below the engine-wide one is not measured while it decodes plainly, so a dip would stand for
+- A request's EMA is not measured while it decodes plainly, so a dip below the engine-wide one would stand for
   the rest of the request. On the H100 (128-token prompts, rounds committing ~4.3 tokens), runs of rejected rounds
   put 103 of 256 requests at concurrency 1 in plain steps until they ended: 42% of the steps were plain at ~3x a
   round's cost per token. So a collapsed request (EMA below half the engine-wide one) is retried (priced at the
@@ -91,7 +91,7 @@ from typing import Callable
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
-RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a request estimated low is retried (doubling backoff)
+RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
@@ -163,7 +163,7 @@ class _RequestAcceptance:
     """One request's acceptance: its EMA, and when a low estimate is retried (see the module docstring)."""
 
     ema: float
-    retry_after: int = RETRY_FIRST  # draft lag (positions) from which an EMA below the prior is retried
+    retry_after: int = RETRY_FIRST  # draft lag (positions) from which a collapsed EMA is retried
     retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
 
 
@@ -202,7 +202,7 @@ class AdaptivePolicy:
     probes: int = 0
     catch_ups: int = 0
     catch_up_positions: int = 0
-    retries: int = 0  # rounds that retried a request estimated below the engine-wide acceptance
+    retries: int = 0  # requests retried in a round (collapsed: EMA below half the engine-wide acceptance)
 
     def __post_init__(self):
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
@@ -326,7 +326,7 @@ class AdaptivePolicy:
         return own if own is not None and own.ema < self.prior_accept() / 2 else None
 
     def _retry_in(self, requests: list, lags: list[int]) -> int:
-        """Further plain steps (after this one) before the first of `requests` estimated low is due for a retry
+        """Further plain steps (after this one) before the first collapsed one of `requests` is due for a retry
         (REUSE_STEPS if none is)."""
         due = [own.retry_after - lag - 1 for q, lag in zip(requests, lags)
                if (own := self._low(q)) is not None and lag < own.retry_after]
