@@ -166,6 +166,10 @@ class _RequestAcceptance:
     retry_after: int = RETRY_FIRST  # draft lag (positions) from which a collapsed EMA is retried
     retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
 
+    def collapsed(self, prior: float) -> bool:
+        """Its EMA is below half the prior (the engine-wide acceptance): a retry candidate."""
+        return self.ema < prior / 2
+
 
 @dataclass
 class _BucketState:
@@ -242,9 +246,13 @@ class AdaptivePolicy:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: its EMA, except
         that a collapsed one (below half the prior) is retried (the prior) from a lag of its `retry_after`; without
         rounds of its own, the prior."""
-        own = self._accept.get(request)
-        if own is None or (self._low(request) is not None and lag >= own.retry_after):
-            return self.prior_accept()
+        return self._expected(self._accept.get(request), lag)
+
+    def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
+        """`expected_accept` from a request's acceptance state (None: it has had no round)."""
+        prior = self.prior_accept()
+        if own is None or (own.collapsed(prior) and lag >= own.retry_after):
+            return prior
         return own.ema
 
     def device(self, choice: str, bucket: int) -> float:
@@ -288,8 +296,9 @@ class AdaptivePolicy:
         bs = len(requests)
         bucket = self.bucket_for(bs)
         lags = lags if lags is not None else [0] * bs
+        owns = [self._accept.get(q) for q in requests]  # each request's acceptance state, looked up once
         catch_up_positions = sum(lags)
-        spec_tokens = sum(1.0 + self.expected_accept(q, lag) for q, lag in zip(requests, lags)) / bs
+        spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: self.step_seconds(c, bucket, catch_up_positions, rounds) for c in CHOICES},
@@ -311,32 +320,27 @@ class AdaptivePolicy:
         self._launched(d.choice, bucket)
         if d.choice == PLAIN and d.reason == "model":
             due = max(st.probe_after, budget_steps)
-            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak, self._retry_in(requests, lags)), st
+            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak, self._retry_in(owns, lags)), st
         else:
             self._reuse_left = 0
             if d.choice == SPECULATIVE:
-                self._mark_retries(requests, lags)
+                self._mark_retries(owns, lags)
         self._tables = None
         return d
 
-    def _low(self, request) -> _RequestAcceptance | None:
-        """The request's acceptance state if its EMA collapsed (below half the prior: a retry candidate), else
-        None."""
-        own = self._accept.get(request)
-        return own if own is not None and own.ema < self.prior_accept() / 2 else None
-
-    def _retry_in(self, requests: list, lags: list[int]) -> int:
-        """Further plain steps (after this one) before the first collapsed one of `requests` is due for a retry
-        (REUSE_STEPS if none is)."""
-        due = [own.retry_after - lag - 1 for q, lag in zip(requests, lags)
-               if (own := self._low(q)) is not None and lag < own.retry_after]
+    def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> int:
+        """Further plain steps (after this one) before the first collapsed one of the batch's requests (their
+        acceptance states `owns`) is due for a retry (REUSE_STEPS if none is)."""
+        prior = self.prior_accept()
+        due = [own.retry_after - lag - 1 for own, lag in zip(owns, lags)
+               if own is not None and own.collapsed(prior) and lag < own.retry_after]
         return max(min(due, default=REUSE_STEPS), 0)
 
-    def _mark_retries(self, requests: list, lags: list[int]) -> None:
+    def _mark_retries(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> None:
         """A round is launched: the requests in it priced on the prior (a retry) are judged by its acceptance."""
-        for q, lag in zip(requests, lags):
-            own = self._low(q)
-            if own is not None and lag >= own.retry_after:
+        prior = self.prior_accept()
+        for own, lag in zip(owns, lags):
+            if own is not None and own.collapsed(prior) and lag >= own.retry_after:
                 own.retrying = True
                 self.retries += 1
 
