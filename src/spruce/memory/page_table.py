@@ -57,8 +57,7 @@ class PageTable:
             if self._pending is not None:
                 self._pending.append((row, start, list(pages)))
             else:
-                new = torch.tensor(pages, dtype=torch.int32)
-                self.table[row, start:start + len(pages)].copy_(new, non_blocking=True)
+                self._write([(row, start, pages)])
             held.extend(pages)
 
     @contextlib.contextmanager
@@ -75,6 +74,7 @@ class PageTable:
             self._write(pending)
 
     def _write(self, pending: list[tuple[int, int, list[int]]]) -> None:
+        """Write runs of pages (row, first column, pages) into the device table: one copy and one scatter."""
         if not pending:
             return
         rows = [row for row, _, pages in pending for _ in pages]
