@@ -247,6 +247,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
     levels: list[list[dict]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
     processes = {c: client_processes(args.client_processes, c) for c in args.concurrency}
+    requests = requests_per_level(args)
     pool = process_pool(max(processes.values())) if max(processes.values()) > 1 else None
     try:
         for i, (base_url, model) in enumerate(targets):
@@ -264,8 +265,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                     base_url, model = targets[i]
                     if stopped[i]:
                         continue
-                    n = requests_per_level(args)[c]
-                    level = await run_level(base_url, headers, model, prompts, c, n, args, pool,
+                    level = await run_level(base_url, headers, model, prompts, c, requests[c], args, pool,
                                             processes[c]) | {"pass": k}
                     _print_level(level)
                     levels[i].append(level)

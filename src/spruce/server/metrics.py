@@ -245,13 +245,14 @@ def _render_adaptive(out: list[str], a: dict) -> None:
             ("step_seconds", "spruce_adaptive_step_seconds", "Modelled seconds per step of each candidate.")):
         series(name, "gauge", help, [(f'bucket="{b}",choice="{c}"', v) for b, d in buckets
                                      for c, v in sorted(d[key].items())])
-    for key, help in (("device_seconds", "Device seconds per step, measured online (EMA; until a choice has run "
-                                         "at a bucket: measured at start-up over padding rows)."),
-                      ("launch_seconds", "Host seconds launching a step, measured online (EMA; until a choice has "
-                                         "run at a bucket: measured at start-up; 0 on the CPU, where it is device "
-                                         "work)."),
+    for key, help in (("device_seconds", "Device seconds per step, measured online (median of recent steps; until "
+                                         "a choice has run at a bucket: measured at start-up over padding rows)."),
+                      ("launch_seconds", "Host seconds launching a step, measured online (median of recent steps; "
+                                         "until a choice has run at a bucket: measured at start-up; 0 on the CPU, "
+                                         "where it is device work)."),
                       ("resolve_seconds", "Host seconds reading and applying a step's own results, measured online "
-                                          "(EMA); a step costs device (+) (launch + resolve + other host)."),
+                                          "(median of recent steps); a step costs device (+) (launch + resolve + "
+                                          "other host)."),
                       ("wall_seconds", "Seconds from a steady step's launch to the next launch (EMA): a floor of "
                                        "its cost.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
