@@ -1,7 +1,8 @@
 """Where a loaded server's threads spend their time (issue 16: an adaptive server running only rounds was 7-15% slower
 than a fixed one at concurrency 32-64 on the H100, where the host takes ~90% of a step).
 
-For each NAME=FLAGS configuration in turn: `spruce serve FLAGS` runs under yappi (--clock, every thread), one
+For each NAME=FLAGS configuration in turn: `spruce serve --disable-engine-process FLAGS` (the engine as a thread,
+so that one yappi sees the engine and the event loop) runs under yappi (--clock, every thread), one
 level of `spruce bench serving` drives it, and the server is stopped; per thread (the event loop's, the engine's)
 its wall seconds and its top functions by own time (tsub) and by total time (ttot) go to OUT_JSON with the level's
 throughput. yappi slows Python code down, so compare configurations with each other, not with unprofiled runs.
@@ -57,7 +58,7 @@ def profile_one(name: str, flags: list[str], args, workdir: Path) -> dict:
     port = free_port()
     stats_path = workdir / f"{name}-threads.json"
     cmd = [sys.executable, "-c", WRAPPER, str(args.top), str(stats_path), args.clock, "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--model", args.model, *flags]
+           "--port", str(port), "--model", args.model, "--disable-engine-process", *flags]
     log = (workdir / f"{name}.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"

@@ -49,16 +49,18 @@ def engine_kwargs(draft_dir: Path, **overrides) -> dict:
 class ServerThread:
     """`create_app` + uvicorn (spruce's GracefulServer, as `spruce serve` runs it) on a pre-bound loopback
     socket, run in a daemon thread. `exit_on_engine_failure`: shut down when the engine fails, as `spruce serve`
-    does (default: keep answering 503, as with --keep-alive-on-engine-failure)."""
+    does (default: keep answering 503, as with --keep-alive-on-engine-failure). `engine_loop`: what serves
+    (default: an EngineLoop stepping `engine` in a thread; a ProcessEngineLoop serves from an engine process)."""
 
-    def __init__(self, engine, *, api_key: str | None = None, exit_on_engine_failure: bool = False, **app_kwargs):
+    def __init__(self, engine, *, api_key: str | None = None, exit_on_engine_failure: bool = False,
+                 engine_loop=None, **app_kwargs):
         import uvicorn
 
         from spruce.server import EngineLoop, create_app
         from spruce.server.graceful import GracefulServer
 
         self.engine = engine
-        self.engine_loop = EngineLoop(engine)
+        self.engine_loop = engine_loop or EngineLoop(engine)
         app = create_app(self.engine_loop, model_name=MODEL_NAME, api_key=api_key, **app_kwargs)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

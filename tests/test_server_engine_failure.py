@@ -151,18 +151,25 @@ def step(self, *a, **k):
         raise RuntimeError("injected fault")
     return real(self, *a, **k)
 Engine.step = step
-sys.exit(main(["serve", "--port", "0", "--disable-speculative", "--context-length", "128", *sys.argv[1:]]))
+if __name__ == "__main__":
+    sys.exit(main(["serve", "--port", "0", "--disable-speculative", "--context-length", "128", *sys.argv[1:]]))
 """
 
 
 @pytest.mark.parametrize("keep_alive", [False, True], ids=["exit-70", "keep-alive"])
-def test_spruce_serve_exits_70_for_a_supervisor(tmp_path, keep_alive):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_spruce_serve_exits_70_for_a_supervisor(tmp_path, keep_alive, engine_process):
     """The process itself: a request gets its 500 and `spruce serve` exits with code 70; with
-    --keep-alive-on-engine-failure it stays up and /health answers 503 naming the failure."""
+    --keep-alive-on-engine-failure it stays up and /health answers 503 naming the failure. Both with the engine
+    in its own process (the default: the script is a file, so the spawned engine process imports it, patch
+    included) and with --disable-engine-process."""
     log = tmp_path / "serve.log"
-    flags = ["--keep-alive-on-engine-failure"] if keep_alive else []
+    script = tmp_path / "serve_with_fault.py"
+    script.write_text(SERVE_WITH_FAULT)
+    flags = (["--keep-alive-on-engine-failure"] if keep_alive else []) + ([] if engine_process
+                                                                         else ["--disable-engine-process"])
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FAULT, *flags], stdout=out,
+        proc = subprocess.Popen([sys.executable, str(script), *flags], stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 60
@@ -184,6 +191,7 @@ def test_spruce_serve_exits_70_for_a_supervisor(tmp_path, keep_alive):
             proc.kill()
             proc.wait()
     assert ("exit code 70" in log.read_text()) != keep_alive
+    assert ("engine process serving" in log.read_text()) == engine_process  # the flag is honoured
 
 
 # --- the serving benchmark client -----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from spruce.runtime.grammar import GrammarBackend, GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan, PackReadback, decode_plan, make_entry, prefill_plan
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
-from spruce.runtime.request import Request, SpecStats, Status
+from spruce.runtime.request import Request, SpecStats, Status, prompt_token_ids
 from spruce.runtime.sampler import SamplingTensors
 from spruce.runtime.scheduler import Scheduler
 from spruce.sampling_params import SamplingParams
@@ -127,7 +127,7 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Validate and queue a request; raises InvalidRequestError (engine state untouched) when malformed."""
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
+        ids = prompt_token_ids(prompt, self.tokenizer, self.runner.model_config.vocab_size)
         lim = self.limits
         if len(ids) >= lim.context_length:
             raise InvalidRequestError(
@@ -197,27 +197,6 @@ class Engine:
         g = self._grammar
         return None if g is None else {"tree_nodes": g.tree_nodes, "dead_nodes": g.dead_nodes,
                                        "mask_seconds": g.mask_seconds}
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty; expected at least one token", field="prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json: give token ids", field="prompt")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            vocab = self.runner.model_config.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}",
-                                          field="prompt")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                      field="prompt")
-        if not ids:
-            raise InvalidRequestError("prompt is empty; expected at least one token", field="prompt")
-        return ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request: it leaves the queues at once and its row and pages are freed as soon as no launched

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from spruce.errors import InvalidRequestError
 from spruce.sampling_params import SamplingParams
 
 
@@ -122,3 +123,28 @@ class Request:
         self.reserved = 0
         self.cached_path = []
         self.num_preemptions += 1
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """A request's prompt as token ids: a string encoded by `tokenizer` (None: the model ships no tokenizer, so
+    strings are refused), or a list of ids, each checked to be an int in [0, vocab_size). InvalidRequestError
+    names what is wrong. The engine calls it in add_request; the server's engine-process client
+    (server/engine_process.py) calls it before sending, so prompts are tokenised outside the engine process."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; expected at least one token", field="prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json: give token ids", field="prompt")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab_size}); got {bad[:5]}",
+                                      field="prompt")
+    else:
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                  field="prompt")
+    if not ids:
+        raise InvalidRequestError("prompt is empty; expected at least one token", field="prompt")
+    return ids

@@ -57,6 +57,10 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--keep-alive-on-engine-failure", action="store_true",
                    help="when the engine fails (a step raised), keep the process up answering 503 (and /health "
                         "503) instead of exiting with code 70 (default: exit, so that a supervisor restarts it)")
+    p.add_argument("--disable-engine-process", action="store_true",
+                   help="run the engine as a thread of the HTTP server's process instead of in a process of its "
+                        "own (default: its own process, so that the engine and the event loop do not share one "
+                        "GIL)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -71,34 +75,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from spruce.cli import engine_kwargs
-    from spruce.llm import LLM
-    from spruce.ops import compile_watch
     from spruce.server.app import create_app
-    from spruce.server.engine_loop import EngineLoop
     from spruce.server.graceful import GracefulServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLM(**engine_kwargs(args)).engine
-    if args.tp_size > 1:  # the server cannot serve without every rank: a dead worker ends it with its error
-        from spruce.distributed.launch import exit_on_worker_failure
+    if args.disable_engine_process:
+        engine_loop = _engine_thread(args, engine_kwargs(args))
+    else:
+        from spruce.server.engine_process import EngineProcess, ProcessEngineLoop
 
-        exit_on_worker_failure(engine)
+        engine_loop = ProcessEngineLoop(EngineProcess(engine_kwargs(args), args.log_level))
+    engine = engine_loop.engine
     limits = {} if args.max_request_bytes is None else {"max_body_bytes": args.max_request_bytes}
-    app = create_app(EngineLoop(engine), model_name=served_name(args), api_key=args.api_key,
+    app = create_app(engine_loop, model_name=served_name(args), api_key=args.api_key,
                      max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
                      shutdown_grace_period=args.shutdown_grace_period, **limits)
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
     freeze_startup_objects()
-    compile_watch.serving()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
     server = GracefulServer(config, app.state.drain, failure)
     server.run()
     gc.unfreeze()  # the start-up objects are freed at exit as usual (frozen, native extensions report leaks)
-    engine.shutdown()  # a tensor-parallel engine's workers stop with the server
+    engine.shutdown()  # the engine process, or a tensor-parallel engine's workers, stop with the server
     return server.exit_code if server.started else 1
+
+
+def _engine_thread(args: argparse.Namespace, kwargs: dict):
+    """--disable-engine-process: the engine in this process, stepped by the EngineLoop's thread."""
+    from spruce.llm import LLM
+    from spruce.ops import compile_watch
+    from spruce.server.engine_loop import EngineLoop
+
+    engine = LLM(**kwargs).engine
+    if args.tp_size > 1:  # the server cannot serve without every rank: a dead worker ends it with its error
+        from spruce.distributed.launch import exit_on_worker_failure
+
+        exit_on_worker_failure(engine)
+    compile_watch.serving()  # from here on a Triton compilation is a mid-serving stall (ops/compile_watch.py)
+    return EngineLoop(engine)
 
 
 def freeze_startup_objects() -> int:

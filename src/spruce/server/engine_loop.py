@@ -138,13 +138,17 @@ class EngineLoop:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._halt(timeout)
         with self._cond:
             streams, self._streams = self._streams, {}
         for st in streams.values():
             st.mailbox.post(st.index, EngineFailure("the server is shutting down", status=503,
                                                     code="server_shutting_down"))
+
+    def _halt(self, timeout: float) -> None:
+        """Wait (up to `timeout` seconds) for the engine thread to end after `_stopping` was set."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def stop_accepting(self) -> None:
         """Begin a shutdown: from now on `submit` refuses new requests (503); running ones carry on."""

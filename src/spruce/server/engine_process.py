@@ -1,0 +1,476 @@
+"""The engine in its own process: what `spruce serve` runs by default (`--disable-engine-process` keeps the engine a
+thread of the server process, server/engine_loop.py).
+
+Why: in one process the engine thread and the HTTP event loop share one GIL. Under load the engine's host work
+(scheduling, launching, detokenising) waits for the event loop's (parsing, streaming), and the other way round:
+on the H100 at concurrency 64 a plain step took ~7 ms of wall time against ~1.3 ms of device time. SGLang and
+vLLM run their engines in their own processes for this reason.
+
+Two sides of one duplex pipe (multiprocessing, spawn: CUDA is only ever initialised in the engine process):
+- the engine process (`engine_process_main`) builds the engine (`LLM(**engine_kwargs)`), sends "ready" with what
+  the server needs to know of it (`EngineDescription`), then loops: read every message waiting (blocking only
+  while the engine is idle), apply adds and aborts, step, send the step's outputs (as deltas, `OutputEncoder`) and
+  its stats. It ignores SIGINT and SIGTERM (a Ctrl-C or a supervisor's signal reaches the whole process group):
+  the server drains, then sends "stop"; and it exits when the pipe closes (the server died).
+- the server process (`EngineProcess`, the engine handle the API reads, and `ProcessEngineLoop`) tokenises
+  prompts itself (runtime/request.py `prompt_token_ids`), sends adds (all or nothing, answered) and aborts, and a
+  receiver thread rebuilds each step's RequestOutputs (`OutputAssembler`) and posts them to the API calls'
+  mailboxes exactly as the engine thread does.
+
+Messages (tuples; the first element is the kind):
+  server -> engine: ("add", call, [(ids, params, request_id), ...]), ("abort", [request_id, ...]),
+                    ("flush", call), ("stop",)
+  engine -> server: ("ready", EngineDescription) or ("load_failed", exception), then ("step", deltas, stats),
+                    ("reply", call, result) and, last, ("failed", error)
+
+Fail-stop as in engine_loop (DESIGN §20): a step that raises sends ("failed", "Type: message") and ends the
+process; a process that ends without saying so (killed, out of memory) fails every request in flight the same
+way, naming its exit code.
+
+Outputs cross as deltas. A request's token ids and logprob entries only ever grow (Engine._append appends), so
+each delta carries the ones not sent yet; the prompt's ids and logprobs travel in a request's first delta only;
+the text travels as (length of the sent text kept, text added), because a stop string can cut it and the final
+text is decoded afresh. Whole outputs would cost pickling the whole prompt and output per request per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+from dataclasses import dataclass
+
+from spruce.errors import InvalidRequestError, SpruceError
+from spruce.runtime.output import RequestOutput
+from spruce.runtime.request import prompt_token_ids
+from spruce.server.engine_loop import ENGINE_FAILED, EngineFailure, EngineLoop
+
+log = logging.getLogger("spruce.server")
+STOP_TIMEOUT_S = 30.0  # how long a stopped engine process gets to exit before it is killed
+
+
+class EngineStartError(SpruceError):
+    """The engine process could not build the engine (its log, above, has the traceback of an unexpected error)."""
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What the server process knows of the engine it does not hold: the Engine attributes the API, the tooling
+    endpoints and /metrics read (tokenizer, vocab_size, max_request_tokens, limits, config, info(), a first
+    stats())."""
+
+    tokenizer: object | None
+    vocab_size: int
+    max_request_tokens: int
+    limits: object
+    config: object
+    info: dict
+    stats: dict
+
+    @classmethod
+    def of(cls, engine) -> "EngineDescription":
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_request_tokens, engine.limits, engine.config,
+                   engine.info(), engine.stats())
+
+
+# --- outputs as deltas --------------------------------------------------------------------------------------------
+@dataclass
+class _Sent:
+    """What the other side already has of one request's output."""
+
+    tokens: int = 0
+    text: str = ""
+    logprobs: int = 0
+
+
+class OutputEncoder:
+    """Engine side: each RequestOutput as the delta from what was sent of its request before (module docstring).
+    Every output of a request must be encoded, in order (the assembler applies them in that order)."""
+
+    def __init__(self):
+        self._sent: dict[str, _Sent] = {}
+
+    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
+        return [self._encode(out) for out in outputs]
+
+    def _encode(self, out: RequestOutput) -> tuple:
+        sent = self._sent.get(out.request_id)
+        first = sent is None
+        if first:
+            sent = self._sent[out.request_id] = _Sent()
+        keep = len(sent.text) if out.text.startswith(sent.text) else 0
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs, sent.logprobs = out.logprobs[sent.logprobs:], len(out.logprobs)
+        delta = (out.request_id, out.prompt_token_ids if first else None, out.prompt_logprobs if first else None,
+                 out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.new_token_ids, out.finished,
+                 out.finish_reason, out.spec_stats, out.num_cached_tokens)
+        sent.tokens, sent.text = len(out.token_ids), out.text
+        if out.finished:
+            del self._sent[out.request_id]
+        return delta
+
+
+@dataclass
+class _Assembled:
+    """One request's output so far, rebuilt from its deltas."""
+
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list | None = None
+
+
+class OutputAssembler:
+    """Server side: rebuilds each request's cumulative RequestOutput from the encoder's deltas."""
+
+    def __init__(self):
+        self._requests: dict[str, _Assembled] = {}
+
+    def assemble(self, deltas: list[tuple]) -> list[RequestOutput]:
+        return [self._assemble(delta) for delta in deltas]
+
+    def _assemble(self, delta: tuple) -> RequestOutput:
+        (rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, new_token_ids, finished, finish_reason,
+         spec_stats, cached) = delta
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = _Assembled(prompt_ids, prompt_logprobs, [])
+        req.token_ids.extend(tokens)
+        req.text = req.text[:keep] + text
+        if logprobs is not None:
+            req.logprobs = (req.logprobs or []) + logprobs
+        if finished:
+            del self._requests[rid]
+        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, new_token_ids, finished,
+                             finish_reason, spec_stats, None if req.logprobs is None else list(req.logprobs),
+                             req.prompt_logprobs, cached)
+
+
+# --- the engine process ---------------------------------------------------------------------------------------------
+def engine_process_main(engine_kwargs: dict, conn, log_level: str) -> None:
+    """The engine process's entry point (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from spruce.llm import LLM
+    from spruce.ops import compile_watch
+    from spruce.server.cli import freeze_startup_objects
+
+    try:
+        engine = LLM(**engine_kwargs).engine
+        if engine_kwargs.get("tp_size", 1) > 1:  # a dead worker ends this process; the server then fails
+            from spruce.distributed.launch import exit_on_worker_failure
+
+            exit_on_worker_failure(engine)
+    except BaseException as e:
+        if not isinstance(e, SpruceError):
+            log.exception("the engine process could not build the engine")
+        conn.send(("load_failed", _portable(e)))
+        return
+    conn.send(("ready", EngineDescription.of(engine)))
+    freeze_startup_objects()
+    compile_watch.serving()
+    try:
+        _EngineServer(engine, conn).run()
+    finally:
+        gc.unfreeze()
+        engine.shutdown()
+
+
+def _portable(error: BaseException) -> BaseException:
+    """`error` if it crosses the pipe intact (spruce's errors do), else an EngineStartError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return EngineStartError(f"the engine process failed to start: {type(error).__name__}: {error}")
+
+
+class _EngineServer:
+    """The engine process's loop: messages in, steps, deltas out."""
+
+    def __init__(self, engine, conn):
+        self.engine = engine
+        self.conn = conn
+        self.encoder = OutputEncoder()
+        self.must_step = False  # an add or an abort came: step even if the engine has nothing unfinished
+
+    def run(self) -> None:
+        log.info("engine process serving")
+        while True:
+            block = not (self.must_step or self.engine.has_unfinished())
+            while block or self.conn.poll():
+                try:
+                    message = self.conn.recv()
+                except EOFError:
+                    log.info("the server closed the pipe: engine process exits")
+                    return
+                if not self._handle(message):
+                    log.info("engine process stopped")
+                    return
+                block = False
+            self.must_step = False
+            try:
+                outputs, stats = self.engine.step_and_stats()
+            except Exception as e:  # fail-stop: no request is served by an engine that raised
+                log.exception("engine step failed: the engine process stops and every request in flight fails")
+                self.conn.send(("failed", f"{type(e).__name__}: {e}"))
+                return
+            self.conn.send(("step", self.encoder.encode(outputs), stats))
+
+    def _handle(self, message: tuple) -> bool:
+        """Apply one message from the server; False for "stop"."""
+        kind = message[0]
+        if kind == "add":
+            _, call, jobs = message
+            self.conn.send(("reply", call, self._add(jobs)))
+        elif kind == "abort":
+            for rid in message[1]:
+                self.engine.abort(rid)
+            self.must_step = True
+        elif kind == "flush":
+            self.conn.send(("reply", message[1], self.engine.flush_cache()))
+        elif kind == "stop":
+            return False
+        else:
+            raise ValueError(f"unknown message kind {kind!r} from the server (known: add, abort, flush, stop)")
+        return True
+
+    def _add(self, jobs: list[tuple]) -> tuple | None:
+        """Queue every job or none: the error of the first refused (as (message, field, status)), else None."""
+        added = []
+        try:
+            for ids, params, rid in jobs:
+                self.engine.add_request(ids, params, request_id=rid)
+                added.append(rid)
+        except InvalidRequestError as e:
+            for rid in added:
+                self.engine.abort(rid)
+            return str(e), e.field, e.status
+        finally:
+            self.must_step = True
+        return None
+
+
+# --- the server process ---------------------------------------------------------------------------------------------
+class _Call:
+    """A request to the engine process awaiting its reply."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None  # set instead when the engine process ended first
+
+
+class EngineProcess:
+    """The server's handle on the engine process: the Engine attributes the API reads (from its
+    EngineDescription), `add` / `abort` / `flush_cache` / `shutdown`, and `pump`, the receiving loop that
+    ProcessEngineLoop's thread runs. Construction starts the process and waits until its engine is ready
+    (raising its load error if it could not build it)."""
+
+    def __init__(self, engine_kwargs: dict, log_level: str = "info"):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(target=engine_process_main, args=(engine_kwargs, child_conn, log_level),
+                                    name="spruce-engine")
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._calls_lock = threading.Lock()
+        self._call_ids = itertools.count()
+        self._stopping = False
+        self._closed_error: str | None = None  # once the process is gone or failed: why
+        self.description = self._wait_ready()
+        self._stats = self.description.stats
+        self.tokenizer = self.description.tokenizer
+        self.vocab_size = self.description.vocab_size
+        self.max_request_tokens = self.description.max_request_tokens
+        self.limits = self.description.limits
+        self.config = self.description.config
+
+    def _wait_ready(self) -> EngineDescription:
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive():
+                break
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise EngineStartError(f"the engine process exited with code {self._process.exitcode} while building "
+                                   f"the engine (its log is above)") from None
+        if kind == "load_failed":
+            self._process.join()
+            raise payload
+        return payload
+
+    # --- Engine's read-only surface -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        return self.description.info
+
+    def stats(self) -> dict:
+        """The stats sent with the latest step."""
+        return self._stats
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id (for a supervisor, or a test that kills it)."""
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        return self._process.is_alive() and self._closed_error is None
+
+    # --- requests to the engine process ---------------------------------------------------------------------------
+    def add(self, jobs: list[tuple[list[int], object, str]]) -> None:
+        """Queue (ids, params, request_id) jobs, all or none: raises the engine's InvalidRequestError for the first
+        it refused, or EngineFailure (503) once the engine process has failed or ended."""
+        error = self._call("add", jobs)
+        if error is not None:
+            message, field, status = error
+            raise InvalidRequestError(message, field=field, status=status)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests (unknown or finished ones are ignored by the engine)."""
+        self._send(("abort", request_ids))
+
+    def flush_cache(self) -> int:
+        """Engine.flush_cache, run in the engine process."""
+        return self._call("flush")
+
+    def _call(self, kind: str, *payload):
+        """Send (kind, call id, *payload) and wait for the engine process's result (EngineFailure if it ends
+        first)."""
+        call, call_id = _Call(), next(self._call_ids)
+        with self._calls_lock:
+            self._check_open()
+            self._calls[call_id] = call
+        self._send((kind, call_id, *payload))
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._check_open()
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, OSError) as e:
+                raise self._gone_error(f"{type(e).__name__}: {e}") from None
+
+    def _check_open(self) -> None:
+        if self._closed_error is not None:
+            raise self._gone_error(self._closed_error)
+
+    @staticmethod
+    def _gone_error(reason: str) -> EngineFailure:
+        return EngineFailure(f"the engine is not running ({reason})", status=503, code=ENGINE_FAILED)
+
+    # --- receiving ------------------------------------------------------------------------------------------------
+    def pump(self, on_step, on_failure) -> None:
+        """Receive until the engine process ends: each step's outputs and stats go to on_step(outputs, stats),
+        replies to their callers; a failure, or an end not asked for by `shutdown`, to on_failure(error)."""
+        assembler = OutputAssembler()
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._process.join(STOP_TIMEOUT_S)
+                self._close(f"the engine process exited with code {self._process.exitcode}")
+                if not self._stopping:
+                    on_failure(self._closed_error)
+                return
+            kind = message[0]
+            if kind == "step":
+                self._stats = message[2]
+                on_step(assembler.assemble(message[1]), message[2])
+            elif kind == "reply":
+                _, call_id, result = message
+                with self._calls_lock:
+                    call = self._calls.pop(call_id)
+                call.result = result
+                call.done.set()
+            elif kind == "failed":
+                self._close(message[1])
+                on_failure(message[1])
+                return
+
+    def _close(self, reason: str) -> None:
+        """No more replies will come: fail every call still waiting."""
+        with self._calls_lock:
+            if self._closed_error is None:
+                self._closed_error = reason
+            calls, self._calls = self._calls, {}
+        for call in calls.values():
+            call.error = self._gone_error(reason)
+            call.done.set()
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop the engine process after its current step (idempotent); killed if it does not exit in time."""
+        self._stopping = True
+        if self._process.is_alive():
+            try:
+                with self._send_lock:
+                    self._conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout)
+        if self._process.is_alive():
+            log.error("the engine process did not stop within %g s: killing it", timeout)
+            self._process.kill()
+            self._process.join()
+
+
+class ProcessEngineLoop(EngineLoop):
+    """EngineLoop (streams, admission, dispatch, fail-stop) over an EngineProcess: its thread receives the
+    engine process's steps instead of stepping an engine; adds and aborts go down the pipe."""
+
+    def __init__(self, engine: EngineProcess, metrics=None):
+        super().__init__(engine, metrics)
+        self._thread.name = "spruce-engine-receiver"
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and self.engine.running
+
+    def _add_all(self, items) -> None:
+        """Tokenise here (a worker thread of the server process), then queue all of them in the engine process."""
+        tok, vocab = self.engine.tokenizer, self.engine.vocab_size
+        jobs = [(prompt_token_ids(prompt, tok, vocab), params, rid) for prompt, params, rid in items]
+        self.engine.add(jobs)
+        with self._cond:  # an abort that raced with this add (client gone meanwhile) found nothing to stop: redo it
+            late = [rid for _, _, rid in jobs if rid not in self._streams]
+        if late:
+            self.engine.abort(late)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            if self._streams.pop(request_id, None) is None:
+                return
+        try:
+            self.engine.abort([request_id])
+        except EngineFailure:  # the engine is gone: nothing runs any more
+            pass
+
+    def _run(self) -> None:
+        log.info("engine process receiver started")
+        self.engine.pump(self._on_step, self._on_failure)
+        log.info("engine process receiver stopped")
+
+    def _on_step(self, outputs: list[RequestOutput], stats: dict) -> None:
+        self._dispatch(outputs)
+        self.metrics.on_engine_stats(stats)
+
+    def _on_failure(self, error: str) -> None:
+        self._fail_all(error)
+
+    def _halt(self, timeout: float) -> None:
+        self.engine.shutdown(timeout)
+        super()._halt(timeout)
