@@ -285,6 +285,7 @@ class EngineProcess:
         self._calls: dict[int, _Call] = {}
         self._calls_lock = threading.Lock()
         self._call_ids = itertools.count()
+        self._join_lock = threading.Lock()  # one joiner at a time (two racing waitpid calls: one sees no child)
         self._stopping = False
         self._closed_error: str | None = None  # once the process is gone or failed: why
         self.description = self._wait_ready()
@@ -322,6 +323,11 @@ class EngineProcess:
     def pid(self) -> int:
         """The engine process's id (for a supervisor, or a test that kills it)."""
         return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit code once it ended (negative: killed by that signal), else None."""
+        return self._process.exitcode
 
     @property
     def running(self) -> bool:
@@ -382,7 +388,7 @@ class EngineProcess:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._process.join(STOP_TIMEOUT_S)
+                self._join(STOP_TIMEOUT_S)
                 self._close(f"the engine process exited with code {self._process.exitcode}")
                 if not self._stopping:
                     on_failure(self._closed_error)
@@ -421,11 +427,18 @@ class EngineProcess:
                     self._conn.send(("stop",))
             except (BrokenPipeError, OSError):
                 pass
-            self._process.join(timeout)
+            self._join(timeout)
         if self._process.is_alive():
             log.error("the engine process did not stop within %g s: killing it", timeout)
             self._process.kill()
-            self._process.join()
+            self._join(None)
+
+    def _join(self, timeout: float | None) -> None:
+        """Wait for the engine process to end. The receiver (at the pipe's end) and `shutdown` may both wait:
+        concurrent joins race in waitpid, and the loser returned at once with the process still alive (an H100
+        run killed two engine processes that were exiting on their own)."""
+        with self._join_lock:
+            self._process.join(timeout)
 
 
 class ProcessEngineLoop(EngineLoop):
