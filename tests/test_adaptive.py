@@ -192,6 +192,7 @@ def test_lazy_prefill_catches_up_where_an_eager_one_is(monkeypatch, page, overla
     got = llm.generate([prompt], params)[0]
     assert got.token_ids == want.token_ids
     assert lags == []  # the prompt's draft extend never ran at prefill: the catch-ups did it
+    assert llm.engine.stats()["adaptive"]["prompt_draft_seconds"] is None  # so it priced no prompt
     text = got.prompt_token_ids + got.token_ids
     prompt_len = len(got.prompt_token_ids)
     assert caught and caught[0][0] == prompt_len + 2  # the first catch-up: the prompt and two plain steps
@@ -219,6 +220,8 @@ def test_lazy_prefill_in_a_mixed_batch_equals_plain_decoding(monkeypatch, draft,
     got = llm.generate(PROMPTS, params)
     assert [len(o.prompt_token_ids) for o in got] == [8, 22, 8, 4]
     assert calls == [1]  # one prefill of four chunks: the 22-token prompt's draft extend ran, the others waited
+    policy = llm.engine.strategy.policy  # that extend prices a new request's prompt (one completed by it)
+    assert policy.draft_prompt_requests == 1.0 and llm.engine.stats()["adaptive"]["prompt_draft_seconds"] > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got[1].logprobs, want[1].logprobs):
         assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
@@ -372,6 +375,11 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
     assert "S=3 K=4 N=8 adaptive" in llm.engine.info()["speculative"]
+    a = stats["adaptive"]
+    if expected == SPECULATIVE:  # rounds preferred: prefills extend the draft eagerly, and price new prompts
+        assert f'spruce_adaptive_prompt_draft_seconds {a["prompt_draft_seconds"]!r}' in text
+    own = [(c, b) for c, per in a["own_host_seconds"].items() for b in per]
+    assert own and all(f'spruce_adaptive_own_host_seconds{{bucket="{b}",choice="{c}"}}' in text for c, b in own)
 
 
 def test_adaptive_needs_speculation():

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX, REUSE_STEPS,
-                                                 SPECULATION_MARGIN,
+from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, PROBE_STEPS, RETRY_FIRST, RETRY_MAX,
+                                                 REUSE_STEPS, SPECULATION_MARGIN,
                                                  SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
 
@@ -127,15 +127,18 @@ def test_prefill_breaks_the_clock_and_idle_gaps_are_ignored():
 
 
 def test_plain_runs_are_probed_with_backoff():
-    """After PROBE_FIRST plain choices one round re-measures; a probe that changes nothing doubles the wait. (A
-    round costs 1.2 plain steps here: the probe budget asks for fewer steps between probes than PROBE_FIRST.)"""
-    p = policy(spec=1.2e-3)
+    """After PROBE_FIRST plain choices a run of PROBE_STEPS rounds re-measures (its later rounds are steady: their
+    whole intervals and host time are the candidate's own); a probe that changes nothing doubles the wait. (A round
+    costs 1.1 plain steps here: the probe budget asks for fewer steps between probes than PROBE_FIRST.)"""
+    p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
-    choices = [p.decide(reqs) for _ in range(3 * PROBE_FIRST + 3)]
+    second = PROBE_FIRST + PROBE_STEPS + 2 * PROBE_FIRST  # the second run: after 2 * PROBE_FIRST model choices
+    choices = [p.decide(reqs) for _ in range(second + PROBE_STEPS + 1)]
     probes = [i for i, d in enumerate(choices) if d.choice == SPECULATIVE]
-    assert probes == [PROBE_FIRST, 3 * PROBE_FIRST + 1] and choices[PROBE_FIRST].reason == "probe"
-    assert p.probes == 2 and p.chosen == {PLAIN: len(choices) - 2, SPECULATIVE: 2}
+    assert probes == [*range(PROBE_FIRST, PROBE_FIRST + PROBE_STEPS), *range(second, second + PROBE_STEPS)]
+    assert all(choices[i].reason == "probe" for i in probes)
+    assert p.probes == 2 and p.chosen == {PLAIN: len(choices) - 2 * PROBE_STEPS, SPECULATIVE: 2 * PROBE_STEPS}
     settle(p, reqs, 4)  # acceptance recovered: the model speculates again and the probe interval resets
     assert p.decide(reqs).choice == SPECULATIVE
 
@@ -145,8 +148,8 @@ def test_speculative_runs_probe_a_plain_step_too():
     p = policy()
     reqs = [Req()]
     settle(p, reqs, 4)
-    choices = [p.decide(reqs) for _ in range(PROBE_FIRST + 2)]
-    assert [i for i, d in enumerate(choices) if d.choice == PLAIN] == [PROBE_FIRST]
+    choices = [p.decide(reqs) for _ in range(PROBE_FIRST + PROBE_STEPS + 1)]
+    assert [i for i, d in enumerate(choices) if d.choice == PLAIN] == list(range(PROBE_FIRST, PROBE_FIRST + PROBE_STEPS))
     assert choices[PROBE_FIRST].reason == "probe" and p.probes == 1
 
 
@@ -225,18 +228,19 @@ def test_incomplete_cost_table_is_refused():
 def test_a_plain_choice_stands_for_the_same_batch_until_something_changes():
     """`repeat` (the plain fast path): after a model choice of plain, up to REUSE_STEPS steps reuse it, counted as
     plain steps; a round's new acceptance, a due probe, or the reuse budget ends it; a probe is never skipped."""
-    p = policy(spec=1.2e-3)
+    p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
     assert p.repeat() is False  # nothing decided yet
     assert p.decide(reqs).choice == PLAIN
     assert all(p.repeat() for _ in range(PROBE_FIRST - 1)) and p.repeat() is False  # the probe is due next
-    d = p.decide(reqs)
-    assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat() is False
+    for _ in range(PROBE_STEPS):
+        d = p.decide(reqs)
+        assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat() is False
     assert p.decide(reqs).choice == PLAIN and p.repeat()
     p.accepted(reqs[0], 0)  # a round's result: decide afresh
     assert p.repeat() is False
-    assert p.chosen == {PLAIN: PROBE_FIRST + 2, SPECULATIVE: 1} and p.probes == 1
+    assert p.chosen == {PLAIN: PROBE_FIRST + 2, SPECULATIVE: PROBE_STEPS} and p.probes == 1
     assert p.decide(reqs).choice == PLAIN
     left = 2 * PROBE_FIRST - 3  # model choices until the next probe (its interval doubled; 3 made since it)
     assert sum(p.repeat() for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
@@ -408,10 +412,11 @@ def test_a_plain_probe_amid_rounds_is_charged_the_catch_up_it_causes():
     for n in (1, 64):
         p.caught_up(n, 3.5e-3, 0.0)  # fixed cost: the same at 1 and 64 positions
     decisions = [p.decide([q]) for _ in range(1500)]
-    probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
+    runs = [i for i, d in enumerate(decisions) if d.reason == "probe"][::PROBE_STEPS]
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
-    spacing = (0.3e-3 + 3.5e-3 - 0.7e-3) / (PROBE_BUDGET * 0.7e-3)  # ~221 rounds per probe
-    assert 1 <= len(probes) <= 1500 / spacing + 1 and probes[0] >= spacing
+    # a run of PROBE_STEPS plain steps (0.4 ms cheaper each), then a 3.5 ms catch-up: ~164 rounds per run
+    spacing = (PROBE_STEPS * (0.3e-3 - 0.7e-3) + 3.5e-3) / (PROBE_BUDGET * 0.7e-3)
+    assert 1 <= len(runs) <= 1500 / spacing + 1 and runs[0] >= spacing
 
 
 def test_a_collapsed_request_is_retried_with_backoff():
@@ -490,3 +495,65 @@ def test_one_stalled_step_does_not_price_a_choice_out():
     for _ in range(2):  # a real change: two samples show it
         p.measured(PLAIN, 4, 1.8e-3)
     assert p.device(PLAIN, 4) == pytest.approx(1.8e-3)
+
+
+def _steps(p: AdaptivePolicy, clock: Clock, reqs, host: dict[str, float], count: int) -> list:
+    """`count` decisions, each step's launch taking 0.1 ms and the rest of its interval `host[its choice]`."""
+    decisions = []
+    for _ in range(count):
+        d = p.decide(reqs)
+        p.launched_host(d.choice, p.bucket_for(len(reqs)), 0.1e-3)
+        clock.now += 0.1e-3 + host[d.choice]
+        decisions.append(d)
+    return decisions
+
+
+def test_each_choice_is_priced_by_its_own_steady_host_time():
+    """The H100 short-prompt run with the engine in its own process (2026-11-23, concurrency 8): rounds' host work
+    outside launch and resolve (a round's four tokens per request to detokenise, output and send) was ~0.7 ms a
+    step against ~0.1 ms for a plain step, and pooled over the choices it priced plain steps at 1.06 ms against
+    ~0.45 ms real: the engine ran rounds while a plain server was 7-30% faster. A choice's own steady samples (from
+    probe runs, whose later steps are steady) price it once it has OWN_HOST_SAMPLES of them."""
+    clock = Clock()
+    p = policy(plain=0.2e-3, spec=0.5e-3, clock=clock)
+    reqs = [Req() for _ in range(8)]
+    for q in reqs:
+        set_ema(p, q, 2.0)  # 3 tokens per round
+    host = {PLAIN: 0.1e-3, SPECULATIVE: 0.7e-3}
+    first = _steps(p, clock, reqs, host, 3)[-1]  # the third decision prices with the first interval
+    assert first.choice == SPECULATIVE  # the pool holds only rounds' samples: plain steps look as slow as rounds
+    assert first.step_seconds[PLAIN] == pytest.approx(0.7e-3, rel=0.05)
+    decisions = _steps(p, clock, reqs, host, 200)
+    probes = [d for d in decisions if d.reason == "probe"]
+    assert probes and all(d.choice == PLAIN for d in probes[:PROBE_STEPS])
+    assert p.other_host(PLAIN, 8) == pytest.approx(0.1e-3, rel=0.05)
+    assert p.other_host(SPECULATIVE, 8) == pytest.approx(0.7e-3, rel=0.05)
+    assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"  # 8 / 0.2 ms beats 24 / 0.8 ms
+    assert p.snapshot()["own_host_seconds"][PLAIN][8] == pytest.approx(0.1e-3, rel=0.05)
+
+
+def test_rounds_pay_the_draft_work_on_arriving_prompts():
+    """The same run's numbers: rounds of 1.09 ms commit 4.15 tokens per request against 0.45 ms plain steps, but
+    each request that replaces a finished one needs its draft extended over its prompt (~2.7 ms of eager launches
+    on the H100), which a plain engine never does. With 128-token requests at batch 8 that adds 0.7 ms per round:
+    plain steps win. One request alone still gains from rounds, and extends that complete three prompts at once
+    cost each a third."""
+    p = policy(plain=0.45e-3, spec=1.09e-3)
+    reqs = [Req() for _ in range(8)]
+    for q in reqs:
+        set_ema(p, q, 3.15)
+    assert p.decide(reqs).choice == SPECULATIVE  # without arrivals: 33 tokens per 1.09 ms against 8 per 0.45 ms
+    p.caught_up(128, 2.7e-3, 0.0)
+    d = p.decide(reqs, request_tokens=128, new_positions=128)  # the prior: a catch-up over one prompt
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(1.09e-3 + 8 * 4.15 / 128 * 2.7e-3)
+    assert d.choice == PLAIN
+    p.drafted_prompts(3, 2.7e-3, 0.0)  # measured: one extend completed three prompts
+    assert p.prompt_draft_seconds(128) == pytest.approx(0.9e-3)
+    d = p.decide(reqs, request_tokens=128, new_positions=128)
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(1.09e-3 + 8 * 4.15 / 128 * 0.9e-3)
+    assert d.choice == SPECULATIVE
+    assert p.snapshot()["prompt_draft_seconds"] == pytest.approx(0.9e-3)
+    alone = policy(plain=0.45e-3, spec=1.09e-3)
+    set_ema(alone, reqs[0], 3.15)
+    alone.caught_up(128, 2.7e-3, 0.0)
+    assert alone.decide(reqs[:1], request_tokens=128, new_positions=128).choice == SPECULATIVE

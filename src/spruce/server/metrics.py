@@ -254,17 +254,23 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                           "(median of recent steps); a step costs device (+) (launch + resolve + "
                                           "other host)."),
                       ("wall_seconds", "Seconds from a steady step's launch to the next launch (EMA): a floor of "
-                                       "its cost.")):
+                                       "its cost."),
+                      ("own_host_seconds", "Other host seconds of a choice's own steady steps (median of recent "
+                                           "ones): they price it instead of the pooled figure once there are a few.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])
     series("spruce_adaptive_other_host_seconds", "gauge", "Host seconds per decode step outside its launch and "
            "resolve (scheduling, serving), measured online per bucket over both choices (EMA).",
            [(f'bucket="{b}"', v) for b, v in sorted(a.get("other_host_seconds", {}).items())])
+    if a.get("prompt_draft_seconds") is not None:
+        series("spruce_adaptive_prompt_draft_seconds", "gauge", "Seconds of draft work on one new request's prompt "
+               "(eager extends per request they completed, EMA): rounds pay it for the requests that replace "
+               "finished ones.", [("", a["prompt_draft_seconds"])])
     series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
-    series("spruce_adaptive_probes_total", "counter", "Steps run as probes (the candidate the model did not choose, "
-           "re-measured).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_probes_total", "counter", "Probe runs (a few steps in a row of the candidate the model "
+           "did not choose, re-measured).", [("", a.get("probes", 0))])
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])

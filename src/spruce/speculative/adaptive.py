@@ -31,6 +31,7 @@ the argmax; sampled: the draw keyed by (seed, position), DESIGN §9), so adaptiv
 
 from __future__ import annotations
 
+import collections
 import itertools
 import statistics
 import time
@@ -97,6 +98,8 @@ class AdaptiveDecoding(DecodeStrategy):
         self._batch_size = 0  # requests in the last decode step
         self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
         self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
+        self._prefill_extends: collections.deque = collections.deque()  # per prefill in flight, oldest first: its
+        # eager draft extend's (requests completed, start mark, end mark, host seconds), or None
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
@@ -106,6 +109,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.policy is not None:
             self.policy.break_chain()  # the time until the next decode launch is not a decode step's
         self._lazy = self._lazy_chunks(chunks)
+        self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:
             return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
         finally:
@@ -132,7 +136,7 @@ class AdaptiveDecoding(DecodeStrategy):
         """The draft extend over the prefill's eager chunks; each lazy chunk's features [its tokens, F] go to the
         ring at its positions, and its request's draft lags by its length from this launch on."""
         if not self._lazy:
-            self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
+            self._timed_extend(chunks, features, ends, finals, new_tokens)
             return
         dev = self.runner.device
 
@@ -158,9 +162,19 @@ class AdaptiveDecoding(DecodeStrategy):
         sub_finals = [k for k, i in enumerate(eager) if chunks[i].final]
         host = torch.tensor(token_indices(eager), dtype=torch.int64)
         picks = torch.tensor([slot_of_final[eager[k]] for k in sub_finals], dtype=torch.int64)
-        self.worker.extend_draft(sub, features[host.to(dev, non_blocking=True)],
-                                 [n - 1 for n in itertools.accumulate(len(c.tokens) for c in sub)], sub_finals,
-                                 new_tokens[picks.to(dev, non_blocking=True)])
+        self._timed_extend(sub, features[host.to(dev, non_blocking=True)],
+                           [n - 1 for n in itertools.accumulate(len(c.tokens) for c in sub)], sub_finals,
+                           new_tokens[picks.to(dev, non_blocking=True)])
+
+    def _timed_extend(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
+                      new_tokens: torch.Tensor) -> None:
+        """The worker's draft extend over eager chunks, timed for the policy's price of a new request's prompt
+        (AdaptivePolicy.drafted_prompts, fed when the prefill resolves)."""
+        t0 = time.perf_counter()
+        start = self._mark()
+        self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
+        end = self._mark()
+        self._prefill_extends[-1] = (len(finals), start, end, time.perf_counter() - t0 if self.cuda else 0.0)
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
@@ -177,9 +191,11 @@ class AdaptiveDecoding(DecodeStrategy):
             for q in requests:
                 q.draft_lag += 1
             return self.plain
-        self._batch_size = len(requests)
-        tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / len(requests)
-        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left)
+        bs = self._batch_size = len(requests)
+        tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
+        request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
+        new_positions = sum(len(q.prompt_ids) - q.cached_tokens for q in requests) / bs
+        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions)
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         window = self.runner.limits.draft_lag_window
@@ -225,6 +241,14 @@ class AdaptiveDecoding(DecodeStrategy):
                 left = self._lazy_in_flight.pop(q, 0) - 1
                 if left > 0:
                     self._lazy_in_flight[q] = left
+            if not self._prefill_extends:
+                raise InvariantError("a prefill resolved that AdaptiveDecoding.prefill never launched")
+            extend = self._prefill_extends.popleft()  # prefills resolve in launch order
+            if extend is not None:
+                completed, start, end, host_s = extend
+                self.policy.drafted_prompts(completed, self._elapsed(start, end), host_s)
+                if self.cuda:
+                    self._events.extend((start, end))
             return
         if step is self.plain:  # a plain step the last decision stood for
             return

@@ -30,12 +30,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
       request, the acceptance bookkeeping) was charged to the step after it, usually a plain step: rounds looked
       cheaper and plain steps dearer than they are (test_round_resolve_is_charged_to_the_round). Until c has run
       at b it borrows the other candidate's R;
-    - X, everything else between one decode launch and the next (scheduling, the server's work, a GIL held by
-      its event loop): the interval less waits on the device, less E and R. X is pooled over the candidates of a
-      bucket, because it does not depend on the candidate (one output per request per step either way) and it is
-      the noisy part: a candidate that runs rarely (a probe) would otherwise be priced from a few noisy intervals
-      and win or lose by chance (the H100 serving run of 2026-11-23 chose rounds at batch 2 for a host sample
-      3x the plain one). The candidates then differ by what is measured directly and steadily: D, E and R.
+    - X, everything else between one decode launch and the next (scheduling, building outputs, sending them to
+      the server): the interval less waits on the device, less E and R. A candidate is priced by its own X, the
+      median of its last samples from steady steps (the step before had the same choice: under overlap the
+      interval after a switch holds the other choice's result work), once it has OWN_HOST_SAMPLES of them; until
+      then by the bucket's pool over both candidates. A candidate that runs rarely gets steady samples from probe
+      runs (below). Pooled alone, X misprices: with the engine in its own process (H100, 2026-11-23) a round's X
+      was ~0.7 ms at batch 8 (four tokens per request to detokenise, output and send) against ~0.1 ms for a plain
+      step, and the pool, made of rounds' samples, priced plain steps at 2.3x their real cost.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
   - D, E and R are each the median of their last MEDIAN_WINDOW samples (a start-up table's value, or the other
     choice's R, counted as the first), so one stalled step (a garbage collection, say) moves nothing; X and W are
@@ -57,13 +59,19 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   the round's D and H for that batch, shared by the rounds it opens: the batch's mean tokens left per request over
   the expected tokens per round (at least one round). Charged to one round, a lazy prefill's catch-up (128 prompt
   positions: 4 ms against 0.7 ms rounds) kept a batch that gains 2.5x from rounds decoding plainly.
+- A round also pays the draft's work on new prompts: while rounds go on, every request that replaces a finished
+  one needs its draft extended over its prompt (eagerly after its prefill, or by a catch-up), which plain steps
+  never need. Requests finish at (tokens per round) / (tokens per request) per round, so that many prompt
+  extends are added to a round's cost; a prompt extend costs what the eager extends cost per request they
+  completed (EMA), or, before any, a catch-up over one prompt. Prefill steps break the clock, so no other term
+  sees this cost: on the H100 at concurrency 8 it was ~2.7 ms per request against 1.1 ms rounds.
 - While one candidate runs, the other is not measured (acceptance is measured only in rounds; costs only by
-  running): after a run of model choices of one candidate at a bucket, the next step runs the other once
-  ("probe"). The run is `probe_after` long (16 .. 1024: a probe that does not change the model's choice doubles
+  running): after a run of model choices of one candidate at a bucket, the next PROBE_STEPS steps run the other
+  ("probe"; its later steps are steady, so they measure its own X and W). The run is `probe_after` long (16 .. 1024: a probe that does not change the model's choice doubles
   it, a change of the model's choice resets it) and at least long enough that probes cost at most PROBE_BUDGET of
-  the time: a probe costs its step's modelled excess over the chosen step (a probe round with the whole catch-up
-  due; a probe plain step with the one-position catch-up it makes the next round pay), so a probe that costs 25
-  chosen steps comes at most once every 25 / PROBE_BUDGET steps. (On the H100 a catch-up cost 2.3-4.3 ms against
+  the time: a probe run costs its steps' modelled excess over the chosen steps (rounds with the whole catch-up
+  due; plain steps with the catch-up they make the next round pay), so a probe run that costs 25 chosen steps
+  comes at most once every 25 / PROBE_BUDGET steps. (On the H100 a catch-up cost 2.3-4.3 ms against
   0.7 ms rounds, so a plain probe amid rounds cost ~5 rounds; at 16 .. 1024 alone there were 100-140 a pass.)
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
@@ -96,6 +104,8 @@ GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 16, 1024
+PROBE_STEPS = 3  # a probe runs the other candidate this many steps in a row: its 2nd and later are steady
+OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
 REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps
@@ -178,6 +188,7 @@ class _BucketState:
     model_choice: str | None = None
     last: Decision | None = None
     decisions: int = 0  # decide() calls at this bucket
+    probe_left: int = 0  # further steps of the probe run under way
 
 
 @dataclass
@@ -197,6 +208,7 @@ class AdaptivePolicy:
     clock: Callable[[], float] = time.perf_counter
     launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
     other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
+    own_host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # X of steady steps per choice
     wall_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # W: launch to launch, steady steps
     wall_decision: dict[tuple[str, int], int] = field(default_factory=dict)  # its bucket's decision count then
     resolve_seconds: dict[tuple[str, int], float] = field(default_factory=dict)
@@ -207,6 +219,8 @@ class AdaptivePolicy:
     catch_ups: int = 0
     catch_up_positions: int = 0
     retries: int = 0  # requests retried in a round (collapsed: EMA below half the engine-wide acceptance)
+    draft_prompt_seconds: float | None = None  # EMA of the eager draft extends' seconds per prefill launch
+    draft_prompt_requests: float | None = None  # EMA of the requests each of those prefills completed
 
     def __post_init__(self):
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
@@ -224,7 +238,8 @@ class AdaptivePolicy:
         self._reuse_state: _BucketState | None = None  # its bucket's state
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
-        self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}}  # their recent samples
+        self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}, "own_host": {}}  # their
+        # recent samples
 
     # --- the choice ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -276,9 +291,24 @@ class AdaptivePolicy:
 
     def _parts_seconds(self, choice: str, bucket: int) -> float:
         """D (+) (E + R + X): a step's seconds from its parts, without the floor W."""
-        h = (self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket)
-             + self.other_host_seconds.get(bucket, 0.0))
+        h = self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket) + self.other_host(
+            choice, bucket)
         return self._join(self.device(choice, bucket), h)
+
+    def other_host(self, choice: str, bucket: int) -> float:
+        """X(choice, bucket): the median of the choice's own steady samples once it has OWN_HOST_SAMPLES of them,
+        else the bucket's pool (both choices), else 0."""
+        if len(self._windows["own_host"].get((choice, bucket), ())) >= OWN_HOST_SAMPLES:
+            return self.own_host_seconds[(choice, bucket)]
+        return self.other_host_seconds.get(bucket, 0.0)
+
+    def prompt_draft_seconds(self, new_positions: float) -> float:
+        """Seconds the draft spends on one new request's prompt (its extend after the prefill, or the catch-up
+        over it): the eager extends' seconds per request they completed, measured; until then a catch-up over
+        `new_positions` positions, alone."""
+        if self.draft_prompt_seconds is not None and self.draft_prompt_requests:
+            return self.draft_prompt_seconds / self.draft_prompt_requests
+        return self.catch_up_seconds(round(new_positions)) if new_positions > 0 else 0.0
 
     def catch_up_seconds(self, positions: int) -> float:
         """A catch-up over `positions` missing positions: its fitted device (+) host seconds."""
@@ -288,11 +318,14 @@ class AdaptivePolicy:
         """(+): max when host and device overlap, + when one waits for the other."""
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
-    def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0) -> Decision:
+    def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
+               request_tokens: float = 0.0, new_positions: float = 0.0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
         which may each still generate `tokens_left` tokens on average (also marks the step's launch for the host
         clock). A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for
-        (at least one)."""
+        (at least one). With `request_tokens` (the tokens a request generates in all, on average), rounds also
+        pay the draft's work on the prompts of the requests that replace finished ones (`_arrival_seconds`;
+        `new_positions`: a new request's uncached prompt positions, for the prior)."""
         bs = len(requests)
         bucket = self.bucket_for(bs)
         lags = lags if lags is not None else [0] * bs
@@ -303,18 +336,23 @@ class AdaptivePolicy:
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: self.step_seconds(c, bucket, catch_up_positions, rounds) for c in CHOICES},
                      catch_up_positions)
+        d.step_seconds[SPECULATIVE] += self._arrival_seconds(bs * spec_tokens, request_tokens, new_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + SPECULATION_MARGIN) * d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
         st = self._state[bucket]
         st.decisions += 1
         if d.choice != st.model_choice:
-            st.model_choice, st.streak, st.probe_after = d.choice, 0, PROBE_FIRST
-        st.streak += 1
+            st.model_choice, st.streak, st.probe_after, st.probe_left = d.choice, 0, PROBE_FIRST, 0
         budget_steps = self._budget_steps(d, catch_up_positions)
-        if st.streak > max(st.probe_after, budget_steps):
+        if st.probe_left > 0:  # the probe run under way goes on
+            st.probe_left -= 1
             d.choice, d.reason = _other(d.choice), "probe"
-            st.streak, st.probe_after = 0, min(2 * st.probe_after, PROBE_MAX)
-            self.probes += 1
+        else:
+            st.streak += 1
+            if st.streak > max(st.probe_after, budget_steps):
+                d.choice, d.reason = _other(d.choice), "probe"
+                st.streak, st.probe_after, st.probe_left = 0, min(2 * st.probe_after, PROBE_MAX), PROBE_STEPS - 1
+                self.probes += 1
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket)
@@ -327,6 +365,17 @@ class AdaptivePolicy:
                 self._mark_retries(owns, lags)
         self._tables = None
         return d
+
+    def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
+        """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that
+        replaces a finished one needs its draft extended over its prompt (eagerly after its prefill, or by a
+        catch-up), work a plain engine never does. A round commits `round_tokens`, so requests finish (and others
+        arrive) at round_tokens / request_tokens per round. On the H100 (pycode-19m, 128-token outputs) a draft
+        extend cost ~2.7 ms of eager launches against 1.1 ms rounds at batch 8: rounds looked 1.8x faster than
+        plain steps while a server running only rounds was 7-30% slower than a plain one."""
+        if request_tokens <= 0:
+            return 0.0
+        return round_tokens / request_tokens * self.prompt_draft_seconds(new_positions)
 
     def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> int:
         """Further plain steps (after this one) before the first collapsed one of the batch's requests (their
@@ -345,18 +394,20 @@ class AdaptivePolicy:
                 self.retries += 1
 
     def _budget_steps(self, d: Decision, catch_up_positions: int) -> int:
-        """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe's
-        excess over the chosen step (the step it replaces), in chosen steps, over the budget. A probe round pays
-        the whole catch-up due now (it opens no run of rounds); a probe plain step makes the next round catch up
-        one position per request first."""
+        """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe run's
+        excess over the chosen steps it replaces (PROBE_STEPS of them), in chosen steps, over the budget. A probe
+        run of rounds pays the whole catch-up due now in its first round; a probe run of plain steps makes the
+        next round catch up PROBE_STEPS positions per request first."""
         chosen = d.step_seconds[d.choice]
         if chosen <= 0:
             return 0
-        if d.choice == PLAIN:
-            probe = self.step_seconds(SPECULATIVE, d.bucket, catch_up_positions)
-        else:
-            probe = d.step_seconds[PLAIN] + self.catch_up_seconds(d.batch_size)
-        return math.ceil(max(probe - chosen, 0.0) / (PROBE_BUDGET * chosen) - 1e-9)
+        if d.choice == PLAIN:  # its first round catches the whole lag up
+            excess = (PROBE_STEPS * (self.step_seconds(SPECULATIVE, d.bucket) - chosen)
+                      + self.catch_up_seconds(catch_up_positions))
+        else:  # the round after it catches up PROBE_STEPS positions per request
+            excess = (PROBE_STEPS * (d.step_seconds[PLAIN] - chosen)
+                      + self.catch_up_seconds(PROBE_STEPS * d.batch_size))
+        return math.ceil(max(excess, 0.0) / (PROBE_BUDGET * chosen) - 1e-9)
 
     def repeat(self) -> bool:
         """The next step runs over the same batch as the last decision (the caller checks that): True when that
@@ -390,7 +441,10 @@ class AdaptivePolicy:
         sample of its bucket's X; whole, when its step was steady (the step before it had the same choice, so the
         interval holds one step of that choice and nothing of a switch), one sample of W for its choice."""
         t0, choice, bucket, steady = self._last_launch
-        self._add_host_sample(bucket, max(now - t0 - self._not_host, 0.0))
+        host = max(now - t0 - self._not_host, 0.0)
+        self._add_host_sample(bucket, host)
+        if steady:  # the interval holds this choice's own work, not the previous step's of the other choice
+            _median(self.own_host_seconds, self._windows["own_host"], (choice, bucket), host, None)
         if steady and now - t0 <= OUTLIER_FACTOR * self._parts_seconds(choice, bucket):  # else a stall
             _ema(self.wall_seconds, self._counts["wall"], (choice, bucket), now - t0, OUTLIER_FACTOR)
             self.wall_decision[(choice, bucket)] = self._state[bucket].decisions
@@ -439,6 +493,15 @@ class AdaptivePolicy:
         self.catch_up_host.add(positions, host_seconds)
         self._tables = None
 
+    def drafted_prompts(self, requests: int, device_seconds: float, host_seconds: float) -> None:
+        """A prefill's eager draft extend took `device_seconds` on the device and `host_seconds` to launch, and
+        completed the prompts of `requests` requests (0 for a chunk of a longer prompt)."""
+        seconds = self._join(device_seconds, host_seconds)
+        for name, value in (("draft_prompt_seconds", seconds), ("draft_prompt_requests", float(requests))):
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else old + COST_ALPHA * (value - old))
+        self._tables = None
+
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens. A retry's round (see the module
         docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
@@ -479,6 +542,10 @@ class AdaptivePolicy:
             "launch_seconds": per_choice(self.launch),
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
+            "own_host_seconds": per_choice(lambda c, b: self.own_host_seconds.get((c, b))),
+            "prompt_draft_seconds": (self.draft_prompt_seconds / self.draft_prompt_requests
+                                     if self.draft_prompt_seconds is not None and self.draft_prompt_requests
+                                     else None),
             "wall_seconds": per_choice(lambda c, b: self.wall_seconds.get((c, b))),
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
