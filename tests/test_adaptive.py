@@ -378,6 +378,7 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     a = stats["adaptive"]
     if expected == SPECULATIVE:  # rounds preferred: prefills extend the draft eagerly, and price new prompts
         assert f'spruce_adaptive_prompt_draft_seconds {a["prompt_draft_seconds"]!r}' in text
+    assert f'spruce_adaptive_epochs_total {a["epochs"]}' in text
     own = [(c, b) for c, per in a["own_host_seconds"].items() for b in per]
     assert own and all(f'spruce_adaptive_own_host_seconds{{bucket="{b}",choice="{c}"}}' in text for c, b in own)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from spruce.speculative.adaptive_policy import (PLAIN, PROBE_BUDGET, PROBE_FIRST, PROBE_STEPS, RETRY_FIRST, RETRY_MAX,
+from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
+from spruce.speculative.adaptive_policy import (CHOICES, PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
                                                  REUSE_STEPS, SPECULATION_MARGIN,
                                                  SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
@@ -127,30 +128,29 @@ def test_prefill_breaks_the_clock_and_idle_gaps_are_ignored():
 
 
 def test_plain_runs_are_probed_with_backoff():
-    """After PROBE_FIRST plain choices a run of PROBE_STEPS rounds re-measures (its later rounds are steady: their
-    whole intervals and host time are the candidate's own); a probe that changes nothing doubles the wait. (A round
-    costs 1.1 plain steps here: the probe budget asks for fewer steps between probes than PROBE_FIRST.)"""
+    """After an epoch of plain steps (EPOCH_MIN steps when the request length is unknown) a whole epoch of rounds
+    re-measures (a probe); a probe that changes nothing doubles the wait, counted in epochs."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
-    second = PROBE_FIRST + PROBE_STEPS + 2 * PROBE_FIRST  # the second run: after 2 * PROBE_FIRST model choices
-    choices = [p.decide(reqs) for _ in range(second + PROBE_STEPS + 1)]
+    choices = [p.decide(reqs) for _ in range(6 * EPOCH_MIN)]
     probes = [i for i, d in enumerate(choices) if d.choice == SPECULATIVE]
-    assert probes == [*range(PROBE_FIRST, PROBE_FIRST + PROBE_STEPS), *range(second, second + PROBE_STEPS)]
+    assert probes == [*range(EPOCH_MIN, 2 * EPOCH_MIN), *range(4 * EPOCH_MIN, 5 * EPOCH_MIN)]
     assert all(choices[i].reason == "probe" for i in probes)
-    assert p.probes == 2 and p.chosen == {PLAIN: len(choices) - 2 * PROBE_STEPS, SPECULATIVE: 2 * PROBE_STEPS}
+    assert p.probes == 2 and p.chosen == {PLAIN: 4 * EPOCH_MIN, SPECULATIVE: 2 * EPOCH_MIN}
     settle(p, reqs, 4)  # acceptance recovered: the model speculates again and the probe interval resets
-    assert p.decide(reqs).choice == SPECULATIVE
+    assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
 
 
 def test_speculative_runs_probe_a_plain_step_too():
-    """A plain step's cost is re-measured during a run of rounds, with the same backoff."""
+    """A plain step's cost is re-measured during a run of rounds, by an epoch of plain steps, with the same
+    backoff; an epoch lasts about one request's life (`request_tokens` over the choice's tokens per step)."""
     p = policy()
     reqs = [Req()]
-    settle(p, reqs, 4)
-    choices = [p.decide(reqs) for _ in range(PROBE_FIRST + PROBE_STEPS + 1)]
-    assert [i for i, d in enumerate(choices) if d.choice == PLAIN] == list(range(PROBE_FIRST, PROBE_FIRST + PROBE_STEPS))
-    assert choices[PROBE_FIRST].reason == "probe" and p.probes == 1
+    settle(p, reqs, 4)  # 5 tokens per round
+    choices = [p.decide(reqs, request_tokens=100) for _ in range(20 + 100 + 1)]
+    assert [i for i, d in enumerate(choices) if d.choice == PLAIN] == list(range(20, 120))  # 100/5, then 100/1
+    assert choices[20].reason == "probe" and p.probes == 1 and choices[120].choice == SPECULATIVE
 
 
 def test_start_up_table_that_underestimates_rounds_is_corrected_online():
@@ -227,22 +227,23 @@ def test_incomplete_cost_table_is_refused():
 
 def test_a_plain_choice_stands_for_the_same_batch_until_something_changes():
     """`repeat` (the plain fast path): after a model choice of plain, up to REUSE_STEPS steps reuse it, counted as
-    plain steps; a round's new acceptance, a due probe, or the reuse budget ends it; a probe is never skipped."""
+    plain steps of the epoch; a round's new acceptance, the epoch's end (a probe may be due) or the reuse budget
+    ends it; a probe is never skipped."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
     assert p.repeat() is False  # nothing decided yet
     assert p.decide(reqs).choice == PLAIN
-    assert all(p.repeat() for _ in range(PROBE_FIRST - 1)) and p.repeat() is False  # the probe is due next
-    for _ in range(PROBE_STEPS):
+    assert all(p.repeat() for _ in range(EPOCH_MIN - 1)) and p.repeat() is False  # the epoch is complete
+    for _ in range(EPOCH_MIN):  # the probe epoch
         d = p.decide(reqs)
         assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat() is False
     assert p.decide(reqs).choice == PLAIN and p.repeat()
     p.accepted(reqs[0], 0)  # a round's result: decide afresh
     assert p.repeat() is False
-    assert p.chosen == {PLAIN: PROBE_FIRST + 2, SPECULATIVE: PROBE_STEPS} and p.probes == 1
+    assert p.chosen == {PLAIN: EPOCH_MIN + 2, SPECULATIVE: EPOCH_MIN} and p.probes == 1
     assert p.decide(reqs).choice == PLAIN
-    left = 2 * PROBE_FIRST - 3  # model choices until the next probe (its interval doubled; 3 made since it)
+    left = EPOCH_MIN - 3  # steps left in this epoch (3 made in it)
     assert sum(p.repeat() for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
 
 
@@ -276,9 +277,11 @@ def test_round_resolve_is_charged_to_the_round():
     assert p.launch(PLAIN, 4) == pytest.approx(0.3e-3) and p.launch(SPECULATIVE, 4) == pytest.approx(1e-3)
     assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
     assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
+    p.epochs = EpochClock()  # no realized figure (the forced choices ran under other names): the parts price
     for q in reqs:
         set_ema(p, q, 0.19)
     assert p.decide(reqs).choice == PLAIN
+    p.epochs = EpochClock()
     p.resolve_seconds.clear()  # the interval alone (before): launches and resolves in the pooled rest
     p.launch_seconds.clear()
     p.other_host_seconds[4] = 1e-3 + 0.5e-3 + plan
@@ -317,16 +320,23 @@ def test_a_noisy_host_interval_moves_both_candidates_alike():
 
 
 def test_probes_stay_within_their_budget():
-    """A probe round that costs 25 plain steps (its catch-up, say) comes at most once per 25 / PROBE_BUDGET plain
-    steps, however often the backoff alone would probe: at most PROBE_BUDGET of the time goes to probing."""
-    p = policy(plain=1e-3, spec=26e-3)
+    """Once both choices have realized figures, a probe epoch of rounds that cost 25x a plain step per token comes
+    at most once per 24 / PROBE_BUDGET epochs of plain steps, however often the backoff alone would probe: at
+    most PROBE_BUDGET of the time goes to probing."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=26e-3, clock=clock)
     reqs = [Req()]
     settle(p, reqs, 0)
-    steps = 5000
-    choices = [p.decide(reqs).choice for _ in range(steps)]
-    probes = choices.count(SPECULATIVE)
-    assert 1 <= probes <= steps * PROBE_BUDGET / 25 + 1
-    assert choices.index(SPECULATIVE) >= 25 / PROBE_BUDGET
+    choices = []
+    for _ in range(40 * EPOCH_MIN + 3000 * EPOCH_MIN // 100):
+        d = p.decide(reqs)
+        clock.now += 1e-3 if d.choice == PLAIN else 26e-3
+        choices.append(d.choice)
+    first = choices.index(SPECULATIVE)  # the first probe measures rounds (no budget yet)
+    later = [i for i, c in enumerate(choices) if c == SPECULATIVE and i >= first + EPOCH_MIN]
+    assert first == EPOCH_MIN and p.epochs.seconds(SPECULATIVE, 1) == pytest.approx(26e-3)
+    epochs_between = 25 / PROBE_BUDGET - 1  # (ratio - 1) / budget epochs of plain steps
+    assert not later or later[0] >= 2 * EPOCH_MIN + epochs_between * EPOCH_MIN
 
 
 def test_rounds_must_win_by_the_margin():
@@ -389,34 +399,41 @@ def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
 
 def test_a_wall_floor_not_re_measured_lapses():
     """W is measured only while its choice runs: a plain step's floor measured while the server was loaded (1.5 ms
-    against 0.4 ms now) would keep plain steps priced out for good. Not re-measured in WALL_TTL decisions at its
-    bucket, it lapses, and the parts price the step again."""
+    against 0.4 ms now) would keep plain steps priced out until a probe epoch re-measured it. Not re-measured in
+    WALL_TTL decisions at its bucket, it lapses, and the parts price the step again."""
     p = policy(plain=0.4e-3, spec=0.8e-3)
     q = Req()
     set_ema(p, q, 0.5)  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
     p.wall_seconds[(PLAIN, 1)] = 1.5e-3
     p.wall_decision[(PLAIN, 1)] = 0
-    decisions = [p.decide([q]) for _ in range(WALL_TTL + 1)]  # the first decision above was number 1
-    model = [d.choice for d in decisions if d.reason == "model"]
-    assert model[-2:] == [SPECULATIVE, PLAIN] and model.count(PLAIN) == 1  # plain again once W lapsed
+    p._state[1].decisions = WALL_TTL - 1
+    d = p.decide([q])
+    assert d.choice == SPECULATIVE and d.step_seconds[PLAIN] == pytest.approx(1.5e-3)
+    d = p.decide([q])  # WALL_TTL decisions since W was measured: the floor lapsed
+    assert d.step_seconds[PLAIN] == pytest.approx(0.4e-3) and d.choice == PLAIN
 
 
-def test_a_plain_probe_amid_rounds_is_charged_the_catch_up_it_causes():
-    """Amid rounds, a probe plain step makes the next round catch its draft up first (one position per request):
-    on the H100 a catch-up took ~3.5 ms against 0.7 ms rounds, so each such probe cost ~5 rounds, and the backoff
-    alone (16 .. 1024) probed 100-140 times a pass at concurrency 1. Charged its catch-up, a plain probe comes at
-    most once per (its excess) / PROBE_BUDGET rounds."""
-    p = policy(plain=0.3e-3, spec=0.7e-3)
+def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
+    """Amid rounds, a probe epoch of plain steps makes the next round catch its draft up (one position per plain
+    step): on the H100 a catch-up took ~3.5 ms against 0.7 ms rounds. That catch-up lands in the next epoch of
+    rounds, and the low median of three epochs keeps it out of what rounds are worth (it is the probe's cost, not
+    theirs). Once both choices are measured, probes are spaced by the realized ratio: rounds commit 4.35 tokens per
+    0.7 ms against 1 per 0.3 ms, 1.86x, so a probe epoch comes at most once per 0.86 / PROBE_BUDGET = 43 epochs."""
+    clock = Clock()
+    p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
     q = Req()
     p.accepted(q, 3.35)
-    for n in (1, 64):
-        p.caught_up(n, 3.5e-3, 0.0)  # fixed cost: the same at 1 and 64 positions
-    decisions = [p.decide([q]) for _ in range(1500)]
-    runs = [i for i, d in enumerate(decisions) if d.reason == "probe"][::PROBE_STEPS]
+    catch_up_due, decisions = False, []
+    for _ in range(40 * EPOCH_MIN):
+        d = p.decide([q])
+        clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
+        catch_up_due = d.choice == PLAIN
+        decisions.append(d)
+    assert p.epochs.seconds(SPECULATIVE, 1) == pytest.approx(0.7e-3)
+    assert p.epochs.seconds(PLAIN, 1) == pytest.approx(0.3e-3)
+    probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
+    assert probes == list(range(EPOCH_MIN, 2 * EPOCH_MIN))  # the first measures plain steps; the next is 43 away
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
-    # a run of PROBE_STEPS plain steps (0.4 ms cheaper each), then a 3.5 ms catch-up: ~164 rounds per run
-    spacing = (PROBE_STEPS * (0.3e-3 - 0.7e-3) + 3.5e-3) / (PROBE_BUDGET * 0.7e-3)
-    assert 1 <= len(runs) <= 1500 / spacing + 1 and runs[0] >= spacing
 
 
 def test_a_collapsed_request_is_retried_with_backoff():
@@ -525,7 +542,7 @@ def test_each_choice_is_priced_by_its_own_steady_host_time():
     assert first.step_seconds[PLAIN] == pytest.approx(0.7e-3, rel=0.05)
     decisions = _steps(p, clock, reqs, host, 200)
     probes = [d for d in decisions if d.reason == "probe"]
-    assert probes and all(d.choice == PLAIN for d in probes[:PROBE_STEPS])
+    assert probes and all(d.choice == PLAIN for d in probes[:EPOCH_MIN])
     assert p.other_host(PLAIN, 8) == pytest.approx(0.1e-3, rel=0.05)
     assert p.other_host(SPECULATIVE, 8) == pytest.approx(0.7e-3, rel=0.05)
     assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"  # 8 / 0.2 ms beats 24 / 0.8 ms
@@ -557,3 +574,44 @@ def test_rounds_pay_the_draft_work_on_arriving_prompts():
     set_ema(alone, reqs[0], 3.15)
     alone.caught_up(128, 2.7e-3, 0.0)
     assert alone.decide(reqs[:1], request_tokens=128, new_positions=128).choice == SPECULATIVE
+
+
+def test_realized_seconds_price_what_the_parts_miss():
+    """The H100 short-prompt run with the engine in its own process (2026-11-23, concurrency 8): the parts put a
+    round at 0.86 ms for 33 tokens against 0.77 ms plain steps (rounds 3.8x better), and the engine ran rounds,
+    while a plain server committed 14.7k tokens/s against ~10k for rounds. Each arrival's prefill took ~7.7 ms
+    of eager launches behind a broken per-step clock. Epochs measure it: rounds with a prefill every 4th round
+    cost 0.86 + 7.7 / 4 ms per round, plain steps with 8 prompts prefilled together every 128 steps 0.5 + 13 / 128
+    ms: after one epoch of each (the first probe needs no budget), plain steps win."""
+    clock = Clock()
+    p = policy(plain=0.77e-3, spec=0.86e-3, clock=clock)
+    reqs = [Req() for _ in range(8)]
+    for q in reqs:
+        set_ema(p, q, 3.15)
+    steps = {PLAIN: 0, SPECULATIVE: 0}
+    decisions = []
+    for _ in range(400):
+        d = p.decide(reqs, request_tokens=128)
+        steps[d.choice] += 1
+        clock.now += 0.86e-3 if d.choice == SPECULATIVE else 0.5e-3
+        if d.choice == SPECULATIVE and steps[d.choice] % 4 == 0:
+            p.break_chain()  # a prefill
+            clock.now += 7.7e-3
+        elif d.choice == PLAIN and steps[d.choice] % 128 == 0:
+            p.break_chain()
+            clock.now += 13e-3
+        decisions.append(d)
+    assert decisions[0].choice == SPECULATIVE  # the parts' choice, until measured
+    realized = p.snapshot()["realized_step_seconds"]
+    assert realized[SPECULATIVE][8] == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills per epoch
+    assert realized[PLAIN][8] == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
+    assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"
+    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(realized[SPECULATIVE][8])
+    from spruce.server.metrics import Metrics  # /metrics shows the realized figures
+
+    metrics = Metrics(5)
+    metrics.on_engine_stats({"adaptive": p.snapshot()})
+    text = metrics.render()
+    for choice in CHOICES:
+        assert f'spruce_adaptive_realized_step_seconds{{bucket="8",choice="{choice}"}}' in text
+    assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text

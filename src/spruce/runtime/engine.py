@@ -269,6 +269,7 @@ class Engine:
         sched.admit()
         planned = sched.next_step()
         if planned is None:
+            self.strategy.idle()
             return None, previous
         kind, reqs = planned
         if kind == "prefill":

@@ -256,7 +256,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                       ("wall_seconds", "Seconds from a steady step's launch to the next launch (EMA): a floor of "
                                        "its cost."),
                       ("own_host_seconds", "Other host seconds of a choice's own steady steps (median of recent "
-                                           "ones): they price it instead of the pooled figure once there are a few.")):
+                                           "ones): they price it instead of the pooled figure once there are a few."),
+                      ("realized_step_seconds", "Busy wall seconds per decode step over epochs of a choice (about "
+                                                "one request's life each; prefills and catch-ups included; low "
+                                                "median of the last three): once measured, the step's price.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])
@@ -269,8 +272,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                "finished ones.", [("", a["prompt_draft_seconds"])])
     series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
-    series("spruce_adaptive_probes_total", "counter", "Probe runs (a few steps in a row of the candidate the model "
-           "did not choose, re-measured).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_probes_total", "counter", "Probe epochs (the candidate the model did not choose, run "
+           "for an epoch to re-measure it).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_epochs_total", "counter", "Epochs measured (runs of decode steps of one choice at one "
+           "bucket).", [("", a.get("epochs", 0))])
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])

@@ -266,6 +266,10 @@ class AdaptiveDecoding(DecodeStrategy):
                 if not q.finished:
                     self.policy.accepted(q, row[0])
 
+    def idle(self) -> None:
+        if self.policy is not None:
+            self.policy.idle()
+
     def capture_graphs(self, show_progress: bool) -> None:
         self.worker.capture_graphs(show_progress)
         self.plain.capture_graphs(show_progress)

@@ -18,7 +18,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   so a request whose text truly defeats the draft pays a catch-up ever more rarely; a retry that accepts resets
   its EMA to that round's count (the text moved on) and its backoff. A lower REQUEST_ALPHA makes a collapse take
   several rejected rounds in a row.
-- t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
+- t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
+  measured: busy wall seconds per step over epochs of c at b (runs of about one request's life), prefills,
+  catch-ups and everything between steps included (speculative/epoch_clock.py). The parts below, which the
+  policy times per step, price c until then. They miss what lies between decode steps: on the H100 with the
+  engine in its own process (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while
+  a plain server was 1.3-1.5x faster than one running only rounds, whose arrivals each took a ~7.7 ms prefill.
+- Until then, t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
     (speculative/adaptive.py, padding rows) stands in.
@@ -35,7 +41,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
       median of its last samples from steady steps (the step before had the same choice: under overlap the
       interval after a switch holds the other choice's result work), once it has OWN_HOST_SAMPLES of them; until
       then by the bucket's pool over both candidates. A candidate that runs rarely gets steady samples from probe
-      runs (below). Pooled alone, X misprices: with the engine in its own process (H100, 2026-11-23) a round's X
+      epochs (below). Pooled alone, X misprices: with the engine in its own process (H100, 2026-11-23) a round's X
       was ~0.7 ms at batch 8 (four tokens per request to detokenise, output and send) against ~0.1 ms for a plain
       step, and the pool, made of rounds' samples, priced plain steps at 2.3x their real cost.
   - (+) is max when the host and the device overlap (CUDA with overlap scheduling), + otherwise.
@@ -66,13 +72,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   completed (EMA), or, before any, a catch-up over one prompt. Prefill steps break the clock, so no other term
   sees this cost: on the H100 at concurrency 8 it was ~2.7 ms per request against 1.1 ms rounds.
 - While one candidate runs, the other is not measured (acceptance is measured only in rounds; costs only by
-  running): after a run of model choices of one candidate at a bucket, the next PROBE_STEPS steps run the other
-  ("probe"; its later steps are steady, so they measure its own X and W). The run is `probe_after` long (16 .. 1024: a probe that does not change the model's choice doubles
-  it, a change of the model's choice resets it) and at least long enough that probes cost at most PROBE_BUDGET of
-  the time: a probe run costs its steps' modelled excess over the chosen steps (rounds with the whole catch-up
-  due; plain steps with the catch-up they make the next round pay), so a probe run that costs 25 chosen steps
-  comes at most once every 25 / PROBE_BUDGET steps. (On the H100 a catch-up cost 2.3-4.3 ms against
-  0.7 ms rounds, so a plain probe amid rounds cost ~5 rounds; at 16 .. 1024 alone there were 100-140 a pass.)
+  running): when an epoch of the model's choice at a bucket completes and `probe_after` such epochs have since the
+  last probe, the next epoch runs the other candidate ("probe"). `probe_after` is 1 .. 64 epochs (a probe that
+  leaves the model's choice as it was doubles it, a change of the model's choice resets it); once the other
+  candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
+  epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. The
+  catch-up a probe epoch of plain steps leaves to the next round lands in that round's epoch, which the low median
+  over three epochs keeps out of the rounds' figure (it is the probe's cost).
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
@@ -80,8 +86,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   1.9x plain's time per token. A margin costs at most that fraction where rounds truly win by less.
 - A model choice of plain stands for up to `REUSE_STEPS` further steps over the same batch (`repeat`): those
   steps skip the evaluation and the timing, so an adaptive engine that decodes plainly costs the host what a
-  plain engine does. Only the steps that decide are timed (host interval, resolve, device events). Rounds, probes,
-  a changed batch, a round's new acceptance and a probe due all decide afresh.
+  plain engine does. Only the steps that decide are timed (host interval, resolve, device events); every step
+  counts in its epoch. Rounds, probes, a changed batch, a round's new acceptance and an epoch's end decide afresh.
 
 Pure Python and torch-free: the unit tests feed it numbers.
 """
@@ -96,6 +102,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+from spruce.speculative.epoch_clock import EpochClock
+
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
@@ -103,8 +111,7 @@ RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request 
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
-PROBE_FIRST, PROBE_MAX = 16, 1024
-PROBE_STEPS = 3  # a probe runs the other candidate this many steps in a row: its 2nd and later are steady
+PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
 REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
@@ -183,12 +190,12 @@ class _RequestAcceptance:
 
 @dataclass
 class _BucketState:
-    probe_after: int = PROBE_FIRST
-    streak: int = 0  # consecutive model choices of `model_choice`
+    probe_after: int = PROBE_FIRST  # epochs
+    epochs_since_probe: int = 0  # epochs of `model_choice` completed since the last probe epoch
+    probing: bool = False  # steps run the other choice until its epoch is complete
     model_choice: str | None = None
     last: Decision | None = None
     decisions: int = 0  # decide() calls at this bucket
-    probe_left: int = 0  # further steps of the probe run under way
 
 
 @dataclass
@@ -235,7 +242,7 @@ class AdaptivePolicy:
         self.catch_up_device = LinearCost()
         self.catch_up_host = LinearCost()
         self._reuse_left = 0  # further steps the last decision (a model choice of plain) stands for
-        self._reuse_state: _BucketState | None = None  # its bucket's state
+        self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
         self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}, "own_host": {}}  # their
@@ -321,11 +328,12 @@ class AdaptivePolicy:
     def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
                request_tokens: float = 0.0, new_positions: float = 0.0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
-        which may each still generate `tokens_left` tokens on average (also marks the step's launch for the host
-        clock). A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for
-        (at least one). With `request_tokens` (the tokens a request generates in all, on average), rounds also
-        pay the draft's work on the prompts of the requests that replace finished ones (`_arrival_seconds`;
-        `new_positions`: a new request's uncached prompt positions, for the prior)."""
+        which may each still generate `tokens_left` tokens on average, of `request_tokens` in all (0: unknown);
+        `new_positions`: a new request's uncached prompt positions. Also marks the step's launch for the clocks.
+        A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for (at
+        least one)."""
+        now = self.clock()
+        self.epochs.event(now)
         bs = len(requests)
         bucket = self.bucket_for(bs)
         lags = lags if lags is not None else [0] * bs
@@ -334,37 +342,68 @@ class AdaptivePolicy:
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self.step_seconds(c, bucket, catch_up_positions, rounds) for c in CHOICES},
+                     {c: self._priced(c, bucket, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                                      new_positions) for c in CHOICES},
                      catch_up_positions)
-        d.step_seconds[SPECULATIVE] += self._arrival_seconds(bs * spec_tokens, request_tokens, new_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + SPECULATION_MARGIN) * d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
         st = self._state[bucket]
         st.decisions += 1
         if d.choice != st.model_choice:
-            st.model_choice, st.streak, st.probe_after, st.probe_left = d.choice, 0, PROBE_FIRST, 0
-        budget_steps = self._budget_steps(d, catch_up_positions)
-        if st.probe_left > 0:  # the probe run under way goes on
-            st.probe_left -= 1
+            st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
+        if self._explore(st, d) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
-        else:
-            st.streak += 1
-            if st.streak > max(st.probe_after, budget_steps):
-                d.choice, d.reason = _other(d.choice), "probe"
-                st.streak, st.probe_after, st.probe_left = 0, min(2 * st.probe_after, PROBE_MAX), PROBE_STEPS - 1
-                self.probes += 1
+        tokens_per_step = d.tokens_per_step[d.choice]
+        self.epochs.step(d.choice, bucket, math.ceil(request_tokens / tokens_per_step))
         st.last = d
         self.chosen[d.choice] += 1
-        self._launched(d.choice, bucket)
+        self._launched(d.choice, bucket, now)
         if d.choice == PLAIN and d.reason == "model":
-            due = max(st.probe_after, budget_steps)
-            self._reuse_left, self._reuse_state = min(REUSE_STEPS, due - st.streak, self._retry_in(owns, lags)), st
+            epoch = self.epochs.current
+            self._reuse_left = min(REUSE_STEPS, epoch.target - epoch.steps, self._retry_in(owns, lags))
         else:
             self._reuse_left = 0
             if d.choice == SPECULATIVE:
                 self._mark_retries(owns, lags)
         self._tables = None
         return d
+
+    def _priced(self, choice: str, bucket: int, catch_up_positions: int, rounds: float, round_tokens: float,
+                request_tokens: float, new_positions: float) -> float:
+        """t(choice, bucket): its realized seconds per step (EpochClock), else its parts (`step_seconds`, a round
+        with its share of the draft's work on arriving prompts); a round over lagging drafts adds its share of
+        the catch-up."""
+        t = self.epochs.seconds(choice, bucket)
+        if t is None:
+            t = self.step_seconds(choice, bucket)
+            if choice == SPECULATIVE:
+                t += self._arrival_seconds(round_tokens, request_tokens, new_positions)
+        if choice == SPECULATIVE and catch_up_positions:
+            t += self.catch_up_seconds(catch_up_positions) / rounds
+        return t
+
+    def _explore(self, st: _BucketState, d: Decision) -> str:
+        """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
+        when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
+        (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
+        the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time (a
+        probe epoch costs its tokens at the other choice's price: (ratio - 1) epochs of the model's choice)."""
+        model, other = st.model_choice, _other(st.model_choice)
+        cur = self.epochs.current
+        done = cur is not None and cur.bucket == d.bucket and cur.full
+        if st.probing:
+            if done and cur.choice == other:  # the probe epoch is measured
+                st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
+        elif done and cur.choice == model:
+            st.epochs_since_probe += 1
+            spacing = st.probe_after
+            if self.epochs.seconds(other, d.bucket) is not None:
+                ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
+                spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
+            if st.epochs_since_probe >= spacing:
+                st.probing, st.epochs_since_probe = True, 0
+                self.probes += 1
+        return other if st.probing else model
 
     def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that
@@ -393,43 +432,28 @@ class AdaptivePolicy:
                 own.retrying = True
                 self.retries += 1
 
-    def _budget_steps(self, d: Decision, catch_up_positions: int) -> int:
-        """The fewest model choices between probes that keeps probes within PROBE_BUDGET of the time: a probe run's
-        excess over the chosen steps it replaces (PROBE_STEPS of them), in chosen steps, over the budget. A probe
-        run of rounds pays the whole catch-up due now in its first round; a probe run of plain steps makes the
-        next round catch up PROBE_STEPS positions per request first."""
-        chosen = d.step_seconds[d.choice]
-        if chosen <= 0:
-            return 0
-        if d.choice == PLAIN:  # its first round catches the whole lag up
-            excess = (PROBE_STEPS * (self.step_seconds(SPECULATIVE, d.bucket) - chosen)
-                      + self.catch_up_seconds(catch_up_positions))
-        else:  # the round after it catches up PROBE_STEPS positions per request
-            excess = (PROBE_STEPS * (d.step_seconds[PLAIN] - chosen)
-                      + self.catch_up_seconds(PROBE_STEPS * d.batch_size))
-        return math.ceil(max(excess, 0.0) / (PROBE_BUDGET * chosen) - 1e-9)
-
     def repeat(self) -> bool:
         """The next step runs over the same batch as the last decision (the caller checks that): True when that
         decision, a model choice of plain, stands for it (counted as a plain step, not timed); False when the step
-        must be decided (`decide`): a round or a probe ran, the batch's acceptance changed, a probe is due, or
-        REUSE_STEPS steps have passed."""
+        must be decided (`decide`): a round or a probe ran, the batch's acceptance changed, the epoch is complete
+        (a probe may be due), or REUSE_STEPS steps have passed."""
         if self._reuse_left <= 0:
             return False
         self._reuse_left -= 1
-        self._reuse_state.streak += 1
+        now = self.clock()
+        self.epochs.event(now)
+        self.epochs.current.steps += 1
         self.chosen[PLAIN] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
-            self._close_interval(self.clock())
+            self._close_interval(now)
             self._last_launch = None
             self._previous_choice = PLAIN
         return True
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
-    def _launched(self, choice: str, bucket: int) -> None:
-        """A decode step is being launched: closes the interval the previous decode launch opened (if no prefill
-        came between) and opens this one's."""
-        now = self.clock()
+    def _launched(self, choice: str, bucket: int, now: float) -> None:
+        """A decode step is being launched at `now`: closes the interval the previous decode launch opened (if no
+        prefill came between) and opens this one's."""
         if self._last_launch is not None:
             self._close_interval(now)
         self._last_launch = (now, choice, bucket, self._previous_choice == choice)
@@ -454,7 +478,15 @@ class AdaptivePolicy:
         self._tables = None
 
     def break_chain(self) -> None:
-        """A non-decode step (prefill) or an idle gap: the next decode launch starts a new measurement."""
+        """A prefill is being launched: the next decode launch starts a new interval (its time is the epoch's)."""
+        self.epochs.event(self.clock())
+        self._last_launch = None
+        self._previous_choice = None
+        self._not_host = 0.0
+
+    def idle(self) -> None:
+        """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time."""
+        self.epochs.idle()
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
@@ -528,7 +560,8 @@ class AdaptivePolicy:
             self._tables = self._build_tables()
         return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
-                "catch_up_positions": self.catch_up_positions, "retries": self.retries}
+                "catch_up_positions": self.catch_up_positions, "retries": self.retries,
+                "epochs": self.epochs.epochs}
 
     def _build_tables(self) -> dict:
         def per_choice(value) -> dict:
@@ -543,6 +576,7 @@ class AdaptivePolicy:
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
             "own_host_seconds": per_choice(lambda c, b: self.own_host_seconds.get((c, b))),
+            "realized_step_seconds": self.epochs.table(),
             "prompt_draft_seconds": (self.draft_prompt_seconds / self.draft_prompt_requests
                                      if self.draft_prompt_seconds is not None and self.draft_prompt_requests
                                      else None),

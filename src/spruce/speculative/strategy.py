@@ -117,6 +117,9 @@ class DecodeStrategy:
         """A step's result rows were read (after the host waited `waited_s` on the device) and applied (in
         `resolve_s` host seconds); `step` is what `choose` returned for it (None: a prefill step)."""
 
+    def idle(self) -> None:
+        """The engine has nothing to launch (its clocks must not count the wait for work)."""
+
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""
 

@@ -1,0 +1,96 @@
+"""What a run of decode steps really costs the engine: busy wall seconds per step over an epoch, everything included.
+
+Adaptive speculation (speculative/adaptive_policy.py) prices each candidate from parts it can time per step:
+device time, launch, resolve, the rest of the host interval. On the H100 with the engine in its own process
+(pycode-19m, 128-token requests, 2026-11-23) those parts put EAGLE-3 rounds at concurrency 8 at 0.86 ms for 33
+tokens, ~38k tokens/s, while a server running only rounds committed ~10k: most of its time went to prefill
+steps. Each prefill is ~7.7 ms of eager launches (the target's, then the draft's extend), rounds end requests at
+different steps so each arrival gets a prefill of its own (offline at concurrency 64: 1,693 prefill launches
+for 4,096 requests against 192 for plain steps, whose requests end together), and a prefill breaks every
+per-step clock. Rather than model that, this clock measures it.
+
+An epoch is a run of decode steps of one choice at one cost bucket: it lasts `target` steps (about one request's
+lifetime, so that it holds its share of arrivals and their prefills), or ends early when a step of another
+choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too short to hold an arrival). Its
+busy time is the wall time from its first step's launch to the launch after its last step, prefills and
+catch-ups included, less idle gaps (the engine had nothing to run: `idle`). Its figure, busy seconds per step,
+goes into a window per (choice, bucket); `seconds` is the window's low median, so one disturbed epoch moves
+nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass
+
+EPOCH_MIN = 16  # steps: a shorter run (ended by a step of another choice or bucket) measures nothing
+EPOCH_MAX = 512  # steps: the longest epoch, however long requests are
+EPOCH_WINDOW = 3  # epochs per (choice, bucket) behind its figure
+
+
+@dataclass
+class Epoch:
+    """The run of decode steps under way."""
+
+    choice: str
+    bucket: int
+    target: int  # steps
+    steps: int = 0
+    busy: float = 0.0  # seconds
+
+    @property
+    def full(self) -> bool:
+        return self.steps >= self.target
+
+
+class EpochClock:
+    """Busy seconds per decode step of each (choice, bucket), measured over epochs (module docstring). The
+    policy calls `event` at every step launch (decode or prefill), `step` for each decode step, `idle` when the
+    engine runs out of work."""
+
+    def __init__(self):
+        self.current: Epoch | None = None
+        self._last: float | None = None  # the last launch's time; None after an idle gap
+        self._windows: dict[tuple[str, int], collections.deque] = {}
+        self.epochs = 0  # epochs measured
+
+    def event(self, now: float) -> None:
+        """A step (decode or prefill) is being launched at `now`: the time since the last launch was busy time
+        of the epoch under way."""
+        if self._last is not None and self.current is not None:
+            self.current.busy += now - self._last
+        self._last = now
+
+    def idle(self) -> None:
+        """The engine has nothing to launch: the time until the next launch is not busy time."""
+        self._last = None
+
+    def step(self, choice: str, bucket: int, target: int) -> None:
+        """A decode step of `choice` at `bucket` is launched (after `event`): it joins the epoch under way, or
+        ends it (another choice or bucket, or the epoch is full) and starts one of `target` steps."""
+        cur = self.current
+        if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
+            self._end()
+            cur = self.current = Epoch(choice, bucket, max(EPOCH_MIN, min(target, EPOCH_MAX)))
+        cur.steps += 1
+
+    def _end(self) -> None:
+        cur = self.current
+        if cur is None or cur.steps < EPOCH_MIN or cur.busy <= 0:
+            return
+        window = self._windows.setdefault((cur.choice, cur.bucket), collections.deque(maxlen=EPOCH_WINDOW))
+        window.append(cur.busy / cur.steps)
+        self.epochs += 1
+
+    def seconds(self, choice: str, bucket: int) -> float | None:
+        """Busy seconds per step of `choice` at `bucket` (low median of its last epochs), None before its first."""
+        window = self._windows.get((choice, bucket))
+        return statistics.median_low(window) if window else None
+
+    def table(self) -> dict[str, dict[int, float]]:
+        """{choice: {bucket: seconds per step}} for every (choice, bucket) measured."""
+        out: dict[str, dict[int, float]] = {}
+        for (choice, bucket), window in sorted(self._windows.items()):
+            out.setdefault(choice, {})[bucket] = statistics.median_low(window)
+        return out

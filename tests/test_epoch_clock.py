@@ -1,0 +1,51 @@
+"""EpochClock (speculative/epoch_clock.py): busy seconds per decode step over epochs, prefill time included, idle
+gaps excluded, short runs dropped, one disturbed epoch outvoted."""
+
+from __future__ import annotations
+
+import pytest
+
+from spruce.speculative.epoch_clock import EPOCH_MAX, EPOCH_MIN, EpochClock
+
+
+def run(clock: EpochClock, t: float, choice: str, steps: int, step_s: float, bucket: int = 8,
+        target: int = EPOCH_MIN, prefill_every: int = 0, prefill_s: float = 0.0) -> float:
+    """`steps` decode steps of `step_s` seconds each, a prefill of `prefill_s` after every `prefill_every`-th."""
+    for i in range(steps):
+        clock.event(t)
+        clock.step(choice, bucket, target)
+        t += step_s
+        if prefill_every and (i + 1) % prefill_every == 0:
+            clock.event(t)  # the prefill's launch
+            t += prefill_s
+    return t
+
+
+def test_prefill_time_counts_and_idle_time_does_not():
+    """Rounds of 1 ms with a 7 ms prefill after every 4th (an arrival): 2.75 ms per step, which is what a server
+    running only rounds pays. An idle gap (the engine out of work) is not counted."""
+    clock = EpochClock()
+    t = run(clock, 0.0, "speculative", 2 * EPOCH_MIN, 1e-3, prefill_every=4, prefill_s=7e-3)
+    clock.idle()
+    t = run(clock, t + 5.0, "speculative", EPOCH_MIN + 1, 1e-3, prefill_every=4, prefill_s=7e-3)
+    assert clock.epochs == 3
+    assert clock.seconds("speculative", 8) == pytest.approx(2.75e-3)
+    assert clock.seconds("plain", 8) is None and clock.seconds("speculative", 16) is None
+
+
+def test_a_short_run_measures_nothing_and_a_long_one_is_cut():
+    clock = EpochClock()
+    t = run(clock, 0.0, "plain", EPOCH_MIN - 1, 1e-3)
+    t = run(clock, t, "speculative", 1, 1e-3)  # another choice ends the plain run: too short to keep
+    assert clock.seconds("plain", 8) is None and clock.epochs == 0
+    run(clock, t, "plain", EPOCH_MAX + 1, 1e-3, target=10 ** 6)  # the target is capped at EPOCH_MAX steps
+    assert clock.epochs == 1 and clock.current.steps == 1
+
+
+def test_one_disturbed_epoch_moves_nothing():
+    clock = EpochClock()
+    t = run(clock, 0.0, "plain", EPOCH_MIN, 1e-3)
+    t = run(clock, t, "plain", EPOCH_MIN, 9e-3)  # a stall
+    run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
+    assert clock.seconds("plain", 8) == pytest.approx(1e-3)
+    assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
