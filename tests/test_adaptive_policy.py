@@ -4,6 +4,8 @@ and the pooled rest), the online device time, the catch-up's cost, probes and th
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
@@ -33,8 +35,14 @@ def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptiveP
 
 
 def set_ema(p: AdaptivePolicy, request, ema: float) -> None:
-    """Give `request` a running acceptance of `ema` drafts per round (the prior untouched)."""
+    """Give `request` a running acceptance of `ema` drafts per round (the prior untouched): it prices the request
+    only if it collapsed (below half the prior)."""
     p._accept[request] = _RequestAcceptance(ema)
+
+
+def set_accept(p: AdaptivePolicy, ema: float) -> None:
+    """Set the engine-wide acceptance (what a request whose own has not collapsed is priced at)."""
+    p.global_accept = ema
 
 
 def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
@@ -64,10 +72,12 @@ def test_one_collapsed_request_counts_as_one_token_not_as_a_veto():
     good, bad = [Req() for _ in range(3)], [Req()]
     settle(p, good, 4)
     settle(p, bad, 0)
+    set_accept(p, 4.0)
     d = p.decide(good + bad)
     assert d.choice == SPECULATIVE and d.tokens_per_step[SPECULATIVE] == pytest.approx((3 * 5 + 1) / 4, rel=1e-3)
     more_bad = [Req() for _ in range(3)]
     settle(p, more_bad, 0)
+    set_accept(p, 4.0)
     assert p.decide(good[:1] + bad + more_bad).choice == PLAIN
 
 
@@ -163,7 +173,8 @@ def test_start_up_table_that_underestimates_rounds_is_corrected_online():
     p = policy(plain=0.45e-3, spec=0.55e-3, clock=clock)
     q = Req()
     p.accepted(q, 0)
-    p.accepted(q, 2)  # EMA 0.5
+    p.accepted(q, 2)
+    set_accept(p, 0.5)  # 1.5 tokens per round
     for choice in (PLAIN, SPECULATIVE, PLAIN):  # host time 0.4 ms per step, whatever ran
         p.decide([q])
         clock.now += 0.4e-3
@@ -184,7 +195,8 @@ def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     p.accepted(reqs[0], 2)
-    p.accepted(reqs[0], 1)  # EMA 1.75: 2.75 tokens per round
+    p.accepted(reqs[0], 1)
+    set_accept(p, 1.75)  # 2.75 tokens per round
     for positions, seconds in ((10, 0.3e-3), (50, 0.7e-3)):
         p.caught_up(positions, seconds, 0.0)
         p.measured(SPECULATIVE, 1, 2e-3)
@@ -256,8 +268,7 @@ def test_round_resolve_is_charged_to_the_round():
     measured and charged to their own step, and the rest (scheduling) pooled, each choice costs what it does."""
     clock = Clock()
     p = policy(plain=0.2e-3, spec=0.4e-3, clock=clock)  # device time small: host-bound
-    reqs = [Req() for _ in range(4)]
-    settle(p, reqs, 0)
+    reqs = [Req() for _ in range(4)]  # the choices below are forced; acceptance is set before each decision
     launch, resolve, plan = {PLAIN: 0.3e-3, SPECULATIVE: 1e-3}, {PLAIN: 0.5e-3, SPECULATIVE: 3e-3}, 1.5e-3
     previous = None
     for step in range(120):
@@ -278,15 +289,13 @@ def test_round_resolve_is_charged_to_the_round():
     assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
     assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
     p.epochs = EpochClock()  # no realized figure (the forced choices ran under other names): the parts price
-    for q in reqs:
-        set_ema(p, q, 0.19)
+    set_accept(p, 0.19)
     assert p.decide(reqs).choice == PLAIN
     p.epochs = EpochClock()
     p.resolve_seconds.clear()  # the interval alone (before): launches and resolves in the pooled rest
     p.launch_seconds.clear()
     p.other_host_seconds[4] = 1e-3 + 0.5e-3 + plan
-    for q in reqs:
-        set_ema(p, q, 1.0)
+    set_accept(p, 1.0)
     assert p.decide(reqs).choice == SPECULATIVE  # 2 tokens / 3 ms > 1 / 3 ms, though really 2 / 5.5 ms
 
 
@@ -301,8 +310,7 @@ def test_a_noisy_host_interval_moves_both_candidates_alike():
         clock = Clock()
         p = policy(plain=0.3e-3, spec=0.9e-3, clock=clock)
         reqs = [Req(), Req()]
-        for q in reqs:
-            set_ema(p, q, 0.18)
+        set_accept(p, 0.18)
         for step, choice in enumerate((PLAIN, PLAIN, SPECULATIVE, PLAIN, PLAIN)):
             p.decide(reqs)
             launch = 0.1e-3 if choice == PLAIN else 0.3e-3
@@ -344,11 +352,11 @@ def test_rounds_must_win_by_the_margin():
     under a loaded server is larger than that); one expected to commit 20% more is."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
-    set_ema(p, reqs[0], 2 * 1.05 - 1)  # 2.1 tokens per 2 ms round: 1.05x plain's 1 per 1 ms
+    set_accept(p, 2 * 1.05 - 1)  # 2.1 tokens per 2 ms round: 1.05x plain's 1 per 1 ms
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
     assert d.choice == PLAIN and SPECULATION_MARGIN > 0.05
-    set_ema(p, reqs[0], 2 * 1.2 - 1)
+    set_accept(p, 2 * 1.2 - 1)
     assert p.decide(reqs).choice == SPECULATIVE
 
 
@@ -379,8 +387,7 @@ def test_steady_rounds_slower_than_their_parts_are_priced_by_their_interval():
     clock = Clock()
     p = policy(plain=0.5e-3, spec=0.6e-3, clock=clock)
     reqs = [Req() for _ in range(8)]
-    for q in reqs:
-        set_ema(p, q, 0.3)
+    set_accept(p, 0.3)
     for _ in range(4):  # plain steps 1 ms apart
         p.decide(reqs)
         p._last_launch = (p._last_launch[0], PLAIN, 8, p._previous_choice == PLAIN)
@@ -403,10 +410,10 @@ def test_a_wall_floor_not_re_measured_lapses():
     WALL_TTL decisions at its bucket, it lapses, and the parts price the step again."""
     p = policy(plain=0.4e-3, spec=0.8e-3)
     q = Req()
-    set_ema(p, q, 0.5)  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
+    set_accept(p, 0.5)  # 1.5 tokens per round: plain wins at 0.4 ms, rounds win against a 1.5 ms plain step
     p.wall_seconds[(PLAIN, 1)] = 1.5e-3
     p.wall_decision[(PLAIN, 1)] = 0
-    p._state[1].decisions = WALL_TTL - 1
+    p._decisions[1] = WALL_TTL - 1
     d = p.decide([q])
     assert d.choice == SPECULATIVE and d.step_seconds[PLAIN] == pytest.approx(1.5e-3)
     d = p.decide([q])  # WALL_TTL decisions since W was measured: the floor lapsed
@@ -455,8 +462,8 @@ def test_a_collapsed_request_is_retried_with_backoff():
     p.accepted(q, 0)  # the retry failed: the next one waits twice as long
     assert p.decide([q], lags=[RETRY_FIRST]).choice == PLAIN
     assert p.decide([q], lags=[2 * RETRY_FIRST]).choice == SPECULATIVE and p.retries == 2
-    p.accepted(q, 4)  # the text moved on: the request speculates again from its fresh EMA
-    assert p.expected_accept(q) == 4.0
+    p.accepted(q, 4)  # the text moved on: its EMA restarts there, no longer collapsed: priced at the prior
+    assert p._accept[q].ema == 4.0 and p.expected_accept(q) == p.prior_accept()
     assert p.decide([q], lags=[0]).choice == SPECULATIVE
     for _ in range(20):  # retries that keep failing back off up to RETRY_MAX positions
         p.accepted(q, 0)
@@ -501,8 +508,7 @@ def test_one_stalled_step_does_not_price_a_choice_out():
     p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=5, launch_prior=launch, clock=Clock())
     reqs = [Req() for _ in range(4)]
     settle(p, reqs, 0)
-    for q in reqs:
-        set_ema(p, q, 0.2)
+    set_accept(p, 0.2)
     p.resolved_host(SPECULATIVE, 4, 98e-6)
     p.measured(PLAIN, 4, 1.8e-3)
     p.launched_host(PLAIN, 4, 1.575e-3)
@@ -534,8 +540,7 @@ def test_each_choice_is_priced_by_its_own_steady_host_time():
     clock = Clock()
     p = policy(plain=0.2e-3, spec=0.5e-3, clock=clock)
     reqs = [Req() for _ in range(8)]
-    for q in reqs:
-        set_ema(p, q, 2.0)  # 3 tokens per round
+    set_accept(p, 2.0)  # 3 tokens per round
     host = {PLAIN: 0.1e-3, SPECULATIVE: 0.7e-3}
     first = _steps(p, clock, reqs, host, 3)[-1]  # the third decision prices with the first interval
     assert first.choice == SPECULATIVE  # the pool holds only rounds' samples: plain steps look as slow as rounds
@@ -557,8 +562,7 @@ def test_rounds_pay_the_draft_work_on_arriving_prompts():
     cost each a third."""
     p = policy(plain=0.45e-3, spec=1.09e-3)
     reqs = [Req() for _ in range(8)]
-    for q in reqs:
-        set_ema(p, q, 3.15)
+    set_accept(p, 3.15)
     assert p.decide(reqs).choice == SPECULATIVE  # without arrivals: 33 tokens per 1.09 ms against 8 per 0.45 ms
     p.caught_up(128, 2.7e-3, 0.0)
     d = p.decide(reqs, request_tokens=128, new_positions=128)  # the prior: a catch-up over one prompt
@@ -571,7 +575,7 @@ def test_rounds_pay_the_draft_work_on_arriving_prompts():
     assert d.choice == SPECULATIVE
     assert p.snapshot()["prompt_draft_seconds"] == pytest.approx(0.9e-3)
     alone = policy(plain=0.45e-3, spec=1.09e-3)
-    set_ema(alone, reqs[0], 3.15)
+    set_accept(alone, 3.15)
     alone.caught_up(128, 2.7e-3, 0.0)
     assert alone.decide(reqs[:1], request_tokens=128, new_positions=128).choice == SPECULATIVE
 
@@ -586,8 +590,7 @@ def test_realized_seconds_price_what_the_parts_miss():
     clock = Clock()
     p = policy(plain=0.77e-3, spec=0.86e-3, clock=clock)
     reqs = [Req() for _ in range(8)]
-    for q in reqs:
-        set_ema(p, q, 3.15)
+    set_accept(p, 3.15)
     steps = {PLAIN: 0, SPECULATIVE: 0}
     decisions = []
     for _ in range(400):
@@ -615,3 +618,45 @@ def test_realized_seconds_price_what_the_parts_miss():
     for choice in CHOICES:
         assert f'spruce_adaptive_realized_step_seconds{{bucket="8",choice="{choice}"}}' in text
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
+
+
+def test_a_request_priced_below_the_rounds_break_even_is_not_left_plain():
+    """The H100 short-prompt run with the engine in its own process (2026-11-23, concurrency 1): rounds cost 0.98 ms
+    for ~4.2 tokens against 0.32 ms plain steps, so rounds pay from 3.4 tokens. A request whose own EMA dipped to 2
+    accepted drafts (the engine-wide 3.15) was priced at it, decoded plainly, and never re-measured: 90% of the steps
+    were plain and the server ran 16-19% behind a fixed one. A request is priced at its own EMA only once it has
+    collapsed (below half the engine-wide one, and then retried with backoff)."""
+    clock = Clock()
+    p = policy(plain=0.32e-3, spec=0.98e-3, clock=clock)
+    q = Req()
+    set_accept(p, 3.15)
+    set_ema(p, q, 2.0)
+    d = p.decide([q])
+    assert d.tokens_per_step[SPECULATIVE] == pytest.approx(4.15) and d.choice == SPECULATIVE
+    set_ema(p, q, 1.5)  # collapsed: its own
+    assert p.decide([q]).choice == PLAIN
+
+
+def test_a_dip_in_the_batch_is_priced_at_the_load_it_belongs_to():
+    """The H100 run at concurrency 32 (2026-11-23): the batch dipped to 17-24 while arrivals waited for their
+    prefills, and bucket 24's realized figure came from a level's drain, where rounds had no arrivals to pay for
+    (1.2 ms against 5.5 ms at 32): each dip switched to rounds, caught the whole batch up, and switched back. The
+    realized figures are kept and read per load bucket (the largest batch of the last LOAD_WINDOW decisions), so a
+    dip is priced as the load it belongs to."""
+    buckets = (1, 2, 4, 8, 16, 24, 32)
+    p = AdaptivePolicy(buckets, {(c, b): 1e-3 for c in CHOICES for b in buckets}, overlapped=True, max_accept=3,
+                       clock=Clock())
+    set_accept(p, 3.3)
+    p.epochs._windows[(SPECULATIVE, 24)] = collections.deque([1.2e-3])  # a drain's figure
+    p.epochs._windows[(SPECULATIVE, 32)] = collections.deque([5.5e-3])
+    p.epochs._windows[(PLAIN, 32)] = collections.deque([0.83e-3])
+    p.epochs._windows[(PLAIN, 24)] = collections.deque([0.84e-3])
+    full, dip = [Req() for _ in range(30)], [Req() for _ in range(22)]
+    assert p.decide(full).choice == PLAIN
+    d = p.decide(dip)
+    assert d.bucket == 24 and d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(5.5e-3)
+    fresh = AdaptivePolicy(buckets, {(c, b): 1e-3 for c in CHOICES for b in buckets}, overlapped=True,
+                           max_accept=3, clock=Clock())
+    fresh.epochs._windows = p.epochs._windows
+    set_accept(fresh, 3.3)
+    assert fresh.decide(dip).choice == SPECULATIVE  # the same batch at a load of 24: the bucket's own figure

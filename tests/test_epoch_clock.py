@@ -49,3 +49,17 @@ def test_one_disturbed_epoch_moves_nothing():
     run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
     assert clock.seconds("plain", 8) == pytest.approx(1e-3)
     assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
+
+
+def test_a_catch_up_is_not_the_epochs_time():
+    """A catch-up before a switch (2.7 ms here) is the switch's cost: excluded, the epoch holds only its steps."""
+    clock = EpochClock()
+    t = 0.0
+    for i in range(EPOCH_MIN + 1):
+        clock.event(t)
+        clock.step("speculative", 8, EPOCH_MIN)
+        if i == 0:
+            clock.exclude(2.7e-3)
+            t += 2.7e-3
+        t += 1e-3
+    assert clock.seconds("speculative", 8) == pytest.approx(1e-3)

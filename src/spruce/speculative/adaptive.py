@@ -217,8 +217,10 @@ class AdaptiveDecoding(DecodeStrategy):
                 step.marks["catch_up_start"] = step.marks["start"]
                 self.worker.catch_up(step.lagging, self.ring)
                 step.marks["catch_up_end"] = self._mark()
+            catch_up_s = time.perf_counter() - t0
+            self.policy.catch_up_launched(catch_up_s)
             if self.cuda:  # its launch is host time of the catch-up, not of the step
-                step.catch_up_host_s = time.perf_counter() - t0
+                step.catch_up_host_s = catch_up_s
                 self.policy.waited(step.catch_up_host_s)
         strategy = self.worker if step.speculative else self.plain
         t1 = time.perf_counter()

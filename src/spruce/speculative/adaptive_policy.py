@@ -5,10 +5,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
     tokens/s(c) = bs * E[tokens per step | c] / t(c, bucket)
 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
-  request i's running mean of accepted drafts per round (an exponential moving average, EMA). A request without
-  rounds of its own takes the engine-wide EMA; before any round at all, the tree depth S (optimistic, so the
-  first rounds measure it). A request whose acceptance collapsed thus counts ~1 token in both candidates: it
-  neither forces the batch to plain nor makes speculation look better than it is for the others.
+  the engine-wide running mean of accepted drafts per round (an exponential moving average, EMA; before any round
+  at all, the tree depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
+  collapsed (below half the engine-wide one): its own. Such a request thus counts ~1 token in both candidates: it
+  neither forces the batch to plain nor makes speculation look better than it is for the others. A request's own
+  EMA above that line is not used: it is noisy (acceptance varies round to round), it is not re-measured while
+  the request decodes plainly, and at concurrency 1 on the H100 (2026-11-23, rounds at 0.98 ms for 4.2 tokens
+  against 0.32 ms plain steps: rounds pay from 3.4 tokens) requests whose EMA dipped below that stayed plain for
+  the rest of their lives: 90% of the steps were plain, and the server was 16-19% behind a fixed one.
 - A request's EMA is not measured while it decodes plainly, so a dip below the engine-wide one would stand for
   the rest of the request. On the H100 (128-token prompts, rounds committing ~4.3 tokens), runs of rejected rounds
   put 103 of 256 requests at concurrency 1 in plain steps until they ended: 42% of the steps were plain at ~3x a
@@ -24,6 +28,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   policy times per step, price c until then. They miss what lies between decode steps: on the H100 with the
   engine in its own process (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while
   a plain server was 1.3-1.5x faster than one running only rounds, whose arrivals each took a ~7.7 ms prefill.
+  Realized figures are kept per load bucket, the bucket of the largest batch among the last LOAD_WINDOW
+  decisions: a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
+  concurrency 32 on the H100, dips to bucket 24 met a figure measured in a level's drain, without arrivals, and
+  each switched to rounds, caught the batch up and switched back). Catch-ups are not in them (a switch's cost,
+  priced when a switch is decided, below).
 - Until then, t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
@@ -118,6 +127,7 @@ REUSE_STEPS = 32  # a model choice of plain stands for at most this many more st
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
+LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest batch among this many recent ones
 
 
 def _other(choice: str) -> str:
@@ -243,6 +253,8 @@ class AdaptivePolicy:
         self.catch_up_host = LinearCost()
         self._reuse_left = 0  # further steps the last decision (a model choice of plain) stands for
         self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
+        self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
+        self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
         self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}, "own_host": {}}  # their
@@ -258,24 +270,24 @@ class AdaptivePolicy:
     def model_choice(self, batch_size: int) -> str | None:
         """The model's current choice for batches of `batch_size` (its bucket's last, probes aside); None before
         the bucket's first decision."""
-        return self._state[self.bucket_for(batch_size)].model_choice
+        return self._state[self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))].model_choice
 
     def prior_accept(self) -> float:
         """Expected accepted drafts per round of a request without rounds: the engine-wide EMA, else S."""
         return self.global_accept if self.global_accept is not None else float(self.max_accept)
 
     def expected_accept(self, request, lag: int = 0) -> float:
-        """Request's expected accepted drafts per round, its draft lagging by `lag` positions: its EMA, except
-        that a collapsed one (below half the prior) is retried (the prior) from a lag of its `retry_after`; without
-        rounds of its own, the prior."""
+        """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
+        its EMA collapsed (below half the prior): then its EMA, until it is retried (the prior) from a lag of its
+        `retry_after`."""
         return self._expected(self._accept.get(request), lag)
 
     def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
         """`expected_accept` from a request's acceptance state (None: it has had no round)."""
         prior = self.prior_accept()
-        if own is None or (own.collapsed(prior) and lag >= own.retry_after):
-            return prior
-        return own.ema
+        if own is not None and own.collapsed(prior) and lag < own.retry_after:
+            return own.ema
+        return prior
 
     def device(self, choice: str, bucket: int) -> float:
         """D(choice, bucket): measured, else the start-up table."""
@@ -290,7 +302,7 @@ class AdaptivePolicy:
         round over drafts missing `catch_up_positions` positions adds the catch-up's D and H, shared by the
         `rounds` rounds it opens (the draft stays current while rounds go on)."""
         t = self._parts_seconds(choice, bucket)
-        if self._state[bucket].decisions - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
+        if self._decisions[bucket] - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
             t = max(t, self.wall_seconds[(choice, bucket)])
         if choice == SPECULATIVE and catch_up_positions:
             t += self.catch_up_seconds(catch_up_positions) / rounds
@@ -336,25 +348,28 @@ class AdaptivePolicy:
         self.epochs.event(now)
         bs = len(requests)
         bucket = self.bucket_for(bs)
+        self._recent_sizes.append(bs)
+        load = self.bucket_for(max(self._recent_sizes))
         lags = lags if lags is not None else [0] * bs
         owns = [self._accept.get(q) for q in requests]  # each request's acceptance state, looked up once
         catch_up_positions = sum(lags)
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self._priced(c, bucket, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                     {c: self._priced(c, bucket, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + SPECULATION_MARGIN) * d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
-        st = self._state[bucket]
+        self._decisions[bucket] += 1
+        st = self._state[load]
         st.decisions += 1
         if d.choice != st.model_choice:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
-        if self._explore(st, d) != d.choice:
+        if self._explore(st, d, load) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
         tokens_per_step = d.tokens_per_step[d.choice]
-        self.epochs.step(d.choice, bucket, math.ceil(request_tokens / tokens_per_step))
+        self.epochs.step(d.choice, load, math.ceil(request_tokens / tokens_per_step))
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
@@ -368,12 +383,12 @@ class AdaptivePolicy:
         self._tables = None
         return d
 
-    def _priced(self, choice: str, bucket: int, catch_up_positions: int, rounds: float, round_tokens: float,
-                request_tokens: float, new_positions: float) -> float:
-        """t(choice, bucket): its realized seconds per step (EpochClock), else its parts (`step_seconds`, a round
-        with its share of the draft's work on arriving prompts); a round over lagging drafts adds its share of
-        the catch-up."""
-        t = self.epochs.seconds(choice, bucket)
+    def _priced(self, choice: str, bucket: int, load: int, catch_up_positions: int, rounds: float,
+                round_tokens: float, request_tokens: float, new_positions: float) -> float:
+        """t(choice, bucket): its realized seconds per step at the load bucket `load` (EpochClock), else its parts
+        at `bucket` (`step_seconds`, a round with its share of the draft's work on arriving prompts); a round over
+        lagging drafts adds its share of the catch-up."""
+        t = self.epochs.seconds(choice, load)
         if t is None:
             t = self.step_seconds(choice, bucket)
             if choice == SPECULATIVE:
@@ -382,7 +397,7 @@ class AdaptivePolicy:
             t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
 
-    def _explore(self, st: _BucketState, d: Decision) -> str:
+    def _explore(self, st: _BucketState, d: Decision, load: int) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
@@ -390,14 +405,14 @@ class AdaptivePolicy:
         probe epoch costs its tokens at the other choice's price: (ratio - 1) epochs of the model's choice)."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
-        done = cur is not None and cur.bucket == d.bucket and cur.full
+        done = cur is not None and cur.bucket == load and cur.full
         if st.probing:
             if done and cur.choice == other:  # the probe epoch is measured
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
         elif done and cur.choice == model:
             st.epochs_since_probe += 1
             spacing = st.probe_after
-            if self.epochs.seconds(other, d.bucket) is not None:
+            if self.epochs.seconds(other, load) is not None:
                 ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
             if st.epochs_since_probe >= spacing:
@@ -471,7 +486,7 @@ class AdaptivePolicy:
             _median(self.own_host_seconds, self._windows["own_host"], (choice, bucket), host, None)
         if steady and now - t0 <= OUTLIER_FACTOR * self._parts_seconds(choice, bucket):  # else a stall
             _ema(self.wall_seconds, self._counts["wall"], (choice, bucket), now - t0, OUTLIER_FACTOR)
-            self.wall_decision[(choice, bucket)] = self._state[bucket].decisions
+            self.wall_decision[(choice, bucket)] = self._decisions[bucket]
 
     def _add_host_sample(self, bucket: int, seconds: float) -> None:
         _ema(self.other_host_seconds, self._counts["other_host"], bucket, seconds, OUTLIER_FACTOR)
@@ -483,6 +498,12 @@ class AdaptivePolicy:
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
+
+    def catch_up_launched(self, seconds: float) -> None:
+        """A catch-up took `seconds` to launch (on the CPU: to run): not the epoch's time. It is the cost of a switch
+        (plain steps or lazy prefills before a round), priced when a switch is decided (`catch_up_seconds`), not
+        part of what steps of either choice cost in a steady run."""
+        self.epochs.exclude(seconds)
 
     def idle(self) -> None:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time."""

@@ -12,8 +12,9 @@ per-step clock. Rather than model that, this clock measures it.
 An epoch is a run of decode steps of one choice at one cost bucket: it lasts `target` steps (about one request's
 lifetime, so that it holds its share of arrivals and their prefills), or ends early when a step of another
 choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too short to hold an arrival). Its
-busy time is the wall time from its first step's launch to the launch after its last step, prefills and
-catch-ups included, less idle gaps (the engine had nothing to run: `idle`). Its figure, busy seconds per step,
+busy time is the wall time from its first step's launch to the launch after its last step, prefills and the
+draft's extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less
+catch-ups (`exclude`: a switch's cost, which the policy prices when it decides a switch). Its figure, busy seconds per step,
 goes into a window per (choice, bucket); `seconds` is the window's low median, so one disturbed epoch moves
 nothing.
 """
@@ -52,6 +53,7 @@ class EpochClock:
     def __init__(self):
         self.current: Epoch | None = None
         self._last: float | None = None  # the last launch's time; None after an idle gap
+        self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
         self._windows: dict[tuple[str, int], collections.deque] = {}
         self.epochs = 0  # epochs measured
 
@@ -59,8 +61,13 @@ class EpochClock:
         """A step (decode or prefill) is being launched at `now`: the time since the last launch was busy time
         of the epoch under way."""
         if self._last is not None and self.current is not None:
-            self.current.busy += now - self._last
+            self.current.busy += max(now - self._last - self._excluded, 0.0)
         self._last = now
+        self._excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """`seconds` since the last launch (a catch-up before a switch) are not busy time of the epoch."""
+        self._excluded += seconds
 
     def idle(self) -> None:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
