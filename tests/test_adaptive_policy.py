@@ -9,7 +9,7 @@ import collections
 import pytest
 
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
-from spruce.speculative.adaptive_policy import (CHOICES, PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
+from spruce.speculative.adaptive_policy import (CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
                                                  REUSE_STEPS, SPECULATION_MARGIN,
                                                  SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
@@ -37,7 +37,7 @@ def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptiveP
 def set_ema(p: AdaptivePolicy, request, ema: float) -> None:
     """Give `request` a running acceptance of `ema` drafts per round (the prior untouched): it prices the request
     only if it collapsed (below half the prior)."""
-    p._accept[request] = _RequestAcceptance(ema)
+    p._accept[request] = _RequestAcceptance(ema, rounds=COLLAPSE_ROUNDS)
 
 
 def set_accept(p: AdaptivePolicy, ema: float) -> None:
@@ -451,7 +451,7 @@ def test_a_collapsed_request_is_retried_with_backoff():
     little; a retry that accepts restarts its EMA and its backoff."""
     p = policy(plain=0.55e-3, spec=0.87e-3)
     q = Req()
-    for _ in range(4):
+    for _ in range(COLLAPSE_ROUNDS):
         p.accepted(q, 0)
     settle(p, [Req() for _ in range(8)], 4, rounds=100)  # the engine-wide EMA: ~4 drafts per round
     assert p.expected_accept(q) == 0.0 and p.prior_accept() > 3.9
@@ -476,7 +476,8 @@ def test_a_collapsed_request_is_retried_with_backoff():
 def test_a_request_with_a_few_rejected_rounds_is_not_collapsed():
     """Four rounds in a row that accept nothing (the text turned) leave a request that accepted 4 per round
     speculating at concurrency 1's H100 costs (at the old REQUEST_ALPHA of 0.5 they put it at 1.25 tokens per
-    round: plain)."""
+    round: plain); so do COLLAPSE_ROUNDS - 1 rounds that all accept nothing, from its first: too few to tell a
+    request that defeats the draft from a bad start."""
     p = policy(plain=0.55e-3, spec=0.87e-3)
     settle(p, [Req() for _ in range(8)], 4, rounds=100)
     q = Req()
@@ -484,6 +485,12 @@ def test_a_request_with_a_few_rejected_rounds_is_not_collapsed():
     for _ in range(4):
         p.accepted(q, 0)
     assert p.decide([q]).choice == SPECULATIVE
+    early = Req()
+    for _ in range(COLLAPSE_ROUNDS - 1):
+        p.accepted(early, 0)
+    assert p.decide([early]).choice == SPECULATIVE
+    p.accepted(early, 0)
+    assert p.decide([early]).choice == PLAIN  # now it collapsed
 
 
 def test_a_plain_choice_stands_no_longer_than_a_retry_is_due():
@@ -491,7 +498,8 @@ def test_a_plain_choice_stands_no_longer_than_a_retry_is_due():
     lag RETRY_FIRST - 4 at the deciding step, which adds one, leaves 3 steps that repeat it."""
     p = policy(plain=0.55e-3, spec=0.87e-3)
     q = Req()
-    p.accepted(q, 0)
+    for _ in range(COLLAPSE_ROUNDS):
+        p.accepted(q, 0)
     settle(p, [Req() for _ in range(8)], 4, rounds=100)
     assert p.decide([q], lags=[RETRY_FIRST - 4]).choice == PLAIN
     assert [p.repeat() for _ in range(4)] == [True, True, True, False]

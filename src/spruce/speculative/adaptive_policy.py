@@ -21,7 +21,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   RETRY_FIRST, doubled (up to RETRY_MAX) after each retry round that accepts less than half the engine-wide EMA,
   so a request whose text truly defeats the draft pays a catch-up ever more rarely; a retry that accepts resets
   its EMA to that round's count (the text moved on) and its backoff. A lower REQUEST_ALPHA makes a collapse take
-  several rejected rounds in a row.
+  several rejected rounds in a row, and a request needs COLLAPSE_ROUNDS rounds before it can collapse at all: at
+  concurrency 1 on the H100 a few rejected rounds early in a request read as a collapse, and such requests decoded
+  plainly at 0.4x a round's tokens/s, though their rounds would have committed more.
 - t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
   measured: busy wall seconds per step over epochs of c at b (runs of about one request's life), prefills,
   catch-ups and everything between steps included (speculative/epoch_clock.py). The parts below, which the
@@ -116,6 +118,7 @@ from spruce.speculative.epoch_clock import EpochClock
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
+COLLAPSE_ROUNDS = 8  # rounds a request must have had before its EMA can count as collapsed
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
 GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
@@ -190,12 +193,13 @@ class _RequestAcceptance:
     """One request's acceptance: its EMA, and when a low estimate is retried (see the module docstring)."""
 
     ema: float
+    rounds: int = 1  # rounds measured
     retry_after: int = RETRY_FIRST  # draft lag (positions) from which a collapsed EMA is retried
     retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
 
     def collapsed(self, prior: float) -> bool:
-        """Its EMA is below half the prior (the engine-wide acceptance): a retry candidate."""
-        return self.ema < prior / 2
+        """After COLLAPSE_ROUNDS rounds at least, its EMA is below half the prior (the engine-wide acceptance)."""
+        return self.rounds >= COLLAPSE_ROUNDS and self.ema < prior / 2
 
 
 @dataclass
@@ -566,6 +570,7 @@ class AdaptivePolicy:
             own.ema, own.retry_after, own.retrying = float(drafts), RETRY_FIRST, False
         else:
             own.ema += REQUEST_ALPHA * (drafts - own.ema)
+            own.rounds += 1
             if own.retrying:
                 own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
         g = self.global_accept
