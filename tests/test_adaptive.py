@@ -167,8 +167,8 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
 
 
 def lazy_prefills(monkeypatch) -> None:
-    """The policy's model prefers plain steps at every batch size: every prefill that may be lazy is."""
-    monkeypatch.setattr(AdaptivePolicy, "model_choice", lambda self, batch_size: PLAIN)
+    """The policy prefers plain steps at every batch size: every prefill that may be lazy is."""
+    monkeypatch.setattr(AdaptivePolicy, "steady_choice", lambda self, batch_size: PLAIN)
 
 
 @pytest.mark.parametrize("page,overlap", [(16, True), (4, False)])
@@ -294,10 +294,11 @@ def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
 
 @pytest.mark.parametrize("window", [256, 3])
 def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window):
-    """The model chooses plain (rounds priced at 100 plain steps): the draft runs for the prompt and for the catch-ups
-    a full feature ring forces (window 3), never in a plain step; the lag grows by one per plain step; the plain
-    fast path serves every step that no catch-up interrupts (one decision per catch-up, plus the first); the tokens
-    are plain decoding's."""
+    """The model chooses plain (rounds priced at 100 plain steps): the draft runs only for the prompt when it is too
+    long to leave to a catch-up (window 3: the ring holds less) and for the catch-ups a full feature ring forces,
+    never in a plain step; with a ring of 256 the prompt's extend waits too and the draft never runs; the lag
+    grows by one per plain step; the plain fast path serves every step that no catch-up interrupts (one decision
+    per catch-up, plus the first); the tokens are plain decoding's."""
     fixed_costs(monkeypatch, plain=1.0, spec=100.0)
     monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
@@ -316,9 +317,14 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     llm.engine.strategy.resolved = record
     got = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert got.token_ids == reference(GREEDY)[0].token_ids
-    want_lags = [i % window + 1 for i in range(MAX_NEW - 1)]  # the prefill gave the first token
-    catch_ups = sum(lag == 1 for lag in want_lags[1:])
-    assert lags == want_lags and len(calls) == 1 + catch_ups and len(decisions) == 1 + catch_ups
+    prompt = len(got.prompt_token_ids)
+    if prompt <= llm.engine.limits.lazy_prefill_tokens:  # plain preferred from the start: a lazy prefill
+        want_lags = [prompt + i + 1 for i in range(MAX_NEW - 1)]  # the prefill gave the first token
+        assert lags == want_lags and calls == [] and len(decisions) == 1  # the draft never ran
+    else:
+        want_lags = [i % window + 1 for i in range(MAX_NEW - 1)]
+        catch_ups = sum(lag == 1 for lag in want_lags[1:])
+        assert lags == want_lags and len(calls) == 1 + catch_ups and len(decisions) == 1 + catch_ups
     assert llm.engine.stats()["adaptive"]["chosen"] == {PLAIN: MAX_NEW - 1, SPECULATIVE: 0}
 
 

@@ -668,3 +668,20 @@ def test_a_dip_in_the_batch_is_priced_at_the_load_it_belongs_to():
     fresh.epochs._windows = p.epochs._windows
     set_accept(fresh, 3.3)
     assert fresh.decide(dip).choice == SPECULATIVE  # the same batch at a load of 24: the bucket's own figure
+
+
+def test_a_request_joins_as_if_its_draft_were_current():
+    """The H100 offline run at concurrency 1 (2026-11-23): near a request's end a catch-up no longer pays (0.92 ms
+    rounds for 4.1 tokens against 0.35 ms plain steps, but ~10 ms to catch up 200 lagging positions over a few
+    rounds left), so the last decisions chose plain; prefills followed that choice and left the next request's
+    prompt to a catch-up, which then kept it plain too: 95% plain steps. Whether a joining request's prefill may
+    be lazy is the choice for current drafts at the engine-wide acceptance, whatever the last decision owed."""
+    clock = Clock()
+    p = policy(plain=0.35e-3, spec=0.92e-3, clock=clock)
+    q = Req()
+    set_accept(p, 3.1)
+    p.caught_up(128, 9.7e-3, 0.0)
+    p.caught_up(230, 12e-3, 0.0)
+    d = p.decide([q], lags=[230], tokens_left=14)
+    assert d.choice == PLAIN  # the catch-up does not pay for the rounds left
+    assert p.steady_choice(1) == SPECULATIVE  # a new request's prefill extends its draft now

@@ -116,16 +116,17 @@ class AdaptiveDecoding(DecodeStrategy):
             self._lazy = frozenset()
 
     def _lazy_chunks(self, chunks: list[PrefillChunk]) -> frozenset[int]:
-        """The chunks whose draft extend is left to a later catch-up: none unless the policy's model prefers plain
-        steps for the batch these requests join (about the last decode batch's size: requests come as others
-        finish; or these alone); then each final chunk of a request whose draft is current and that is at most
+        """The chunks whose draft extend is left to a later catch-up: none unless the policy prefers plain steps
+        for the batch these requests join with current drafts (`AdaptivePolicy.steady_choice`; the batch: about
+        the last decode batch's size, as requests come as others finish; or these alone); then each final chunk
+        of a request whose draft is current and that is at most
         Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a catch-up is due). A draft
         that would catch up at once anyway, or whose rounds are expected, is extended now."""
         finals = sum(c.final for c in chunks)
         if self.policy is None or not finals:
             return frozenset()
         size = min(max(self._batch_size, finals), self.policy.buckets[-1])  # the running batch, or these alone
-        if self.policy.model_choice(size) != PLAIN:
+        if self.policy.steady_choice(size) != PLAIN:
             return frozenset()
         longest = self.runner.limits.lazy_prefill_tokens
         return frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
