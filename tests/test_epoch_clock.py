@@ -63,3 +63,24 @@ def test_a_catch_up_is_not_the_epochs_time():
             t += 2.7e-3
         t += 1e-3
     assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
+
+
+def test_a_prompt_extend_is_not_a_plain_epochs_time():
+    """A prefill's eager draft extend (rounds expected for the joining request) lands in an epoch of plain steps:
+    it is rounds' work, so the plain epoch leaves it out; an epoch of rounds keeps it."""
+    from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy
+
+    now = [0.0]
+    policy = AdaptivePolicy((8,), {(c, 8): 1e-3 for c in (PLAIN, SPECULATIVE)}, overlapped=True, max_accept=3,
+                            clock=lambda: now[0])
+    for choice in (PLAIN, SPECULATIVE):
+        policy.epochs = EpochClock()
+        for i in range(EPOCH_MIN + 1):
+            policy.epochs.event(now[0])
+            policy.epochs.step(choice, 8, EPOCH_MIN)
+            if i == 3:
+                policy.prompt_extend_launched(4e-3)
+                now[0] += 4e-3
+            now[0] += 1e-3
+        want = 1e-3 if choice == PLAIN else 1e-3 + 4e-3 / EPOCH_MIN
+        assert policy.epochs.seconds(choice, 8) == pytest.approx(want)

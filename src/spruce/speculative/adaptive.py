@@ -175,7 +175,9 @@ class AdaptiveDecoding(DecodeStrategy):
         start = self._mark()
         self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
         end = self._mark()
-        self._prefill_extends[-1] = (len(finals), start, end, time.perf_counter() - t0 if self.cuda else 0.0)
+        launch_s = time.perf_counter() - t0
+        self.policy.prompt_extend_launched(launch_s)
+        self._prefill_extends[-1] = (len(finals), start, end, launch_s if self.cuda else 0.0)
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
