@@ -9,8 +9,8 @@ import collections
 import pytest
 
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
-from spruce.speculative.adaptive_policy import (CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
-                                                 REUSE_STEPS, SPECULATION_MARGIN,
+from spruce.speculative.adaptive_policy import (CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET, PROBE_FIRST,
+                                                 RETRY_FIRST, RETRY_MAX, REUSE_STEPS, SPECULATION_MARGIN,
                                                  SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
 

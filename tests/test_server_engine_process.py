@@ -1,8 +1,9 @@
-"""`spruce serve`'s engine process (server/engine_process.py): outputs cross the pipe as deltas and come out
-whole and equal; a server whose engine runs in its own process answers every kind of request exactly as one
-whose engine is a thread of the server (same engine settings, greedy and seeded sampling, streams, logprobs,
-echo, n); refusals, aborts, /flush_cache and the engine process's death reach the API as they would in one
-process. Loopback only; the bundled demo model (the engine process is spawned: a few seconds)."""
+"""`spruce serve`'s engine process (server/engine_process.py): outputs cross the pipe as deltas
+(server/output_deltas.py) and come out whole and equal; a server whose engine runs in its own process answers
+every kind of request exactly as one whose engine is a thread of the server (same engine settings, greedy and
+seeded sampling, streams, logprobs, echo, n); refusals, aborts, /flush_cache and the engine process's death reach
+the API as they would in one process. Loopback only; the bundled demo model (the engine process is spawned: a
+few seconds)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from spruce.errors import InvalidRequestError, ModelLoadError
 from spruce.runtime.logprobs import Logprob
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
-from spruce.server.engine_process import EngineProcess, OutputAssembler, OutputEncoder, ProcessEngineLoop
+from spruce.server.engine_process import EngineProcess, ProcessEngineLoop
+from spruce.server.output_deltas import OutputAssembler, OutputEncoder
 
 PROMPTS = ["def fib(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
 
@@ -79,7 +81,7 @@ def test_output_deltas_rebuild_every_output(seed):
     assert not encoder._sent and not assembler._requests  # every request finished: nothing is kept
 
 
-# --- the same answers as an engine thread ------------------------------------------------------------------------------
+# --- the same answers as an engine thread ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(engine-process server, engine-thread server) over the same engine settings."""

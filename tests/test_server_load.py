@@ -189,7 +189,7 @@ def test_serve_freezes_its_start_up_objects():
     walks only what serving made (on the demo model's server, 140 ms unfrozen on a CPU)."""
     import gc
 
-    from spruce.server.cli import freeze_startup_objects
+    from spruce.server.heap import freeze_startup_objects
 
     try:
         frozen = freeze_startup_objects()

@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 
+from spruce.server.heap import freeze_startup_objects
 from spruce.server.settings import MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S
 
 API_KEY_ENV = "SPRUCE_API_KEY"
@@ -92,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      shutdown_grace_period=args.shutdown_grace_period, **limits)
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
-    freeze_startup_objects()
+    freeze_startup_objects()  # the server process's heap (the engine process freezes its own)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
@@ -116,14 +117,3 @@ def _engine_thread(args: argparse.Namespace, kwargs: dict):
         exit_on_worker_failure(engine)
     compile_watch.serving()  # from here on a Triton compilation is a mid-serving stall (ops/compile_watch.py)
     return EngineLoop(engine)
-
-
-def freeze_startup_objects() -> int:
-    """Move every object alive after start-up (the model, the tokenizer, graphs, the app) out of the garbage
-    collector's reach (gc.freeze), so that full collections while serving walk only what serving creates; returns
-    how many were frozen. Unfrozen, every full collection walks the start-up heap: 140 ms for the bundled demo
-    model's server on a CPU (209k objects), a stall inside whichever decode step it lands in. vLLM and SGLang
-    freeze too."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()

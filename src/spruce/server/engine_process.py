@@ -27,10 +27,7 @@ Fail-stop as in engine_loop (DESIGN §20): a step that raises sends ("failed", "
 process; a process that ends without saying so (killed, out of memory) fails every request in flight the same
 way, naming its exit code.
 
-Outputs cross as deltas. A request's token ids and logprob entries only ever grow (Engine._append appends), so
-each delta carries the ones not sent yet; the prompt's ids and logprobs travel in a request's first delta only;
-the text travels as (length of the sent text kept, text added), because a stop string can cut it and the final
-text is decoded afresh. Whole outputs would cost pickling the whole prompt and output per request per step.
+Outputs cross as deltas (server/output_deltas.py).
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ from spruce.errors import InvalidRequestError, SpruceError
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import prompt_token_ids
 from spruce.server.engine_loop import ENGINE_FAILED, EngineFailure, EngineLoop
+from spruce.server.output_deltas import OutputAssembler, OutputEncoder
 
 log = logging.getLogger("spruce.server")
 STOP_TIMEOUT_S = 30.0  # how long a stopped engine process gets to exit before it is killed
@@ -77,81 +75,6 @@ class EngineDescription:
                    engine.info(), engine.stats())
 
 
-# --- outputs as deltas --------------------------------------------------------------------------------------------
-@dataclass
-class _Sent:
-    """What the other side already has of one request's output."""
-
-    tokens: int = 0
-    text: str = ""
-    logprobs: int = 0
-
-
-class OutputEncoder:
-    """Engine side: each RequestOutput as the delta from what was sent of its request before (module docstring).
-    Every output of a request must be encoded, in order (the assembler applies them in that order)."""
-
-    def __init__(self):
-        self._sent: dict[str, _Sent] = {}
-
-    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
-        return [self._encode(out) for out in outputs]
-
-    def _encode(self, out: RequestOutput) -> tuple:
-        sent = self._sent.get(out.request_id)
-        first = sent is None
-        if first:
-            sent = self._sent[out.request_id] = _Sent()
-        keep = len(sent.text) if out.text.startswith(sent.text) else 0
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs, sent.logprobs = out.logprobs[sent.logprobs:], len(out.logprobs)
-        delta = (out.request_id, out.prompt_token_ids if first else None, out.prompt_logprobs if first else None,
-                 out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.new_token_ids, out.finished,
-                 out.finish_reason, out.spec_stats, out.num_cached_tokens)
-        sent.tokens, sent.text = len(out.token_ids), out.text
-        if out.finished:
-            del self._sent[out.request_id]
-        return delta
-
-
-@dataclass
-class _Assembled:
-    """One request's output so far, rebuilt from its deltas."""
-
-    prompt_token_ids: list[int]
-    prompt_logprobs: list | None
-    token_ids: list[int]
-    text: str = ""
-    logprobs: list | None = None
-
-
-class OutputAssembler:
-    """Server side: rebuilds each request's cumulative RequestOutput from the encoder's deltas."""
-
-    def __init__(self):
-        self._requests: dict[str, _Assembled] = {}
-
-    def assemble(self, deltas: list[tuple]) -> list[RequestOutput]:
-        return [self._assemble(delta) for delta in deltas]
-
-    def _assemble(self, delta: tuple) -> RequestOutput:
-        (rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, new_token_ids, finished, finish_reason,
-         spec_stats, cached) = delta
-        req = self._requests.get(rid)
-        if req is None:
-            req = self._requests[rid] = _Assembled(prompt_ids, prompt_logprobs, [])
-        req.token_ids.extend(tokens)
-        req.text = req.text[:keep] + text
-        if logprobs is not None:
-            req.logprobs = (req.logprobs or []) + logprobs
-        if finished:
-            del self._requests[rid]
-        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, new_token_ids, finished,
-                             finish_reason, spec_stats, None if req.logprobs is None else list(req.logprobs),
-                             req.prompt_logprobs, cached)
-
-
 # --- the engine process ---------------------------------------------------------------------------------------------
 def engine_process_main(engine_kwargs: dict, conn, log_level: str) -> None:
     """The engine process's entry point (see the module docstring)."""
@@ -160,7 +83,7 @@ def engine_process_main(engine_kwargs: dict, conn, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from spruce.llm import LLM
     from spruce.ops import compile_watch
-    from spruce.server.cli import freeze_startup_objects
+    from spruce.server.heap import freeze_startup_objects
 
     try:
         engine = LLM(**engine_kwargs).engine

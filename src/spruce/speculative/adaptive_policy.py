@@ -209,7 +209,6 @@ class _BucketState:
     probing: bool = False  # steps run the other choice until its epoch is complete
     model_choice: str | None = None
     last: Decision | None = None
-    decisions: int = 0  # decide() calls at this bucket
 
 
 @dataclass
@@ -376,7 +375,6 @@ class AdaptivePolicy:
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
         st = self._state[load]
-        st.decisions += 1
         if d.choice != st.model_choice:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load) != d.choice:

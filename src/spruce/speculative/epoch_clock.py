@@ -12,11 +12,10 @@ per-step clock. Rather than model that, this clock measures it.
 An epoch is a run of decode steps of one choice at one cost bucket: it lasts `target` steps (about one request's
 lifetime, so that it holds its share of arrivals and their prefills), or ends early when a step of another
 choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too short to hold an arrival). Its
-busy time is the wall time from its first step's launch to the launch after its last step, prefills and the
-draft's extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less
-catch-ups (`exclude`: a switch's cost, which the policy prices when it decides a switch). Its figure, busy seconds per step,
-goes into a window per (choice, bucket); `seconds` is the window's low median, so one disturbed epoch moves
-nothing.
+busy time is the wall time from its first step's launch to the launch after its last step, prefills and the draft's
+extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
+(`exclude`: a switch's cost, which the policy prices when it decides a switch). Its figure, busy seconds per step,
+goes into a window per (choice, bucket); `seconds` is the window's low median, so one disturbed epoch moves nothing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""Engine outputs as deltas, for the pipe between the engine process and the server (server/engine_process.py).
+
+A request's token ids and logprob entries only ever grow (Engine._append appends), so each delta carries the ones
+not sent yet; the prompt's ids and logprobs travel in a request's first delta only; the text travels as (length
+of the sent text kept, text added), because a stop string can cut it and the final text is decoded afresh.
+Whole outputs would cost pickling the whole prompt and output per request per step. Every output of a request
+must be encoded, and assembled, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spruce.runtime.output import RequestOutput
+
+
+@dataclass
+class _Sent:
+    """What the other side already has of one request's output."""
+
+    tokens: int = 0
+    text: str = ""
+    logprobs: int = 0
+
+
+class OutputEncoder:
+    """Engine side: each RequestOutput as the delta from what was sent of its request before (module docstring).
+    Every output of a request must be encoded, in order (the assembler applies them in that order)."""
+
+    def __init__(self):
+        self._sent: dict[str, _Sent] = {}
+
+    def encode(self, outputs: list[RequestOutput]) -> list[tuple]:
+        return [self._encode(out) for out in outputs]
+
+    def _encode(self, out: RequestOutput) -> tuple:
+        sent = self._sent.get(out.request_id)
+        first = sent is None
+        if first:
+            sent = self._sent[out.request_id] = _Sent()
+        keep = len(sent.text) if out.text.startswith(sent.text) else 0
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs, sent.logprobs = out.logprobs[sent.logprobs:], len(out.logprobs)
+        delta = (out.request_id, out.prompt_token_ids if first else None, out.prompt_logprobs if first else None,
+                 out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.new_token_ids, out.finished,
+                 out.finish_reason, out.spec_stats, out.num_cached_tokens)
+        sent.tokens, sent.text = len(out.token_ids), out.text
+        if out.finished:
+            del self._sent[out.request_id]
+        return delta
+
+
+@dataclass
+class _Assembled:
+    """One request's output so far, rebuilt from its deltas."""
+
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list | None = None
+
+
+class OutputAssembler:
+    """Server side: rebuilds each request's cumulative RequestOutput from the encoder's deltas."""
+
+    def __init__(self):
+        self._requests: dict[str, _Assembled] = {}
+
+    def assemble(self, deltas: list[tuple]) -> list[RequestOutput]:
+        return [self._assemble(delta) for delta in deltas]
+
+    def _assemble(self, delta: tuple) -> RequestOutput:
+        (rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, new_token_ids, finished, finish_reason,
+         spec_stats, cached) = delta
+        req = self._requests.get(rid)
+        if req is None:
+            req = self._requests[rid] = _Assembled(prompt_ids, prompt_logprobs, [])
+        req.token_ids.extend(tokens)
+        req.text = req.text[:keep] + text
+        if logprobs is not None:
+            req.logprobs = (req.logprobs or []) + logprobs
+        if finished:
+            del self._requests[rid]
+        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, new_token_ids, finished,
+                             finish_reason, spec_stats, None if req.logprobs is None else list(req.logprobs),
+                             req.prompt_logprobs, cached)
