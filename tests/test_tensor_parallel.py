@@ -214,22 +214,32 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def test_server_exits_when_a_worker_dies(tmp_path):
-    """`spruce serve --tp-size 2`: killing the worker ends the server (exit 1) with an error naming it."""
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_server_exits_when_a_worker_dies(tmp_path, engine_process):
+    """`spruce serve --tp-size 2`: killing the worker ends the server with an error naming it. With the engine in
+    its own process (the default) the worker is that process's child: its death ends the engine process, and the
+    server fails every request and exits 70 (DESIGN §20, §21); with --disable-engine-process it ends the server
+    itself (exit 1)."""
     import os
     import signal
 
     import httpx
     from server_util import ServeProcess
 
-    server = ServeProcess(tmp_path / "serve.log", "--tp-size", "2", "--device", "cpu").start(120)
+    flags = [] if engine_process else ["--disable-engine-process"]
+    server = ServeProcess(tmp_path / "serve.log", "--tp-size", "2", "--device", "cpu", *flags).start(120)
     try:
         reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                            json={"model": "pycode-6m", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
-        (worker,) = [pid for pid, cmd in _children(server.proc.pid) if "spawn_main" in cmd]
+        parent = server.proc.pid
+        if engine_process:
+            (parent,) = [pid for pid, cmd in _children(server.proc.pid) if "spawn_main" in cmd]
+        (worker,) = [pid for pid, cmd in _children(parent) if "spawn_main" in cmd]
         os.kill(worker, signal.SIGKILL)
-        assert server.wait(30) == 1
+        assert server.wait(30) == (70 if engine_process else 1)
         assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in server.log()
+        if engine_process:
+            assert "the engine process exited with code 1" in server.log()
     finally:
         server.kill()
