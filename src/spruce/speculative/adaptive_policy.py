@@ -277,12 +277,16 @@ class AdaptivePolicy:
         batch owes, and near a request's end a catch-up no longer pays, so a plain choice there made the next
         request's prefill lazy, whose catch-up (~10 ms for 128 prompt positions on the H100) then kept it plain
         too: at concurrency 1, 95% of the steps were plain while rounds were 2.3x plain's tokens/s."""
-        bucket = self.bucket_for(batch_size)
-        load = self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))
+        bucket, load = self.bucket_for(batch_size), self._load_bucket(batch_size)
         spec_tokens = 1.0 + self.prior_accept()
         spec = spec_tokens / self._priced(SPECULATIVE, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
         plain = 1.0 / self._priced(PLAIN, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
         return SPECULATIVE if spec > (1.0 + SPECULATION_MARGIN) * plain else PLAIN
+
+    def _load_bucket(self, batch_size: int) -> int:
+        """The bucket of the largest batch among `batch_size` and the last LOAD_WINDOW decided (see the module
+        docstring)."""
+        return self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))
 
     def prior_accept(self) -> float:
         """Expected accepted drafts per round of a request without rounds: the engine-wide EMA, else S."""
@@ -309,15 +313,12 @@ class AdaptivePolicy:
         """E(choice, bucket): measured, else the start-up table, else 0."""
         return self.launch_seconds.get((choice, bucket), self.launch_prior.get((choice, bucket), 0.0))
 
-    def step_seconds(self, choice: str, bucket: int, catch_up_positions: int = 0, rounds: float = 1.0) -> float:
-        """t(choice, bucket) = D (+) (E + R + X); R borrowed from the other choice until this one has run here. A
-        round over drafts missing `catch_up_positions` positions adds the catch-up's D and H, shared by the
-        `rounds` rounds it opens (the draft stays current while rounds go on)."""
+    def step_seconds(self, choice: str, bucket: int) -> float:
+        """t(choice, bucket) from the parts: D (+) (E + R + X), R borrowed from the other choice until this one has
+        run here, floored by a fresh W. (`_priced` adds a catch-up's share, or takes the realized figure.)"""
         t = self._parts_seconds(choice, bucket)
         if self._decisions[bucket] - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
             t = max(t, self.wall_seconds[(choice, bucket)])
-        if choice == SPECULATIVE and catch_up_positions:
-            t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
 
     def _parts_seconds(self, choice: str, bucket: int) -> float:
@@ -361,7 +362,7 @@ class AdaptivePolicy:
         bs = len(requests)
         bucket = self.bucket_for(bs)
         self._recent_sizes.append(bs)
-        load = self.bucket_for(max(self._recent_sizes))
+        load = self._load_bucket(bs)
         lags = lags if lags is not None else [0] * bs
         owns = [self._accept.get(q) for q in requests]  # each request's acceptance state, looked up once
         catch_up_positions = sum(lags)

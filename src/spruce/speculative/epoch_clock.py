@@ -97,6 +97,6 @@ class EpochClock:
     def table(self) -> dict[str, dict[int, float]]:
         """{choice: {bucket: seconds per step}} for every (choice, bucket) measured."""
         out: dict[str, dict[int, float]] = {}
-        for (choice, bucket), window in sorted(self._windows.items()):
-            out.setdefault(choice, {})[bucket] = statistics.median_low(window)
+        for choice, bucket in sorted(self._windows):
+            out.setdefault(choice, {})[bucket] = self.seconds(choice, bucket)
         return out
