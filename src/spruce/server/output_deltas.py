@@ -4,7 +4,8 @@ A request's token ids and logprob entries only ever grow (Engine._append appends
 not sent yet; the prompt's ids and logprobs travel in a request's first delta only; the text travels as (length
 of the sent text kept, text added), because a stop string can cut it and the final text is decoded afresh.
 Whole outputs would cost pickling the whole prompt and output per request per step. Every output of a request
-must be encoded, and assembled, in order.
+must be encoded, and assembled, in order: then the ids not sent yet are the output's `new_token_ids`, which
+therefore do not travel apart.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class OutputEncoder:
         if out.logprobs is not None:
             logprobs, sent.logprobs = out.logprobs[sent.logprobs:], len(out.logprobs)
         delta = (out.request_id, out.prompt_token_ids if first else None, out.prompt_logprobs if first else None,
-                 out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.new_token_ids, out.finished,
-                 out.finish_reason, out.spec_stats, out.num_cached_tokens)
+                 out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.finished, out.finish_reason,
+                 out.spec_stats, out.num_cached_tokens)
         sent.tokens, sent.text = len(out.token_ids), out.text
         if out.finished:
             del self._sent[out.request_id]
@@ -72,17 +73,20 @@ class OutputAssembler:
         return [self._assemble(delta) for delta in deltas]
 
     def _assemble(self, delta: tuple) -> RequestOutput:
-        (rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, new_token_ids, finished, finish_reason,
-         spec_stats, cached) = delta
+        rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, finished, finish_reason, spec_stats, cached = \
+            delta
         req = self._requests.get(rid)
         if req is None:
             req = self._requests[rid] = _Assembled(prompt_ids, prompt_logprobs, [])
         req.token_ids.extend(tokens)
         req.text = req.text[:keep] + text
         if logprobs is not None:
-            req.logprobs = (req.logprobs or []) + logprobs
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.extend(logprobs)
         if finished:
             del self._requests[rid]
-        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, new_token_ids, finished,
+        # every output is sent, so the ids new since the last one sent are the output's new ids
+        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, tokens, finished,
                              finish_reason, spec_stats, None if req.logprobs is None else list(req.logprobs),
                              req.prompt_logprobs, cached)
