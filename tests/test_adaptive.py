@@ -64,8 +64,9 @@ def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
 
 
 def force(llm, pattern: list[int]) -> list[str]:
-    """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made. A plain
-    entry may be served by the plain fast path (`AdaptivePolicy.repeat`) where the policy's last decision stands."""
+    """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made. An
+    entry may be served by the fast path (`AdaptivePolicy.repeat`) where the last decision stands and is the same
+    choice."""
     policy = llm.engine.strategy.policy
     decide, repeat, log = policy.decide, policy.repeat, []
 
@@ -75,10 +76,11 @@ def force(llm, pattern: list[int]) -> list[str]:
         log.append(d.choice)
         return d
 
-    def forced_repeat():
-        if pattern[len(log) % len(pattern)] or not repeat():
+    def forced_repeat(choice, batch_size):
+        wanted = SPECULATIVE if pattern[len(log) % len(pattern)] else PLAIN
+        if choice != wanted or not repeat(choice, batch_size):
             return False
-        log.append(PLAIN)
+        log.append(choice)
         return True
 
     policy.decide, policy.repeat = forced, forced_repeat
@@ -360,12 +362,14 @@ def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern
 @pytest.mark.parametrize("fraction,expected", [(0.0, PLAIN), (1.0, SPECULATIVE)])
 def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fraction, expected):
     """A round costs 2 plain steps: an oracle that is always wrong makes the engine decode plainly (with probes),
-    one that is always right makes it speculate; tokens equal plain decoding either way; /metrics shows it."""
+    one that is always right makes it speculate; tokens equal plain decoding either way; /metrics shows it. (Long
+    enough for standing decisions to end in epochs and decide again: the steady samples /metrics shows.)"""
     fixed_costs(monkeypatch, plain=1.0, spec=2.0)
-    want = reference(GREEDY)
+    params = SamplingParams(max_tokens=160, ignore_eos=True)
+    want = reference(params)
     llm = adaptive_llm(draft, oracle_refs=want)
     llm.engine.runner.draft.fraction = fraction
-    got = llm.generate(PROMPTS, GREEDY)
+    got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     stats = llm.engine.stats()
     chosen = stats["adaptive"]["chosen"]

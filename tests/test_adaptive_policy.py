@@ -10,9 +10,9 @@ import pytest
 
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative.adaptive_policy import (CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET, PROBE_FIRST,
-                                                 RETRY_FIRST, RETRY_MAX, REUSE_STEPS, SPECULATION_MARGIN,
-                                                 SPECULATIVE, WALL_TTL, AdaptivePolicy, LinearCost,
-                                                 _RequestAcceptance)
+                                                 REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX, REUSE_STEPS,
+                                                 SPECULATION_MARGIN, SPECULATIVE, WALL_TTL, AdaptivePolicy,
+                                                 LinearCost, _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -237,26 +237,35 @@ def test_incomplete_cost_table_is_refused():
                                  (SPECULATIVE, 8)}, overlapped=True, max_accept=3)
 
 
-def test_a_plain_choice_stands_for_the_same_batch_until_something_changes():
-    """`repeat` (the plain fast path): after a model choice of plain, up to REUSE_STEPS steps reuse it, counted as
-    plain steps of the epoch; a round's new acceptance, the epoch's end (a probe may be due) or the reuse budget
-    ends it; a probe is never skipped."""
+def test_a_model_choice_stands_in_its_bucket_until_something_changes():
+    """`repeat` (the fast path): after a model choice, up to REUSE_STEPS steps in the same cost bucket reuse it,
+    counted as steps of that choice in the epoch; the epoch's end (a probe may be due), another bucket or the reuse
+    budget ends it; a probe never stands. A round's new acceptance does not end it (rounds update it every step;
+    the next decision reads it). A model choice of rounds stands as a plain one does."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
-    assert p.repeat() is False  # nothing decided yet
+    assert p.repeat(PLAIN, 1) is False  # nothing decided yet
     assert p.decide(reqs).choice == PLAIN
-    assert all(p.repeat() for _ in range(EPOCH_MIN - 1)) and p.repeat() is False  # the epoch is complete
+    assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1)) and p.repeat(PLAIN, 1) is False  # epoch complete
     for _ in range(EPOCH_MIN):  # the probe epoch
         d = p.decide(reqs)
-        assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat() is False
-    assert p.decide(reqs).choice == PLAIN and p.repeat()
-    p.accepted(reqs[0], 0)  # a round's result: decide afresh
-    assert p.repeat() is False
-    assert p.chosen == {PLAIN: EPOCH_MIN + 2, SPECULATIVE: EPOCH_MIN} and p.probes == 1
+        assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat(SPECULATIVE, 1) is False
+    assert p.decide(reqs).choice == PLAIN and p.repeat(PLAIN, 1)
+    p.accepted(reqs[0], 0)  # a round's result (of the probe, resolved late) changes nothing here
+    assert p.repeat(PLAIN, 1)
+    assert p.repeat(PLAIN, 3) is False  # bucket 4: decide afresh
+    assert p.chosen == {PLAIN: EPOCH_MIN + 3, SPECULATIVE: EPOCH_MIN} and p.probes == 1
     assert p.decide(reqs).choice == PLAIN
-    left = EPOCH_MIN - 3  # steps left in this epoch (3 made in it)
-    assert sum(p.repeat() for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
+    left = EPOCH_MIN - 4  # steps left in this epoch (4 made in it)
+    assert sum(p.repeat(PLAIN, 1) for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
+    rounds = policy(spec=1.1e-3)
+    batch = [Req() for _ in range(3)]
+    settle(rounds, batch, 4)
+    d = rounds.decide(batch)
+    assert d.choice == SPECULATIVE and d.reason == "model"
+    assert all(rounds.repeat(SPECULATIVE, bs) for bs in (3, 4, 3))  # bucket 4, whichever requests
+    assert rounds.chosen[SPECULATIVE] == 4
 
 
 def test_round_resolve_is_charged_to_the_round():
@@ -358,6 +367,21 @@ def test_rounds_must_win_by_the_margin():
     assert d.choice == PLAIN and SPECULATION_MARGIN > 0.05
     set_accept(p, 2 * 1.2 - 1)
     assert p.decide(reqs).choice == SPECULATIVE
+
+
+def test_realized_figures_need_only_the_small_margin():
+    """Once both candidates are priced by realized figures (which hold the host's work), rounds expected to commit
+    5% more are taken: the margin is REALIZED_MARGIN. With one of them still priced by its parts it is not."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req()]
+    set_accept(p, 2 * 1.05 - 1)
+    p.epochs._windows[(PLAIN, 1)] = collections.deque([1e-3])
+    assert p.decide(reqs).choice == PLAIN  # rounds priced by their parts: the 10% margin
+    p.epochs._windows[(SPECULATIVE, 1)] = collections.deque([2e-3])
+    d = p.decide(reqs)
+    assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
+    assert d.choice == SPECULATIVE and REALIZED_MARGIN < 0.05 < SPECULATION_MARGIN
+    assert p.steady_choice(1) == SPECULATIVE
 
 
 def test_a_catch_up_is_shared_by_the_rounds_it_opens():
@@ -502,7 +526,7 @@ def test_a_plain_choice_stands_no_longer_than_a_retry_is_due():
         p.accepted(q, 0)
     settle(p, [Req() for _ in range(8)], 4, rounds=100)
     assert p.decide([q], lags=[RETRY_FIRST - 4]).choice == PLAIN
-    assert [p.repeat() for _ in range(4)] == [True, True, True, False]
+    assert [p.repeat(PLAIN, 1) for _ in range(4)] == [True, True, True, False]
     assert p.decide([q], lags=[RETRY_FIRST]).choice == SPECULATIVE
 
 
@@ -685,3 +709,22 @@ def test_a_request_joins_as_if_its_draft_were_current():
     d = p.decide([q], lags=[230], tokens_left=14)
     assert d.choice == PLAIN  # the catch-up does not pay for the rounds left
     assert p.steady_choice(1) == SPECULATIVE  # a new request's prefill extends its draft now
+
+
+def test_a_collapsed_requests_rounds_do_not_move_the_prior():
+    """The engine-wide acceptance prices requests without rounds; a collapsed request is priced at its own. Its
+    rounds (retries included) are kept out of the prior, which they biased low where plain steps dominate (rounds
+    there are mostly retries): its first COLLAPSE_ROUNDS rounds count, later ones do not, a fresh request's do."""
+    p = policy()
+    good, bad = Req(), Req()
+    settle(p, [good], 4, rounds=40)
+    assert p.global_accept == pytest.approx(4.0)
+    for _ in range(COLLAPSE_ROUNDS):  # these count: it has not collapsed yet
+        p.accepted(bad, 0)
+    prior = p.global_accept
+    assert prior < 4.0 and p._accept[bad].collapsed(prior)
+    for _ in range(20):  # its rounds from now on (a retry's included) price it alone
+        p.accepted(bad, 0)
+    assert p.global_accept == prior
+    p.accepted(Req(), 1)
+    assert p.global_accept < prior

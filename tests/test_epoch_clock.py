@@ -65,6 +65,23 @@ def test_a_catch_up_is_not_the_epochs_time():
     assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
 
 
+def test_a_catch_ups_device_time_read_later_is_deducted():
+    """The catch-up's launch took 1 ms (excluded at once); its device work ran 5 ms, so the steps after it waited
+    4 ms more: read from its events a step later, those 4 ms leave the epoch too."""
+    clock = EpochClock()
+    t = 0.0
+    for i in range(EPOCH_MIN + 1):
+        clock.event(t)
+        clock.step("speculative", 8, EPOCH_MIN)
+        if i == 0:
+            clock.exclude(1e-3)
+            t += 5e-3
+        if i == 1:
+            clock.deduct(4e-3)
+        t += 1e-3
+    assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
+
+
 def test_a_prompt_extend_is_not_a_plain_epochs_time():
     """A prefill's eager draft extend (rounds expected for the joining request) lands in an epoch of plain steps:
     it is rounds' work, so the plain epoch leaves it out; an epoch of rounds keeps it."""

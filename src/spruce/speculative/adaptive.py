@@ -14,9 +14,12 @@ Pieces:
 - `AdaptivePolicy` (speculative/adaptive_policy.py): the rule, the acceptance EMAs and the cost clocks, fed here
   with each deciding step's device time (events around its launch, read when its result is read: no extra sync),
   the host time of its launch and of reading its results, and the catch-up's cost;
-- the plain fast path: while the policy's last decision (a model choice of plain) stands (`AdaptivePolicy.repeat`)
-  and the batch is the same requests, `choose` returns the plain strategy itself. Such a step is exactly a plain
-  engine's step plus one lag increment per request: no decision object, no timing events, no wrapper;
+- the fast path: while the policy's last decision (a model choice) stands (`AdaptivePolicy.repeat`: the same
+  cost bucket, within its reuse budget), `choose` returns the plain strategy or the worker itself. Such a step is
+  exactly a plain engine's step plus one lag increment per request, or a fixed engine's round plus its requests'
+  acceptance: no decision object, no timing events, no wrapper. A standing plain choice needs every lag below the
+  ring's window, a standing round every draft current (a request that joined by a lazy prefill is caught up by a
+  decided round);
 - the start-up cost table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's decode
   step run over padding rows (the dummy row) and timed, the median of a few runs: its device time and the host
   time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their
@@ -93,8 +96,6 @@ class AdaptiveDecoding(DecodeStrategy):
         self.last_decision: Decision | None = None
         self.cuda = r.device.type == "cuda"
         self._events: list[torch.cuda.Event] = []  # timing events of resolved steps, reused
-        self._plain_batch: list | None = None  # the requests of the last decided step, if it was a plain step
-        self._plain_steps_left = 0  # plain steps that batch may still take before a request's lag fills the ring
         self._batch_size = 0  # requests in the last decode step
         self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
         self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
@@ -183,17 +184,22 @@ class AdaptiveDecoding(DecodeStrategy):
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list) -> AdaptiveStep | PlainDecoding:
+    def choose(self, requests: list) -> AdaptiveStep | PlainDecoding | EagleWorker:
         """The next decode step over `requests` (called right before its launch): a round, or a plain step (the
-        plain strategy itself while the last decision stands for this batch: see the module docstring).
+        plain strategy or the worker itself while the last decision stands: see the module docstring).
 
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
-        if self._plain_steps_left > 0 and requests == self._plain_batch and self.policy.repeat():
-            self._plain_steps_left -= 1  # every lag stays below the window: no catch-up is due
-            for q in requests:
-                q.draft_lag += 1
-            return self.plain
+        window = self.runner.limits.draft_lag_window
+        standing = self.last_decision.choice if self.last_decision is not None else None
+        if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
+            if all(q.draft_lag < window for q in requests) and self.policy.repeat(PLAIN, len(requests)):
+                for q in requests:
+                    q.draft_lag += 1
+                return self.plain
+        elif standing == SPECULATIVE:  # stands if every draft is current (no catch-up is due)
+            if not any(q.draft_lag for q in requests) and self.policy.repeat(SPECULATIVE, len(requests)):
+                return self.worker
         bs = self._batch_size = len(requests)
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
@@ -201,13 +207,10 @@ class AdaptiveDecoding(DecodeStrategy):
         d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions)
         self.last_decision = d
         spec = d.choice == SPECULATIVE
-        window = self.runner.limits.draft_lag_window
         catch_up = spec or any(q.draft_lag >= window for q in requests)
         lagging = [_lagging(q, self._lazy_in_flight.get(q, 0)) for q in requests if q.draft_lag] if catch_up else []
         for q in requests:
             q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
-        self._plain_batch = None if spec else requests
-        self._plain_steps_left = 0 if spec else window - max(q.draft_lag for q in requests)
         return AdaptiveStep(self, d, lagging)
 
     def run(self, step: AdaptiveStep, rows: list[int], max_kv: int, sampling: SamplingTensors,
@@ -256,6 +259,11 @@ class AdaptiveDecoding(DecodeStrategy):
                     self._events.extend((start, end))
             return
         if step is self.plain:  # a plain step the last decision stood for
+            return
+        if step is self.worker:  # a round the last decision stood for: only its acceptance is read
+            for q, row in zip(requests, results):
+                if not q.finished:
+                    self.policy.accepted(q, row[0])
             return
         d, m = step.decision, step.marks
         self.policy.resolved_host(d.choice, d.bucket, resolve_s)

@@ -94,11 +94,22 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
   its error: at batch 8 the model put rounds within 3% of plain steps while a server running only rounds took
-  1.9x plain's time per token. A margin costs at most that fraction where rounds truly win by less.
-- A model choice of plain stands for up to `REUSE_STEPS` further steps over the same batch (`repeat`): those
-  steps skip the evaluation and the timing, so an adaptive engine that decodes plainly costs the host what a
-  plain engine does. Only the steps that decide are timed (host interval, resolve, device events); every step
-  counts in its epoch. Rounds, probes, a changed batch, a round's new acceptance and an epoch's end decide afresh.
+  1.9x plain's time per token. A margin costs at most that fraction where rounds truly win by less. Once both
+  candidates are priced by realized figures at the load bucket, which hold that host work, the margin is
+  REALIZED_MARGIN: on the H100 at concurrency 1 (2026-11-23) rounds' realized figure put them 10% ahead of plain
+  steps, within the 10% margin, while a fixed server was 23-40% ahead of a plain one, and the adaptive server ran
+  plain steps for half its steps.
+- A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost
+  bucket (`repeat`): those steps skip the evaluation and the timing, so an adaptive engine costs the host what a
+  plain engine does while it decodes plainly, and what a fixed one does while it runs rounds. Only the steps that
+  decide are timed (host interval, resolve, device events); every step counts in its epoch. Deciding each step
+  cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain step that decided took
+  0.53 ms launch to launch against a plain engine's 0.27 ms), so rounds, which decided every step, were priced
+  (correctly) below a plain engine's steps, and at concurrency 64 a batch that changed at almost every step
+  (a request ends every second step) decided almost every plain step too. Probes, another bucket, an epoch's
+  end (a probe may be due), a collapsed request's retry and an engine-wide acceptance that drifted by more than
+  REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh; a request's own acceptance, which
+  rounds update every step, is read at the next decision.
 
 Pure Python and torch-free: the unit tests feed it numbers.
 """
@@ -126,8 +137,10 @@ OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle ga
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
-REUSE_STEPS = 32  # a model choice of plain stands for at most this many more steps over the same batch
-SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps
+REUSE_STEPS = 32  # a model choice stands for at most this many more steps in its cost bucket
+REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
+SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps ...
+REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realized figures
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest batch among this many recent ones
@@ -254,7 +267,9 @@ class AdaptivePolicy:
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
         self.catch_up_device = LinearCost()
         self.catch_up_host = LinearCost()
-        self._reuse_left = 0  # further steps the last decision (a model choice of plain) stands for
+        self._reuse_left = 0  # further steps the last decision (a model choice) stands for
+        self._reuse_bucket = 0  # ... in this cost bucket
+        self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
         self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
@@ -281,7 +296,12 @@ class AdaptivePolicy:
         spec_tokens = 1.0 + self.prior_accept()
         spec = spec_tokens / self._priced(SPECULATIVE, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
         plain = 1.0 / self._priced(PLAIN, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
-        return SPECULATIVE if spec > (1.0 + SPECULATION_MARGIN) * plain else PLAIN
+        return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
+
+    def _margin(self, load: int) -> float:
+        """How much more tokens/s rounds must be expected to commit than plain steps (module docstring)."""
+        realized = all(self.epochs.seconds(c, load) is not None for c in CHOICES)
+        return REALIZED_MARGIN if realized else SPECULATION_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest batch among `batch_size` and the last LOAD_WINDOW decided (see the module
@@ -372,7 +392,7 @@ class AdaptivePolicy:
                      {c: self._priced(c, bucket, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
-        if d.tokens_per_second(SPECULATIVE) > (1.0 + SPECULATION_MARGIN) * d.tokens_per_second(PLAIN):
+        if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
         st = self._state[load]
@@ -385,13 +405,14 @@ class AdaptivePolicy:
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
-        if d.choice == PLAIN and d.reason == "model":
+        self._reuse_left, self._reuse_bucket, self._reuse_accept = 0, bucket, self.prior_accept()
+        if d.reason == "model":
             epoch = self.epochs.current
-            self._reuse_left = min(REUSE_STEPS, epoch.target - epoch.steps, self._retry_in(owns, lags))
-        else:
-            self._reuse_left = 0
-            if d.choice == SPECULATIVE:
-                self._mark_retries(owns, lags)
+            self._reuse_left = min(REUSE_STEPS, epoch.target - epoch.steps)
+            if d.choice == PLAIN:
+                self._reuse_left = min(self._reuse_left, self._retry_in(owns, lags))
+        if d.choice == SPECULATIVE:
+            self._mark_retries(owns, lags)
         self._tables = None
         return d
 
@@ -459,22 +480,24 @@ class AdaptivePolicy:
                 own.retrying = True
                 self.retries += 1
 
-    def repeat(self) -> bool:
-        """The next step runs over the same batch as the last decision (the caller checks that): True when that
-        decision, a model choice of plain, stands for it (counted as a plain step, not timed); False when the step
-        must be decided (`decide`): a round or a probe ran, the batch's acceptance changed, the epoch is complete
-        (a probe may be due), or REUSE_STEPS steps have passed."""
-        if self._reuse_left <= 0:
+    def repeat(self, choice: str, batch_size: int) -> bool:
+        """A step of `choice` (the last decision's) over a batch of `batch_size` is about to launch: True when that
+        decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
+        must be decided (`decide`): the last decision was a probe, the batch's cost bucket changed, the epoch is
+        complete (a probe may be due), a collapsed request is due for a retry, or REUSE_STEPS steps have passed.
+        The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
+        no lag)."""
+        if self._reuse_left <= 0 or self.bucket_for(batch_size) != self._reuse_bucket:
             return False
         self._reuse_left -= 1
         now = self.clock()
         self.epochs.event(now)
         self.epochs.current.steps += 1
-        self.chosen[PLAIN] += 1
+        self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
             self._close_interval(now)
             self._last_launch = None
-            self._previous_choice = PLAIN
+            self._previous_choice = choice
         return True
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
@@ -560,9 +583,15 @@ class AdaptivePolicy:
 
     def caught_up(self, positions: int, device_seconds: float, host_seconds: float) -> None:
         """A catch-up over `positions` missing positions took `device_seconds` on the device and `host_seconds` to
-        launch (0 where the device work is the host's: it is then all in `device_seconds`)."""
+        launch (0 where the device work is the host's: it is then all in `device_seconds`). Like its launch
+        (`catch_up_launched`), its device time past the launch is a switch's cost, not the epoch's: the steps after
+        it waited that long. Left in, the epochs of rounds that followed plain steps carried the catch-up of the
+        whole batch (at concurrency 64 on the H100, 2026-11-23, rounds' realized figure was 9.5-13 ms a round
+        against ~8 ms for a fixed server's, prefills included)."""
         self.catch_ups += 1
         self.catch_up_positions += positions
+        if host_seconds > 0:  # the device's work beyond its launch (already excluded) is not the epoch's either
+            self.epochs.deduct(max(device_seconds - host_seconds, 0.0))
         self.catch_up_device.add(positions, device_seconds)
         self.catch_up_host.add(positions, host_seconds)
         self._tables = None
@@ -579,8 +608,15 @@ class AdaptivePolicy:
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens. A retry's round (see the module
         docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
-        doubles the lag before the next retry."""
+        doubles the lag before the next retry.
+
+        The engine-wide acceptance (the prior) counts a request's rounds until its own acceptance collapsed: those
+        of a collapsed request, retries included, price that request alone. Counted, they biased the prior low
+        exactly where plain steps dominate, as rounds there are mostly retries of collapsed requests: offline at
+        concurrency 1 on the H100 (2026-11-23) the adaptive engine's prior was 2.3 drafts per round while a fixed
+        engine's rounds over the same prompts accepted 2.9, and the policy kept the batch plain."""
         own = self._accept.get(request)
+        counted = own is None or not (own.retrying or own.collapsed(self.prior_accept()))
         if own is None:
             self._accept[request] = _RequestAcceptance(float(drafts))
         elif own.retrying and drafts >= self.prior_accept() / 2:
@@ -590,9 +626,12 @@ class AdaptivePolicy:
             own.rounds += 1
             if own.retrying:
                 own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
+        if not counted:
+            return
         g = self.global_accept
         self.global_accept = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
-        self._reuse_left = 0  # the batch's expected tokens changed: decide the next step afresh
+        if abs(self.global_accept - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
+            self._reuse_left = 0  # the standing decision was priced at an acceptance that no longer holds
 
     # --- reporting ----------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:

@@ -14,8 +14,9 @@ lifetime, so that it holds its share of arrivals and their prefills), or ends ea
 choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too short to hold an arrival). Its
 busy time is the wall time from its first step's launch to the launch after its last step, prefills and the draft's
 extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
-(`exclude`: a switch's cost, which the policy prices when it decides a switch). Its figure, busy seconds per step,
-goes into a window per (choice, bucket); `seconds` is the window's low median, so one disturbed epoch moves nothing.
+(`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
+when it decides a switch). Its figure, busy seconds per step, goes into a window per (choice, bucket); `seconds` is
+the window's low median, so one disturbed epoch moves nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class EpochClock:
     def exclude(self, seconds: float) -> None:
         """`seconds` since the last launch (a catch-up before a switch) are not busy time of the epoch."""
         self._excluded += seconds
+
+    def deduct(self, seconds: float) -> None:
+        """`seconds` already counted as busy time of the epoch under way were not its (the device work of a
+        catch-up, known once its events are read)."""
+        if self.current is not None:
+            self.current.busy = max(self.current.busy - seconds, 0.0)
 
     def idle(self) -> None:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
