@@ -9,6 +9,7 @@
 #   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
 #   EXTRA="NAME=FLAGS":    one more server in the comparison; NO_CACHE_RUN=0: MODE=short without its second part.
+#   SERVER_EXTRA="FLAGS":  flags every server gets (e.g. --scheduler-delay-factor 4).
 #   REQUESTS="A B C D":    requests per level instead of 256 256 512 1024 (with the engine in its own process a level
 #                          of those takes 2-5 s at concurrency 8-64: too short for the adaptive policy to settle).
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
@@ -17,7 +18,7 @@ set -u
 M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
-SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64"
+SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64 ${SERVER_EXTRA:-}"
 bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   local name=$1; shift
   mkdir -p "$OUT/$name"

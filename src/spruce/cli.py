@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no prefix cache: every prompt is computed in full (SGLang's flag)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="resolve each step before planning the next (overlap scheduling is on by default)")
+    p.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+                   help="prefill batching (vLLM's option): while requests decode, hold arrivals until their waits "
+                        "add up to the stall a prefill would cost the decoding requests, at most this many times "
+                        "the recent prefill launch time; fewer prefill launches for more TTFT (default 0: admit at "
+                        "once)")
     p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks: this process and N-1 spawned workers (rank r on cuda:r; gloo on "
                         "cpu), or the processes torchrun started (WORLD_SIZE must equal N)")
@@ -105,6 +110,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
+        scheduler_delay_factor=args.scheduler_delay_factor,
     )
 
 

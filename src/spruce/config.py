@@ -5,6 +5,7 @@ Everything derived from it (buffer widths, page counts, graph buckets) lives in 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ class EngineConfig:
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
     disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
     tp_size: int = 1  # tensor-parallel ranks (processes); 1: one process, torch.distributed untouched
+    scheduler_delay_factor: float = 0.0  # prefill batching (runtime/prefill_batching.py); 0: admit at once
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -125,6 +127,12 @@ class EngineConfig:
             # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks
             raise ConfigError(f"speculative_adaptive=True cannot run with tp_size={self.tp_size}: its per-step choice "
                               f"depends on measured times, which differ between ranks (use fixed speculation)")
+        d = self.scheduler_delay_factor
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d >= 0):
+            raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {d!r}")
+        if self.tp_size > 1 and d > 0:  # every rank must schedule alike (DESIGN §18); the delay reads a clock
+            raise ConfigError(f"scheduler_delay_factor={d} cannot run with tp_size={self.tp_size}: its admission "
+                              f"waits on measured times, which differ between ranks (use 0)")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={self.load_format!r} is not supported; expected one of {LOAD_FORMATS}")
         if not (0.0 < self.mem_fraction_static < 1.0):

@@ -52,6 +52,7 @@ class LLM:
         disable_overlap_schedule: bool = False,
         disable_radix_cache: bool = False,
         tp_size: int = 1,
+        scheduler_delay_factor: float = 0.0,
     ):
         model = str(model if model is not None else builtin_model_path())
         spec = make_speculative_config(
@@ -67,7 +68,7 @@ class LLM:
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
-            tp_size=tp_size,
+            tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )
         if tp_size == 1:
             self.engine = Engine(self.config)

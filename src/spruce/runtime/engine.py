@@ -42,6 +42,7 @@ from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import Request, SpecStats, Status, prompt_token_ids
 from spruce.runtime.sampler import SamplingTensors
+from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.scheduler import Scheduler
 from spruce.sampling_params import SamplingParams
 from spruce.speculative.registry import make_strategy
@@ -79,7 +80,8 @@ class Engine:
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                               else self.runner.model_config.eos_token_ids)
         cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
-        self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache)
+        self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
+                                   PrefillBatching(config.scheduler_delay_factor))
         spec = config.speculative
         self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
@@ -321,8 +323,10 @@ class Engine:
         sampling = self._sampling(finals)
         if sampling.penalties is not None:
             self._start_penalties(finals)
+        launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
             result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
+        self.scheduler.batching.launched(time.perf_counter() - launch_start)
         if sampling.penalties is not None:
             self._count_penalties(finals, result)
         for q, c in zip(stepped, chunks):

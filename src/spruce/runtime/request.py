@@ -67,6 +67,7 @@ class Request:
     params: SamplingParams
     seed: int
     arrival: int  # admission order key (lower = older)
+    queued_at: float = 0.0  # when it was (last) queued, by the scheduler's clock (prefill batching)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int | None = None

@@ -7,7 +7,9 @@ Prefill (chunked) and decode steps alternate while both have work, so a long pro
 running requests for more than one chunk. Decode steps reserve `lookahead` positions past each request's
 host-known committed length (under overlap, that covers the step still in flight too) and, when pages run
 out, the engine preempts the youngest running request (its cache is dropped and it is recomputed later).
-Running out of pages therefore queues work; it never crashes or corrupts.
+Running out of pages therefore queues work; it never crashes or corrupts. With prefill batching
+(`scheduler_delay_factor`, runtime/prefill_batching.py) a busy engine holds arrivals back briefly so that several
+share one prefill launch.
 
 A finished or aborted request leaves the running set at once, but keeps its row and pages until every
 launched step that includes it has completed (`Request.inflight` == 0): only then are they released.
@@ -23,13 +25,15 @@ from spruce.limits import Limits
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.memory.prefix_cache import PrefixCache
+from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.request import Request, Status
 
 
 class Scheduler:
     def __init__(self, limits: Limits, page_table: PageTable, allocator: PageAllocator,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, batching: PrefillBatching | None = None):
         self.limits = limits
+        self.batching = batching if batching is not None else PrefillBatching(0.0)
         self.page_table = page_table
         self.allocator = allocator
         self.prefix_cache = prefix_cache
@@ -41,6 +45,7 @@ class Scheduler:
 
     # --- queue -----------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        req.queued_at = self.batching.queued_at()
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -117,6 +122,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         cache = self.prefix_cache
+        if self.waiting and self._hold():
+            return
         while self.waiting:
             req = self.waiting[0]
             if len(self.running) >= self.limits.max_running_requests or self.page_table.num_free_rows == 0:
@@ -146,6 +153,16 @@ class Scheduler:
             if not self._reserve(req, req.num_tokens + self.limits.lookahead):
                 raise InvariantError(f"admission of {req.request_id}: {need} pages checked free but not allocated")
             bisect.insort(self.running, req, key=_arrival)  # running stays oldest first
+
+    def _hold(self) -> bool:
+        """Prefill batching: leave the waiting requests queued for now (runtime/prefill_batching.py)."""
+        if self.batching.delay_factor == 0.0:
+            return False
+        free = min(self.limits.max_running_requests - len(self.running), self.page_table.num_free_rows)
+        decode = Status.DECODE
+        return self.batching.hold([r.queued_at for r in self.waiting], free,
+                                  sum(r.num_tokens for r in self.waiting), self.limits.chunked_prefill_size,
+                                  sum(r.status is decode for r in self.running))
 
     # --- what the next step runs -----------------------------------------------------------------------------
     def next_step(self) -> tuple[str, list[Request]] | None:

@@ -1,0 +1,103 @@
+"""Prefill batching (runtime/prefill_batching.py, `scheduler_delay_factor`): the admission rule on numbers, its
+refusals, and an engine whose arrivals are held back while others decode: they join in one prefill launch
+(instead of one each) and every request's tokens are those of an engine that admits at once.
+
+Target: the bundled pycode-6m, plain and with its bundled EAGLE-3 head."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from spruce import LLM, SamplingParams
+from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.errors import ConfigError
+from spruce.runtime.prefill_batching import PrefillBatching
+from conftest import assert_no_leaks
+
+TARGET = builtin_model_path()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_rule():
+    """Held while requests decode, fewer wait than slots are free and their prompts fit a chunk, until the waits add
+    up to the stall a prefill would cost the decoding requests (B x P) or the oldest waited f x P; nothing is held
+    before a prefill was measured or with f = 0."""
+    clock = Clock()
+    batching = PrefillBatching(4.0, clock)
+    args = dict(free_slots=6, waiting_tokens=100, chunk_tokens=2048, decoding=3)
+    assert not batching.hold([clock.now], **args)  # no prefill measured yet: no delay to wait for
+    batching.launched(5e-3)  # a prefill would stall 3 decoding requests 5 ms each: 15 ms
+    start = clock.now
+    assert batching.hold([start], **args)
+    clock.now += 14e-3
+    assert batching.hold([start], **args)  # one request waited 14 ms < 15
+    assert not batching.hold([start, start + 7e-3], **args)  # 14 + 7 ms of waits > 15
+    clock.now = start + 19e-3
+    assert batching.hold([start], **{**args, "decoding": 8})  # 19 ms < 40 ms of stall, and < 4 x 5 ms
+    clock.now = start + 21e-3
+    assert not batching.hold([start], **{**args, "decoding": 8})  # the oldest waited over f x P = 20 ms
+    fresh = [clock.now]
+    assert not batching.hold(fresh, **{**args, "decoding": 0})  # an idle engine admits at once
+    assert not batching.hold(fresh * 6, **args)  # they fill every free slot
+    assert not batching.hold(fresh, **{**args, "waiting_tokens": 2048})  # they fill a prefill chunk
+    assert batching.held == 3
+    off = PrefillBatching(0.0, clock)
+    off.launched(5e-3)
+    assert not off.hold(fresh, **args)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "2"])
+def test_bad_factors_are_refused(bad):
+    with pytest.raises(ConfigError, match=r"scheduler_delay_factor must be a finite number >= 0, got"):
+        LLM(TARGET, scheduler_delay_factor=bad)
+
+
+def test_a_factor_with_tensor_parallel_ranks_is_refused():
+    with pytest.raises(ConfigError, match=r"scheduler_delay_factor=1.0 cannot run with tp_size=2"):
+        LLM(TARGET, scheduler_delay_factor=1.0, tp_size=2)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_held_arrivals_join_one_prefill_and_generate_the_same_tokens(draft):
+    """One request decodes; three more arrive a step apart. With the delay they wait (the clock stands still)
+    and then join in one prefill launch; admitting at once takes two or three. Tokens equal either way."""
+    prompts = ["def fib(n):\n    ", "import os\n", "for i in range(10):", "x = ["]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(max_running_requests=8, draft_model=str(builtin_draft_path()) if draft else None)
+    runs = {}
+    for factor in (0.0, 4.0):
+        llm = LLM(TARGET, scheduler_delay_factor=factor, **kw)
+        engine = llm.engine
+        clock = Clock()
+        engine.scheduler.batching.clock = clock
+        prefills = []
+        launch = engine._launch_prefill
+        engine._launch_prefill = lambda reqs: prefills.append(len(reqs)) or launch(reqs)
+        engine.add_request(prompts[0], params, request_id="r0")
+        for _ in range(3):
+            engine.step()
+        for i, p in enumerate(prompts[1:], 1):
+            engine.add_request(p, params, request_id=f"r{i}")
+            engine.step()
+        held = engine.scheduler.batching.held
+        clock.now += factor * engine.scheduler.batching.prefill_seconds  # the oldest has waited its delay
+        outs = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.token_ids
+        runs[factor] = (outs, prefills, held)
+        assert_no_leaks(llm)
+    (base, base_prefills, base_held), (delayed, delayed_prefills, held) = runs[0.0], runs[4.0]
+    assert delayed == base and len(base) == 4
+    assert len(base_prefills) >= 3 and sum(base_prefills) == 4 and base_held == 0
+    assert delayed_prefills == [1, 3] and held >= 3
