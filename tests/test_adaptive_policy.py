@@ -266,6 +266,10 @@ def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     assert d.choice == SPECULATIVE and d.reason == "model"
     assert all(rounds.repeat(SPECULATIVE, bs) for bs in (3, 4, 3))  # bucket 4, whichever requests
     assert rounds.chosen[SPECULATIVE] == 4
+    assert rounds.repeat(SPECULATIVE, 8) is False  # bucket 8 has no model choice yet
+    settle(rounds, [Req() for _ in range(8)], 4)
+    assert rounds.decide([Req() for _ in range(8)]).choice == SPECULATIVE
+    assert rounds.repeat(SPECULATIVE, 3) and rounds.repeat(SPECULATIVE, 8)  # both buckets chose rounds last
 
 
 def test_round_resolve_is_charged_to_the_round():

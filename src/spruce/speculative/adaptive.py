@@ -261,9 +261,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if step is self.plain:  # a plain step the last decision stood for
             return
         if step is self.worker:  # a round the last decision stood for: only its acceptance is read
-            for q, row in zip(requests, results):
-                if not q.finished:
-                    self.policy.accepted(q, row[0])
+            self.policy.accepted_round((q, row[0]) for q, row in zip(requests, results) if not q.finished)
             return
         d, m = step.decision, step.marks
         self.policy.resolved_host(d.choice, d.bucket, resolve_s)
@@ -275,9 +273,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.cuda:
             self._events.extend(v for k, v in m.items() if k != "catch_up_start")
         if step.speculative:
-            for q, row in zip(requests, results):
-                if not q.finished:
-                    self.policy.accepted(q, row[0])
+            self.policy.accepted_round((q, row[0]) for q, row in zip(requests, results) if not q.finished)
 
     def idle(self) -> None:
         if self.policy is not None:

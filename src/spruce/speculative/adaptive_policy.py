@@ -100,7 +100,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   steps, within the 10% margin, while a fixed server was 23-40% ahead of a plain one, and the adaptive server ran
   plain steps for half its steps.
 - A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost
-  bucket (`repeat`): those steps skip the evaluation and the timing, so an adaptive engine costs the host what a
+  bucket, or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an adaptive engine costs the host what a
   plain engine does while it decodes plainly, and what a fixed one does while it runs rounds. Only the steps that
   decide are timed (host interval, resolve, device events); every step counts in its epoch. Deciding each step
   cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain step that decided took
@@ -270,6 +270,7 @@ class AdaptivePolicy:
         self._reuse_left = 0  # further steps the last decision (a model choice) stands for
         self._reuse_bucket = 0  # ... in this cost bucket
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
+        self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
         self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
@@ -407,6 +408,7 @@ class AdaptivePolicy:
         self._launched(d.choice, bucket, now)
         self._reuse_left, self._reuse_bucket, self._reuse_accept = 0, bucket, self.prior_accept()
         if d.reason == "model":
+            self._model_choice[bucket] = d.choice
             epoch = self.epochs.current
             self._reuse_left = min(REUSE_STEPS, epoch.target - epoch.steps)
             if d.choice == PLAIN:
@@ -483,11 +485,15 @@ class AdaptivePolicy:
     def repeat(self, choice: str, batch_size: int) -> bool:
         """A step of `choice` (the last decision's) over a batch of `batch_size` is about to launch: True when that
         decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
-        must be decided (`decide`): the last decision was a probe, the batch's cost bucket changed, the epoch is
+        must be decided (`decide`): the last decision was a probe, the batch moved to a cost bucket whose latest
+        model choice differs (with prefill batching the batch size swings between buckets), the epoch is
         complete (a probe may be due), a collapsed request is due for a retry, or REUSE_STEPS steps have passed.
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
-        if self._reuse_left <= 0 or self.bucket_for(batch_size) != self._reuse_bucket:
+        if self._reuse_left <= 0:
+            return False
+        bucket = self.bucket_for(batch_size)
+        if bucket != self._reuse_bucket and self._model_choice.get(bucket) != choice:
             return False
         self._reuse_left -= 1
         now = self.clock()
@@ -606,31 +612,39 @@ class AdaptivePolicy:
         self._tables = None
 
     def accepted(self, request, drafts: int) -> None:
-        """A speculative round of `request` accepted `drafts` draft tokens. A retry's round (see the module
-        docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
-        doubles the lag before the next retry.
+        """A speculative round of `request` accepted `drafts` draft tokens (`accepted_round` for one request)."""
+        self.accepted_round(((request, drafts),))
+
+    def accepted_round(self, accepted) -> None:
+        """A speculative round's (request, accepted draft tokens) pairs, in one pass: a round at concurrency 64
+        feeds 64 of them, on the host's critical path. A retry's round (see the module docstring) that accepted at
+        least half the prior restarts the request's EMA from it; one that did not doubles the lag before the next
+        retry.
 
         The engine-wide acceptance (the prior) counts a request's rounds until its own acceptance collapsed: those
         of a collapsed request, retries included, price that request alone. Counted, they biased the prior low
         exactly where plain steps dominate, as rounds there are mostly retries of collapsed requests: offline at
         concurrency 1 on the H100 (2026-11-23) the adaptive engine's prior was 2.3 drafts per round while a fixed
         engine's rounds over the same prompts accepted 2.9, and the policy kept the batch plain."""
-        own = self._accept.get(request)
-        counted = own is None or not (own.retrying or own.collapsed(self.prior_accept()))
-        if own is None:
-            self._accept[request] = _RequestAcceptance(float(drafts))
-        elif own.retrying and drafts >= self.prior_accept() / 2:
-            own.ema, own.retry_after, own.retrying = float(drafts), RETRY_FIRST, False
-        else:
-            own.ema += REQUEST_ALPHA * (drafts - own.ema)
-            own.rounds += 1
-            if own.retrying:
-                own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
-        if not counted:
-            return
+        prior = self.prior_accept()
         g = self.global_accept
-        self.global_accept = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
-        if abs(self.global_accept - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
+        table = self._accept
+        for request, drafts in accepted:
+            own = table.get(request)
+            counted = own is None or not (own.retrying or own.collapsed(prior))
+            if own is None:
+                table[request] = _RequestAcceptance(float(drafts))
+            elif own.retrying and drafts >= prior / 2:
+                own.ema, own.retry_after, own.retrying = float(drafts), RETRY_FIRST, False
+            else:
+                own.ema += REQUEST_ALPHA * (drafts - own.ema)
+                own.rounds += 1
+                if own.retrying:
+                    own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
+            if counted:
+                g = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
+        self.global_accept = g
+        if g is not None and abs(g - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
             self._reuse_left = 0  # the standing decision was priced at an acceptance that no longer holds
 
     # --- reporting ----------------------------------------------------------------------------------------------
