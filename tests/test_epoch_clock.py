@@ -51,17 +51,25 @@ def test_one_disturbed_epoch_moves_nothing():
     assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
 
 
-def test_a_catch_up_is_not_the_epochs_time():
-    """A catch-up before a switch (2.7 ms here) is the switch's cost: excluded, the epoch holds only its steps."""
-    clock = EpochClock()
+def rounds_after_a_catch_up(clock: EpochClock, launch_s: float, device_s: float, deduct_s: float) -> None:
+    """An epoch of 1 ms rounds whose first runs a catch-up: its launch (`launch_s`, excluded at once) and the device
+    work the next steps wait for (`device_s` in all); `deduct_s` is deducted once its events are read, a step later."""
     t = 0.0
     for i in range(EPOCH_MIN + 1):
         clock.event(t)
         clock.step("speculative", 8, EPOCH_MIN)
         if i == 0:
-            clock.exclude(2.7e-3)
-            t += 2.7e-3
+            clock.exclude(launch_s)
+            t += device_s
+        if i == 1 and deduct_s:
+            clock.deduct(deduct_s)
         t += 1e-3
+
+
+def test_a_catch_up_is_not_the_epochs_time():
+    """A catch-up before a switch (2.7 ms here) is the switch's cost: excluded, the epoch holds only its steps."""
+    clock = EpochClock()
+    rounds_after_a_catch_up(clock, 2.7e-3, 2.7e-3, 0.0)
     assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
 
 
@@ -69,16 +77,7 @@ def test_a_catch_ups_device_time_read_later_is_deducted():
     """The catch-up's launch took 1 ms (excluded at once); its device work ran 5 ms, so the steps after it waited
     4 ms more: read from its events a step later, those 4 ms leave the epoch too."""
     clock = EpochClock()
-    t = 0.0
-    for i in range(EPOCH_MIN + 1):
-        clock.event(t)
-        clock.step("speculative", 8, EPOCH_MIN)
-        if i == 0:
-            clock.exclude(1e-3)
-            t += 5e-3
-        if i == 1:
-            clock.deduct(4e-3)
-        t += 1e-3
+    rounds_after_a_catch_up(clock, 1e-3, 5e-3, 4e-3)
     assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
 
 
