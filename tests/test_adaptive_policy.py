@@ -9,8 +9,8 @@ import collections
 import pytest
 
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
-from spruce.speculative.adaptive_policy import (CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET, PROBE_FIRST,
-                                                 REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX, REUSE_STEPS,
+from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_BUDGET,
+                                                 PROBE_FIRST, REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX, REUSE_STEPS,
                                                  SPECULATION_MARGIN, SPECULATIVE, WALL_TTL, AdaptivePolicy,
                                                  LinearCost, _RequestAcceptance)
 
@@ -732,3 +732,18 @@ def test_a_collapsed_requests_rounds_do_not_move_the_prior():
     assert p.global_accept == prior
     p.accepted(Req(), 1)
     assert p.global_accept < prior
+
+
+def test_one_bad_request_does_not_set_the_prior():
+    """The prior is the mean of the last ACCEPT_WINDOW request-rounds, not a fast EMA: at concurrency 1 a request
+    that the draft does badly on (7 rejected rounds, not yet collapsed) after 15 good ones leaves it near the
+    population's 4 drafts per round (an EMA over ~20 rounds fell to ~2.8, turning the next request plain, and plain
+    steps never re-measure it)."""
+    p = policy(plain=1e-3, spec=4.2e-3)
+    for _ in range(15):
+        settle(p, [Req()], 4, rounds=30)
+    bad = Req()
+    settle(p, [bad], 0, rounds=7)
+    assert ACCEPT_WINDOW >= 15 * 30 + 7
+    assert p.global_accept == pytest.approx((15 * 30 * 4) / (15 * 30 + 7))
+    assert p.decide([Req()]).choice == SPECULATIVE  # ~4.9 tokens per 4.2 ms round beat 1 per 1 ms (3.8: not)

@@ -5,7 +5,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
     tokens/s(c) = bs * E[tokens per step | c] / t(c, bucket)
 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
-  the engine-wide running mean of accepted drafts per round (an exponential moving average, EMA; before any round
+  the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds (before any round
   at all, the tree depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
   collapsed (below half the engine-wide one): its own. Such a request thus counts ~1 token in both candidates: it
   neither forces the batch to plain nor makes speculation look better than it is for the others. A request's own
@@ -131,7 +131,7 @@ CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
 COLLAPSE_ROUNDS = 8  # rounds a request must have had before its EMA can count as collapsed
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
-GLOBAL_ALPHA = 0.05  # engine-wide acceptance EMA (the prior of requests without rounds)
+ACCEPT_WINDOW = 512  # request-rounds behind the engine-wide acceptance (the prior of requests without rounds)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
@@ -271,6 +271,8 @@ class AdaptivePolicy:
         self._reuse_bucket = 0  # ... in this cost bucket
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
+        self._accept_window: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # counted rounds' drafts
+        self._accept_sum = 0.0  # their sum
         self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
@@ -621,13 +623,20 @@ class AdaptivePolicy:
         least half the prior restarts the request's EMA from it; one that did not doubles the lag before the next
         retry.
 
-        The engine-wide acceptance (the prior) counts a request's rounds until its own acceptance collapsed: those
+        The engine-wide acceptance (the prior) is the plain mean of the last ACCEPT_WINDOW counted request-rounds:
+        about 16 requests' lives at concurrency 1. An EMA over ~20 rounds (the last) tracked the last request at
+        concurrency 1, and the policy switches exactly when that is low: a bad request turned the batch plain, plain
+        steps measure nothing, and the low figure stood. Offline on the H100 (2026-11-23, concurrency 1) it ended
+        at 2.7 drafts per round while a fixed engine's rounds over the same prompts accepted 3.0, and most steps
+        were plain although rounds committed 26% more per second, prefills included.
+
+        The prior counts a request's rounds until its own acceptance collapsed: those
         of a collapsed request, retries included, price that request alone. Counted, they biased the prior low
         exactly where plain steps dominate, as rounds there are mostly retries of collapsed requests: offline at
         concurrency 1 on the H100 (2026-11-23) the adaptive engine's prior was 2.3 drafts per round while a fixed
         engine's rounds over the same prompts accepted 2.9, and the policy kept the batch plain."""
         prior = self.prior_accept()
-        g = self.global_accept
+        window = self._accept_window
         table = self._accept
         for request, drafts in accepted:
             own = table.get(request)
@@ -642,9 +651,14 @@ class AdaptivePolicy:
                 if own.retrying:
                     own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
             if counted:
-                g = float(drafts) if g is None else g + GLOBAL_ALPHA * (drafts - g)
-        self.global_accept = g
-        if g is not None and abs(g - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
+                if len(window) == window.maxlen:
+                    self._accept_sum -= window[0]
+                window.append(drafts)
+                self._accept_sum += drafts
+        if not window:
+            return
+        g = self.global_accept = self._accept_sum / len(window)
+        if abs(g - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
             self._reuse_left = 0  # the standing decision was priced at an acceptance that no longer holds
 
     # --- reporting ----------------------------------------------------------------------------------------------
