@@ -747,3 +747,20 @@ def test_one_bad_request_does_not_set_the_prior():
     assert ACCEPT_WINDOW >= 15 * 30 + 7
     assert p.global_accept == pytest.approx((15 * 30 * 4) / (15 * 30 + 7))
     assert p.decide([Req()]).choice == SPECULATIVE  # ~4.9 tokens per 4.2 ms round beat 1 per 1 ms (3.8: not)
+
+
+def test_a_new_load_borrows_the_nearest_realized_figure():
+    """Before a choice has an epoch at a load bucket it is priced by its realized figure at the nearest measured
+    bucket, scaled by the parts' ratio between the two: the parts here put a round (2.5 tokens, 3 ms) below a 1 ms
+    plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and rounds 3.3 ms, so a
+    first batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
+    p = policy(plain=1e-3, spec=3e-3)
+    set_accept(p, 1.5)
+    assert p.decide([Req() for _ in range(8)]).choice == PLAIN  # the parts alone
+    p = policy(plain=1e-3, spec=3e-3)
+    set_accept(p, 1.5)
+    p.epochs._windows[(PLAIN, 4)] = collections.deque([3e-3])
+    p.epochs._windows[(SPECULATIVE, 4)] = collections.deque([3.3e-3])
+    d = p.decide([Req() for _ in range(8)])
+    assert d.choice == SPECULATIVE
+    assert d.step_seconds == pytest.approx({PLAIN: 3e-3, SPECULATIVE: 3.3e-3})

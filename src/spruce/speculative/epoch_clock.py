@@ -101,6 +101,10 @@ class EpochClock:
         window = self._windows.get((choice, bucket))
         return statistics.median_low(window) if window else None
 
+    def buckets(self, choice: str) -> list[int]:
+        """The buckets `choice` has a figure at."""
+        return [b for c, b in self._windows if c == choice]
+
     def table(self) -> dict[str, dict[int, float]]:
         """{choice: {bucket: seconds per step}} for every (choice, bucket) measured."""
         out: dict[str, dict[int, float]] = {}
