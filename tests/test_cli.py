@@ -136,7 +136,9 @@ def test_engine_flags_reach_the_engine_config():
     assert plain["speculative_adaptive"] is False and kw["speculative_adaptive"] is False
     adaptive = engine_kwargs(build_parser().parse_args(["serve", "--speculative-adaptive"]))  # the bundled head
     assert adaptive["speculative_adaptive"] is True and adaptive["draft_model"] is not None
-    assert plain["tp_size"] == 1
+    assert plain["tp_size"] == 1 and plain["scheduler_delay_factor"] == 0.0
+    delayed = build_parser().parse_args(["serve", "--model", MODEL, "--scheduler-delay-factor", "4"])
+    assert engine_kwargs(delayed)["scheduler_delay_factor"] == 4.0
     for flag in ("--tp-size", "--tensor-parallel-size"):
         served = build_parser().parse_args(["serve", "--model", MODEL, flag, "2"])
         assert engine_kwargs(served)["tp_size"] == 2

@@ -14,6 +14,7 @@ from spruce import LLM, SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.runtime.prefill_batching import PrefillBatching
+from spruce.server.metrics import Metrics
 from conftest import assert_no_leaks
 
 TARGET = builtin_model_path()
@@ -96,6 +97,10 @@ def test_held_arrivals_join_one_prefill_and_generate_the_same_tokens(draft):
                 if o.finished:
                     outs[o.request_id] = o.token_ids
         runs[factor] = (outs, prefills, held)
+        assert engine.stats()["prefill_holds"] == engine.scheduler.batching.held  # /metrics shows it
+        metrics = Metrics(0)
+        metrics.on_engine_stats(engine.stats())
+        assert f"spruce_prefill_holds_total {engine.scheduler.batching.held}" in metrics.render()
         assert_no_leaks(llm)
     (base, base_prefills, base_held), (delayed, delayed_prefills, held) = runs[0.0], runs[4.0]
     assert delayed == base and len(base) == 4

@@ -652,6 +652,7 @@ class Engine:
                 "kv_pages_total": alloc.capacity,
                 "tokens_generated": self.tokens_generated,
                 "preemptions": self.scheduler.num_preemptions,
+                "prefill_holds": self.scheduler.batching.held,
                 "prefix_cache": self._prefix_cache_stats(),
                 "spec": self.spec_stats.as_dict() if self.speculative else None,
                 "adaptive": self.strategy.stats(),

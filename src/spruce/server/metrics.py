@@ -188,6 +188,8 @@ class Metrics:
             gauge("spruce_kv_pages_free", "KV cache pages free.", s.get("kv_pages_free", 0))
             gauge("spruce_kv_pages_total", "KV cache pages in all.", s.get("kv_pages_total", 0))
             counter("spruce_generation_tokens_total", "Tokens generated.", s.get("tokens_generated", 0))
+            counter("spruce_prefill_holds_total", "Admission rounds that held arrivals back for a shared prefill "
+                    "(--scheduler-delay-factor).", s.get("prefill_holds", 0))
             gauge("spruce_generation_tokens_per_second", "Tokens generated per second (10 s window).", tps)
             counter("spruce_requests_finished_total", "Finished engine requests by finish reason.",
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
