@@ -159,6 +159,8 @@ class Scheduler:
         if self.batching.delay_factor == 0.0:
             return False
         free = min(self.limits.max_running_requests - len(self.running), self.page_table.num_free_rows)
+        if len(self.waiting) >= free:  # they fill every free slot (checked first: a long queue is not walked)
+            return False
         decode = Status.DECODE
         return self.batching.hold([r.queued_at for r in self.waiting], free,
                                   sum(r.num_tokens for r in self.waiting), self.limits.chunked_prefill_size,
