@@ -17,8 +17,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   the rest of the request. On the H100 (128-token prompts, rounds committing ~4.3 tokens), runs of rejected rounds
   put 103 of 256 requests at concurrency 1 in plain steps until they ended: 42% of the steps were plain at ~3x a
   round's cost per token. So a collapsed request (EMA below half the engine-wide one) is retried (priced at the
-  engine-wide EMA) once its draft lags by `retry_after` positions (plain steps since its last round):
-  RETRY_FIRST, doubled (up to RETRY_MAX) after each retry round that accepts less than half the engine-wide EMA,
+  engine-wide acceptance) once its draft lags by `retry_after` positions (plain steps since its last round):
+  RETRY_FIRST, doubled (up to RETRY_MAX) after each retry round that accepts less than half the engine-wide one,
   so a request whose text truly defeats the draft pays a catch-up ever more rarely; a retry that accepts resets
   its EMA to that round's count (the text moved on) and its backoff. A lower REQUEST_ALPHA makes a collapse take
   several rejected rounds in a row, and a request needs COLLAPSE_ROUNDS rounds before it can collapse at all: at
@@ -313,7 +313,7 @@ class AdaptivePolicy:
         return self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))
 
     def prior_accept(self) -> float:
-        """Expected accepted drafts per round of a request without rounds: the engine-wide EMA, else S."""
+        """Expected accepted drafts per round of a request without rounds: the engine-wide acceptance, else S."""
         return self.global_accept if self.global_accept is not None else float(self.max_accept)
 
     def expected_accept(self, request, lag: int = 0) -> float:
