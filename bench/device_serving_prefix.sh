@@ -10,6 +10,7 @@
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
 #   EXTRA="NAME=FLAGS":    one more server in the comparison; NO_CACHE_RUN=0: MODE=short without its second part.
 #   SERVER_EXTRA="FLAGS":  flags every server gets (e.g. --scheduler-delay-factor 4).
+#   PASSES=N:              passes per level instead of 2 (pass-to-pass noise on the H100 is 10-30%).
 #   REQUESTS="A B C D":    requests per level instead of 256 256 512 1024 (with the engine in its own process a level
 #                          of those takes 2-5 s at concurrency 8-64: too short for the adaptive policy to settle).
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
@@ -30,9 +31,9 @@ bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 case "${MODE:-prefix}" in
-  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-256 256 512 1024} --passes 2 ;;
+  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-256 256 512 1024} --passes ${PASSES:-2} ;;
   short)
-    bench short --prompt-tokens 128 --num-requests ${REQUESTS:-256 256 512 1024} --passes 2
+    bench short --prompt-tokens 128 --num-requests ${REQUESTS:-256 256 512 1024} --passes ${PASSES:-2}
     [ "${NO_CACHE_RUN:-1}" = 1 ] && SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
       bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
