@@ -33,6 +33,13 @@ def builtin_draft_path() -> Path:
     return Path(__file__).parent / "assets" / "models" / "pycode-6m-eagle3"
 
 
+def check_delay_factor(delay_factor) -> None:
+    """`scheduler_delay_factor` must be a finite number >= 0 (EngineConfig and PrefillBatching both ask here)."""
+    if isinstance(delay_factor, bool) or not isinstance(delay_factor, (int, float)) or not (
+            math.isfinite(delay_factor) and delay_factor >= 0):
+        raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EAGLE tree drafting settings. S = num_steps, K = eagle_topk, N = num_draft_tokens (root included)."""
@@ -127,9 +134,8 @@ class EngineConfig:
             # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks
             raise ConfigError(f"speculative_adaptive=True cannot run with tp_size={self.tp_size}: its per-step choice "
                               f"depends on measured times, which differ between ranks (use fixed speculation)")
+        check_delay_factor(self.scheduler_delay_factor)
         d = self.scheduler_delay_factor
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (math.isfinite(d) and d >= 0):
-            raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {d!r}")
         if self.tp_size > 1 and d > 0:  # every rank must schedule alike (DESIGN §18); the delay reads a clock
             raise ConfigError(f"scheduler_delay_factor={d} cannot run with tp_size={self.tp_size}: its admission "
                               f"waits on measured times, which differ between ranks (use 0)")

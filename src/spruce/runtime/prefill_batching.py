@@ -19,9 +19,10 @@ batch are grouped. Each held request's TTFT grows by at most f * P. f = 0 (the d
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
+
+from spruce.config import check_delay_factor
 
 PREFILL_ALPHA = 0.2  # EMA weight of a new prefill launch time
 
@@ -30,9 +31,7 @@ class PrefillBatching:
     """Whether admission waits for more arrivals (module docstring). `clock`: seconds (tests pass a fake one)."""
 
     def __init__(self, delay_factor: float, clock: Callable[[], float] = time.monotonic):
-        if isinstance(delay_factor, bool) or not isinstance(delay_factor, (int, float)) or not (
-                math.isfinite(delay_factor) and delay_factor >= 0):
-            raise ValueError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
+        check_delay_factor(delay_factor)
         self.delay_factor = float(delay_factor)
         self.clock = clock
         self.prefill_seconds = 0.0  # EMA of prefill launch seconds (0 until the first: nothing is held)
