@@ -7,6 +7,7 @@ Target: the bundled pycode-6m, plain and with its bundled EAGLE-3 head."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from spruce import LLM, SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.runtime.prefill_batching import PrefillBatching
+from spruce.runtime.request import Status
 from spruce.server.metrics import Metrics
 from conftest import assert_no_leaks
 
@@ -28,32 +30,42 @@ class Clock:
         return self.now
 
 
+def hold(batching: PrefillBatching, queued_at: list[float], free_slots: int = 6, waiting_tokens: int = 100,
+         chunk_tokens: int = 2048, decoding: int = 3) -> bool:
+    """`batching.hold` over stand-in requests: waiting ones queued at `queued_at` (`waiting_tokens` prompt tokens in
+    all), `decoding` running ones decoding and one still prefilling."""
+    waiting = [SimpleNamespace(queued_at=t, num_tokens=waiting_tokens if i == 0 else 0)
+               for i, t in enumerate(queued_at)]
+    running = [SimpleNamespace(status=Status.DECODE) for _ in range(decoding)]
+    running.append(SimpleNamespace(status=Status.PREFILL))
+    return batching.hold(waiting, running, free_slots, chunk_tokens)
+
+
 def test_the_rule():
     """Held while requests decode, fewer wait than slots are free and their prompts fit a chunk, until the waits add
     up to the stall a prefill would cost the decoding requests (B x P) or the oldest waited f x P; nothing is held
     before a prefill was measured or with f = 0."""
     clock = Clock()
     batching = PrefillBatching(4.0, clock)
-    args = dict(free_slots=6, waiting_tokens=100, chunk_tokens=2048, decoding=3)
-    assert not batching.hold([clock.now], **args)  # no prefill measured yet: no delay to wait for
+    assert not hold(batching, [clock.now])  # no prefill measured yet: no delay to wait for
     batching.launched(5e-3)  # a prefill would stall 3 decoding requests 5 ms each: 15 ms
     start = clock.now
-    assert batching.hold([start], **args)
+    assert hold(batching, [start])
     clock.now += 14e-3
-    assert batching.hold([start], **args)  # one request waited 14 ms < 15
-    assert not batching.hold([start, start + 7e-3], **args)  # 14 + 7 ms of waits > 15
+    assert hold(batching, [start])  # one request waited 14 ms < 15
+    assert not hold(batching, [start, start + 7e-3])  # 14 + 7 ms of waits > 15
     clock.now = start + 19e-3
-    assert batching.hold([start], **{**args, "decoding": 8})  # 19 ms < 40 ms of stall, and < 4 x 5 ms
+    assert hold(batching, [start], decoding=8)  # 19 ms < 40 ms of stall, and < 4 x 5 ms
     clock.now = start + 21e-3
-    assert not batching.hold([start], **{**args, "decoding": 8})  # the oldest waited over f x P = 20 ms
+    assert not hold(batching, [start], decoding=8)  # the oldest waited over f x P = 20 ms
     fresh = [clock.now]
-    assert not batching.hold(fresh, **{**args, "decoding": 0})  # an idle engine admits at once
-    assert not batching.hold(fresh * 6, **args)  # they fill every free slot
-    assert not batching.hold(fresh, **{**args, "waiting_tokens": 2048})  # they fill a prefill chunk
+    assert not hold(batching, fresh, decoding=0)  # an idle engine admits at once
+    assert not hold(batching, fresh * 6)  # they fill every free slot
+    assert not hold(batching, fresh, waiting_tokens=2048)  # they fill a prefill chunk
     assert batching.held == 3
     off = PrefillBatching(0.0, clock)
     off.launched(5e-3)
-    assert not off.hold(fresh, **args)
+    assert not hold(off, fresh)
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "2"])

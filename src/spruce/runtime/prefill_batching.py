@@ -20,9 +20,10 @@ batch are grouped. Each held request's TTFT grows by at most f * P. f = 0 (the d
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from spruce.config import check_delay_factor
+from spruce.runtime.request import Status
 
 PREFILL_ALPHA = 0.2  # EMA weight of a new prefill launch time
 
@@ -46,17 +47,19 @@ class PrefillBatching:
         old = self.prefill_seconds
         self.prefill_seconds = seconds if old == 0.0 else old + PREFILL_ALPHA * (seconds - old)
 
-    def hold(self, queued_at: list[float], free_slots: int, waiting_tokens: int, chunk_tokens: int,
-             decoding: int) -> bool:
-        """True: leave the waiting requests (queued at `queued_at`, oldest first; `waiting_tokens` prompt tokens in
-        all) queued for now, with `free_slots` running slots free and `decoding` requests decoding."""
-        if (self.delay_factor == 0.0 or not decoding or len(queued_at) >= free_slots
-                or waiting_tokens >= chunk_tokens):
+    def hold(self, waiting: Sequence, running: Sequence, free_slots: int, chunk_tokens: int) -> bool:
+        """True: leave the `waiting` requests (oldest first; each with `queued_at` and `num_tokens`) queued for now,
+        beside the `running` ones (each with a `status`), with `free_slots` running slots free. The cheap checks
+        come first: with f = 0, or a queue that fills the free slots, nothing is walked."""
+        if self.delay_factor == 0.0 or len(waiting) >= free_slots:
+            return False
+        decoding = sum(r.status is Status.DECODE for r in running)
+        if not decoding or sum(r.num_tokens for r in waiting) >= chunk_tokens:
             return False
         now = self.clock()
-        if now - queued_at[0] >= self.delay_factor * self.prefill_seconds:  # the oldest waited its bound
+        if now - waiting[0].queued_at >= self.delay_factor * self.prefill_seconds:  # the oldest waited its bound
             return False
-        if sum(now - t for t in queued_at) >= decoding * self.prefill_seconds:  # the waits outweigh a stall
+        if sum(now - r.queued_at for r in waiting) >= decoding * self.prefill_seconds:  # the waits outweigh a stall
             return False
         self.held += 1
         return True

@@ -156,15 +156,8 @@ class Scheduler:
 
     def _hold(self) -> bool:
         """Prefill batching: leave the waiting requests queued for now (runtime/prefill_batching.py)."""
-        if self.batching.delay_factor == 0.0:
-            return False
         free = min(self.limits.max_running_requests - len(self.running), self.page_table.num_free_rows)
-        if len(self.waiting) >= free:  # they fill every free slot (checked first: a long queue is not walked)
-            return False
-        decode = Status.DECODE
-        return self.batching.hold([r.queued_at for r in self.waiting], free,
-                                  sum(r.num_tokens for r in self.waiting), self.limits.chunked_prefill_size,
-                                  sum(r.status is decode for r in self.running))
+        return self.batching.hold(self.waiting, self.running, free, self.limits.chunked_prefill_size)
 
     # --- what the next step runs -----------------------------------------------------------------------------
     def next_step(self) -> tuple[str, list[Request]] | None:
