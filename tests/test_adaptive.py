@@ -359,6 +359,23 @@ def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern
     assert_no_leaks(llm)
 
 
+def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch):
+    """Rounds priced far above plain steps: the engine decodes plainly from its start, so a lazy prefill would leave
+    every prompt's draft behind, and the prefix cache takes only pages whose draft KV is valid. A prompt that adds
+    full pages is therefore extended eagerly: the second request finds the first one's prompt pages cached."""
+    fixed_costs(monkeypatch, plain=1.0, spec=50.0)
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
+              max_running_requests=2)
+    prompt = OVERLAP_PROMPTS[1]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    second = llm.generate([prompt], params)[0]
+    assert llm.engine.stats()["adaptive"]["chosen"][SPECULATIVE] == 0
+    assert second.token_ids == first.token_ids
+    assert second.num_cached_tokens >= len(first.prompt_token_ids) // 4 * 4 - 4
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("fraction,expected", [(0.0, PLAIN), (1.0, SPECULATIVE)])
 def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fraction, expected):
     """A round costs 2 plain steps: an oracle that is always wrong makes the engine decode plainly (with probes),

@@ -121,17 +121,25 @@ class AdaptiveDecoding(DecodeStrategy):
         for the batch these requests join with current drafts (`AdaptivePolicy.steady_choice`; the batch: about
         the last decode batch's size, as requests come as others finish; or these alone); then each final chunk
         of a request whose draft is current and that is at most
-        Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a catch-up is due). A draft
-        that would catch up at once anyway, or whose rounds are expected, is extended now."""
+        Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a catch-up is due), and that
+        adds no full page the prefix cache could take: the cache takes only pages whose draft KV is valid, so a
+        lazy prompt's pages are never shared. An adaptive server that decoded plainly from its start (the CPU
+        under load) never cached its shared system prompt, and every request computed it again. A draft that
+        would catch up at once anyway, or whose rounds are expected, is extended now."""
         finals = sum(c.final for c in chunks)
         if self.policy is None or not finals:
             return frozenset()
         size = min(max(self._batch_size, finals), self.policy.buckets[-1])  # the running batch, or these alone
         if self.policy.steady_choice(size) != PLAIN:
             return frozenset()
-        longest = self.runner.limits.lazy_prefill_tokens
+        longest, page = self.runner.limits.lazy_prefill_tokens, self.runner.limits.page_size
+        caching = not self.runner.config.disable_radix_cache
+
+        def adds_cacheable_pages(c: PrefillChunk) -> bool:  # a full prompt page past the request's cached ones
+            return caching and (c.start + len(c.tokens)) // page * page > c.request.cached_tokens
+
         return frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
-                         and c.request.draft_lag == 0 and len(c.tokens) <= longest)
+                         and c.request.draft_lag == 0 and len(c.tokens) <= longest and not adds_cacheable_pages(c))
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
