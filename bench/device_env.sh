@@ -3,7 +3,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD/src
+  export PYTHONPATH=/tmp/site:$PWD/src PATH=/tmp/site/bin:$PATH  # carried scripts (py-spy) in /tmp/site/bin
 else
   export PYTHONPATH=$PWD/src
 fi

@@ -39,6 +39,8 @@ from pathlib import Path
 import httpx
 
 from spruce.bench.serving_client import client_processes, process_pool, send_level, stream_one
+from spruce.runtime.step_counters import PARTS as STEP_PARTS
+from spruce.server.engine_process import PROCESS_PARTS
 
 PERCENTILES = (50, 90, 99)
 METRICS_TIMEOUT_S = 30.0  # a scrape of /metrics (milliseconds on a live server)
@@ -148,8 +150,12 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spr
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
+ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
+ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
+                  for family, parts in (("step", STEP_PARTS), ("process", PROCESS_PARTS)) for part in parts}
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
-            *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES)
+            *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES, *ENGINE_STEPS.values(), "spruce_engine_decode_rows_total",
+            *ENGINE_SECONDS.values())
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
@@ -206,6 +212,13 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
     if adaptive:
         adaptive |= {key: int(delta.get(name, 0)) for key, name in ADAPTIVE_COUNTERS.items()}
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    engine = None
+    if ENGINE_STEPS["decode"] in delta:
+        steps = {kind: int(delta[name]) for kind, name in ENGINE_STEPS.items()}
+        rows = delta.get("spruce_engine_decode_rows_total", 0.0)
+        engine = {"steps": steps, "mean_decode_batch": rows / steps["decode"] if steps["decode"] else None,
+                  "prefills_per_request": steps["prefill"] / len(ok) if ok else None,
+                  "seconds": {key: delta[name] for key, name in ENGINE_SECONDS.items() if name in delta}}
     return {
         "concurrency": concurrency, "num_requests": num_requests, "started_at": started_at, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -218,6 +231,8 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
+        "engine": engine,  # the server's engine during the level: launches by kind, its mean decode batch, and the
+        # wall seconds of its step's parts and of its process loop's (runtime/step_counters.py); None: not exposed
         "stopped": stopped,  # why the level stopped sending requests (None: it did not)
         "client_processes": processes,
         "triton_compiles": int(delta[SERVING_COMPILES]) if SERVING_COMPILES in delta else None,  # in the server
@@ -305,13 +320,23 @@ def _print_level(lv: dict) -> None:
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}")
+    eng = lv.get("engine")
+    engine = ""
+    if eng and eng["steps"]["decode"]:
+        sec, launches = eng["seconds"], eng["steps"]["decode"] + eng["steps"]["prefill"]
+        per = {part: 1e3 * sec[key] / launches for key, part in (("process.step", "step"), ("step.wait", "wait"),
+                                                                 ("process.encode", "encode"), ("process.send", "send"))
+               if key in sec}
+        engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
+                  f"{eng['prefills_per_request']:.2f} prefills/request, ms per launch "
+                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()))
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
           f"TTFT p50/p90/p99 {ms(lv['ttft_s'], 'p50')}/{ms(lv['ttft_s'], 'p90')}/{ms(lv['ttft_s'], 'p99')} ms | "
           f"ITL p50/p99 {ms(lv['itl_s'], 'p50')}/{ms(lv['itl_s'], 'p99')} ms | "
           f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | cached prompt {100 * cached:.0f}% | "
-          f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}"
+          f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}{engine}"
           + (f" | Triton compiled {lv['triton_compiles']} kernel(s) in the server" if lv["triton_compiles"] else ""))
     for err in lv["errors"]:
         print(f"  error: {err}", file=sys.stderr)

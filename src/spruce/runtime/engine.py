@@ -44,6 +44,7 @@ from spruce.runtime.request import Request, SpecStats, Status, prompt_token_ids
 from spruce.runtime.sampler import SamplingTensors
 from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.scheduler import Scheduler
+from spruce.runtime.step_counters import StepCounters
 from spruce.sampling_params import SamplingParams
 from spruce.speculative.registry import make_strategy
 from spruce.speculative.strategy import PrefillChunk
@@ -91,6 +92,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
         self.tokens_generated = 0
+        self.counters = StepCounters()
         self._arrival = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._lock = threading.RLock()
@@ -221,9 +223,14 @@ class Engine:
         of every request whose state changed (`finished_only`: of those that finished, as offline callers
         need: running requests' outputs and text are then not built)."""
         with self._lock:
+            counters = self.counters
+            t0 = time.perf_counter()
+            resolving = counters.seconds["wait"] + counters.seconds["resolve"]
             touched = self._take_aborted()
             previous, self._inflight = self._inflight, None
             launched, previous = self._plan_and_launch(previous, touched)
+            t1 = time.perf_counter()  # a preemption may have resolved the step in flight: not launch time
+            counters.add("launch", t1 - t0 - (counters.seconds["wait"] + counters.seconds["resolve"] - resolving))
             if previous is not None:
                 self._resolve(previous, touched)
             if launched is not None:
@@ -231,7 +238,10 @@ class Engine:
                     self._inflight = launched
                 else:
                     self._resolve(launched, touched)
-            return self._outputs(touched, finished_only)
+            t2 = time.perf_counter()
+            outputs = self._outputs(touched, finished_only)
+            counters.add("outputs", time.perf_counter() - t2)
+            return outputs
 
     def step_and_stats(self) -> tuple[list[RequestOutput], dict]:
         """`step()` and then `stats()` within one hold of the engine lock: what the server's engine thread takes
@@ -333,6 +343,7 @@ class Engine:
             q.committed = c.start + len(c.tokens)
             if c.final:
                 q.status = Status.DECODE
+        self.counters.launched(False, len(stepped), False)
         return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
 
     def _launch_decode(self, reqs: list[Request]) -> LaunchedStep:
@@ -358,6 +369,7 @@ class Engine:
             self._count_penalties(reqs, result)
         launched = self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
         launched.chosen = strategy
+        self.counters.launched(True, len(reqs), spec)
         return launched
 
     def _start_penalties(self, finals: list[Request]) -> None:
@@ -431,8 +443,10 @@ class Engine:
                 self._final_text.append(q)
                 self.scheduler.finish(q, "stop")  # the grammar is complete: nothing but eos may follow
             touched[q.request_id] = q
-        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited,
-                               resolve_s=time.perf_counter() - t_read)
+        resolve_s = time.perf_counter() - t_read
+        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited, resolve_s=resolve_s)
+        self.counters.add("wait", waited)
+        self.counters.add("resolve", time.perf_counter() - t_read)
 
     # --- logprobs (runtime/logprobs.py) -----------------------------------------------------------------------------
     def _token_text(self, token_id: int) -> str | None:
@@ -653,6 +667,7 @@ class Engine:
                 "tokens_generated": self.tokens_generated,
                 "preemptions": self.scheduler.num_preemptions,
                 "prefill_holds": self.scheduler.batching.held,
+                "steps": self.counters.as_dict(),
                 "prefix_cache": self._prefix_cache_stats(),
                 "spec": self.spec_stats.as_dict() if self.speculative else None,
                 "adaptive": self.strategy.stats(),

@@ -39,6 +39,7 @@ import multiprocessing
 import pickle
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError, SpruceError
@@ -49,6 +50,8 @@ from spruce.server.output_deltas import OutputAssembler, OutputEncoder
 
 log = logging.getLogger("spruce.server")
 STOP_TIMEOUT_S = 30.0  # how long a stopped engine process gets to exit before it is killed
+PROCESS_PARTS = ("idle", "messages", "step", "encode", "send")  # the engine process loop's wall time: blocked
+# with nothing to do; applying the server's messages; Engine.step (and stats); encoding its outputs; sending them
 
 
 class EngineStartError(SpruceError):
@@ -123,21 +126,32 @@ class _EngineServer:
         self.conn = conn
         self.encoder = OutputEncoder()
         self.must_step = False  # an add or an abort came: step even if the engine has nothing unfinished
+        self.seconds = dict.fromkeys(PROCESS_PARTS, 0.0)  # cumulative wall seconds of the loop's parts, sent with
+        # each step's stats (as of the step before: the send of a step is timed after it)
 
     def run(self) -> None:
         log.info("engine process serving")
+        seconds = self.seconds
+        clock = time.perf_counter
         while True:
             block = not (self.must_step or self.engine.has_unfinished())
+            t0 = clock()
             while block or self.conn.poll():
                 try:
                     message = self.conn.recv()
                 except EOFError:
                     log.info("the server closed the pipe: engine process exits")
                     return
+                if block:  # the engine had nothing to do until this message came
+                    t1 = clock()
+                    seconds["idle"] += t1 - t0
+                    t0 = t1
                 if not self._handle(message):
                     log.info("engine process stopped")
                     return
                 block = False
+            t1 = clock()
+            seconds["messages"] += t1 - t0
             self.must_step = False
             try:
                 outputs, stats = self.engine.step_and_stats()
@@ -145,7 +159,14 @@ class _EngineServer:
                 log.exception("engine step failed: the engine process stops and every request in flight fails")
                 self.conn.send(("failed", f"{type(e).__name__}: {e}"))
                 return
-            self.conn.send(("step", self.encoder.encode(outputs), stats))
+            t2 = clock()
+            deltas = self.encoder.encode(outputs)
+            t3 = clock()
+            stats["process_seconds"] = dict(seconds)
+            self.conn.send(("step", deltas, stats))
+            seconds["step"] += t2 - t1
+            seconds["encode"] += t3 - t2
+            seconds["send"] += clock() - t3
 
     def _handle(self, message: tuple) -> bool:
         """Apply one message from the server; False for "stop"."""

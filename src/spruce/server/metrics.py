@@ -191,6 +191,23 @@ class Metrics:
             counter("spruce_prefill_holds_total", "Admission rounds that held arrivals back for a shared prefill "
                     "(--scheduler-delay-factor).", s.get("prefill_holds", 0))
             gauge("spruce_generation_tokens_per_second", "Tokens generated per second (10 s window).", tps)
+            steps = s.get("steps")
+            if steps is not None:
+                counter("spruce_engine_steps_total", "Engine launches by kind (prefill: a batch of prompt chunks; "
+                        "decode: a plain step or a speculative round; round: the decode launches that were "
+                        "speculative rounds).", {("kind", "prefill"): steps["prefills"],
+                                                ("kind", "decode"): steps["decodes"],
+                                                ("kind", "round"): steps["rounds"]})
+                counter("spruce_engine_decode_rows_total", "Requests over all decode launches (their mean batch: "
+                        "this over the decode launches).", steps["decode_rows"])
+                counter("spruce_engine_step_seconds_total", "Wall seconds of the engine's steps by part (launch: "
+                        "planning and launching; wait: blocked on the device; resolve: applying results; "
+                        "outputs: building the outputs).", {("part", k): v for k, v in steps["seconds"].items()})
+            process = s.get("process_seconds")
+            if process is not None:
+                counter("spruce_engine_process_seconds_total", "Wall seconds of the engine process's loop by part "
+                        "(idle: nothing to run; messages: applying the server's; step: Engine.step; encode and "
+                        "send: the step's outputs to the server).", {("part", k): v for k, v in process.items()})
             counter("spruce_requests_finished_total", "Finished engine requests by finish reason.",
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
             counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
