@@ -32,7 +32,7 @@ from typing import AsyncIterator
 from spruce.runtime.engine import Engine
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
-from spruce.server.metrics import Metrics, RequestClock
+from spruce.server.metrics import Metrics, RequestClock, StatsCadence
 
 log = logging.getLogger("spruce.server")
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
@@ -127,6 +127,7 @@ class EngineLoop:
         self._accepting = True
         self._failure: str | None = None  # set once the engine failed: "ExceptionType: message"
         self._thread = threading.Thread(target=self._run, name="spruce-engine", daemon=True)
+        self._cadence = StatsCadence()
         self.metrics.on_engine_stats(engine.stats())
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -271,9 +272,10 @@ class EngineLoop:
     def _iteration(self, aborts: list[str]) -> None:
         for rid in aborts:
             self.engine.abort(rid)
-        outputs, stats = self.engine.step_and_stats()
+        outputs, stats = self.engine.step_and_stats(self._cadence.due)
         self._dispatch(outputs)
-        self.metrics.on_engine_stats(stats)
+        if stats is not None:
+            self.metrics.on_engine_stats(stats)
         if self.engine.has_unfinished():
             with self._cond:
                 self._pending = True

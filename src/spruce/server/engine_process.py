@@ -10,8 +10,9 @@ Two sides of one duplex pipe (multiprocessing, spawn: CUDA is only ever initiali
 - the engine process (`engine_process_main`) builds the engine (`LLM(**engine_kwargs)`), sends "ready" with what
   the server needs to know of it (`EngineDescription`), then loops: read every message waiting (blocking only
   while the engine is idle), apply adds and aborts, step, send the step's outputs (as deltas, `OutputEncoder`) and
-  its stats. It ignores SIGINT and SIGTERM (a Ctrl-C or a supervisor's signal reaches the whole process group):
-  the server drains, then sends "stop"; and it exits when the pipe closes (the server died).
+  its stats (at most every STATS_INTERVAL_S while requests run: server/metrics.py StatsCadence). It ignores SIGINT
+  and SIGTERM (a Ctrl-C or a supervisor's signal reaches the whole process group): the server drains, then sends
+  "stop"; and it exits when the pipe closes (the server died).
 - the server process (`EngineProcess`, the engine handle the API reads, and `ProcessEngineLoop`) tokenises
   prompts itself (runtime/request.py `prompt_token_ids`), sends adds (all or nothing, answered) and aborts, and a
   receiver thread rebuilds each step's RequestOutputs (`OutputAssembler`) and posts them to the API calls'
@@ -20,8 +21,8 @@ Two sides of one duplex pipe (multiprocessing, spawn: CUDA is only ever initiali
 Messages (tuples; the first element is the kind):
   server -> engine: ("add", call, [(ids, params, request_id), ...]), ("abort", [request_id, ...]),
                     ("flush", call), ("stop",)
-  engine -> server: ("ready", EngineDescription) or ("load_failed", exception), then ("step", deltas, stats),
-                    ("reply", call, result) and, last, ("failed", error)
+  engine -> server: ("ready", EngineDescription) or ("load_failed", exception), then ("step", deltas, stats or
+                    None), ("reply", call, result) and, last, ("failed", error)
 
 Fail-stop as in engine_loop (DESIGN §20): a step that raises sends ("failed", "Type: message") and ends the
 process; a process that ends without saying so (killed, out of memory) fails every request in flight the same
@@ -46,12 +47,14 @@ from spruce.errors import InvalidRequestError, SpruceError
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import prompt_token_ids
 from spruce.server.engine_loop import ENGINE_FAILED, EngineFailure, EngineLoop
+from spruce.server.metrics import StatsCadence
 from spruce.server.output_deltas import OutputAssembler, OutputEncoder
 
 log = logging.getLogger("spruce.server")
 STOP_TIMEOUT_S = 30.0  # how long a stopped engine process gets to exit before it is killed
-PROCESS_PARTS = ("idle", "messages", "step", "encode", "send")  # the engine process loop's wall time: blocked
-# with nothing to do; applying the server's messages; Engine.step (and stats); encoding its outputs; sending them
+PROCESS_PARTS = ("idle", "messages", "step", "encode", "send", "gc")  # the engine process loop's wall time:
+# blocked with nothing to do; applying the server's messages; Engine.step (and stats); encoding its outputs; sending
+# them; and, within those, garbage collections
 
 
 class EngineStartError(SpruceError):
@@ -127,7 +130,17 @@ class _EngineServer:
         self.encoder = OutputEncoder()
         self.must_step = False  # an add or an abort came: step even if the engine has nothing unfinished
         self.seconds = dict.fromkeys(PROCESS_PARTS, 0.0)  # cumulative wall seconds of the loop's parts, sent with
-        # each step's stats (as of the step before: the send of a step is timed after it)
+        # the stats (as of the step before: the send of a step is timed after it)
+        self.cadence = StatsCadence()  # stats go with a step at most every STATS_INTERVAL_S while requests run
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """Garbage collections' wall seconds (within the loop's other parts)."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.seconds["gc"] += time.perf_counter() - self._gc_started
 
     def run(self) -> None:
         log.info("engine process serving")
@@ -154,7 +167,7 @@ class _EngineServer:
             seconds["messages"] += t1 - t0
             self.must_step = False
             try:
-                outputs, stats = self.engine.step_and_stats()
+                outputs, stats = self.engine.step_and_stats(self.cadence.due)
             except Exception as e:  # fail-stop: no request is served by an engine that raised
                 log.exception("engine step failed: the engine process stops and every request in flight fails")
                 self.conn.send(("failed", f"{type(e).__name__}: {e}"))
@@ -162,7 +175,8 @@ class _EngineServer:
             t2 = clock()
             deltas = self.encoder.encode(outputs)
             t3 = clock()
-            stats["process_seconds"] = dict(seconds)
+            if stats is not None:
+                stats["process_seconds"] = dict(seconds)
             self.conn.send(("step", deltas, stats))
             seconds["step"] += t2 - t1
             seconds["encode"] += t3 - t2
@@ -260,7 +274,7 @@ class EngineProcess:
         return self.description.info
 
     def stats(self) -> dict:
-        """The stats sent with the latest step."""
+        """The latest stats the engine process sent (with a step)."""
         return self._stats
 
     @property
@@ -338,8 +352,9 @@ class EngineProcess:
                     on_failure(self._closed_error)
                 return
             kind = message[0]
-            if kind == "step":
-                self._stats = message[2]
+            if kind == "step":  # its stats: None when the engine process took none after it (StatsCadence)
+                if message[2] is not None:
+                    self._stats = message[2]
                 on_step(assembler.assemble(message[1]), message[2])
             elif kind == "reply":
                 _, call_id, result = message
@@ -421,9 +436,10 @@ class ProcessEngineLoop(EngineLoop):
         self.engine.pump(self._on_step, self._on_failure)
         log.info("engine process receiver stopped")
 
-    def _on_step(self, outputs: list[RequestOutput], stats: dict) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: dict | None) -> None:
         self._dispatch(outputs)
-        self.metrics.on_engine_stats(stats)
+        if stats is not None:
+            self.metrics.on_engine_stats(stats)
 
     def _on_failure(self, error: str) -> None:
         self._fail_all(error)

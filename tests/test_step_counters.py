@@ -1,0 +1,74 @@
+"""The engine's step counters (runtime/step_counters.py) and when a serving loop takes the engine's stats
+(server/metrics.py StatsCadence).
+
+Target: the bundled pycode-6m, plain and with its bundled EAGLE-3 head."""
+
+from __future__ import annotations
+
+import pytest
+
+from spruce import SamplingParams
+from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.server.metrics import Metrics, StatsCadence
+
+TARGET = builtin_model_path()
+
+
+@pytest.mark.parametrize("draft", [None, "eagle3"])
+def test_counts_every_launch_and_its_rows(make_llm, draft):
+    """Three requests admitted together: one prefill launch, then decode launches whose rows sum to the decode
+    steps each request took (it took max_tokens - 1 of them, its first token coming from the prefill: plain) and
+    whose rounds are every decode launch with a draft; Engine.step's parts add up to no more than its wall time."""
+    kwargs = {} if draft is None else dict(draft_model=builtin_draft_path(), speculative_algorithm="EAGLE3")
+    llm = make_llm(model=TARGET, device="cpu", page_size=4, **kwargs)
+    outs = llm.generate(["def fib(n):", "class A:", "import os"], SamplingParams(max_tokens=12, temperature=0))
+    steps = llm.engine.stats()["steps"]
+    assert steps["prefills"] == 1
+    assert steps["rounds"] == (steps["decodes"] if draft else 0)
+    if draft is None:
+        assert steps["decode_rows"] == sum(len(o.token_ids) - 1 for o in outs)
+    else:  # a round commits 1 to S + 1 tokens per row
+        assert sum(len(o.token_ids) - 1 for o in outs) / (llm.engine.limits.num_steps + 1) <= steps["decode_rows"]
+        assert steps["decode_rows"] <= sum(len(o.token_ids) - 1 for o in outs)
+    assert set(steps["seconds"]) == {"launch", "wait", "resolve", "outputs"}
+    assert all(v >= 0 for v in steps["seconds"].values()) and steps["seconds"]["launch"] > 0
+
+
+def test_metrics_expose_the_counters(make_llm):
+    llm = make_llm(model=TARGET, device="cpu")
+    llm.generate(["def fib(n):"], SamplingParams(max_tokens=6, temperature=0))
+    metrics = Metrics(0, {})
+    metrics.on_engine_stats(llm.engine.stats() | {"process_seconds": {"step": 0.5, "send": 0.25}})
+    text = metrics.render()
+    assert 'spruce_engine_steps_total{kind="prefill"} 1' in text
+    assert 'spruce_engine_steps_total{kind="decode"} 5' in text
+    assert "spruce_engine_decode_rows_total 5" in text
+    assert 'spruce_engine_step_seconds_total{part="launch"}' in text
+    assert 'spruce_engine_process_seconds_total{part="send"} 0.25' in text
+
+
+def test_stats_cadence():
+    """Always once the engine is idle; while it is busy, at most once per interval."""
+    now = [10.0]
+    cadence = StatsCadence(0.05, clock=lambda: now[0])
+    assert cadence.due(busy=True)  # the first step's
+    now[0] += 0.01
+    assert not cadence.due(busy=True)
+    assert cadence.due(busy=False)  # idle: the snapshot a scrape after the requests reads
+    now[0] += 0.049
+    assert not cadence.due(busy=True)
+    now[0] += 0.002
+    assert cadence.due(busy=True)
+    assert not cadence.due(busy=True)
+
+
+def test_step_and_stats_takes_stats_only_when_due(make_llm):
+    llm = make_llm(model=TARGET, device="cpu")
+    eng = llm.engine
+    eng.add_request("def fib(n):", SamplingParams(max_tokens=4, temperature=0))
+    seen = []
+    while eng.has_unfinished():
+        outputs, stats = eng.step_and_stats(lambda busy: (seen.append(busy), not busy)[1])
+        assert (stats is None) == seen[-1]
+    assert seen[-1] is False and stats["steps"]["decodes"] == 3
+    assert eng.step_and_stats()[1] is not None  # no cadence: every step
