@@ -360,19 +360,27 @@ def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern
 
 
 def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch):
-    """Rounds priced far above plain steps: the engine decodes plainly from its start, so a lazy prefill would leave
-    every prompt's draft behind, and the prefix cache takes only pages whose draft KV is valid. A prompt that adds
-    full pages is therefore extended eagerly: the second request finds the first one's prompt pages cached."""
+    """Rounds priced far above plain steps: the engine decodes plainly from its start, so prefills are lazy and
+    leave every prompt's draft behind, and the prefix cache takes only pages whose draft KV is valid. It remembers
+    the first page it left out, so a prompt that repeats it is extended eagerly: the second request computes the
+    prompt with its draft (no hit), the third finds it cached. A prompt never seen before stays lazy (no draft
+    extend): the fourth, another prompt."""
     fixed_costs(monkeypatch, plain=1.0, spec=50.0)
     llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
               max_running_requests=2)
+    extends = []
+    worker = llm.engine.strategy.worker
+    real_extend = worker.extend_draft
+    monkeypatch.setattr(worker, "extend_draft", lambda chunks, *a: (extends.append(len(chunks)),
+                                                                    real_extend(chunks, *a))[1])
     prompt = OVERLAP_PROMPTS[1]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    first = llm.generate([prompt], params)[0]
-    second = llm.generate([prompt], params)[0]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)  # too few steps for an epoch to end (and a probe)
+    outs = [llm.generate([p], params)[0] for p in (prompt, prompt, prompt, OVERLAP_PROMPTS[2])]
     assert llm.engine.stats()["adaptive"]["chosen"][SPECULATIVE] == 0
-    assert second.token_ids == first.token_ids
-    assert second.num_cached_tokens >= len(first.prompt_token_ids) // 4 * 4 - 4
+    assert outs[1].token_ids == outs[2].token_ids == outs[0].token_ids
+    assert [o.num_cached_tokens for o in outs[:2]] == [0, 0]
+    assert outs[2].num_cached_tokens >= len(prompt_ids := outs[0].prompt_token_ids) // 4 * 4 - 4 > 0, prompt_ids
+    assert extends == [1], extends  # only the second request's prefill extended the draft
     assert_no_leaks(llm)
 
 

@@ -122,3 +122,34 @@ def test_refcounts_lru_and_duplicates():
     cache.release([], [9, 9, 9], c, valid=2)  # newer
     assert cache.evict(1) == 1 and alloc.num_used == 2  # the leaf [3,4] of the older path goes first
     assert [n.page for n in cache.match([1, 2, 3, 4, 5])] == a[:1]
+
+
+def test_pages_left_out_for_their_draft_are_remembered():
+    """A request whose draft KV is valid only below `valid` (adaptive speculation's plain steps) inserts the pages
+    below it; the first page past it, with everything before it, is remembered (`seen_before`), and only that
+    content: another continuation of the same pages is not, nor a sequence a full release inserted whole."""
+    cache, alloc = _cache()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # pages [1,2] [3,4] [5,6] [7,8]
+    pages = alloc.alloc(4)
+    freed = cache.release([], tokens, pages, valid=2)  # draft valid for positions 0 and 1 only
+    assert freed == pages[1:] and [n.page for n in cache.match(tokens)] == pages[:1]
+    assert cache.seen_before(tokens, 1) and cache.seen_before([1, 2, 3, 4, 5], 1)  # page [3,4] + next token 5
+    assert not cache.seen_before([1, 2, 3, 4, 6], 1)  # page [3,4] before another token
+    assert not cache.seen_before([9, 2, 3, 4, 5], 1)  # the same page after another prefix
+    assert not cache.seen_before(tokens, 2) and not cache.seen_before([1, 2, 3], 1)  # too short to say
+    alloc.free(freed)
+    whole = alloc.alloc(2)
+    alloc.free(cache.release([], [7, 7, 7, 7, 7], whole, valid=4))  # everything valid: nothing remembered
+    assert not cache.seen_before([7, 7, 7, 7, 7], 1) and not cache.seen_before([7, 7, 7, 7, 7], 2)
+
+
+def test_remembered_pages_are_bounded(monkeypatch):
+    """At most GHOST_LIMIT prefixes are remembered; the oldest is forgotten first."""
+    from spruce.memory import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "GHOST_LIMIT", 2)
+    cache, alloc = _cache()
+    for first in (1, 2, 3):
+        pages = alloc.alloc(2)
+        alloc.free(cache.release([], [first, 0, 0, 0, 0], pages, valid=0))
+    assert [cache.seen_before([first, 0, 0, 0, 0], 0) for first in (1, 2, 3)] == [False, True, True]

@@ -11,14 +11,22 @@ Pages in the tree are held by the allocator like any other. A request that match
 on each node (`lock`) until its row is released; unreferenced leaves are evicted least recently used first
 when the allocator runs short. Requests only ever write positions past their matched prefix, so a shared page
 is never written after it enters the tree.
+
+Pages whose draft KV is not valid are not inserted (adaptive speculation's plain steps and lazy prefills leave
+the draft behind). Their first page's content is remembered instead, as a hash of the tokens up to it
+(`seen_before`; at most GHOST_LIMIT, oldest forgotten first): a later prompt that repeats it is one worth
+computing with its draft, so that it enters the tree (speculative/adaptive.py).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 from spruce.errors import InvariantError
 from spruce.memory.page_allocator import PageAllocator
+
+GHOST_LIMIT = 4096  # prefixes remembered as seen but not inserted (their draft KV was not valid)
 
 
 class _Node:
@@ -42,6 +50,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # prompt tokens looked up, since start
+        self._ghosts: collections.OrderedDict[int, None] = collections.OrderedDict()  # prefix hashes (module doc)
 
     def _key(self, tokens: list[int], k: int) -> tuple[int, ...] | None:
         """Key of page k of `tokens`: its tokens and the one after (None when the sequence is too short)."""
@@ -103,7 +112,32 @@ class PrefixCache:
                 to_free.append(pages[k])
             child.last_use = now
             node = child
+        else:
+            return to_free
+        self._remember(tokens, valid // self.page_size)
         return to_free
+
+    def _prefix_hash(self, tokens: list[int], k: int) -> int | None:
+        """Hash of what page k of `tokens` holds with everything before it: the tokens through its key's last (the
+        one after the page); None when the sequence is too short."""
+        end = (k + 1) * self.page_size + 1
+        return hash(tuple(tokens[:end])) if len(tokens) >= end else None
+
+    def _remember(self, tokens: list[int], k: int) -> None:
+        """Page k of a released sequence was not inserted (its draft KV was not valid): remember its prefix."""
+        h = self._prefix_hash(tokens, k)
+        if h is None:
+            return
+        self._ghosts[h] = None
+        self._ghosts.move_to_end(h)
+        while len(self._ghosts) > GHOST_LIMIT:
+            self._ghosts.popitem(last=False)
+
+    def seen_before(self, tokens: list[int], k: int) -> bool:
+        """Page k of `tokens`, with everything before it, is what a released request held without inserting it
+        (its draft KV was not valid): the content repeats, so it is worth inserting this time."""
+        h = self._prefix_hash(tokens, k)
+        return h is not None and h in self._ghosts
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages of unreferenced leaves, least recently used first; returns how many."""

@@ -85,7 +85,8 @@ class Engine:
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
                                    PrefillBatching(config.scheduler_delay_factor))
         spec = config.speculative
-        self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
+        self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive,
+                                      prefix_cache=cache)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
