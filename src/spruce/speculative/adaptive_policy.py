@@ -88,9 +88,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   last probe, the next epoch runs the other candidate ("probe"). `probe_after` is 1 .. 64 epochs (a probe that
   leaves the model's choice as it was doubles it, a change of the model's choice resets it); once the other
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
-  epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. The
-  catch-up a probe epoch of plain steps leaves to the next round lands in that round's epoch, which the low median
-  over three epochs keeps out of the rounds' figure (it is the probe's cost).
+  epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
+  every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). The catch-up a probe epoch of plain steps leaves to
+  the next round lands in that round's epoch, which the low median over three epochs keeps out of the rounds'
+  figure (it is the probe's cost).
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
@@ -125,7 +127,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from spruce.speculative.epoch_clock import EpochClock
+from spruce.speculative.epoch_clock import EPOCH_MAX, EPOCH_MIN, EpochClock
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
@@ -137,7 +139,9 @@ COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the cat
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
-PROBE_BUDGET = 0.02  # at most this fraction of decode time goes to probes (their modelled excess cost)
+PROBE_BUDGET = 0.01  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
+PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
+PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 REUSE_STEPS = 32  # a model choice stands for at most this many more steps in its cost bucket
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps ...
@@ -220,7 +224,8 @@ class _RequestAcceptance:
 class _BucketState:
     probe_after: int = PROBE_FIRST  # epochs
     epochs_since_probe: int = 0  # epochs of `model_choice` completed since the last probe epoch
-    probing: bool = False  # steps run the other choice until its epoch is complete
+    probing: bool = False  # steps run the other choice until its epoch is complete ...
+    probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
     model_choice: str | None = None
     last: Decision | None = None
 
@@ -250,6 +255,7 @@ class AdaptivePolicy:
     global_accept: float | None = None
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHOICES, 0))
     probes: int = 0
+    probe_seconds: float = 0.0  # the probes' expected excess seconds (`_probe_cost`), summed
     catch_ups: int = 0
     catch_up_positions: int = 0
     retries: int = 0  # requests retried in a round (collapsed: EMA below half the engine-wide acceptance)
@@ -402,10 +408,9 @@ class AdaptivePolicy:
         st = self._state[load]
         if d.choice != st.model_choice:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
-        if self._explore(st, d, load) != d.choice:
+        if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
-        tokens_per_step = d.tokens_per_step[d.choice]
-        self.epochs.step(d.choice, load, math.ceil(request_tokens / tokens_per_step))
+        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens))
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
@@ -451,17 +456,29 @@ class AdaptivePolicy:
         return self.epochs.seconds(choice, near) * self.step_seconds(choice, load) / max(
             self.step_seconds(choice, near), 1e-12)
 
-    def _explore(self, st: _BucketState, d: Decision, load: int) -> str:
+    def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
         the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time (a
-        probe epoch costs its tokens at the other choice's price: (ratio - 1) epochs of the model's choice)."""
+        probe epoch costs its tokens at the other choice's price: (ratio - 1) epochs of the model's choice).
+
+        A probe ends when its epoch completes, or after PROBE_STEPS_FACTOR times an epoch's steps at its load
+        without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
+        every 50 steps, against 128-step epochs of plain steps) had kept the probe on for good, and every visit to
+        that load ran the probed choice.
+
+        And only while all probes so far, at every load, stay within PROBE_BUDGET of the busy time plus
+        PROBE_ALLOWANCE (`_probe_affordable`): the spacing above is per load bucket and restarts whenever the
+        model's choice there flips, and on the H100 (2026-11-23, 128-token prompts, concurrency 8) an adaptive
+        server whose load moved between two buckets ran five plain probe epochs per 9 s pass, ~4% of its time,
+        against rounds 3x as productive."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
         if st.probing:
-            if done and cur.choice == other:  # the probe epoch is measured
+            st.probe_left -= 1
+            if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
         elif done and cur.choice == model:
             st.epochs_since_probe += 1
@@ -469,10 +486,30 @@ class AdaptivePolicy:
             if self.epochs.seconds(other, load) is not None:
                 ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
-            if st.epochs_since_probe >= spacing:
-                st.probing, st.epochs_since_probe = True, 0
+            steps = self._epoch_steps(d, other, request_tokens)
+            cost = self._probe_cost(d, model, other, steps)
+            if st.epochs_since_probe >= spacing and self._probe_affordable(cost):
+                st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                 self.probes += 1
+                self.probe_seconds += cost
         return other if st.probing else model
+
+    @staticmethod
+    def _epoch_steps(d: Decision, choice: str, request_tokens: float) -> int:
+        """Steps of an epoch of `choice` (as EpochClock sizes it: about one request's life)."""
+        return max(EPOCH_MIN, min(math.ceil(request_tokens / d.tokens_per_step[choice]), EPOCH_MAX))
+
+    @staticmethod
+    def _probe_cost(d: Decision, model: str, other: str, steps: int) -> float:
+        """A probe epoch's expected excess seconds: its `steps` of `other` at `other`'s price, less what the
+        model's choice would have taken for the same tokens (0 if `other` is expected to be no worse)."""
+        ratio = d.tokens_per_second(other) / max(d.tokens_per_second(model), 1e-12)
+        return steps * d.step_seconds[other] * max(1.0 - ratio, 0.0)
+
+    def _probe_affordable(self, cost: float) -> bool:
+        """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
+        PROBE_ALLOWANCE."""
+        return self.probe_seconds + cost <= PROBE_BUDGET * self.epochs.busy_total + PROBE_ALLOWANCE
 
     def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that

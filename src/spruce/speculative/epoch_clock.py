@@ -56,12 +56,15 @@ class EpochClock:
         self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
         self._windows: dict[tuple[str, int], collections.deque] = {}
         self.epochs = 0  # epochs measured
+        self.busy_total = 0.0  # busy seconds of every epoch so far (what a budget of them is a fraction of)
 
     def event(self, now: float) -> None:
         """A step (decode or prefill) is being launched at `now`: the time since the last launch was busy time
         of the epoch under way."""
         if self._last is not None and self.current is not None:
-            self.current.busy += max(now - self._last - self._excluded, 0.0)
+            busy = max(now - self._last - self._excluded, 0.0)
+            self.current.busy += busy
+            self.busy_total += busy
         self._last = now
         self._excluded = 0.0
 
