@@ -16,6 +16,7 @@
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
+lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" ; cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list
 M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"

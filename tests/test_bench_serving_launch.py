@@ -51,7 +51,9 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert (lv["adaptive_costs"] is not None) == adaptive
         if adaptive:  # what the policy compared, after the level
             parts = {"device_seconds", "launch_seconds", "resolve_seconds", "other_host_seconds", "catch_up_seconds"}
-            assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds"}  # W: once a step was steady
+            # W and the own host time: once a step was steady; realized figures: once an epoch completed
+            assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
+                                                                 "realized_step_seconds"}
             assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions", "retries"}
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
     # a level starts one server later than the round before, so no server always runs last
@@ -68,19 +70,3 @@ def test_launch_only_flags_are_refused_without_launch(capsys, flag):
     than accepted and ignored against --base-url."""
     assert main(["bench", "serving", "--base-url", "http://127.0.0.1:9", *flag]) == 2
     assert flag[0] in capsys.readouterr().err
-
-
-def test_cpu_sets_give_each_server_cores_of_its_own(monkeypatch):
-    """--pin-cpus: on 16 logical CPUs of 8 SMT cores (siblings i and i + 8), three servers get two CPUs each on six
-    distinct cores whose siblings nobody uses; the client gets both CPUs of the two cores left; too few cores are
-    refused, naming what is needed."""
-    from spruce.bench import serving_launch
-
-    monkeypatch.setattr(serving_launch, "physical_cores",
-                        lambda cpus: {(0, core): [c for c in sorted(cpus) if c % 8 == core] for core in range(8)})
-    servers, client = serving_launch.plan_cpu_sets(3, available=set(range(16)))
-    cores = [{c % 8 for c in s} for s in servers]
-    assert all(len(s) == 2 and len(c) == 2 for s, c in zip(servers, cores))
-    assert len(set().union(*cores)) == 6 and client == {6, 7, 14, 15}
-    with pytest.raises(ValueError, match="needs 10 cores"):
-        serving_launch.plan_cpu_sets(4, available=set(range(16)))

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -89,10 +90,6 @@ def add_serving_parser(sub) -> None:
                    help="client processes that send a level's requests (0, the default: one per 4 streams in "
                         "flight, at most 8 and half the CPUs); one event loop parsing every chunk limits a level "
                         "at high concurrency (bench/serving_client.py)")
-    p.add_argument("--pin-cpus", action="store_true",
-                   help="with --launch (Linux): give each server two CPUs of physical cores of their own (their SMT "
-                        "siblings idle) and the client the remaining cores, so that no server shares a core with "
-                        "the client or another server (bench/serving_launch.py plan_cpu_sets)")
     p.add_argument("--interleave", action="store_true",
                    help="with several --launch configurations: start them all at once and run each level on each "
                         "server in turn, pass after pass, so that drifts of the machine weigh on every server "
@@ -459,7 +456,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
 def _run_launched(args: argparse.Namespace) -> int:
     """Start, measure and stop one server per configuration (x prefix cache on/off); one result for all."""
     from spruce.bench.common import write_result
-    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer, plan_cpu_sets
+    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer
 
     try:
         configs = [LaunchConfig.parse(text) for text in args.launch]
@@ -474,27 +471,18 @@ def _run_launched(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     servers = [(cfg, cache) for cache in modes for cfg in configs]
     groups = [servers] if args.interleave else [[server] for server in servers]
-    server_cpus: list[set[int] | None] = [None] * max(len(g) for g in groups)
-    if args.pin_cpus:
-        try:
-            server_cpus, client_cpus = plan_cpu_sets(len(server_cpus))
-        except ValueError as e:
-            print(f"spruce bench serving: {e}", file=sys.stderr)
-            return 2
-        os.sched_setaffinity(0, client_cpus)  # this process and the client processes it spawns
-        print(f"CPUs: servers {[sorted(c) for c in server_cpus]}, client {sorted(client_cpus)}")
     runs = []
     prompts_path, prompts = None, None
     for group in groups:  # the servers of a group run at the same time, measured level by level in turn
         with contextlib.ExitStack() as stack:
             targets = []
-            for (cfg, cache), cpus in zip(group, server_cpus):
+            for cfg, cache in group:
                 flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
                 label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
                 print(f"== {label}: spruce serve {shlex.join(flags)}")
                 log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
                 try:
-                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout, cpus))
+                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout))
                     model = _served_model(args, base_url)
                 except (RuntimeError, SystemExit) as e:
                     print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
@@ -502,8 +490,7 @@ def _run_launched(args: argparse.Namespace) -> int:
                 if prompts is None:
                     prompts_path, prompts = _prompts_for(args, model)
                 targets.append((base_url, model))
-                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log),
-                             "cpus": None if cpus is None else sorted(cpus)})
+                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log)})
             measured = asyncio.run(_bench(args, targets, prompts))
             for run, (base_url, _), (levels, stopped) in zip(runs[-len(group):], targets, measured):
                 run |= {"server": server_info(base_url, _headers(args)), "levels": levels, "stopped": stopped}
@@ -535,9 +522,11 @@ def _plot_and_print(series: dict[str, list[dict]], path: Path) -> None:
 
 
 def _print_summary(summary: dict) -> None:
-    """Output tokens/s per run at each concurrency (one figure per pass), per prefix-cache mode."""
+    """Output tokens/s per run at each concurrency (one figure per pass, then their median), per prefix-cache
+    mode."""
     for mode, per_level in summary.items():
-        print(f"-- output tokens/s, {mode.replace('_', ' ')}")
+        print(f"-- output tokens/s, {mode.replace('_', ' ')} (each pass; median)")
         for c, per_run in per_level.items():
-            print(f"   concurrency {c:>3}: " + ", ".join(f"{name} {'/'.join(f'{t:.0f}' for t in tps)}"
-                                                       for name, tps in per_run.items()))
+            print(f"   concurrency {c:>3}: " + ", ".join(
+                f"{name} {'/'.join(f'{t:.0f}' for t in tps)}" + (f" ({statistics.median(tps):.0f})" if tps else "")
+                for name, tps in per_run.items()))

@@ -3,7 +3,6 @@ port, one configuration at a time, driven only through its HTTP API, then stoppe
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal
 import socket
@@ -39,45 +38,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def physical_cores(cpus: set[int]) -> dict[tuple[int, int], list[int]]:
-    """The logical CPUs of `cpus` grouped by physical core ((package, core) from Linux's sysfs topology; a CPU
-    whose topology is unreadable is a core of its own)."""
-    cores: dict[tuple[int, int], list[int]] = {}
-    for cpu in sorted(cpus):
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            key = (int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text()))
-        except (OSError, ValueError):
-            key = (-1, cpu)
-        cores.setdefault(key, []).append(cpu)
-    return cores
-
-
-def plan_cpu_sets(num_servers: int, per_server: int = 2, min_client: int = 2,
-                  available: set[int] | None = None) -> tuple[list[set[int]], set[int]]:
-    """CPU sets for launched servers and for the benchmark's client: each server gets `per_server` CPUs (its
-    HTTP process and its engine process), each the only CPU in use on its physical core (its SMT siblings are
-    left idle), the client every CPU of the remaining cores. On the H100 machine the same server's tokens/s moved
-    10-40% from pass to pass, in some levels with every part of one engine process's step ~45% slower at once
-    (2026-11-23): processes sharing a physical core. Raises ValueError when the machine has too few cores."""
-    available = set(os.sched_getaffinity(0)) if available is None else available
-    cores = list(physical_cores(available).values())
-    needed = num_servers * per_server
-    if len(cores) - needed < min_client:
-        raise ValueError(f"--pin-cpus: {len(available)} CPUs on {len(cores)} physical cores cannot give {num_servers} "
-                         f"servers {per_server} cores each and the client {min_client} (it needs "
-                         f"{needed + min_client} cores)")
-    servers = [{cores[i * per_server + j][0] for j in range(per_server)} for i in range(num_servers)]
-    client = {cpu for core in cores[needed:] for cpu in core}
-    return servers, client
-
-
 class LaunchedServer:
-    """`with LaunchedServer(flags, log_path, timeout) as base_url:` a `spruce serve` child answering /health
-    (`cpus`: the CPUs it and its engine process may run on; None: any)."""
+    """`with LaunchedServer(flags, log_path, timeout) as base_url:` a `spruce serve` child answering /health."""
 
-    def __init__(self, flags: list[str], log_path: Path, timeout: float, cpus: set[int] | None = None):
-        self.flags, self.log_path, self.timeout, self.cpus = flags, log_path, timeout, cpus
+    def __init__(self, flags: list[str], log_path: Path, timeout: float):
+        self.flags, self.log_path, self.timeout = flags, log_path, timeout
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
@@ -85,9 +50,7 @@ class LaunchedServer:
         cmd = [sys.executable, "-m", "spruce.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
-        cpus = self.cpus
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
