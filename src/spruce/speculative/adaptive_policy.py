@@ -7,8 +7,15 @@ Rule: pick the candidate with the most expected committed tokens per second for 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
   the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds (before any round
   at all, the tree depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
-  collapsed (below half the engine-wide one): its own. Such a request thus counts ~1 token in both candidates: it
-  neither forces the batch to plain nor makes speculation look better than it is for the others. A request's own
+  collapsed (below COLLAPSE_FRACTION, a tenth, of the engine-wide one): its own. Such a request thus counts ~1
+  token in both candidates: it neither forces the batch to plain nor makes speculation look better than it is for
+  the others. The line was half the engine-wide one until 2026-11-23. bench/replay_adaptive.py replays the
+  acceptance a (5, 4, 8) round would have at every position of the short workload's 53 held-out requests (every
+  request's mean 1.7 accepted drafts or more; bench/results/accept-trace-*) through this policy at concurrency 1:
+  at half, dips put requests in plain steps, each left to be caught up for a retry, and the policy ran 2.4-9.1%
+  behind fixed rounds under three cost models fitted to the H100 runs (5,580-9,632 plain steps, 38-66 catch-ups);
+  at a quarter 0.6-3.1%; at a tenth 0.5-0.8% (~460 plain steps, the probes; 5 catch-ups). On the H100 itself the
+  adaptive server at half ran 46-57% plain steps at concurrency 1 and 3-5% behind a fixed one. A request's own
   EMA above that line is not used: it is noisy (acceptance varies round to round), it is not re-measured while
   the request decodes plainly, and at concurrency 1 on the H100 (2026-11-23, rounds at 0.98 ms for 4.2 tokens
   against 0.32 ms plain steps: rounds pay from 3.4 tokens) requests whose EMA dipped below that stayed plain for
@@ -16,8 +23,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
 - A request's EMA is not measured while it decodes plainly, so a dip below the engine-wide one would stand for
   the rest of the request. On the H100 (128-token prompts, rounds committing ~4.3 tokens), runs of rejected rounds
   put 103 of 256 requests at concurrency 1 in plain steps until they ended: 42% of the steps were plain at ~3x a
-  round's cost per token. So a collapsed request (EMA below half the engine-wide one) is retried (priced at the
-  engine-wide acceptance) once its draft lags by `retry_after` positions (plain steps since its last round):
+  round's cost per token. So a collapsed request (EMA below a tenth of the engine-wide one) is retried (priced at
+  the engine-wide acceptance) once its draft lags by `retry_after` positions (plain steps since its last round):
   RETRY_FIRST, doubled (up to RETRY_MAX) after each retry round that accepts less than half the engine-wide one,
   so a request whose text truly defeats the draft pays a catch-up ever more rarely; a retry that accepts resets
   its EMA to that round's count (the text moved on) and its backoff. A lower REQUEST_ALPHA makes a collapse take
@@ -133,6 +140,7 @@ PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
 REQUEST_ALPHA = 0.25  # per-request acceptance EMA: a few rejected rounds in a row do not read as a collapse
 COLLAPSE_ROUNDS = 8  # rounds a request must have had before its EMA can count as collapsed
+COLLAPSE_FRACTION = 0.1  # ... and the fraction of the engine-wide acceptance its EMA must fall below
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
 ACCEPT_WINDOW = 512  # request-rounds behind the engine-wide acceptance (the prior of requests without rounds)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
@@ -216,8 +224,9 @@ class _RequestAcceptance:
     retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
 
     def collapsed(self, prior: float) -> bool:
-        """After COLLAPSE_ROUNDS rounds at least, its EMA is below half the prior (the engine-wide acceptance)."""
-        return self.rounds >= COLLAPSE_ROUNDS and self.ema < prior / 2
+        """After COLLAPSE_ROUNDS rounds at least, its EMA is below COLLAPSE_FRACTION of the prior (the engine-wide
+        acceptance)."""
+        return self.rounds >= COLLAPSE_ROUNDS and self.ema < COLLAPSE_FRACTION * prior
 
 
 @dataclass
@@ -258,7 +267,7 @@ class AdaptivePolicy:
     probe_seconds: float = 0.0  # the probes' expected excess seconds (`_probe_cost`), summed
     catch_ups: int = 0
     catch_up_positions: int = 0
-    retries: int = 0  # requests retried in a round (collapsed: EMA below half the engine-wide acceptance)
+    retries: int = 0  # requests retried in a round (collapsed: EMA below a tenth of the engine-wide one)
     draft_prompt_seconds: float | None = None  # EMA of the eager draft extends' seconds per prefill launch
     draft_prompt_requests: float | None = None  # EMA of the requests each of those prefills completed
 
@@ -324,7 +333,7 @@ class AdaptivePolicy:
 
     def expected_accept(self, request, lag: int = 0) -> float:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
-        its EMA collapsed (below half the prior): then its EMA, until it is retried (the prior) from a lag of its
+        its EMA collapsed (below COLLAPSE_FRACTION of the prior): then its EMA, until it is retried (the prior) from a lag of its
         `retry_after`."""
         return self._expected(self._accept.get(request), lag)
 
