@@ -328,8 +328,9 @@ def _print_level(lv: dict) -> None:
         per = {part: 1e3 * sec[key] / launches for key, part in (("process.step", "step"), ("step.wait", "wait"),
                                                                  ("process.encode", "encode"), ("process.send", "send"))
                if key in sec}
+        per_request = eng["prefills_per_request"]  # None when no request completed
         engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
-                  f"{eng['prefills_per_request']:.2f} prefills/request, ms per launch "
+                  + ("" if per_request is None else f"{per_request:.2f} prefills/request, ") + "ms per launch "
                   + " ".join(f"{part} {v:.3f}" for part, v in per.items()))
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
