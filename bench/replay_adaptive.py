@@ -118,7 +118,8 @@ def main() -> None:
     trace = json.loads(args.trace.read_text())["figures"]
     cost = {key: getattr(args, key) for key in defaults}
     lens = [len(p) for p in trace["prompts"]]
-    results = {mode: replay(trace["accept"], lens, args.requests, mode, cost) for mode in ("plain", "fixed", "adaptive")}
+    results = {mode: replay(trace["accept"], lens, args.requests, mode, cost)
+               for mode in ("plain", "fixed", "adaptive")}
     best = max(results["plain"]["tokens_per_second"], results["fixed"]["tokens_per_second"])
     print(json.dumps({"cost": cost, "collapse_fraction": args.collapse_fraction, "results": results,
                       "adaptive_vs_better": results["adaptive"]["tokens_per_second"] / best - 1}, indent=1))

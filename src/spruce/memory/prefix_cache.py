@@ -114,7 +114,7 @@ class PrefixCache:
             node = child
         else:
             return to_free
-        self._remember(tokens, valid // self.page_size)
+        self._remember(tokens, k)  # the first page left out (a short last page: nothing to remember)
         return to_free
 
     def _prefix_hash(self, tokens: list[int], k: int) -> int | None:

@@ -134,7 +134,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from spruce.speculative.epoch_clock import EPOCH_MAX, EPOCH_MIN, EpochClock
+from spruce.speculative.epoch_clock import EpochClock, epoch_steps
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 CHOICES = (PLAIN, SPECULATIVE)
@@ -333,8 +333,8 @@ class AdaptivePolicy:
 
     def expected_accept(self, request, lag: int = 0) -> float:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
-        its EMA collapsed (below COLLAPSE_FRACTION of the prior): then its EMA, until it is retried (the prior) from a lag of its
-        `retry_after`."""
+        its EMA collapsed (below COLLAPSE_FRACTION of the prior): then its EMA, until it is retried (the prior) from
+        a lag of its `retry_after`."""
         return self._expected(self._accept.get(request), lag)
 
     def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
@@ -495,18 +495,19 @@ class AdaptivePolicy:
             if self.epochs.seconds(other, load) is not None:
                 ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
-            steps = self._epoch_steps(d, other, request_tokens)
-            cost = self._probe_cost(d, model, other, steps)
-            if st.epochs_since_probe >= spacing and self._probe_affordable(cost):
-                st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
-                self.probes += 1
-                self.probe_seconds += cost
+            if st.epochs_since_probe >= spacing:
+                steps = self._epoch_steps(d, other, request_tokens)
+                cost = self._probe_cost(d, model, other, steps)
+                if self._probe_affordable(cost):
+                    st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
+                    self.probes += 1
+                    self.probe_seconds += cost
         return other if st.probing else model
 
     @staticmethod
     def _epoch_steps(d: Decision, choice: str, request_tokens: float) -> int:
-        """Steps of an epoch of `choice` (as EpochClock sizes it: about one request's life)."""
-        return max(EPOCH_MIN, min(math.ceil(request_tokens / d.tokens_per_step[choice]), EPOCH_MAX))
+        """Steps of an epoch of `choice`: about one request's life, within EpochClock's bounds."""
+        return epoch_steps(math.ceil(request_tokens / d.tokens_per_step[choice]))
 
     @staticmethod
     def _probe_cost(d: Decision, model: str, other: str, steps: int) -> float:

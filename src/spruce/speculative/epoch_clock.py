@@ -30,6 +30,11 @@ EPOCH_MAX = 512  # steps: the longest epoch, however long requests are
 EPOCH_WINDOW = 3  # epochs per (choice, bucket) behind its figure
 
 
+def epoch_steps(target: int) -> int:
+    """An epoch's length in steps for a wanted `target` (about one request's life): within EPOCH_MIN..EPOCH_MAX."""
+    return max(EPOCH_MIN, min(target, EPOCH_MAX))
+
+
 @dataclass
 class Epoch:
     """The run of decode steps under way."""
@@ -88,7 +93,7 @@ class EpochClock:
         cur = self.current
         if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
             self._end()
-            cur = self.current = Epoch(choice, bucket, max(EPOCH_MIN, min(target, EPOCH_MAX)))
+            cur = self.current = Epoch(choice, bucket, epoch_steps(target))
         cur.steps += 1
 
     def _end(self) -> None:
