@@ -67,7 +67,7 @@ def run(name: str, llm: LLM, prompts: list[list[int]], concurrency: int, max_tok
     if after.get("adaptive") is not None:
         result["adaptive_steps"] = {c: n - before["adaptive"]["chosen"][c]
                                     for c, n in after["adaptive"]["chosen"].items()}
-        result["adaptive_realized_step_seconds"] = after["adaptive"]["realized_step_seconds"]
+        result["adaptive_realized_ratio"] = after["adaptive"]["realized_ratio"]
     print(f"{name}: {tokens / wall:.0f} tok/s, wall {wall:.2f} s, {result['prefill_launches_per_request']:.2f} "
           f"prefills/request, {result['prefill_holds']} holds; " + ", ".join(
               f"{k} {v['total_ms'] / 1e3:.2f} s/{v['count']}" for k, v in sorted(phases.items())))

@@ -302,10 +302,10 @@ def test_round_resolve_is_charged_to_the_round():
     assert p.launch(PLAIN, 4) == pytest.approx(0.3e-3) and p.launch(SPECULATIVE, 4) == pytest.approx(1e-3)
     assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
     assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
-    p.epochs = EpochClock()  # no realized figure (the forced choices ran under other names): the parts price
+    p.epochs = EpochClock(p._parts_seconds)  # no realized figure (the forced choices ran under other names): the parts price
     set_accept(p, 0.19)
     assert p.decide(reqs).choice == PLAIN
-    p.epochs = EpochClock()
+    p.epochs = EpochClock(p._parts_seconds)
     p.resolve_seconds.clear()  # the interval alone (before): launches and resolves in the pooled rest
     p.launch_seconds.clear()
     p.other_host_seconds[4] = 1e-3 + 0.5e-3 + plan
@@ -358,7 +358,7 @@ def test_probes_stay_within_their_budget(monkeypatch):
         choices.append(d.choice)
     first = choices.index(SPECULATIVE)  # the first probe measures rounds (no budget yet)
     later = [i for i, c in enumerate(choices) if c == SPECULATIVE and i >= first + EPOCH_MIN]
-    assert first == EPOCH_MIN and p.epochs.seconds(SPECULATIVE, 1) == pytest.approx(26e-3)
+    assert first == EPOCH_MIN and p._realized(SPECULATIVE, 1, 1) == pytest.approx(26e-3)
     epochs_between = 25 / PROBE_BUDGET - 1  # (ratio - 1) / budget epochs of plain steps
     assert not later or later[0] >= 2 * EPOCH_MIN + epochs_between * EPOCH_MIN
 
@@ -382,9 +382,9 @@ def test_realized_figures_need_only_the_small_margin():
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     set_accept(p, 2 * 1.05 - 1)
-    p.epochs._windows[(PLAIN, 1)] = collections.deque([1e-3])
+    p.epochs._windows[(PLAIN, 1)] = collections.deque([1.0])  # realized: what the parts say
     assert p.decide(reqs).choice == PLAIN  # rounds priced by their parts: the 10% margin
-    p.epochs._windows[(SPECULATIVE, 1)] = collections.deque([2e-3])
+    p.epochs._windows[(SPECULATIVE, 1)] = collections.deque([1.0])
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
     assert d.choice == SPECULATIVE and REALIZED_MARGIN < 0.05 < SPECULATION_MARGIN
@@ -467,8 +467,8 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
         clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
         catch_up_due = d.choice == PLAIN
         decisions.append(d)
-    assert p.epochs.seconds(SPECULATIVE, 1) == pytest.approx(0.7e-3)
-    assert p.epochs.seconds(PLAIN, 1) == pytest.approx(0.3e-3)
+    assert p._realized(SPECULATIVE, 1, 1) == pytest.approx(0.7e-3)
+    assert p._realized(PLAIN, 1, 1) == pytest.approx(0.3e-3)
     probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
     assert probes == list(range(EPOCH_MIN, 2 * EPOCH_MIN))  # the first measures plain steps; the next is 43 away
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
@@ -644,19 +644,53 @@ def test_realized_seconds_price_what_the_parts_miss():
             clock.now += 13e-3
         decisions.append(d)
     assert decisions[0].choice == SPECULATIVE  # the parts' choice, until measured
-    realized = p.snapshot()["realized_step_seconds"]
-    assert realized[SPECULATIVE][8] == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills per epoch
-    assert realized[PLAIN][8] == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
+    realized = p.snapshot()["realized_ratio"]  # over what the parts give the same steps
+    assert realized[SPECULATIVE][8] > 2 and realized[PLAIN][8] < 1
+    assert p._realized(SPECULATIVE, 8, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills an epoch
+    assert p._realized(PLAIN, 8, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
     assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"
-    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(realized[SPECULATIVE][8])
+    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(p._realized(SPECULATIVE, 8, 8), rel=0.05)
     from spruce.server.metrics import Metrics  # /metrics shows the realized figures
 
     metrics = Metrics(5)
     metrics.on_engine_stats({"adaptive": p.snapshot()})
     text = metrics.render()
     for choice in CHOICES:
-        assert f'spruce_adaptive_realized_step_seconds{{bucket="8",choice="{choice}"}}' in text
+        assert f'spruce_adaptive_realized_ratio{{bucket="8",choice="{choice}"}}' in text
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
+
+
+def test_a_drain_does_not_price_a_full_batch():
+    """The H100 prefix run (2026-11-23, commit 420bc7f): the adaptive server's plain steps at load 64 were priced at
+    0.34 ms a step (busy seconds per step over an epoch that caught the level's drain) against 1.55 ms between
+    back-to-back plain steps at batch 64. Here plain steps cost 0.2 ms + 20 us per request and rounds 0.6 ms + 30
+    us per request, committing 2 tokens: at batch 64, 1.48 against 2.52 ms, rounds commit 17% more per second. The
+    plain epoch at load 64 ran a drain (batch 64 down to 1), the rounds' epoch full batches. Busy seconds per step
+    put the drain's plain step at 0.85 ms and plain steps won; each step modelled at its own batch's parts, both
+    epochs read what the parts say and rounds win."""
+    buckets = (1, 8, 16, 32, 64)
+    clock = Clock()
+    plain_s, spec_s = (lambda n: 0.2e-3 + 20e-6 * n), (lambda n: 0.6e-3 + 30e-6 * n)
+    p = AdaptivePolicy(buckets, {(c, b): (plain_s if c == PLAIN else spec_s)(b) for c in CHOICES for b in buckets},
+                       overlapped=True, max_accept=4, clock=clock)
+    set_accept(p, 1.0)
+
+    def run(choice: str, sizes: list[int]) -> None:
+        for n in sizes:
+            p.epochs.event(clock.now)
+            p.epochs.step(choice, 64, len(sizes), p.bucket_for(n))
+            clock.now += (plain_s if choice == PLAIN else spec_s)(p.bucket_for(n))
+
+    drain = [64 - (63 * i) // (EPOCH_MIN * 4 - 1) for i in range(EPOCH_MIN * 4)]  # 64 down to 1
+    run(PLAIN, drain)
+    run(SPECULATIVE, [64] * EPOCH_MIN * 4)
+    run(PLAIN, [64])  # ends the rounds' epoch
+    per_step = sum(plain_s(p.bucket_for(n)) for n in drain) / len(drain)
+    assert 1 / per_step > 1.05 * 2 / spec_s(64)  # what busy seconds per step chose: plain
+    assert p.epochs.ratio(PLAIN, 64) == pytest.approx(1.0) and p.epochs.ratio(SPECULATIVE, 64) == pytest.approx(1.0)
+    d = p.decide([Req() for _ in range(64)])
+    assert d.step_seconds == pytest.approx({PLAIN: plain_s(64), SPECULATIVE: spec_s(64)})
+    assert d.choice == SPECULATIVE
 
 
 def test_a_request_priced_below_the_rounds_break_even_is_not_left_plain():
@@ -690,11 +724,11 @@ def test_a_dip_in_the_batch_is_priced_at_the_load_it_belongs_to():
     p = AdaptivePolicy(buckets, {(c, b): 1e-3 for c in CHOICES for b in buckets}, overlapped=True, max_accept=3,
                        clock=Clock())
     set_accept(p, 3.3)
-    p.epochs._windows[(SPECULATIVE, 24)] = collections.deque([1.2e-3])  # a drain's figure
-    p.epochs._windows[(SPECULATIVE, 32)] = collections.deque([5.5e-3])
-    p.epochs._windows[(PLAIN, 32)] = collections.deque([0.83e-3])
-    p.epochs._windows[(PLAIN, 24)] = collections.deque([0.84e-3])
     full, dip = [Req() for _ in range(30)], [Req() for _ in range(22)]
+    p.epochs._windows[(SPECULATIVE, 24)] = collections.deque([1.2])  # realized over 1 ms parts: a drain's figure
+    p.epochs._windows[(SPECULATIVE, 32)] = collections.deque([5.5])
+    p.epochs._windows[(PLAIN, 32)] = collections.deque([0.83])
+    p.epochs._windows[(PLAIN, 24)] = collections.deque([0.84])
     assert p.decide(full).choice == PLAIN
     d = p.decide(dip)
     assert d.bucket == 24 and d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(5.5e-3)
@@ -758,7 +792,7 @@ def test_one_bad_request_does_not_set_the_prior():
 
 def test_a_new_load_borrows_the_nearest_realized_figure():
     """Before a choice has an epoch at a load bucket it is priced by its realized figure at the nearest measured
-    bucket, scaled by the parts' ratio between the two: the parts here put a round (2.5 tokens, 3 ms) below a 1 ms
+    bucket (realized over the parts' seconds, times the parts' seconds here): the parts here put a round (2.5 tokens, 3 ms) below a 1 ms
     plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and rounds 3.3 ms, so a
     first batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
     p = policy(plain=1e-3, spec=3e-3)
@@ -766,8 +800,8 @@ def test_a_new_load_borrows_the_nearest_realized_figure():
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN  # the parts alone
     p = policy(plain=1e-3, spec=3e-3)
     set_accept(p, 1.5)
-    p.epochs._windows[(PLAIN, 4)] = collections.deque([3e-3])
-    p.epochs._windows[(SPECULATIVE, 4)] = collections.deque([3.3e-3])
+    p.epochs._windows[(PLAIN, 4)] = collections.deque([3.0])  # realized over the parts: 3 ms and 3.3 ms steps
+    p.epochs._windows[(SPECULATIVE, 4)] = collections.deque([1.1])
     d = p.decide([Req() for _ in range(8)])
     assert d.choice == SPECULATIVE
     assert d.step_seconds == pytest.approx({PLAIN: 3e-3, SPECULATIVE: 3.3e-3})

@@ -40,6 +40,8 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert lv["ttft_s"]["p99"] >= lv["ttft_s"]["p50"] > 0 and lv["e2e_s"]["p50"] > 0
         assert 0 < lv["client_cpu_fraction"] < 4  # the client's CPU seconds per second (threads may add up)
         assert lv["triton_compiles"] is None  # the CPU interpreter compiles nothing: the server counts nothing
+        # the engine runs in its own process (the default), which reports its CPU seconds
+        assert 0 < lv["engine"]["cpu_seconds"] and 0 <= lv["machine_steal_fraction"] < 1
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
         # that repeats the warm-up's prompt finds more)
         cached = lv["cached_prompt_tokens"]
@@ -53,7 +55,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             parts = {"device_seconds", "launch_seconds", "resolve_seconds", "other_host_seconds", "catch_up_seconds"}
             # W and the own host time: once a step was steady; realized figures: once an epoch completed
             assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
-                                                                 "realized_step_seconds"}
+                                                                 "realized_ratio"}
             assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions", "retries"}
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
     # a level starts one server later than the round before, so no server always runs last

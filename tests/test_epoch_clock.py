@@ -1,5 +1,5 @@
-"""EpochClock (speculative/epoch_clock.py): busy seconds per decode step over epochs, prefill time included, idle
-gaps excluded, short runs dropped, one disturbed epoch outvoted."""
+"""EpochClock (speculative/epoch_clock.py): busy over modelled seconds over epochs, prefill time included, idle
+gaps excluded, short runs dropped, one disturbed epoch outvoted, each step modelled at its own batch's cost."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import pytest
 from spruce.speculative.epoch_clock import EPOCH_MAX, EPOCH_MIN, EpochClock
 
 
+def per_step(choice: str, bucket: int) -> float:
+    """Every step modelled at one second: the ratio reads as busy seconds per step."""
+    return 1.0
+
+
 def run(clock: EpochClock, t: float, choice: str, steps: int, step_s: float, bucket: int = 8,
         target: int = EPOCH_MIN, prefill_every: int = 0, prefill_s: float = 0.0) -> float:
     """`steps` decode steps of `step_s` seconds each, a prefill of `prefill_s` after every `prefill_every`-th."""
     for i in range(steps):
         clock.event(t)
-        clock.step(choice, bucket, target)
+        clock.step(choice, bucket, target, bucket)
         t += step_s
         if prefill_every and (i + 1) % prefill_every == 0:
             clock.event(t)  # the prefill's launch
@@ -24,30 +29,30 @@ def run(clock: EpochClock, t: float, choice: str, steps: int, step_s: float, buc
 def test_prefill_time_counts_and_idle_time_does_not():
     """Rounds of 1 ms with a 7 ms prefill after every 4th (an arrival): 2.75 ms per step, which is what a server
     running only rounds pays. An idle gap (the engine out of work) is not counted."""
-    clock = EpochClock()
+    clock = EpochClock(per_step)
     t = run(clock, 0.0, "speculative", 2 * EPOCH_MIN, 1e-3, prefill_every=4, prefill_s=7e-3)
     clock.idle()
     t = run(clock, t + 5.0, "speculative", EPOCH_MIN + 1, 1e-3, prefill_every=4, prefill_s=7e-3)
     assert clock.epochs == 3
-    assert clock.seconds("speculative", 8) == pytest.approx(2.75e-3)
-    assert clock.seconds("plain", 8) is None and clock.seconds("speculative", 16) is None
+    assert clock.ratio("speculative", 8) == pytest.approx(2.75e-3)
+    assert clock.ratio("plain", 8) is None and clock.ratio("speculative", 16) is None
 
 
 def test_a_short_run_measures_nothing_and_a_long_one_is_cut():
-    clock = EpochClock()
+    clock = EpochClock(per_step)
     t = run(clock, 0.0, "plain", EPOCH_MIN - 1, 1e-3)
     t = run(clock, t, "speculative", 1, 1e-3)  # another choice ends the plain run: too short to keep
-    assert clock.seconds("plain", 8) is None and clock.epochs == 0
+    assert clock.ratio("plain", 8) is None and clock.epochs == 0
     run(clock, t, "plain", EPOCH_MAX + 1, 1e-3, target=10 ** 6)  # the target is capped at EPOCH_MAX steps
     assert clock.epochs == 1 and clock.current.steps == 1
 
 
 def test_one_disturbed_epoch_moves_nothing():
-    clock = EpochClock()
+    clock = EpochClock(per_step)
     t = run(clock, 0.0, "plain", EPOCH_MIN, 1e-3)
     t = run(clock, t, "plain", EPOCH_MIN, 9e-3)  # a stall
     run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
-    assert clock.seconds("plain", 8) == pytest.approx(1e-3)
+    assert clock.ratio("plain", 8) == pytest.approx(1e-3)
     assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
 
 
@@ -57,7 +62,7 @@ def rounds_after_a_catch_up(clock: EpochClock, launch_s: float, device_s: float,
     t = 0.0
     for i in range(EPOCH_MIN + 1):
         clock.event(t)
-        clock.step("speculative", 8, EPOCH_MIN)
+        clock.step("speculative", 8, EPOCH_MIN, 8)
         if i == 0:
             clock.exclude(launch_s)
             t += device_s
@@ -68,17 +73,17 @@ def rounds_after_a_catch_up(clock: EpochClock, launch_s: float, device_s: float,
 
 def test_a_catch_up_is_not_the_epochs_time():
     """A catch-up before a switch (2.7 ms here) is the switch's cost: excluded, the epoch holds only its steps."""
-    clock = EpochClock()
+    clock = EpochClock(per_step)
     rounds_after_a_catch_up(clock, 2.7e-3, 2.7e-3, 0.0)
-    assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
+    assert clock.ratio("speculative", 8) == pytest.approx(1e-3)
 
 
 def test_a_catch_ups_device_time_read_later_is_deducted():
     """The catch-up's launch took 1 ms (excluded at once); its device work ran 5 ms, so the steps after it waited
     4 ms more: read from its events a step later, those 4 ms leave the epoch too."""
-    clock = EpochClock()
+    clock = EpochClock(per_step)
     rounds_after_a_catch_up(clock, 1e-3, 5e-3, 4e-3)
-    assert clock.seconds("speculative", 8) == pytest.approx(1e-3)
+    assert clock.ratio("speculative", 8) == pytest.approx(1e-3)
 
 
 def test_a_prompt_extend_is_not_a_plain_epochs_time():
@@ -90,13 +95,31 @@ def test_a_prompt_extend_is_not_a_plain_epochs_time():
     policy = AdaptivePolicy((8,), {(c, 8): 1e-3 for c in (PLAIN, SPECULATIVE)}, overlapped=True, max_accept=3,
                             clock=lambda: now[0])
     for choice in (PLAIN, SPECULATIVE):
-        policy.epochs = EpochClock()
+        policy.epochs = EpochClock(per_step)
         for i in range(EPOCH_MIN + 1):
             policy.epochs.event(now[0])
-            policy.epochs.step(choice, 8, EPOCH_MIN)
+            policy.epochs.step(choice, 8, EPOCH_MIN, 8)
             if i == 3:
                 policy.prompt_extend_launched(4e-3)
                 now[0] += 4e-3
             now[0] += 1e-3
         want = 1e-3 if choice == PLAIN else 1e-3 + 4e-3 / EPOCH_MIN
-        assert policy.epochs.seconds(choice, 8) == pytest.approx(want)
+        assert policy.epochs.ratio(choice, 8) == pytest.approx(want)
+
+
+def test_each_step_is_modelled_at_its_own_batch():
+    """An epoch at load 64 that drains (steps over batches of buckets 64 down to 1) against one of full batches: each
+    step is modelled at its own batch's cost, so both epochs read the same ratio when the steps cost what their
+    parts say (busy seconds per step would put the drain's steps at under a third of a full one's)."""
+    cost = {1: 0.25e-3, 8: 0.3e-3, 16: 0.4e-3, 32: 0.6e-3, 64: 1.0e-3}  # host-bound: mostly a fixed cost
+    clock = EpochClock(lambda choice, bucket: cost[bucket])
+    drain = [64, 32, 16, 8] + [1] * (EPOCH_MIN - 4)
+    t = 0.0
+    for choice, buckets in (("plain", drain), ("speculative", [64] * EPOCH_MIN), ("plain", [1])):
+        for b in buckets:
+            clock.event(t)
+            clock.step(choice, 64, EPOCH_MIN, b)
+            t += 1.5 * cost[b]  # what the parts miss: half as much again
+    assert clock.ratio("plain", 64) == pytest.approx(1.5)
+    assert clock.ratio("speculative", 64) == pytest.approx(1.5)
+    assert 1.5 * sum(cost[b] for b in drain) / len(drain) < 1.5 * cost[64] / 3

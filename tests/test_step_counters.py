@@ -38,13 +38,15 @@ def test_metrics_expose_the_counters(make_llm):
     llm = make_llm(model=TARGET, device="cpu")
     llm.generate(["def fib(n):"], SamplingParams(max_tokens=6, temperature=0))
     metrics = Metrics(0, {})
-    metrics.on_engine_stats(llm.engine.stats() | {"process_seconds": {"step": 0.5, "send": 0.25}})
+    metrics.on_engine_stats(llm.engine.stats() | {"process_seconds": {"step": 0.5, "send": 0.25},
+                                                  "process_cpu_seconds": 0.625})
     text = metrics.render()
     assert 'spruce_engine_steps_total{kind="prefill"} 1' in text
     assert 'spruce_engine_steps_total{kind="decode"} 5' in text
     assert "spruce_engine_decode_rows_total 5" in text
     assert 'spruce_engine_step_seconds_total{part="launch"}' in text
     assert 'spruce_engine_process_seconds_total{part="send"} 0.25' in text
+    assert "spruce_engine_process_cpu_seconds_total 0.625" in text
 
 
 def test_stats_cadence():

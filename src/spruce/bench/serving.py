@@ -39,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from spruce.bench.serving_client import client_processes, process_pool, send_level, stream_one
+from spruce.bench.serving_client import ClientPool, client_processes, send_level, stream_one
 from spruce.runtime.step_counters import PARTS as STEP_PARTS
 from spruce.server.engine_process import PROCESS_PARTS
 
@@ -154,18 +154,20 @@ SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
                   for family, parts in (("step", STEP_PARTS), ("process", PROCESS_PARTS)) for part in parts}
+ENGINE_CPU = "spruce_engine_process_cpu_seconds_total"
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES, *ENGINE_STEPS.values(), "spruce_engine_decode_rows_total",
-            *ENGINE_SECONDS.values())
+            *ENGINE_SECONDS.values(), ENGINE_CPU)
+HELD_FRACTION = 0.9  # a level whose client held fewer than this fraction of its streams in flight is flagged
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
-                   "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_step_seconds")
+                   "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio")
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,launch,resolve,wall,own_host,realized_step}_seconds: {choice: {bucket:
+    adaptive speculation's cost tables ({device,launch,resolve,wall,own_host,realized_row}_seconds: {choice: {bucket:
     s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within `timeout` seconds."""
@@ -199,7 +201,9 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
     metrics_timeout = min(args.timeout, METRICS_TIMEOUT_S)
     before, _ = await _metrics(base_url, headers, metrics_timeout)
     started_at = time.time()
+    cpu_before = machine_cpu_times()
     sent = await send_level(base_url, headers, model, prompts, concurrency, num_requests, args, pool, processes)
+    cpu_after = machine_cpu_times()
     duration = sent.ended - sent.started
     results, stopped = sent.results, sent.stopped
     after, tables = await _metrics(base_url, headers, metrics_timeout)
@@ -219,7 +223,8 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         rows = delta.get("spruce_engine_decode_rows_total", 0.0)
         engine = {"steps": steps, "mean_decode_batch": rows / steps["decode"] if steps["decode"] else None,
                   "prefills_per_request": steps["prefill"] / len(ok) if ok else None,
-                  "seconds": {key: delta[name] for key, name in ENGINE_SECONDS.items() if name in delta}}
+                  "seconds": {key: delta[name] for key, name in ENGINE_SECONDS.items() if name in delta},
+                  "cpu_seconds": delta.get(ENGINE_CPU)}  # the engine process's CPU seconds (None: not reported)
     return {
         "concurrency": concurrency, "num_requests": num_requests, "started_at": started_at, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -240,15 +245,37 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         # during the level (each stalled a step); None: the server does not count them (no Triton)
         "client_cpu_fraction": sent.cpu_seconds / duration,  # the busiest client process's CPU seconds per second:
         # near 1, the client (one event loop per process) limits the level, not the server
+        "mean_in_flight": sum(r.e2e for r in ok) / duration,  # streams the client held open on average (Little's
+        # law); below HELD_FRACTION x concurrency the level did not measure the server at that concurrency
+        "client_start_spread_s": sent.start_spread, "client_end_spread_s": sent.end_spread,  # first to last client
+        # process start / end
+        "machine_steal_fraction": _steal_fraction(cpu_before, cpu_after),  # of the machine's CPU time, what its
+        # hypervisor gave to others (None: not Linux)
     }
 
 
 def percentiles(values: list[float]) -> dict:
     if not values:
-        return {f"p{p}": None for p in PERCENTILES} | {"mean": None}
+        return {f"p{p}": None for p in PERCENTILES} | {"mean": None, "max": None}
     s = sorted(values)
     out = {f"p{p}": s[min(len(s), max(1, math.ceil(p / 100 * len(s)))) - 1] for p in PERCENTILES}  # nearest rank
-    return out | {"mean": sum(s) / len(s)}
+    return out | {"mean": sum(s) / len(s), "max": s[-1]}
+
+
+def machine_cpu_times() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks of this machine so far (/proc/stat); None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])  # user .. steal (guest time is within user)
+
+
+def _steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def _headers(args) -> dict:
@@ -266,7 +293,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
     stopped: list[str | None] = [None] * len(targets)
     processes = {c: client_processes(args.client_processes, c) for c in args.concurrency}
     requests = requests_per_level(args)
-    pool = process_pool(max(processes.values())) if max(processes.values()) > 1 else None
+    pool = ClientPool(max(processes.values())) if max(processes.values()) > 1 else None
     try:
         for i, (base_url, model) in enumerate(targets):
             async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout) as client:
@@ -328,10 +355,13 @@ def _print_level(lv: dict) -> None:
         per = {part: 1e3 * sec[key] / launches for key, part in (("process.step", "step"), ("step.wait", "wait"),
                                                                  ("process.encode", "encode"), ("process.send", "send"))
                if key in sec}
+        busy = sum(sec.get(f"process.{part}", 0.0) for part in ("messages", "step", "encode", "send"))
+        cpu = ("" if eng.get("cpu_seconds") is None or busy <= 0  # below 100%: the engine process waited for a CPU
+               else f", CPU {100 * eng['cpu_seconds'] / busy:.0f}% of its busy time")
         per_request = eng["prefills_per_request"]  # None when no request completed
         engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
                   + ("" if per_request is None else f"{per_request:.2f} prefills/request, ") + "ms per launch "
-                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()))
+                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + cpu)
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "
@@ -340,6 +370,10 @@ def _print_level(lv: dict) -> None:
           f"E2E p50/p99 {ms(lv['e2e_s'], 'p50')}/{ms(lv['e2e_s'], 'p99')} ms | cached prompt {100 * cached:.0f}% | "
           f"client CPU {100 * lv['client_cpu_fraction']:.0f}% | accept length {acc}{adaptive}{engine}"
           + (f" | Triton compiled {lv['triton_compiles']} kernel(s) in the server" if lv["triton_compiles"] else ""))
+    if lv["completed"] and lv["mean_in_flight"] < HELD_FRACTION * lv["concurrency"]:
+        print(f"  warning: the client held only {lv['mean_in_flight']:.1f} of {lv['concurrency']} streams in flight "
+              f"on average (client processes started over {lv['client_start_spread_s']:.2f} s, ended over "
+              f"{lv['client_end_spread_s']:.2f} s): this level under-measures the server", file=sys.stderr)
     for err in lv["errors"]:
         print(f"  error: {err}", file=sys.stderr)
 

@@ -1,20 +1,30 @@
-"""The serving benchmark's load generator: one level's streaming requests, sent from this process or split over
-several client processes.
+"""The serving benchmark's load generator: one level's streaming requests, sent from this process or from several
+client processes.
 
 One Python process parsing every streamed chunk is itself a limit: on the H100 the client of `spruce bench serving`
 used 0.9 of a CPU at concurrency 32-64 while plain decoding streamed ~7,000 chunks a second, so those levels
-measured the client as much as the server. With `processes` > 1 the level's requests and its concurrency are
-dealt over that many processes (request i to process i mod n), each with its own event loop and connections; they
-start together at an agreed instant and the level lasts from the first start to the last end.
+measured the client as much as the server. With `processes` > 1 the level's concurrency is split over that many
+processes (`ClientPool`), each with its own event loop and connections, and they take the level's requests from
+one shared counter (request i gets prompt i mod len): a process that runs slower than the others takes fewer
+requests instead of leaving its share to be sent after the others finished.
 
-Each level opens fresh connections: a connection kept alive from an earlier level may have been closed by the
-server meanwhile (uvicorn closes idle ones after 5 s), and the first request on it failed with a ReadError.
+Before a level's clock starts, every process opens its connections (one `GET /health` per stream in flight) and
+reports ready; the pool starts them all together once every one has. Each level opens fresh connections: a
+connection kept alive from an earlier level may have been closed by the server meanwhile (uvicorn closes idle ones
+after 5 s), and the first request on it failed with a ReadError. Until 2026-11-23 the requests were dealt to the
+processes in advance (request i to process i mod n) and each process started at a fixed instant 0.5 s after the
+level handed it its share, connecting on its first requests: on the H100, levels of concurrency 32 had the
+requests of one or two processes reach the server ~1-2 s after the others' (the server's log: 20-24 of 32 streams in
+flight, then the late processes' shares alone), so the level held 14-19 streams on average and its throughput read
+40-50% low. Whatever delayed them (a late start or a slow connect) now falls before the clock starts, and a process
+that still lags takes fewer requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import math
 import multiprocessing
@@ -26,7 +36,7 @@ from dataclasses import dataclass, field
 import httpx
 
 ENGINE_FAILED = "engine_failed"  # the error code of a server whose engine failed (spruce.server.engine_loop)
-START_DELAY_S = 0.5  # client processes start sending this long after the level hands them their requests
+READY_TIMEOUT_S = 60.0  # the longest a level waits for its client processes to open their connections
 
 
 @dataclass
@@ -45,13 +55,16 @@ class RequestResult:
 @dataclass
 class Sent:
     """What one client process (or this one) sent in a level: its results, why it stopped sending early (None: it
-    did not), and its start, end (time.monotonic, which all processes of a machine share) and CPU seconds."""
+    did not), its start and end (time.monotonic, which all processes of a machine share), its CPU seconds, and
+    for a merged level the spread of its processes' starts and ends (seconds from the first to the last)."""
 
     results: list[RequestResult]
     stopped: str | None
     started: float
     ended: float
     cpu_seconds: float
+    start_spread: float = 0.0
+    end_spread: float = 0.0
 
 
 def client_processes(requested: int, concurrency: int) -> int:
@@ -63,17 +76,59 @@ def client_processes(requested: int, concurrency: int) -> int:
     return max(1, min(math.ceil(concurrency / 4), 8, (os.cpu_count() or 2) // 2))
 
 
-def process_pool(processes: int) -> concurrent.futures.ProcessPoolExecutor:
-    """A pool of `processes` client processes (spawned: no state of this one is shared), all started and answering
-    now, so that no level pays their start-up (a process starting late would stretch its level)."""
-    pool = concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-    pids: set[int] = set()
-    for _ in range(50):
-        pids |= set(pool.map(_pid, range(4 * processes)))
-        if len(pids) == processes:
-            return pool
-    pool.shutdown()
-    raise RuntimeError(f"only {len(pids)} of {processes} client processes started")
+class _Shared:
+    """A level's state shared by the client processes (multiprocessing values, inherited by each process when the
+    pool starts it): the next request index, the stop flag (a process met a fatal failure), how many processes are
+    ready, and the instant they all start (0 until the pool gives it)."""
+
+    def __init__(self, ctx):
+        self.next_request = ctx.Value("q", 0)
+        self.stop = ctx.Value("b", 0)
+        self.ready = ctx.Value("i", 0)
+        self.go = ctx.Value("d", 0.0)
+
+    def reset(self) -> None:
+        for value in (self.next_request, self.stop, self.ready, self.go):
+            value.value = 0
+
+    def take(self, num_requests: int) -> int | None:
+        """The next request index of the level (None: all are taken)."""
+        with self.next_request.get_lock():
+            i = self.next_request.value
+            if i >= num_requests:
+                return None
+            self.next_request.value = i + 1
+        return i
+
+
+_shared: _Shared | None = None  # in a client process: the pool's shared level state (set by `_init_process`)
+
+
+def _init_process(shared: _Shared) -> None:
+    global _shared
+    _shared = shared
+
+
+class ClientPool:
+    """`processes` client processes (spawned: no state of this one is shared but `_Shared`), all started and
+    answering on return, so that no level pays their start-up."""
+
+    def __init__(self, processes: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.processes = processes
+        self.shared = _Shared(ctx)
+        self.executor = concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_process,
+                                                               initargs=(self.shared,))
+        pids: set[int] = set()
+        for _ in range(50):
+            pids |= set(self.executor.map(_pid, range(4 * processes)))
+            if len(pids) == processes:
+                return
+        self.executor.shutdown()
+        raise RuntimeError(f"only {len(pids)} of {processes} client processes started")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 def _pid(_task: int) -> int:
@@ -82,59 +137,93 @@ def _pid(_task: int) -> int:
 
 
 async def send_level(base_url: str, headers: dict, model: str, prompts: list, concurrency: int,
-                     num_requests: int, args, pool: concurrent.futures.ProcessPoolExecutor | None = None,
-                     processes: int = 1) -> Sent:
+                     num_requests: int, args, pool: ClientPool | None = None, processes: int = 1) -> Sent:
     """Send `num_requests` streaming requests (request i gets prompts[i mod len]) with `concurrency` in flight,
-    from this process (processes == 1) or dealt over `processes` of `pool`'s. The merged result: all requests,
-    the first reason a process stopped, the span from the first start to the last end, and the CPU seconds of the
-    busiest process."""
+    from this process (processes == 1) or from `processes` of `pool`'s, which take the requests from a shared
+    counter and start together once all have opened their connections (module docstring). The merged result: all
+    requests, the first reason a process stopped, the span from the first start to the last end, and the CPU
+    seconds of the busiest process."""
     if processes <= 1 or pool is None:
-        return await _send(base_url, headers, model, prompts, list(range(num_requests)), concurrency, args)
-    start_at = time.monotonic() + START_DELAY_S
+        taken = iter(range(num_requests))
+        return await _send(base_url, headers, model, prompts, lambda: next(taken, None), concurrency, args)
+    shared = pool.shared
+    shared.reset()
     loop = asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(pool, _send_in_process, base_url, headers, model, prompts,
-                                 list(range(k, num_requests, processes)), len(range(k, concurrency, processes)),
-                                 args, start_at)
+    jobs = [loop.run_in_executor(pool.executor, _send_in_process, base_url, headers, model, prompts, num_requests,
+                                 len(range(k, concurrency, processes)), args)
             for k in range(processes)]
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while shared.ready.value < processes and not any(job.done() for job in jobs):  # a job done early has failed
+        if time.monotonic() > deadline:
+            shared.stop.value = 1
+            shared.go.value = time.monotonic()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise RuntimeError(f"only {shared.ready.value} of {processes} client processes were ready within "
+                               f"{READY_TIMEOUT_S:g} s")
+        await asyncio.sleep(0.002)
+    shared.go.value = time.monotonic()
     parts: list[Sent] = await asyncio.gather(*jobs)
+    starts, ends = [part.started for part in parts], [part.ended for part in parts]
     return Sent([r for part in parts for r in part.results],
-                next((part.stopped for part in parts if part.stopped), None),
-                min(part.started for part in parts), max(part.ended for part in parts),
-                max(part.cpu_seconds for part in parts))
+                next((part.stopped for part in parts if part.stopped), None), min(starts), max(ends),
+                max(part.cpu_seconds for part in parts), max(starts) - min(starts), max(ends) - min(ends))
 
 
-def _send_in_process(base_url: str, headers: dict, model: str, prompts: list, indices: list[int], concurrency: int,
-                     args, start_at: float) -> Sent:
-    """A client process's share of a level (see `send_level`), started at `start_at`."""
-    return asyncio.run(_send(base_url, headers, model, prompts, indices, concurrency, args, start_at))
+def _send_in_process(base_url: str, headers: dict, model: str, prompts: list, num_requests: int, concurrency: int,
+                     args) -> Sent:
+    """A client process's part of a level (see `send_level`): its `concurrency` streams take requests from the
+    pool's shared counter until `num_requests` are taken."""
+    shared = _shared
+
+    async def ready() -> None:
+        with shared.ready.get_lock():
+            shared.ready.value += 1
+        while shared.go.value == 0.0:
+            await asyncio.sleep(0.001)
+
+    return asyncio.run(_send(base_url, headers, model, prompts, lambda: shared.take(num_requests), concurrency,
+                             args, ready, shared.stop))
 
 
-async def _send(base_url: str, headers: dict, model: str, prompts: list, indices: list[int], concurrency: int,
-                args, start_at: float | None = None) -> Sent:
-    """Send the requests `indices` with `concurrency` in flight over fresh connections. A fatal failure (see
-    RequestResult.fatal) stops the sending: the requests not sent yet fail with its reason."""
-    todo = iter(indices)
+async def _send(base_url: str, headers: dict, model: str, prompts: list, take, concurrency: int, args,
+                ready=None, stop=None) -> Sent:
+    """Send the requests whose indices `take()` hands out (None: no more) with `concurrency` in flight over fresh
+    connections, opened first (then `ready()`, if given, returns when the level starts). A fatal failure (see
+    RequestResult.fatal) stops the sending, in every process (`stop`, shared): the requests not sent yet fail with
+    its reason."""
     results: list[RequestResult] = []
     stopped: list[str] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
 
         async def worker():
-            for i in todo:
-                if stopped:
-                    results.append(RequestResult(ok=False, error=f"not sent: the run stopped ({stopped[0]})"))
+            while (i := take()) is not None:
+                if stopped or (stop is not None and stop.value):
+                    results.append(RequestResult(ok=False, error=f"not sent: the run stopped "
+                                                                 f"({stopped[0] if stopped else 'in another client'})"))
                     continue
                 res = await stream_one(client, model, prompts[i % len(prompts)], args)
                 results.append(res)
                 if res.fatal and not stopped:
                     stopped.append(res.error)
+                    if stop is not None:
+                        stop.value = 1
 
-        if start_at is not None:
-            await asyncio.sleep(max(start_at - time.monotonic(), 0.0))
+        await asyncio.gather(*(_connect(client) for _ in range(concurrency)))
+        if ready is not None:
+            await ready()
         started, cpu = time.monotonic(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         ended = time.monotonic()
     return Sent(results, stopped[0] if stopped else None, started, ended, time.process_time() - cpu)
+
+
+async def _connect(client: httpx.AsyncClient) -> None:
+    """Open one keep-alive connection before the level's clock starts (a `GET /health`; its answer is not read:
+    a server without that route opens the connection all the same, and a server that is gone fails the level's
+    first request instead)."""
+    with contextlib.suppress(httpx.HTTPError):
+        await client.get("/health")
 
 
 async def stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:

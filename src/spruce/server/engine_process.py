@@ -177,6 +177,7 @@ class _EngineServer:
             t3 = clock()
             if stats is not None:
                 stats["process_seconds"] = dict(seconds)
+                stats["process_cpu_seconds"] = time.process_time()
             self.conn.send(("step", deltas, stats))
             seconds["step"] += t2 - t1
             seconds["encode"] += t3 - t2

@@ -229,6 +229,10 @@ class Metrics:
                 counter("spruce_engine_process_seconds_total", "Wall seconds of the engine process's loop by part "
                         "(idle: nothing to run; messages: applying the server's; step: Engine.step; encode and "
                         "send: the step's outputs to the server).", {("part", k): v for k, v in process.items()})
+            if s.get("process_cpu_seconds") is not None:
+                counter("spruce_engine_process_cpu_seconds_total", "CPU seconds of the engine process, all its "
+                        "threads (against its busy wall seconds: below them, it waited for a CPU).",
+                        s["process_cpu_seconds"])
             counter("spruce_requests_finished_total", "Finished engine requests by finish reason.",
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
             counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
@@ -297,9 +301,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                        "its cost."),
                       ("own_host_seconds", "Other host seconds of a choice's own steady steps (median of recent "
                                            "ones): they price it instead of the pooled figure once there are a few."),
-                      ("realized_step_seconds", "Busy wall seconds per decode step over epochs of a choice (about "
-                                                "one request's life each; prefills and catch-ups included; low "
-                                                "median of the last three): once measured, the step's price.")):
+                      ("realized_ratio", "Busy wall seconds over the seconds the parts give the same steps, "
+                                         "over epochs of a choice at a load (about one request's life each; "
+                                         "prefills included, catch-ups not; low median of the last three): once "
+                                         "measured, a step's price is its parts times it.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])

@@ -32,11 +32,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   concurrency 1 on the H100 a few rejected rounds early in a request read as a collapse, and such requests decoded
   plainly at 0.4x a round's tokens/s, though their rounds would have committed more.
 - t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
-  measured (before that, the realized figure at the nearest measured load bucket scaled by the parts' ratio
-  between the two, `_carried`; the parts alone until c has any epoch): busy wall seconds per step over epochs of c at b (runs of about one request's life), prefills,
-  catch-ups and everything between steps included (speculative/epoch_clock.py). The parts below, which the
-  policy times per step, price c until then. They miss what lies between decode steps: on the H100 with the
-  engine in its own process (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while
+  measured: the parts' seconds for the step's batch (below) times the ratio of busy wall seconds over epochs of c
+  at the load bucket (runs of about one request's life), prefills and everything between steps included, to what
+  the parts gave those steps (speculative/epoch_clock.py; before c has an epoch at the load, the ratio at the
+  nearest measured load, `_realized`; the parts alone until c has any epoch). Until 2026-11-23 the figure was busy
+  seconds per step, and an epoch's steps run at whatever batch the requests in flight make: a drain's small steps
+  priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what lies between decode steps: on the
+  H100 with the engine in its own process (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while
   a plain server was 1.3-1.5x faster than one running only rounds, whose arrivals each took a ~7.7 ms prefill.
   Realized figures are kept per load bucket, the bucket of the largest batch among the last LOAD_WINDOW
   decisions: a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
@@ -289,7 +291,8 @@ class AdaptivePolicy:
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
         self._accept_window: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # counted rounds' drafts
         self._accept_sum = 0.0  # their sum
-        self.epochs = EpochClock()  # realized seconds per step, prefills included (speculative/epoch_clock.py)
+        self.epochs = EpochClock(self._parts_seconds)  # realized over modelled seconds, prefills included
+        # (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
@@ -313,13 +316,13 @@ class AdaptivePolicy:
         too: at concurrency 1, 95% of the steps were plain while rounds were 2.3x plain's tokens/s."""
         bucket, load = self.bucket_for(batch_size), self._load_bucket(batch_size)
         spec_tokens = 1.0 + self.prior_accept()
-        spec = spec_tokens / self._priced(SPECULATIVE, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
-        plain = 1.0 / self._priced(PLAIN, bucket, load, 0, 1.0, 0.0, 0.0, 0.0)
+        spec = spec_tokens / self._priced(SPECULATIVE, batch_size, load, 0, 1.0, 0.0, 0.0, 0.0)
+        plain = 1.0 / self._priced(PLAIN, batch_size, load, 0, 1.0, 0.0, 0.0, 0.0)
         return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
 
     def _margin(self, load: int) -> float:
         """How much more tokens/s rounds must be expected to commit than plain steps (module docstring)."""
-        realized = all(self.epochs.seconds(c, load) is not None for c in CHOICES)
+        realized = all(self.epochs.ratio(c, load) is not None for c in CHOICES)
         return REALIZED_MARGIN if realized else SPECULATION_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
@@ -408,7 +411,7 @@ class AdaptivePolicy:
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self._priced(c, bucket, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                     {c: self._priced(c, bs, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
@@ -419,7 +422,7 @@ class AdaptivePolicy:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
-        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens))
+        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket)
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
@@ -435,35 +438,36 @@ class AdaptivePolicy:
         self._tables = None
         return d
 
-    def _priced(self, choice: str, bucket: int, load: int, catch_up_positions: int, rounds: float,
+    def _priced(self, choice: str, batch_size: int, load: int, catch_up_positions: int, rounds: float,
                 round_tokens: float, request_tokens: float, new_positions: float) -> float:
-        """t(choice, bucket): its realized seconds per step at the load bucket `load` (EpochClock), else its parts
-        at `bucket` (`step_seconds`, a round with its share of the draft's work on arriving prompts); a round over
-        lagging drafts adds its share of the catch-up."""
-        t = self.epochs.seconds(choice, load)
+        """t(choice), the seconds of a step over `batch_size` requests: realized at the load bucket `load`
+        (`_realized`), else its parts at the batch's bucket (`step_seconds`, a round with its share of the draft's
+        work on arriving prompts); a round over lagging drafts adds its share of the catch-up."""
+        t = self._realized(choice, load, batch_size)
         if t is None:
-            t = self._carried(choice, load)
-        if t is None:
-            t = self.step_seconds(choice, bucket)
+            t = self.step_seconds(choice, self.bucket_for(batch_size))
             if choice == SPECULATIVE:
                 t += self._arrival_seconds(round_tokens, request_tokens, new_positions)
         if choice == SPECULATIVE and catch_up_positions:
             t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
 
-    def _carried(self, choice: str, load: int) -> float | None:
-        """t(choice, load) before `choice` has an epoch at `load`: its realized figure at the nearest load bucket that
-        has one, scaled by the parts' ratio between the two buckets (None: no realized figure anywhere). The parts
-        alone miss what lies between steps (prefills, the serving process); the realized figure at a neighbouring
-        load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by
-        their parts, ran plain steps for 83% of its steps and trailed the fixed server by 31%; the second pass,
-        with realized figures, ran rounds."""
-        measured = self.epochs.buckets(choice)
-        if not measured:
-            return None
-        near = min(measured, key=lambda b: abs(math.log(b / load)))
-        return self.epochs.seconds(choice, near) * self.step_seconds(choice, load) / max(
-            self.step_seconds(choice, near), 1e-12)
+    def _realized(self, choice: str, load: int, batch_size: int) -> float | None:
+        """The realized seconds of a step of `choice` over `batch_size` requests at the load bucket `load`: the
+        parts' seconds for that batch (`_parts_seconds`) times what epochs of `choice` at `load` really cost over
+        what the parts gave their steps (EpochClock.ratio). Before `choice` has an epoch at `load`, the ratio at the
+        nearest load bucket that has one (None: no realized figure anywhere). The parts alone miss what lies
+        between steps (prefills, the serving process); the realized ratio at a neighbouring load carries that over.
+        On the H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by their parts, ran plain
+        steps for 83% of its steps and trailed the fixed server by 31%; the second pass, with realized figures, ran
+        rounds."""
+        ratio = self.epochs.ratio(choice, load)
+        if ratio is None:
+            measured = self.epochs.buckets(choice)
+            if not measured:
+                return None
+            ratio = self.epochs.ratio(choice, min(measured, key=lambda b: abs(math.log(b / load))))
+        return ratio * self._parts_seconds(choice, self.bucket_for(batch_size))
 
     def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
@@ -492,7 +496,7 @@ class AdaptivePolicy:
         elif done and cur.choice == model:
             st.epochs_since_probe += 1
             spacing = st.probe_after
-            if self.epochs.seconds(other, load) is not None:
+            if self.epochs.ratio(other, load) is not None:
                 ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
             if st.epochs_since_probe >= spacing:
@@ -564,7 +568,7 @@ class AdaptivePolicy:
         self._reuse_left -= 1
         now = self.clock()
         self.epochs.event(now)
-        self.epochs.current.steps += 1
+        self.epochs.current.add(bucket)
         self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
             self._close_interval(now)
@@ -750,7 +754,7 @@ class AdaptivePolicy:
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
             "own_host_seconds": per_choice(lambda c, b: self.own_host_seconds.get((c, b))),
-            "realized_step_seconds": self.epochs.table(),
+            "realized_ratio": self.epochs.table(),
             "prompt_draft_seconds": (self.draft_prompt_seconds / self.draft_prompt_requests
                                      if self.draft_prompt_seconds is not None and self.draft_prompt_requests
                                      else None),

@@ -1,4 +1,5 @@
-"""What a run of decode steps really costs the engine: busy wall seconds per step over an epoch, everything included.
+"""What a run of decode steps really costs the engine, everything included: busy wall seconds over an epoch, as a
+ratio to what the policy's per-step parts model for the same steps.
 
 Adaptive speculation (speculative/adaptive_policy.py) prices each candidate from parts it can time per step:
 device time, launch, resolve, the rest of the host interval. On the H100 with the engine in its own process
@@ -15,15 +16,28 @@ choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too sho
 busy time is the wall time from its first step's launch to the launch after its last step, prefills and the draft's
 extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
 (`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
-when it decides a switch). Its figure, busy seconds per step, goes into a window per (choice, bucket); `seconds` is
-the window's low median, so one disturbed epoch moves nothing.
+when it decides a switch). Its figure, those busy seconds over the seconds `modelled` gives its steps (each at its
+own batch's cost bucket), goes into a window per (choice, load bucket); `ratio` is the window's low median, so one
+disturbed epoch moves nothing. A step of that choice over a batch is priced at the ratio times the modelled seconds
+of a step of that batch.
+
+Why a ratio and not seconds per step: the bucket is the load's (the largest batch of the last decisions,
+AdaptivePolicy._load_bucket), and an epoch's steps run at whatever batch the requests in flight make, smaller while
+arrivals wait or a level drains. Per step, an epoch that caught a drain priced each small step as a full batch's,
+and two choices measured at different batch mixes were compared as if alike: on the H100 (1k shared prefix,
+2026-11-23, commit 420bc7f) the adaptive server's realized plain steps at load 64 read 0.34 ms a step, against 1.55
+ms between back-to-back plain steps at batch 64 and 4.08 ms for its rounds there. Per request in a step is biased
+the other way where a step's cost is mostly fixed (host-bound: on that H100 a plain step took 0.27 ms at batch 1
+and 0.6 ms at 32), as a drain's small steps then cost several times a full step's per request. The modelled
+seconds carry each step's own shape, fixed and per-request parts, and the ratio what they miss.
 """
 
 from __future__ import annotations
 
 import collections
 import statistics
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 EPOCH_MIN = 16  # steps: a shorter run (ended by a step of another choice or bucket) measures nothing
 EPOCH_MAX = 512  # steps: the longest epoch, however long requests are
@@ -40,10 +54,16 @@ class Epoch:
     """The run of decode steps under way."""
 
     choice: str
-    bucket: int
+    bucket: int  # the load's
     target: int  # steps
     steps: int = 0
     busy: float = 0.0  # seconds
+    step_buckets: collections.Counter = field(default_factory=collections.Counter)  # steps per own cost bucket
+
+    def add(self, step_bucket: int) -> None:
+        """One more step, over a batch of cost bucket `step_bucket`."""
+        self.steps += 1
+        self.step_buckets[step_bucket] += 1
 
     @property
     def full(self) -> bool:
@@ -51,11 +71,13 @@ class Epoch:
 
 
 class EpochClock:
-    """Busy seconds per decode step of each (choice, bucket), measured over epochs (module docstring). The
-    policy calls `event` at every step launch (decode or prefill), `step` for each decode step, `idle` when the
-    engine runs out of work."""
+    """Busy seconds over modelled seconds of each (choice, load bucket), measured over epochs (module docstring).
+    `modelled(choice, cost_bucket)`: the seconds the policy's parts give one step of `choice` over a batch of that
+    cost bucket. The policy calls `event` at every step launch (decode or prefill), `step` for each decode step,
+    `idle` when the engine runs out of work."""
 
-    def __init__(self):
+    def __init__(self, modelled: Callable[[str, int], float]):
+        self.modelled = modelled
         self.current: Epoch | None = None
         self._last: float | None = None  # the last launch's time; None after an idle gap
         self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
@@ -87,25 +109,30 @@ class EpochClock:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
         self._last = None
 
-    def step(self, choice: str, bucket: int, target: int) -> None:
-        """A decode step of `choice` at `bucket` is launched (after `event`): it joins the epoch under way, or
-        ends it (another choice or bucket, or the epoch is full) and starts one of `target` steps."""
+    def step(self, choice: str, bucket: int, target: int, step_bucket: int) -> None:
+        """A decode step of `choice` at load `bucket`, over a batch of cost bucket `step_bucket`, is launched (after
+        `event`): it joins the epoch under way, or ends it (another choice or load, or the epoch is full) and
+        starts one of `target` steps."""
         cur = self.current
         if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
             self._end()
             cur = self.current = Epoch(choice, bucket, epoch_steps(target))
-        cur.steps += 1
+        cur.add(step_bucket)
 
     def _end(self) -> None:
         cur = self.current
         if cur is None or cur.steps < EPOCH_MIN or cur.busy <= 0:
             return
+        modelled = sum(n * self.modelled(cur.choice, b) for b, n in cur.step_buckets.items())
+        if modelled <= 0:
+            return
         window = self._windows.setdefault((cur.choice, cur.bucket), collections.deque(maxlen=EPOCH_WINDOW))
-        window.append(cur.busy / cur.steps)
+        window.append(cur.busy / modelled)
         self.epochs += 1
 
-    def seconds(self, choice: str, bucket: int) -> float | None:
-        """Busy seconds per step of `choice` at `bucket` (low median of its last epochs), None before its first."""
+    def ratio(self, choice: str, bucket: int) -> float | None:
+        """Busy over modelled seconds of `choice` at load `bucket` (low median of its last epochs), None before its
+        first."""
         window = self._windows.get((choice, bucket))
         return statistics.median_low(window) if window else None
 
@@ -114,8 +141,8 @@ class EpochClock:
         return [b for c, b in self._windows if c == choice]
 
     def table(self) -> dict[str, dict[int, float]]:
-        """{choice: {bucket: seconds per step}} for every (choice, bucket) measured."""
+        """{choice: {bucket: busy over modelled seconds}} for every (choice, bucket) measured."""
         out: dict[str, dict[int, float]] = {}
         for choice, bucket in sorted(self._windows):
-            out.setdefault(choice, {})[bucket] = self.seconds(choice, bucket)
+            out.setdefault(choice, {})[bucket] = self.ratio(choice, bucket)
         return out
