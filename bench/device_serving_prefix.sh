@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's serving bar on the device: pycode-19m served plain, with a fixed EAGLE-3 (S, K, N) = (5, 4, 8) and with
-# adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 256, 256, 512 and 1024 requests of 128
-# output tokens per level, every level run twice (passes 1 and 2, both reported) on each server; the three servers run at once and
+# adaptive speculation over the same (5, 4, 8); concurrency 1, 8, 32, 64; 128-2048 requests of 128 output tokens per
+# level (below), every level run three times (passes 1-3, all reported) on each server; the three servers run at once and
 # each level runs on each in turn (--interleave), so the comparison is side by side in time. One result JSON (+ PNG and the
 # server logs) per workload under $OUT. Adaptive must never be slower than the better of plain and fixed.
 #   MODE=prefix (default): every request is one shared 1024-token prefix + its own 256-token held-out prompt,
@@ -9,10 +9,13 @@
 #   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
 #   EXTRA="NAME=FLAGS":    one more server in the comparison; NO_CACHE_RUN=0: MODE=short without its second part.
-#   SERVER_EXTRA="FLAGS":  flags every server gets (e.g. --scheduler-delay-factor 4).
-#   PASSES=N:              passes per level instead of 2 (pass-to-pass noise on the H100 is 10-30%).
-#   REQUESTS="A B C D":    requests per level instead of 256 256 512 1024 (with the engine in its own process a level
-#                          of those takes 2-5 s at concurrency 8-64: too short for the adaptive policy to settle).
+#   SERVER_EXTRA="FLAGS":  flags every server gets (default --scheduler-delay-factor 4, as issue 16's runs; "" for none).
+#   PASSES=N:              passes per level instead of 3 (pass-to-pass noise on the H100 is 10-30%).
+#   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
+#                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
+#                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
+# The device image lacks the server's packages: carry their wheels in .whl (fastapi, starlette, uvicorn, httptools,
+# pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api; bench/device_env.sh installs them).
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
@@ -20,7 +23,7 @@ lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)" ; cat /sys/devices/s
 M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
-SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64 ${SERVER_EXTRA:-}"
+SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64 ${SERVER_EXTRA---scheduler-delay-factor 4}"
 bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   local name=$1; shift
   mkdir -p "$OUT/$name"
@@ -32,9 +35,9 @@ bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 case "${MODE:-prefix}" in
-  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-256 256 512 1024} --passes ${PASSES:-2} ;;
+  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-128 512 1024 2048} --passes ${PASSES:-3} ;;
   short)
-    bench short --prompt-tokens 128 --num-requests ${REQUESTS:-256 256 512 1024} --passes ${PASSES:-2}
+    bench short --prompt-tokens 128 --num-requests ${REQUESTS:-128 1024 2048 2048} --passes ${PASSES:-3}
     [ "${NO_CACHE_RUN:-1}" = 1 ] && SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
       bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
