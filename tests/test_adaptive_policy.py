@@ -302,7 +302,8 @@ def test_round_resolve_is_charged_to_the_round():
     assert p.launch(PLAIN, 4) == pytest.approx(0.3e-3) and p.launch(SPECULATIVE, 4) == pytest.approx(1e-3)
     assert p.step_seconds(PLAIN, 4) == pytest.approx(2.3e-3, rel=1e-2)
     assert p.step_seconds(SPECULATIVE, 4) == pytest.approx(5.5e-3, rel=1e-2)
-    p.epochs = EpochClock(p._parts_seconds)  # no realized figure (the forced choices ran under other names): the parts price
+    # no realized figure (the forced choices ran under other names): the parts price
+    p.epochs = EpochClock(p._parts_seconds)
     set_accept(p, 0.19)
     assert p.decide(reqs).choice == PLAIN
     p.epochs = EpochClock(p._parts_seconds)
@@ -792,9 +793,9 @@ def test_one_bad_request_does_not_set_the_prior():
 
 def test_a_new_load_borrows_the_nearest_realized_figure():
     """Before a choice has an epoch at a load bucket it is priced by its realized figure at the nearest measured
-    bucket (realized over the parts' seconds, times the parts' seconds here): the parts here put a round (2.5 tokens, 3 ms) below a 1 ms
-    plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and rounds 3.3 ms, so a
-    first batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
+    bucket (realized over the parts' seconds, times the parts' seconds here): the parts here put a round (2.5
+    tokens, 3 ms) below a 1 ms plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and
+    rounds 3.3 ms, so a first batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
     p = policy(plain=1e-3, spec=3e-3)
     set_accept(p, 1.5)
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN  # the parts alone

@@ -167,8 +167,8 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,launch,resolve,wall,own_host,realized_row}_seconds: {choice: {bucket:
-    s}};
+    adaptive speculation's cost tables ({device,launch,resolve,wall,own_host}_seconds: {choice: {bucket: s}};
+    realized_ratio: {choice: {bucket: busy over modelled seconds}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within `timeout` seconds."""
     try:

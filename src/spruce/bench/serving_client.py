@@ -115,7 +115,6 @@ class ClientPool:
 
     def __init__(self, processes: int):
         ctx = multiprocessing.get_context("spawn")
-        self.processes = processes
         self.shared = _Shared(ctx)
         self.executor = concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_process,
                                                                initargs=(self.shared,))

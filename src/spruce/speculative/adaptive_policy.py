@@ -37,9 +37,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   the parts gave those steps (speculative/epoch_clock.py; before c has an epoch at the load, the ratio at the
   nearest measured load, `_realized`; the parts alone until c has any epoch). Until 2026-11-23 the figure was busy
   seconds per step, and an epoch's steps run at whatever batch the requests in flight make: a drain's small steps
-  priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what lies between decode steps: on the
-  H100 with the engine in its own process (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while
-  a plain server was 1.3-1.5x faster than one running only rounds, whose arrivals each took a ~7.7 ms prefill.
+  priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what
+  lies between decode steps: on the H100 with the engine in its own process (2026-11-23) they put rounds at
+  concurrency 8 at 3.8x plain steps' tokens/s while a plain server was 1.3-1.5x faster than one running only
+  rounds, whose arrivals each took a ~7.7 ms prefill.
   Realized figures are kept per load bucket, the bucket of the largest batch among the last LOAD_WINDOW
   decisions: a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
   concurrency 32 on the H100, dips to bucket 24 met a figure measured in a level's drain, without arrivals, and
