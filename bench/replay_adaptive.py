@@ -43,6 +43,7 @@ class Request:
         self.accept, self.prompt_len = accept, prompt_len
         self.pos = 0  # output[pos] is the last token committed (output[0] came from the prefill)
         self.lag = 0
+        self.accept_state = None  # the policy's record of its acceptance
 
 
 def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, mode: str, cost: dict) -> dict:

@@ -26,8 +26,8 @@ class Clock:
         return self.now
 
 
-class Req:  # a request is any hashable, weak-referenceable object to the policy
-    pass
+class Req:  # a request is any object with an `accept_state` (runtime/request.py) to the policy
+    accept_state = None
 
 
 def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptivePolicy:
@@ -38,7 +38,7 @@ def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptiveP
 def set_ema(p: AdaptivePolicy, request, ema: float) -> None:
     """Give `request` a running acceptance of `ema` drafts per round (the prior untouched): it prices the request
     only if it collapsed (below half the prior)."""
-    p._accept[request] = _RequestAcceptance(ema, rounds=COLLAPSE_ROUNDS)
+    request.accept_state = _RequestAcceptance(ema, rounds=COLLAPSE_ROUNDS)
 
 
 def set_accept(p: AdaptivePolicy, ema: float) -> None:
@@ -495,13 +495,13 @@ def test_a_collapsed_request_is_retried_with_backoff():
     assert p.decide([q], lags=[RETRY_FIRST]).choice == PLAIN
     assert p.decide([q], lags=[2 * RETRY_FIRST]).choice == SPECULATIVE and p.retries == 2
     p.accepted(q, 4)  # the text moved on: its EMA restarts there, no longer collapsed: priced at the prior
-    assert p._accept[q].ema == 4.0 and p.expected_accept(q) == p.prior_accept()
+    assert q.accept_state.ema == 4.0 and p.expected_accept(q) == p.prior_accept()
     assert p.decide([q], lags=[0]).choice == SPECULATIVE
     for _ in range(20):  # retries that keep failing back off up to RETRY_MAX positions
         p.accepted(q, 0)
-        p._accept[q].retrying = True
+        q.accept_state.retrying = True
         p.accepted(q, 0)
-    assert p._accept[q].retry_after == RETRY_MAX
+    assert q.accept_state.retry_after == RETRY_MAX
     assert p.decide([q], lags=[RETRY_MAX - 1]).choice == PLAIN
 
 
@@ -768,12 +768,30 @@ def test_a_collapsed_requests_rounds_do_not_move_the_prior():
     for _ in range(COLLAPSE_ROUNDS):  # these count: it has not collapsed yet
         p.accepted(bad, 0)
     prior = p.global_accept
-    assert prior < 4.0 and p._accept[bad].collapsed(prior)
+    assert prior < 4.0 and bad.accept_state.collapsed(prior)
     for _ in range(20):  # its rounds from now on (a retry's included) price it alone
         p.accepted(bad, 0)
     assert p.global_accept == prior
     p.accepted(Req(), 1)
     assert p.global_accept < prior
+
+
+def test_the_prior_is_the_mean_of_the_last_window_of_rounds_fed_a_batch_at_a_time():
+    """Rounds of 64 requests each (fresh requests: every round counts) past the window: the prior is the plain mean of
+    the last ACCEPT_WINDOW request-rounds, whichever round they came in (accepted_round updates the window a round
+    at a time, on the host's critical path)."""
+    import random
+
+    rng = random.Random(0)
+    p = policy()
+    fed = []
+    for _ in range(3 * ACCEPT_WINDOW // 64 + 5):
+        drafts = [rng.randint(0, 4) for _ in range(64)]
+        p.accepted_round(zip([Req() for _ in drafts], drafts))
+        fed += drafts
+        assert p.global_accept == pytest.approx(sum(fed[-ACCEPT_WINDOW:]) / len(fed[-ACCEPT_WINDOW:]))
+    p.accepted_round(zip([Req() for _ in range(ACCEPT_WINDOW + 7)], [1] * (ACCEPT_WINDOW + 7)))  # more than a window
+    assert p.global_accept == 1.0
 
 
 def test_one_bad_request_does_not_set_the_prior():

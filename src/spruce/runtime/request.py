@@ -75,6 +75,8 @@ class Request:
     stop_ids: frozenset = frozenset()  # token ids that end it ("stop"): eos (unless ignored) and stop_token_ids
     committed: int = 0  # positions whose target KV is in the pages, as far as the host knows
     draft_lag: int = 0  # of those, the last ones whose draft KV is missing (adaptive plain steps since a catch-up)
+    accept_state: object | None = None  # adaptive speculation's record of its rounds' acceptance (AdaptivePolicy's;
+    # None before its first round)
     reserved: int = 0  # positions its pages cover (0 while it holds no row)
     inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None

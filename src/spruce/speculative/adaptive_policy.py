@@ -131,9 +131,9 @@ from __future__ import annotations
 
 import collections
 import math
+import itertools
 import statistics
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -217,7 +217,7 @@ class LinearCost:
         return fixed + per * n
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestAcceptance:
     """One request's acceptance: its EMA, and when a low estimate is retried (see the module docstring)."""
 
@@ -278,7 +278,6 @@ class AdaptivePolicy:
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
         if missing:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
-        self._accept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> _RequestAcceptance
         self._state = {b: _BucketState() for b in self.buckets}
         self._last_launch: tuple[float, str, int, bool] | None = None  # the last decode launch: (time, choice,
         # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
@@ -339,7 +338,7 @@ class AdaptivePolicy:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
         its EMA collapsed (below COLLAPSE_FRACTION of the prior): then its EMA, until it is retried (the prior) from
         a lag of its `retry_after`."""
-        return self._expected(self._accept.get(request), lag)
+        return self._expected(request.accept_state, lag)
 
     def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
         """`expected_accept` from a request's acceptance state (None: it has had no round)."""
@@ -407,7 +406,7 @@ class AdaptivePolicy:
         self._recent_sizes.append(bs)
         load = self._load_bucket(bs)
         lags = lags if lags is not None else [0] * bs
-        owns = [self._accept.get(q) for q in requests]  # each request's acceptance state, looked up once
+        owns = [q.accept_state for q in requests]  # each request's acceptance state
         catch_up_positions = sum(lags)
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
@@ -705,25 +704,37 @@ class AdaptivePolicy:
         concurrency 1 on the H100 (2026-11-23) the adaptive engine's prior was 2.3 drafts per round while a fixed
         engine's rounds over the same prompts accepted 2.9, and the policy kept the batch plain."""
         prior = self.prior_accept()
-        window = self._accept_window
-        table = self._accept
+        line, half = COLLAPSE_FRACTION * prior, prior / 2
+        counted = []  # the drafts of the rounds the prior counts
         for request, drafts in accepted:
-            own = table.get(request)
-            counted = own is None or not (own.retrying or own.collapsed(prior))
+            own = request.accept_state
             if own is None:
-                table[request] = _RequestAcceptance(float(drafts))
-            elif own.retrying and drafts >= prior / 2:
-                own.ema, own.retry_after, own.retrying = float(drafts), RETRY_FIRST, False
+                request.accept_state = _RequestAcceptance(float(drafts))
+                counted.append(drafts)
+            elif own.retrying:  # a retry's round prices the request alone
+                if drafts >= half:
+                    own.ema, own.retry_after = float(drafts), RETRY_FIRST
+                else:
+                    own.ema += REQUEST_ALPHA * (drafts - own.ema)
+                    own.rounds += 1
+                    own.retry_after = min(2 * own.retry_after, RETRY_MAX)
+                own.retrying = False
             else:
+                if own.rounds < COLLAPSE_ROUNDS or own.ema >= line:  # not collapsed (`_RequestAcceptance.collapsed`)
+                    counted.append(drafts)
                 own.ema += REQUEST_ALPHA * (drafts - own.ema)
                 own.rounds += 1
-                if own.retrying:
-                    own.retry_after, own.retrying = min(2 * own.retry_after, RETRY_MAX), False
-            if counted:
-                if len(window) == window.maxlen:
-                    self._accept_sum -= window[0]
-                window.append(drafts)
-                self._accept_sum += drafts
+        window = self._accept_window
+        if len(counted) >= window.maxlen:
+            window.clear()
+            window.extend(counted[-window.maxlen:])
+            self._accept_sum = float(sum(window))
+        else:
+            overflow = len(window) + len(counted) - window.maxlen
+            if overflow > 0:
+                self._accept_sum -= sum(itertools.islice(window, overflow))
+            window.extend(counted)
+            self._accept_sum += sum(counted)
         if not window:
             return
         g = self.global_accept = self._accept_sum / len(window)
