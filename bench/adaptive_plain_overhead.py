@@ -1,11 +1,15 @@
-"""What an adaptive engine's plain step costs on the host beyond a plain engine's step (issue 16, finding 1).
+"""What an adaptive engine's step costs on the host beyond the step of an engine that runs only that kind of step
+(issue 16): its plain step against a plain engine's (`--choice plain`, the default), or its round against a fixed
+(5, 4, 8) engine's round (`--choice speculative`).
 
-Two engines on the same target: plain decoding, and `speculative_adaptive=True` whose start-up table prices
-rounds out (1 s each), so that its model chooses plain as it does on a host-bound model; its probes are turned into
-plain steps too (they still decide afresh, as probes do). Greedy, batch sizes given, every
-request decoding (prompts prefilled first). Each decode step's wall time is split into:
-- forward: the DECODE phase function (target forward, token selection; adaptive: also the feature ring store),
-  which is device work on a GPU (one graph replay there);
+Two engines on the same target: the baseline (plain decoding, or fixed rounds), and `speculative_adaptive=True`
+whose start-up table prices the other candidate out (1 s a step), so that its model chooses the given one (plain, as
+on a host-bound model; rounds, as with short prompts on the H100); its probes are turned into that choice too (they
+still decide afresh, as probes do). Greedy, batch sizes given, every request decoding (prompts prefilled first).
+Each decode step's wall time is split into:
+- forward: plain, the DECODE phase function (target forward, token selection; adaptive: also the feature ring
+  store), which is device work on a GPU (one graph replay there); rounds, the worker's whole `decode` (its three
+  graphs and the host work between them, alike in both engines);
 - host: the rest of `Engine.step` (on a GPU also the time blocked on the device: compare `block` there), with the
   strategy's choose and resolved (both engines' wrapped alike) and, separately, `Engine.stats()`, which the
   server's engine loop takes after every step (server/engine_loop.py);
@@ -13,8 +17,8 @@ request decoding (prompts prefilled first). Each decode step's wall time is spli
   GPU, the figure to compare (overlap keeps the device busy while the host works).
 Engines alternate per repeat and medians are taken, so the other processes on a shared CPU weigh on both alike.
 
-Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--batch-sizes 1 8] [--steps 200]
-    [--repeats 5] [--device cpu] [--model DIR --draft DIR]
+Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--choice plain|speculative]
+    [--batch-sizes 1 8] [--steps 200] [--repeats 5] [--device cpu] [--model DIR --draft DIR]
 """
 
 from __future__ import annotations
@@ -56,36 +60,45 @@ class Clocks:
         return timed
 
 
-def build(adaptive: bool, bs: int, device: str, clocks: Clocks, model: str, draft: str) -> LLM:
+def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, model: str, draft: str) -> LLM:
+    """The baseline engine for `choice` (adaptive False: plain decoding, or fixed rounds) or the adaptive one
+    made to choose it; its per-step hooks wrapped in `clocks`."""
     kw = dict(page_size=16, max_running_requests=max(bs, 8), device=device, context_length=2048)
     if device == "cuda":
         kw.update(dtype="bfloat16")
-    if adaptive:
+    if adaptive or choice == SPECULATIVE:
         kw.update(draft_model=draft, speculative_num_steps=5, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=8, speculative_adaptive=True)
+                  speculative_num_draft_tokens=8, speculative_adaptive=adaptive)
     llm = LLM(model, **kw)
     engine = engine_of(llm)
+    strategy = engine.strategy
     if adaptive:
-        strategy = engine.strategy
         policy = strategy.policy
-        for b in policy.buckets:  # rounds priced out: the model chooses plain, as on a host-bound model
-            policy.device_seconds[(SPECULATIVE, b)] = 1.0
+        for b in policy.buckets:  # the other candidate priced out: the model chooses `choice`
+            policy.device_seconds[(_other(choice), b)] = 1.0
         decide = policy.decide
 
-        def plain_only(requests, *args):  # the real decide runs (its cost is measured); probes stay plain too
+        def forced(requests, *args):  # the real decide runs (its cost is measured); probes are `choice` too
             d = decide(requests, *args)
-            d.choice = PLAIN
+            d.choice = choice
             return d
 
-        policy.decide = plain_only
-        plain = strategy.plain
+        policy.decide = forced
+        stepper = strategy.plain if choice == PLAIN else strategy.worker
     else:
-        plain = engine.strategy
-    strategy = engine.strategy  # both engines' per-step hooks wrapped alike (the wrapper's cost cancels)
+        stepper = strategy
+    # both engines' per-step hooks wrapped alike (the wrapper's cost cancels)
     strategy.choose = clocks.wrap("choose", strategy.choose)
     strategy.resolved = clocks.wrap("resolved", strategy.resolved)
-    plain._decode_phase = clocks.wrap("forward", plain._decode_phase)
+    if choice == PLAIN:
+        stepper._decode_phase = clocks.wrap("forward", stepper._decode_phase)
+    else:
+        stepper.decode = clocks.wrap("forward", stepper.decode)
     return llm
+
+
+def _other(choice: str) -> str:
+    return SPECULATIVE if choice == PLAIN else PLAIN
 
 
 def engine_of(llm: LLM):
@@ -97,7 +110,7 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
     """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts. With `syncs`
     (CUDA), torch's sync debug mode is on during the timed steps and each synchronising call site is counted."""
     engine = engine_of(llm)
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps * engine.limits.step_advance + 64, ignore_eos=True)  # none ends
     ids = [engine.add_request(PROMPT, params) for _ in range(bs)]
     while any(q.status.value != "decode" for q in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -151,6 +164,9 @@ def _call_site(message) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
+    ap.add_argument("--choice", choices=(PLAIN, SPECULATIVE), default=PLAIN,
+                    help="the step compared: adaptive's plain step against a plain engine's, or its round against a "
+                         "fixed engine's")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
@@ -163,8 +179,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     results = []
     for bs in args.batch_sizes:
-        clocks = {name: Clocks() for name in ("plain", "adaptive")}
-        llms = {name: build(name == "adaptive", bs, args.device, clocks[name], args.model, args.draft)
+        baseline = "plain" if args.choice == PLAIN else "fixed"
+        clocks = {name: Clocks() for name in (baseline, "adaptive")}
+        llms = {name: build(name == "adaptive", args.choice, bs, args.device, clocks[name], args.model, args.draft)
                 for name in clocks}
         samples = {name: defaultdict(list) for name in llms}
         syncs = {name: Counter() for name in llms} if args.sync_debug else {}
@@ -181,7 +198,7 @@ def main() -> None:
             med["host"] = statistics.median(host) * 1e3
             med["host_with_stats"] = statistics.median(h + st for h, st in zip(host, s["stats"])) * 1e3
             row[name] = {k: round(v, 4) for k, v in med.items()}
-        p, a = row["plain"], row["adaptive"]
+        p, a = row[baseline], row["adaptive"]
         row["extra_host_ms"] = round(a["host"] - p["host"], 4)
         row["extra_host_with_stats_ms"] = round(a["host_with_stats"] - p["host_with_stats"], 4)
         row["host_ratio"] = round(a["host"] / p["host"], 4)
@@ -190,7 +207,7 @@ def main() -> None:
         results.append(row)
         del llms
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
-                                          "model": args.model, "draft": args.draft,
+                                          "choice": args.choice, "model": args.model, "draft": args.draft,
                                           "steps": args.steps, "repeats": args.repeats,
                                           "unit": "milliseconds per decode step (medians)", "runs": results},
                                          indent=1))

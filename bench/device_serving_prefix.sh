@@ -9,6 +9,9 @@
 #   MODE=short:            128-token prompts, no shared prefix (speculation wins: accept length ~4.7), then the
 #                          prefix workload without the prefix cache, smaller (64 requests per level, one pass).
 #   EXTRA="NAME=FLAGS":    one more server in the comparison; NO_CACHE_RUN=0: MODE=short without its second part.
+#   CONTROL=1:             a second, identical copy of the workload's better server ("fixed-again" for short prompts,
+#                          "plain-again" with the shared prefix): the spread between two servers that run the same
+#                          code, the floor under any adaptive-against-better figure of the same run.
 #   SERVER_EXTRA="FLAGS":  flags every server gets (default --scheduler-delay-factor 4, as issue 16's runs; "" for none).
 #   PASSES=N:              passes per level instead of 3 (pass-to-pass noise on the H100 is 10-30%).
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
@@ -24,22 +27,23 @@ M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
 SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64 ${SERVER_EXTRA---scheduler-delay-factor 4}"
-bench() {  # workload-name bench-flags... ($SERVER: every server's flags)
-  local name=$1; shift
+bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's flags; control-flags: the better
+  # server's, for CONTROL=1)
+  local name=$1 control=$2; shift 2
   mkdir -p "$OUT/$name"
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" \
-    ${EXTRA:+--launch "$EXTRA"} \
+    ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
     --max-tokens 128 --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | grep -v "^pass" | tail -40
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 case "${MODE:-prefix}" in
-  prefix) bench prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-128 512 1024 2048} --passes ${PASSES:-3} ;;
+  prefix) bench prefix "plain-again=" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-128 512 1024 2048} --passes ${PASSES:-3} ;;
   short)
-    bench short --prompt-tokens 128 --num-requests ${REQUESTS:-128 1024 2048 2048} --passes ${PASSES:-3}
+    bench short "fixed-again=$FIXED" --prompt-tokens 128 --num-requests ${REQUESTS:-128 1024 2048 2048} --passes ${PASSES:-3}
     [ "${NO_CACHE_RUN:-1}" = 1 ] && SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
-      bench prefix-no-cache --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
+      CONTROL= bench prefix-no-cache "" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
 esac
 ls -laR "$OUT"
