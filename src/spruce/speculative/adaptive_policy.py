@@ -5,8 +5,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
     tokens/s(c) = bs * E[tokens per step | c] / t(c, bucket)
 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
-  the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds (before any round
-  at all, the tree depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
+  the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds, every round but a
+  collapsed request's retries (the population's mean: see `accepted_round`; before any round at all, the tree
+  depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
   collapsed (below COLLAPSE_FRACTION, a tenth, of the engine-wide one): its own. Such a request thus counts ~1
   token in both candidates: it neither forces the batch to plain nor makes speculation look better than it is for
   the others. The line was half the engine-wide one until 2026-11-23. bench/replay_adaptive.py replays the
@@ -698,13 +699,20 @@ class AdaptivePolicy:
         at 2.7 drafts per round while a fixed engine's rounds over the same prompts accepted 3.0, and most steps
         were plain although rounds committed 26% more per second, prefills included.
 
-        The prior counts a request's rounds until its own acceptance collapsed: those
-        of a collapsed request, retries included, price that request alone. Counted, they biased the prior low
-        exactly where plain steps dominate, as rounds there are mostly retries of collapsed requests: offline at
-        concurrency 1 on the H100 (2026-11-23) the adaptive engine's prior was 2.3 drafts per round while a fixed
-        engine's rounds over the same prompts accepted 2.9, and the policy kept the batch plain."""
-        prior = self.prior_accept()
-        line, half = COLLAPSE_FRACTION * prior, prior / 2
+        The prior counts every round but a retry's: it is what a request without rounds of its own should expect,
+        so the mean over the population of requests. A retry's round samples a request already known to be bad, at
+        a time chosen because it is one; counted, retries biased the prior low exactly where plain steps dominate, as
+        rounds there are mostly retries: offline at concurrency 1 on the H100 (2026-11-23) the prior was 2.3 drafts
+        per round while a fixed engine's rounds over the same prompts accepted 2.9, and the policy kept the batch
+        plain. From then until 2026-11-23 (session 13) every round of a collapsed request was left out too, and that
+        fed back: with requests whose acceptance differs widely, leaving out the collapsed ones raises the prior,
+        which collapses more of them (the line is a fraction of the prior), which raises it again. On the H100 with
+        the 1k shared prefix (rounds commit 1.18 tokens) the adaptive server then ran rounds for 35-82% of its steps
+        at concurrency 8 and was 32% behind plain (serving-...-171841.json); fed rounds from requests of which a
+        fifth accept half their drafts and the rest almost none, that prior averaged 3.0-3.3x the mean of the
+        rounds fed (three seeds; test_a_prior_over_mixed_requests_is_their_mean). Every new request was priced at it until its own
+        rounds collapsed it, so batches of new requests looked worth rounds."""
+        half = self.prior_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
         for request, drafts in accepted:
             own = request.accept_state
@@ -720,8 +728,7 @@ class AdaptivePolicy:
                     own.retry_after = min(2 * own.retry_after, RETRY_MAX)
                 own.retrying = False
             else:
-                if own.rounds < COLLAPSE_ROUNDS or own.ema >= line:  # not collapsed (`_RequestAcceptance.collapsed`)
-                    counted.append(drafts)
+                counted.append(drafts)
                 own.ema += REQUEST_ALPHA * (drafts - own.ema)
                 own.rounds += 1
         window = self._accept_window
