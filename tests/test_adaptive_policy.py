@@ -919,3 +919,24 @@ def test_replayed_traces_follow_the_acceptance():
         ratio = runs["adaptive"]["tokens_per_second"] / runs[better]["tokens_per_second"]
         assert ratio > (0.98 if better == "fixed" else 0.95), (accepted, ratio, runs["adaptive"])
         assert runs["adaptive"]["tokens"] == runs[better]["tokens"] == 64 * 128
+
+
+def test_a_switch_of_the_model_choice_is_logged_with_what_priced_it(caplog):
+    """A change of the model's choice at a load logs one JSON line: the prior, the margin and each candidate's price
+    and its parts (what a serving run's tables, read at the level's end, cannot explain)."""
+    import json
+    import logging
+
+    p = policy(plain=1e-3, spec=3e-3)
+    reqs = [Req() for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="spruce.adaptive"):
+        assert p.decide(reqs).choice == SPECULATIVE  # the first choice at a load is no switch
+        assert not caplog.records
+        settle(p, reqs, 0)  # rounds accept nothing: plain
+        assert p.decide(reqs).choice == PLAIN
+    (record,) = caplog.records
+    line = json.loads(record.getMessage().split(" ", 2)[2])
+    assert (line["from"], line["to"], line["load"], line["batch_size"]) == (SPECULATIVE, PLAIN, 4, 4)
+    assert (line["prior"], line["accept_window"], line["tokens_per_step"]) == (0.0, 4 * 12, 1.0)
+    assert line["priced"][PLAIN]["seconds"] == pytest.approx(1e-3)
+    assert line["priced"][SPECULATIVE]["device"] == pytest.approx(3e-3)
