@@ -940,3 +940,34 @@ def test_a_switch_of_the_model_choice_is_logged_with_what_priced_it(caplog):
     assert (line["prior"], line["accept_window"], line["tokens_per_step"]) == (0.0, 4 * 12, 1.0)
     assert line["priced"][PLAIN]["seconds"] == pytest.approx(1e-3)
     assert line["priced"][SPECULATIVE]["device"] == pytest.approx(3e-3)
+
+
+def test_a_compile_stall_in_the_first_plain_epoch_does_not_price_plain_out():
+    """The H100 run of e2444fb (1k shared prefix, concurrency 8; rounds commit 1.18 tokens at 2x a plain step's
+    cost): a kernel compiled at the level's first prefill stalled ~0.5 s inside the first plain epoch at load 8,
+    plain steps' realized ratio read 7.75, the policy switched to rounds and never probed plain again. With the
+    compilation counted as a stall that epoch is dropped and the level stays plain; without, it runs rounds."""
+
+    def level(count_stalls: bool) -> dict:
+        clock, compiles = Clock(), [0]
+        p = AdaptivePolicy(BUCKETS, {(c, b): (0.4e-3 if c == PLAIN else 0.8e-3) for c in CHOICES for b in BUCKETS},
+                           overlapped=True, max_accept=5, clock=clock,
+                           stalls=(lambda: compiles[0]) if count_stalls else (lambda: 0))
+        reqs = [Req() for _ in range(8)]
+        set_accept(p, 0.18)
+        chosen = collections.Counter()
+        for i in range(2000):
+            if i == 3:  # a prefill early in the first epoch compiles a kernel
+                p.break_chain()
+                compiles[0] += 1
+                clock.now += 0.5
+            d = p.decide(reqs, request_tokens=128)
+            chosen[d.choice] += 1
+            clock.now += 0.8e-3 if d.choice == SPECULATIVE else 0.4e-3
+            if d.choice == SPECULATIVE:
+                p.accepted_round((q, 0 if (i + k) % 5 else 1) for k, q in enumerate(reqs))  # ~0.2 drafts a round
+        return chosen
+
+    assert level(count_stalls=False)[SPECULATIVE] > 1500  # locked into rounds, as on the H100
+    watched = level(count_stalls=True)
+    assert watched[PLAIN] > 1800

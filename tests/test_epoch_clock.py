@@ -1,5 +1,6 @@
 """EpochClock (speculative/epoch_clock.py): busy over modelled seconds over epochs, prefill time included, idle
-gaps excluded, short runs dropped, one disturbed epoch outvoted, each step modelled at its own batch's cost."""
+gaps excluded, short runs dropped, one disturbed epoch outvoted, an epoch that holds a stall dropped, each step
+modelled at its own batch's cost."""
 
 from __future__ import annotations
 
@@ -54,6 +55,26 @@ def test_one_disturbed_epoch_moves_nothing():
     run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
     assert clock.ratio("plain", 8) == pytest.approx(1e-3)
     assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
+
+
+def test_an_epoch_that_holds_a_stall_is_dropped():
+    """A Triton compilation (the stall count grows) inside the first epoch at a load: that epoch measures the stall
+    and is dropped; the next one, clean, sets the figure. Without the count it would have stood alone in its window
+    (on the H100, plain steps' ratio read 7.75 and priced them out of a level)."""
+    stalls = [0]
+    clock = EpochClock(per_step, lambda: stalls[0])
+    clock.event(0.0)
+    clock.step("plain", 8, EPOCH_MIN, 8)
+    stalls[0] += 1  # the first step's launch compiled a kernel: 0.5 s
+    t = run(clock, 0.5, "plain", EPOCH_MIN - 1, 1e-3)
+    t = run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
+    assert clock.epochs == 1 and clock.dropped == 1
+    assert clock.ratio("plain", 8) == pytest.approx(1e-3)
+    unwatched = EpochClock(per_step)  # the same run with no stall count: the stalled epoch is the figure
+    unwatched.event(0.0)
+    unwatched.step("plain", 8, EPOCH_MIN, 8)
+    run(unwatched, 0.5, "plain", EPOCH_MIN, 1e-3)
+    assert unwatched.ratio("plain", 8) > 0.03
 
 
 def rounds_after_a_catch_up(clock: EpochClock, launch_s: float, device_s: float, deduct_s: float) -> None:

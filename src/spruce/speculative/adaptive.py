@@ -45,6 +45,7 @@ import torch
 
 from spruce.errors import InvariantError
 from spruce.memory.prefix_cache import PrefixCache
+from spruce.ops import compile_watch
 from spruce.runtime.grammar import GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan
 from spruce.runtime.sampler import SamplingTensors
@@ -308,7 +309,8 @@ class AdaptiveDecoding(DecodeStrategy):
                 device_seconds[(choice, b)], launch_seconds[(choice, b)] = _time_step(
                     strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
         self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
-                                     max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {})
+                                     max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {},
+                                     stalls=_compilations)
 
     def stats(self) -> dict | None:
         return None if self.policy is None else self.policy.snapshot()
@@ -325,6 +327,12 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def _elapsed(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+def _compilations() -> int:
+    """Triton's compilations in this process so far: each stalls the step that launched it (ops/compile_watch.py),
+    so an epoch holding one measures the stall, not its choice (speculative/epoch_clock.py)."""
+    return sum(compile_watch.compiles().values())
 
 
 def _lagging(q, prefills_in_flight: int) -> LaggingDraft:

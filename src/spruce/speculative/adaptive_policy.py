@@ -254,7 +254,9 @@ class AdaptivePolicy:
     buckets: the cost buckets (Limits.cost_buckets); device_seconds: the start-up table {(choice, bucket): D} for
     every pair (the prior of D); overlapped: host and device run concurrently (max) rather than one after the other
     (+); max_accept: S (the optimistic prior); launch_prior: the start-up table's host seconds of launching each
-    (choice, bucket) (the prior of E; none: 0); clock: seconds (tests pass a fake one)."""
+    (choice, bucket) (the prior of E; none: 0); clock: seconds (tests pass a fake one); stalls: a count that grows
+    at each stall of the process (Triton's compilations: an epoch holding one is dropped, speculative/epoch_clock.py;
+    none: 0)."""
 
     buckets: tuple[int, ...]
     device_seconds: dict[tuple[str, int], float]
@@ -262,6 +264,7 @@ class AdaptivePolicy:
     max_accept: int
     launch_prior: dict[tuple[str, int], float] = field(default_factory=dict)
     clock: Callable[[], float] = time.perf_counter
+    stalls: Callable[[], int] = lambda: 0
     launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
     other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
     own_host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # X of steady steps per choice
@@ -296,7 +299,7 @@ class AdaptivePolicy:
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
         self._accept_window: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # counted rounds' drafts
         self._accept_sum = 0.0  # their sum
-        self.epochs = EpochClock(self._parts_seconds)  # realized over modelled seconds, prefills included
+        self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds, prefills included
         # (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
@@ -796,7 +799,7 @@ class AdaptivePolicy:
         return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
-                "epochs": self.epochs.epochs}
+                "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped}
 
     def _build_tables(self) -> dict:
         def per_choice(value) -> dict:

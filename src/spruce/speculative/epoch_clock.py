@@ -18,8 +18,16 @@ extends on arriving prompts included, less idle gaps (the engine had nothing to 
 (`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
 when it decides a switch). Its figure, those busy seconds over the seconds `modelled` gives its steps (each at its
 own batch's cost bucket), goes into a window per (choice, load bucket); `ratio` is the window's low median, so one
-disturbed epoch moves nothing. A step of that choice over a batch is priced at the ratio times the modelled seconds
-of a step of that batch.
+disturbed epoch moves nothing once the window holds three. A step of that choice over a batch is priced at the
+ratio times the modelled seconds of a step of that batch.
+
+An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
+compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
+(1k shared prefix, 2026-11-23, e2444fb) a kernel compiled at the first prefill of the concurrency-8 level stalled
+it ~0.5 s inside the first plain epoch at that load: plain steps' ratio read 7.75 (against 1.0-1.9 in other runs),
+priced a plain step at 4.5 ms against 0.6 ms steps, and the level ran rounds for all of its three passes (rounds
+commit 1.18 tokens there) at half a plain server's tokens/s: the one figure stood alone in its window, and the
+probe that would have re-measured it was priced by it (the excess of 128 steps at 4.5 ms) out of the budget.
 
 Why a ratio and not seconds per step: the bucket is the load's (the largest batch of the last decisions,
 AdaptivePolicy._load_bucket), and an epoch's steps run at whatever batch the requests in flight make, smaller while
@@ -56,6 +64,7 @@ class Epoch:
     choice: str
     bucket: int  # the load's
     target: int  # steps
+    stalls: int = 0  # the clock's stall count when it began
     steps: int = 0
     busy: float = 0.0  # seconds
     step_buckets: collections.Counter = field(default_factory=collections.Counter)  # steps per own cost bucket
@@ -73,11 +82,14 @@ class Epoch:
 class EpochClock:
     """Busy seconds over modelled seconds of each (choice, load bucket), measured over epochs (module docstring).
     `modelled(choice, cost_bucket)`: the seconds the policy's parts give one step of `choice` over a batch of that
-    cost bucket. The policy calls `event` at every step launch (decode or prefill), `step` for each decode step,
-    `idle` when the engine runs out of work."""
+    cost bucket; `stalls()`: a count that grows at each stall of the process (default: none). The policy calls
+    `event` at every step launch (decode or prefill), `step` for each decode step, `idle` when the engine runs out
+    of work."""
 
-    def __init__(self, modelled: Callable[[str, int], float]):
+    def __init__(self, modelled: Callable[[str, int], float], stalls: Callable[[], int] = lambda: 0):
         self.modelled = modelled
+        self.stalls = stalls
+        self.dropped = 0  # epochs dropped for a stall
         self.current: Epoch | None = None
         self._last: float | None = None  # the last launch's time; None after an idle gap
         self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
@@ -116,12 +128,15 @@ class EpochClock:
         cur = self.current
         if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
             self._end()
-            cur = self.current = Epoch(choice, bucket, epoch_steps(target))
+            cur = self.current = Epoch(choice, bucket, epoch_steps(target), self.stalls())
         cur.add(step_bucket)
 
     def _end(self) -> None:
         cur = self.current
         if cur is None or cur.steps < EPOCH_MIN or cur.busy <= 0:
+            return
+        if self.stalls() != cur.stalls:
+            self.dropped += 1
             return
         modelled = sum(n * self.modelled(cur.choice, b) for b, n in cur.step_buckets.items())
         if modelled <= 0:
