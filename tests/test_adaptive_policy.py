@@ -946,9 +946,10 @@ def test_a_compile_stall_in_the_first_plain_epoch_does_not_price_plain_out():
     """The H100 run of e2444fb (1k shared prefix, concurrency 8; rounds commit 1.18 tokens at 2x a plain step's
     cost): a kernel compiled at the level's first prefill stalled ~0.5 s inside the first plain epoch at load 8,
     plain steps' realized ratio read 7.75, the policy switched to rounds and never probed plain again. With the
-    compilation counted as a stall that epoch is dropped and the level stays plain; without, it runs rounds."""
+    compilation counted as a stall that epoch is dropped and the level stays plain; without, the switch to rounds
+    happens and a re-probe undoes it (next test)."""
 
-    def level(count_stalls: bool) -> dict:
+    def level(count_stalls: bool) -> collections.Counter:
         clock, compiles = Clock(), [0]
         p = AdaptivePolicy(BUCKETS, {(c, b): (0.4e-3 if c == PLAIN else 0.8e-3) for c in CHOICES for b in BUCKETS},
                            overlapped=True, max_accept=5, clock=clock,
@@ -968,6 +969,35 @@ def test_a_compile_stall_in_the_first_plain_epoch_does_not_price_plain_out():
                 p.accepted_round((q, 0 if (i + k) % 5 else 1) for k, q in enumerate(reqs))  # ~0.2 drafts a round
         return chosen
 
-    assert level(count_stalls=False)[SPECULATIVE] > 1500  # locked into rounds, as on the H100
+    assert level(count_stalls=False)[SPECULATIVE] < 400  # re-probed (below), plain again within two epochs
     watched = level(count_stalls=True)
     assert watched[PLAIN] > 1800
+
+
+def test_a_lone_epoch_that_prices_a_choice_above_its_parts_does_not_keep_it_from_being_probed(monkeypatch):
+    """The same level with the stall unseen (any stall but a compilation): plain steps' one epoch at the load reads
+    ~8x their parts and the model switches to rounds. Their probe is spaced and budgeted at their parts while that
+    figure stands alone in its window, so it comes after one epoch of rounds, its clean epoch outvotes the stalled
+    one (the low median of two), and the level goes back to plain. Priced at the lone figure, the probe came never
+    (its 128 steps at 4.5 ms were beyond the budget): rounds for the whole level."""
+    def level() -> collections.Counter:
+        clock = Clock()
+        p = AdaptivePolicy(BUCKETS, {(c, b): (0.4e-3 if c == PLAIN else 0.8e-3) for c in CHOICES for b in BUCKETS},
+                           overlapped=True, max_accept=5, clock=clock)
+        reqs = [Req() for _ in range(8)]
+        set_accept(p, 0.18)
+        chosen = collections.Counter()
+        for i in range(2000):
+            if i == 3:
+                p.break_chain()
+                clock.now += 0.5  # a stall nobody counted
+            d = p.decide(reqs, request_tokens=128)
+            chosen[d.choice] += 1
+            clock.now += 0.8e-3 if d.choice == SPECULATIVE else 0.4e-3
+            if d.choice == SPECULATIVE:
+                p.accepted_round((q, 0 if (i + k) % 5 else 1) for k, q in enumerate(reqs))
+        return chosen
+
+    assert level()[PLAIN] > 1600
+    monkeypatch.setattr(AdaptivePolicy, "_probe_price", lambda self, d, other, load: d.step_seconds[other])
+    assert level()[SPECULATIVE] > 1500  # the lone figure's price: locked into rounds, as on the H100

@@ -101,9 +101,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
-  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). The catch-up a probe epoch of plain steps leaves to
-  the next round lands in that round's epoch, which the low median over three epochs keeps out of the rounds'
-  figure (it is the probe's cost).
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). While the other's realized figure rests on fewer
+  than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
+  caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
+  steps leaves to the next round lands in that round's epoch, which the low median over three epochs keeps out of
+  the rounds' figure (it is the probe's cost).
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
@@ -140,7 +142,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from spruce.speculative.epoch_clock import EpochClock, epoch_steps
+from spruce.speculative.epoch_clock import EPOCH_WINDOW, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
 
@@ -538,12 +540,14 @@ class AdaptivePolicy:
         elif done and cur.choice == model:
             st.epochs_since_probe += 1
             spacing = st.probe_after
+            other_seconds = self._probe_price(d, other, load)
             if self.epochs.ratio(other, load) is not None:
-                ratio = d.tokens_per_second(model) / max(d.tokens_per_second(other), 1e-12)
+                ratio = d.tokens_per_second(model) / max(d.batch_size * d.tokens_per_step[other] / other_seconds,
+                                                         1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
             if st.epochs_since_probe >= spacing:
                 steps = self._epoch_steps(d, other, request_tokens)
-                cost = self._probe_cost(d, model, other, steps)
+                cost = self._probe_cost(d, model, other, steps, other_seconds)
                 if self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     self.probes += 1
@@ -555,12 +559,26 @@ class AdaptivePolicy:
         """Steps of an epoch of `choice`: about one request's life, within EpochClock's bounds."""
         return epoch_steps(math.ceil(request_tokens / d.tokens_per_step[choice]))
 
+    def _probe_price(self, d: Decision, other: str, load: int) -> float:
+        """The seconds a step of `other` is taken to cost when spacing and budgeting its probes: its price in `d`,
+        except while its realized figure at `load` rests on fewer than EPOCH_WINDOW epochs and puts it above its
+        parts: then its parts. A lone epoch that caught a stall would otherwise price its choice out of the very
+        probes that re-measure it (the low median of two epochs drops a high one): on the H100 (2026-11-23) a
+        compilation inside the first plain epoch at a load read 7.75x the parts, and the level ran rounds for good,
+        its plain probes priced beyond the budget."""
+        seconds = d.step_seconds[other]
+        ratio = self.epochs.ratio(other, load)
+        if ratio is not None and ratio > 1.0 and self.epochs.count(other, load) < EPOCH_WINDOW:
+            return seconds / ratio
+        return seconds
+
     @staticmethod
-    def _probe_cost(d: Decision, model: str, other: str, steps: int) -> float:
-        """A probe epoch's expected excess seconds: its `steps` of `other` at `other`'s price, less what the
+    def _probe_cost(d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
+        """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
         model's choice would have taken for the same tokens (0 if `other` is expected to be no worse)."""
-        ratio = d.tokens_per_second(other) / max(d.tokens_per_second(model), 1e-12)
-        return steps * d.step_seconds[other] * max(1.0 - ratio, 0.0)
+        other_rate = d.batch_size * d.tokens_per_step[other] / other_seconds if other_seconds > 0 else float("inf")
+        ratio = other_rate / max(d.tokens_per_second(model), 1e-12)
+        return steps * other_seconds * max(1.0 - ratio, 0.0)
 
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus

@@ -151,6 +151,10 @@ class EpochClock:
         window = self._windows.get((choice, bucket))
         return statistics.median_low(window) if window else None
 
+    def count(self, choice: str, bucket: int) -> int:
+        """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW)."""
+        return len(self._windows.get((choice, bucket), ()))
+
     def buckets(self, choice: str) -> list[int]:
         """The buckets `choice` has a figure at."""
         return [b for c, b in self._windows if c == choice]
