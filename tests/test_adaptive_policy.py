@@ -659,6 +659,7 @@ def test_realized_seconds_price_what_the_parts_miss():
     for choice in CHOICES:
         assert f'spruce_adaptive_realized_ratio{{bucket="8",choice="{choice}"}}' in text
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
+    assert 'spruce_adaptive_epochs_dropped_total 0' in text
 
 
 def test_a_drain_does_not_price_a_full_batch():

@@ -149,7 +149,8 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
 ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
-                     "retries": "spruce_adaptive_retries_total"}
+                     "retries": "spruce_adaptive_retries_total",
+                     "epochs_dropped": "spruce_adaptive_epochs_dropped_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
@@ -347,7 +348,7 @@ def _print_level(lv: dict) -> None:
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}")
+                                     f"{steps['retries']}, epochs dropped {steps.get('epochs_dropped', 0)}")
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:
