@@ -348,7 +348,7 @@ def _print_level(lv: dict) -> None:
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}, epochs dropped {steps.get('epochs_dropped', 0)}")
+                                     f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}")
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:

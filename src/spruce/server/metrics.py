@@ -322,7 +322,8 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_epochs_total", "counter", "Epochs measured (runs of decode steps of one choice at one "
            "bucket).", [("", a.get("epochs", 0))])
     series("spruce_adaptive_epochs_dropped_total", "counter", "Epochs dropped because the process stalled in them "
-           "(a Triton compilation): their time is the stall's, not their choice's.", [("", a.get("epochs_dropped", 0))])
+           "(a Triton compilation): their time is the stall's, not their choice's.",
+           [("", a.get("epochs_dropped", 0))])
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])

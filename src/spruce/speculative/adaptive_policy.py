@@ -186,8 +186,11 @@ class Decision:
     catch_up_positions: int = 0  # positions the batch's drafts miss (a round catches them up first)
 
     def tokens_per_second(self, choice: str) -> float:
-        t = self.step_seconds[choice]
-        return self.batch_size * self.tokens_per_step[choice] / t if t > 0 else float("inf")
+        return self.tokens_per_second_at(choice, self.step_seconds[choice])
+
+    def tokens_per_second_at(self, choice: str, seconds: float) -> float:
+        """The batch's expected tokens per second if a step of `choice` took `seconds`."""
+        return self.batch_size * self.tokens_per_step[choice] / seconds if seconds > 0 else float("inf")
 
     def as_dict(self) -> dict:
         return {"choice": self.choice, "reason": self.reason, "batch_size": self.batch_size,
@@ -301,7 +304,7 @@ class AdaptivePolicy:
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
         self._accept_window: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # counted rounds' drafts
         self._accept_sum = 0.0  # their sum
-        self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds, prefills included
+        self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
         self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
@@ -369,9 +372,14 @@ class AdaptivePolicy:
         """t(choice, bucket) from the parts: D (+) (E + R + X), R borrowed from the other choice until this one has
         run here, floored by a fresh W. (`_priced` adds a catch-up's share, or takes the realized figure.)"""
         t = self._parts_seconds(choice, bucket)
+        wall = self._fresh_wall(choice, bucket)
+        return t if wall is None else max(t, wall)
+
+    def _fresh_wall(self, choice: str, bucket: int) -> float | None:
+        """W of `choice` at `bucket` if re-measured within the last WALL_TTL decisions there, else None."""
         if self._decisions[bucket] - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL:
-            t = max(t, self.wall_seconds[(choice, bucket)])
-        return t
+            return self.wall_seconds[(choice, bucket)]
+        return None
 
     def _parts_seconds(self, choice: str, bucket: int) -> float:
         """D (+) (E + R + X): a step's seconds from its parts, without the floor W."""
@@ -462,17 +470,14 @@ class AdaptivePolicy:
         bucket = d.bucket
 
         def priced(choice: str) -> dict:
-            measured = self.epochs.buckets(choice)
-            ratio_at = load if self.epochs.ratio(choice, load) is not None else (
-                min(measured, key=lambda b: abs(math.log(b / load))) if measured else None)
-            fresh = self._decisions[bucket] - self.wall_decision.get((choice, bucket), -WALL_TTL) < WALL_TTL
+            ratio_at = self._ratio_load(choice, load)
             return {"seconds": d.step_seconds[choice], "tokens_per_second": d.tokens_per_second(choice),
                     "ratio": self.epochs.ratio(choice, ratio_at) if ratio_at is not None else None,
                     "ratio_load": ratio_at, "parts": self._parts_seconds(choice, bucket),
                     "device": self.device(choice, bucket), "launch": self.launch(choice, bucket),
                     "resolve": _own_or_other(self.resolve_seconds, choice, bucket),
                     "other_host": self.other_host(choice, bucket),
-                    "wall": self.wall_seconds.get((choice, bucket)) if fresh else None}
+                    "wall": self._fresh_wall(choice, bucket)}
 
         prior = self.prior_accept()
         log.info("adaptive switch %s", json.dumps({
@@ -505,13 +510,18 @@ class AdaptivePolicy:
         On the H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by their parts, ran plain
         steps for 83% of its steps and trailed the fixed server by 31%; the second pass, with realized figures, ran
         rounds."""
-        ratio = self.epochs.ratio(choice, load)
-        if ratio is None:
-            measured = self.epochs.buckets(choice)
-            if not measured:
-                return None
-            ratio = self.epochs.ratio(choice, min(measured, key=lambda b: abs(math.log(b / load))))
-        return ratio * self._parts_seconds(choice, self.bucket_for(batch_size))
+        at = self._ratio_load(choice, load)
+        if at is None:
+            return None
+        return self.epochs.ratio(choice, at) * self._parts_seconds(choice, self.bucket_for(batch_size))
+
+    def _ratio_load(self, choice: str, load: int) -> int | None:
+        """The load bucket whose realized ratio prices `choice` at `load`: `load` once it has one, else the nearest
+        that has one (None: none has)."""
+        if self.epochs.ratio(choice, load) is not None:
+            return load
+        measured = self.epochs.buckets(choice)
+        return min(measured, key=lambda b: abs(math.log(b / load))) if measured else None
 
     def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
@@ -542,8 +552,7 @@ class AdaptivePolicy:
             spacing = st.probe_after
             other_seconds = self._probe_price(d, other, load)
             if self.epochs.ratio(other, load) is not None:
-                ratio = d.tokens_per_second(model) / max(d.batch_size * d.tokens_per_step[other] / other_seconds,
-                                                         1e-12)
+                ratio = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12)
                 spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
             if st.epochs_since_probe >= spacing:
                 steps = self._epoch_steps(d, other, request_tokens)
@@ -576,8 +585,7 @@ class AdaptivePolicy:
     def _probe_cost(d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
         """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
         model's choice would have taken for the same tokens (0 if `other` is expected to be no worse)."""
-        other_rate = d.batch_size * d.tokens_per_step[other] / other_seconds if other_seconds > 0 else float("inf")
-        ratio = other_rate / max(d.tokens_per_second(model), 1e-12)
+        ratio = d.tokens_per_second_at(other, other_seconds) / max(d.tokens_per_second(model), 1e-12)
         return steps * other_seconds * max(1.0 - ratio, 0.0)
 
     def _probe_affordable(self, cost: float) -> bool:
@@ -769,8 +777,8 @@ class AdaptivePolicy:
         the 1k shared prefix (rounds commit 1.18 tokens) the adaptive server then ran rounds for 35-82% of its steps
         at concurrency 8 and was 32% behind plain (serving-...-171841.json); fed rounds from requests of which a
         fifth accept half their drafts and the rest almost none, that prior averaged 3.0-3.3x the mean of the
-        rounds fed (three seeds; test_a_prior_over_mixed_requests_is_their_mean). Every new request was priced at it until its own
-        rounds collapsed it, so batches of new requests looked worth rounds."""
+        rounds fed (three seeds; test_a_prior_over_mixed_requests_is_their_mean). Every new request was priced at
+        it until its own rounds collapsed it, so batches of new requests looked worth rounds."""
         half = self.prior_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
         for request, drafts in accepted:
