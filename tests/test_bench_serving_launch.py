@@ -2,7 +2,7 @@
 and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
 a shared prefix, runs the level twice (two passes, both reported) with all four servers up at once and each level
 run on each server in turn (--interleave), and writes one result holding every run, with adaptive speculation's
-steps and cost tables. A tiny smoke configuration, so CI keeps it working. Flags that configure launched servers
+steps and cost tables (and each level to a journal as it completes). A tiny smoke configuration, so CI keeps it working. Flags that configure launched servers
 are refused without --launch."""
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
     # a level starts one server later than the round before, so no server always runs last
     starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])
     assert [k for _, k in starts] == [0, 1, 2, 3, 1, 2, 3, 0]
+    # each level went to the journal as it completed (what a run cut short by a time limit keeps)
+    journal = [json.loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
+    assert sorted((lv["started_at"], lv["server"], lv["prefix_cache"], lv["output_throughput_tok_s"])
+                  for lv in journal) == sorted((lv["started_at"], r["name"], r["prefix_cache"],
+                                                lv["output_throughput_tok_s"]) for r in runs for lv in r["levels"])
     summary = result["figures"]["summary"]
     assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed

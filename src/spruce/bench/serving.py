@@ -35,6 +35,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -283,12 +284,14 @@ def _headers(args) -> dict:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[list[dict], str | None]]:
+async def _bench(args, targets: list[tuple[str, str]], prompts,
+                 on_level: Callable[[int, dict], None] | None = None) -> list[tuple[list[dict], str | None]]:
     """Measure every server in `targets` ((base_url, model) each): per server, the levels measured and why its
-    run stopped early (None: it did not). Each pass runs every level on each server in turn (level c on server
-    1, 2, ..., then the next level), so servers measured together see the same machine at the same time. Each
-    such round starts one server later than the round before (1, 2, 3; then 2, 3, 1; ...): the client process
-    and the machine carry state from one server's level to the next, so no server should always run last."""
+    run stopped early (None: it did not); `on_level(i, level)` is called as each level of server i completes.
+    Each pass runs every level on each server in turn (level c on server 1, 2, ..., then the next level), so
+    servers measured together see the same machine at the same time. Each such round starts one server later than
+    the round before (1, 2, 3; then 2, 3, 1; ...): the client process and the machine carry state from one
+    server's level to the next, so no server should always run last."""
     headers = _headers(args)
     levels: list[list[dict]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
@@ -315,6 +318,8 @@ async def _bench(args, targets: list[tuple[str, str]], prompts) -> list[tuple[li
                                             processes[c]) | {"pass": k}
                     _print_level(level)
                     levels[i].append(level)
+                    if on_level is not None:
+                        on_level(i, level)
                     if level["stopped"]:
                         print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
                         stopped[i] = level["stopped"]
@@ -509,6 +514,10 @@ def _run_launched(args: argparse.Namespace) -> int:
     groups = [servers] if args.interleave else [[server] for server in servers]
     runs = []
     prompts_path, prompts = None, None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = out_dir / "levels.jsonl"  # each level as it completes, so a run cut short (a time limit) keeps what
+    # it measured; the result JSON is written at the end
+    journal.unlink(missing_ok=True)
     for group in groups:  # the servers of a group run at the same time, measured level by level in turn
         with contextlib.ExitStack() as stack:
             targets = []
@@ -527,7 +536,13 @@ def _run_launched(args: argparse.Namespace) -> int:
                     prompts_path, prompts = _prompts_for(args, model)
                 targets.append((base_url, model))
                 runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log)})
-            measured = asyncio.run(_bench(args, targets, prompts))
+            keys = [{"server": run["name"], "prefix_cache": run["prefix_cache"]} for run in runs[-len(group):]]
+
+            def journal_level(i: int, level: dict, keys=keys) -> None:
+                with journal.open("a") as f:
+                    f.write(json.dumps(keys[i] | level) + "\n")
+
+            measured = asyncio.run(_bench(args, targets, prompts, journal_level))
             for run, (base_url, _), (levels, stopped) in zip(runs[-len(group):], targets, measured):
                 run |= {"server": server_info(base_url, _headers(args)), "levels": levels, "stopped": stopped}
                 if stopped:

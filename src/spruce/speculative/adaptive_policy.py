@@ -673,7 +673,7 @@ class AdaptivePolicy:
 
     def break_chain(self) -> None:
         """A prefill is being launched: the next decode launch starts a new interval (its time is the epoch's)."""
-        self.epochs.event(self.clock())
+        self.epochs.prefill(self.clock())
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0

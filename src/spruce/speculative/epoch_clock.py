@@ -43,9 +43,12 @@ seconds carry each step's own shape, fixed and per-request parts, and the ratio 
 from __future__ import annotations
 
 import collections
+import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger("spruce.adaptive.epochs")
 
 EPOCH_MIN = 16  # steps: a shorter run (ended by a step of another choice or bucket) measures nothing
 EPOCH_MAX = 512  # steps: the longest epoch, however long requests are
@@ -66,6 +69,7 @@ class Epoch:
     target: int  # steps
     stalls: int = 0  # the clock's stall count when it began
     steps: int = 0
+    prefills: int = 0  # prefill launches within it
     busy: float = 0.0  # seconds
     step_buckets: collections.Counter = field(default_factory=collections.Counter)  # steps per own cost bucket
 
@@ -107,6 +111,12 @@ class EpochClock:
         self._last = now
         self._excluded = 0.0
 
+    def prefill(self, now: float) -> None:
+        """A prefill is being launched at `now` (an `event` that the epoch under way also counts as a prefill)."""
+        self.event(now)
+        if self.current is not None:
+            self.current.prefills += 1
+
     def exclude(self, seconds: float) -> None:
         """`seconds` since the last launch (a catch-up before a switch) are not busy time of the epoch."""
         self._excluded += seconds
@@ -137,10 +147,14 @@ class EpochClock:
             return
         if self.stalls() != cur.stalls:
             self.dropped += 1
+            log.debug("epoch dropped (stall): %s at load %d, %d steps", cur.choice, cur.bucket, cur.steps)
             return
         modelled = sum(n * self.modelled(cur.choice, b) for b, n in cur.step_buckets.items())
         if modelled <= 0:
             return
+        log.debug("epoch %s at load %d: %d steps (per cost bucket %s), %d prefills, busy %.6f s, modelled %.6f s, "
+                  "ratio %.3f", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets), cur.prefills, cur.busy,
+                  modelled, cur.busy / modelled)
         window = self._windows.setdefault((cur.choice, cur.bucket), collections.deque(maxlen=EPOCH_WINDOW))
         window.append(cur.busy / modelled)
         self.epochs += 1
