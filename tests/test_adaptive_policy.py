@@ -46,6 +46,11 @@ def set_accept(p: AdaptivePolicy, ema: float) -> None:
     p.global_accept = ema
 
 
+def realize(p: AdaptivePolicy, choice: str, bucket: int, ratio: float) -> None:
+    """An epoch of `choice` at load `bucket` measured `ratio` times what the parts give its steps now."""
+    p.epochs.record(choice, bucket, ratio, ratio * p._parts_seconds(choice, bucket))
+
+
 def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
     for _ in range(rounds):
         for q in reqs:
@@ -383,9 +388,9 @@ def test_realized_figures_need_only_the_small_margin():
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     set_accept(p, 2 * 1.05 - 1)
-    p.epochs._windows[(PLAIN, 1)] = collections.deque([1.0])  # realized: what the parts say
+    realize(p, PLAIN, 1, 1.0)  # realized: what the parts say
     assert p.decide(reqs).choice == PLAIN  # rounds priced by their parts: the 10% margin
-    p.epochs._windows[(SPECULATIVE, 1)] = collections.deque([1.0])
+    realize(p, SPECULATIVE, 1, 1.0)
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
     assert d.choice == SPECULATIVE and REALIZED_MARGIN < 0.05 < SPECULATION_MARGIN
@@ -662,6 +667,37 @@ def test_realized_seconds_price_what_the_parts_miss():
     assert 'spruce_adaptive_epochs_dropped_total 0' in text
 
 
+def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
+    """The H100 prefix run at concurrency 8 (e430067): plain epochs measured 0.6-0.7 ms a step and rounds (1.17
+    tokens) 1.0-1.3 ms, while the parts of a plain step over 8 requests moved between 0.54 and 1.17 ms (their
+    samples come at deciding steps). A figure kept as a ratio to the parts of its epoch's moment and applied to
+    today's parts moved with them: plain steps were priced at up to 1.5 ms, and the level switched between plain
+    steps and rounds every 20-150 ms (1833 rounds, 35% behind the plain server). A realized figure is the seconds
+    its epochs measured; the parts only scale it to another batch bucket."""
+    clock = Clock()
+    p = policy(plain=0.6e-3, spec=1.1e-3, clock=clock)
+    set_accept(p, 0.17)
+
+    def run(choice: str, steps: int, seconds: float) -> None:
+        for _ in range(steps):
+            p.epochs.event(clock.now)
+            p.epochs.step(choice, 8, steps, 8)
+            clock.now += seconds
+
+    run(PLAIN, 128, 0.65e-3)
+    run(SPECULATIVE, 110, 1.1e-3)
+    run(PLAIN, 1, 0.65e-3)  # ends the rounds' epoch
+    reqs = [Req() for _ in range(8)]
+    d = p.decide(reqs)
+    assert d.step_seconds == pytest.approx({PLAIN: 0.65e-3, SPECULATIVE: 1.1e-3}) and d.choice == PLAIN
+    for _ in range(16):  # the parts of a plain step drift to twice what its epochs measured
+        p.measured(PLAIN, 8, 1.3e-3)
+    assert p.device(PLAIN, 8) == pytest.approx(1.3e-3)
+    d = p.decide(reqs)
+    assert d.step_seconds[PLAIN] == pytest.approx(0.65e-3) and d.choice == PLAIN
+    assert p._realized(PLAIN, 8, 4) == pytest.approx(0.65e-3 * 0.6 / 1.3)  # a dip: scaled by the parts' shape
+
+
 def test_a_drain_does_not_price_a_full_batch():
     """The H100 prefix run (2026-11-23, commit 420bc7f): the adaptive server's plain steps at load 64 were priced at
     0.34 ms a step (busy seconds per step over an epoch that caught the level's drain) against 1.55 ms between
@@ -727,10 +763,10 @@ def test_a_dip_in_the_batch_is_priced_at_the_load_it_belongs_to():
                        clock=Clock())
     set_accept(p, 3.3)
     full, dip = [Req() for _ in range(30)], [Req() for _ in range(22)]
-    p.epochs._windows[(SPECULATIVE, 24)] = collections.deque([1.2])  # realized over 1 ms parts: a drain's figure
-    p.epochs._windows[(SPECULATIVE, 32)] = collections.deque([5.5])
-    p.epochs._windows[(PLAIN, 32)] = collections.deque([0.83])
-    p.epochs._windows[(PLAIN, 24)] = collections.deque([0.84])
+    realize(p, SPECULATIVE, 24, 1.2)  # realized over 1 ms parts: a drain's figure
+    realize(p, SPECULATIVE, 32, 5.5)
+    realize(p, PLAIN, 32, 0.83)
+    realize(p, PLAIN, 24, 0.84)
     assert p.decide(full).choice == PLAIN
     d = p.decide(dip)
     assert d.bucket == 24 and d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(5.5e-3)
@@ -859,8 +895,8 @@ def test_a_new_load_borrows_the_nearest_realized_figure():
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN  # the parts alone
     p = policy(plain=1e-3, spec=3e-3)
     set_accept(p, 1.5)
-    p.epochs._windows[(PLAIN, 4)] = collections.deque([3.0])  # realized over the parts: 3 ms and 3.3 ms steps
-    p.epochs._windows[(SPECULATIVE, 4)] = collections.deque([1.1])
+    realize(p, PLAIN, 4, 3.0)  # realized over the parts: 3 ms and 3.3 ms steps
+    realize(p, SPECULATIVE, 4, 1.1)
     d = p.decide([Req() for _ in range(8)])
     assert d.choice == SPECULATIVE
     assert d.step_seconds == pytest.approx({PLAIN: 3e-3, SPECULATIVE: 3.3e-3})

@@ -1,5 +1,6 @@
 """EpochClock (speculative/epoch_clock.py): busy over modelled seconds over epochs, prefill time included, idle
-gaps excluded, short runs dropped, one disturbed epoch outvoted, an epoch that holds a stall dropped, each step
+gaps excluded, short runs dropped, two disturbed epochs of five outvoted, figures in seconds anchored to their
+epoch's parts, an epoch that holds a stall dropped, each step
 modelled at its own batch's cost."""
 
 from __future__ import annotations
@@ -55,6 +56,30 @@ def test_one_disturbed_epoch_moves_nothing():
     run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
     assert clock.ratio("plain", 8) == pytest.approx(1e-3)
     assert clock.table() == {"plain": {8: pytest.approx(1e-3)}}
+
+
+def test_two_disturbed_epochs_of_five_move_nothing():
+    """The H100 prefix run at concurrency 8 (e430067): about one plain epoch in ten at load 8 held a ~90 ms stall of
+    the whole process (1.3-1.7x the others' busy time; not a compilation, not a garbage collection). Two such
+    epochs among the last three set the low median of three, priced plain steps at 1.3x, and switched the level to
+    rounds that commit 1.17 tokens at 1.6x a plain step. Of five, two move nothing."""
+    clock = EpochClock(per_step)
+    t = run(clock, 0.0, "plain", 3 * EPOCH_MIN, 1e-3)
+    t = run(clock, t, "plain", 2 * EPOCH_MIN, 1.6e-3)
+    run(clock, t, "plain", 1, 1e-3)  # ends the second disturbed epoch
+    assert clock.count("plain", 8) == 5
+    assert clock.ratio("plain", 8) == pytest.approx(1e-3) and clock.seconds("plain", 8) == pytest.approx(1e-3)
+
+
+def test_a_figure_in_seconds_is_anchored_to_the_parts_of_its_epoch():
+    """`seconds` is an epoch's ratio times the parts of a step at its load's bucket when it ended: parts that move
+    later move the ratio's meaning, not the seconds (AdaptivePolicy prices by the seconds)."""
+    parts = {"seconds": 2e-3}
+    clock = EpochClock(lambda choice, bucket: parts["seconds"])
+    t = run(clock, 0.0, "plain", EPOCH_MIN, 1e-3)
+    run(clock, t, "plain", 1, 1e-3)
+    parts["seconds"] = 4e-3
+    assert clock.ratio("plain", 8) == pytest.approx(0.5) and clock.seconds("plain", 8) == pytest.approx(1e-3)
 
 
 def test_an_epoch_that_holds_a_stall_is_dropped():

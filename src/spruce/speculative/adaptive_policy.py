@@ -33,9 +33,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   concurrency 1 on the H100 a few rejected rounds early in a request read as a collapse, and such requests decoded
   plainly at 0.4x a round's tokens/s, though their rounds would have committed more.
 - t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
-  measured: the parts' seconds for the step's batch (below) times the ratio of busy wall seconds over epochs of c
-  at the load bucket (runs of about one request's life), prefills and everything between steps included, to what
-  the parts gave those steps (speculative/epoch_clock.py; before c has an epoch at the load, the ratio at the
+  measured: the ratio of busy wall seconds over epochs of c at the load bucket (runs of about one request's life),
+  prefills and everything between steps included, to what the parts gave those steps, times the parts' seconds of
+  a step at the load's bucket when each epoch ended (anchored: `EpochClock.seconds`), scaled by the parts to the
+  step's own batch bucket (speculative/epoch_clock.py; before c has an epoch at the load, the figure at the
   nearest measured load, `_realized`; the parts alone until c has any epoch). Until 2026-11-23 the figure was busy
   seconds per step, and an epoch's steps run at whatever batch the requests in flight make: a drain's small steps
   priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what
@@ -142,7 +143,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from spruce.speculative.epoch_clock import EPOCH_WINDOW, EpochClock, epoch_steps
+from spruce.speculative.epoch_clock import SETTLED_EPOCHS, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
 
@@ -473,6 +474,7 @@ class AdaptivePolicy:
             ratio_at = self._ratio_load(choice, load)
             return {"seconds": d.step_seconds[choice], "tokens_per_second": d.tokens_per_second(choice),
                     "ratio": self.epochs.ratio(choice, ratio_at) if ratio_at is not None else None,
+                    "realized_seconds": self.epochs.seconds(choice, ratio_at) if ratio_at is not None else None,
                     "ratio_load": ratio_at, "parts": self._parts_seconds(choice, bucket),
                     "device": self.device(choice, bucket), "launch": self.launch(choice, bucket),
                     "resolve": _own_or_other(self.resolve_seconds, choice, bucket),
@@ -502,18 +504,30 @@ class AdaptivePolicy:
         return t
 
     def _realized(self, choice: str, load: int, batch_size: int) -> float | None:
-        """The realized seconds of a step of `choice` over `batch_size` requests at the load bucket `load`: the
-        parts' seconds for that batch (`_parts_seconds`) times what epochs of `choice` at `load` really cost over
-        what the parts gave their steps (EpochClock.ratio). Before `choice` has an epoch at `load`, the ratio at the
-        nearest load bucket that has one (None: no realized figure anywhere). The parts alone miss what lies
-        between steps (prefills, the serving process); the realized ratio at a neighbouring load carries that over.
-        On the H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by their parts, ran plain
-        steps for 83% of its steps and trailed the fixed server by 31%; the second pass, with realized figures, ran
-        rounds."""
+        """The realized seconds of a step of `choice` over `batch_size` requests at the load bucket `load`: what
+        epochs of `choice` at `load` really cost a step over a batch of the load's own bucket (EpochClock.seconds:
+        each epoch's busy over modelled seconds times the parts' seconds of such a step when it ended), for a batch
+        of another bucket (a dip) scaled by the parts' ratio between the two buckets. Before `choice` has an epoch
+        at `load`, the figure at the nearest load bucket that has one, scaled the same way (None: no realized figure
+        anywhere). The parts alone miss what lies between steps (prefills, the serving process); the realized figure
+        at a neighbouring load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64
+        priced rounds by their parts, ran plain steps for 83% of its steps and trailed the fixed server by 31%; the
+        second pass, with realized figures, ran rounds.
+
+        Anchored, not the ratio times today's parts: the parts drift (their host term is sampled at deciding steps,
+        which come with arrivals and ends), and a ratio measured against the parts of one moment is no figure for
+        the parts of another. On the H100 (1k shared prefix, concurrency 8, e430067) the parts of one plain step
+        over 8 requests moved between 0.54 and 1.17 ms while the epochs measured 0.6-0.7 ms a step; ratio times
+        parts put plain steps at 0.54-1.5 ms, and the level switched between plain steps and rounds (1.17 tokens a
+        round at 1.0-1.3 ms) every 20-150 ms, paying a catch-up at each switch into rounds: 1833 rounds, 35% behind
+        the plain server."""
         at = self._ratio_load(choice, load)
         if at is None:
             return None
-        return self.epochs.ratio(choice, at) * self._parts_seconds(choice, self.bucket_for(batch_size))
+        bucket = self.bucket_for(batch_size)
+        seconds = self.epochs.seconds(choice, at)  # a step at `at`'s own bucket, anchored when measured
+        base = self._parts_seconds(choice, at)
+        return seconds if bucket == at or base <= 0 else seconds * self._parts_seconds(choice, bucket) / base
 
     def _ratio_load(self, choice: str, load: int) -> int | None:
         """The load bucket whose realized ratio prices `choice` at `load`: `load` once it has one, else the nearest
@@ -570,14 +584,14 @@ class AdaptivePolicy:
 
     def _probe_price(self, d: Decision, other: str, load: int) -> float:
         """The seconds a step of `other` is taken to cost when spacing and budgeting its probes: its price in `d`,
-        except while its realized figure at `load` rests on fewer than EPOCH_WINDOW epochs and puts it above its
+        except while its realized figure at `load` rests on fewer than SETTLED_EPOCHS epochs and puts it above its
         parts: then its parts. A lone epoch that caught a stall would otherwise price its choice out of the very
         probes that re-measure it (the low median of two epochs drops a high one): on the H100 (2026-11-23) a
         compilation inside the first plain epoch at a load read 7.75x the parts, and the level ran rounds for good,
         its plain probes priced beyond the budget."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
-        if ratio is not None and ratio > 1.0 and self.epochs.count(other, load) < EPOCH_WINDOW:
+        if ratio is not None and ratio > 1.0 and self.epochs.count(other, load) < SETTLED_EPOCHS:
             return seconds / ratio
         return seconds
 

@@ -17,9 +17,14 @@ busy time is the wall time from its first step's launch to the launch after its 
 extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
 (`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
 when it decides a switch). Its figure, those busy seconds over the seconds `modelled` gives its steps (each at its
-own batch's cost bucket), goes into a window per (choice, load bucket); `ratio` is the window's low median, so one
-disturbed epoch moves nothing once the window holds three. A step of that choice over a batch is priced at the
-ratio times the modelled seconds of a step of that batch.
+own batch's cost bucket), goes into a window per (choice, load bucket) with the seconds that ratio makes a step
+over a batch of the load's own bucket under the parts of that moment (`seconds`: anchored). `ratio` and `seconds`
+are the window's low medians, so two disturbed epochs move nothing once the window holds five (on the H100 about
+one plain epoch in ten at concurrency 8 held a ~90 ms stall of the whole process; with three, two of them set the
+figure). A step of that choice over a batch of the load's bucket is priced at `seconds`, over another bucket at
+`seconds` scaled by the parts' ratio between the two (AdaptivePolicy._realized). Not the ratio times the parts of
+the moment of pricing: the parts drift (on the H100 a plain step's over 8 requests between 0.54 and 1.17 ms while
+its epochs measured 0.6-0.7 ms), and the price drifted with them.
 
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
@@ -47,17 +52,26 @@ import logging
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 log = logging.getLogger("spruce.adaptive.epochs")
 
 EPOCH_MIN = 16  # steps: a shorter run (ended by a step of another choice or bucket) measures nothing
 EPOCH_MAX = 512  # steps: the longest epoch, however long requests are
-EPOCH_WINDOW = 3  # epochs per (choice, bucket) behind its figure
+EPOCH_WINDOW = 5  # epochs per (choice, bucket) behind its figure (low median: two disturbed epochs move nothing)
+SETTLED_EPOCHS = 3  # epochs behind a figure before it may price its choice out of a probe (AdaptivePolicy._probe_price)
 
 
 def epoch_steps(target: int) -> int:
     """An epoch's length in steps for a wanted `target` (about one request's life): within EPOCH_MIN..EPOCH_MAX."""
     return max(EPOCH_MIN, min(target, EPOCH_MAX))
+
+
+class EpochFigure(NamedTuple):
+    """What one epoch measured (EpochClock.record)."""
+
+    ratio: float  # busy over modelled seconds
+    seconds: float  # that ratio times the parts' seconds of a step at the load's own cost bucket, at its end
 
 
 @dataclass
@@ -152,18 +166,32 @@ class EpochClock:
         modelled = sum(n * self.modelled(cur.choice, b) for b, n in cur.step_buckets.items())
         if modelled <= 0:
             return
+        ratio = cur.busy / modelled
+        seconds = ratio * self.modelled(cur.choice, cur.bucket)
         log.debug("epoch %s at load %d: %d steps (per cost bucket %s), %d prefills, busy %.6f s, modelled %.6f s, "
-                  "ratio %.3f", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets), cur.prefills, cur.busy,
-                  modelled, cur.busy / modelled)
-        window = self._windows.setdefault((cur.choice, cur.bucket), collections.deque(maxlen=EPOCH_WINDOW))
-        window.append(cur.busy / modelled)
+                  "ratio %.3f, %.6f s a step at the load", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets),
+                  cur.prefills, cur.busy, modelled, ratio, seconds)
+        self.record(cur.choice, cur.bucket, ratio, seconds)
         self.epochs += 1
+
+    def record(self, choice: str, bucket: int, ratio: float, seconds: float) -> None:
+        """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and the seconds that makes a
+        step over a batch of the load's own cost bucket, under the parts of that moment."""
+        window = self._windows.setdefault((choice, bucket), collections.deque(maxlen=EPOCH_WINDOW))
+        window.append(EpochFigure(ratio, seconds))
 
     def ratio(self, choice: str, bucket: int) -> float | None:
         """Busy over modelled seconds of `choice` at load `bucket` (low median of its last epochs), None before its
         first."""
         window = self._windows.get((choice, bucket))
-        return statistics.median_low(window) if window else None
+        return statistics.median_low(f.ratio for f in window) if window else None
+
+    def seconds(self, choice: str, bucket: int) -> float | None:
+        """Realized seconds of a step of `choice` over a batch of the load `bucket`'s own cost bucket (low median of
+        its last epochs, each anchored to the parts of its own moment: see the module docstring), None before its
+        first."""
+        window = self._windows.get((choice, bucket))
+        return statistics.median_low(f.seconds for f in window) if window else None
 
     def count(self, choice: str, bucket: int) -> int:
         """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW)."""
