@@ -673,7 +673,7 @@ def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
     samples come at deciding steps). A figure kept as a ratio to the parts of its epoch's moment and applied to
     today's parts moved with them: plain steps were priced at up to 1.5 ms, and the level switched between plain
     steps and rounds every 20-150 ms (1833 rounds, 35% behind the plain server). A realized figure is the seconds
-    its epochs measured; the parts only scale it to another batch bucket."""
+    its epochs measured."""
     clock = Clock()
     p = policy(plain=0.6e-3, spec=1.1e-3, clock=clock)
     set_accept(p, 0.17)
@@ -695,7 +695,25 @@ def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
     assert p.device(PLAIN, 8) == pytest.approx(1.3e-3)
     d = p.decide(reqs)
     assert d.step_seconds[PLAIN] == pytest.approx(0.65e-3) and d.choice == PLAIN
-    assert p._realized(PLAIN, 8, 4) == pytest.approx(0.65e-3 * 0.6 / 1.3)  # a dip: scaled by the parts' shape
+    assert p._realized(PLAIN, 8, 4) == pytest.approx(0.65e-3)  # a dip is priced as its load
+
+
+def test_a_dip_takes_the_choice_of_its_load():
+    """The H100 prefix run at concurrency 64 (7b99986): equal-length requests end together, and while their
+    successors are prefilled the batch dips to a few requests. Priced at the load's figures scaled by the parts'
+    ratio between the dip's bucket and the load's, which scales plain steps and rounds differently, dips of 3-6
+    requests switched to rounds (1.17 tokens) 17 times in one pass, each paying a catch-up of the batch. A dip is
+    priced as the load it belongs to: here rounds lose at the load (8 tokens per 1 ms plain against 9.6 per 1.3 ms),
+    and the parts' shapes (a plain step over 2 requests 0.9x one over 8, a round 0.5x) would have them win a dip."""
+    table = {(PLAIN, 1): 0.9e-3, (PLAIN, 2): 0.9e-3, (PLAIN, 4): 0.95e-3, (PLAIN, 8): 1e-3,
+             (SPECULATIVE, 1): 0.6e-3, (SPECULATIVE, 2): 0.6e-3, (SPECULATIVE, 4): 0.9e-3, (SPECULATIVE, 8): 1.2e-3}
+    p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=4, clock=Clock())
+    set_accept(p, 0.2)
+    realize(p, PLAIN, 8, 1.0)
+    realize(p, SPECULATIVE, 8, 1.3 / 1.2)
+    assert p.decide([Req() for _ in range(8)]).choice == PLAIN
+    d = p.decide([Req() for _ in range(2)])  # the load is still 8 (the largest of the last decisions)
+    assert d.step_seconds == pytest.approx({PLAIN: 1e-3, SPECULATIVE: 1.3e-3}) and d.choice == PLAIN
 
 
 def test_a_drain_does_not_price_a_full_batch():

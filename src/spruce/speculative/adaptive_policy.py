@@ -35,9 +35,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
 - t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
   measured: the ratio of busy wall seconds over epochs of c at the load bucket (runs of about one request's life),
   prefills and everything between steps included, to what the parts gave those steps, times the parts' seconds of
-  a step at the load's bucket when each epoch ended (anchored: `EpochClock.seconds`), scaled by the parts to the
-  step's own batch bucket (speculative/epoch_clock.py; before c has an epoch at the load, the figure at the
-  nearest measured load, `_realized`; the parts alone until c has any epoch). Until 2026-11-23 the figure was busy
+  a step at the load's bucket when each epoch ended (anchored: `EpochClock.seconds`), whatever the step's own
+  batch (a dip below the load's bucket takes the load's price, so its choice) (speculative/epoch_clock.py; before c
+  has an epoch at the load, the figure at the nearest measured load scaled by the parts, `_realized`; the parts
+  alone until c has any epoch). Until 2026-11-23 the figure was busy
   seconds per step, and an epoch's steps run at whatever batch the requests in flight make: a drain's small steps
   priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what
   lies between decode steps: on the H100 with the engine in its own process (2026-11-23) they put rounds at
@@ -504,11 +505,12 @@ class AdaptivePolicy:
         return t
 
     def _realized(self, choice: str, load: int, batch_size: int) -> float | None:
-        """The realized seconds of a step of `choice` over `batch_size` requests at the load bucket `load`: what
-        epochs of `choice` at `load` really cost a step over a batch of the load's own bucket (EpochClock.seconds:
-        each epoch's busy over modelled seconds times the parts' seconds of such a step when it ended), for a batch
-        of another bucket (a dip) scaled by the parts' ratio between the two buckets. Before `choice` has an epoch
-        at `load`, the figure at the nearest load bucket that has one, scaled the same way (None: no realized figure
+        """The realized seconds of a step of `choice` at the load bucket `load`, whatever the batch at hand
+        (`batch_size`, which a dip takes below the load's bucket while arrivals wait: it is priced as the load it
+        belongs to, so it takes the load's choice): what epochs of `choice` at `load` really cost a step over a
+        batch of the load's own bucket (EpochClock.seconds: each epoch's busy over modelled seconds times the parts'
+        seconds of such a step when it ended). Before `choice` has an epoch at `load`, the figure at the nearest
+        load bucket that has one, scaled by the parts' ratio between the two loads (None: no realized figure
         anywhere). The parts alone miss what lies between steps (prefills, the serving process); the realized figure
         at a neighbouring load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64
         priced rounds by their parts, ran plain steps for 83% of its steps and trailed the fixed server by 31%; the
@@ -520,14 +522,15 @@ class AdaptivePolicy:
         over 8 requests moved between 0.54 and 1.17 ms while the epochs measured 0.6-0.7 ms a step; ratio times
         parts put plain steps at 0.54-1.5 ms, and the level switched between plain steps and rounds (1.17 tokens a
         round at 1.0-1.3 ms) every 20-150 ms, paying a catch-up at each switch into rounds: 1833 rounds, 35% behind
-        the plain server."""
+        the plain server. Not scaled to a dip's bucket either: at concurrency 64 (7b99986) the parts' ratio between
+        a dip's bucket and the load's scaled plain steps and rounds differently, and dips of 3-6 requests switched to
+        rounds (1.17 tokens) 17 times in one pass, each switch paying a catch-up of the batch."""
         at = self._ratio_load(choice, load)
         if at is None:
             return None
-        bucket = self.bucket_for(batch_size)
         seconds = self.epochs.seconds(choice, at)  # a step at `at`'s own bucket, anchored when measured
         base = self._parts_seconds(choice, at)
-        return seconds if bucket == at or base <= 0 else seconds * self._parts_seconds(choice, bucket) / base
+        return seconds if at == load or base <= 0 else seconds * self._parts_seconds(choice, load) / base
 
     def _ratio_load(self, choice: str, load: int) -> int | None:
         """The load bucket whose realized ratio prices `choice` at `load`: `load` once it has one, else the nearest
