@@ -714,6 +714,12 @@ def test_a_dip_takes_the_choice_of_its_load():
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN
     d = p.decide([Req() for _ in range(2)])  # the load is still 8 (the largest of the last decisions)
     assert d.step_seconds == pytest.approx({PLAIN: 1e-3, SPECULATIVE: 1.3e-3}) and d.choice == PLAIN
+    p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=4, clock=Clock())  # rounds not measured yet:
+    set_accept(p, 0.2)  # priced by their parts, at the load's bucket too
+    realize(p, PLAIN, 8, 1.0)
+    assert p.decide([Req() for _ in range(8)]).choice == PLAIN
+    d = p.decide([Req() for _ in range(2)])
+    assert d.step_seconds == pytest.approx({PLAIN: 1e-3, SPECULATIVE: 1.2e-3}) and d.choice == PLAIN
 
 
 def test_a_drain_does_not_price_a_full_batch():

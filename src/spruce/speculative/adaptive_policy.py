@@ -493,11 +493,13 @@ class AdaptivePolicy:
     def _priced(self, choice: str, batch_size: int, load: int, catch_up_positions: int, rounds: float,
                 round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """t(choice), the seconds of a step over `batch_size` requests: realized at the load bucket `load`
-        (`_realized`), else its parts at the batch's bucket (`step_seconds`, a round with its share of the draft's
-        work on arriving prompts); a round over lagging drafts adds its share of the catch-up."""
+        (`_realized`), else its parts at the load's bucket (`step_seconds`, a round with its share of the draft's
+        work on arriving prompts): a batch that dips below its load is priced as the load either way, so that one
+        choice priced by its parts at the dip's bucket does not meet the other's realized figure at the load's; a
+        round over lagging drafts adds its share of the catch-up."""
         t = self._realized(choice, load, batch_size)
         if t is None:
-            t = self.step_seconds(choice, self.bucket_for(batch_size))
+            t = self.step_seconds(choice, load)
             if choice == SPECULATIVE:
                 t += self._arrival_seconds(round_tokens, request_tokens, new_positions)
         if choice == SPECULATIVE and catch_up_positions:
