@@ -16,6 +16,9 @@
 #   ADAPTIVE_EXTRA="FLAGS": flags the adaptive server alone gets (--log-level debug: every epoch the policy closes is
 #                          logged, spruce.adaptive.epochs, and grepped with the switches into adaptive-policy.log).
 #   PASSES=N:              passes per level instead of 3 (pass-to-pass noise on the H100 is 10-30%).
+#   MAX_TOKENS_MIN=N:      each request's max_tokens drawn from [N, 128] instead of 128 for all (the same draw for
+#                          request i on every server): equal lengths end a level's requests together, and at
+#                          concurrency 64 every server's batch then swings between 64 and a few (mean 35-41).
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
@@ -36,7 +39,7 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive ${ADAPTIVE_EXTRA:-}" \
     ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
-    --max-tokens 128 --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/bench.log" | grep -v "^pass" | tail -40
   grep -h "spruce.adaptive" "$OUT/$name/server-logs/adaptive.log" > "$OUT/$name/adaptive-policy.log"
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done

@@ -160,6 +160,40 @@ def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
     assert "concurrency   4" in capsys.readouterr().out
 
 
+def test_serving_benchmark_draws_each_requests_length_the_same_for_every_server(server, tmp_path):
+    """--max-tokens-min: request i's max_tokens is a uniform draw from [min, max] keyed by i, so two runs (two
+    servers, or passes) ask the same lengths; lengths vary, so a level's requests do not all end together. Bad
+    bounds are refused, naming the value."""
+    from spruce.bench.serving import add_serving_parser, run_serving_bench
+    from spruce.bench.serving_client import request_max_tokens
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in _prompts(6, random.Random(1))))
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serving_parser(sub)
+
+    def parse(*extra: str) -> argparse.Namespace:
+        return sub.choices["serving"].parse_args([
+            "--base-url", server.base_url, "--concurrency", "3", "--num-requests", "12", "--max-tokens", "12",
+            "--prompt-tokens", "32", "--prompts", str(prompts), "--warmup", "0", "--client-processes", "1", *extra])
+
+    args = parse("--max-tokens-min", "2")
+    lengths = [request_max_tokens(args, i) for i in range(12)]
+    assert all(2 <= n <= 12 for n in lengths) and len(set(lengths)) > 3
+    assert lengths == [request_max_tokens(parse("--max-tokens-min", "2"), i) for i in range(12)]
+    assert [request_max_tokens(parse(), i) for i in range(12)] == [12] * 12
+    means = []
+    for run in ("a", "b"):
+        args = parse("--max-tokens-min", "2", "--out-dir", str(tmp_path / run))
+        assert args.func(args) == 0
+        (level,) = json.loads(next((tmp_path / run).glob("serving-*.json")).read_text())["figures"]["levels"]
+        assert level["completed"] == 12
+        means.append(level["mean_output_tokens"])
+    assert means[0] == means[1] == pytest.approx(sum(lengths) / 12)
+    for bad in (["--max-tokens-min", "13"], ["--max-tokens-min", "0"], ["--max-tokens", "0"]):
+        assert run_serving_bench(parse(*bad)) == 2
+
+
 def test_a_steps_outputs_wake_the_event_loop_once():
     """The engine thread posts one step's outputs for many streams, then wakes the event loop with one cross-thread
     call (each call writes to the loop's self-pipe: 64 of them per step were host time at concurrency 64); every

@@ -64,6 +64,11 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="model dir whose tokenizer truncates prompts (default: the "
                    "served model's dir if it is local, else the fixture's)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens-min", type=int, default=None,
+                   help="draw each request's max_tokens uniformly from [this, --max-tokens] (request i draws the "
+                        "same on every server and in every pass; default: every request --max-tokens). Equal "
+                        "lengths make a level's requests end together, and the batch then swings with the "
+                        "arrivals' prefills")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: fixed length)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
@@ -458,6 +463,13 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if not args.timeout > 0:
         print(f"spruce bench serving: --timeout must be > 0 seconds, got {args.timeout}", file=sys.stderr)
+        return 2
+    if args.max_tokens < 1:
+        print(f"spruce bench serving: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    if args.max_tokens_min is not None and not 1 <= args.max_tokens_min <= args.max_tokens:
+        print(f"spruce bench serving: --max-tokens-min must be in 1..--max-tokens ({args.max_tokens}), got "
+              f"{args.max_tokens_min}", file=sys.stderr)
         return 2
     if args.passes < 1:
         print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)

@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -201,7 +202,7 @@ async def _send(base_url: str, headers: dict, model: str, prompts: list, take, c
                     results.append(RequestResult(ok=False, error=f"not sent: the run stopped "
                                                                  f"({stopped[0] if stopped else 'in another client'})"))
                     continue
-                res = await stream_one(client, model, prompts[i % len(prompts)], args)
+                res = await stream_one(client, model, prompts[i % len(prompts)], args, request_max_tokens(args, i))
                 results.append(res)
                 if res.fatal and not stopped:
                     stopped.append(res.error)
@@ -225,11 +226,23 @@ async def _connect(client: httpx.AsyncClient) -> None:
         await client.get("/health")
 
 
-async def stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> RequestResult:
-    """One streaming request, failed (not raised) on any error; at most `args.timeout` seconds in all."""
+def request_max_tokens(args, i: int) -> int:
+    """Request i's max_tokens: `args.max_tokens`, or with `args.max_tokens_min` a uniform draw from [that,
+    max_tokens] keyed by i alone, so that request i asks the same of every server and in every pass."""
+    low = getattr(args, "max_tokens_min", None)
+    if low is None or low >= args.max_tokens:
+        return args.max_tokens
+    return random.Random(i).randint(low, args.max_tokens)
+
+
+async def stream_one(client: httpx.AsyncClient, model: str, prompt, args,
+                     max_tokens: int | None = None) -> RequestResult:
+    """One streaming request of `max_tokens` (default `args.max_tokens`), failed (not raised) on any error; at most
+    `args.timeout` seconds in all."""
     res = RequestResult(ok=False)
     try:
-        await asyncio.wait_for(_stream_into(res, client, model, prompt, args), args.timeout)
+        await asyncio.wait_for(_stream_into(res, client, model, prompt, args, max_tokens or args.max_tokens),
+                               args.timeout)
     except TimeoutError:
         res.ok, res.fatal = False, True
         res.error = f"timed out after {args.timeout:g} s"
@@ -239,9 +252,10 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt, args) -> Req
     return res
 
 
-async def _stream_into(res: RequestResult, client: httpx.AsyncClient, model: str, prompt, args) -> None:
+async def _stream_into(res: RequestResult, client: httpx.AsyncClient, model: str, prompt, args,
+                       max_tokens: int) -> None:
     """Send one streaming request and fill `res` as its chunks come."""
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": not args.no_ignore_eos}
     t0 = time.perf_counter()
     last = None
