@@ -94,6 +94,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.worker = worker
         self.prefix_cache = prefix_cache  # the engine's (None: off): which prompts repeat (_lazy_chunks)
         self.ring = FeatureRing(r.limits, r.draft.feature_width_first_step, r.dtype, r.device)
+        self.lag_window = r.limits.draft_lag_window  # read at every step (a Limits property computes it)
         self.plain = PlainDecoding(r, self.ring)
         self.policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture)
         self.last_decision: Decision | None = None
@@ -207,7 +208,7 @@ class AdaptiveDecoding(DecodeStrategy):
 
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
-        window = self.runner.limits.draft_lag_window
+        window = self.lag_window
         standing = self.last_decision.choice if self.last_decision is not None else None
         if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
             if all(q.draft_lag < window for q in requests) and self.policy.repeat(PLAIN, len(requests)):

@@ -294,6 +294,7 @@ class AdaptivePolicy:
         if missing:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
         self._state = {b: _BucketState() for b in self.buckets}
+        self._bucket_of = [next(b for b in self.buckets if b >= n) for n in range(self.buckets[-1] + 1)]  # by size
         self._last_launch: tuple[float, str, int, bool] | None = None  # the last decode launch: (time, choice,
         # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
         self._previous_choice: str | None = None  # the last decode step's choice (None after a prefill)
@@ -317,10 +318,11 @@ class AdaptivePolicy:
 
     # --- the choice ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
-        for b in self.buckets:
-            if b >= batch_size:
-                return b
-        raise ValueError(f"batch size {batch_size} exceeds the largest cost bucket {self.buckets[-1]}")
+        """The cost bucket of a batch of `batch_size` requests: the smallest bucket that holds it."""
+        try:
+            return self._bucket_of[batch_size]
+        except IndexError:
+            raise ValueError(f"batch size {batch_size} exceeds the largest cost bucket {self.buckets[-1]}") from None
 
     def steady_choice(self, batch_size: int) -> str:
         """The choice for a batch of `batch_size` requests whose drafts are current, at the engine-wide acceptance:
