@@ -663,6 +663,8 @@ def test_realized_seconds_price_what_the_parts_miss():
     text = metrics.render()
     for choice in CHOICES:
         assert f'spruce_adaptive_realized_ratio{{bucket="8",choice="{choice}"}}' in text
+        assert f'spruce_adaptive_realized_seconds{{bucket="8",choice="{choice}"}}' in text
+    assert p.snapshot()["realized_seconds"][PLAIN][8] == pytest.approx(p._realized(PLAIN, 8, 8))
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
     assert 'spruce_adaptive_epochs_dropped_total 0' in text
 

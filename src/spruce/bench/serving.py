@@ -169,13 +169,14 @@ HELD_FRACTION = 0.9  # a level whose client held fewer than this fraction of its
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
-                   "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio")
+                   "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio",
+                   "spruce_adaptive_realized_seconds")
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,launch,resolve,wall,own_host}_seconds: {choice: {bucket: s}};
-    realized_ratio: {choice: {bucket: busy over modelled seconds}};
+    realized_ratio: {choice: {bucket: busy over modelled seconds}}; realized_seconds: {choice: {bucket: s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within `timeout` seconds."""
     try:

@@ -303,8 +303,11 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                                            "ones): they price it instead of the pooled figure once there are a few."),
                       ("realized_ratio", "Busy wall seconds over the seconds the parts give the same steps, "
                                          "over epochs of a choice at a load (about one request's life each; "
-                                         "prefills included, catch-ups not; low median of the last three): once "
-                                         "measured, a step's price is its parts times it.")):
+                                         "prefills included, catch-ups not; low median of the last five)."),
+                      ("realized_seconds", "What a step of a choice at a load really costs, prefills included: "
+                                           "each epoch's ratio times the parts' seconds of a step at the load's "
+                                           "bucket when it ended (low median of the last five); once measured, "
+                                           "the step's price at that load.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])

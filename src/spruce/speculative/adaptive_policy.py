@@ -861,7 +861,8 @@ class AdaptivePolicy:
             "resolve_seconds": per_choice(lambda c, b: self.resolve_seconds.get((c, b))),
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
             "own_host_seconds": per_choice(lambda c, b: self.own_host_seconds.get((c, b))),
-            "realized_ratio": self.epochs.table(),
+            "realized_ratio": self.epochs.table("ratio"),
+            "realized_seconds": self.epochs.table("seconds"),
             "prompt_draft_seconds": (self.draft_prompt_seconds / self.draft_prompt_requests
                                      if self.draft_prompt_seconds is not None and self.draft_prompt_requests
                                      else None),

@@ -200,9 +200,11 @@ class EpochClock:
         """The buckets `choice` has a figure at."""
         return [b for c, b in self._windows if c == choice]
 
-    def table(self) -> dict[str, dict[int, float]]:
-        """{choice: {bucket: busy over modelled seconds}} for every (choice, bucket) measured."""
+    def table(self, figure: str = "ratio") -> dict[str, dict[int, float]]:
+        """{choice: {bucket: figure}} for every (choice, bucket) measured; `figure` "ratio" (busy over modelled
+        seconds) or "seconds" (anchored)."""
+        read = {"ratio": self.ratio, "seconds": self.seconds}[figure]
         out: dict[str, dict[int, float]] = {}
         for choice, bucket in sorted(self._windows):
-            out.setdefault(choice, {})[bucket] = self.ratio(choice, bucket)
+            out.setdefault(choice, {})[bucket] = read(choice, bucket)
         return out
