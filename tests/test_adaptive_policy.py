@@ -846,8 +846,8 @@ def test_a_prior_over_mixed_requests_is_their_mean():
     """Rounds of requests whose acceptance differs widely (a fifth accept each draft with probability 1/2, the rest
     with 1/50; eight at a time, each replaced after 128 tokens): the prior is the mean of the rounds fed. Leaving out
     the collapsed requests' rounds (until session 13) fed back, their line being a fraction of the prior: over time
-    it averaged 3.3x that mean; on the H100 with the shared prefix (rounds commit 1.18 tokens) every new request was priced at
-    it, and the adaptive server ran rounds for up to 82% of its steps at concurrency 8, 32% behind plain."""
+    it averaged 3.3x that mean; on the H100 with the shared prefix (rounds commit 1.18 tokens) every new request was
+    priced at it, and the adaptive server ran rounds for up to 82% of its steps at concurrency 8, 32% behind plain."""
     import random
 
     rng = random.Random(0)

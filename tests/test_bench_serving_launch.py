@@ -2,8 +2,8 @@
 and adaptive speculation on the bundled model, on the CPU), with and without the prefix cache, sends every request
 a shared prefix, runs the level twice (two passes, both reported) with all four servers up at once and each level
 run on each server in turn (--interleave), and writes one result holding every run, with adaptive speculation's
-steps and cost tables (and each level to a journal as it completes). A tiny smoke configuration, so CI keeps it working. Flags that configure launched servers
-are refused without --launch."""
+steps and cost tables (and each level to a journal as it completes). A tiny smoke configuration, so CI keeps it
+working. Flags that configure launched servers are refused without --launch."""
 
 from __future__ import annotations
 

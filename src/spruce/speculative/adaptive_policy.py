@@ -117,16 +117,16 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   REALIZED_MARGIN: on the H100 at concurrency 1 (2026-11-23) rounds' realized figure put them 10% ahead of plain
   steps, within the 10% margin, while a fixed server was 23-40% ahead of a plain one, and the adaptive server ran
   plain steps for half its steps.
-- A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost
-  bucket, or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an adaptive engine costs the host what a
-  plain engine does while it decodes plainly, and what a fixed one does while it runs rounds. Only the steps that
-  decide are timed (host interval, resolve, device events); every step counts in its epoch. Deciding each step
-  cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain step that decided took
-  0.53 ms launch to launch against a plain engine's 0.27 ms), so rounds, which decided every step, were priced
-  (correctly) below a plain engine's steps, and at concurrency 64 a batch that changed at almost every step
-  (a request ends every second step) decided almost every plain step too. Probes, another bucket, an epoch's
-  end (a probe may be due), a collapsed request's retry and an engine-wide acceptance that drifted by more than
-  REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh; a request's own acceptance, which
+- A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost bucket,
+  or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an
+  adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
+  runs rounds. Only the steps that decide are timed (host interval, resolve, device events); every step counts in its
+  epoch. Deciding each step cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain
+  step that decided took 0.53 ms launch to launch against a plain engine's 0.27 ms), so rounds, which decided every
+  step, were priced (correctly) below a plain engine's steps, and at concurrency 64 a batch that changed at almost
+  every step (a request ends every second step) decided almost every plain step too. Probes, another bucket, an
+  epoch's end (a probe may be due), a collapsed request's retry and an engine-wide acceptance that drifted by more
+  than REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh; a request's own acceptance, which
   rounds update every step, is read at the next decision.
 
 Pure Python and torch-free: the unit tests feed it numbers.

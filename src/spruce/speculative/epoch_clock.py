@@ -22,8 +22,8 @@ over a batch of the load's own bucket under the parts of that moment (`seconds`:
 are the window's low medians, so two disturbed epochs move nothing once the window holds five (on the H100 about
 one plain epoch in ten at concurrency 8 held a ~90 ms stall of the whole process; with three, two of them set the
 figure). A step of that choice at that load is priced at `seconds`, whatever its batch (AdaptivePolicy._realized).
-Not the ratio times the parts of the moment of pricing: the parts drift (on the H100 a plain step's over 8 requests between 0.54 and 1.17 ms while
-its epochs measured 0.6-0.7 ms), and the price drifted with them.
+Not the ratio times the parts of the moment of pricing: the parts drift (on the H100 a plain step's over 8
+requests between 0.54 and 1.17 ms while its epochs measured 0.6-0.7 ms), and the price drifted with them.
 
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
