@@ -364,7 +364,7 @@ def test_probes_stay_within_their_budget(monkeypatch):
         choices.append(d.choice)
     first = choices.index(SPECULATIVE)  # the first probe measures rounds (no budget yet)
     later = [i for i, c in enumerate(choices) if c == SPECULATIVE and i >= first + EPOCH_MIN]
-    assert first == EPOCH_MIN and p._realized(SPECULATIVE, 1, 1) == pytest.approx(26e-3)
+    assert first == EPOCH_MIN and p._realized(SPECULATIVE, 1) == pytest.approx(26e-3)
     epochs_between = 25 / PROBE_BUDGET - 1  # (ratio - 1) / budget epochs of plain steps
     assert not later or later[0] >= 2 * EPOCH_MIN + epochs_between * EPOCH_MIN
 
@@ -473,8 +473,8 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
         clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
         catch_up_due = d.choice == PLAIN
         decisions.append(d)
-    assert p._realized(SPECULATIVE, 1, 1) == pytest.approx(0.7e-3)
-    assert p._realized(PLAIN, 1, 1) == pytest.approx(0.3e-3)
+    assert p._realized(SPECULATIVE, 1) == pytest.approx(0.7e-3)
+    assert p._realized(PLAIN, 1) == pytest.approx(0.3e-3)
     probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
     assert probes == list(range(EPOCH_MIN, 2 * EPOCH_MIN))  # the first measures plain steps; the next is 43 away
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
@@ -652,10 +652,10 @@ def test_realized_seconds_price_what_the_parts_miss():
     assert decisions[0].choice == SPECULATIVE  # the parts' choice, until measured
     realized = p.snapshot()["realized_ratio"]  # over what the parts give the same steps
     assert realized[SPECULATIVE][8] > 2 and realized[PLAIN][8] < 1
-    assert p._realized(SPECULATIVE, 8, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills an epoch
-    assert p._realized(PLAIN, 8, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
+    assert p._realized(SPECULATIVE, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills an epoch
+    assert p._realized(PLAIN, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
     assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"
-    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(p._realized(SPECULATIVE, 8, 8), rel=0.05)
+    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(p._realized(SPECULATIVE, 8), rel=0.05)
     from spruce.server.metrics import Metrics  # /metrics shows the realized figures
 
     metrics = Metrics(5)
@@ -664,7 +664,7 @@ def test_realized_seconds_price_what_the_parts_miss():
     for choice in CHOICES:
         assert f'spruce_adaptive_realized_ratio{{bucket="8",choice="{choice}"}}' in text
         assert f'spruce_adaptive_realized_seconds{{bucket="8",choice="{choice}"}}' in text
-    assert p.snapshot()["realized_seconds"][PLAIN][8] == pytest.approx(p._realized(PLAIN, 8, 8))
+    assert p.snapshot()["realized_seconds"][PLAIN][8] == pytest.approx(p._realized(PLAIN, 8))
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
     assert 'spruce_adaptive_epochs_dropped_total 0' in text
 
@@ -697,7 +697,7 @@ def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
     assert p.device(PLAIN, 8) == pytest.approx(1.3e-3)
     d = p.decide(reqs)
     assert d.step_seconds[PLAIN] == pytest.approx(0.65e-3) and d.choice == PLAIN
-    assert p._realized(PLAIN, 8, 4) == pytest.approx(0.65e-3)  # a dip is priced as its load
+    assert p.decide(reqs[:4]).step_seconds[PLAIN] == pytest.approx(0.65e-3)  # a dip is priced as its load
 
 
 def test_a_dip_takes_the_choice_of_its_load():

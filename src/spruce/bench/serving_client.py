@@ -229,7 +229,7 @@ async def _connect(client: httpx.AsyncClient) -> None:
 def request_max_tokens(args, i: int) -> int:
     """Request i's max_tokens: `args.max_tokens`, or with `args.max_tokens_min` a uniform draw from [that,
     max_tokens] keyed by i alone, so that request i asks the same of every server and in every pass."""
-    low = getattr(args, "max_tokens_min", None)
+    low = args.max_tokens_min
     if low is None or low >= args.max_tokens:
         return args.max_tokens
     return random.Random(i).randint(low, args.max_tokens)

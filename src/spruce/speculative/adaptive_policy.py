@@ -106,7 +106,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   PROBE_ALLOWANCE seconds (a probe that would exceed it waits). While the other's realized figure rests on fewer
   than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
   caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
-  steps leaves to the next round lands in that round's epoch, which the low median over three epochs keeps out of
+  steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
   the rounds' figure (it is the probe's cost).
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
@@ -499,7 +499,7 @@ class AdaptivePolicy:
         work on arriving prompts): a batch that dips below its load is priced as the load either way, so that one
         choice priced by its parts at the dip's bucket does not meet the other's realized figure at the load's; a
         round over lagging drafts adds its share of the catch-up."""
-        t = self._realized(choice, load, batch_size)
+        t = self._realized(choice, load)
         if t is None:
             t = self.step_seconds(choice, load)
             if choice == SPECULATIVE:
@@ -508,12 +508,12 @@ class AdaptivePolicy:
             t += self.catch_up_seconds(catch_up_positions) / rounds
         return t
 
-    def _realized(self, choice: str, load: int, batch_size: int) -> float | None:
-        """The realized seconds of a step of `choice` at the load bucket `load`, whatever the batch at hand
-        (`batch_size`, which a dip takes below the load's bucket while arrivals wait: it is priced as the load it
-        belongs to, so it takes the load's choice): what epochs of `choice` at `load` really cost a step over a
-        batch of the load's own bucket (EpochClock.seconds: each epoch's busy over modelled seconds times the parts'
-        seconds of such a step when it ended). Before `choice` has an epoch at `load`, the figure at the nearest
+    def _realized(self, choice: str, load: int) -> float | None:
+        """The realized seconds of a step of `choice` at the load bucket `load`, whatever the batch at hand (a
+        batch that dips below the load's bucket while arrivals wait is priced as the load it belongs to, so it takes
+        the load's choice): what epochs of `choice` at `load` really cost a step over a batch of the load's own
+        bucket (EpochClock.seconds: each epoch's busy over modelled seconds times the parts' seconds of such a step
+        when it ended). Before `choice` has an epoch at `load`, the figure at the nearest
         load bucket that has one, scaled by the parts' ratio between the two loads (None: no realized figure
         anywhere). The parts alone miss what lies between steps (prefills, the serving process); the realized figure
         at a neighbouring load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64
