@@ -169,3 +169,38 @@ def test_each_step_is_modelled_at_its_own_batch():
     assert clock.ratio("plain", 64) == pytest.approx(1.5)
     assert clock.ratio("speculative", 64) == pytest.approx(1.5)
     assert 1.5 * sum(cost[b] for b in drain) / len(drain) < 1.5 * cost[64] / 3
+
+
+def test_a_standing_step_counts_as_an_event_and_a_step():
+    """`standing_step` (a standing decision's step, AdaptivePolicy.repeat) is `event` then the epoch's `add`: two
+    clocks fed the same launches, exclusions, prefills and idle gaps, one each way, end with the same figures."""
+    def feed(clock: EpochClock, standing: bool) -> EpochClock:
+        t = 0.0
+        for i in range(3 * EPOCH_MIN):
+            if i % EPOCH_MIN == 0:  # a deciding step starts each epoch
+                clock.event(t)
+                clock.step("plain", 8, EPOCH_MIN, 8)
+            elif standing:
+                clock.standing_step(t, 4 if i % 3 else 8)
+            else:
+                clock.event(t)
+                clock.current.add(4 if i % 3 else 8)
+            t += 1e-3 * (1 + i % 4)
+            if i % 7 == 0:
+                clock.exclude(2e-4)  # a catch-up's launch
+            if i % 11 == 0:
+                clock.prefill(t)
+                t += 3e-3
+            if i == 20:
+                clock.idle()
+                t += 1.0
+        clock.event(t)
+        clock.step("speculative", 8, EPOCH_MIN, 8)  # ends the last plain epoch
+        return clock
+
+    modelled = lambda choice, bucket: bucket * 1e-4  # noqa: E731
+    a, b = feed(EpochClock(modelled), True), feed(EpochClock(modelled), False)
+    assert a.epochs == b.epochs == 3
+    assert a.busy_total == pytest.approx(b.busy_total)
+    assert a.ratio("plain", 8) == pytest.approx(b.ratio("plain", 8))
+    assert a.seconds("plain", 8) == pytest.approx(b.seconds("plain", 8))

@@ -31,13 +31,14 @@ PROMPTS = ["def fib(n):\n", "class Stack:\n    def __init__(self):\n", "import o
 # --- deltas ---------------------------------------------------------------------------------------------------------
 def _output_streams(rng: random.Random) -> list[RequestOutput]:
     """Interleaved outputs of 4 requests as an engine emits them: tokens and logprobs only grow, the text grows, is
-    cut (a stop string) or replaced (the final decode); prompt logprobs on some; each ends finished."""
+    cut (a stop string) or replaced (the final decode); prompt logprobs on some; the speculation statistics are one
+    dict until a round replaces it (SpecStats.as_dict); each ends finished."""
     outs, live = [], {}
     for r in range(4):
         prompt = [rng.randrange(100) for _ in range(rng.randrange(1, 30))]
         prompt_lps = [None] + [{t: Logprob(-rng.random(), 1, str(t))} for t in prompt[1:]] if r % 2 else None
         live[f"req-{r}"] = dict(prompt=prompt, prompt_lps=prompt_lps, tokens=[], text="",
-                                lps=[] if r != 3 else None)
+                                lps=[] if r != 3 else None, spec={"rounds": 0})
     while live:
         rid = rng.choice(sorted(live))
         st = live[rid]
@@ -47,6 +48,8 @@ def _output_streams(rng: random.Random) -> list[RequestOutput]:
             st["lps"] += [{t: Logprob(-rng.random(), rng.randrange(1, 9), str(t)), 7: Logprob(-2.0, 2, "7")}
                           for t in new]
         finished = rng.random() < 0.15
+        if rng.random() < 0.3:  # a round
+            st["spec"] = {"rounds": len(outs)}
         change = rng.random()
         if change < 0.1:
             st["text"] = st["text"][: rng.randrange(len(st["text"]) + 1)]  # cut at a stop string
@@ -55,7 +58,7 @@ def _output_streams(rng: random.Random) -> list[RequestOutput]:
         else:
             st["text"] += "".join(chr(65 + t % 26) for t in new)
         outs.append(RequestOutput(rid, list(st["prompt"]), list(st["tokens"]), st["text"], new, finished,
-                                  "stop" if finished else None, {"rounds": len(outs)},
+                                  "stop" if finished else None, st["spec"],
                                   None if st["lps"] is None else list(st["lps"]), st["prompt_lps"],
                                   num_cached_tokens=len(st["prompt"]) // 2))
         if finished:
@@ -66,10 +69,11 @@ def _output_streams(rng: random.Random) -> list[RequestOutput]:
 @pytest.mark.parametrize("seed", range(5))
 def test_output_deltas_rebuild_every_output(seed):
     """Encoded step by step, pickled (as the pipe does) and assembled, every output equals the engine's; the
-    prompt crosses once per request, and a later delta carries only the tokens not sent yet."""
+    prompt crosses once per request, a later delta carries only the tokens not sent yet, and the speculation
+    statistics only when they changed."""
     outs = _output_streams(random.Random(seed))
     encoder, assembler = OutputEncoder(), OutputAssembler()
-    seen = set()
+    seen, last_spec, unchanged = set(), {}, 0
     for i in range(0, len(outs), 3):  # three outputs per "step"
         step = outs[i:i + 3]
         deltas = pickle.loads(pickle.dumps(encoder.encode(step)))
@@ -77,7 +81,12 @@ def test_output_deltas_rebuild_every_output(seed):
         for out, delta in zip(step, deltas):
             assert (delta[1] is None) == (out.request_id in seen)  # the prompt, in the first delta only
             assert delta[3] == out.new_token_ids  # every output is sent: the delta is the step's new tokens
+            same = last_spec.get(out.request_id) is out.spec_stats
+            assert (delta[9] is None) == same  # unchanged statistics do not travel
+            unchanged += same
             seen.add(out.request_id)
+            last_spec[out.request_id] = out.spec_stats
+    assert unchanged  # the case is exercised
     assert not encoder._sent and not assembler._requests  # every request finished: nothing is kept
 
 

@@ -656,8 +656,7 @@ class AdaptivePolicy:
             return False
         self._reuse_left -= 1
         now = self.clock()
-        self.epochs.event(now)
-        self.epochs.current.add(bucket)
+        self.epochs.standing_step(now, bucket)
         self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
             self._close_interval(now)

@@ -124,6 +124,21 @@ class EpochClock:
         self._last = now
         self._excluded = 0.0
 
+    def standing_step(self, now: float, step_bucket: int) -> None:
+        """A decode step that joins the epoch under way is being launched at `now` (AdaptivePolicy.repeat: a standing
+        decision's step, which never starts an epoch): `event(now)`, then the epoch counts it. One call instead of
+        two, on the path every standing step takes."""
+        cur = self.current
+        if self._last is not None:
+            busy = now - self._last - self._excluded
+            if busy > 0.0:
+                cur.busy += busy
+                self.busy_total += busy
+        self._last = now
+        self._excluded = 0.0
+        cur.steps += 1
+        cur.step_buckets[step_bucket] += 1
+
     def prefill(self, now: float) -> None:
         """A prefill is being launched at `now` (an `event` that the epoch under way also counts as a prefill)."""
         self.event(now)
