@@ -13,7 +13,12 @@ Per request (medians over the timed requests, milliseconds):
 - `steps`, `rounds`: its decode launches and how many were speculative rounds (adaptive's probes).
 On a GPU the engine is device-bound offline at concurrency 1 (a plain step's graph outlasts its host work), so
 host costs that a served engine pays show up here only where they sit in TTFT's two steps; `host_per_launch_ms`
-(Engine.stats' launch + resolve + outputs per launch, the host's own work, waits excluded) shows them all.
+(Engine.stats' launch + resolve + outputs per launch, the host's own work, waits excluded) shows them all, and
+`launch_per_launch` its launch part alone (what the served engines differ by most).
+
+`plain_alone`: the plain engine's requests timed before the adaptive engine is built, so before its draft, its
+CUDA graphs and its memory are in the process: beside `plain` (timed with the adaptive engine alive, alternating
+with it), whether a process that holds an adaptive engine runs a plain engine's host work slower.
 
 Usage (repo root): python bench/adaptive_request_latency.py OUT_JSON [--model DIR] [--draft DIR] [--device cuda]
     [--requests 48] [--block 8] [--max-tokens 128] [--shared-prefix-tokens 1024] [--prompt-tokens 256]
@@ -68,12 +73,13 @@ def serve_one(engine, prompt, params: SamplingParams) -> dict:
     walls = [b - a for a, b in zip([t0] + step_ends, step_ends)]
     later = walls[first:done]
     host = sum(after["seconds"][k] - before["seconds"][k] for k in ("launch", "resolve", "outputs"))
+    launch = after["seconds"]["launch"] - before["seconds"]["launch"]
     launches = after["decodes"] + after["prefills"] - before["decodes"] - before["prefills"]
     return {"ttft": step_ends[first - 1] - t0, "prefill_step": walls[0],
             "first_decode_step": walls[1] if len(walls) > 1 else 0.0,
             "decode_step": statistics.fmean(later) if later else 0.0, "e2e": step_ends[done - 1] - t0,
             "steps": after["decodes"] - before["decodes"], "rounds": after["rounds"] - before["rounds"],
-            "host_per_launch": host / max(launches, 1)}
+            "host_per_launch": host / max(launches, 1), "launch_per_launch": launch / max(launches, 1)}
 
 
 def main() -> None:
@@ -88,16 +94,22 @@ def main() -> None:
     ap.add_argument("--shared-prefix-tokens", type=int, default=1024)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     args = ap.parse_args()
-    llms = {name: build(name, args) for name in ENGINES}
-    tokenizer = llms["plain"].engine.tokenizer
-    prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", args.prompt_tokens, tokenizer,
+    plain = build("plain", args)
+    prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", args.prompt_tokens, plain.engine.tokenizer,
                            args.shared_prefix_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
-    for name, llm in llms.items():  # every prompt seen twice: its pages are in the prefix cache (adaptive: a
-        for _ in range(2):  # lazy prompt enters it the second time), as in a serving run's later passes
+
+    def warm(llm: LLM) -> None:  # every prompt seen twice: its pages are in the prefix cache (adaptive: a lazy
+        for _ in range(2):  # prompt enters it the second time), as in a serving run's later passes
             for p in prompts[: args.requests]:
                 serve_one(llm.engine, p, params)
-    samples = {name: [] for name in ENGINES}
+
+    warm(plain)
+    samples = {"plain_alone": [serve_one(plain.engine, prompts[i % len(prompts)], params)
+                               for i in range(args.requests)]}
+    llms = {"plain": plain, "adaptive": build("adaptive", args)}
+    warm(llms["adaptive"])
+    samples |= {name: [] for name in ENGINES}
     for start in range(0, args.requests, args.block):
         for name, llm in llms.items():
             for i in range(start, min(start + args.block, args.requests)):
@@ -108,10 +120,10 @@ def main() -> None:
                                   4) for k in rows[0]}
         figures[name]["rounds_total"] = sum(r["rounds"] for r in rows)
         print(name, json.dumps(figures[name]), flush=True)
-    figures["adaptive_minus_plain_ms"] = {k: round(figures["adaptive"][k] - figures["plain"][k], 4)
-                                          for k in ("ttft", "prefill_step", "first_decode_step", "decode_step", "e2e",
-                                                    "host_per_launch")}
-    print("adaptive - plain (ms):", json.dumps(figures["adaptive_minus_plain_ms"]))
+    keys = ("ttft", "prefill_step", "first_decode_step", "decode_step", "e2e", "host_per_launch", "launch_per_launch")
+    for a, b in (("adaptive", "plain"), ("plain", "plain_alone")):
+        figures[f"{a}_minus_{b}_ms"] = diff = {k: round(figures[a][k] - figures[b][k], 4) for k in keys}
+        print(f"{a} - {b} (ms):", json.dumps(diff))
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
                                           "config": vars(args), "unit": "milliseconds (medians over requests)",
                                           "figures": figures}, indent=1))
