@@ -625,6 +625,22 @@ def test_rounds_pay_the_draft_work_on_arriving_prompts():
     assert alone.decide(reqs[:1], request_tokens=128, new_positions=128).choice == SPECULATIVE
 
 
+def test_a_joining_request_expects_what_decide_would_choose():
+    """steady_choice (may a new request's prefill leave its draft's extend to a later catch-up?) prices rounds as
+    decide does, the draft's work on arriving prompts included: where that work tips a batch of current drafts to
+    plain steps, a joining request must not pay an eager extend that no round will use."""
+    p = policy(plain=0.45e-3, spec=1.09e-3)
+    reqs = [Req() for _ in range(8)]
+    set_accept(p, 3.15)
+    p.caught_up(128, 2.7e-3, 0.0)
+    assert p.steady_choice(8) == SPECULATIVE  # no decision yet: nothing known of arrivals
+    assert p.decide(reqs, request_tokens=128, new_positions=128).choice == PLAIN
+    assert p.steady_choice(8) == PLAIN
+    p.drafted_prompts(3, 2.7e-3, 0.0)  # extends that complete three prompts at once: rounds win again
+    assert p.decide(reqs, request_tokens=128, new_positions=128).choice == SPECULATIVE
+    assert p.steady_choice(8) == SPECULATIVE
+
+
 def test_realized_seconds_price_what_the_parts_miss():
     """The H100 short-prompt run with the engine in its own process (2026-11-23, concurrency 8): the parts put a
     round at 0.86 ms for 33 tokens against 0.77 ms plain steps (rounds 3.8x better), and the engine ran rounds,
