@@ -113,3 +113,37 @@ def test_fused_scratch_metadata_equals_torch_fill():
                      batch.tree_mask, batch.req_rows, batch.qo_indptr])
     for a, c in zip(*outs):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_parts", [1, 3])
+def test_feature_store_equals_the_torch_store(dtype, num_parts):
+    """The adaptive plain step's EAGLE-3 feature store (ops/feature_store.py) writes what the torch path wrote (the
+    parts' sums concatenated, stored at (row, position mod W)) to the bit: the first part without a residual (layer
+    0's input, the embedding), positions past the ring's width wrapping, a padding row, other slots untouched."""
+    from spruce.ops.feature_store import store_reference, store_stream_parts
+
+    g = torch.Generator().manual_seed(3)
+    t, h, rows_n, width = 5, 48, 6, 16
+    parts = [(torch.randn(t, h, generator=g).to(dtype).to(DEVICE),
+              None if j == 0 else torch.randn(t, h, generator=g).to(dtype).to(DEVICE)) for j in range(num_parts)]
+    rows = torch.tensor([3, 0, 5, 1, 5], device=DEVICE)[:t]
+    positions = torch.tensor([7, 15, 16, 40, 2], device=DEVICE)  # 16 and 40 wrap (W = 16)
+    rows[4] = 4  # one row per token, as a step has
+    base = torch.randn(rows_n, width, num_parts * h, generator=g).to(dtype).to(DEVICE)
+    got, want = base.clone(), base.clone()
+    store_stream_parts(got, rows, positions, parts)
+    F._FORCE_TRITON[0] = False
+    store_reference(want, rows, positions, parts)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, base)
+
+
+def test_feature_store_refuses_parts_that_do_not_fill_the_ring():
+    from spruce.ops.feature_store import store_stream_parts
+
+    ring = torch.zeros(2, 4, 96)
+    with pytest.raises(ValueError, match="96 wide; 2 parts of 32 make 64"):
+        store_stream_parts(ring, torch.tensor([0]), torch.tensor([1]), [(torch.ones(1, 32), None)] * 2)
+    with pytest.raises(ValueError, match="at least one"):
+        store_stream_parts(ring, torch.tensor([0]), torch.tensor([1]), [])

@@ -13,6 +13,7 @@ from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.weights import load_named_tensors
+from spruce.ops.feature_store import stream_inputs
 
 
 class DecoderLM(nn.Module):
@@ -60,22 +61,27 @@ class DecoderLM(nn.Module):
         """Token embeddings: ids [n] -> [n, H]."""
         return self.embed_tokens(ids)
 
-    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, aux_parts: bool = False):
         """One forward over batch.input_ids at batch.positions, writing every layer's cache entries into `kv`.
 
-        Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0."""
+        Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0.
+        `aux_parts`: aux as the unsummed parts of each aux layer's input instead, [(x [T, H], residual [T, H] or
+        None)] in aux_layers order (None without aux layers), for a consumer that adds and stores them in one kernel
+        (ops/feature_store.py: the adaptive plain step)."""
         x = self.embed(batch.input_ids)  # [T, H]
         residual = None
-        inputs = {}  # layer index -> residual-stream input of that layer (x + residual)
+        parts = {}  # layer index -> (x, residual) whose sum is that layer's residual-stream input
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                inputs[i] = x if residual is None else x + residual
+                parts[i] = (x, residual)
             x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
         if len(self.layers) in self.aux_layers:
-            inputs[len(self.layers)] = x + residual
-        aux = torch.cat([inputs[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+            parts[len(self.layers)] = (x, residual)
         hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
-        return hidden, aux
+        if not self.aux_layers:
+            return hidden, None
+        ordered = [parts[i] for i in self.aux_layers]
+        return hidden, (ordered if aux_parts else stream_inputs(ordered))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V] float32 (tensor-parallel: every rank's V/tp logits gathered, on every rank)."""

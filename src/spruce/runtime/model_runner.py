@@ -163,11 +163,12 @@ class ModelRunner:
             )
 
     # --- forwards ------------------------------------------------------------------------------------------
-    def target_forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None."""
+    def target_forward(self, batch: ForwardBatch, aux_parts: bool = False) -> tuple[torch.Tensor, object]:
+        """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None; `aux_parts`: aux as each aux
+        layer's (x, residual) instead (DecoderLM.forward)."""
         self._ensure_planned(batch)
         self.page_table.check_written("a target forward")
-        return self.target(batch, self.target_kv, self.page_table.table)
+        return self.target(batch, self.target_kv, self.page_table.table, aux_parts=aux_parts)
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from spruce.limits import Limits
+from spruce.ops.feature_store import store_stream_parts
 
 
 class FeatureRing:
@@ -27,6 +28,15 @@ class FeatureRing:
     def store(self, rows: torch.Tensor, positions: torch.Tensor, features: torch.Tensor) -> None:
         """Keep each row's feature [P, F] at its position [P] (padding rows write the dummy row's ring)."""
         self.features[rows, positions % self.width] = features.to(self.features.dtype)
+
+    def store_forward(self, rows: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, aux_parts) -> None:
+        """Keep what the draft consumes of a target forward (ModelRunner.target_features) at each row's position:
+        EAGLE-3's aux features, added and stored from their parts in one kernel (`aux_parts`, the forward's
+        aux_parts=True output: ops/feature_store.py), else the final hidden [P, H]."""
+        if aux_parts is None:
+            self.store(rows, positions, hidden)
+        else:
+            store_stream_parts(self.features, rows, positions, aux_parts)
 
     def gather(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The kept features of (row, position) pairs ([n] each): [n, F]."""

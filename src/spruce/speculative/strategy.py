@@ -196,9 +196,9 @@ class PlainDecoding(DecodeStrategy):
         rows = self.rows[:P]
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
-        hidden, aux = r.target_forward(batch)
+        hidden, aux = r.target_forward(batch, aux_parts=self.features is not None)
         if self.features is not None:
-            self.features.store(rows, positions, r.target_features(hidden, aux))
+            self.features.store_forward(rows, positions, hidden, aux)
         logits = r.target.compute_logits(hidden)  # [P, V]
         greedy = logits.argmax(dim=-1)  # [P]
         r.row_state.set(rows, positions + 1, greedy)
