@@ -13,7 +13,6 @@ from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.weights import load_named_tensors
-from spruce.ops.feature_store import stream_inputs
 
 
 class DecoderLM(nn.Module):
@@ -70,18 +69,24 @@ class DecoderLM(nn.Module):
         (ops/feature_store.py: the adaptive plain step)."""
         x = self.embed(batch.input_ids)  # [T, H]
         residual = None
-        parts = {}  # layer index -> (x, residual) whose sum is that layer's residual-stream input
+        inputs = {}  # layer index -> its residual-stream input: x + residual, or the pair unsummed (aux_parts)
+
+        def stream_input(x, residual):
+            if aux_parts:
+                return x, residual
+            return x if residual is None else x + residual
+
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                parts[i] = (x, residual)
+                inputs[i] = stream_input(x, residual)
             x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
         if len(self.layers) in self.aux_layers:
-            parts[len(self.layers)] = (x, residual)
+            inputs[len(self.layers)] = stream_input(x, residual)
         hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
         if not self.aux_layers:
             return hidden, None
-        ordered = [parts[i] for i in self.aux_layers]
-        return hidden, (ordered if aux_parts else stream_inputs(ordered))
+        ordered = [inputs[i] for i in self.aux_layers]
+        return hidden, (ordered if aux_parts else torch.cat(ordered, dim=-1))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V] float32 (tensor-parallel: every rank's V/tp logits gathered, on every rank)."""

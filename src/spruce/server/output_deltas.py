@@ -7,9 +7,9 @@ A request's speculation statistics travel only when they changed (None: as last 
 outputs each carry them, and they change only with a round (SpecStats.as_dict hands out the same dict until then),
 so an adaptive engine's plain steps pickled and sent an unchanged dict per request per step (on the H100, 2026-11-23,
 py-spy: ~5 us more per launch in the engine process's send than a plain engine's, about 1.5% of its step at
-concurrency 1). Whole outputs would cost pickling the whole prompt and output per request per step. Every output of a request
-must be encoded, and assembled, in order: then the ids not sent yet are the output's `new_token_ids`, which
-therefore do not travel apart.
+concurrency 1). Whole outputs would cost pickling the whole prompt and output per request per step. Every output
+of a request must be encoded, and assembled, in order: then the ids not sent yet are the output's
+`new_token_ids`, which therefore do not travel apart.
 """
 
 from __future__ import annotations
