@@ -70,6 +70,21 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
     summary = result["figures"]["summary"]
     assert set(summary) == {"prefix_cache", "no_prefix_cache"} and len(summary["prefix_cache"]["2"]["plain"]) == 2
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed
+    assert "median vs the best other: plain " in printed
+    assert set(result["figures"]["versus_best_other"]["prefix_cache"]["2"]) == set(summary["prefix_cache"]["2"])
+
+
+def test_versus_best_other():
+    """Each run's median against the best median of the others: the best run is ahead of the second, every other
+    behind the best; a run without figures is left out."""
+    from spruce.bench.serving import versus_best_other
+
+    got = versus_best_other({"plain": [100.0, 120.0, 110.0], "fixed": [50.0, 60.0], "adaptive": [105.0, 99.0, 121.0],
+                             "none": []})
+    assert set(got) == {"plain", "fixed", "adaptive"}
+    assert got["plain"] == pytest.approx(110 / 105 - 1) and got["adaptive"] == pytest.approx(105 / 110 - 1)
+    assert got["fixed"] == pytest.approx(55 / 110 - 1)
+    assert versus_best_other({"alone": [1.0]}) == {}
 
 
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"]])

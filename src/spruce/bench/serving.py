@@ -565,10 +565,12 @@ def _run_launched(args: argparse.Namespace) -> int:
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
     _print_summary(summary)
+    versus = {mode: {c: versus_best_other(per_run) for c, per_run in per_level.items()}
+              for mode, per_level in summary.items()}
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
         "prompts": str(prompts_path), "num_prompts": len(prompts)}
-    path = write_result("serving", _device(args, runs[0]["server"]), config, {"runs": runs, "summary": summary},
-                        out_dir)
+    path = write_result("serving", _device(args, runs[0]["server"]), config,
+                        {"runs": runs, "summary": summary, "versus_best_other": versus}, out_dir)
     print(f"results: {path}")
     _plot_and_print({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"])
                      for r in runs}, path.with_suffix(".png"))
@@ -585,12 +587,29 @@ def _plot_and_print(series: dict[str, list[dict]], path: Path) -> None:
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
 
 
+def versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
+    """Each run's median output tokens/s over the best median among the other runs of its level, less 1 (+0.05:
+    5% ahead of the best other server; runs without figures left out). What a comparison run asks of its levels,
+    e.g. issue 16's adaptive server against the better of plain and fixed, and how far two copies of one server
+    (CONTROL=1) lie apart in the same run."""
+    medians = {name: statistics.median(tps) for name, tps in per_run.items() if tps}
+    out = {}
+    for name, median in medians.items():
+        others = [m for other, m in medians.items() if other != name]
+        if others and max(others) > 0:
+            out[name] = median / max(others) - 1.0
+    return out
+
+
 def _print_summary(summary: dict) -> None:
-    """Output tokens/s per run at each concurrency (one figure per pass, then their median), per prefix-cache
-    mode."""
+    """Output tokens/s per run at each concurrency (one figure per pass, then their median) and each median against
+    the best other's (`versus_best_other`), per prefix-cache mode."""
     for mode, per_level in summary.items():
         print(f"-- output tokens/s, {mode.replace('_', ' ')} (each pass; median)")
         for c, per_run in per_level.items():
             print(f"   concurrency {c:>3}: " + ", ".join(
                 f"{name} {'/'.join(f'{t:.0f}' for t in tps)}" + (f" ({statistics.median(tps):.0f})" if tps else "")
                 for name, tps in per_run.items()))
+            versus = versus_best_other(per_run)
+            if versus:
+                print("      median vs the best other: " + ", ".join(f"{name} {v:+.1%}" for name, v in versus.items()))
