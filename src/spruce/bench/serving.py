@@ -564,9 +564,9 @@ def _run_launched(args: argparse.Namespace) -> int:
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
-    _print_summary(summary)
     versus = {mode: {c: versus_best_other(per_run) for c, per_run in per_level.items()}
               for mode, per_level in summary.items()}
+    _print_summary(summary, versus)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
         "prompts": str(prompts_path), "num_prompts": len(prompts)}
     path = write_result("serving", _device(args, runs[0]["server"]), config,
@@ -601,15 +601,15 @@ def versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def _print_summary(summary: dict) -> None:
+def _print_summary(summary: dict, versus: dict) -> None:
     """Output tokens/s per run at each concurrency (one figure per pass, then their median) and each median against
-    the best other's (`versus_best_other`), per prefix-cache mode."""
+    the best other's (`versus`: `versus_best_other` of each level), per prefix-cache mode."""
     for mode, per_level in summary.items():
         print(f"-- output tokens/s, {mode.replace('_', ' ')} (each pass; median)")
         for c, per_run in per_level.items():
             print(f"   concurrency {c:>3}: " + ", ".join(
                 f"{name} {'/'.join(f'{t:.0f}' for t in tps)}" + (f" ({statistics.median(tps):.0f})" if tps else "")
                 for name, tps in per_run.items()))
-            versus = versus_best_other(per_run)
-            if versus:
-                print("      median vs the best other: " + ", ".join(f"{name} {v:+.1%}" for name, v in versus.items()))
+            if versus[mode][c]:
+                print("      median vs the best other: " + ", ".join(f"{name} {v:+.1%}"
+                                                                       for name, v in versus[mode][c].items()))

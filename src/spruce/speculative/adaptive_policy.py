@@ -341,9 +341,9 @@ class AdaptivePolicy:
         load = self._load_bucket(batch_size)
         spec_tokens = 1.0 + self.prior_accept()
         request_tokens, new_positions = self._arrivals
-        spec = spec_tokens / self._priced(SPECULATIVE, batch_size, load, 0, 1.0, batch_size * spec_tokens,
+        spec = spec_tokens / self._priced(SPECULATIVE, load, 0, 1.0, batch_size * spec_tokens,
                                           request_tokens, new_positions)
-        plain = 1.0 / self._priced(PLAIN, batch_size, load, 0, 1.0, 0.0, 0.0, 0.0)
+        plain = 1.0 / self._priced(PLAIN, load, 0, 1.0, 0.0, 0.0, 0.0)
         return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
 
     def _margin(self, load: int) -> float:
@@ -443,7 +443,7 @@ class AdaptivePolicy:
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self._priced(c, bs, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                     {c: self._priced(c, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
@@ -502,9 +502,9 @@ class AdaptivePolicy:
             "collapsed": sum(own is not None and own.collapsed(prior) for own in owns),
             "priced": {c: priced(c) for c in CHOICES}}, default=float))
 
-    def _priced(self, choice: str, batch_size: int, load: int, catch_up_positions: int, rounds: float,
-                round_tokens: float, request_tokens: float, new_positions: float) -> float:
-        """t(choice), the seconds of a step over `batch_size` requests: realized at the load bucket `load`
+    def _priced(self, choice: str, load: int, catch_up_positions: int, rounds: float, round_tokens: float,
+                request_tokens: float, new_positions: float) -> float:
+        """t(choice), the seconds of a step over any batch at the load bucket `load`: realized there
         (`_realized`), else its parts at the load's bucket (`step_seconds`, a round with its share of the draft's
         work on arriving prompts): a batch that dips below its load is priced as the load either way, so that one
         choice priced by its parts at the dip's bucket does not meet the other's realized figure at the load's; a

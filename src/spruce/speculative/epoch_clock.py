@@ -117,8 +117,8 @@ class EpochClock:
     def event(self, now: float) -> None:
         """A step (decode or prefill) is being launched at `now`: the time since the last launch was busy time
         of the epoch under way."""
-        if self._last is not None and self.current is not None:
-            busy = max(now - self._last - self._excluded, 0.0)
+        busy = now - self._last - self._excluded if self._last is not None else 0.0
+        if busy > 0.0 and self.current is not None:
             self.current.busy += busy
             self.busy_total += busy
         self._last = now
@@ -126,18 +126,9 @@ class EpochClock:
 
     def standing_step(self, now: float, step_bucket: int) -> None:
         """A decode step that joins the epoch under way is being launched at `now` (AdaptivePolicy.repeat: a standing
-        decision's step, which never starts an epoch): `event(now)`, then the epoch counts it. One call instead of
-        two, on the path every standing step takes."""
-        cur = self.current
-        if self._last is not None:
-            busy = now - self._last - self._excluded
-            if busy > 0.0:
-                cur.busy += busy
-                self.busy_total += busy
-        self._last = now
-        self._excluded = 0.0
-        cur.steps += 1
-        cur.step_buckets[step_bucket] += 1
+        decision's step, which never starts an epoch): `event(now)`, then the epoch counts it."""
+        self.event(now)
+        self.current.add(step_bucket)
 
     def prefill(self, now: float) -> None:
         """A prefill is being launched at `now` (an `event` that the epoch under way also counts as a prefill)."""
