@@ -67,6 +67,27 @@ class TritonAttention(AttentionBackend):
         want = min(math.ceil(2 * self.sm_count(device) / max(programs, 1)), math.ceil(max_kv_len / MIN_KV_PER_SPLIT), MAX_SPLITS)
         return 1 if want <= 1 else triton.next_power_of_2(want)
 
+    def query_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int,
+                       device: torch.device, split: bool = True) -> tuple[int, int, int]:
+        """(BLOCK_M, query blocks per request, kv splits) of the paged kernel for a batch: blocks of 16 query
+        tokens for requests of at most 16, else 32; the kv range split as `num_splits` says (split=False: one).
+        Each (BLOCK_M, split or not) pair is a compiled variant (DecodeStrategy.warm_eager meets them all)."""
+        block_m = 16 if max_q_len <= 16 else 32
+        num_q_blocks = triton.cdiv(max(max_q_len, 1), block_m)
+        splits = self.num_splits(batch_size * num_q_blocks * num_heads, max_kv_len, device) if split else 1
+        return block_m, num_q_blocks, splits
+
+    def latent_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int,
+                        device: torch.device, split: bool = True) -> tuple[int, int, int, int]:
+        """(BLOCK_M, num_warps, row blocks per request, kv splits) of the MLA kernel for a batch: a request's
+        max_q_len * Hq query rows (token-major, head fastest) in blocks of `latent_block`'s size; the kv range split
+        as `num_latent_splits` says (split=False: one)."""
+        rows = max(max_q_len, 1) * num_heads
+        block_m, num_warps, per_sm = self.latent_block(rows)
+        num_m_blocks = triton.cdiv(rows, block_m)
+        splits = (self.num_latent_splits(batch_size * num_m_blocks, per_sm, max_kv_len, device) if split else 1)
+        return block_m, num_warps, num_m_blocks, splits
+
     @staticmethod
     def latent_block(rows_per_request: int) -> tuple[int, int, int]:
         """(BLOCK_M, num_warps, programs per SM) of the MLA kernel for requests of `rows_per_request` query rows.
@@ -101,10 +122,9 @@ class TritonAttention(AttentionBackend):
         t = batch.num_tokens
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
-        block_m = 16 if batch.max_q_len <= 16 else 32
-        num_q_blocks = triton.cdiv(max(batch.max_q_len, 1), block_m)
+        block_m, num_q_blocks, splits = self.query_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
+                                                            num_heads, q.device, split=not return_lse)
         grid0 = batch.batch_size * num_q_blocks
-        splits = 1 if return_lse else self.num_splits(grid0 * num_heads, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
         lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]
@@ -139,12 +159,9 @@ class TritonAttention(AttentionBackend):
         same `kv_start` / `return_lse` contract as `attend`. Returns (out [T, Hq, Dv], lse [T, Hq] or None)."""
         t = batch.num_tokens
         _, num_heads, key_dim = q.shape
-        # a request's max_q_len * Hq query rows (token-major, head fastest) in blocks of block_m
-        rows = max(batch.max_q_len, 1) * num_heads
-        block_m, num_warps, per_sm = self.latent_block(rows)
-        num_m_blocks = triton.cdiv(rows, block_m)
+        block_m, num_warps, num_m_blocks, splits = self.latent_blocking(
+            batch.batch_size, batch.max_q_len, batch.max_kv_len, num_heads, q.device, split=not return_lse)
         grid0 = batch.batch_size * num_m_blocks
-        splits = 1 if return_lse else self.num_latent_splits(grid0, per_sm, batch.max_kv_len, q.device)
         q = token_rows_contiguous(q)
         out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
         lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]

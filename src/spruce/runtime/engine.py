@@ -90,6 +90,8 @@ class Engine:
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
+        if self.runner.device.type == "cuda":  # compile the eager paths' kernels now, not while serving
+            self.strategy.warm_eager()
         self.strategy.measure_costs()
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()

@@ -52,7 +52,7 @@ from spruce.runtime.sampler import SamplingTensors
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
 from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft
 from spruce.speculative.feature_ring import FeatureRing
-from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk
+from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk, warm_spans
 
 WARMUP_RUNS = 2
 TIMED_RUNS = 5
@@ -300,6 +300,17 @@ class AdaptiveDecoding(DecodeStrategy):
     def capture_graphs(self, show_progress: bool) -> None:
         self.worker.capture_graphs(show_progress)
         self.plain.capture_graphs(show_progress)
+
+    def warm_eager(self) -> None:
+        """The worker's eager prefill path (DecodeStrategy.warm_eager), then the catch-up over the same spans of
+        the dummy row: its draft extend reads the ring and runs at lags and batches no prefill has (on the H200,
+        2026-11-23, the one compilation of a whole serving run was a catch-up's). It writes the dummy row's
+        step-0 top-K, which only padding rows read."""
+        self.worker.warm_eager()
+        row = self.runner.limits.dummy_row
+        for spans in warm_spans(self.runner.limits):
+            self.worker.catch_up([LaggingDraft(row, start, start + n, [0] * (n - 1)) for start, n in spans],
+                                 self.ring)
 
     def measure_costs(self) -> None:
         """Time each candidate's step per cost bucket and build the policy (see the module docstring)."""

@@ -30,6 +30,33 @@ from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.feature_ring import FeatureRing
 
 
+WARM_LENGTHS = (1, 16, 17, 64)  # tokens per request of the eager warm-up's batches (`warm_spans`)
+WARM_FAR = 1024  # ... from position 0 and from this far into the context (or as far as the context allows)
+
+
+def warm_spans(limits) -> list[list[tuple[int, int]]]:
+    """The (start, length) spans of the dummy row that `DecodeStrategy.warm_eager` runs, one list per eager
+    forward: each length of WARM_LENGTHS from position 0 and from WARM_FAR, one request at a time, then all of
+    them in one batch. A Triton kernel is compiled per constexpr variant, and the eager paths choose theirs from
+    the batch: the attention kernel's query block (16 rows for requests of at most 16 tokens, else 32) and its
+    kv split (split where a few requests read a long context), MLA's block (64 rows once a request has that
+    many query rows). Those four lengths at those two starts meet every variant; lengths that differ only in a
+    divisibility by 16 or a value of 1 also meet any specialisation of an integer argument. Lengths are capped at
+    Limits.max_tokens_per_forward, starts at the context length, the batch at max_running_requests."""
+    budget = limits.max_tokens_per_forward
+    lengths = sorted({min(n, budget) for n in WARM_LENGTHS})
+    far = max(min(WARM_FAR, limits.context_length - lengths[-1]), 0)
+    starts = sorted({0, far})
+    single = [[(start, n)] for start in starts for n in lengths]
+    together, used = [], 0
+    for start in starts:
+        for n in lengths:
+            if used + n <= budget and len(together) < limits.max_running_requests:
+                together.append((start, n))
+                used += n
+    return single + [together]
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """Prompt tokens [start, start + len(tokens)) of the request in page-table row `row`.
@@ -91,6 +118,18 @@ class DecodeStrategy:
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
         """Bring a draft's KV up to the prefilled chunks (features [T, F] of the chunk tokens); none here."""
+
+    def warm_eager(self) -> None:
+        """Run the eager prefill path (the target, then the draft's extend) over the dummy row at `warm_spans`,
+        before serving: every kernel variant a served prompt can meet is compiled now, not in the middle of serving
+        (a compilation stalls the step that launched it for 0.1-1 s on a GPU: ops/compile_watch.py; on the H200,
+        2026-11-23, one in an adaptive server's first concurrency-8 pass left that pass 32% behind plain). The
+        chunks are not final: no token is sampled and no row's state changes; their K/V go to the dummy page,
+        which padding rows write anyway."""
+        row = self.runner.limits.dummy_row
+        for spans in warm_spans(self.runner.limits):
+            chunks = [PrefillChunk(row, start, [0] * n, [0] * n, final=False) for start, n in spans]
+            self.prefill(chunks, SamplingTensors.greedy())
 
     # --- decode ----------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,

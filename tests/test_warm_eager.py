@@ -1,0 +1,160 @@
+"""The eager warm-up at start-up (DecodeStrategy.warm_eager): it reaches every compiled variant of the attention
+kernels that a served prompt or a draft catch-up can meet, it changes no output, and on the GPU nothing is compiled
+after it while serving a mixed workload."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+
+from spruce import LLM, SamplingParams
+from spruce.attention.triton_backend import TritonAttention
+from spruce.config import builtin_model_path
+from spruce.limits import Limits
+from spruce.ops import compile_watch
+from spruce.speculative.strategy import WARM_FAR, warm_spans
+from checkpoints import write_eagle3_checkpoint
+from conftest import assert_no_leaks
+from test_adaptive import DRAFT_19M, force
+from test_overlap import PROMPTS
+
+TARGET = builtin_model_path()
+
+
+def _limits(context_length: int, chunked_prefill_size: int) -> Limits:
+    """Limits of the bundled model's engine, with the context and per-forward budget given."""
+    llm_limits = LLM(TARGET, max_running_requests=4).engine.limits
+    return dataclasses.replace(llm_limits, context_length=context_length, chunked_prefill_size=chunked_prefill_size)
+
+
+@pytest.fixture(scope="module")
+def limits() -> Limits:
+    return _limits(4096, 2048)
+
+
+@pytest.mark.parametrize("sms,heads", [(132, 6), (132, 32), (78, 8), (4, 6)])
+def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
+    """Each (query block, kv split or not) variant the paged kernel can be compiled in is met by one of the
+    warm-up's forwards (its batch's shape), on GPUs of many or few SMs and models of few or many heads."""
+    backend = TritonAttention(limits.page_size, limits)
+    backend._sms = sms
+    met = set()
+    for spans in warm_spans(limits):
+        max_q = max(n for _, n in spans)
+        max_kv = max(start + n for start, n in spans)
+        block_m, _, splits = backend.query_blocking(len(spans), max_q, max_kv, heads, torch.device("cpu"))
+        met.add((block_m, splits > 1))
+    assert met == {(16, False), (16, True), (32, False), (32, True)}
+
+
+@pytest.mark.parametrize("sms,heads", [(132, 16), (132, 128), (78, 16)])
+def test_warm_spans_meet_every_latent_kernel_variant(limits, sms, heads):
+    """The same for MLA's kernel: its row block (16 or 64 rows) and kv split."""
+    backend = TritonAttention(limits.page_size, limits)
+    backend._sms = sms
+    met = set()
+    for spans in warm_spans(limits):
+        max_q = max(n for _, n in spans)
+        max_kv = max(start + n for start, n in spans)
+        block_m, _, _, splits = backend.latent_blocking(len(spans), max_q, max_kv, heads, torch.device("cpu"))
+        met.add((block_m, splits > 1))
+    want = {(64, False), (64, True), (16, True), (16, False)} if heads < 64 else {(64, False), (64, True)}
+    assert met == want
+
+
+def test_warm_spans_stay_within_the_limits():
+    """Short contexts and small per-forward budgets bound the spans: every forward fits the budget and every
+    position the context."""
+    for context, budget in [(4096, 2048), (512, 2048), (96, 48), (20, 16)]:
+        lim = _limits(context, budget)
+        spans = warm_spans(lim)
+        assert spans and all(sum(n for _, n in batch) <= lim.max_tokens_per_forward for batch in spans)
+        assert all(len(batch) <= lim.max_running_requests for batch in spans)
+        assert all(0 <= start and start + n <= context for batch in spans for start, n in batch)
+        assert max(start for batch in spans for start, _ in batch) == max(min(WARM_FAR, context - min(
+            64, lim.max_tokens_per_forward)), 0)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("drafts") / "eagle3", TARGET, seed=4))
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "adaptive"])
+def test_warm_eager_changes_no_output(draft, kind):
+    """Run on the CPU (where the engine skips it: nothing compiles there) between the steps of requests in flight,
+    the warm-up changes no state a request reads (only the dummy row's and the dummy page's) and no output, greedy
+    or sampled, and leaks no page."""
+    kw = dict(page_size=4, max_running_requests=4)
+    if kind != "plain":
+        kw |= dict(draft_model=draft, speculative_adaptive=kind == "adaptive")
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)]
+    want = [[o.token_ids for o in LLM(TARGET, **kw).generate(PROMPTS, p)] for p in params]
+    llm = LLM(TARGET, **kw)
+    engine = llm.engine
+    for p, expected in zip(params, want):
+        ids = [engine.add_request(prompt, p) for prompt in PROMPTS]
+        done = {}
+        for step in itertools.count():
+            if step % 3 == 0:
+                before = _live_state(engine)
+                engine.strategy.warm_eager()
+                assert all(torch.equal(a, b) for a, b in zip(before, _live_state(engine), strict=True))
+            done |= {o.request_id: o.token_ids for o in engine.step(finished_only=True)}
+            if not engine.has_unfinished():
+                break
+        assert [done[i] for i in ids] == expected
+    assert_no_leaks(llm)
+
+
+def _live_state(engine) -> list[torch.Tensor]:
+    """Copies of everything a request's decoding reads, less the dummy row's entries and the dummy page's slots:
+    row states, both KV pools, the draft's step-0 state and the feature ring (those the strategy has)."""
+    runner, lim = engine.runner, engine.limits
+    rows = torch.arange(lim.num_rows, device=runner.device) != lim.dummy_row
+    state = [runner.row_state.committed[rows], runner.row_state.last_token[rows]]
+    for pool in (runner.target_kv, runner.draft_kv):
+        if pool is None:
+            continue
+        slots = torch.ones(pool.num_slots, dtype=torch.bool, device=runner.device)
+        slots[:lim.page_size] = False  # the dummy page
+        dummy_scratch = pool.scratch_start + lim.dummy_row * pool.scratch_width
+        slots[dummy_scratch:dummy_scratch + pool.scratch_width] = False
+        state += [t[:, slots] for t in pool.tensors]
+    worker = getattr(engine.strategy, "worker", engine.strategy)
+    state += [getattr(worker, name)[rows] for name in ("topk_p", "topk_ids", "hidden") if hasattr(worker, name)]
+    ring = getattr(engine.strategy, "ring", None)
+    return state + ([ring.features[rows]] if ring is not None else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "adaptive"])
+def test_serving_compiles_nothing_after_start_up(monkeypatch, pycode19m, heldout_prompts, kind):
+    """On the GPU (bf16, graphs, prefix cache): once an engine is built, a mixed workload compiles no Triton
+    kernel: prompts of 1 to ~1500 tokens, a shared 1k prefix (cache hits: short chunks far into the context),
+    batches of 1 to 16, and for adaptive speculation switches forced both ways (catch-ups of many lags)."""
+    compiled: list[str] = []
+    llm_kw = dict(device="cuda", dtype="bfloat16", max_running_requests=16)
+    if kind != "plain":
+        llm_kw |= dict(draft_model=str(DRAFT_19M), speculative_adaptive=kind == "adaptive")
+    llm = LLM(pycode19m, **llm_kw)
+    if not compile_watch.install():
+        pytest.skip("Triton's compile hook is unavailable")
+    monkeypatch.setattr(compile_watch, "_record", compiled.append)
+    if kind == "adaptive":
+        force(llm, [1, 0, 0, 0, 1, 0, 1, 1, 0])
+    rng = random.Random(0)
+    tokenizer = llm.engine.tokenizer
+    prefix = tokenizer.encode("\n".join(heldout_prompts))[:1024]
+    prompts = [tokenizer.encode(p)[:rng.choice([1, 3, 17, 40, 200, 700, 1500])] for p in heldout_prompts[:24]]
+    prompts = [p for p in prompts if p] + [prefix + tokenizer.encode(p)[:n] for p, n in
+                                           zip(heldout_prompts[24:40], itertools.cycle([1, 9, 16, 33, 256]))]
+    for batch in (prompts[:1], prompts[1:4], prompts[4:20], prompts[20:], prompts):
+        llm.generate(batch, SamplingParams(max_tokens=rng.choice([8, 40, 70]), ignore_eos=True))
+    assert compiled == [], f"{len(compiled)} kernels compiled while serving:\n" + "\n".join(compiled)
+    assert_no_leaks(llm)
