@@ -1,8 +1,8 @@
 """What an adaptive engine's extra work costs (issue 16): the draft's catch-up before a round that follows plain
 steps, and a prefill (which also runs the draft over the prompt), each against what it replaces.
 
-One adaptive engine (the target and draft given, greedy, one request): it decodes plainly for --lag steps, then
-runs one round, which catches the draft up over the --lag missing positions first; repeated --repeats times.
+One adaptive engine (the target and draft given, greedy, --batch requests): it decodes plainly for --lag steps, then
+runs one round, which catches the draft up over the batch x --lag missing positions first; repeated --repeats times.
 Per catch-up: host seconds of its launch (perf_counter), device seconds (CUDA events around it), the call sites
 that synchronised with the GPU during it (torch's sync debug mode, CUDA), and a cProfile of its launches (top
 functions by own time). Then the prefill of one --prompt-tokens prompt, timed from `Engine.step` to its result on
@@ -35,7 +35,7 @@ PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path)
 
 
 def engine_kwargs(device: str) -> dict:
-    kw = dict(page_size=16, max_running_requests=8, device=device, context_length=2048)
+    kw = dict(page_size=16, max_running_requests=64, device=device, context_length=2048)
     return kw | (dict(dtype="bfloat16") if device == "cuda" else {})
 
 
@@ -51,7 +51,7 @@ def forced_choices(engine) -> dict:
         return d
 
     policy.decide = forced
-    policy.repeat = lambda: False
+    policy.repeat = lambda choice, batch_size: False  # every step decides (and is forced)
     return force
 
 
@@ -82,7 +82,8 @@ def profile_catch_up(args, cuda: bool) -> dict:
                 end.synchronize()
                 device_s.append(start.elapsed_time(end) / 1e3)
 
-    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=(args.lag + 2) * (args.repeats + 2), ignore_eos=True))
+    params = SamplingParams(max_tokens=(args.lag + 2) * (args.repeats + 2), ignore_eos=True)
+    rids = [engine.add_request(PROMPT, params) for _ in range(args.batch)]
     for _ in range(8):
         engine.step()
     worker.catch_up = timed
@@ -96,14 +97,16 @@ def profile_catch_up(args, cuda: bool) -> dict:
                 engine.step()
         else:
             engine.step()
-    engine.abort(rid)
+    for rid in rids:
+        engine.abort(rid)
     engine.drain()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("spruce/|triton/compiler", 20)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
     calls = sum(v[1] for v in pstats.Stats(prof).stats.values()) / max(len(host_s), 1)
-    return {"lag": args.lag, "catch_ups": len(host_s), "host_ms": _ms(host_s[1:] or host_s),
+    return {"lag": args.lag, "batch": args.batch, "catch_ups": len(host_s), "host_ms": _ms(host_s[1:] or host_s),
             "device_ms": _ms(device_s[1:] or device_s) if cuda else None, "python_calls_per_catch_up": calls,
-            "syncs": dict(syncs.most_common(20)), "profile": text.getvalue().splitlines()[:40]}, llm
+            "syncs": dict(syncs.most_common(20)), "profile": text.getvalue().splitlines()[:80]}, llm
 
 
 def prefill_ms(llm: LLM, prompt: list[int], repeats: int, sync) -> dict:
@@ -142,6 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--lag", type=int, default=32, help="plain steps before each round")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together (each lags --lag positions)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     args = ap.parse_args()
     cuda = args.device == "cuda"

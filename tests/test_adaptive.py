@@ -168,6 +168,19 @@ def test_catch_up_leaves_the_draft_where_rounds_would(monkeypatch, pattern, page
     assert_caught_up_as_fresh(caught, fresh, text)
 
 
+def test_start_up_catch_ups_seed_the_catch_up_fits(draft):
+    """measure_costs times a small and a large catch-up over the dummy row (16 positions; R requests x 64), and
+    they seed the policy's catch-up fits (the CPU's host seconds are 0: the work is the device's there)."""
+    llm = LLM(TARGET, draft_model=draft, speculative_adaptive=True, page_size=16, max_running_requests=4)
+    policy = llm.engine.strategy.policy
+    (small, small_s), (large, large_s) = policy.catch_up_prior["device"]
+    assert (small, large) == (16, 4 * 64) and small_s > 0 and large_s > 0
+    assert policy.catch_up_device.predict(small) == pytest.approx(small_s, rel=1e-6)
+    assert policy.catch_up_device.predict(large) == pytest.approx(large_s, rel=1e-6)
+    assert [seconds for _, seconds in policy.catch_up_prior["host"]] == [0.0, 0.0]
+    assert_no_leaks(llm)
+
+
 def lazy_prefills(monkeypatch) -> None:
     """The policy prefers plain steps at every batch size: every prefill that may be lazy is."""
     monkeypatch.setattr(AdaptivePolicy, "steady_choice", lambda self, batch_size: PLAIN)

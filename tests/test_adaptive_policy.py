@@ -225,6 +225,41 @@ def test_linear_cost_fit():
     assert fit.coefficients()[1] > 0 and fit.predict(128) == pytest.approx(0.5e-3 + 2e-6 * 128, rel=0.2)
 
 
+def test_a_seeded_catch_up_fit_keeps_its_slope_through_a_few_close_samples():
+    """The H200 run of 31e0b09 (2026-11-23, 128-token prompts): after the first catch-ups of a server's life (3 of
+    16-30 positions, noisy) the fit read 66 us per position, and the next pass's first level 25; the start-up
+    catch-ups on that GPU cost 2.8 ms over 16 positions and 5.2 ms over 4096. Seeded by those two, the same samples
+    leave the slope near theirs; unseeded, they price a catch-up over 4096 positions at ~20x its cost."""
+    seed = [(16, 2.8e-3), (4096, 5.2e-3)]
+    samples = [(16, 3.1e-3), (23, 4.3e-3), (30, 3.4e-3)]
+    unseeded, seeded = LinearCost(), LinearCost(seed)
+    assert seeded.predict(16) == pytest.approx(2.8e-3) and seeded.predict(4096) == pytest.approx(5.2e-3)
+    for n, seconds in samples:
+        unseeded.add(n, seconds)
+        seeded.add(n, seconds)
+    assert unseeded.predict(4096) > 50e-3
+    assert 5e-3 < seeded.predict(4096) < 8e-3
+
+
+def test_a_round_over_a_long_lag_is_priced_by_the_start_up_catch_ups():
+    """Concurrency 64, rounds 1.6x as productive as plain steps, 64 requests lagging 66 positions each with 60
+    tokens left (a level's start on the H200 after lazy prefills): seeded by the start-up catch-ups, the round and
+    its catch-up win; priced by an unseeded fit of three close catch-ups, plain steps do, and every plain step
+    lengthens the lag the next round must catch up."""
+    def choice(prior: dict) -> str:
+        buckets = (1, 8, 64)
+        table = {(c, b): (1.5e-3 if c == PLAIN else 4.0e-3) for c in CHOICES for b in buckets}
+        p = AdaptivePolicy(buckets, table, overlapped=True, max_accept=5, clock=Clock(), catch_up_prior=prior)
+        set_accept(p, 3.2)  # 4.2 tokens per round: 64 * 4.2 / 4 ms against 64 / 1.5 ms
+        for n, seconds in ((16, 3.1e-3), (23, 4.3e-3), (30, 3.4e-3)):
+            p.caught_up(n, seconds, seconds)
+        return p.decide([Req() for _ in range(64)], lags=[66] * 64, tokens_left=60).choice
+
+    start_up = [(16, 2.8e-3), (4096, 5.2e-3)]
+    assert choice({"device": start_up, "host": start_up}) == SPECULATIVE
+    assert choice({}) == PLAIN
+
+
 def test_snapshot_reports_each_bucket_choice_and_reason():
     p = policy()
     reqs = [Req() for _ in range(3)]

@@ -22,7 +22,8 @@ Pieces:
   decided round);
 - the start-up cost table (`measure_costs`): every cost bucket (Limits.cost_buckets), each candidate's decode
   step run over padding rows (the dummy row) and timed, the median of a few runs: its device time and the host
-  time of its launch. It is the policy's prior until a candidate has run at a bucket. Graph buckets replay their
+  time of its launch. It is the policy's prior until a candidate has run at a bucket. Two catch-ups over the
+  dummy row, a small and a large one, seed the policy's catch-up cost fits the same way. Graph buckets replay their
   captured graphs; larger batches run eagerly, as they will when serving. On CUDA the time is the device's
   (events around the call); on the CPU it is the call's wall time, which is the device work there;
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
@@ -56,6 +57,8 @@ from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillCh
 
 WARMUP_RUNS = 2
 TIMED_RUNS = 5
+CATCH_UP_SMALL, CATCH_UP_LARGE = 16, 64  # positions per request of the start-up catch-ups (`_time_catch_ups`) ...
+CATCH_UP_REQUESTS = 64  # ... and requests of the large one (at most R)
 
 
 @dataclass
@@ -322,7 +325,27 @@ class AdaptiveDecoding(DecodeStrategy):
                     strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
         self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
                                      max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {},
-                                     stalls=_compilations)
+                                     stalls=_compilations, catch_up_prior=self._time_catch_ups())
+
+    def _time_catch_ups(self) -> dict[str, list[tuple[int, float]]]:
+        """The catch-up's cost at two sizes far apart, over the dummy row: one request lagging CATCH_UP_SMALL
+        positions, and min(R, CATCH_UP_REQUESTS) requests lagging CATCH_UP_LARGE each (within one forward): the
+        seed of the policy's catch-up fits (AdaptivePolicy.catch_up_prior), {"device": [(positions, seconds)],
+        "host": [...]}, each the median of TIMED_RUNS runs after WARMUP_RUNS (device: events around it on CUDA,
+        else its wall time; host: its launch's time on CUDA, else 0, as `resolved` feeds them online)."""
+        lim = self.runner.limits
+        row = lim.dummy_row
+        large = min(CATCH_UP_LARGE, lim.max_tokens_per_forward, lim.context_length - 1)
+        requests = max(min(lim.max_running_requests, CATCH_UP_REQUESTS, lim.max_tokens_per_forward // large), 1)
+        small = min(CATCH_UP_SMALL, large)
+        prior = {"device": [], "host": []}
+        for lagging in ([LaggingDraft(row, 0, small, [0] * (small - 1))],
+                        [LaggingDraft(row, 0, large, [0] * (large - 1))] * requests):
+            positions = sum(g.pairs for g in lagging)
+            device, host = _time_call(lambda lagging=lagging: self.worker.catch_up(lagging, self.ring), self.cuda)
+            prior["device"].append((positions, device))
+            prior["host"].append((positions, host))
+        return prior
 
     def stats(self) -> dict | None:
         return None if self.policy is None else self.policy.snapshot()
@@ -365,22 +388,29 @@ def _time_step(strategy: DecodeStrategy, rows: list[int], max_kv: int, cuda: boo
     On CUDA the device's (events) and the launch call's; on the CPU the call's wall time, which is the device work
     there, and 0."""
     greedy = SamplingTensors.greedy()
+    return _time_call(lambda: strategy.decode(rows, max_kv, greedy), cuda)
+
+
+def _time_call(launch, cuda: bool) -> tuple[float, float]:
+    """Medians over TIMED_RUNS calls of `launch` (after WARMUP_RUNS): (device seconds, host seconds of the call).
+    On CUDA the device's (events around it) and the call's; on the CPU the call's wall time, which is the device
+    work there, and 0."""
     for _ in range(WARMUP_RUNS):
-        strategy.decode(rows, max_kv, greedy)
-    device, launch = [], []
+        launch()
+    device, host = [], []
     for _ in range(TIMED_RUNS):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             t0 = time.perf_counter()
-            strategy.decode(rows, max_kv, greedy)
-            launch.append(time.perf_counter() - t0)
+            launch()
+            host.append(time.perf_counter() - t0)
             end.record()
             end.synchronize()
             device.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
-            strategy.decode(rows, max_kv, greedy)
+            launch()
             device.append(time.perf_counter() - t0)
-            launch.append(0.0)
-    return statistics.median(device), statistics.median(launch)
+            host.append(0.0)
+    return statistics.median(device), statistics.median(host)

@@ -86,7 +86,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   step does.
 - A round over requests whose draft lags (adaptive plain steps or a lazy prefill since its last catch-up) first
   runs the draft's catch-up over the missing positions; its cost, D_c(n) and H_c(n) for n missing positions (each
-  fitted online as fixed + per-position seconds), is taken out of the samples of the step that ran it and added to
+  fitted online as fixed + per-position seconds,
+  from the two catch-ups timed at start-up on: `LinearCost`), is taken out of the samples of the step that ran it and added to
   the round's D and H for that batch, shared by the rounds it opens: the batch's mean tokens left per request over
   the expected tokens per round (at least one round). Charged to one round, a lazy prefill's catch-up (128 prompt
   positions: 4 ms against 0.7 ms rounds) kept a batch that gains 2.5x from rounds decoding plainly.
@@ -203,10 +204,20 @@ class Decision:
 
 class LinearCost:
     """seconds ~ fixed + per_position * n, fitted online by exponentially weighted least squares (forgetting
-    factor COST_ALPHA). With one distinct n seen so far it predicts the mean; before any sample, 0."""
+    factor COST_ALPHA). With one distinct n seen so far it predicts the mean; before any sample, 0.
 
-    def __init__(self):
+    `seed`: (n, seconds) points that stand for the fit's state before its first sample (their mean), such as the
+    start-up measurement at a small and a large n: the slope then rests on two sizes far apart until online
+    samples outweigh them (0.9^k after k samples). Unseeded, the first few samples fix the slope alone, and
+    catch-ups in a level's first pass come in a few sizes close together: on the H200 (2026-11-23, 128-token
+    prompts) the fit read 25-66 us per position after 3-5 catch-ups, while a catch-up over 4096 positions cost
+    5.2 ms against 2.9 ms over 512 (0.6 us per position), and a round that needed one was priced out."""
+
+    def __init__(self, seed: list[tuple[int, float]] | None = None):
         self._sums = None  # weighted means of (n, n^2, y, n*y)
+        for k, (n, seconds) in enumerate(seed or ()):  # their plain mean
+            x = (float(n), float(n) ** 2, seconds, n * seconds)
+            self._sums = x if self._sums is None else tuple(a + (b - a) / (k + 1) for a, b in zip(self._sums, x))
 
     def add(self, n: int, seconds: float) -> None:
         x = (float(n), float(n) ** 2, seconds, n * seconds)
@@ -263,7 +274,7 @@ class AdaptivePolicy:
     (+); max_accept: S (the optimistic prior); launch_prior: the start-up table's host seconds of launching each
     (choice, bucket) (the prior of E; none: 0); clock: seconds (tests pass a fake one); stalls: a count that grows
     at each stall of the process (Triton's compilations: an epoch holding one is dropped, speculative/epoch_clock.py;
-    none: 0)."""
+    none: 0); catch_up_prior: catch-ups timed at start-up, the seed of the catch-up cost fits (none: unseeded)."""
 
     buckets: tuple[int, ...]
     device_seconds: dict[tuple[str, int], float]
@@ -272,6 +283,8 @@ class AdaptivePolicy:
     launch_prior: dict[tuple[str, int], float] = field(default_factory=dict)
     clock: Callable[[], float] = time.perf_counter
     stalls: Callable[[], int] = lambda: 0
+    catch_up_prior: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # the start-up catch-ups:
+    # {"device": [(positions, seconds), ...], "host": [...]}, the seed of each catch-up fit (LinearCost)
     launch_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # E, measured
     other_host_seconds: dict[int, float] = field(default_factory=dict)  # X per bucket, pooled over choices
     own_host_seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # X of steady steps per choice
@@ -299,8 +312,8 @@ class AdaptivePolicy:
         # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
         self._previous_choice: str | None = None  # the last decode step's choice (None after a prefill)
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
-        self.catch_up_device = LinearCost()
-        self.catch_up_host = LinearCost()
+        self.catch_up_device = LinearCost(self.catch_up_prior.get("device"))
+        self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
         self._reuse_left = 0  # further steps the last decision (a model choice) stands for
         self._reuse_bucket = 0  # ... in this cost bucket
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
