@@ -86,11 +86,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   step does.
 - A round over requests whose draft lags (adaptive plain steps or a lazy prefill since its last catch-up) first
   runs the draft's catch-up over the missing positions; its cost, D_c(n) and H_c(n) for n missing positions (each
-  fitted online as fixed + per-position seconds,
-  from the two catch-ups timed at start-up on: `LinearCost`), is taken out of the samples of the step that ran it and added to
-  the round's D and H for that batch, shared by the rounds it opens: the batch's mean tokens left per request over
-  the expected tokens per round (at least one round). Charged to one round, a lazy prefill's catch-up (128 prompt
-  positions: 4 ms against 0.7 ms rounds) kept a batch that gains 2.5x from rounds decoding plainly.
+  fitted online as fixed + per-position seconds, seeded by two catch-ups timed at start-up: `LinearCost`), is taken
+  out of the samples of the step that ran it and added to the round's D and H for that batch, shared by the rounds it
+  opens: the batch's mean tokens left per request over the expected tokens per round (at least one round). Charged
+  to one round, a lazy prefill's catch-up (128 prompt positions: 4 ms against 0.7 ms rounds) kept a batch that gains
+  2.5x from rounds decoding plainly.
 - A round also pays the draft's work on new prompts: while rounds go on, every request that replaces a finished
   one needs its draft extended over its prompt (eagerly after its prefill, or by a catch-up), which plain steps
   never need. Requests finish at (tokens per round) / (tokens per request) per round, so that many prompt
