@@ -72,6 +72,8 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
     assert "concurrency   2: plain" in printed and "-- output tokens/s, no prefix cache" in printed
     assert "median vs the best other: plain " in printed
     assert set(result["figures"]["versus_best_other"]["prefix_cache"]["2"]) == set(summary["prefix_cache"]["2"])
+    assert "pass by pass vs the best other of the pass (median): plain " in printed
+    assert set(result["figures"]["paired_versus_best_other"]["prefix_cache"]["2"]) == set(summary["prefix_cache"]["2"])
 
 
 def test_versus_best_other():
@@ -85,6 +87,20 @@ def test_versus_best_other():
     assert got["plain"] == pytest.approx(110 / 105 - 1) and got["adaptive"] == pytest.approx(105 / 110 - 1)
     assert got["fixed"] == pytest.approx(55 / 110 - 1)
     assert versus_best_other({"alone": [1.0]}) == {}
+
+
+def test_paired_versus_best_other():
+    """Pass by pass: a server ahead in every pass is ahead, though its median lies below the other's (the other's
+    best pass came when the machine was fast); the passes every run has are the ones paired."""
+    from spruce.bench.serving import paired_versus_best_other, versus_best_other
+
+    per_run = {"plain": [100.0, 150.0, 90.0, 160.0, 95.0], "adaptive": [105.0, 155.0, 94.0, 99.0, 98.0]}
+    assert versus_best_other(per_run)["adaptive"] < 0  # medians 99 against 100
+    got = paired_versus_best_other(per_run)
+    assert got["adaptive"] == pytest.approx(155 / 150 - 1)  # ahead in four passes of five: the median pass
+    assert got["plain"] == pytest.approx(150 / 155 - 1)
+    short = paired_versus_best_other({"a": [10.0, 20.0, 30.0], "b": [11.0], "none": []})
+    assert short == {"a": pytest.approx(10 / 11 - 1), "b": pytest.approx(11 / 10 - 1)}
 
 
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"]])

@@ -566,11 +566,14 @@ def _run_launched(args: argparse.Namespace) -> int:
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
     versus = {mode: {c: versus_best_other(per_run) for c, per_run in per_level.items()}
               for mode, per_level in summary.items()}
-    _print_summary(summary, versus)
+    paired = {mode: {c: paired_versus_best_other(per_run) for c, per_run in per_level.items()}
+              for mode, per_level in summary.items()}
+    _print_summary(summary, versus, paired)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
         "prompts": str(prompts_path), "num_prompts": len(prompts)}
     path = write_result("serving", _device(args, runs[0]["server"]), config,
-                        {"runs": runs, "summary": summary, "versus_best_other": versus}, out_dir)
+                        {"runs": runs, "summary": summary, "versus_best_other": versus,
+                         "paired_versus_best_other": paired}, out_dir)
     print(f"results: {path}")
     _plot_and_print({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"])
                      for r in runs}, path.with_suffix(".png"))
@@ -601,9 +604,27 @@ def versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
     return out
 
 
-def _print_summary(summary: dict, versus: dict) -> None:
-    """Output tokens/s per run at each concurrency (one figure per pass, then their median) and each median against
-    the best other's (`versus`: `versus_best_other` of each level), per prefix-cache mode."""
+def paired_versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
+    """Each run's output tokens/s over the best other run's in the same pass, less 1, the median over the passes
+    every run has (runs without figures left out). Runs measured together (--interleave) share each pass's machine:
+    on the H200 (2026-11-23) identical servers moved 10-40% between passes, all of a slow pass's servers together more
+    often than not, so a pass-by-pass ratio is less noisy than the ratio of medians (`versus_best_other`), which
+    pairs one server's third-best pass with another's."""
+    runs = {name: tps for name, tps in per_run.items() if tps}
+    passes = min((len(tps) for tps in runs.values()), default=0)
+    out = {}
+    for name, tps in runs.items():
+        ratios = [tps[k] / best - 1.0 for k in range(passes)
+                  if (best := max((other[k] for n, other in runs.items() if n != name), default=0.0)) > 0]
+        if ratios:
+            out[name] = statistics.median(ratios)
+    return out
+
+
+def _print_summary(summary: dict, versus: dict, paired: dict) -> None:
+    """Output tokens/s per run at each concurrency (one figure per pass, then their median), each median against
+    the best other's (`versus`: `versus_best_other` of each level) and each run pass by pass against the best other
+    of its pass (`paired`: `paired_versus_best_other`), per prefix-cache mode."""
     for mode, per_level in summary.items():
         print(f"-- output tokens/s, {mode.replace('_', ' ')} (each pass; median)")
         for c, per_run in per_level.items():
@@ -613,3 +634,6 @@ def _print_summary(summary: dict, versus: dict) -> None:
             if versus[mode][c]:
                 print("      median vs the best other: " + ", ".join(f"{name} {v:+.1%}"
                                                                        for name, v in versus[mode][c].items()))
+            if paired[mode][c]:
+                print("      pass by pass vs the best other of the pass (median): " + ", ".join(
+                    f"{name} {v:+.1%}" for name, v in paired[mode][c].items()))
