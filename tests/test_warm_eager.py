@@ -36,32 +36,32 @@ def limits() -> Limits:
     return _limits(4096, 2048)
 
 
-@pytest.mark.parametrize("sms,heads", [(132, 6), (132, 32), (78, 8), (4, 6)])
-def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
-    """Each (query block, kv split or not) variant the paged kernel can be compiled in is met by one of the
-    warm-up's forwards (its batch's shape), on GPUs of many or few SMs and models of few or many heads."""
+def _variants_met(limits: Limits, sms: int, blocking) -> set[tuple[int, bool]]:
+    """(block, split or not) of each warm-up forward, as the Triton backend on a GPU of `sms` SMs chooses them:
+    `blocking(backend, batch_size, max_q_len, max_kv_len)` gives (block, ..., splits)."""
     backend = TritonAttention(limits.page_size, limits)
     backend._sms = sms
     met = set()
     for spans in warm_spans(limits):
-        max_q = max(n for _, n in spans)
-        max_kv = max(start + n for start, n in spans)
-        block_m, _, splits = backend.query_blocking(len(spans), max_q, max_kv, heads, torch.device("cpu"))
-        met.add((block_m, splits > 1))
+        chosen = blocking(backend, len(spans), max(n for _, n in spans), max(start + n for start, n in spans))
+        met.add((chosen[0], chosen[-1] > 1))
+    return met
+
+
+@pytest.mark.parametrize("sms,heads", [(132, 6), (132, 32), (78, 8), (4, 6)])
+def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
+    """Each (query block, kv split or not) variant the paged kernel can be compiled in is met by one of the
+    warm-up's forwards (its batch's shape), on GPUs of many or few SMs and models of few or many heads."""
+    met = _variants_met(limits, sms, lambda backend, bs, max_q, max_kv: backend.query_blocking(
+        bs, max_q, max_kv, heads, torch.device("cpu")))
     assert met == {(16, False), (16, True), (32, False), (32, True)}
 
 
 @pytest.mark.parametrize("sms,heads", [(132, 16), (132, 128), (78, 16)])
 def test_warm_spans_meet_every_latent_kernel_variant(limits, sms, heads):
     """The same for MLA's kernel: its row block (16 or 64 rows) and kv split."""
-    backend = TritonAttention(limits.page_size, limits)
-    backend._sms = sms
-    met = set()
-    for spans in warm_spans(limits):
-        max_q = max(n for _, n in spans)
-        max_kv = max(start + n for start, n in spans)
-        block_m, _, _, splits = backend.latent_blocking(len(spans), max_q, max_kv, heads, torch.device("cpu"))
-        met.add((block_m, splits > 1))
+    met = _variants_met(limits, sms, lambda backend, bs, max_q, max_kv: backend.latent_blocking(
+        bs, max_q, max_kv, heads, torch.device("cpu")))
     want = {(64, False), (64, True), (16, True), (16, False)} if heads < 64 else {(64, False), (64, True)}
     assert met == want
 
