@@ -307,8 +307,9 @@ class AdaptiveDecoding(DecodeStrategy):
     def warm_eager(self) -> None:
         """The worker's eager prefill path (DecodeStrategy.warm_eager), then the catch-up over the same spans of
         the dummy row: its draft extend reads the ring and runs at lags and batches no prefill has (on the H200,
-        2026-11-23, the one compilation of a whole serving run was a catch-up's). It writes the dummy row's
-        step-0 top-K, which only padding rows read."""
+        2026-11-23, the one compilation of a whole serving run was the adaptive server's, and without this
+        warm-up a mixed workload compiled two attention variants in an adaptive engine, none in a plain or a
+        fixed one). It writes the dummy row's step-0 top-K, which only padding rows read."""
         self.worker.warm_eager()
         row = self.runner.limits.dummy_row
         for spans in warm_spans(self.runner.limits):

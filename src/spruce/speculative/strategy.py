@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.attention.metadata import Phase
+from spruce.limits import Limits
 from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
@@ -34,7 +35,7 @@ WARM_LENGTHS = (1, 16, 17, 64)  # tokens per request of the eager warm-up's batc
 WARM_FAR = 1024  # ... from position 0 and from this far into the context (or as far as the context allows)
 
 
-def warm_spans(limits) -> list[list[tuple[int, int]]]:
+def warm_spans(limits: Limits) -> list[list[tuple[int, int]]]:
     """The (start, length) spans of the dummy row that `DecodeStrategy.warm_eager` runs, one list per eager
     forward: each length of WARM_LENGTHS from position 0 and from WARM_FAR, one request at a time, then all of
     them in one batch. A Triton kernel is compiled per constexpr variant, and the eager paths choose theirs from
