@@ -260,6 +260,32 @@ def test_a_round_over_a_long_lag_is_priced_by_the_start_up_catch_ups():
     assert choice({}) == PLAIN
 
 
+def test_a_lone_epoch_prices_probes_unless_it_reads_a_stall():
+    """A lone epoch of plain steps at a load 1.4x its parts (prefills and host work between steps) prices the
+    spacing of the next plain probe; one at 7.75x (a stall, the H100's compilation) gives way to the parts."""
+    for ratio, want in ((1.4, 1.4), (7.75, 1.0)):
+        p = policy(plain=0.3e-3, spec=0.8e-3)
+        reqs = [Req()]
+        set_accept(p, 3.0)
+        realize(p, PLAIN, 1, ratio)
+        d = p.decide(reqs, request_tokens=128)
+        assert p._probe_price(d, PLAIN, 1) == pytest.approx(want * 0.3e-3)
+
+
+def test_a_plain_probe_under_rounds_costs_its_catch_up_too():
+    """A probe epoch of plain steps under rounds leaves each request's draft `steps` positions behind: its expected
+    cost includes that catch-up; a probe of rounds under plain steps leaves none."""
+    seed = [(16, 2.8e-3), (4096, 5.2e-3)]
+    table = {(c, b): (0.3e-3 if c == PLAIN else 0.8e-3) for c in CHOICES for b in BUCKETS}
+    p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=5, clock=Clock(),
+                       catch_up_prior={"device": seed, "host": seed})
+    set_accept(p, 3.0)
+    d = p.decide([Req() for _ in range(4)], request_tokens=128)
+    excess = 128 * 0.3e-3 * (1 - (4 / 0.3e-3) / (4 * 4.0 / 0.8e-3))
+    assert p._probe_cost(d, SPECULATIVE, PLAIN, 128, 0.3e-3) == pytest.approx(excess + p.catch_up_seconds(4 * 128))
+    assert p._probe_cost(d, PLAIN, SPECULATIVE, 32, 0.8e-3) == 0.0  # rounds are no worse: nothing to pay
+
+
 def test_snapshot_reports_each_bucket_choice_and_reason():
     p = policy()
     reqs = [Req() for _ in range(3)]

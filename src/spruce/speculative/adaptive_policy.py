@@ -108,7 +108,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
   caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
   steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
-  the rounds' figure (it is the probe's cost).
+  the rounds' figure (it is the probe's cost), and it is counted in the probe's expected cost (`_probe_cost`): on
+  the H200 (2026-11-23, 128-token prompts) the first decision after a probe at concurrency 1 weighed a catch-up of
+  30-99 positions against the request's last tokens and found rounds within the 2% margin of plain steps, so the
+  request ended plainly (9 of the 14 switches to plain steps at concurrency 1 in five passes, with 13 probes).
 - Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
   plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
   host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
@@ -170,6 +173,7 @@ REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realize
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest batch among this many recent ones
+STALL_RATIO = 2.0  # a lone epoch reading more than this over its parts is taken for a stall (`_probe_price`)
 
 
 def _other(choice: str) -> str:
@@ -614,23 +618,28 @@ class AdaptivePolicy:
 
     def _probe_price(self, d: Decision, other: str, load: int) -> float:
         """The seconds a step of `other` is taken to cost when spacing and budgeting its probes: its price in `d`,
-        except while its realized figure at `load` rests on fewer than SETTLED_EPOCHS epochs and puts it above its
-        parts: then its parts. A lone epoch that caught a stall would otherwise price its choice out of the very
-        probes that re-measure it (the low median of two epochs drops a high one): on the H100 (2026-11-23) a
-        compilation inside the first plain epoch at a load read 7.75x the parts, and the level ran rounds for good,
-        its plain probes priced beyond the budget."""
+        except while its realized figure at `load` rests on fewer than SETTLED_EPOCHS epochs and puts it more than
+        STALL_RATIO times above its parts: then its parts. A lone epoch that caught a stall would otherwise price its
+        choice out of the very probes that re-measure it (the low median of two epochs drops a high one): on the H100
+        (2026-11-23) a compilation inside the first plain epoch at a load read 7.75x the parts, and the level ran
+        rounds for good, its plain probes priced beyond the budget. Within STALL_RATIO the epoch is what the choice
+        costs (prefills and the serving process's work included): priced at its parts instead, plain steps under
+        rounds looked nearly as good as rounds priced at theirs, and probes came every few epochs until three had
+        settled the figure (replaying the 128-token trace at concurrency 1: 1552 plain steps and -1.9% against
+        fixed rounds, against 543 and -0.6% with the lone epoch's figure)."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
-        if ratio is not None and ratio > 1.0 and self.epochs.count(other, load) < SETTLED_EPOCHS:
+        if ratio is not None and ratio > STALL_RATIO and self.epochs.count(other, load) < SETTLED_EPOCHS:
             return seconds / ratio
         return seconds
 
-    @staticmethod
-    def _probe_cost(d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
+    def _probe_cost(self, d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
         """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
-        model's choice would have taken for the same tokens (0 if `other` is expected to be no worse)."""
+        model's choice would have taken for the same tokens (0 if `other` is expected to be no worse), and for
+        plain steps under rounds the catch-up of the lag they leave (the batch's drafts, `steps` positions each)."""
         ratio = d.tokens_per_second_at(other, other_seconds) / max(d.tokens_per_second(model), 1e-12)
-        return steps * other_seconds * max(1.0 - ratio, 0.0)
+        excess = steps * other_seconds * max(1.0 - ratio, 0.0)
+        return excess + (self.catch_up_seconds(d.batch_size * steps) if other == PLAIN else 0.0)
 
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
