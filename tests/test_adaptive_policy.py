@@ -1082,6 +1082,25 @@ def test_a_switch_of_the_model_choice_is_logged_with_what_priced_it(caplog):
     assert line["priced"][SPECULATIVE]["device"] == pytest.approx(3e-3)
 
 
+def test_a_probe_is_logged_with_its_spacing_and_cost(caplog):
+    """Each probe that starts logs one JSON line (the choice probed, its load, spacing and expected cost): rounds
+    at a load, then a plain probe once an epoch of rounds has completed."""
+    import json
+    import logging
+
+    p = policy()
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 4)  # 5 tokens per round: an epoch of rounds is 20 steps
+    with caplog.at_level(logging.INFO, logger="spruce.adaptive"):
+        choices = [p.decide(reqs, request_tokens=100) for _ in range(21)]
+    d = choices[20]
+    assert d.reason == "probe" and d.choice == PLAIN and p.probes == 1
+    (record,) = [r for r in caplog.records if "adaptive probe" in r.getMessage()]
+    line = json.loads(record.getMessage().split(" ", 2)[2])
+    assert (line["choice"], line["load"], line["batch_size"]) == (PLAIN, 4, 4)
+    assert line["cost"] > 0 and line["probe_seconds"] == pytest.approx(p.probe_seconds)
+
+
 def test_a_compile_stall_in_the_first_plain_epoch_does_not_price_plain_out():
     """The H100 run of e2444fb (1k shared prefix, concurrency 8; rounds commit 1.18 tokens at 2x a plain step's
     cost): a kernel compiled at the level's first prefill stalled ~0.5 s inside the first plain epoch at load 8,

@@ -583,6 +583,10 @@ class AdaptivePolicy:
         every 50 steps, against 128-step epochs of plain steps) had kept the probe on for good, and every visit to
         that load ran the probed choice.
 
+        A probe that starts is logged (INFO, logger spruce.adaptive, one JSON line: the choice probed, the load,
+        the spacing and the expected cost against what the budget has spent): a serving run's plain steps under
+        rounds are probes or switches, and only the switches were logged until 2026-11-23.
+
         And only while all probes so far, at every load, stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE (`_probe_affordable`): the spacing above is per load bucket and restarts whenever the
         model's choice there flips, and on the H100 (2026-11-23, 128-token prompts, concurrency 8) an adaptive
@@ -609,6 +613,11 @@ class AdaptivePolicy:
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     self.probes += 1
                     self.probe_seconds += cost
+                    if log.isEnabledFor(logging.INFO):
+                        log.info("adaptive probe %s", json.dumps({
+                            "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
+                            "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
+                            "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
 
     @staticmethod
