@@ -260,6 +260,25 @@ def test_a_round_over_a_long_lag_is_priced_by_the_start_up_catch_ups():
     assert choice({}) == PLAIN
 
 
+def test_an_idle_gap_ends_the_load():
+    """Rounds win at a load of 8 and lose at 1. After decisions at 8 the engine idles (a level ends), then one
+    request arrives: it is priced at its own load and decodes plainly; without the idle gap it is priced as the 8
+    it follows (the load window), the dip a batch makes while arrivals wait."""
+    def first_choice(idle: bool) -> str:
+        table = {(PLAIN, 1): 0.3e-3, (SPECULATIVE, 1): 1.2e-3, (PLAIN, 2): 0.3e-3, (SPECULATIVE, 2): 1.2e-3,
+                 (PLAIN, 4): 0.3e-3, (SPECULATIVE, 4): 1.2e-3, (PLAIN, 8): 0.6e-3, (SPECULATIVE, 8): 1.2e-3}
+        p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=5, clock=Clock())
+        set_accept(p, 2.0)  # 3 tokens a round: 3 / 1.2 ms against 1 / 0.6 ms at 8, 1 / 0.3 ms at 1
+        reqs = [Req() for _ in range(8)]
+        assert p.decide(reqs).choice == SPECULATIVE
+        if idle:
+            p.idle()
+        return p.decide(reqs[:1]).choice
+
+    assert first_choice(idle=True) == PLAIN
+    assert first_choice(idle=False) == SPECULATIVE
+
+
 def test_a_lone_epoch_prices_probes_unless_it_reads_a_stall():
     """A lone epoch of plain steps at a load 1.4x its parts (prefills and host work between steps) prices the
     spacing of the next plain probe; one at 7.75x (a stall, the H100's compilation) gives way to the parts."""

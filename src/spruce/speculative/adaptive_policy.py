@@ -755,11 +755,18 @@ class AdaptivePolicy:
             self.epochs.exclude(seconds)
 
     def idle(self) -> None:
-        """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time."""
+        """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
+        the load is gone: the next batch starts a new load window and decides afresh. The window counts decisions,
+        which a standing one spaces up to REUSE_STEPS steps apart, so it spans up to ~1000 steps; kept across an idle
+        gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
+        prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136 rounds a pass at twice a
+        plain step's cost per token, with no switch at load 1."""
         self.epochs.idle()
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
+        self._recent_sizes.clear()
+        self._reuse_left = 0
 
     def waited(self, seconds: float) -> None:
         """Seconds since the last decode launch that were not X: the host blocked on the device, ran device work
