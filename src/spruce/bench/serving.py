@@ -590,18 +590,22 @@ def _plot_and_print(series: dict[str, list[dict]], path: Path) -> None:
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
 
 
+def _over_best_other(values: dict[str, float]) -> dict[str, float]:
+    """Each entry over the best of the others, less 1 (none where the others are all 0 or there are none)."""
+    out = {}
+    for name, value in values.items():
+        others = [v for other, v in values.items() if other != name]
+        if others and max(others) > 0:
+            out[name] = value / max(others) - 1.0
+    return out
+
+
 def versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
     """Each run's median output tokens/s over the best median among the other runs of its level, less 1 (+0.05:
     5% ahead of the best other server; runs without figures left out). What a comparison run asks of its levels,
     e.g. issue 16's adaptive server against the better of plain and fixed, and how far two copies of one server
     (CONTROL=1) lie apart in the same run."""
-    medians = {name: statistics.median(tps) for name, tps in per_run.items() if tps}
-    out = {}
-    for name, median in medians.items():
-        others = [m for other, m in medians.items() if other != name]
-        if others and max(others) > 0:
-            out[name] = median / max(others) - 1.0
-    return out
+    return _over_best_other({name: statistics.median(tps) for name, tps in per_run.items() if tps})
 
 
 def paired_versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
@@ -612,13 +616,9 @@ def paired_versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float
     pairs one server's third-best pass with another's."""
     runs = {name: tps for name, tps in per_run.items() if tps}
     passes = min((len(tps) for tps in runs.values()), default=0)
-    out = {}
-    for name, tps in runs.items():
-        ratios = [tps[k] / best - 1.0 for k in range(passes)
-                  if (best := max((other[k] for n, other in runs.items() if n != name), default=0.0)) > 0]
-        if ratios:
-            out[name] = statistics.median(ratios)
-    return out
+    per_pass = [_over_best_other({name: tps[k] for name, tps in runs.items()}) for k in range(passes)]
+    return {name: statistics.median(ratios) for name in runs
+            if (ratios := [ratio[name] for ratio in per_pass if name in ratio])}
 
 
 def _print_summary(summary: dict, versus: dict, paired: dict) -> None:

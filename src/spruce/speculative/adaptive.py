@@ -311,10 +311,12 @@ class AdaptiveDecoding(DecodeStrategy):
         warm-up a mixed workload compiled two attention variants in an adaptive engine, none in a plain or a
         fixed one). It writes the dummy row's step-0 top-K, which only padding rows read."""
         self.worker.warm_eager()
-        row = self.runner.limits.dummy_row
         for spans in warm_spans(self.runner.limits):
-            self.worker.catch_up([LaggingDraft(row, start, start + n, [0] * (n - 1)) for start, n in spans],
-                                 self.ring)
+            self.worker.catch_up([self._padding_lag(start, n) for start, n in spans], self.ring)
+
+    def _padding_lag(self, start: int, pairs: int) -> LaggingDraft:
+        """The dummy row's draft lagging over [start, start + pairs), token 0 throughout (start-up work only)."""
+        return LaggingDraft(self.runner.limits.dummy_row, start, start + pairs, [0] * (pairs - 1))
 
     def measure_costs(self) -> None:
         """Time each candidate's step per cost bucket and build the policy (see the module docstring)."""
@@ -335,13 +337,11 @@ class AdaptiveDecoding(DecodeStrategy):
         "host": [...]}, each the median of TIMED_RUNS runs after WARMUP_RUNS (device: events around it on CUDA,
         else its wall time; host: its launch's time on CUDA, else 0, as `resolved` feeds them online)."""
         lim = self.runner.limits
-        row = lim.dummy_row
         large = min(CATCH_UP_LARGE, lim.max_tokens_per_forward, lim.context_length - 1)
         requests = max(min(lim.max_running_requests, CATCH_UP_REQUESTS, lim.max_tokens_per_forward // large), 1)
         small = min(CATCH_UP_SMALL, large)
         prior = {"device": [], "host": []}
-        for lagging in ([LaggingDraft(row, 0, small, [0] * (small - 1))],
-                        [LaggingDraft(row, 0, large, [0] * (large - 1))] * requests):
+        for lagging in ([self._padding_lag(0, small)], [self._padding_lag(0, large)] * requests):
             positions = sum(g.pairs for g in lagging)
             device, host = _time_call(lambda lagging=lagging: self.worker.catch_up(lagging, self.ring), self.cuda)
             prior["device"].append((positions, device))
