@@ -109,3 +109,17 @@ def test_launch_only_flags_are_refused_without_launch(capsys, flag):
     than accepted and ignored against --base-url."""
     assert main(["bench", "serving", "--base-url", "http://127.0.0.1:9", *flag]) == 2
     assert flag[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("servers,levels", [(4, 4), (4, 1), (3, 5), (2, 4)])
+def test_level_order_puts_every_server_at_every_position(servers, levels):
+    """Over any `servers` passes in a row, each server runs each level at each position once, also when there are
+    as many levels as servers (a rotation by level alone gave every pass the first pass's orders there)."""
+    from spruce.bench.serving import level_order
+
+    for first_pass in range(3):
+        for level in range(levels):
+            orders = [level_order(servers, k, level) for k in range(first_pass, first_pass + servers)]
+            assert all(sorted(order) == list(range(servers)) for order in orders)
+            for position in range(servers):
+                assert sorted(order[position] for order in orders) == list(range(servers))

@@ -295,9 +295,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
     """Measure every server in `targets` ((base_url, model) each): per server, the levels measured and why its
     run stopped early (None: it did not); `on_level(i, level)` is called as each level of server i completes.
     Each pass runs every level on each server in turn (level c on server 1, 2, ..., then the next level), so
-    servers measured together see the same machine at the same time. Each such round starts one server later than
-    the round before (1, 2, 3; then 2, 3, 1; ...): the client process and the machine carry state from one
-    server's level to the next, so no server should always run last."""
+    servers measured together see the same machine at the same time, in the order `level_order` gives."""
     headers = _headers(args)
     levels: list[list[dict]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
@@ -313,10 +311,9 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
                         print(f"spruce bench serving: the run stopped in the warm-up: {res.error}", file=sys.stderr)
                         stopped[i] = f"warm-up: {res.error}"
                         break
-        order = list(range(len(targets)))
         for k in range(1, args.passes + 1):
-            for c in args.concurrency:
-                for i in order:
+            for j, c in enumerate(args.concurrency):
+                for i in level_order(len(targets), k - 1, j):
                     base_url, model = targets[i]
                     if stopped[i]:
                         continue
@@ -329,11 +326,23 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
                     if level["stopped"]:
                         print(f"spruce bench serving: the run stopped: {level['stopped']}", file=sys.stderr)
                         stopped[i] = level["stopped"]
-                order = order[1:] + order[:1]
     finally:
         if pool is not None:
             pool.shutdown()
     return list(zip(levels, stopped))
+
+
+def level_order(servers: int, pass_index: int, level_index: int) -> list[int]:
+    """The order in which `servers` servers run level `level_index` of pass `pass_index` (both from 0): a rotation
+    that starts one server later for each later level and each later pass (pass 0: 1, 2, 3 / 2, 3, 1 / ...; pass 1:
+    2, 3, 1 / 3, 1, 2 / ...). The client process and the machine carry state from one server's level to the next,
+    so over any `servers` passes in a row each server runs every level at every position once. (Until 2026-11-24
+    the rotation advanced only per level: with as many levels as servers, every pass repeated the first pass's
+    orders. In the H200 shared-prefix run at 5138249 the plain server thus ran concurrency 1 first in every pass,
+    adaptive third and the plain server's copy fourth, and the copy trailed the plain server in four passes of
+    five, by up to 8%.)"""
+    start = (pass_index + level_index) % servers
+    return [(start + i) % servers for i in range(servers)]
 
 
 def requests_per_level(args) -> dict[int, int]:
