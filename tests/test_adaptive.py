@@ -310,6 +310,20 @@ def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
     assert_caught_up_as_fresh(caught, LLM(pycodemla, **kw), got.prompt_token_ids + got.token_ids)
 
 
+def test_the_engine_hands_the_policy_the_requests_it_holds(monkeypatch, draft):
+    """Four requests at once, two rows: the first decode steps run over two while two wait, and the engine hands
+    `choose` the four it holds (running and queued), the load the policy prices a level's ramp at
+    (AdaptivePolicy.decide's `load`, tested there)."""
+    fixed_costs(monkeypatch)
+    llm = LLM(TARGET, page_size=16, max_running_requests=2, draft_model=draft, speculative_num_steps=2,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=3, speculative_adaptive=True)
+    strategy = llm.engine.strategy
+    choose, seen = strategy.choose, []
+    monkeypatch.setattr(strategy, "choose", lambda reqs, load: seen.append((len(reqs), load)) or choose(reqs, load))
+    llm.generate(PROMPTS[:4], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert seen[0] == (2, 4) and seen[-1] == (2, 2)
+
+
 @pytest.mark.parametrize("window", [256, 3])
 def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window):
     """The model chooses plain (rounds priced at 100 plain steps): the draft runs only for the prompt when it is too

@@ -205,9 +205,10 @@ class AdaptiveDecoding(DecodeStrategy):
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list) -> AdaptiveStep | PlainDecoding | EagleWorker:
-        """The next decode step over `requests` (called right before its launch): a round, or a plain step (the
-        plain strategy or the worker itself while the last decision stands: see the module docstring).
+    def choose(self, requests: list, load: int = 0) -> AdaptiveStep | PlainDecoding | EagleWorker:
+        """The next decode step over `requests` (called right before its launch; `load`: the requests the engine
+        holds, AdaptivePolicy.decide): a round, or a plain step (the plain strategy or the worker itself while the
+        last decision stands: see the module docstring).
 
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
@@ -225,7 +226,8 @@ class AdaptiveDecoding(DecodeStrategy):
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
         new_positions = sum(len(q.prompt_ids) - q.cached_tokens for q in requests) / bs
-        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions)
+        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions,
+                               load)
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         catch_up = spec or any(q.draft_lag >= window for q in requests)

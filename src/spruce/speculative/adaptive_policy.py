@@ -44,11 +44,16 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   lies between decode steps: on the H100 with the engine in its own process (2026-11-23) they put rounds at
   concurrency 8 at 3.8x plain steps' tokens/s while a plain server was 1.3-1.5x faster than one running only
   rounds, whose arrivals each took a ~7.7 ms prefill.
-  Realized figures are kept per load bucket, the bucket of the largest batch among the last LOAD_WINDOW
-  decisions: a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
+  Realized figures are kept per load bucket, the bucket of the largest load among the last LOAD_WINDOW
+  decisions, a decision's load being the requests the engine held (its batch, requests in their prefill, queued
+  ones): a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
   concurrency 32 on the H100, dips to bucket 24 met a figure measured in a level's drain, without arrivals, and
-  each switched to rounds, caught the batch up and switched back). Catch-ups are not in them (a switch's cost,
-  priced when a switch is decided, below).
+  each switched to rounds, caught the batch up and switched back). The requests held, not the batch alone: a
+  level's first decode steps run over the first arrivals while the others prefill, and with the batch's size the
+  ramp of every level on the H200 (2026-11-24, 1k shared prefix) was priced at load 1, its prefills in a batch-1
+  step's epochs: plain steps there read 0.7-1.0 ms a step against 0.27 ms steps at concurrency 1, and concurrency
+  1 ran rounds (1.18 tokens each) for half its steps in two passes of four, at 0.65x a plain server's tokens/s.
+  Catch-ups are not in them (a switch's cost, priced when a switch is decided, below).
 - Until then, t(c, b) = D(c, b) (+) H(c, b), both measured online per step of c over a batch of bucket b:
   - D, the step's device time: the span between events recorded at its launch's start and end (CUDA; on the
     CPU the launch's wall time, which is the device work there). Until c has run at b, the start-up table
@@ -172,7 +177,7 @@ SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per
 REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realized figures
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
-LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest batch among this many recent ones
+LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
 STALL_RATIO = 2.0  # a lone epoch reading more than this over its parts is taken for a stall (`_probe_price`)
 
 
@@ -328,7 +333,7 @@ class AdaptivePolicy:
         self._accept_sum = 0.0  # their sum
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
-        self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # batch sizes decided
+        self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
@@ -369,8 +374,8 @@ class AdaptivePolicy:
         return REALIZED_MARGIN if realized else SPECULATION_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
-        """The bucket of the largest batch among `batch_size` and the last LOAD_WINDOW decided (see the module
-        docstring)."""
+        """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
+        module docstring)."""
         return self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))
 
     def prior_accept(self) -> float:
@@ -441,17 +446,19 @@ class AdaptivePolicy:
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
     def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
-               request_tokens: float = 0.0, new_positions: float = 0.0) -> Decision:
+               request_tokens: float = 0.0, new_positions: float = 0.0, load: int = 0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
         which may each still generate `tokens_left` tokens on average, of `request_tokens` in all (0: unknown);
-        `new_positions`: a new request's uncached prompt positions. Also marks the step's launch for the clocks.
+        `new_positions`: a new request's uncached prompt positions; `load`: the requests the engine holds (this
+        batch, requests in their prefill and queued ones; 0: the batch alone), which the load window records in
+        place of the batch's size when larger (`_load_bucket`). Also marks the step's launch for the clocks.
         A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for (at
         least one)."""
         now = self.clock()
         self.epochs.event(now)
         bs = len(requests)
         bucket = self.bucket_for(bs)
-        self._recent_sizes.append(bs)
+        self._recent_sizes.append(min(max(bs, load), self.buckets[-1]))
         load = self._load_bucket(bs)
         lags = lags if lags is not None else [0] * bs
         self._arrivals = (request_tokens, new_positions)
