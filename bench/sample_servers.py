@@ -99,9 +99,13 @@ def _frame(raw: str) -> str:
     return f"{m.group(1)} ({m.group(2)})" if m else raw
 
 
-STARTUP = ("LLM.__init__", "EngineProcess.__init__", "_find_and_load", "engine_process_main (", "freeze_startup")
-# frames of start-up (building the engine, importing, waiting for it): samples under them are not serving time;
-# "engine_process_main (" matches only samples whose deepest frame is that function itself, outside the loop
+STARTUP = ("__init__ (spruce/llm.py)", "__init__ (spruce/server/engine_process.py)", "_find_and_load",
+           "freeze_startup")
+# frames of start-up (building the engine, importing, waiting for it): samples under any of them are not serving
+# time. py-spy 0.4 names a method by its function and file ("__init__ (spruce/llm.py)"), not its class: until
+# 2026-11-24 these were "LLM.__init__" and "EngineProcess.__init__", which matched nothing, so graph capture and the
+# start-up warm-up counted as serving time (on the H200, 490 of an adaptive engine's samples were its capture).
+IDLE_ENTRY = "engine_process_main ("  # a sample whose deepest frame is this function itself is outside the loop
 
 
 def summarize_file(path: Path, rate: int, top: int) -> dict:
@@ -117,8 +121,7 @@ def summarize_file(path: Path, rate: int, top: int) -> dict:
         frames = stack.split(";")
         thread = frames[0] if frames[0].startswith("thread") else ""
         frames = [_frame(f) for f in frames if not f.startswith(("thread", "process"))]
-        if any(f.startswith(STARTUP[:3]) or f.startswith(STARTUP[4]) for f in frames) or (
-                frames and frames[-1].startswith(STARTUP[3])):
+        if any(f.startswith(STARTUP) for f in frames) or (frames and frames[-1].startswith(IDLE_ENTRY)):
             startup += n
             continue
         samples += n

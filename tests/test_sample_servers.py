@@ -1,0 +1,33 @@
+"""bench/sample_servers.py's summary of py-spy recordings: start-up samples (building the engine, capturing its
+graphs, importing) are counted apart from serving time, with py-spy 0.4's frame names (function and file)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def _sampler():
+    path = Path(__file__).resolve().parents[1] / "bench" / "sample_servers.py"
+    spec = importlib.util.spec_from_file_location("sample_servers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_start_up_samples_are_not_serving_time(tmp_path):
+    main = ('process 1:"python";_main (multiprocessing/spawn.py:131);'
+            "engine_process_main (spruce/server/engine_process.py:80)")
+    recording = tmp_path / "adaptive-engine-1.txt"
+    recording.write_text("\n".join([
+        f"{main};__init__ (spruce/llm.py:27);capture_graphs (spruce/speculative/adaptive.py:300) 7",
+        f"{main};__init__ (spruce/server/engine_process.py:127) 1",
+        f"{main};_find_and_load (<frozen importlib._bootstrap>:1360) 2",
+        f"{main} 4",  # the process's entry itself, outside the loop
+        f"{main};run (spruce/server/engine_process.py:150);step (spruce/runtime/engine.py:200) 5",
+    ]) + "\n")
+    got = _sampler().summarize_file(recording, rate=100, top=10)
+    assert got["startup_samples"] == 14 and got["samples"] == 5 and got["busy_seconds"] == 0.05
+    totals = {row["function"]: row["samples"] for row in got["by_total"]}
+    assert totals["step (spruce/runtime/engine.py)"] == 5
+    assert "capture_graphs (spruce/speculative/adaptive.py)" not in totals
