@@ -313,13 +313,13 @@ def test_nextn_catch_up_on_mla(monkeypatch, pycodemla):
 def test_the_engine_hands_the_policy_the_requests_it_holds(monkeypatch, draft):
     """Four requests at once, two rows: the first decode steps run over two while two wait, and the engine hands
     `choose` the four it holds (running and queued), the load the policy prices a level's ramp at
-    (AdaptivePolicy.decide's `load`, tested there)."""
+    (AdaptivePolicy.decide's `held`, tested there)."""
     fixed_costs(monkeypatch)
     llm = LLM(TARGET, page_size=16, max_running_requests=2, draft_model=draft, speculative_num_steps=2,
               speculative_eagle_topk=2, speculative_num_draft_tokens=3, speculative_adaptive=True)
     strategy = llm.engine.strategy
     choose, seen = strategy.choose, []
-    monkeypatch.setattr(strategy, "choose", lambda reqs, load: seen.append((len(reqs), load)) or choose(reqs, load))
+    monkeypatch.setattr(strategy, "choose", lambda reqs, held: seen.append((len(reqs), held)) or choose(reqs, held))
     llm.generate(PROMPTS[:4], SamplingParams(max_tokens=4, ignore_eos=True))
     assert seen[0] == (2, 4) and seen[-1] == (2, 2)
 

@@ -281,7 +281,7 @@ def test_an_idle_gap_ends_the_load():
 
 def test_a_level_that_ramps_up_is_priced_at_the_requests_it_holds():
     """After an idle gap, a level of 8 begins: its first decode steps run over the first arrival while the others
-    wait for their prefills. The load is the requests the engine holds (`load`), so those steps are priced, and
+    wait for their prefills. The load is the requests the engine holds (`held`), so those steps are priced, and
     their epochs (the prefills of the other seven inside) kept, at load 8, not 1. With the batch's size alone (the
     H200 shared-prefix run, 2026-11-24) the ramps' epochs went to load 1, where plain steps then read 0.7-1.0 ms
     against 0.27 ms steps, and concurrency 1 ran rounds for half its steps."""
@@ -291,13 +291,13 @@ def test_a_level_that_ramps_up_is_priced_at_the_requests_it_holds():
     realize(p, SPECULATIVE, 8, 1.0)
     p.idle()
     first = [Req()]
-    d = p.decide(first, load=8)
+    d = p.decide(first, held=8)
     assert p._load_bucket(1) == 8 and p.epochs.current.bucket == 8
     assert d.step_seconds[PLAIN] == pytest.approx(0.6e-3)  # the load's realized figure
     p.idle()
     p.decide(first)  # the batch alone: a load of 1
     assert p._load_bucket(1) == 1 and p.epochs.current.bucket == 1
-    p.decide(first, load=100)  # more than the largest bucket holds counts as the largest
+    p.decide(first, held=100)  # more than the largest bucket holds counts as the largest
     assert p._load_bucket(1) == BUCKETS[-1]
 
 

@@ -361,7 +361,7 @@ class Engine:
         ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
-        held = len(self.scheduler.running) + len(self.scheduler.waiting)  # the load: arrivals count at once
+        held = len(self.scheduler.running) + len(self.scheduler.waiting)  # arrivals count in the load at once
         strategy = self.strategy.choose(reqs, held)  # adaptive speculation: a round or a plain step
         spec = strategy.speculative
         repeat = self.limits.num_draft_tokens if spec else 1

@@ -205,8 +205,8 @@ class AdaptiveDecoding(DecodeStrategy):
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list, load: int = 0) -> AdaptiveStep | PlainDecoding | EagleWorker:
-        """The next decode step over `requests` (called right before its launch; `load`: the requests the engine
+    def choose(self, requests: list, held: int = 0) -> AdaptiveStep | PlainDecoding | EagleWorker:
+        """The next decode step over `requests` (called right before its launch; `held`: the requests the engine
         holds, AdaptivePolicy.decide): a round, or a plain step (the plain strategy or the worker itself while the
         last decision stands: see the module docstring).
 
@@ -227,7 +227,7 @@ class AdaptiveDecoding(DecodeStrategy):
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
         new_positions = sum(len(q.prompt_ids) - q.cached_tokens for q in requests) / bs
         d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions,
-                               load)
+                               held)
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         catch_up = spec or any(q.draft_lag >= window for q in requests)

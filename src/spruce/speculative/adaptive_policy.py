@@ -333,7 +333,7 @@ class AdaptivePolicy:
         self._accept_sum = 0.0  # their sum
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
-        self._recent_sizes: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
+        self._recent_loads: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
@@ -376,7 +376,7 @@ class AdaptivePolicy:
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
         module docstring)."""
-        return self.bucket_for(max(batch_size, max(self._recent_sizes, default=0)))
+        return self.bucket_for(max(batch_size, max(self._recent_loads, default=0)))
 
     def prior_accept(self) -> float:
         """Expected accepted drafts per round of a request without rounds: the engine-wide acceptance, else S."""
@@ -446,10 +446,10 @@ class AdaptivePolicy:
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
     def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
-               request_tokens: float = 0.0, new_positions: float = 0.0, load: int = 0) -> Decision:
+               request_tokens: float = 0.0, new_positions: float = 0.0, held: int = 0) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
         which may each still generate `tokens_left` tokens on average, of `request_tokens` in all (0: unknown);
-        `new_positions`: a new request's uncached prompt positions; `load`: the requests the engine holds (this
+        `new_positions`: a new request's uncached prompt positions; `held`: the requests the engine holds (this
         batch, requests in their prefill and queued ones; 0: the batch alone), which the load window records in
         place of the batch's size when larger (`_load_bucket`). Also marks the step's launch for the clocks.
         A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for (at
@@ -458,7 +458,7 @@ class AdaptivePolicy:
         self.epochs.event(now)
         bs = len(requests)
         bucket = self.bucket_for(bs)
-        self._recent_sizes.append(min(max(bs, load), self.buckets[-1]))
+        self._recent_loads.append(min(max(bs, held), self.buckets[-1]))
         load = self._load_bucket(bs)
         lags = lags if lags is not None else [0] * bs
         self._arrivals = (request_tokens, new_positions)
@@ -772,7 +772,7 @@ class AdaptivePolicy:
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
-        self._recent_sizes.clear()
+        self._recent_loads.clear()
         self._reuse_left = 0
 
     def waited(self, seconds: float) -> None:

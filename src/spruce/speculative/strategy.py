@@ -147,9 +147,9 @@ class DecodeStrategy:
         raise NotImplementedError
 
     # --- per-step choice (adaptive speculation: speculative/adaptive.py; a fixed strategy is its own choice) ---
-    def choose(self, requests: list, load: int = 0):
+    def choose(self, requests: list, held: int = 0):
         """What runs the next decode step over `requests`, called right before its launch, while the engine holds
-        `load` requests in all (running, prefilling and queued; 0: unknown): an object with `speculative` and this
+        `held` requests in all (running, prefilling and queued; 0: unknown): an object with `speculative` and this
         class's `decode` (a fixed strategy: itself; adaptive speculation: one step)."""
         return self
 
