@@ -8,6 +8,7 @@ import collections
 
 import pytest
 
+import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
@@ -1085,13 +1086,7 @@ def test_replayed_traces_follow_the_acceptance():
     """bench/replay_adaptive.py (the offline replay behind COLLAPSE_FRACTION): requests whose rounds always accept 4
     drafts run rounds and keep within 2% of fixed rounds; requests whose rounds never accept run plain steps and
     keep within 5% of plain decoding (their first rounds measure the acceptance)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "replay_adaptive.py"
-    spec = importlib.util.spec_from_file_location("replay_adaptive", path)
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
+    replay = bench_scripts.load("replay_adaptive")
     cost = {"plain": 0.275e-3, "round": 0.72e-3, "prefill": 13.5e-3, "extend": 3e-3, "catch_up_fixed": 2.8e-3,
             "catch_up_per_position": 10e-6}
     for accepted, better in ((4, "fixed"), (0, "plain")):

@@ -3,16 +3,7 @@ graphs, importing) are counted apart from serving time, with py-spy 0.4's frame 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-
-def _sampler():
-    path = Path(__file__).resolve().parents[1] / "bench" / "sample_servers.py"
-    spec = importlib.util.spec_from_file_location("sample_servers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import bench_scripts
 
 
 def test_start_up_samples_are_not_serving_time(tmp_path):
@@ -26,7 +17,7 @@ def test_start_up_samples_are_not_serving_time(tmp_path):
         f"{main} 4",  # the process's entry itself, outside the loop
         f"{main};run (spruce/server/engine_process.py:150);step (spruce/runtime/engine.py:200) 5",
     ]) + "\n")
-    got = _sampler().summarize_file(recording, rate=100, top=10)
+    got = bench_scripts.load("sample_servers").summarize_file(recording, rate=100, top=10)
     assert got["startup_samples"] == 14 and got["samples"] == 5 and got["busy_seconds"] == 0.05
     totals = {row["function"]: row["samples"] for row in got["by_total"]}
     assert totals["step (spruce/runtime/engine.py)"] == 5
