@@ -57,7 +57,7 @@ def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, m
         i = r % len(accept)
         req = Request(accept[i], prompt_lens[i])
         out_len = len(req.accept) + 1
-        policy.break_chain()
+        policy.break_chain(arrivals=1)  # its prefill completes its prompt
         lazy = mode == "adaptive" and policy.steady_choice(1) == PLAIN
         step = cost["prefill"] + (cost["extend"] if mode != "plain" and not lazy else 0.0)
         if mode == "adaptive" and not lazy:

@@ -48,8 +48,9 @@ def set_accept(p: AdaptivePolicy, ema: float) -> None:
 
 
 def realize(p: AdaptivePolicy, choice: str, bucket: int, ratio: float) -> None:
-    """An epoch of `choice` at load `bucket` measured `ratio` times what the parts give its steps now."""
-    p.epochs.record(choice, bucket, ratio, ratio * p._parts_seconds(choice, bucket))
+    """An epoch of `choice` at load `bucket`, its batches full, measured `ratio` times what the parts give its steps
+    now."""
+    p.epochs.record(choice, bucket, ratio, ratio * p._parts_seconds(choice, bucket) / bucket)
 
 
 def settle(p: AdaptivePolicy, reqs, accepted: int, rounds: int = 12) -> None:
@@ -294,7 +295,7 @@ def test_a_level_that_ramps_up_is_priced_at_the_requests_it_holds():
     first = [Req()]
     d = p.decide(first, held=8)
     assert p._load_bucket(1) == 8 and p.epochs.current.bucket == 8
-    assert d.step_seconds[PLAIN] == pytest.approx(0.6e-3)  # the load's realized figure
+    assert d.step_seconds[PLAIN] == pytest.approx(0.6e-3 / 8)  # the load's realized figure, one request's
     p.idle()
     p.decide(first)  # the batch alone: a load of 1
     assert p._load_bucket(1) == 1 and p.epochs.current.bucket == 1
@@ -771,10 +772,11 @@ def test_realized_seconds_price_what_the_parts_miss():
     assert decisions[0].choice == SPECULATIVE  # the parts' choice, until measured
     realized = p.snapshot()["realized_ratio"]  # over what the parts give the same steps
     assert realized[SPECULATIVE][8] > 2 and realized[PLAIN][8] < 1
-    assert p._realized(SPECULATIVE, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)  # 7 or 8 prefills an epoch
-    assert p._realized(PLAIN, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
+    # per request-step (8 requests a step); 7 or 8 prefills an epoch of rounds
+    assert 8 * p._realized(SPECULATIVE, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)
+    assert 8 * p._realized(PLAIN, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
     assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"
-    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(p._realized(SPECULATIVE, 8), rel=0.05)
+    assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(8 * p._realized(SPECULATIVE, 8), rel=0.05)
     from spruce.server.metrics import Metrics  # /metrics shows the realized figures
 
     metrics = Metrics(5)
@@ -782,8 +784,8 @@ def test_realized_seconds_price_what_the_parts_miss():
     text = metrics.render()
     for choice in CHOICES:
         assert f'spruce_adaptive_realized_ratio{{bucket="8",choice="{choice}"}}' in text
-        assert f'spruce_adaptive_realized_seconds{{bucket="8",choice="{choice}"}}' in text
-    assert p.snapshot()["realized_seconds"][PLAIN][8] == pytest.approx(p._realized(PLAIN, 8))
+        assert f'spruce_adaptive_realized_request_seconds{{bucket="8",choice="{choice}"}}' in text
+    assert p.snapshot()["realized_request_seconds"][PLAIN][8] == pytest.approx(p._realized(PLAIN, 8))
     assert f'spruce_adaptive_epochs_total {p.epochs.epochs}' in text
     assert 'spruce_adaptive_epochs_dropped_total 0' in text
 
@@ -802,7 +804,7 @@ def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
     def run(choice: str, steps: int, seconds: float) -> None:
         for _ in range(steps):
             p.epochs.event(clock.now)
-            p.epochs.step(choice, 8, steps, 8)
+            p.epochs.step(choice, 8, steps, 8, 8)
             clock.now += seconds
 
     run(PLAIN, 128, 0.65e-3)
@@ -816,7 +818,7 @@ def test_a_realized_figure_stays_what_its_epochs_measured_when_the_parts_move():
     assert p.device(PLAIN, 8) == pytest.approx(1.3e-3)
     d = p.decide(reqs)
     assert d.step_seconds[PLAIN] == pytest.approx(0.65e-3) and d.choice == PLAIN
-    assert p.decide(reqs[:4]).step_seconds[PLAIN] == pytest.approx(0.65e-3)  # a dip is priced as its load
+    assert p.decide(reqs[:4]).step_seconds[PLAIN] == pytest.approx(4 * 0.65e-3 / 8)  # a dip: per request as its load
 
 
 def test_a_dip_takes_the_choice_of_its_load():
@@ -833,14 +835,14 @@ def test_a_dip_takes_the_choice_of_its_load():
     realize(p, PLAIN, 8, 1.0)
     realize(p, SPECULATIVE, 8, 1.3 / 1.2)
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN
-    d = p.decide([Req() for _ in range(2)])  # the load is still 8 (the largest of the last decisions)
-    assert d.step_seconds == pytest.approx({PLAIN: 1e-3, SPECULATIVE: 1.3e-3}) and d.choice == PLAIN
+    d = p.decide([Req() for _ in range(2)])  # the load is still 8 (the largest of the last decisions): per request
+    assert d.step_seconds == pytest.approx({PLAIN: 2 * 1e-3 / 8, SPECULATIVE: 2 * 1.3e-3 / 8}) and d.choice == PLAIN
     p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=4, clock=Clock())  # rounds not measured yet:
     set_accept(p, 0.2)  # priced by their parts, at the load's bucket too
     realize(p, PLAIN, 8, 1.0)
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN
     d = p.decide([Req() for _ in range(2)])
-    assert d.step_seconds == pytest.approx({PLAIN: 1e-3, SPECULATIVE: 1.2e-3}) and d.choice == PLAIN
+    assert d.step_seconds == pytest.approx({PLAIN: 2 * 1e-3 / 8, SPECULATIVE: 2 * 1.2e-3 / 8}) and d.choice == PLAIN
 
 
 def test_a_drain_does_not_price_a_full_batch():
@@ -848,9 +850,9 @@ def test_a_drain_does_not_price_a_full_batch():
     0.34 ms a step (busy seconds per step over an epoch that caught the level's drain) against 1.55 ms between
     back-to-back plain steps at batch 64. Here plain steps cost 0.2 ms + 20 us per request and rounds 0.6 ms + 30
     us per request, committing 2 tokens: at batch 64, 1.48 against 2.52 ms, rounds commit 17% more per second. The
-    plain epoch at load 64 ran a drain (batch 64 down to 1), the rounds' epoch full batches. Busy seconds per step
-    put the drain's plain step at 0.85 ms and plain steps won; each step modelled at its own batch's parts, both
-    epochs read what the parts say and rounds win."""
+    plain epoch at load 64 runs a drain (batch 64 down to 1, no arrival), whose small steps cost several times a
+    full one's per request: it is dropped, and plain steps stay priced by their parts until a steady epoch (as many
+    arrivals as ends) measures them; rounds win either way."""
     buckets = (1, 8, 16, 32, 64)
     clock = Clock()
     plain_s, spec_s = (lambda n: 0.2e-3 + 20e-6 * n), (lambda n: 0.6e-3 + 30e-6 * n)
@@ -859,21 +861,30 @@ def test_a_drain_does_not_price_a_full_batch():
     set_accept(p, 1.0)
 
     def run(choice: str, sizes: list[int]) -> None:
-        for n in sizes:
+        for i, n in enumerate(sizes):
+            if i and n > sizes[i - 1]:
+                p.break_chain(arrivals=n - sizes[i - 1])
             p.epochs.event(clock.now)
-            p.epochs.step(choice, 64, len(sizes), p.bucket_for(n))
+            p.epochs.step(choice, 64, len(sizes), p.bucket_for(n), n)
             clock.now += (plain_s if choice == PLAIN else spec_s)(p.bucket_for(n))
 
     drain = [64 - (63 * i) // (EPOCH_MIN * 4 - 1) for i in range(EPOCH_MIN * 4)]  # 64 down to 1
     run(PLAIN, drain)
     run(SPECULATIVE, [64] * EPOCH_MIN * 4)
     run(PLAIN, [64])  # ends the rounds' epoch
-    per_step = sum(plain_s(p.bucket_for(n)) for n in drain) / len(drain)
-    assert 1 / per_step > 1.05 * 2 / spec_s(64)  # what busy seconds per step chose: plain
-    assert p.epochs.ratio(PLAIN, 64) == pytest.approx(1.0) and p.epochs.ratio(SPECULATIVE, 64) == pytest.approx(1.0)
+    per_request = sum(plain_s(p.bucket_for(n)) for n in drain) / sum(drain)
+    assert 1 / per_request < 2 * 64 / spec_s(64)  # the drain's plain steps per request: rounds would look 2x+ better
+    assert p.epochs.drained == 1 and p.epochs.ratio(PLAIN, 64) is None
     d = p.decide([Req() for _ in range(64)])
     assert d.step_seconds == pytest.approx({PLAIN: plain_s(64), SPECULATIVE: spec_s(64)})
     assert d.choice == SPECULATIVE
+    steady = [64] * (EPOCH_MIN * 2) + [60] + [64] * (EPOCH_MIN * 2)  # four end, four arrive
+    run(PLAIN, steady)
+    run(SPECULATIVE, [64])
+    assert p.epochs.drained == 1 and p.epochs.request_seconds(PLAIN, 64) == pytest.approx(
+        sum(plain_s(64) for _ in steady) / sum(steady))
+    d = p.decide([Req() for _ in range(64)])
+    assert d.step_seconds[PLAIN] == pytest.approx(plain_s(64), rel=0.01) and d.choice == SPECULATIVE
 
 
 def test_a_request_priced_below_the_rounds_break_even_is_not_left_plain():
@@ -914,7 +925,7 @@ def test_a_dip_in_the_batch_is_priced_at_the_load_it_belongs_to():
     realize(p, PLAIN, 24, 0.84)
     assert p.decide(full).choice == PLAIN
     d = p.decide(dip)
-    assert d.bucket == 24 and d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(5.5e-3)
+    assert d.bucket == 24 and d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(22 * 5.5e-3 / 32)
     fresh = AdaptivePolicy(buckets, {(c, b): 1e-3 for c in CHOICES for b in buckets}, overlapped=True,
                            max_accept=3, clock=Clock())
     fresh.epochs._windows = p.epochs._windows
@@ -1048,15 +1059,18 @@ def test_a_new_load_borrows_the_nearest_realized_figure():
 
 
 def rounds_amid_moving_loads(period: int, steps: int = 20000) -> AdaptivePolicy:
-    """Rounds commit 4 tokens per 2 ms against 1 per 1 ms plain step (2x); the batch moves through buckets 1, 2, 4
-    and 8, `period` decisions at each."""
+    """Rounds commit 4 tokens per 2 ms against 1 per 1 ms plain step per request (2x); the batch moves through
+    buckets 1, 2, 4 and 8, `period` decisions at each, a group's requests arriving (a prefill) as it begins."""
     clock = Clock()
     p = policy(plain=1e-3, spec=2e-3, clock=clock)
     groups = [[Req() for _ in range(size)] for size in (1, 2, 4, 8)]
     settle(p, [q for g in groups for q in g], 3)
     for i in range(steps):
-        d = p.decide(groups[(i // period) % 4], request_tokens=128)
-        clock.now += 1e-3 if d.choice == PLAIN else 2e-3
+        group = groups[(i // period) % 4]
+        if i % period == 0:
+            p.break_chain(arrivals=len(group))
+        d = p.decide(group, request_tokens=128)
+        clock.now += len(group) * (1e-3 if d.choice == PLAIN else 2e-3)
     return p
 
 

@@ -1,7 +1,6 @@
-"""EpochClock (speculative/epoch_clock.py): busy over modelled seconds over epochs, prefill time included, idle
-gaps excluded, short runs dropped, two disturbed epochs of five outvoted, figures in seconds anchored to their
-epoch's parts, an epoch that holds a stall dropped, each step
-modelled at its own batch's cost."""
+"""EpochClock (speculative/epoch_clock.py): busy seconds per request-step and over modelled seconds over epochs,
+prefill time included, idle gaps excluded, short runs dropped, two disturbed epochs of five outvoted, an epoch that
+holds a stall or a drain dropped, each step modelled at its own batch's cost."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ def run(clock: EpochClock, t: float, choice: str, steps: int, step_s: float, buc
     """`steps` decode steps of `step_s` seconds each, a prefill of `prefill_s` after every `prefill_every`-th."""
     for i in range(steps):
         clock.event(t)
-        clock.step(choice, bucket, target, bucket)
+        clock.step(choice, bucket, target, bucket, bucket)
         t += step_s
         if prefill_every and (i + 1) % prefill_every == 0:
             clock.event(t)  # the prefill's launch
@@ -68,18 +67,59 @@ def test_two_disturbed_epochs_of_five_move_nothing():
     t = run(clock, t, "plain", 2 * EPOCH_MIN, 1.6e-3)
     run(clock, t, "plain", 1, 1e-3)  # ends the second disturbed epoch
     assert clock.count("plain", 8) == 5
-    assert clock.ratio("plain", 8) == pytest.approx(1e-3) and clock.seconds("plain", 8) == pytest.approx(1e-3)
+    assert clock.ratio("plain", 8) == pytest.approx(1e-3)
+    assert clock.request_seconds("plain", 8) == pytest.approx(1e-3 / 8)
 
 
-def test_a_figure_in_seconds_is_anchored_to_the_parts_of_its_epoch():
-    """`seconds` is an epoch's ratio times the parts of a step at its load's bucket when it ended: parts that move
-    later move the ratio's meaning, not the seconds (AdaptivePolicy prices by the seconds)."""
+def test_the_figure_is_busy_seconds_per_request_step():
+    """An epoch at load 32 whose requests end together: 54 steps over 32 requests, then 73 over the one left while
+    the successors arrive, then one over all 32 again (the H200's debug log, 2026-11-23, `{32: 54, 1: 73}`). Its
+    figure is its busy seconds over the 1,833 request-steps, whatever the parts say (they only set the ratio), and
+    load / figure is the tokens per busy second plain steps committed."""
     parts = {"seconds": 2e-3}
     clock = EpochClock(lambda choice, bucket: parts["seconds"])
-    t = run(clock, 0.0, "plain", EPOCH_MIN, 1e-3)
-    run(clock, t, "plain", 1, 1e-3)
-    parts["seconds"] = 4e-3
-    assert clock.ratio("plain", 8) == pytest.approx(0.5) and clock.seconds("plain", 8) == pytest.approx(1e-3)
+    t = 0.0
+    for batch, n in ((32, 54), (1, 73), (32, 1)):
+        if batch == 32 and n == 1:
+            clock.prefill(t, arrivals=31)
+            t += 4e-3
+        for _ in range(n):
+            clock.event(t)
+            clock.step("plain", 32, 128, 32 if batch == 32 else 1, batch)
+            t += 0.6e-3 if batch == 32 else 0.3e-3
+    run(clock, t, "speculative", 1, 1e-3)  # ends the epoch
+    busy = 55 * 0.6e-3 + 73 * 0.3e-3 + 4e-3
+    assert clock.request_seconds("plain", 32) == pytest.approx(busy / (55 * 32 + 73))
+    assert clock.ratio("plain", 32) == pytest.approx(busy / (128 * 2e-3))
+    parts["seconds"] = 4e-3  # the parts move later: the figure stays what the epoch measured
+    assert clock.request_seconds("plain", 32) == pytest.approx(busy / (55 * 32 + 73))
+    assert clock.drained == 0
+
+
+def test_a_drain_is_dropped_and_a_ramp_kept():
+    """The H200 run `-033247` (2026-11-24, 1k shared prefix): the concurrency-32 and -64 levels' drains (requests
+    end, none arrive) passed through load 8 and left plain epochs of a few requests a step there; plain steps' ratio
+    at load 8 read 2.15 against ~1 in the concurrency-8 levels, and the next concurrency-8 level ran rounds for 97%
+    of its steps. An epoch whose arrivals are fewer than half the requests that ended in it is dropped; a ramp
+    (arrivals, none ended) and a steady epoch (as many arrived as ended) are kept."""
+    clock = EpochClock(per_step)
+    t = 0.0
+    for i in range(EPOCH_MIN):  # a drain: 8 requests down to 1, no arrival
+        clock.event(t)
+        clock.step("plain", 8, EPOCH_MIN, 8, 8 - (7 * i) // (EPOCH_MIN - 1))
+        t += 1e-3
+    t = run(clock, t, "speculative", 1, 1e-3)  # ends it
+    assert clock.drained == 1 and clock.epochs == 0 and clock.request_seconds("plain", 8) is None
+    for batches in ([1, 1, 2, 4] + [8] * (EPOCH_MIN - 4),  # a ramp: 7 arrive after the first
+                    [8] * (EPOCH_MIN // 2) + [5] + [8] * (EPOCH_MIN // 2 - 1)):  # steady: 3 end, 3 arrive
+        for i, batch in enumerate(batches):
+            if i and batch > batches[i - 1]:
+                clock.prefill(t, arrivals=batch - batches[i - 1])
+            clock.event(t)
+            clock.step("plain", 8, EPOCH_MIN, 8, batch)
+            t += 1e-3
+        t = run(clock, t, "speculative", 1, 1e-3)
+    assert clock.drained == 1 and clock.epochs == 2 and clock.count("plain", 8) == 2
 
 
 def test_an_epoch_that_holds_a_stall_is_dropped():
@@ -89,7 +129,7 @@ def test_an_epoch_that_holds_a_stall_is_dropped():
     stalls = [0]
     clock = EpochClock(per_step, lambda: stalls[0])
     clock.event(0.0)
-    clock.step("plain", 8, EPOCH_MIN, 8)
+    clock.step("plain", 8, EPOCH_MIN, 8, 8)
     stalls[0] += 1  # the first step's launch compiled a kernel: 0.5 s
     t = run(clock, 0.5, "plain", EPOCH_MIN - 1, 1e-3)
     t = run(clock, t, "plain", EPOCH_MIN + 1, 1e-3)
@@ -97,7 +137,7 @@ def test_an_epoch_that_holds_a_stall_is_dropped():
     assert clock.ratio("plain", 8) == pytest.approx(1e-3)
     unwatched = EpochClock(per_step)  # the same run with no stall count: the stalled epoch is the figure
     unwatched.event(0.0)
-    unwatched.step("plain", 8, EPOCH_MIN, 8)
+    unwatched.step("plain", 8, EPOCH_MIN, 8, 8)
     run(unwatched, 0.5, "plain", EPOCH_MIN, 1e-3)
     assert unwatched.ratio("plain", 8) > 0.03
 
@@ -108,7 +148,7 @@ def rounds_after_a_catch_up(clock: EpochClock, launch_s: float, device_s: float,
     t = 0.0
     for i in range(EPOCH_MIN + 1):
         clock.event(t)
-        clock.step("speculative", 8, EPOCH_MIN, 8)
+        clock.step("speculative", 8, EPOCH_MIN, 8, 8)
         if i == 0:
             clock.exclude(launch_s)
             t += device_s
@@ -144,7 +184,7 @@ def test_a_prompt_extend_is_not_a_plain_epochs_time():
         policy.epochs = EpochClock(per_step)
         for i in range(EPOCH_MIN + 1):
             policy.epochs.event(now[0])
-            policy.epochs.step(choice, 8, EPOCH_MIN, 8)
+            policy.epochs.step(choice, 8, EPOCH_MIN, 8, 8)
             if i == 3:
                 policy.prompt_extend_launched(4e-3)
                 now[0] += 4e-3
@@ -154,21 +194,24 @@ def test_a_prompt_extend_is_not_a_plain_epochs_time():
 
 
 def test_each_step_is_modelled_at_its_own_batch():
-    """An epoch at load 64 that drains (steps over batches of buckets 64 down to 1) against one of full batches: each
-    step is modelled at its own batch's cost, so both epochs read the same ratio when the steps cost what their
-    parts say (busy seconds per step would put the drain's steps at under a third of a full one's)."""
+    """An epoch at load 64 whose requests end together (steps over batches of buckets 64 down to 1 while their
+    successors arrive, then 64 again) against one of full batches: each step is modelled at its own batch's cost,
+    so both epochs read the same ratio when the steps cost what their parts say (busy seconds per step would put
+    the dip's steps at under half a full one's)."""
     cost = {1: 0.25e-3, 8: 0.3e-3, 16: 0.4e-3, 32: 0.6e-3, 64: 1.0e-3}  # host-bound: mostly a fixed cost
     clock = EpochClock(lambda choice, bucket: cost[bucket])
-    drain = [64, 32, 16, 8] + [1] * (EPOCH_MIN - 4)
+    dip = [64, 32, 16, 8] + [1] * (EPOCH_MIN - 5) + [64]
     t = 0.0
-    for choice, buckets in (("plain", drain), ("speculative", [64] * EPOCH_MIN), ("plain", [1])):
-        for b in buckets:
+    for choice, buckets in (("plain", dip), ("speculative", [64] * EPOCH_MIN), ("plain", [1])):
+        for i, b in enumerate(buckets):
+            if choice == "plain" and i == len(dip) - 1:
+                clock.prefill(t, arrivals=63)  # the successors, parts-free here
             clock.event(t)
-            clock.step(choice, 64, EPOCH_MIN, b)
+            clock.step(choice, 64, EPOCH_MIN, b, b)
             t += 1.5 * cost[b]  # what the parts miss: half as much again
     assert clock.ratio("plain", 64) == pytest.approx(1.5)
     assert clock.ratio("speculative", 64) == pytest.approx(1.5)
-    assert 1.5 * sum(cost[b] for b in drain) / len(drain) < 1.5 * cost[64] / 3
+    assert 1.5 * sum(cost[b] for b in dip) / len(dip) < 1.5 * cost[64] / 2
 
 
 def test_a_standing_step_counts_as_an_event_and_a_step():
@@ -179,23 +222,23 @@ def test_a_standing_step_counts_as_an_event_and_a_step():
         for i in range(3 * EPOCH_MIN):
             if i % EPOCH_MIN == 0:  # a deciding step starts each epoch
                 clock.event(t)
-                clock.step("plain", 8, EPOCH_MIN, 8)
+                clock.step("plain", 8, EPOCH_MIN, 8, 8)
             elif standing:
-                clock.standing_step(t, 4 if i % 3 else 8)
+                clock.standing_step(t, 4 if i % 3 else 8, 3 if i % 3 else 7)
             else:
                 clock.event(t)
-                clock.current.add(4 if i % 3 else 8)
+                clock.current.add(4 if i % 3 else 8, 3 if i % 3 else 7)
             t += 1e-3 * (1 + i % 4)
             if i % 7 == 0:
                 clock.exclude(2e-4)  # a catch-up's launch
             if i % 11 == 0:
-                clock.prefill(t)
+                clock.prefill(t, arrivals=8)
                 t += 3e-3
             if i == 20:
                 clock.idle()
                 t += 1.0
         clock.event(t)
-        clock.step("speculative", 8, EPOCH_MIN, 8)  # ends the last plain epoch
+        clock.step("speculative", 8, EPOCH_MIN, 8, 8)  # ends the last plain epoch
         return clock
 
     modelled = lambda choice, bucket: bucket * 1e-4  # noqa: E731
@@ -203,4 +246,4 @@ def test_a_standing_step_counts_as_an_event_and_a_step():
     assert a.epochs == b.epochs == 3
     assert a.busy_total == pytest.approx(b.busy_total)
     assert a.ratio("plain", 8) == pytest.approx(b.ratio("plain", 8))
-    assert a.seconds("plain", 8) == pytest.approx(b.seconds("plain", 8))
+    assert a.request_seconds("plain", 8) == pytest.approx(b.request_seconds("plain", 8))

@@ -156,7 +156,8 @@ ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in (
 ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total",
-                     "epochs_dropped": "spruce_adaptive_epochs_dropped_total"}
+                     "epochs_dropped": "spruce_adaptive_epochs_dropped_total",
+                     "epochs_drained": "spruce_adaptive_epochs_drained_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
@@ -170,13 +171,13 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
                    "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio",
-                   "spruce_adaptive_realized_seconds")
+                   "spruce_adaptive_realized_request_seconds")
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,launch,resolve,wall,own_host}_seconds: {choice: {bucket: s}};
-    realized_ratio: {choice: {bucket: busy over modelled seconds}}; realized_seconds: {choice: {bucket: s}};
+    realized_ratio: {choice: {bucket: busy over modelled seconds}}; realized_request_seconds: {choice: {bucket: s}};
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
     adaptive); nothing if it does not answer within `timeout` seconds."""
     try:
@@ -368,7 +369,8 @@ def _print_level(lv: dict) -> None:
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}")
+                                     f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
+                                     f"{steps['epochs_drained']}")
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:

@@ -304,10 +304,11 @@ def _render_adaptive(out: list[str], a: dict) -> None:
                       ("realized_ratio", "Busy wall seconds over the seconds the parts give the same steps, "
                                          "over epochs of a choice at a load (about one request's life each; "
                                          "prefills included, catch-ups not; low median of the last five)."),
-                      ("realized_seconds", "What a step of a choice at a load really costs, prefills included: "
-                                           "each epoch's ratio times the parts' seconds of a step at the load's "
-                                           "bucket when it ended (low median of the last five); once measured, "
-                                           "the step's price at that load.")):
+                      ("realized_request_seconds", "What one request's step of a choice at a load really costs, "
+                                                   "prefills included: busy seconds over the request-steps of its "
+                                                   "epochs (low median of the last five; drains dropped); once "
+                                                   "measured, a step over n requests at that load is priced at n "
+                                                   "times it.")):
         series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
                                                          for c, per in sorted(a.get(key, {}).items())
                                                          for b, v in sorted(per.items())])
@@ -327,6 +328,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_epochs_dropped_total", "counter", "Epochs dropped because the process stalled in them "
            "(a Triton compilation): their time is the stall's, not their choice's.",
            [("", a.get("epochs_dropped", 0))])
+    series("spruce_adaptive_epochs_drained_total", "counter", "Epochs dropped as a drain (fewer requests arrived in "
+           "them than half of those that ended): a level's end, not a load's steady cost.",
+           [("", a.get("epochs_drained", 0))])
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])

@@ -115,7 +115,8 @@ class AdaptiveDecoding(DecodeStrategy):
         """The target's prefill, then the draft's extend over the chunks, except over lazy ones (`_lazy_chunks`),
         whose features go to the ring instead: their drafts lag like a plain step's."""
         if self.policy is not None:
-            self.policy.break_chain()  # the time until the next decode launch is not a decode step's
+            self.policy.break_chain(sum(c.final for c in chunks))  # the time until the next decode launch is not
+            # a decode step's; the prompts it completes arrive in the epoch under way
         self._lazy = self._lazy_chunks(chunks)
         self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:

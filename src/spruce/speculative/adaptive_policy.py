@@ -32,15 +32,15 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   several rejected rounds in a row, and a request needs COLLAPSE_ROUNDS rounds before it can collapse at all: at
   concurrency 1 on the H100 a few rejected rounds early in a request read as a collapse, and such requests decoded
   plainly at 0.4x a round's tokens/s, though their rounds would have committed more.
-- t(c, b), the seconds a step of c costs at bucket b, is what steps of c really cost the engine there once
-  measured: the ratio of busy wall seconds over epochs of c at the load bucket (runs of about one request's life),
-  prefills and everything between steps included, to what the parts gave those steps, times the parts' seconds of
-  a step at the load's bucket when each epoch ended (anchored: `EpochClock.seconds`), whatever the step's own
-  batch (a dip below the load's bucket takes the load's price, so its choice) (speculative/epoch_clock.py; before c
-  has an epoch at the load, the figure at the nearest measured load scaled by the parts, `_realized`; the parts
-  alone until c has any epoch). Until 2026-11-23 the figure was busy
-  seconds per step, and an epoch's steps run at whatever batch the requests in flight make: a drain's small steps
-  priced a full batch's. The parts below, which the policy times per step, price c until then. They miss what
+- t(c, b), the seconds a step of c over bs requests costs, is bs times what a request's step of c really cost the
+  engine at the load bucket once measured: busy wall seconds over the request-steps of epochs of c at the load
+  (runs of about one request's life; prefills and everything between steps included; a drain, whose requests end
+  while none arrive, dropped), whatever the step's own batch (a dip below the load's bucket takes the load's price
+  per request, so its choice) (speculative/epoch_clock.py, which says why per request-step; before c has an epoch
+  at the load, the figure at the nearest measured load scaled by the parts, `_realized`; that share of the parts
+  alone until c has any epoch). From 2026-11-23 to 2026-11-24 the figure was the epochs' ratio to their parts
+  times the parts of a step at the load's bucket, and until 2026-11-23 busy seconds per step, whose drains priced
+  their small steps as a full batch's. The parts below, which the policy times per step, price c until then. They miss what
   lies between decode steps: on the H100 with the engine in its own process (2026-11-23) they put rounds at
   concurrency 8 at 3.8x plain steps' tokens/s while a plain server was 1.3-1.5x faster than one running only
   rounds, whose arrivals each took a ~7.7 ms prefill.
@@ -363,9 +363,9 @@ class AdaptivePolicy:
         load = self._load_bucket(batch_size)
         spec_tokens = 1.0 + self.prior_accept()
         request_tokens, new_positions = self._arrivals
-        spec = spec_tokens / self._priced(SPECULATIVE, load, 0, 1.0, batch_size * spec_tokens,
+        spec = spec_tokens / self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens,
                                           request_tokens, new_positions)
-        plain = 1.0 / self._priced(PLAIN, load, 0, 1.0, 0.0, 0.0, 0.0)
+        plain = 1.0 / self._priced(PLAIN, load, batch_size, 0, 1.0, 0.0, 0.0, 0.0)
         return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
 
     def _margin(self, load: int) -> float:
@@ -467,7 +467,7 @@ class AdaptivePolicy:
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self._priced(c, load, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                     {c: self._priced(c, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
         if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
@@ -480,7 +480,7 @@ class AdaptivePolicy:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
-        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket)
+        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs)
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
@@ -511,7 +511,8 @@ class AdaptivePolicy:
             ratio_at = self._ratio_load(choice, load)
             return {"seconds": d.step_seconds[choice], "tokens_per_second": d.tokens_per_second(choice),
                     "ratio": self.epochs.ratio(choice, ratio_at) if ratio_at is not None else None,
-                    "realized_seconds": self.epochs.seconds(choice, ratio_at) if ratio_at is not None else None,
+                    "realized_request_seconds": (self.epochs.request_seconds(choice, ratio_at)
+                                                 if ratio_at is not None else None),
                     "ratio_load": ratio_at, "parts": self._parts_seconds(choice, bucket),
                     "device": self.device(choice, bucket), "launch": self.launch(choice, bucket),
                     "resolve": _own_or_other(self.resolve_seconds, choice, bucket),
@@ -526,16 +527,19 @@ class AdaptivePolicy:
             "collapsed": sum(own is not None and own.collapsed(prior) for own in owns),
             "priced": {c: priced(c) for c in CHOICES}}, default=float))
 
-    def _priced(self, choice: str, load: int, catch_up_positions: int, rounds: float, round_tokens: float,
-                request_tokens: float, new_positions: float) -> float:
-        """t(choice), the seconds of a step over any batch at the load bucket `load`: realized there
-        (`_realized`), else its parts at the load's bucket (`step_seconds`, a round with its share of the draft's
-        work on arriving prompts): a batch that dips below its load is priced as the load either way, so that one
-        choice priced by its parts at the dip's bucket does not meet the other's realized figure at the load's; a
-        round over lagging drafts adds its share of the catch-up."""
-        t = self._realized(choice, load)
-        if t is None:
-            t = self.step_seconds(choice, load)
+    def _priced(self, choice: str, load: int, batch_size: int, catch_up_positions: int, rounds: float,
+                round_tokens: float, request_tokens: float, new_positions: float) -> float:
+        """t(choice), the seconds of a step over `batch_size` requests at the load bucket `load`: that many times
+        the realized seconds per request-step there (`_realized`), else that share of its parts at the load's bucket
+        (`step_seconds`, a round with its share of the draft's work on arriving prompts); a round over lagging
+        drafts adds its share of the catch-up. A batch that dips below its load is priced per request as the load
+        either way, so that it takes the load's choice, and so that one choice priced by its parts at the dip's
+        bucket does not meet the other's realized figure at the load's."""
+        per_request = self._realized(choice, load)
+        if per_request is not None:
+            t = batch_size * per_request
+        else:
+            t = self.step_seconds(choice, load) * batch_size / load
             if choice == SPECULATIVE:
                 t += self._arrival_seconds(round_tokens, request_tokens, new_positions)
         if choice == SPECULATIVE and catch_up_positions:
@@ -543,32 +547,33 @@ class AdaptivePolicy:
         return t
 
     def _realized(self, choice: str, load: int) -> float | None:
-        """The realized seconds of a step of `choice` at the load bucket `load`, whatever the batch at hand (a
-        batch that dips below the load's bucket while arrivals wait is priced as the load it belongs to, so it takes
-        the load's choice): what epochs of `choice` at `load` really cost a step over a batch of the load's own
-        bucket (EpochClock.seconds: each epoch's busy over modelled seconds times the parts' seconds of such a step
-        when it ended). Before `choice` has an epoch at `load`, the figure at the nearest
-        load bucket that has one, scaled by the parts' ratio between the two loads (None: no realized figure
-        anywhere). The parts alone miss what lies between steps (prefills, the serving process); the realized figure
-        at a neighbouring load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64
-        priced rounds by their parts, ran plain steps for 83% of its steps and trailed the fixed server by 31%; the
-        second pass, with realized figures, ran rounds.
+        """The realized seconds per request-step of `choice` at the load bucket `load`, whatever the batch at hand
+        (a batch that dips below the load's bucket while arrivals wait is priced as the load it belongs to, so it
+        takes the load's choice): busy seconds over the requests its steps carried, over epochs of `choice` at
+        `load` (EpochClock.request_seconds; speculative/epoch_clock.py says why per request-step). Before `choice`
+        has an epoch at `load`, the figure at the nearest load bucket that has one, scaled by the parts' seconds per
+        request between the two loads (None: no realized figure anywhere). The parts alone miss what lies between
+        steps (prefills, the serving process); the realized figure at a neighbouring load carries that over. On the
+        H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by their parts, ran plain steps for
+        83% of its steps and trailed the fixed server by 31%; the second pass, with realized figures, ran rounds.
 
-        Anchored, not the ratio times today's parts: the parts drift (their host term is sampled at deciding steps,
-        which come with arrivals and ends), and a ratio measured against the parts of one moment is no figure for
-        the parts of another. On the H100 (1k shared prefix, concurrency 8, e430067) the parts of one plain step
-        over 8 requests moved between 0.54 and 1.17 ms while the epochs measured 0.6-0.7 ms a step; ratio times
-        parts put plain steps at 0.54-1.5 ms, and the level switched between plain steps and rounds (1.17 tokens a
-        round at 1.0-1.3 ms) every 20-150 ms, paying a catch-up at each switch into rounds: 1833 rounds, 35% behind
-        the plain server. Not scaled to a dip's bucket either: at concurrency 64 (7b99986) the parts' ratio between
-        a dip's bucket and the load's scaled plain steps and rounds differently, and dips of 3-6 requests switched to
-        rounds (1.17 tokens) 17 times in one pass, each switch paying a catch-up of the batch."""
+        What the epochs measured, not a ratio times today's parts: the parts drift (their host term is sampled at
+        deciding steps, which come with arrivals and ends). On the H100 (1k shared prefix, concurrency 8, e430067)
+        the parts of one plain step over 8 requests moved between 0.54 and 1.17 ms while the epochs measured 0.6-0.7
+        ms a step; ratio times parts put plain steps at 0.54-1.5 ms, and the level switched between plain steps and
+        rounds (1.17 tokens a round at 1.0-1.3 ms) every 20-150 ms, paying a catch-up at each switch into rounds:
+        1833 rounds, 35% behind the plain server. Not scaled to a dip's bucket either: at concurrency 64 (7b99986)
+        the parts' ratio between a dip's bucket and the load's scaled plain steps and rounds differently, and dips
+        of 3-6 requests switched to rounds (1.17 tokens) 17 times in one pass, each switch paying a catch-up of the
+        batch."""
         at = self._ratio_load(choice, load)
         if at is None:
             return None
-        seconds = self.epochs.seconds(choice, at)  # a step at `at`'s own bucket, anchored when measured
-        base = self._parts_seconds(choice, at)
-        return seconds if at == load or base <= 0 else seconds * self._parts_seconds(choice, load) / base
+        per_request = self.epochs.request_seconds(choice, at)
+        base = self._parts_seconds(choice, at) / at
+        if at == load or base <= 0:
+            return per_request
+        return per_request * (self._parts_seconds(choice, load) / load) / base
 
     def _ratio_load(self, choice: str, load: int) -> int | None:
         """The load bucket whose realized ratio prices `choice` at `load`: `load` once it has one, else the nearest
@@ -704,7 +709,7 @@ class AdaptivePolicy:
             return False
         self._reuse_left -= 1
         now = self.clock()
-        self.epochs.standing_step(now, bucket)
+        self.epochs.standing_step(now, bucket, batch_size)
         self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
             self._close_interval(now)
@@ -739,9 +744,10 @@ class AdaptivePolicy:
         _ema(self.other_host_seconds, self._counts["other_host"], bucket, seconds, OUTLIER_FACTOR)
         self._tables = None
 
-    def break_chain(self) -> None:
-        """A prefill is being launched: the next decode launch starts a new interval (its time is the epoch's)."""
-        self.epochs.prefill(self.clock())
+    def break_chain(self, arrivals: int = 0) -> None:
+        """A prefill that completes `arrivals` prompts is being launched: the next decode launch starts a new
+        interval (its time is the epoch's, and so are its arrivals: EpochClock.prefill)."""
+        self.epochs.prefill(self.clock(), arrivals)
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
@@ -900,7 +906,8 @@ class AdaptivePolicy:
         return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
-                "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped}
+                "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped,
+                "epochs_drained": self.epochs.drained}
 
     def _build_tables(self) -> dict:
         def per_choice(value) -> dict:
@@ -916,7 +923,7 @@ class AdaptivePolicy:
             "other_host_seconds": {b: v for b in self.buckets if (v := self.other_host_seconds.get(b)) is not None},
             "own_host_seconds": per_choice(lambda c, b: self.own_host_seconds.get((c, b))),
             "realized_ratio": self.epochs.table("ratio"),
-            "realized_seconds": self.epochs.table("seconds"),
+            "realized_request_seconds": self.epochs.table("request_seconds"),
             "prompt_draft_seconds": (self.draft_prompt_seconds / self.draft_prompt_requests
                                      if self.draft_prompt_seconds is not None and self.draft_prompt_requests
                                      else None),

@@ -1,5 +1,5 @@
-"""What a run of decode steps really costs the engine, everything included: busy wall seconds over an epoch, as a
-ratio to what the policy's per-step parts model for the same steps.
+"""What a run of decode steps really costs the engine, everything included: busy wall seconds per request-step over
+an epoch, and their ratio to what the policy's per-step parts model for the same steps.
 
 Adaptive speculation (speculative/adaptive_policy.py) prices each candidate from parts it can time per step:
 device time, launch, resolve, the rest of the host interval. On the H100 with the engine in its own process
@@ -16,14 +16,36 @@ choice or bucket comes (kept if it lasted EPOCH_MIN steps, else dropped: too sho
 busy time is the wall time from its first step's launch to the launch after its last step, prefills and the draft's
 extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
 (`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
-when it decides a switch). Its figure, those busy seconds over the seconds `modelled` gives its steps (each at its
-own batch's cost bucket), goes into a window per (choice, load bucket) with the seconds that ratio makes a step
-over a batch of the load's own bucket under the parts of that moment (`seconds`: anchored). `ratio` and `seconds`
-are the window's low medians, so two disturbed epochs move nothing once the window holds five (on the H100 about
-one plain epoch in ten at concurrency 8 held a ~90 ms stall of the whole process; with three, two of them set the
-figure). A step of that choice at that load is priced at `seconds`, whatever its batch (AdaptivePolicy._realized).
-Not the ratio times the parts of the moment of pricing: the parts drift (on the H100 a plain step's over 8
-requests between 0.54 and 1.17 ms while its epochs measured 0.6-0.7 ms), and the price drifted with them.
+when it decides a switch). Its figure is its busy seconds per request-step (each step counts the requests in its
+batch): what one request's step of that choice really cost at that load, so `load / figure` is the tokens per busy
+second plain steps committed (rounds: times the tokens a request commits per round). It goes into a window per
+(choice, load bucket) with the ratio of the busy seconds to what the policy's parts (`modelled`) give the same steps,
+each at its own batch's cost bucket. Both are read as the window's low median, so two disturbed epochs move nothing
+once the window holds five (on the H100 about one plain epoch in ten at concurrency 8 held a ~90 ms stall of the
+whole process; with three, two of them set the figure). A step over `n` requests of that choice at that load is
+priced at `n` times the figure (AdaptivePolicy._realized); the ratio says how far the parts are from it.
+
+Why per request-step: it is what the choice is about (tokens per second), and it holds every cost of a choice's
+steady state at a load, those that do not scale with a step's parts included. The serving runs' debug logs (H200
+`serving-...-20261123-230915`, H100 `-190652`, 1k shared prefix) show it: the median over epochs of load / figure
+read 2952 / 13546 / 24758 / 26496 tokens/s for plain steps at concurrency 1 / 8 / 32 / 64 against the plain server's
+2908 / 14187 / 26486 / 26470, and for rounds (times their 1.18 tokens) 1522 / 8600 / 16300 / 21200 against the
+fixed server's 1423 / 8066 / 15411 / 18316. The figure used until 2026-11-24, the epoch's ratio times the parts of a
+step at the load's bucket, read 36571 for plain steps at 64 and 27372 for rounds: it scales a prefill's cost
+(additive, per arrival) by the parts, and the requests that end together under plain steps leave a batch of a few
+for many steps while their successors arrive (`{32: 54, 1: 73}` steps per cost bucket at load 32), which the parts
+model as cheap steps.
+
+A drain is not a load's steady state: requests end and none arrive, so its steps run over ever fewer requests and
+cost a full batch's fixed part each. An epoch whose arrivals (prompts its prefills completed) are fewer than half
+the requests that ended in it (`first batch + arrivals - last batch`) is dropped (`drained`). Without that, a
+level's drain passed through every smaller load and left its epochs there: on the H200 (`-033247`, 2026-11-24, 1k
+shared prefix) plain steps' ratio at load 8 read 0.87 after the first concurrency-8 level and 1.76 after the
+concurrency-32 level that followed it, 1.05 after the third concurrency-8 level and 2.15 after the concurrency-64
+one (the level's tables also held figures at loads 2, 4, 16, 24, 40 and 48, which no level has), and the fourth
+concurrency-8 level, priced by it from its start, ran rounds (1.19 tokens) for 97% of its steps, 40% behind the
+plain server. A level's ramp (arrivals, few ended) is kept: it is one epoch per
+level, and its prefills are the level's.
 
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
@@ -32,16 +54,6 @@ it ~0.5 s inside the first plain epoch at that load: plain steps' ratio read 7.7
 priced a plain step at 4.5 ms against 0.6 ms steps, and the level ran rounds for all of its three passes (rounds
 commit 1.18 tokens there) at half a plain server's tokens/s: the one figure stood alone in its window, and the
 probe that would have re-measured it was priced by it (the excess of 128 steps at 4.5 ms) out of the budget.
-
-Why a ratio and not seconds per step: the bucket is the load's (the largest batch of the last decisions,
-AdaptivePolicy._load_bucket), and an epoch's steps run at whatever batch the requests in flight make, smaller while
-arrivals wait or a level drains. Per step, an epoch that caught a drain priced each small step as a full batch's,
-and two choices measured at different batch mixes were compared as if alike: on the H100 (1k shared prefix,
-2026-11-23, commit 420bc7f) the adaptive server's realized plain steps at load 64 read 0.34 ms a step, against 1.55
-ms between back-to-back plain steps at batch 64 and 4.08 ms for its rounds there. Per request in a step is biased
-the other way where a step's cost is mostly fixed (host-bound: on that H100 a plain step took 0.27 ms at batch 1
-and 0.6 ms at 32), as a drain's small steps then cost several times a full step's per request. The modelled
-seconds carry each step's own shape, fixed and per-request parts, and the ratio what they miss.
 """
 
 from __future__ import annotations
@@ -70,7 +82,7 @@ class EpochFigure(NamedTuple):
     """What one epoch measured (EpochClock.record)."""
 
     ratio: float  # busy over modelled seconds
-    seconds: float  # that ratio times the parts' seconds of a step at the load's own cost bucket, at its end
+    request_seconds: float  # busy seconds per request-step
 
 
 @dataclass
@@ -82,14 +94,28 @@ class Epoch:
     target: int  # steps
     stalls: int = 0  # the clock's stall count when it began
     steps: int = 0
+    request_steps: int = 0  # the steps' batch sizes, summed
+    first_batch: int = 0  # the batch size of its first step
+    last_batch: int = 0  # ... and of its latest
     prefills: int = 0  # prefill launches within it
+    arrivals: int = 0  # prompts those prefills completed
     busy: float = 0.0  # seconds
     step_buckets: collections.Counter = field(default_factory=collections.Counter)  # steps per own cost bucket
 
-    def add(self, step_bucket: int) -> None:
-        """One more step, over a batch of cost bucket `step_bucket`."""
+    def add(self, step_bucket: int, batch_size: int) -> None:
+        """One more step, over a batch of `batch_size` requests (of cost bucket `step_bucket`)."""
+        if not self.steps:
+            self.first_batch = batch_size
         self.steps += 1
+        self.request_steps += batch_size
+        self.last_batch = batch_size
         self.step_buckets[step_bucket] += 1
+
+    @property
+    def drained(self) -> bool:
+        """Fewer requests arrived than half of those that ended (first batch + arrivals - last batch): a drain."""
+        ended = self.first_batch + self.arrivals - self.last_batch
+        return 2 * self.arrivals < ended
 
     @property
     def full(self) -> bool:
@@ -107,6 +133,7 @@ class EpochClock:
         self.modelled = modelled
         self.stalls = stalls
         self.dropped = 0  # epochs dropped for a stall
+        self.drained = 0  # epochs dropped as a drain
         self.current: Epoch | None = None
         self._last: float | None = None  # the last launch's time; None after an idle gap
         self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
@@ -124,17 +151,20 @@ class EpochClock:
         self._last = now
         self._excluded = 0.0
 
-    def standing_step(self, now: float, step_bucket: int) -> None:
-        """A decode step that joins the epoch under way is being launched at `now` (AdaptivePolicy.repeat: a standing
-        decision's step, which never starts an epoch): `event(now)`, then the epoch counts it."""
+    def standing_step(self, now: float, step_bucket: int, batch_size: int) -> None:
+        """A decode step over `batch_size` requests (cost bucket `step_bucket`) that joins the epoch under way is
+        being launched at `now` (AdaptivePolicy.repeat: a standing decision's step, which never starts an epoch):
+        `event(now)`, then the epoch counts it."""
         self.event(now)
-        self.current.add(step_bucket)
+        self.current.add(step_bucket, batch_size)
 
-    def prefill(self, now: float) -> None:
-        """A prefill is being launched at `now` (an `event` that the epoch under way also counts as a prefill)."""
+    def prefill(self, now: float, arrivals: int = 0) -> None:
+        """A prefill that completes `arrivals` prompts is being launched at `now` (an `event` that the epoch under
+        way also counts as a prefill, with its arrivals)."""
         self.event(now)
         if self.current is not None:
             self.current.prefills += 1
+            self.current.arrivals += arrivals
 
     def exclude(self, seconds: float) -> None:
         """`seconds` since the last launch (a catch-up before a switch) are not busy time of the epoch."""
@@ -150,15 +180,15 @@ class EpochClock:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
         self._last = None
 
-    def step(self, choice: str, bucket: int, target: int, step_bucket: int) -> None:
-        """A decode step of `choice` at load `bucket`, over a batch of cost bucket `step_bucket`, is launched (after
-        `event`): it joins the epoch under way, or ends it (another choice or load, or the epoch is full) and
-        starts one of `target` steps."""
+    def step(self, choice: str, bucket: int, target: int, step_bucket: int, batch_size: int) -> None:
+        """A decode step of `choice` at load `bucket`, over a batch of `batch_size` requests (cost bucket
+        `step_bucket`), is launched (after `event`): it joins the epoch under way, or ends it (another choice or
+        load, or the epoch is full) and starts one of `target` steps."""
         cur = self.current
         if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
             self._end()
             cur = self.current = Epoch(choice, bucket, epoch_steps(target), self.stalls())
-        cur.add(step_bucket)
+        cur.add(step_bucket, batch_size)
 
     def _end(self) -> None:
         cur = self.current
@@ -172,18 +202,23 @@ class EpochClock:
         if modelled <= 0:
             return
         ratio = cur.busy / modelled
-        seconds = ratio * self.modelled(cur.choice, cur.bucket)
-        log.debug("epoch %s at load %d: %d steps (per cost bucket %s), %d prefills, busy %.6f s, modelled %.6f s, "
-                  "ratio %.3f, %.6f s a step at the load", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets),
-                  cur.prefills, cur.busy, modelled, ratio, seconds)
-        self.record(cur.choice, cur.bucket, ratio, seconds)
+        request_seconds = cur.busy / cur.request_steps
+        log.debug("epoch %s at load %d: %d steps (per cost bucket %s), %d request-steps, batch %d to %d, %d prefills, "
+                  "%d arrivals, busy %.6f s, modelled %.6f s, ratio %.3f, %.3f us a request-step%s", cur.choice,
+                  cur.bucket, cur.steps, dict(cur.step_buckets), cur.request_steps, cur.first_batch, cur.last_batch,
+                  cur.prefills, cur.arrivals, cur.busy, modelled, ratio, request_seconds * 1e6,
+                  " (drained: dropped)" if cur.drained else "")
+        if cur.drained:
+            self.drained += 1
+            return
+        self.record(cur.choice, cur.bucket, ratio, request_seconds)
         self.epochs += 1
 
-    def record(self, choice: str, bucket: int, ratio: float, seconds: float) -> None:
-        """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and the seconds that makes a
-        step over a batch of the load's own cost bucket, under the parts of that moment."""
+    def record(self, choice: str, bucket: int, ratio: float, request_seconds: float) -> None:
+        """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and busy seconds per
+        request-step."""
         window = self._windows.setdefault((choice, bucket), collections.deque(maxlen=EPOCH_WINDOW))
-        window.append(EpochFigure(ratio, seconds))
+        window.append(EpochFigure(ratio, request_seconds))
 
     def ratio(self, choice: str, bucket: int) -> float | None:
         """Busy over modelled seconds of `choice` at load `bucket` (low median of its last epochs), None before its
@@ -191,12 +226,11 @@ class EpochClock:
         window = self._windows.get((choice, bucket))
         return statistics.median_low(f.ratio for f in window) if window else None
 
-    def seconds(self, choice: str, bucket: int) -> float | None:
-        """Realized seconds of a step of `choice` over a batch of the load `bucket`'s own cost bucket (low median of
-        its last epochs, each anchored to the parts of its own moment: see the module docstring), None before its
-        first."""
+    def request_seconds(self, choice: str, bucket: int) -> float | None:
+        """Realized busy seconds per request-step of `choice` at load `bucket` (low median of its last epochs), None
+        before its first."""
         window = self._windows.get((choice, bucket))
-        return statistics.median_low(f.seconds for f in window) if window else None
+        return statistics.median_low(f.request_seconds for f in window) if window else None
 
     def count(self, choice: str, bucket: int) -> int:
         """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW)."""
@@ -208,8 +242,8 @@ class EpochClock:
 
     def table(self, figure: str = "ratio") -> dict[str, dict[int, float]]:
         """{choice: {bucket: figure}} for every (choice, bucket) measured; `figure` "ratio" (busy over modelled
-        seconds) or "seconds" (anchored)."""
-        read = {"ratio": self.ratio, "seconds": self.seconds}[figure]
+        seconds) or "request_seconds" (busy seconds per request-step)."""
+        read = {"ratio": self.ratio, "request_seconds": self.request_seconds}[figure]
         out: dict[str, dict[int, float]] = {}
         for choice, bucket in sorted(self._windows):
             out.setdefault(choice, {})[bucket] = read(choice, bucket)
