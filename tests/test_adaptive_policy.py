@@ -13,7 +13,7 @@ from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
                                                  PROBE_BUDGET, PROBE_FIRST, REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX,
-                                                 REUSE_STEPS, SPECULATION_MARGIN, SPECULATIVE, WALL_TTL,
+                                                 REUSE_STEPS, SETTLED_EPOCHS, SPECULATION_MARGIN, SPECULATIVE, WALL_TTL,
                                                  AdaptivePolicy, LinearCost, _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
@@ -494,11 +494,42 @@ def test_realized_figures_need_only_the_small_margin():
     set_accept(p, 2 * 1.05 - 1)
     realize(p, PLAIN, 1, 1.0)  # realized: what the parts say
     assert p.decide(reqs).choice == PLAIN  # rounds priced by their parts: the 10% margin
-    realize(p, SPECULATIVE, 1, 1.0)
+    for _ in range(SETTLED_EPOCHS):  # (settled: one epoch of the challenger would not move the incumbent)
+        realize(p, SPECULATIVE, 1, 1.0)
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
     assert d.choice == SPECULATIVE and REALIZED_MARGIN < 0.05 < SPECULATION_MARGIN
     assert p.steady_choice(1) == SPECULATIVE
+
+
+def test_unsettled_rounds_do_not_take_over_from_plain_steps():
+    """The H200 run at c2ece4a (2026-11-24, 1k shared prefix, concurrency 64): one probe epoch of rounds priced them
+    at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers made 22.9k and 28.7k), and the level
+    switched to rounds for the rest of its passes. Where plain steps are the load's model choice, rounds whose
+    figure rests on fewer than SETTLED_EPOCHS epochs need SPECULATION_MARGIN; settled, REALIZED_MARGIN. Rounds that
+    are the model choice are not held so: plain steps 5% better take over from one epoch."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req()]
+    set_accept(p, 0.5)  # by the parts: rounds 1.33x worse
+    assert p.decide(reqs).choice == PLAIN
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, 1, 1.0)
+    realize(p, SPECULATIVE, 1, 1.0)  # one probe epoch of rounds
+    set_accept(p, 2 * 1.05 - 1)  # rounds now commit 5% more
+    d = p.decide(reqs)
+    assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
+    assert d.choice == PLAIN
+    for _ in range(SETTLED_EPOCHS - 1):
+        realize(p, SPECULATIVE, 1, 1.0)
+    assert p.decide(reqs).choice == SPECULATIVE  # settled: the small margin
+    p = policy(plain=1e-3, spec=2e-3)
+    set_accept(p, 2.0)  # rounds the model's choice
+    assert p.decide(reqs).choice == SPECULATIVE
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, SPECULATIVE, 1, 1.0)
+    realize(p, PLAIN, 1, 1.0)  # one probe epoch of plain steps
+    set_accept(p, 2 / 1.05 - 1)  # plain steps now commit 5% more
+    assert p.decide(reqs).choice == PLAIN
 
 
 def test_a_catch_up_is_shared_by_the_rounds_it_opens():

@@ -96,30 +96,51 @@ def test_the_figure_is_busy_seconds_per_request_step():
     assert clock.drained == 0
 
 
+def feed(clock: EpochClock, t: float, choice: str, batches: list[int], bucket: int = 8) -> float:
+    """One decode step of 1 ms per batch size in `batches` at load `bucket`, a prefill (its arrivals) before each
+    step whose batch grew."""
+    for i, batch in enumerate(batches):
+        if i and batch > batches[i - 1]:
+            clock.prefill(t, arrivals=batch - batches[i - 1])
+        clock.event(t)
+        clock.step(choice, bucket, EPOCH_MIN, bucket, batch)
+        t += 1e-3
+    return t
+
+
 def test_a_drain_is_dropped_and_a_ramp_kept():
     """The H200 run `-033247` (2026-11-24, 1k shared prefix): the concurrency-32 and -64 levels' drains (requests
     end, none arrive) passed through load 8 and left plain epochs of a few requests a step there; plain steps' ratio
     at load 8 read 2.15 against ~1 in the concurrency-8 levels, and the next concurrency-8 level ran rounds for 97%
-    of its steps. An epoch whose arrivals are fewer than half the requests that ended in it is dropped; a ramp
-    (arrivals, none ended) and a steady epoch (as many arrived as ended) are kept."""
+    of its steps. An epoch whose arrivals are fewer than half the requests that ended in it, and which the next
+    epoch does not continue (same choice and load), is dropped; a ramp (arrivals, none ended) and a steady epoch
+    (as many arrived as ended) are kept."""
     clock = EpochClock(per_step)
-    t = 0.0
-    for i in range(EPOCH_MIN):  # a drain: 8 requests down to 1, no arrival
-        clock.event(t)
-        clock.step("plain", 8, EPOCH_MIN, 8, 8 - (7 * i) // (EPOCH_MIN - 1))
-        t += 1e-3
-    t = run(clock, t, "speculative", 1, 1e-3)  # ends it
-    assert clock.drained == 1 and clock.epochs == 0 and clock.request_seconds("plain", 8) is None
+    t = feed(clock, 0.0, "plain", [8 - (7 * i) // (EPOCH_MIN - 1) for i in range(EPOCH_MIN)])  # 8 down to 1
+    t = feed(clock, t, "plain", [1] * EPOCH_MIN, bucket=4)  # the drain goes on at a smaller load
+    assert clock.drained == 0 and clock.epochs == 0  # the load-8 epoch waits for the one after it ...
+    t = run(clock, t, "speculative", 1, 1e-3)  # ... which was not its own: dropped; load 4's (none ended) kept
+    assert clock.drained == 1 and clock.epochs == 1 and clock.request_seconds("plain", 8) is None
     for batches in ([1, 1, 2, 4] + [8] * (EPOCH_MIN - 4),  # a ramp: 7 arrive after the first
                     [8] * (EPOCH_MIN // 2) + [5] + [8] * (EPOCH_MIN // 2 - 1)):  # steady: 3 end, 3 arrive
-        for i, batch in enumerate(batches):
-            if i and batch > batches[i - 1]:
-                clock.prefill(t, arrivals=batch - batches[i - 1])
-            clock.event(t)
-            clock.step("plain", 8, EPOCH_MIN, 8, batch)
-            t += 1e-3
+        t = feed(clock, t, "plain", batches)
         t = run(clock, t, "speculative", 1, 1e-3)
-    assert clock.drained == 1 and clock.epochs == 2 and clock.count("plain", 8) == 2
+    assert clock.drained == 1 and clock.epochs == 3 and clock.count("plain", 8) == 2
+
+
+def test_requests_that_end_together_across_an_epoch_boundary_are_one_epoch():
+    """Under plain steps, equal-length requests end together and their successors arrive a client's round trip
+    later. An epoch that ends between the two looks drained (all ended, none arrived) and the next like a ramp; on
+    the H200 (c2ece4a, 2026-11-24) 22 epochs of one concurrency-32 level were dropped as drains, each the full
+    batches' half of a cohort, and plain steps read 19.5k tokens/s there against the plain server's 29k. Continued
+    by an epoch of the same choice and load, the two are measured as one."""
+    clock = EpochClock(per_step)
+    t = feed(clock, 0.0, "plain", [8] * (EPOCH_MIN - 2) + [1, 1])  # the cohort ends in its last two steps
+    t = feed(clock, t, "plain", [1] * 3 + [8] * (EPOCH_MIN - 3))  # ... its successors arrive in the next epoch
+    run(clock, t, "speculative", 1, 1e-3)
+    assert clock.drained == 0 and clock.epochs == 1
+    busy, request_steps = 2 * EPOCH_MIN * 1e-3, 8 * (2 * EPOCH_MIN - 5) + 5
+    assert clock.request_seconds("plain", 8) == pytest.approx(busy / request_steps)
 
 
 def test_an_epoch_that_holds_a_stall_is_dropped():

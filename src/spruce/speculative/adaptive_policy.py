@@ -125,7 +125,15 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidates are priced by realized figures at the load bucket, which hold that host work, the margin is
   REALIZED_MARGIN: on the H100 at concurrency 1 (2026-11-23) rounds' realized figure put them 10% ahead of plain
   steps, within the 10% margin, while a fixed server was 23-40% ahead of a plain one, and the adaptive server ran
-  plain steps for half its steps.
+  plain steps for half its steps. But where plain steps are the load's model choice and rounds' realized figure
+  rests on fewer than SETTLED_EPOCHS epochs, the margin stays SPECULATION_MARGIN: that figure is one or two probe
+  epochs, which inherit the state plain steps left (a probe of rounds after plain steps starts over requests that
+  arrived together, its epoch holding none of their successors' prefills), and the low median of one or two
+  epochs is their lowest. On the H200 (c2ece4a, 2026-11-24, 1k shared prefix) one probe epoch priced rounds at
+  concurrency 64 at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers: 22.9k and 28.7k), and
+  the level switched to rounds. Not the other way (rounds the incumbent, plain steps probed): replaying the
+  128-token trace at concurrency 1 (`bench/replay_adaptive.py`), holding rounds so ran 814 plain steps against 543
+  and 1.0% behind fixed rounds against 0.6%.
 - A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost bucket,
   or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an
   adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
@@ -373,6 +381,17 @@ class AdaptivePolicy:
         realized = all(self.epochs.ratio(c, load) is not None for c in CHOICES)
         return REALIZED_MARGIN if realized else SPECULATION_MARGIN
 
+    def _better(self, d: Decision, load: int, incumbent: str | None) -> str:
+        """The model's choice for `d` at load bucket `load`, whose model choice so far is `incumbent`: rounds if they
+        are expected to commit the margin more tokens/s than plain steps (`_margin`), which is SPECULATION_MARGIN,
+        not the realized one, while plain steps are the incumbent and rounds' realized figure at `load` rests on
+        fewer than SETTLED_EPOCHS epochs (module docstring)."""
+        spec, plain = d.tokens_per_second(SPECULATIVE), d.tokens_per_second(PLAIN)
+        margin = self._margin(load)
+        if incumbent == PLAIN and self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS:
+            margin = SPECULATION_MARGIN
+        return SPECULATIVE if spec > (1.0 + margin) * plain else PLAIN
+
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
         module docstring)."""
@@ -470,10 +489,9 @@ class AdaptivePolicy:
                      {c: self._priced(c, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
-        if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
-            d.choice = SPECULATIVE
-        self._decisions[bucket] += 1
         st = self._state[load]
+        d.choice = self._better(d, load, st.model_choice)
+        self._decisions[bucket] += 1
         if d.choice != st.model_choice:
             if st.model_choice is not None:
                 self._log_switch(d, load, st.model_choice, owns)

@@ -38,7 +38,12 @@ model as cheap steps.
 
 A drain is not a load's steady state: requests end and none arrive, so its steps run over ever fewer requests and
 cost a full batch's fixed part each. An epoch whose arrivals (prompts its prefills completed) are fewer than half
-the requests that ended in it (`first batch + arrivals - last batch`) is dropped (`drained`). Without that, a
+the requests that ended in it (`first batch + arrivals - last batch`) looks like one. It is judged with the epoch
+after it: if that one is of the same choice and load, the two are one epoch (requests that end together, under
+plain steps, and their successors, which arrive after a client's round trip: an epoch boundary between the two
+made the first look like a drain and the second like a ramp, and on the H200 (c2ece4a, 2026-11-24) 22 epochs of
+one concurrency-32 level were dropped, the full batches' half of each cohort, so that plain steps there read 19.5k
+tokens/s against the plain server's 29k); else it is dropped (`drained`). Without that, a
 level's drain passed through every smaller load and left its epochs there: on the H200 (`-033247`, 2026-11-24, 1k
 shared prefix) plain steps' ratio at load 8 read 0.87 after the first concurrency-8 level and 1.76 after the
 concurrency-32 level that followed it, 1.05 after the third concurrency-8 level and 2.15 after the concurrency-64
@@ -111,6 +116,13 @@ class Epoch:
         self.last_batch = batch_size
         self.step_buckets[step_bucket] += 1
 
+    def merged(self, later: Epoch) -> Epoch:
+        """This epoch and the `later` one of the same choice and load right after it, as one epoch."""
+        return Epoch(self.choice, self.bucket, self.target, self.stalls, self.steps + later.steps,
+                     self.request_steps + later.request_steps, self.first_batch, later.last_batch,
+                     self.prefills + later.prefills, self.arrivals + later.arrivals, self.busy + later.busy,
+                     self.step_buckets + later.step_buckets)
+
     @property
     def drained(self) -> bool:
         """Fewer requests arrived than half of those that ended (first batch + arrivals - last batch): a drain."""
@@ -135,6 +147,7 @@ class EpochClock:
         self.dropped = 0  # epochs dropped for a stall
         self.drained = 0  # epochs dropped as a drain
         self.current: Epoch | None = None
+        self._pending: Epoch | None = None  # an ended epoch that looked drained, judged with the next one
         self._last: float | None = None  # the last launch's time; None after an idle gap
         self._excluded = 0.0  # seconds since the last launch that are not busy time of any epoch
         self._windows: dict[tuple[str, int], collections.deque] = {}
@@ -191,7 +204,17 @@ class EpochClock:
         cur.add(step_bucket, batch_size)
 
     def _end(self) -> None:
-        cur = self.current
+        """The epoch under way ends: recorded, dropped, or, if it looks drained, held for the next one (module
+        docstring); one held before it is merged into it if of the same choice and load, else dropped."""
+        cur, pending, self._pending = self.current, self._pending, None
+        if pending is not None:
+            if cur is not None and (cur.choice, cur.bucket) == (pending.choice, pending.bucket):
+                cur = pending.merged(cur)
+            else:
+                self.drained += 1
+                log.debug("epoch dropped (drained): %s at load %d, %d steps, batch %d to %d, %d arrivals",
+                          pending.choice, pending.bucket, pending.steps, pending.first_batch, pending.last_batch,
+                          pending.arrivals)
         if cur is None or cur.steps < EPOCH_MIN or cur.busy <= 0:
             return
         if self.stalls() != cur.stalls:
@@ -207,9 +230,9 @@ class EpochClock:
                   "%d arrivals, busy %.6f s, modelled %.6f s, ratio %.3f, %.3f us a request-step%s", cur.choice,
                   cur.bucket, cur.steps, dict(cur.step_buckets), cur.request_steps, cur.first_batch, cur.last_batch,
                   cur.prefills, cur.arrivals, cur.busy, modelled, ratio, request_seconds * 1e6,
-                  " (drained: dropped)" if cur.drained else "")
+                  " (looks drained: judged with the next)" if cur.drained else "")
         if cur.drained:
-            self.drained += 1
+            self._pending = cur
             return
         self.record(cur.choice, cur.bucket, ratio, request_seconds)
         self.epochs += 1
