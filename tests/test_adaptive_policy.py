@@ -17,6 +17,7 @@ from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE
                                                  AdaptivePolicy, LinearCost, _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
+BUCKETS_32 = (1, 2, 4, 8, 16, 32)
 
 
 class Clock:
@@ -1073,20 +1074,44 @@ def test_one_bad_request_does_not_set_the_prior():
 
 
 def test_a_new_load_borrows_the_nearest_realized_figure():
-    """Before a choice has an epoch at a load bucket it is priced by its realized figure at the nearest measured
-    bucket (realized over the parts' seconds, times the parts' seconds here): the parts here put a round (2.5
-    tokens, 3 ms) below a 1 ms plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and
-    rounds 3.3 ms, so a first batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
+    """Before either choice has an epoch at a load bucket both are priced by their realized figures at the nearest
+    measured bucket, per request as measured there: the parts here put a round (2.5 tokens, 3 ms) below a 1 ms
+    plain step, but at bucket 4 plain steps really cost 3 ms (prefills between them) and rounds 3.3 ms, so a first
+    batch of 8 runs rounds; with nothing realized anywhere the parts decide."""
     p = policy(plain=1e-3, spec=3e-3)
     set_accept(p, 1.5)
     assert p.decide([Req() for _ in range(8)]).choice == PLAIN  # the parts alone
     p = policy(plain=1e-3, spec=3e-3)
     set_accept(p, 1.5)
-    realize(p, PLAIN, 4, 3.0)  # realized over the parts: 3 ms and 3.3 ms steps
+    realize(p, PLAIN, 4, 3.0)  # realized over the parts: 3 ms and 3.3 ms steps over 4 requests
     realize(p, SPECULATIVE, 4, 1.1)
     d = p.decide([Req() for _ in range(8)])
     assert d.choice == SPECULATIVE
-    assert d.step_seconds == pytest.approx({PLAIN: 3e-3, SPECULATIVE: 3.3e-3})
+    assert d.step_seconds == pytest.approx({PLAIN: 2 * 3e-3, SPECULATIVE: 2 * 3.3e-3})
+
+
+def test_a_choice_new_at_a_load_scales_as_the_other_measured():
+    """The H200 run at 390caaa (2026-11-24, 1k shared prefix): at load 8 plain steps read 10.6k and rounds 7.7k
+    request-steps a second; at load 32 plain steps' epochs read 23.4k (2.2x). Scaled by the parts (plain steps
+    1.66x, rounds 2.86x) rounds of 1.14 tokens looked 43% better than plain steps at 32 and the level switched to
+    them; scaled as plain steps measured, 17k, they are not. Where the other choice has no figure at the new load
+    either, both are compared as at the nearest measured load."""
+    table = {(PLAIN, b): 0.3e-3 * (1 + b / 8) for b in BUCKETS_32} | {(SPECULATIVE, b): 1.1e-3 for b in BUCKETS_32}
+    p = AdaptivePolicy(BUCKETS_32, table, overlapped=True, max_accept=4, clock=Clock())
+    set_accept(p, 0.14)
+    p.epochs.record(PLAIN, 8, 1.0, 1 / 10.6e3)
+    p.epochs.record(SPECULATIVE, 8, 1.0, 1 / 7.7e3)
+    reqs = [Req() for _ in range(32)]
+    d = p.decide(reqs, held=32)  # neither measured at 32: as at 8
+    assert d.step_seconds == pytest.approx({PLAIN: 32 / 10.6e3, SPECULATIVE: 32 / 7.7e3}) and d.choice == PLAIN
+    p.epochs.record(PLAIN, 32, 1.0, 1 / 23.4e3)
+    d = p.decide(reqs, held=32)
+    assert d.step_seconds[SPECULATIVE] == pytest.approx(32 / (7.7e3 * 23.4 / 10.6))
+    assert d.choice == PLAIN
+    assert p._parts_seconds(SPECULATIVE, 8) / 8 > 2 * p._parts_seconds(SPECULATIVE, 32) / 32  # the parts: rounds
+    # would have been priced at under half their per-request cost at 8, plain steps at 0.6x: rounds ahead by 20%+
+    parts_spec = 32 / 7.7e3 * (p._parts_seconds(SPECULATIVE, 32) / 32) / (p._parts_seconds(SPECULATIVE, 8) / 8)
+    assert 1.14 / parts_spec > 1.1 * 23.4e3 / 32
 
 
 def rounds_amid_moving_loads(period: int, steps: int = 20000) -> AdaptivePolicy:

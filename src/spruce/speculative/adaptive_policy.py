@@ -569,11 +569,19 @@ class AdaptivePolicy:
         (a batch that dips below the load's bucket while arrivals wait is priced as the load it belongs to, so it
         takes the load's choice): busy seconds over the requests its steps carried, over epochs of `choice` at
         `load` (EpochClock.request_seconds; speculative/epoch_clock.py says why per request-step). Before `choice`
-        has an epoch at `load`, the figure at the nearest load bucket that has one, scaled by the parts' seconds per
-        request between the two loads (None: no realized figure anywhere). The parts alone miss what lies between
-        steps (prefills, the serving process); the realized figure at a neighbouring load carries that over. On the
-        H100 (2026-11-23) a level's first pass at concurrency 64 priced rounds by their parts, ran plain steps for
-        83% of its steps and trailed the fixed server by 31%; the second pass, with realized figures, ran rounds.
+        has an epoch at `load`, the figure at the nearest load bucket that has one (None: no realized figure
+        anywhere), scaled from there to `load` as the other choice's realized figures scale between the two loads
+        where it has both; as it stands where the other has none at `load` either (both are then compared as at
+        their nearest measured loads); by the parts' seconds per request where the other has one at `load` only.
+        The parts alone miss what lies between steps (prefills, the serving process); the realized figure at a
+        neighbouring load carries that over. On the H100 (2026-11-23) a level's first pass at concurrency 64 priced
+        rounds by their parts, ran plain steps for 83% of its steps and trailed the fixed server by 31%; the second
+        pass, with realized figures, ran rounds. Not by the parts where the other choice measured the step between
+        the loads: the parts' shapes differ from what the loads cost. On the H200 (390caaa, 2026-11-24, 1k shared
+        prefix) plain steps read 10.6k and rounds 7.7k request-steps a second at load 8; scaled by the parts to load
+        32, plain steps rose 1.66x and rounds 2.86x, rounds (1.14 tokens each) looked 43% better than plain steps, and
+        the level's first pass switched eleven times in two seconds; the epochs at 32 then read plain steps at 23.4k
+        and rounds at 14.7-21.1k.
 
         What the epochs measured, not a ratio times today's parts: the parts drift (their host term is sampled at
         deciding steps, which come with arrivals and ends). On the H100 (1k shared prefix, concurrency 8, e430067)
@@ -588,10 +596,16 @@ class AdaptivePolicy:
         if at is None:
             return None
         per_request = self.epochs.request_seconds(choice, at)
-        base = self._parts_seconds(choice, at) / at
-        if at == load or base <= 0:
+        if at == load:
             return per_request
-        return per_request * (self._parts_seconds(choice, load) / load) / base
+        other = _other(choice)
+        other_there, other_here = self.epochs.request_seconds(other, at), self.epochs.request_seconds(other, load)
+        if other_here is None:
+            return per_request
+        if other_there is not None:
+            return per_request * other_here / other_there
+        base = self._parts_seconds(choice, at) / at
+        return per_request if base <= 0 else per_request * (self._parts_seconds(choice, load) / load) / base
 
     def _ratio_load(self, choice: str, load: int) -> int | None:
         """The load bucket whose realized ratio prices `choice` at `load`: `load` once it has one, else the nearest
