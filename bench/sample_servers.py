@@ -99,12 +99,21 @@ def _frame(raw: str) -> str:
     return f"{m.group(1)} ({m.group(2)})" if m else raw
 
 
+def _bare(frame: str) -> str:
+    """`function (file)` with any class qualifier left out of the function: `LLM.__init__ (spruce/llm.py)` ->
+    `__init__ (spruce/llm.py)`."""
+    name, sep, rest = frame.partition(" (")
+    return name.rpartition(".")[2] + sep + rest
+
+
 STARTUP = ("__init__ (spruce/llm.py)", "__init__ (spruce/server/engine_process.py)", "_find_and_load",
            "freeze_startup")
-# frames of start-up (building the engine, importing, waiting for it): samples under any of them are not serving
-# time. py-spy 0.4 names a method by its function and file ("__init__ (spruce/llm.py)"), not its class: until
-# 2026-11-24 these were "LLM.__init__" and "EngineProcess.__init__", which matched nothing, so graph capture and the
-# start-up warm-up counted as serving time (on the H200, 490 of an adaptive engine's samples were its capture).
+# frames of start-up (building the engine, importing, waiting for it), by bare function name and file: samples under
+# any of them are not serving time. py-spy names a method with its class or without it, by version ("LLM.__init__
+# (spruce/llm.py)" from 0.4.3, "__init__ (spruce/llm.py)" as session 17 read its recordings), so a frame is matched with
+# its class left out (`_bare`). Matched by the class-qualified names until session 17 and by the bare ones alone
+# since, each missed the other version's: on the H200 (2026-11-24, py-spy 0.4.3) 1081 of an adaptive engine's 5311
+# "serving" samples at concurrency 1 were LLM.__init__ (graph capture, the warm-up, the draft's loading).
 IDLE_ENTRY = "engine_process_main ("  # a sample whose deepest frame is this function itself is outside the loop
 
 
@@ -121,7 +130,7 @@ def summarize_file(path: Path, rate: int, top: int) -> dict:
         frames = stack.split(";")
         thread = frames[0] if frames[0].startswith("thread") else ""
         frames = [_frame(f) for f in frames if not f.startswith(("thread", "process"))]
-        if any(f.startswith(STARTUP) for f in frames) or (frames and frames[-1].startswith(IDLE_ENTRY)):
+        if any(_bare(f).startswith(STARTUP) for f in frames) or (frames and frames[-1].startswith(IDLE_ENTRY)):
             startup += n
             continue
         samples += n

@@ -37,13 +37,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   (runs of about one request's life; prefills and everything between steps included; a drain, whose requests end
   while none arrive, dropped), whatever the step's own batch (a dip below the load's bucket takes the load's price
   per request, so its choice) (speculative/epoch_clock.py, which says why per request-step; before c has an epoch
-  at the load, the figure at the nearest measured load scaled by the parts, `_realized`; that share of the parts
-  alone until c has any epoch). From 2026-11-23 to 2026-11-24 the figure was the epochs' ratio to their parts
-  times the parts of a step at the load's bucket, and until 2026-11-23 busy seconds per step, whose drains priced
-  their small steps as a full batch's. The parts below, which the policy times per step, price c until then. They miss what
-  lies between decode steps: on the H100 with the engine in its own process (2026-11-23) they put rounds at
-  concurrency 8 at 3.8x plain steps' tokens/s while a plain server was 1.3-1.5x faster than one running only
-  rounds, whose arrivals each took a ~7.7 ms prefill.
+  at the load, the figure at the nearest measured load, scaled as the other choice's figures scale, `_realized`;
+  that share of the parts alone until c has any epoch). From 2026-11-23 to 2026-11-24 the figure was the epochs'
+  ratio to their parts times the parts of a step at the load's bucket, and until 2026-11-23 busy seconds per step,
+  whose drains priced their small steps as a full batch's. The parts below, which the policy times per step, price
+  c until then. They miss what lies between decode steps: on the H100 with the engine in its own process
+  (2026-11-23) they put rounds at concurrency 8 at 3.8x plain steps' tokens/s while a plain server was 1.3-1.5x
+  faster than one running only rounds, whose arrivals each took a ~7.7 ms prefill.
   Realized figures are kept per load bucket, the bucket of the largest load among the last LOAD_WINDOW
   decisions, a decision's load being the requests the engine held (its batch, requests in their prefill, queued
   ones): a batch that dips while arrivals wait for their prefills is priced as the load it belongs to (at
