@@ -5,6 +5,7 @@ and the pooled rest), the online device time, the catch-up's cost, probes and th
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 
@@ -597,23 +598,30 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     """Amid rounds, a probe epoch of plain steps makes the next round catch its draft up (one position per plain
     step): on the H100 a catch-up took ~3.5 ms against 0.7 ms rounds. That catch-up lands in the next epoch of
     rounds, and the low median of three epochs keeps it out of what rounds are worth (it is the probe's cost, not
-    theirs). Once both choices are measured, probes are spaced by the realized ratio: rounds commit 4.35 tokens per
-    0.7 ms against 1 per 0.3 ms, 1.86x, so a probe epoch comes at most once per 0.86 / PROBE_BUDGET = 43 epochs."""
+    theirs). Once both choices are measured, probes are spaced by what one costs: rounds commit 4.35 tokens per
+    0.7 ms against 1 per 0.3 ms (1.86x), so a probe of 128 plain steps costs 17.8 ms more than rounds for its tokens
+    and leaves a 3.5 ms catch-up; at PROBE_BUDGET of 30-round epochs (21 ms) that is one probe per 102 epochs. With
+    the catch-up left out (until 2026-11-24), one per 86."""
     clock = Clock()
     p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
     q = Req()
     p.accepted(q, 3.35)
+    p.caught_up(128, 3.5e-3, 0.0)  # what a catch-up over a probe's lag costs
     catch_up_due, decisions = False, []
-    for _ in range(40 * EPOCH_MIN):
-        d = p.decide([q])
+    for _ in range(12000):
+        d = p.decide([q], request_tokens=128)
         clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
         catch_up_due = d.choice == PLAIN
         decisions.append(d)
     assert p._realized(SPECULATIVE, 1) == pytest.approx(0.7e-3)
     assert p._realized(PLAIN, 1) == pytest.approx(0.3e-3)
-    probes = [i for i, d in enumerate(decisions) if d.reason == "probe"]
-    assert probes == list(range(EPOCH_MIN, 2 * EPOCH_MIN))  # the first measures plain steps; the next is 43 away
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
+    starts = [i for i, d in enumerate(decisions) if d.reason == "probe" and decisions[i - 1].reason != "probe"]
+    ends = [i for i, d in enumerate(decisions) if d.reason == "probe" and decisions[i + 1].reason != "probe"]
+    assert len(starts) >= 3 and ends[0] - starts[0] == 127  # the first probe measures plain steps: 128 of them
+    rounds_epoch = math.ceil(128 / 4.35)
+    gaps = [(b - a) / rounds_epoch for a, b in zip(ends[1:], starts[2:])]  # epochs of rounds between probes
+    assert all(100 <= g <= 104 for g in gaps), gaps
 
 
 def test_a_collapsed_request_is_retried_with_backoff():

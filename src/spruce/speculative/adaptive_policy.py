@@ -619,8 +619,13 @@ class AdaptivePolicy:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
-        the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time (a
-        probe epoch costs its tokens at the other choice's price: (ratio - 1) epochs of the model's choice).
+        the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time: a
+        probe's expected excess (`_probe_cost`: its tokens at the other choice's price, about (ratio - 1) epochs of
+        the model's choice, and for plain steps under rounds the catch-up they leave) over PROBE_BUDGET of an epoch
+        of the model's choice. The catch-up was left out of the spacing until 2026-11-24: on the H200 (4fd74eb,
+        128-token prompts, concurrency 8, plain steps ~0.9x rounds' tokens/s) a probe came every ~10 epochs of
+        rounds and left a catch-up of the batch (8 x 128 positions, ~4 ms against ~34 ms epochs), about 2% of the
+        time where the budget is 1%; passes with 4-5 probes ran 478-487 plain steps.
 
         A probe ends when its epoch completes, or after PROBE_STEPS_FACTOR times an epoch's steps at its load
         without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
@@ -647,12 +652,12 @@ class AdaptivePolicy:
             st.epochs_since_probe += 1
             spacing = st.probe_after
             other_seconds = self._probe_price(d, other, load)
+            steps = self._epoch_steps(d, other, request_tokens)
+            cost = self._probe_cost(d, model, other, steps, other_seconds)
             if self.epochs.ratio(other, load) is not None:
-                ratio = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12)
-                spacing = max(spacing, math.ceil(max(ratio - 1.0, 0.0) / PROBE_BUDGET - 1e-9))
+                model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
+                spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
             if st.epochs_since_probe >= spacing:
-                steps = self._epoch_steps(d, other, request_tokens)
-                cost = self._probe_cost(d, model, other, steps, other_seconds)
                 if self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     self.probes += 1
