@@ -623,9 +623,9 @@ class AdaptivePolicy:
         probe's expected excess (`_probe_cost`: its tokens at the other choice's price, about (ratio - 1) epochs of
         the model's choice, and for plain steps under rounds the catch-up they leave) over PROBE_BUDGET of an epoch
         of the model's choice. The catch-up was left out of the spacing until 2026-11-24: on the H200 (4fd74eb,
-        128-token prompts, concurrency 8, plain steps ~0.9x rounds' tokens/s) a probe came every ~10 epochs of
-        rounds and left a catch-up of the batch (8 x 128 positions, ~4 ms against ~34 ms epochs), about 2% of the
-        time where the budget is 1%; passes with 4-5 probes ran 478-487 plain steps.
+        128-token prompts, concurrency 8, plain steps ~0.9x rounds' tokens/s) two passes ran 4-5 plain probes each
+        (478-487 plain steps), each probe leaving a catch-up of the batch (8 x 128 positions) that the spacing did
+        not count; replaying the 128-token trace at concurrency 1, counting it cut the plain steps from 543 to 421.
 
         A probe ends when its epoch completes, or after PROBE_STEPS_FACTOR times an epoch's steps at its load
         without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
