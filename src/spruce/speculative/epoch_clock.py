@@ -17,7 +17,7 @@ busy time is the wall time from its first step's launch to the launch after its 
 extends on arriving prompts included, less idle gaps (the engine had nothing to run: `idle`) and less catch-ups
 (`exclude` for their launch, `deduct` for their device time once read: a switch's cost, which the policy prices
 when it decides a switch). Its figure is its busy seconds per request-step (each step counts the requests in its
-batch): what one request's step of that choice really cost at that load, so `load / figure` is the tokens per busy
+batch): what one request's step of that choice really cost at that load, so `1 / figure` is the tokens per busy
 second plain steps committed (rounds: times the tokens a request commits per round). It goes into a window per
 (choice, load bucket) with the ratio of the busy seconds to what the policy's parts (`modelled`) give the same steps,
 each at its own batch's cost bucket. Both are read as the window's low median, so two disturbed epochs move nothing
@@ -27,7 +27,7 @@ priced at `n` times the figure (AdaptivePolicy._realized); the ratio says how fa
 
 Why per request-step: it is what the choice is about (tokens per second), and it holds every cost of a choice's
 steady state at a load, those that do not scale with a step's parts included. The serving runs' debug logs (H200
-`serving-...-20261123-230915`, H100 `-190652`, 1k shared prefix) show it: the median over epochs of load / figure
+`serving-...-20261123-230915`, H100 `-190652`, 1k shared prefix) show it: the median over epochs of 1 / figure
 read 2952 / 13546 / 24758 / 26496 tokens/s for plain steps at concurrency 1 / 8 / 32 / 64 against the plain server's
 2908 / 14187 / 26486 / 26470, and for rounds (times their 1.18 tokens) 1522 / 8600 / 16300 / 21200 against the
 fixed server's 1423 / 8066 / 15411 / 18316. The figure used until 2026-11-24, the epoch's ratio times the parts of a
@@ -41,9 +41,9 @@ cost a full batch's fixed part each. An epoch whose arrivals (prompts its prefil
 the requests that ended in it (`first batch + arrivals - last batch`) looks like one. It is judged with the epoch
 after it: if that one is of the same choice and load, the two are one epoch (requests that end together, under
 plain steps, and their successors, which arrive after a client's round trip: an epoch boundary between the two
-made the first look like a drain and the second like a ramp, and on the H200 (c2ece4a, 2026-11-24) 22 epochs of
-one concurrency-32 level were dropped, the full batches' half of each cohort, so that plain steps there read 19.5k
-tokens/s against the plain server's 29k); else it is dropped (`drained`). Without that, a
+makes the first look like a drain and the second like a ramp: on the H200 (c2ece4a, 2026-11-24), which dropped
+such epochs, 22 epochs of one concurrency-32 level were dropped and plain steps there read 19.5k tokens/s against
+the plain server's 29k); else it is dropped (`drained`). Without that, a
 level's drain passed through every smaller load and left its epochs there: on the H200 (`-033247`, 2026-11-24, 1k
 shared prefix) plain steps' ratio at load 8 read 0.87 after the first concurrency-8 level and 1.76 after the
 concurrency-32 level that followed it, 1.05 after the third concurrency-8 level and 2.15 after the concurrency-64
