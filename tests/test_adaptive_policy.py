@@ -508,8 +508,9 @@ def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     """The H200 run at c2ece4a (2026-11-24, 1k shared prefix, concurrency 64): one probe epoch of rounds priced them
     at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers made 22.9k and 28.7k), and the level
     switched to rounds for the rest of its passes. Where plain steps are the load's model choice, rounds whose
-    figure rests on fewer than SETTLED_EPOCHS epochs need SPECULATION_MARGIN; settled, REALIZED_MARGIN. Rounds that
-    are the model choice are not held so: plain steps 5% better take over from one epoch."""
+    figure rests on fewer than SETTLED_EPOCHS epochs need SPECULATION_MARGIN; settled, REALIZED_MARGIN; and a
+    prefill's draft extend follows the same margin (`steady_choice`: rounds not expected, the extend is left lazy).
+    Rounds that are the model choice are not held so: plain steps 5% better take over from one epoch."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     set_accept(p, 0.5)  # by the parts: rounds 1.33x worse
@@ -520,10 +521,10 @@ def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     set_accept(p, 2 * 1.05 - 1)  # rounds now commit 5% more
     d = p.decide(reqs)
     assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.05 * d.tokens_per_second(PLAIN))
-    assert d.choice == PLAIN
+    assert d.choice == PLAIN and p.steady_choice(1) == PLAIN
     for _ in range(SETTLED_EPOCHS - 1):
         realize(p, SPECULATIVE, 1, 1.0)
-    assert p.decide(reqs).choice == SPECULATIVE  # settled: the small margin
+    assert p.decide(reqs).choice == SPECULATIVE and p.steady_choice(1) == SPECULATIVE  # settled: the small margin
     p = policy(plain=1e-3, spec=2e-3)
     set_accept(p, 2.0)  # rounds the model's choice
     assert p.decide(reqs).choice == SPECULATIVE

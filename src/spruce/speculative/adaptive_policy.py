@@ -377,20 +377,15 @@ class AdaptivePolicy:
         return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
 
     def _margin(self, load: int) -> float:
-        """How much more tokens/s rounds must be expected to commit than plain steps (module docstring)."""
-        realized = all(self.epochs.ratio(c, load) is not None for c in CHOICES)
-        return REALIZED_MARGIN if realized else SPECULATION_MARGIN
-
-    def _better(self, d: Decision, load: int, incumbent: str | None) -> str:
-        """The model's choice for `d` at load bucket `load`, whose model choice so far is `incumbent`: rounds if they
-        are expected to commit the margin more tokens/s than plain steps (`_margin`), which is SPECULATION_MARGIN,
-        not the realized one, while plain steps are the incumbent and rounds' realized figure at `load` rests on
-        fewer than SETTLED_EPOCHS epochs (module docstring)."""
-        spec, plain = d.tokens_per_second(SPECULATIVE), d.tokens_per_second(PLAIN)
-        margin = self._margin(load)
-        if incumbent == PLAIN and self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS:
-            margin = SPECULATION_MARGIN
-        return SPECULATIVE if spec > (1.0 + margin) * plain else PLAIN
+        """How much more tokens/s rounds must be expected to commit than plain steps at load bucket `load` (module
+        docstring): REALIZED_MARGIN once both choices have realized figures there, unless plain steps are the load's
+        model choice and rounds' figure rests on fewer than SETTLED_EPOCHS epochs; else SPECULATION_MARGIN. The one
+        rule for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
+        if any(self.epochs.ratio(c, load) is None for c in CHOICES):
+            return SPECULATION_MARGIN
+        if self._state[load].model_choice == PLAIN and self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS:
+            return SPECULATION_MARGIN
+        return REALIZED_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
@@ -489,9 +484,10 @@ class AdaptivePolicy:
                      {c: self._priced(c, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                       new_positions) for c in CHOICES},
                      catch_up_positions)
-        st = self._state[load]
-        d.choice = self._better(d, load, st.model_choice)
+        if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
+            d.choice = SPECULATIVE
         self._decisions[bucket] += 1
+        st = self._state[load]
         if d.choice != st.model_choice:
             if st.model_choice is not None:
                 self._log_switch(d, load, st.model_choice, owns)
