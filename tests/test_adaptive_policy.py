@@ -916,6 +916,11 @@ def test_a_drain_does_not_price_a_full_batch():
     per_request = sum(plain_s(p.bucket_for(n)) for n in drain) / sum(drain)
     assert 1 / per_request < 2 * 64 / spec_s(64)  # the drain's plain steps per request: rounds would look 2x+ better
     assert p.epochs.drained == 1 and p.epochs.ratio(PLAIN, 64) is None
+    from spruce.server.metrics import Metrics  # /metrics counts the drains dropped
+
+    metrics = Metrics(5)
+    metrics.on_engine_stats({"adaptive": p.snapshot()})
+    assert "spruce_adaptive_epochs_drained_total 1" in metrics.render()
     d = p.decide([Req() for _ in range(64)])
     assert d.step_seconds == pytest.approx({PLAIN: plain_s(64), SPECULATIVE: spec_s(64)})
     assert d.choice == SPECULATIVE
