@@ -19,6 +19,10 @@
 #   MAX_TOKENS_MIN=N:      each request's max_tokens drawn from [N, 128] instead of 128 for all (the same draw for
 #                          request i on every server): equal lengths end a level's requests together, and at
 #                          concurrency 64 every server's batch then swings between 64 and a few (mean 35-41).
+#   PIN_CPUS=0:            servers and client share every CPU (default: --pin-cpus, each server's processes on CPUs of
+#                          their own and the client on the rest: 2026-11-25, an offline adaptive engine's plain step
+#                          matched a plain engine's within 0.1% on the H200 while served it trailed 4-8% in one run
+#                          and ~0 in another).
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
@@ -39,7 +43,7 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive ${ADAPTIVE_EXTRA:-}" \
     ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
-    --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ) --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/bench.log" | grep -v "^pass" | tail -40
   grep -h "spruce.adaptive" "$OUT/$name/server-logs/adaptive.log" > "$OUT/$name/adaptive-policy.log"
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done

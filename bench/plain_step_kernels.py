@@ -5,6 +5,11 @@ still took ~11 us more per token than a plain server, and the difference sat in 
 device. This profiles both engines' decode steps at one request over the shared-prefix prompt (torch.profiler, CUDA
 graphs replayed as in serving) and sums the device time of every kernel per decode step, by kernel name.
 
+The host side of the same steps is also taken (2026-11-25: the unprofiled stream span was 288 us a step for the plain
+engine against 354 for the adaptive one, while their kernels differed by 4 us, so the adaptive device waited on its host):
+the median wall time of `Engine.step` and, from a profile with CPU activity, each CPU op's and CUDA runtime call's
+count and self time per step (synchronising calls included).
+
 Usage (repo root): python bench/plain_step_kernels.py OUT_JSON --model DIR --draft DIR [--steps 128]
 """
 
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -37,7 +44,7 @@ def build(adaptive: bool, args) -> LLM:
     return llm
 
 
-def kernels_per_step(llm: LLM, prompt, steps: int) -> tuple[dict, float]:
+def kernels_per_step(llm: LLM, prompt, steps: int) -> tuple[dict, float, float, float, dict]:
     engine = llm.engine
     params = SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True, temperature=0.0)
     for _ in range(2):
@@ -47,13 +54,16 @@ def kernels_per_step(llm: LLM, prompt, steps: int) -> tuple[dict, float]:
         engine.step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
     start.record()
     for _ in range(steps):  # unprofiled: the stream's span per step (device-bound at one request)
+        t0 = time.perf_counter()
         engine.step()
+        walls.append(time.perf_counter() - t0)
     end.record()
     torch.cuda.synchronize()
     span = start.elapsed_time(end) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -64,7 +74,12 @@ def kernels_per_step(llm: LLM, prompt, steps: int) -> tuple[dict, float]:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             per[evt.name[:90]] += evt.device_time_total
     total = sum(per.values()) / steps
-    return {k: v / steps for k, v in per.most_common()}, total, span
+    host_ops = {}
+    for avg in prof.key_averages():
+        if avg.device_type == torch.autograd.DeviceType.CPU and avg.self_cpu_time_total > 0:
+            host_ops[avg.key[:90]] = (round(avg.count / steps, 2), round(avg.self_cpu_time_total / steps, 2))
+    host_ops = dict(sorted(host_ops.items(), key=lambda kv: -kv[1][1])[:60])
+    return {k: v / steps for k, v in per.most_common()}, total, span, statistics.median(walls) * 1e6, host_ops
 
 
 def main() -> None:
@@ -78,11 +93,13 @@ def main() -> None:
     for name in ("plain", "adaptive"):
         llm = build(name == "adaptive", args)
         prompt = load_prompts(Path(args.model) / "heldout_prompts.jsonl", 256, llm.engine.tokenizer, 1024)[0]
-        per, total, span = kernels_per_step(llm, prompt, args.steps)
+        per, total, span, host, host_ops = kernels_per_step(llm, prompt, args.steps)
         figures[name] = {"device_us_per_step": round(total, 2), "stream_span_us_per_step": round(span, 2),
-                         "kernels_us_per_step": {k: round(v, 2) for k, v in per.items()}}
+                         "engine_step_wall_us_median": round(host, 2),
+                         "kernels_us_per_step": {k: round(v, 2) for k, v in per.items()},
+                         "host_ops_per_step": {k: {"count": c, "self_us": t} for k, (c, t) in host_ops.items()}}
         print(name, "kernel us per decode step", round(total, 2), "stream span us per step", round(span, 2),
-              flush=True)
+              "Engine.step wall us (median)", round(host, 2), flush=True)
         del llm
         torch.cuda.empty_cache()
     a, p = figures["adaptive"]["kernels_us_per_step"], figures["plain"]["kernels_us_per_step"]
@@ -90,6 +107,12 @@ def main() -> None:
     figures["adaptive_minus_plain_us"] = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:25])
     for k, v in list(figures["adaptive_minus_plain_us"].items())[:12]:
         print(f"{v:+8.2f} us  {k}")
+    a, p = figures["adaptive"]["host_ops_per_step"], figures["plain"]["host_ops_per_step"]
+    zero = {"count": 0.0, "self_us": 0.0}
+    host_diff = {k: {f: round(a.get(k, zero)[f] - p.get(k, zero)[f], 2) for f in zero} for k in set(a) | set(p)}
+    figures["host_adaptive_minus_plain"] = dict(sorted(host_diff.items(), key=lambda kv: -abs(kv[1]["self_us"]))[:30])
+    for k, v in list(figures["host_adaptive_minus_plain"].items())[:20]:
+        print(f"host {v['self_us']:+8.2f} us {v['count']:+6.2f} calls  {k}")
     Path(args.out).write_text(json.dumps({"device": device_name("cuda"), "git_commit": git_commit(),
                                           "config": vars(args), "figures": figures}, indent=1))
 

@@ -8,6 +8,8 @@ working. Flags that configure launched servers are refused without --launch."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -103,7 +105,8 @@ def test_paired_versus_best_other():
     assert short == {"a": pytest.approx(10 / 11 - 1), "b": pytest.approx(11 / 10 - 1)}
 
 
-@pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"]])
+@pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
+                                  ["--pin-cpus"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):
     """A flag that configures --launch servers is refused (exit 2, naming it) when no server is launched, rather
     than accepted and ignored against --base-url."""
@@ -123,3 +126,42 @@ def test_level_order_puts_every_server_at_every_position(servers, levels):
             assert all(sorted(order) == list(range(servers)) for order in orders)
             for position in range(servers):
                 assert sorted(order[position] for order in orders) == list(range(servers))
+
+
+def test_cpu_sets_give_each_server_cpus_of_its_own():
+    """--pin-cpus: two CPUs per server when there are twice as many as servers, disjoint, the client the rest; too
+    few CPUs is an error naming both counts."""
+    from spruce.bench.serving_launch import cpu_sets
+
+    client, servers = cpu_sets(4, list(range(16))[::-1])
+    assert servers == [[0, 1], [2, 3], [4, 5], [6, 7]] and client == list(range(8, 16))
+    client, servers = cpu_sets(3, list(range(16)))
+    assert [len(s) for s in servers] == [2, 2, 2] and len(client) == 10
+    assert cpu_sets(1, [3, 5]) == ([5], [[3]])
+    with pytest.raises(ValueError, match=r"at least 9 CPUs for 4 servers.*on 7"):
+        cpu_sets(4, list(range(7)))
+
+
+def test_pin_cpus_with_too_few_cpus_is_refused_before_any_server_starts(monkeypatch, capsys, tmp_path):
+    import spruce.bench.serving_launch as launch
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(launch.LaunchedServer, "__enter__", lambda self: pytest.fail("a server was started"))
+    rc = main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--interleave", "--pin-cpus",
+               "--out-dir", str(tmp_path)])
+    assert rc == 2 and "at least 5 CPUs for 2 servers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to one CPU of one changes nothing")
+def test_a_started_process_and_its_children_run_on_the_given_cpus(tmp_path):
+    """What --pin-cpus relies on: the server process runs only on its CPUs, and so does the engine process it
+    starts later (a grandchild here)."""
+    from spruce.bench.serving_launch import start_process
+
+    cpu = min(os.sched_getaffinity(0))
+    show = "import os; print(sorted(os.sched_getaffinity(0)))"
+    script = f"import subprocess, sys; {show}; sys.stdout.flush(); subprocess.run([sys.executable, '-c', {show!r}])"
+    log_path = tmp_path / "log"
+    with log_path.open("w") as log:
+        start_process([sys.executable, "-c", script], log, [cpu]).wait(timeout=60)
+    assert log_path.read_text().split("\n")[:2] == [f"[{cpu}]"] * 2

@@ -100,6 +100,10 @@ def add_serving_parser(sub) -> None:
                    help="with several --launch configurations: start them all at once and run each level on each "
                         "server in turn, pass after pass, so that drifts of the machine weigh on every server "
                         "alike (needs the memory of all servers at once)")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="with --launch: run each server (its HTTP and engine processes) on CPUs of its own and the "
+                        "client on the rest (bench/serving_launch.py cpu_sets), so that no server shares a core with "
+                        "the client or another server; the sets go into the result")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -497,8 +501,9 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.launch:
         return _run_launched(args)
-    if args.server_args or args.compare_prefix_cache or args.interleave:
-        print("spruce bench serving: --server-args, --compare-prefix-cache and --interleave configure --launch "
+    if args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus:
+        print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave and --pin-cpus configure "
+              "--launch "
               "servers; add --launch NAME=FLAGS (or drop them to measure the server at --base-url)", file=sys.stderr)
         return 2
     try:
@@ -521,7 +526,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
 def _run_launched(args: argparse.Namespace) -> int:
     """Start, measure and stop one server per configuration (x prefix cache on/off); one result for all."""
     from spruce.bench.common import write_result
-    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer
+    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer, cpu_sets
 
     try:
         configs = [LaunchConfig.parse(text) for text in args.launch]
@@ -542,16 +547,26 @@ def _run_launched(args: argparse.Namespace) -> int:
     journal = out_dir / "levels.jsonl"  # each level as it completes, so a run cut short (a time limit) keeps what
     # it measured; the result JSON is written at the end
     journal.unlink(missing_ok=True)
+    all_cpus = sorted(os.sched_getaffinity(0))  # before --pin-cpus narrows this process to the client's
     for group in groups:  # the servers of a group run at the same time, measured level by level in turn
+        server_cpus = [None] * len(group)
+        if args.pin_cpus:
+            try:
+                client_cpus, server_cpus = cpu_sets(len(group), all_cpus)
+            except ValueError as e:
+                print(f"spruce bench serving: {e}", file=sys.stderr)
+                return 2
+            os.sched_setaffinity(0, client_cpus)  # this process and the client processes it starts
+            print(f"-- CPUs: client {client_cpus}, servers {server_cpus}")
         with contextlib.ExitStack() as stack:
             targets = []
-            for cfg, cache in group:
+            for (cfg, cache), cpus in zip(group, server_cpus):
                 flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
                 label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
                 print(f"== {label}: spruce serve {shlex.join(flags)}")
                 log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
                 try:
-                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout))
+                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout, cpus))
                     model = _served_model(args, base_url)
                 except (RuntimeError, SystemExit) as e:
                     print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
@@ -559,7 +574,8 @@ def _run_launched(args: argparse.Namespace) -> int:
                 if prompts is None:
                     prompts_path, prompts = _prompts_for(args, model)
                 targets.append((base_url, model))
-                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log)})
+                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log),
+                             "cpus": cpus})
             keys = [{"server": run["name"], "prefix_cache": run["prefix_cache"]} for run in runs[-len(group):]]
 
             def journal_level(i: int, level: dict, keys=keys) -> None:

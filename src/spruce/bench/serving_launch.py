@@ -1,8 +1,10 @@
 """Servers that `spruce bench serving --launch` starts itself: `spruce serve` as a child process on a free loopback
-port, one configuration at a time, driven only through its HTTP API, then stopped (SIGTERM: the graceful drain)."""
+port, driven only through its HTTP API, then stopped (SIGTERM: the graceful drain); optionally each on CPUs of its
+own (`--pin-cpus`, `cpu_sets`), which its engine process inherits."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import socket
@@ -32,6 +34,24 @@ class LaunchConfig:
         return LaunchConfig(name, tuple(shlex.split(flags)))
 
 
+def cpu_sets(servers: int, cpus: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Split `cpus` (this process's affinity) into the client's CPUs and one disjoint set per server: each server
+    len(cpus) // (2 x servers) CPUs (a server is two busy processes, HTTP and engine), the client the rest (its
+    processes parse every streamed chunk). ValueError when there are fewer than two CPUs per server plus one."""
+    per = len(cpus) // (2 * servers) if servers > 0 else 0
+    if per < 1 or len(cpus) - per * servers < 1:
+        raise ValueError(f"--pin-cpus needs at least {2 * servers + 1} CPUs for {servers} servers and the client, "
+                         f"this process may run on {len(cpus)} ({cpus})")
+    cpus = sorted(cpus)
+    return cpus[per * servers:], [cpus[i * per:(i + 1) * per] for i in range(servers)]
+
+
+def start_process(cmd: list[str], log, cpus: list[int] | None = None) -> subprocess.Popen:
+    """`cmd` in a new session, its output to `log`; with `cpus`, it and every process it starts run only there."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,10 +59,11 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    """`with LaunchedServer(flags, log_path, timeout) as base_url:` a `spruce serve` child answering /health."""
+    """`with LaunchedServer(flags, log_path, timeout) as base_url:` a `spruce serve` child answering /health (with
+    `cpus`: running only on those CPUs)."""
 
-    def __init__(self, flags: list[str], log_path: Path, timeout: float):
-        self.flags, self.log_path, self.timeout = flags, log_path, timeout
+    def __init__(self, flags: list[str], log_path: Path, timeout: float, cpus: list[int] | None = None):
+        self.flags, self.log_path, self.timeout, self.cpus = flags, log_path, timeout, cpus
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
@@ -50,7 +71,7 @@ class LaunchedServer:
         cmd = [sys.executable, "-m", "spruce.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = start_process(cmd, self._log, self.cpus)
         base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
