@@ -1,0 +1,154 @@
+"""Adaptive speculation against plain decoding in one process, engines alternated (issue 16): the serving bar's
+shared-prefix workload without the servers.
+
+Served, two identical plain servers differ by up to 10-25% in a pass, and on the H200 an adaptive server trailed plain
+at concurrency 1 by ~8% in three runs while this benchmark put the engines 1-2% apart. Here the engines are built side
+by side in one process and driven by a closed-loop client in that process (`concurrency` requests in flight, the next
+one added as soon as one finishes, one idle step when none is left, as a server's engine loop has), and every
+repetition runs each engine once, in a rotating order, so that the machine's drift weighs on all of them alike:
+- plain: the target alone;
+- adaptive: `speculative_adaptive` over the (5, 4, 8) EAGLE-3 round, its own policy (probes included);
+- forced (`--forced`): the adaptive engine with rounds priced out (1 s a step), so its model always chooses plain
+  steps: what the adaptive machinery costs when it never speculates.
+Every request is one 1024-token shared prefix + its own held-out prompt (256 tokens), 128 output tokens, greedy;
+the prompts are sent twice before measuring, so the prefix cache holds them as in a serving run's later passes.
+Per repetition and engine: output tokens/s, median TTFT (launch to first token), TPOT, and the engine's own step
+counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
+choices, probes and catch-ups. Medians over repetitions and their ratio to plain go into the summary.
+
+Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
+    [--repeats 6] [--requests 48] [--forced] [--out-dir bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from spruce import LLM, SamplingParams
+from spruce.bench.common import write_result
+from spruce.bench.serving import load_prompts
+from spruce.speculative.adaptive_policy import SPECULATIVE
+
+MAX_TOKENS = 128
+SHARED_PREFIX_TOKENS = 1024
+PROMPT_TOKENS = 256
+
+
+def build(kind: str, args) -> LLM:
+    """The engine named `kind`: plain, adaptive, or forced (adaptive with rounds priced out)."""
+    kw = dict(page_size=16, max_running_requests=64, device=args.device)
+    if args.device == "cuda":
+        kw["dtype"] = "bfloat16"
+    if kind != "plain":
+        kw.update(draft_model=args.draft, speculative_num_steps=5, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=8, speculative_adaptive=True)
+    llm = LLM(args.model, **kw)
+    if kind == "forced":
+        policy = llm.engine.strategy.policy
+        for bucket in policy.buckets:
+            policy.device_seconds[(SPECULATIVE, bucket)] = 1.0
+    return llm
+
+
+def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_requests: int) -> dict:
+    """Send `num_requests` requests (prompts[first:], wrapping) with `concurrency` in flight; the figures of the
+    run and the engine's counters over it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    before = engine.stats()
+    live: dict[str, list] = {}  # request id -> [added at, first token at]
+    e2e, ttft, tokens, sent = [], [], 0, 0
+
+    def submit() -> None:
+        nonlocal sent
+        rid = engine.add_request(prompts[(first + sent) % len(prompts)], params)
+        live[rid] = [time.perf_counter(), None]
+        sent += 1
+
+    start = time.perf_counter()
+    while sent < min(concurrency, num_requests):
+        submit()
+    while live:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            clock = live.get(out.request_id)
+            if clock is None:
+                continue
+            if clock[1] is None and out.token_ids:
+                clock[1] = now
+            if out.finished:
+                e2e.append(now - clock[0])
+                ttft.append(clock[1] - clock[0])
+                tokens += len(out.token_ids)
+                del live[out.request_id]
+                if sent < num_requests:
+                    submit()
+        if not live:
+            engine.step()  # nothing to launch: the engine goes idle, as between a server's requests
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    steps_before, steps_after = before["steps"], after["steps"]
+    adaptive = after["adaptive"]
+    return {
+        "tokens_per_s": round(tokens / wall, 1),
+        "ttft_ms_median": round(statistics.median(ttft) * 1e3, 3),
+        "tpot_us_median": round(statistics.median((a - b) / (MAX_TOKENS - 1) for a, b in zip(e2e, ttft)) * 1e6, 2),
+        "wall_s": round(wall, 3),
+        "steps": {k: steps_after[k] - steps_before[k] for k in ("prefills", "decodes", "rounds", "decode_rows")},
+        "step_host_ms": {k: round(1e3 * (steps_after["seconds"][k] - steps_before["seconds"][k]), 1)
+                         for k in steps_after["seconds"]},
+        "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups")},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=48,
+                    help="requests per repetition at concurrency 1 (16 x concurrency when that is more)")
+    ap.add_argument("--forced", action="store_true", help="also the adaptive engine with rounds priced out")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    kinds = ["plain", "adaptive"] + (["forced"] if args.forced else [])
+    llms = {kind: build(kind, args) for kind in kinds}
+    prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", PROMPT_TOKENS, llms["plain"].engine.tokenizer,
+                           SHARED_PREFIX_TOKENS)
+    for llm in llms.values():  # every prompt twice: the cache holds them (an adaptive engine inserts a prompt's
+        closed_loop(llm, prompts, 0, 1, len(prompts))  # pages the second time, speculative/adaptive.py)
+        closed_loop(llm, prompts, 0, 8, len(prompts))
+    runs, summary = {}, {}
+    for concurrency in args.concurrency:
+        num_requests = max(args.requests, 16 * concurrency)
+        per_kind = {kind: [] for kind in kinds}
+        for rep in range(args.repeats):
+            for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+                figures = closed_loop(llms[kind], prompts, rep * num_requests, concurrency, num_requests)
+                per_kind[kind].append(figures)
+                print(f"concurrency {concurrency} rep {rep} {kind}: {figures}", flush=True)
+        runs[str(concurrency)] = per_kind
+        medians = {kind: {f: statistics.median(r[f] for r in rows)
+                          for f in ("tokens_per_s", "ttft_ms_median", "tpot_us_median")}
+                   for kind, rows in per_kind.items()}
+        for kind, med in medians.items():
+            med["vs_plain"] = round(med["tokens_per_s"] / medians["plain"]["tokens_per_s"] - 1, 4)
+            print(f"concurrency {concurrency} {kind}: {med}", flush=True)
+        summary[str(concurrency)] = medians
+    config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": SHARED_PREFIX_TOKENS,
+                           "prompt_tokens": PROMPT_TOKENS, "num_prompts": len(prompts)}
+    path = write_result("adaptive-inprocess", args.device, config, {"summary": summary, "runs": runs},
+                        Path(args.out_dir))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
