@@ -20,9 +20,8 @@
 #                          request i on every server): equal lengths end a level's requests together, and at
 #                          concurrency 64 every server's batch then swings between 64 and a few (mean 35-41).
 #   PIN_CPUS=0:            servers and client share every CPU (default: --pin-cpus, each server's processes on CPUs of
-#                          their own and the client on the rest: 2026-11-25, an offline adaptive engine's plain step
-#                          matched a plain engine's within 0.1% on the H200 while served it trailed 4-8% in one run
-#                          and ~0 in another).
+#                          their own and the client on the rest, so that no placement favours one server; pinned,
+#                          2026-11-25, adaptive still trailed plain at concurrency 1 by ~8%, as unpinned).
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.

@@ -5,10 +5,11 @@ still took ~11 us more per token than a plain server, and the difference sat in 
 device. This profiles both engines' decode steps at one request over the shared-prefix prompt (torch.profiler, CUDA
 graphs replayed as in serving) and sums the device time of every kernel per decode step, by kernel name.
 
-The host side of the same steps is also taken (2026-11-25: the unprofiled stream span was 288 us a step for the plain
-engine against 354 for the adaptive one, while their kernels differed by 4 us, so the adaptive device waited on its host):
-the median wall time of `Engine.step` and, from a profile with CPU activity, each CPU op's and CUDA runtime call's
-count and self time per step (synchronising calls included).
+The host side of the same steps is also taken: the median wall time of `Engine.step` and, from a profile with CPU
+activity, each CPU op's and CUDA runtime call's count and self time per step (synchronising calls included; the
+profiler inflates `cudaGraphLaunch`, 2.7 us a replay unprofiled). The engines run one after the other, so the spans
+carry the machine's drift between them: built side by side and alternated (2026-11-25, H200) the two spans were equal
+(DESIGN §16, session 20).
 
 Usage (repo root): python bench/plain_step_kernels.py OUT_JSON --model DIR --draft DIR [--steps 128]
 """

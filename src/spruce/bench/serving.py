@@ -503,8 +503,8 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return _run_launched(args)
     if args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus:
         print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave and --pin-cpus configure "
-              "--launch "
-              "servers; add --launch NAME=FLAGS (or drop them to measure the server at --base-url)", file=sys.stderr)
+              "--launch servers; add --launch NAME=FLAGS (or drop them to measure the server at --base-url)",
+              file=sys.stderr)
         return 2
     try:
         model = _served_model(args, args.base_url)

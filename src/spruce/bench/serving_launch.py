@@ -37,9 +37,10 @@ class LaunchConfig:
 def cpu_sets(servers: int, cpus: list[int]) -> tuple[list[int], list[list[int]]]:
     """Split `cpus` (this process's affinity) into the client's CPUs and one disjoint set per server: each server
     len(cpus) // (2 x servers) CPUs (a server is two busy processes, HTTP and engine), the client the rest (its
-    processes parse every streamed chunk). ValueError when there are fewer than two CPUs per server plus one."""
+    processes parse every streamed chunk; at least half of `cpus`). ValueError when there are fewer than two CPUs
+    per server plus one."""
     per = len(cpus) // (2 * servers) if servers > 0 else 0
-    if per < 1 or len(cpus) - per * servers < 1:
+    if per < 1:
         raise ValueError(f"--pin-cpus needs at least {2 * servers + 1} CPUs for {servers} servers and the client, "
                          f"this process may run on {len(cpus)} ({cpus})")
     cpus = sorted(cpus)
