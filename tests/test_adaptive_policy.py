@@ -535,6 +535,36 @@ def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     assert p.decide(reqs).choice == PLAIN
 
 
+def test_rounds_priced_ahead_by_one_probe_epoch_need_their_parts_to_agree():
+    """The H200 run at 697c8ca (2026-11-25, 1k shared prefix, concurrency 64): one probe epoch of rounds, begun over
+    a batch of 5 at the start of the level, put rounds 15% ahead of plain steps settled over many epochs, while
+    their parts put them 2% behind (the fixed server made 0.55x the plain one's tokens/s); the level switched and
+    ran 1018 rounds. Where plain steps are the load's model choice, settled, and rounds' realized figure rests on
+    fewer than SETTLED_EPOCHS epochs, rounds must also win by SPECULATION_MARGIN by their parts; settled, their
+    figure decides alone. Parts that agree switch at once."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req() for _ in range(8)]
+    set_accept(p, 0.5)  # by the parts: rounds commit 0.75x plain steps' tokens/s
+    assert p.decide(reqs).choice == PLAIN
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, 8, 1.0)
+    realize(p, SPECULATIVE, 8, 0.5)  # one probe epoch measured rounds at half their parts: 1.5x plain steps
+    d = p.decide(reqs)
+    assert d.tokens_per_second(SPECULATIVE) == pytest.approx(1.5 * d.tokens_per_second(PLAIN))
+    assert d.choice == PLAIN and p.steady_choice(8) == PLAIN
+    for _ in range(SETTLED_EPOCHS - 1):  # two more epochs read the same: settled
+        realize(p, SPECULATIVE, 8, 0.5)
+    assert p.decide(reqs).choice == SPECULATIVE and p.steady_choice(8) == SPECULATIVE
+    p = policy(plain=1e-3, spec=2e-3)
+    set_accept(p, 0.5)
+    assert p.decide(reqs).choice == PLAIN
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, 8, 1.0)
+    realize(p, SPECULATIVE, 8, 0.5)
+    set_accept(p, 1.5)  # now the parts put rounds 1.25x ahead too
+    assert p.decide(reqs).choice == SPECULATIVE
+
+
 def test_a_catch_up_is_shared_by_the_rounds_it_opens():
     """The H100 short-prompt run (2026-11-23, concurrency 1): rounds of 0.7 ms commit 4.35 tokens against 1 per
     0.4 ms plain step, but every new request's draft lagged by its 128-token prompt (lazy prefill), and charged to

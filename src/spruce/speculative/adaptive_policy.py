@@ -371,10 +371,38 @@ class AdaptivePolicy:
         load = self._load_bucket(batch_size)
         spec_tokens = 1.0 + self.prior_accept()
         request_tokens, new_positions = self._arrivals
-        spec = spec_tokens / self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens,
-                                          request_tokens, new_positions)
-        plain = 1.0 / self._priced(PLAIN, load, batch_size, 0, 1.0, 0.0, 0.0, 0.0)
-        return SPECULATIVE if spec > (1.0 + self._margin(load)) * plain else PLAIN
+
+        def price(choice: str, realized: bool) -> float:
+            if choice == PLAIN:
+                return self._priced(PLAIN, load, batch_size, 0, 1.0, 0.0, 0.0, 0.0, realized)
+            return self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens, request_tokens,
+                                new_positions, realized)
+
+        return SPECULATIVE if self._rounds_win(load, spec_tokens, price) else PLAIN
+
+    def _rounds_win(self, load: int, spec_tokens: float, price: Callable[[str, bool], float]) -> bool:
+        """Whether rounds committing `spec_tokens` per request-step beat plain steps at load bucket `load`, each
+        priced by `price(choice, realized)` (seconds of the step at hand; realized False: by its parts alone): by
+        the margin (`_margin`) as priced; and, where rounds are not the load's model choice and their realized
+        figure there rests on fewer than SETTLED_EPOCHS epochs while plain steps' rests on that many, by
+        SPECULATION_MARGIN by the parts as well. One rule for `decide` and `steady_choice`.
+
+        A figure of one or two probe epochs is whatever those epochs met, and one that met the start of a level
+        (its first requests decoding while the others prefill) priced rounds below what they cost: on the H200
+        (697c8ca, 2026-11-25, 1k shared prefix, rounds committing 1.17 tokens) one probe epoch of rounds at load 64,
+        begun over a batch of 5, put them 15% ahead of plain steps whose figure rested on many epochs, while
+        their parts put them 2% behind and the fixed server made 0.55x the plain server's tokens/s; the level
+        switched and ran 1018 rounds before it switched back. The parts miss the work between steps, which rounds
+        have more of (prefills with draft extends, more tokens to send), so they rarely hold back rounds that do
+        win: every H100 and H200 run where rounds won had them ahead by their parts too. (Where plain steps'
+        figure is no more settled than rounds', the two are compared as measured: `_realized`.)"""
+        if not _ahead(spec_tokens, price, True, self._margin(load)):
+            return False
+        unsettled = (self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS <= self.epochs.count(PLAIN, load)
+                     and self._state[load].model_choice != SPECULATIVE)
+        if not unsettled or self._realized(SPECULATIVE, load) is None:
+            return True
+        return _ahead(spec_tokens, price, False, SPECULATION_MARGIN)
 
     def _margin(self, load: int) -> float:
         """How much more tokens/s rounds must be expected to commit than plain steps at load bucket `load` (module
@@ -480,11 +508,14 @@ class AdaptivePolicy:
         catch_up_positions = sum(lags)
         spec_tokens = sum(1.0 + self._expected(own, lag) for own, lag in zip(owns, lags)) / bs
         rounds = max(tokens_left / spec_tokens, 1.0)
+
+        def price(choice: str, realized: bool = True) -> float:
+            return self._priced(choice, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
+                                new_positions, realized)
+
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
-                     {c: self._priced(c, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
-                                      new_positions) for c in CHOICES},
-                     catch_up_positions)
-        if d.tokens_per_second(SPECULATIVE) > (1.0 + self._margin(load)) * d.tokens_per_second(PLAIN):
+                     {c: price(c) for c in CHOICES}, catch_up_positions)
+        if self._rounds_win(load, spec_tokens, price):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
         st = self._state[load]
@@ -542,14 +573,15 @@ class AdaptivePolicy:
             "priced": {c: priced(c) for c in CHOICES}}, default=float))
 
     def _priced(self, choice: str, load: int, batch_size: int, catch_up_positions: int, rounds: float,
-                round_tokens: float, request_tokens: float, new_positions: float) -> float:
+                round_tokens: float, request_tokens: float, new_positions: float, realized: bool = True) -> float:
         """t(choice), the seconds of a step over `batch_size` requests at the load bucket `load`: that many times
-        the realized seconds per request-step there (`_realized`), else that share of its parts at the load's bucket
-        (`step_seconds`, a round with its share of the draft's work on arriving prompts); a round over lagging
+        the realized seconds per request-step there (`_realized`; not if `realized` is False), else that share of
+        its parts at the load's bucket (`step_seconds`, a round with its share of the draft's work on arriving
+        prompts); a round over lagging
         drafts adds its share of the catch-up. A batch that dips below its load is priced per request as the load
         either way, so that it takes the load's choice, and so that one choice priced by its parts at the dip's
         bucket does not meet the other's realized figure at the load's."""
-        per_request = self._realized(choice, load)
+        per_request = self._realized(choice, load) if realized else None
         if per_request is not None:
             t = batch_size * per_request
         else:
@@ -964,6 +996,16 @@ class AdaptivePolicy:
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
+
+
+def _ahead(spec_tokens: float, price: Callable[[str, bool], float], realized: bool, margin: float) -> bool:
+    """Whether rounds committing `spec_tokens` per request are expected to commit more than 1 + `margin` times
+    plain steps' tokens per second, each step priced by `price(choice, realized)` (a step priced at 0 s: infinitely
+    fast, as `Decision.tokens_per_second` has it)."""
+    spec_seconds, plain_seconds = price(SPECULATIVE, realized), price(PLAIN, realized)
+    spec = spec_tokens / spec_seconds if spec_seconds > 0 else math.inf
+    plain = 1.0 / plain_seconds if plain_seconds > 0 else math.inf
+    return spec > (1.0 + margin) * plain
 
 
 def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int) -> float:
