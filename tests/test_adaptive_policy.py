@@ -916,6 +916,58 @@ def test_a_dip_takes_the_choice_of_its_load():
     assert d.step_seconds == pytest.approx({PLAIN: 2 * 1e-3 / 8, SPECULATIVE: 2 * 1.2e-3 / 8}) and d.choice == PLAIN
 
 
+def test_a_level_that_opens_with_one_request_does_not_price_load_1():
+    """The H200 runs at 8b04568 (2026-11-25, served, 1k shared prefix): a concurrency-64 level opened with one request
+    decoding while the others were still arriving (the load counts the requests held), so its first decision was at
+    load 1, and its plain steps stood (`repeat`) while prefills of the arrivals ran and the batch grew: the ramp was
+    an epoch at load 1, at 250-810 us a request-step against ~300 us for concurrency 1's. Two levels of them set
+    plain steps' figure there, and the next concurrency-1 level ran rounds. An epoch whose steps outgrew its load is
+    dropped (`outgrown`, counted in /metrics); the figure at load 1 stays concurrency 1's."""
+    clock = Clock()
+    p = policy(plain=0.3e-3, spec=0.8e-3, clock=clock)
+    set_accept(p, 0.2)  # rounds lose everywhere
+    p.probe_seconds = math.inf  # no probe: every step here is plain
+
+    def step(n: int, held: int) -> None:
+        if not p.repeat(PLAIN, n):
+            assert p.decide([Req() for _ in range(n)], request_tokens=32, held=held).choice == PLAIN
+        clock.now += 0.3e-3 if n == 1 else 0.5e-3
+
+    for _ in range(EPOCH_MIN * 2):  # a concurrency-8 level: plain steps are the model's choice at bucket 8
+        step(8, 8)
+    p.idle()
+    for _ in range(2):  # concurrency 1: two requests of 32 steps, each after a 2 ms prefill
+        p.break_chain(arrivals=1)
+        clock.now += 2e-3
+        for _ in range(32):
+            step(1, 1)
+        p.idle()
+        clock.now += 1.0
+    step(1, 1)  # ends the second request's epoch
+    p.idle()
+    c1 = p.epochs.request_seconds(PLAIN, 1)
+    assert c1 is not None and c1 < (2e-3 + 32 * 0.3e-3) / 32 * 1.05  # its steps and at most its prefill
+    for _ in range(2):  # two concurrency-8 levels that open with one request decoding
+        clock.now += 1.0
+        p.break_chain(arrivals=1)
+        clock.now += 2e-3
+        for i in range(28):
+            if i % 10 == 5:  # the others' prefills, 10 ms each, while one request decodes
+                p.break_chain(arrivals=3)
+                clock.now += 10e-3
+            step(1, 1)
+        for _ in range(4 + EPOCH_MIN * 2):  # they join: the batch outgrows load 1
+            step(8, 8)
+        p.idle()
+    assert p.epochs.request_seconds(PLAIN, 1) == pytest.approx(c1)
+    assert p.epochs.outgrown == 2
+    from spruce.server.metrics import Metrics
+
+    metrics = Metrics(5)
+    metrics.on_engine_stats({"adaptive": p.snapshot()})
+    assert "spruce_adaptive_epochs_outgrown_total 2" in metrics.render()
+
+
 def test_a_drain_does_not_price_a_full_batch():
     """The H100 prefix run (2026-11-23, commit 420bc7f): the adaptive server's plain steps at load 64 were priced at
     0.34 ms a step (busy seconds per step over an epoch that caught the level's drain) against 1.55 ms between

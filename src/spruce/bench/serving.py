@@ -161,7 +161,8 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spr
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total",
                      "epochs_dropped": "spruce_adaptive_epochs_dropped_total",
-                     "epochs_drained": "spruce_adaptive_epochs_drained_total"}
+                     "epochs_drained": "spruce_adaptive_epochs_drained_total",
+                     "epochs_outgrown": "spruce_adaptive_epochs_outgrown_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
@@ -374,7 +375,7 @@ def _print_level(lv: dict) -> None:
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
-                                     f"{steps['epochs_drained']}")
+                                     f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}")
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:

@@ -331,6 +331,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_epochs_drained_total", "counter", "Epochs dropped as a drain (fewer requests arrived in "
            "them than half of those that ended): a level's end, not a load's steady cost.",
            [("", a.get("epochs_drained", 0))])
+    series("spruce_adaptive_epochs_outgrown_total", "counter", "Epochs dropped because the load grew under them "
+           "(steps over batches of a larger cost bucket than the epoch's load): a level's ramp, not a load's "
+           "steady cost.", [("", a.get("epochs_outgrown", 0))])
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])

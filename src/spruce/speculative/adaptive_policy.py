@@ -972,7 +972,7 @@ class AdaptivePolicy:
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
                 "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped,
-                "epochs_drained": self.epochs.drained}
+                "epochs_drained": self.epochs.drained, "epochs_outgrown": self.epochs.outgrown}
 
     def _build_tables(self) -> dict:
         def per_choice(value) -> dict:

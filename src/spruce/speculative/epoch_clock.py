@@ -52,6 +52,16 @@ concurrency-8 level, priced by it from its start, ran rounds (1.19 tokens) for 9
 plain server. A level's ramp (arrivals, few ended) is kept: it is one epoch per
 level, and its prefills are the level's.
 
+Unless the load grew under it: an epoch takes its load bucket when it starts, and the steps of a standing decision
+join it whatever their batch (AdaptivePolicy.repeat), so a served level that opens with one request decoding while
+the others are still on their way (the load counts the requests the engine holds, and they come a few milliseconds
+apart) ran its whole ramp, its prefills of 55-63 arrivals and steps over batches of up to 64, as an epoch at load
+1: 250-810 us a request-step against ~300 us for a concurrency-1 level's epochs. Each concurrency-64 level left one
+to three such epochs at load 1, and on the H200 (8b04568, 2026-11-25) two levels of them put plain steps' figure
+there at 1.18 ms, the next concurrency-1 level switched to rounds (1.16 tokens each) and ran them for all its
+requests at 0.72x the plain server's tokens/s. An epoch any of whose steps ran at a cost bucket above its load's
+(`Epoch.outgrown`) is dropped (`outgrown`).
+
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
 (1k shared prefix, 2026-11-23, e2444fb) a kernel compiled at the first prefill of the concurrency-8 level stalled
@@ -130,6 +140,11 @@ class Epoch:
         return 2 * self.arrivals < ended
 
     @property
+    def outgrown(self) -> bool:
+        """Some of its steps ran over a batch of a larger cost bucket than its load's: the load grew under it."""
+        return max(self.step_buckets, default=0) > self.bucket
+
+    @property
     def full(self) -> bool:
         return self.steps >= self.target
 
@@ -146,6 +161,7 @@ class EpochClock:
         self.stalls = stalls
         self.dropped = 0  # epochs dropped for a stall
         self.drained = 0  # epochs dropped as a drain
+        self.outgrown = 0  # epochs dropped as a ramp into a larger load (Epoch.outgrown)
         self.current: Epoch | None = None
         self._pending: Epoch | None = None  # an ended epoch that looked drained, judged with the next one
         self._last: float | None = None  # the last launch's time; None after an idle gap
@@ -216,6 +232,12 @@ class EpochClock:
                           pending.choice, pending.bucket, pending.steps, pending.first_batch, pending.last_batch,
                           pending.arrivals)
         if cur is None or cur.steps < EPOCH_MIN or cur.busy <= 0:
+            return
+        if cur.outgrown:
+            self.outgrown += 1
+            log.debug("epoch dropped (outgrown): %s at load %d, %d steps (per cost bucket %s), batch %d to %d, "
+                      "%d arrivals", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets), cur.first_batch,
+                      cur.last_batch, cur.arrivals)
             return
         if self.stalls() != cur.stalls:
             self.dropped += 1
