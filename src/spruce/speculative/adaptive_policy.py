@@ -133,7 +133,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   concurrency 64 at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers: 22.9k and 28.7k), and
   the level switched to rounds. Not the other way (rounds the incumbent, plain steps probed): replaying the
   128-token trace at concurrency 1 (`bench/replay_adaptive.py`), holding rounds so ran 814 plain steps against 543
-  and 1.0% behind fixed rounds against 0.6%.
+  and 1.0% behind fixed rounds against 0.6%. And where plain steps' figure there is settled while rounds' is not,
+  rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
+  outweighed the margin (H200, 697c8ca, 2026-11-25).
 - A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost bucket,
   or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an
   adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
