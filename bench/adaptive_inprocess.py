@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from spruce import LLM, SamplingParams
-from spruce.bench.common import write_result
+from spruce.bench.common import price_out, write_result
 from spruce.bench.serving import load_prompts
 from spruce.speculative.adaptive_policy import SPECULATIVE
 
@@ -49,9 +49,7 @@ def build(kind: str, args) -> LLM:
                   speculative_num_draft_tokens=8, speculative_adaptive=True)
     llm = LLM(args.model, **kw)
     if kind == "forced":
-        policy = llm.engine.strategy.policy
-        for bucket in policy.buckets:
-            policy.device_seconds[(SPECULATIVE, bucket)] = 1.0
+        price_out(llm, SPECULATIVE)
     return llm
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from spruce import LLM, SamplingParams
-from spruce.bench.common import device_name, git_commit
+from spruce.bench.common import device_name, git_commit, price_out
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
@@ -73,9 +73,8 @@ def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, mod
     engine = engine_of(llm)
     strategy = engine.strategy
     if adaptive:
+        price_out(llm, _other(choice))  # the model chooses `choice`
         policy = strategy.policy
-        for b in policy.buckets:  # the other candidate priced out: the model chooses `choice`
-            policy.device_seconds[(_other(choice), b)] = 1.0
         decide = policy.decide
 
         def forced(requests, *args):  # the real decide runs (its cost is measured); probes are `choice` too

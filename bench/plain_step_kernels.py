@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from spruce import LLM, SamplingParams
-from spruce.bench.common import device_name, git_commit
+from spruce.bench.common import device_name, git_commit, price_out
 from spruce.bench.serving import load_prompts
 from spruce.speculative.adaptive_policy import SPECULATIVE
 
@@ -39,9 +39,7 @@ def build(adaptive: bool, args) -> LLM:
                   speculative_num_draft_tokens=8, speculative_adaptive=True)
     llm = LLM(args.model, **kw)
     if adaptive:  # plain steps only: rounds priced out, as the shared-prefix workload prices them
-        policy = llm.engine.strategy.policy
-        for b in policy.buckets:
-            policy.device_seconds[(SPECULATIVE, b)] = 1.0
+        price_out(llm, SPECULATIVE)
     return llm
 
 

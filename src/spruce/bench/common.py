@@ -43,6 +43,15 @@ def write_result(kind: str, device: str, config: dict, figures: dict, out_dir: P
     return path
 
 
+def price_out(llm, choice: str) -> None:
+    """Benchmarks of the adaptive machinery: the adaptive engine of `llm` prices `choice` (adaptive_policy's
+    PLAIN or SPECULATIVE) at 1 s a step in its start-up table at every cost bucket, so that its model chooses the
+    other candidate until `choice` has been measured (it never is, if never chosen)."""
+    policy = llm.engine.strategy.policy
+    for bucket in policy.buckets:
+        policy.device_seconds[(choice, bucket)] = 1.0
+
+
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (GPU only)."""
     dev = torch.device(device)
