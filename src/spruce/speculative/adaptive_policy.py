@@ -212,7 +212,7 @@ class Decision:
 
     def tokens_per_second_at(self, choice: str, seconds: float) -> float:
         """The batch's expected tokens per second if a step of `choice` took `seconds`."""
-        return self.batch_size * self.tokens_per_step[choice] / seconds if seconds > 0 else float("inf")
+        return self.batch_size * _rate(self.tokens_per_step[choice], seconds)
 
     def as_dict(self) -> dict:
         return {"choice": self.choice, "reason": self.reason, "batch_size": self.batch_size,
@@ -380,14 +380,17 @@ class AdaptivePolicy:
             return self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens, request_tokens,
                                 new_positions, realized)
 
-        return SPECULATIVE if self._rounds_win(load, spec_tokens, price) else PLAIN
+        win = self._rounds_win(load, spec_tokens, {c: price(c, True) for c in CHOICES},
+                               lambda: {c: price(c, False) for c in CHOICES})
+        return SPECULATIVE if win else PLAIN
 
-    def _rounds_win(self, load: int, spec_tokens: float, price: Callable[[str, bool], float]) -> bool:
+    def _rounds_win(self, load: int, spec_tokens: float, seconds: dict[str, float],
+                    parts: Callable[[], dict[str, float]]) -> bool:
         """Whether rounds committing `spec_tokens` per request-step beat plain steps at load bucket `load`, each
-        priced by `price(choice, realized)` (seconds of the step at hand; realized False: by its parts alone): by
-        the margin (`_margin`) as priced; and, where rounds are not the load's model choice and their realized
-        figure there rests on fewer than SETTLED_EPOCHS epochs while plain steps' rests on that many, by
-        SPECULATION_MARGIN by the parts as well. One rule for `decide` and `steady_choice`.
+        step priced at `seconds[choice]` (the step at hand; `parts()`: priced by their parts alone): by the margin
+        (`_margin`) as priced; and, where rounds are not the load's model choice and their realized figure there
+        rests on fewer than SETTLED_EPOCHS epochs while plain steps' rests on that many, by SPECULATION_MARGIN by
+        the parts as well. One rule for `decide` and `steady_choice`.
 
         A figure of one or two probe epochs is whatever those epochs met, and one that met the start of a level
         (its first requests decoding while the others prefill) priced rounds below what they cost: on the H200
@@ -398,13 +401,13 @@ class AdaptivePolicy:
         have more of (prefills with draft extends, more tokens to send), so they rarely hold back rounds that do
         win: every H100 and H200 run where rounds won had them ahead by their parts too. (Where plain steps'
         figure is no more settled than rounds', the two are compared as measured: `_realized`.)"""
-        if not _ahead(spec_tokens, price, True, self._margin(load)):
+        if not _ahead(spec_tokens, seconds, self._margin(load)):
             return False
         unsettled = (self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS <= self.epochs.count(PLAIN, load)
                      and self._state[load].model_choice != SPECULATIVE)
         if not unsettled or self._realized(SPECULATIVE, load) is None:
             return True
-        return _ahead(spec_tokens, price, False, SPECULATION_MARGIN)
+        return _ahead(spec_tokens, parts(), SPECULATION_MARGIN)
 
     def _margin(self, load: int) -> float:
         """How much more tokens/s rounds must be expected to commit than plain steps at load bucket `load` (module
@@ -517,7 +520,7 @@ class AdaptivePolicy:
 
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
-        if self._rounds_win(load, spec_tokens, price):
+        if self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
         st = self._state[load]
@@ -1000,14 +1003,15 @@ class AdaptivePolicy:
         }
 
 
-def _ahead(spec_tokens: float, price: Callable[[str, bool], float], realized: bool, margin: float) -> bool:
+def _rate(tokens: float, seconds: float) -> float:
+    """Tokens per second of a step that commits `tokens` in `seconds` (a step priced at 0 s: infinitely fast)."""
+    return tokens / seconds if seconds > 0 else math.inf
+
+
+def _ahead(spec_tokens: float, seconds: dict[str, float], margin: float) -> bool:
     """Whether rounds committing `spec_tokens` per request are expected to commit more than 1 + `margin` times
-    plain steps' tokens per second, each step priced by `price(choice, realized)` (a step priced at 0 s: infinitely
-    fast, as `Decision.tokens_per_second` has it)."""
-    spec_seconds, plain_seconds = price(SPECULATIVE, realized), price(PLAIN, realized)
-    spec = spec_tokens / spec_seconds if spec_seconds > 0 else math.inf
-    plain = 1.0 / plain_seconds if plain_seconds > 0 else math.inf
-    return spec > (1.0 + margin) * plain
+    plain steps' tokens per second, each step priced at `seconds[choice]`."""
+    return _rate(spec_tokens, seconds[SPECULATIVE]) > (1.0 + margin) * _rate(1.0, seconds[PLAIN])
 
 
 def _own_or_other(table: dict[tuple[str, int], float], choice: str, bucket: int) -> float:
