@@ -61,6 +61,7 @@ def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, m
         lazy = mode == "adaptive" and policy.steady_choice(1) == PLAIN
         step = cost["prefill"] + (cost["extend"] if mode != "plain" and not lazy else 0.0)
         if mode == "adaptive" and not lazy:
+            policy.drafts_joined()  # as AdaptiveDecoding.prefill: its draft is current
             policy.prompt_extend_launched(cost["extend"])
         clock.now += step
         if mode == "adaptive":

@@ -384,6 +384,30 @@ def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     assert rounds.repeat(SPECULATIVE, 3) and rounds.repeat(SPECULATIVE, 8)  # both buckets chose rounds last
 
 
+def test_plain_steps_stand_to_their_epochs_end_unless_drafted_requests_join():
+    """A model choice of plain steps stands to its epoch's end, past REUSE_STEPS (deciding every 32 steps cost a
+    served engine's host a decision and its timing events every ~26 steps at concurrency 1); a prefill that extends
+    arriving requests' drafts (`drafts_joined`) ends it, so that the next step can choose rounds for them. Rounds
+    still stand for at most REUSE_STEPS steps."""
+    p = policy(spec=1.1e-3)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    d = p.decide(reqs, [0], 128.0, 128.0)
+    assert d.choice == PLAIN and d.reason == "model"
+    left = p.epochs.current.target - p.epochs.current.steps
+    assert left > 2 * REUSE_STEPS
+    assert all(p.repeat(PLAIN, 1) for _ in range(2 * REUSE_STEPS))
+    p.drafts_joined()
+    assert p.repeat(PLAIN, 1) is False
+    assert p.decide(reqs, [0], 128.0, 128.0).choice == PLAIN
+    left = p.epochs.current.target - p.epochs.current.steps
+    assert sum(p.repeat(PLAIN, 1) for _ in range(left + 3)) == left  # to the epoch's end
+    rounds = policy(spec=1.1e-3)
+    settle(rounds, reqs, 4)
+    assert rounds.decide(reqs, [0], 1024.0, 1024.0).choice == SPECULATIVE  # an epoch of ~200 rounds
+    assert sum(rounds.repeat(SPECULATIVE, 1) for _ in range(2 * REUSE_STEPS)) == REUSE_STEPS
+
+
 def test_round_resolve_is_charged_to_the_round():
     """Overlap: a step's results are read after the next step's launch, so the interval after launching a probe
     round holds the previous plain step's resolve, and the round's own resolve falls in the plain step after it.

@@ -3,6 +3,8 @@ captured kv bound, dummy rows) but eagerly, and require the same tokens as the p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from spruce import LLM, SamplingParams
@@ -18,7 +20,7 @@ def as_if_graphed(llm, buckets=(2, 4, 8)):
     """Make BucketGraphs pad to a bucket and run each phase as captured: plan, then fn(bucket, kv_bound)."""
     graphs = llm.engine.runner.graphs
     graphs.enabled = True
-    graphs.limits = type(graphs.limits)(**{**graphs.limits.__dict__, "graph_max_bs": max(buckets)})
+    graphs.limits = dataclasses.replace(graphs.limits, graph_max_bs=max(buckets))
 
     def run(name, fn, bs, max_kv_len, *previous, plan=None):
         bucket = graphs.bucket(bs)

@@ -8,6 +8,7 @@ nothing else computes a width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from spruce.config import EngineConfig
 from spruce.errors import ConfigError, InvariantError
@@ -31,7 +32,8 @@ def _size_buckets(largest: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Limits:
-    """Every width and count the engine allocates by. Fields are plain ints; properties derive from them."""
+    """Every width and count the engine allocates by. Fields are plain ints; properties derive from them, each
+    computed once (the engine reads several per decode step: graph_buckets rebuilt its tuple at every lookup)."""
 
     max_running_requests: int  # R: request rows in the page table (plus one dummy row)
     page_size: int
@@ -52,17 +54,17 @@ class Limits:
             raise ConfigError(f"KV cache has {self.num_pages} pages; need >= 2 (one is the reserved dummy page)")
 
     # --- speculation -------------------------------------------------------------------------------------
-    @property
+    @cached_property
     def speculative(self) -> bool:
         return self.num_draft_tokens > 0
 
-    @property
+    @cached_property
     def step_advance(self) -> int:
         """Positions past the committed length one decode step may write (and commit): S+1 with
         speculation (root + S accepted), 1 without."""
         return self.num_steps + 1 if self.speculative else 1
 
-    @property
+    @cached_property
     def steps_ahead(self) -> int:
         """Decode steps whose writes the host reserves pages for past a request's known committed length:
         the step being planned, plus (overlap) the step still in flight, whose commits the host learns late."""
@@ -70,54 +72,54 @@ class Limits:
             return 2
         return 1
 
-    @property
+    @cached_property
     def lookahead(self) -> int:
         """Positions past the host-known committed length that pages must cover before a decode step."""
         per_step = 1 if "spec_page_lookahead" in self.reverted_fixes else self.step_advance
         return per_step * self.steps_ahead
 
-    @property
+    @cached_property
     def draft_lag_window(self) -> int:
         """Adaptive speculation: most positions a request's draft may lag its target (plain steps since the draft
         was last current), and so the slots per row of the feature ring that a catch-up reads (DESIGN §16); one
         request's catch-up fits one forward. 0 without adaptive speculation."""
         return min(DRAFT_LAG_WINDOW, self.max_tokens_per_forward) if self.adaptive else 0
 
-    @property
+    @cached_property
     def lazy_prefill_tokens(self) -> int:
         """Adaptive speculation: the longest final prompt chunk whose draft extend may wait for a catch-up (lazy
         prefill): half the ring, so the request still has half of it for plain steps before a catch-up is due."""
         return self.draft_lag_window // 2
 
-    @property
+    @cached_property
     def num_candidates(self) -> int:
         """M: draft candidates one round produces, K at step 0 and K*K at each later step."""
         return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
 
-    @property
+    @cached_property
     def step_result_width(self) -> int:
         """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1)."""
         return 1 + self.step_advance
 
-    @property
+    @cached_property
     def target_scratch_width(self) -> int:
         """Tree tokens per request row in the target's scratch: N."""
         return self.num_draft_tokens
 
-    @property
+    @cached_property
     def draft_scratch_width(self) -> int:
         """Draft-step tokens per request row in the draft's scratch: K*S."""
         if "draft_scratch_width" in self.reverted_fixes:
             return self.num_draft_tokens
         return self.eagle_topk * self.num_steps
 
-    @property
+    @cached_property
     def mask_words(self) -> int:
         """64-bit words of ancestor bitmask per query token (covers both scratch widths)."""
         width = max(self.target_scratch_width, self.draft_scratch_width, 1)
         return ceil_div(width, MASK_WORD_BITS)
 
-    @property
+    @cached_property
     def draft_extend_stride(self) -> int:
         """Uniform per-request token stride of DRAFT_EXTEND after verify: at most S+1 committed tokens."""
         if "draft_extend_stride" in self.reverted_fixes:
@@ -125,20 +127,20 @@ class Limits:
         return self.num_steps + 1
 
     # --- paged cache -------------------------------------------------------------------------------------
-    @property
+    @cached_property
     def num_rows(self) -> int:
         """Page-table rows: one per running request plus the dummy row (index R) used by padding."""
         return self.max_running_requests + 1
 
-    @property
+    @cached_property
     def dummy_row(self) -> int:
         return self.max_running_requests
 
-    @property
+    @cached_property
     def num_page_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    @property
+    @cached_property
     def max_pages_per_request(self) -> int:
         return ceil_div(self.context_length + self.lookahead, self.page_size)
 
@@ -151,7 +153,7 @@ class Limits:
         return self.num_page_slots + self.num_rows * scratch_width
 
     # --- forward sizes -----------------------------------------------------------------------------------
-    @property
+    @cached_property
     def max_tokens_per_forward(self) -> int:
         """Most query tokens any phase can put in one forward (sizes every per-token buffer)."""
         r = self.max_running_requests
@@ -160,12 +162,12 @@ class Limits:
             widths += [r * self.num_draft_tokens, r * self.eagle_topk, r * self.draft_extend_stride]
         return max(widths)
 
-    @property
+    @cached_property
     def graph_buckets(self) -> tuple[int, ...]:
         """Batch-size buckets captured as CUDA graphs; always includes the largest (graph_max_bs)."""
         return _size_buckets(self.graph_max_bs)
 
-    @property
+    @cached_property
     def cost_buckets(self) -> tuple[int, ...]:
         """Batch-size buckets adaptive speculation keeps one cost and one choice per: the graph buckets, then
         the same grid up to max_running_requests for batches that run eagerly."""

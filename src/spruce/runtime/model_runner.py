@@ -138,10 +138,11 @@ class ModelRunner:
         """The plan callback of a decode-time phase whose forwards are `phases` (BucketGraphs.run / capture call
         it with the rows and max_kv_len the phase runs with): plans each from the batch the builder will build."""
         if phases not in self._planners:
+            layouts = [(phase, *self.phase_layout(phase)) for phase in phases]  # (phase, stride, width)
+
             def plan(rows: int, max_kv_len: int) -> None:
                 self._planned = {}  # only this phase's plans count for its forwards
-                for phase in phases:
-                    stride, width = self.phase_layout(phase)
+                for phase, stride, width in layouts:
                     self.plan(self.builder.describe(phase, rows, stride, max_kv_len, width))
 
             self._planners[phases] = plan

@@ -191,9 +191,11 @@ class Scheduler:
         """Reserve `lookahead` positions past each request's committed length; the first one short of pages,
         or None when all are covered."""
         lookahead = self.limits.lookahead
+        short = [r for r in reqs if r.committed + lookahead > r.reserved]  # most steps: none
+        if not short:
+            return None
         with self.page_table.batched():  # one device write for the step's new pages
-            return next((r for r in reqs if r.committed + lookahead > r.reserved
-                         and not self._reserve(r, r.committed + lookahead)), None)
+            return next((r for r in short if not self._reserve(r, r.committed + lookahead)), None)
 
     def preempt_youngest(self) -> None:
         """Drop the youngest running request's cache and queue it (first in line) for recomputation."""

@@ -9,6 +9,9 @@ from collections import defaultdict
 import torch
 
 
+_OFF = contextlib.nullcontext()  # what `phase` returns while off: reusable, no generator per call
+
+
 class PhaseTimer:
     """`with timer.phase("verify"): ...` records the phase's time when enabled; a no-op otherwise."""
 
@@ -19,11 +22,13 @@ class PhaseTimer:
         self.totals: dict[str, float] = defaultdict(float)  # milliseconds
         self.counts: dict[str, int] = defaultdict(int)
 
-    @contextlib.contextmanager
     def phase(self, name: str):
-        if not self.enabled:
-            yield
-            return
+        """A context that times its block as phase `name` when enabled; while off, a shared no-op (a decode step
+        enters several; a generator context costs ~1 us more per block, a shared one nothing)."""
+        return self._timed(name) if self.enabled else _OFF
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

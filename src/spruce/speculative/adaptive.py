@@ -102,6 +102,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture)
         self.last_decision: Decision | None = None
         self.cuda = r.device.type == "cuda"
+        self._stream = torch.cuda.current_stream(r.device) if self.cuda else None  # the engine's: where marks go
         self._events: list[torch.cuda.Event] = []  # timing events of resolved steps, reused
         self._batch_size = 0  # requests in the last decode step
         self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
@@ -118,6 +119,8 @@ class AdaptiveDecoding(DecodeStrategy):
             self.policy.break_chain(sum(c.final for c in chunks))  # the time until the next decode launch is not
             # a decode step's; the prompts it completes arrive in the epoch under way
         self._lazy = self._lazy_chunks(chunks)
+        if self.policy is not None and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
+            self.policy.drafts_joined()  # arrivals with current drafts: a standing plain choice is decided again
         self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:
             return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
@@ -361,7 +364,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if not self.cuda:
             return time.perf_counter()
         event = self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)  # named: record() alone looks the current stream up in Python each time
         return event
 
     def _elapsed(self, a, b) -> float:

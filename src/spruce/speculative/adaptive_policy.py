@@ -136,8 +136,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   and 1.0% behind fixed rounds against 0.6%. And where plain steps' figure there is settled while rounds' is not,
   rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
   outweighed the margin (H200, 697c8ca, 2026-11-25).
-- A model choice (not a probe) stands for up to `REUSE_STEPS` further steps whose batch falls in the same cost bucket,
-  or in one whose latest model choice was the same (`repeat`): those steps skip the evaluation and the timing, so an
+- A model choice (not a probe) stands for further steps whose batch falls in the same cost bucket, or in one whose
+  latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their epoch
+  or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
+  while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
+  tokens left, which only favour plain steps further); deciding every 32 plain steps cost a served adaptive engine at
+  concurrency 1 ~4 us a step of host time on the H200, a decision and its timing events every ~26 steps, one of
+  several costs that left it ~3% behind a plain server there, 2026-11-25). Those steps skip the evaluation and the
+  timing, so an
   adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
   runs rounds. Only the steps that decide are timed (host interval, resolve, device events); every step counts in its
   epoch. Deciding each step cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain
@@ -181,7 +187,7 @@ OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before t
 PROBE_BUDGET = 0.01  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
-REUSE_STEPS = 32  # a model choice stands for at most this many more steps in its cost bucket
+REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps ...
 REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realized figures
@@ -537,10 +543,11 @@ class AdaptivePolicy:
         self._reuse_left, self._reuse_bucket, self._reuse_accept = 0, bucket, self.prior_accept()
         if d.reason == "model":
             self._model_choice[bucket] = d.choice
-            epoch = self.epochs.current
-            self._reuse_left = min(REUSE_STEPS, epoch.target - epoch.steps)
-            if d.choice == PLAIN:
-                self._reuse_left = min(self._reuse_left, self._retry_in(owns, lags))
+            left = self.epochs.current.target - self.epochs.current.steps  # steps left in the epoch
+            if d.choice == PLAIN:  # stands to the epoch's end or the first retry (module docstring)
+                self._reuse_left = min(left, self._retry_in(owns, lags, left))
+            else:
+                self._reuse_left = min(REUSE_STEPS, left)
         if d.choice == SPECULATIVE:
             self._mark_retries(owns, lags)
         self._tables = None
@@ -748,13 +755,13 @@ class AdaptivePolicy:
             return 0.0
         return round_tokens / request_tokens * self.prompt_draft_seconds(new_positions)
 
-    def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> int:
+    def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int], none_due: int) -> int:
         """Further plain steps (after this one) before the first collapsed one of the batch's requests (their
-        acceptance states `owns`) is due for a retry (REUSE_STEPS if none is)."""
+        acceptance states `owns`) is due for a retry (`none_due` if none is)."""
         prior = self.prior_accept()
         due = [own.retry_after - lag - 1 for own, lag in zip(owns, lags)
                if own is not None and own.collapsed(prior) and lag < own.retry_after]
-        return max(min(due, default=REUSE_STEPS), 0)
+        return max(min(due, default=none_due), 0)
 
     def _mark_retries(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> None:
         """A round is launched: the requests in it priced on the prior (a retry) are judged by its acceptance."""
@@ -769,7 +776,8 @@ class AdaptivePolicy:
         decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
         must be decided (`decide`): the last decision was a probe, the batch moved to a cost bucket whose latest
         model choice differs (with prefill batching the batch size swings between buckets), the epoch is
-        complete (a probe may be due), a collapsed request is due for a retry, or REUSE_STEPS steps have passed.
+        complete (a probe may be due), a collapsed request is due for a retry, or (rounds) REUSE_STEPS steps have
+        passed.
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
         if self._reuse_left <= 0:
@@ -837,10 +845,19 @@ class AdaptivePolicy:
         if cur is not None and cur.choice == PLAIN:
             self.epochs.exclude(seconds)
 
+    def drafts_joined(self) -> None:
+        """A prefill extended the drafts of requests joining the batch (they need no catch-up): a standing choice of
+        plain steps ends, and the next step decides whether rounds pay now. Standing to its epoch's end over such
+        arrivals, plain steps left each a lag that priced its own rounds out at the next decision: in the offline
+        replay at concurrency 1 (bench/replay_adaptive.py, every round accepting 4 drafts) one plain probe's epoch
+        ran on into the next request, and every request after it decoded plainly (1430 plain steps, 1371 rounds)."""
+        self._reuse_left = 0
+
     def idle(self) -> None:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
         the load is gone: the next batch starts a new load window and decides afresh. The window counts decisions,
-        which a standing one spaces up to REUSE_STEPS steps apart, so it spans up to ~1000 steps; kept across an idle
+        which a standing one spaces up to REUSE_STEPS steps apart (plain steps: an epoch), so it spans ~1000 steps or
+        more; kept across an idle
         gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
         prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136 rounds a pass at twice a
         plain step's cost per token, with no switch at load 1."""
