@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +168,44 @@ def test_a_started_process_and_its_children_run_on_the_given_cpus(tmp_path):
     with log_path.open("w") as log:
         start_process([sys.executable, "-c", script], log, [cpu]).wait(timeout=60)
     assert log_path.read_text().split("\n")[:2] == [f"[{cpu}]"] * 2
+
+
+def test_cpu_sets_rotate_between_passes():
+    """--pin-cpus with --interleave: each pass moves every server one set further, so over as many passes as
+    servers each runs on every set once."""
+    from spruce.bench.serving_launch import rotated
+
+    sets = [[0, 1], [2, 3], [4, 5]]
+    assert rotated(sets, 0) == sets
+    assert rotated(sets, 1) == [[2, 3], [4, 5], [0, 1]]
+    assert rotated(sets, 4) == rotated(sets, 1)
+    for server in range(3):
+        assert sorted(rotated(sets, k)[server] for k in range(3)) == sets
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="moving between CPUs needs two")
+def test_a_running_process_tree_moves_to_other_cpus(tmp_path):
+    """What the rotation relies on: a running server, every thread of it and the engine process it started (a
+    grandchild here) move to the new CPUs."""
+    from spruce.bench.serving_launch import pin_tree, start_process
+
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    ready = tmp_path / "ready"
+    child = ("import pathlib, subprocess, sys, threading, time; "
+             "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+             "grand = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             f"pathlib.Path({str(ready)!r}).write_text(str(grand.pid)); time.sleep(60)")
+    with (tmp_path / "log").open("w") as log:
+        proc = start_process([sys.executable, "-c", child], log, [first])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grand = int(ready.read_text())
+        tasks = [int(t.name) for pid in (proc.pid, grand) for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert len(tasks) >= 3 and all(os.sched_getaffinity(t) == {first} for t in tasks)
+        assert pin_tree(proc.pid, [second]) >= 3
+        assert all(os.sched_getaffinity(t) == {second} for t in tasks)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -103,7 +103,9 @@ def add_serving_parser(sub) -> None:
     p.add_argument("--pin-cpus", action="store_true",
                    help="with --launch: run each server (its HTTP and engine processes) on CPUs of its own and the "
                         "client on the rest (bench/serving_launch.py cpu_sets), so that no server shares a core with "
-                        "the client or another server; the sets go into the result")
+                        "the client or another server; with --interleave the servers trade sets between passes "
+                        "(each pass one further), so that a slower set is every server's in turn; each level "
+                        "records its server's set")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -297,9 +299,11 @@ def _headers(args) -> dict:
 
 
 async def _bench(args, targets: list[tuple[str, str]], prompts,
-                 on_level: Callable[[int, dict], None] | None = None) -> list[tuple[list[dict], str | None]]:
+                 on_level: Callable[[int, dict], None] | None = None,
+                 before_pass: Callable[[int], list | None] | None = None) -> list[tuple[list[dict], str | None]]:
     """Measure every server in `targets` ((base_url, model) each): per server, the levels measured and why its
-    run stopped early (None: it did not); `on_level(i, level)` is called as each level of server i completes.
+    run stopped early (None: it did not); `on_level(i, level)` is called as each level of server i completes;
+    `before_pass(pass_index)` before each pass, which may return each server's CPUs for it (recorded per level).
     Each pass runs every level on each server in turn (level c on server 1, 2, ..., then the next level), so
     servers measured together see the same machine at the same time, in the order `level_order` gives."""
     headers = _headers(args)
@@ -318,13 +322,14 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
                         stopped[i] = f"warm-up: {res.error}"
                         break
         for k in range(1, args.passes + 1):
+            placed = before_pass(k - 1) if before_pass is not None else None
             for j, c in enumerate(args.concurrency):
                 for i in level_order(len(targets), k - 1, j):
                     base_url, model = targets[i]
                     if stopped[i]:
                         continue
                     level = await run_level(base_url, headers, model, prompts, c, requests[c], args, pool,
-                                            processes[c]) | {"pass": k}
+                                            processes[c]) | {"pass": k} | ({"cpus": placed[i]} if placed else {})
                     _print_level(level)
                     levels[i].append(level)
                     if on_level is not None:
@@ -527,7 +532,7 @@ def run_serving_bench(args: argparse.Namespace) -> int:
 def _run_launched(args: argparse.Namespace) -> int:
     """Start, measure and stop one server per configuration (x prefix cache on/off); one result for all."""
     from spruce.bench.common import write_result
-    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer, cpu_sets
+    from spruce.bench.serving_launch import LaunchConfig, LaunchedServer, cpu_sets, rotated
 
     try:
         configs = [LaunchConfig.parse(text) for text in args.launch]
@@ -560,14 +565,15 @@ def _run_launched(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, client_cpus)  # this process and the client processes it starts
             print(f"-- CPUs: client {client_cpus}, servers {server_cpus}")
         with contextlib.ExitStack() as stack:
-            targets = []
+            targets, launched = [], []
             for (cfg, cache), cpus in zip(group, server_cpus):
                 flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
                 label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
                 print(f"== {label}: spruce serve {shlex.join(flags)}")
                 log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
                 try:
-                    base_url = stack.enter_context(LaunchedServer(flags, log, args.launch_timeout, cpus))
+                    launched.append(LaunchedServer(flags, log, args.launch_timeout, cpus))
+                    base_url = stack.enter_context(launched[-1])
                     model = _served_model(args, base_url)
                 except (RuntimeError, SystemExit) as e:
                     print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
@@ -583,7 +589,17 @@ def _run_launched(args: argparse.Namespace) -> int:
                 with journal.open("a") as f:
                     f.write(json.dumps(keys[i] | level) + "\n")
 
-            measured = asyncio.run(_bench(args, targets, prompts, journal_level))
+            def place(pass_index: int, sets=server_cpus, servers=launched) -> list | None:
+                """--pin-cpus: this pass's CPU set of each server (`rotated`), the servers moved there."""
+                if not args.pin_cpus:
+                    return None
+                placed = rotated(sets, pass_index)
+                for server, cpus in zip(servers, placed):
+                    if server.cpus != cpus:
+                        server.pin(cpus)
+                return placed
+
+            measured = asyncio.run(_bench(args, targets, prompts, journal_level, place))
             for run, (base_url, _), (levels, stopped) in zip(runs[-len(group):], targets, measured):
                 run |= {"server": server_info(base_url, _headers(args)), "levels": levels, "stopped": stopped}
                 if stopped:

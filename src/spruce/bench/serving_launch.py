@@ -1,6 +1,7 @@
 """Servers that `spruce bench serving --launch` starts itself: `spruce serve` as a child process on a free loopback
 port, driven only through its HTTP API, then stopped (SIGTERM: the graceful drain); optionally each on CPUs of its
-own (`--pin-cpus`, `cpu_sets`), which its engine process inherits."""
+own (`--pin-cpus`, `cpu_sets`), which its engine process inherits, the sets rotated between passes (`rotated`,
+`pin_tree`)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ def cpu_sets(servers: int, cpus: list[int]) -> tuple[list[int], list[list[int]]]
     return cpus[per * servers:], [cpus[i * per:(i + 1) * per] for i in range(servers)]
 
 
+def rotated(sets: list[list[int]], pass_index: int) -> list[list[int]]:
+    """The CPU sets of servers 0, 1, ... in pass `pass_index` (from 0): server i takes set (i + pass) mod n, so over
+    any n passes in a row each server runs on every set once (`--pin-cpus`: sets of one machine's CPUs differ; on
+    the H200 machine, 2026-11-25, the server on CPUs 4-5 trailed in three runs of four whichever engine it was)."""
+    n = len(sets)
+    return [sets[(i + pass_index) % n] for i in range(n)]
+
+
+def pin_tree(pid: int, cpus: list[int]) -> int:
+    """Move process `pid`, every process it started and all their threads to `cpus` (Linux: /proc); returns the
+    threads moved. A thread or process that ends meanwhile is skipped."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, moved = [pid], 0
+    while tree:
+        proc = tree.pop()
+        tree.extend(parents.get(proc, ()))
+        for task in Path(f"/proc/{proc}/task").glob("[0-9]*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+                moved += 1
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+    return moved
+
+
 def start_process(cmd: list[str], log, cpus: list[int] | None = None) -> subprocess.Popen:
     """`cmd` in a new session, its output to `log`; with `cpus`, it and every process it starts run only there."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
@@ -89,6 +121,12 @@ class LaunchedServer:
         self.__exit__(None, None, None)
         raise RuntimeError(f"`{shlex.join(cmd)}` did not answer /health within {self.timeout:g} s; its log "
                            f"({self.log_path}) ends:\n{self.log_tail()}")
+
+    def pin(self, cpus: list[int]) -> None:
+        """Move the running server (its HTTP and engine processes, every thread) to `cpus`."""
+        if pin_tree(self.proc.pid, cpus) == 0:
+            raise RuntimeError(f"could not move server process {self.proc.pid} to CPUs {cpus}: it is not running")
+        self.cpus = cpus
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
