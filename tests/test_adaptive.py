@@ -485,3 +485,22 @@ def test_switching_under_cuda_graphs_equals_plain_decoding(monkeypatch, pycode19
     assert stats["spec"]["mean_accept_length"] > 2.0  # catch-ups read the features the plain graphs kept
     assert stats["adaptive"]["catch_ups"] > 0 and llm.engine.strategy.policy.measured_device_seconds  # events
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("start,n", [(0, 5), (3, 8), (60, 9), (63, 2), (100, 30)])  # W = 64: 60+9, 63+2, 100+30 wrap
+def test_feature_ring_span_store_equals_the_indexed_store(start, n):
+    """A lazy prefill's chunk goes to the ring as one span (`store_span`: one or two slices, wrapping past slot W-1)
+    and lands where the indexed `store` of its positions puts it."""
+    from spruce.limits import Limits
+    from spruce.speculative.feature_ring import FeatureRing
+
+    lim = Limits(4, 16, 256, 64, 64, num_steps=3, eagle_topk=2, num_draft_tokens=4, adaptive=True)
+    span, indexed = (FeatureRing(lim, 6, torch.float32, torch.device("cpu")) for _ in range(2))
+    width = span.width
+    assert width == 64
+    features = torch.randn(n, 6)
+    span.store_span(2, start, features)
+    indexed.store(torch.full((n,), 2), torch.arange(start, start + n), features)
+    assert torch.equal(span.features, indexed.features)
+    with pytest.raises(ValueError, match=f"store_span of {width + 1} positions: the ring holds {width} per row"):
+        span.store_span(0, 0, torch.zeros(width + 1, 6))

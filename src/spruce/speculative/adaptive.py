@@ -170,16 +170,11 @@ class AdaptiveDecoding(DecodeStrategy):
         def token_indices(picked: list[int]) -> list[int]:  # the batch's tokens of the picked chunks
             return [t for i in picked for t in range(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1)]
 
-        lazy = sorted(self._lazy)
-        host = torch.tensor([token_indices(lazy),
-                             [chunks[i].row for i in lazy for _ in chunks[i].tokens],
-                             [chunks[i].start + j for i in lazy for j in range(len(chunks[i].tokens))]],
-                            dtype=torch.int64)
-        idx, rows, positions = host.to(dev, non_blocking=True).unbind(0)
-        self.ring.store(rows, positions, features[idx])
-        for i in lazy:
-            req = chunks[i].request
-            req.draft_lag += len(chunks[i].tokens)
+        for i in sorted(self._lazy):
+            c = chunks[i]
+            self.ring.store_span(c.row, c.start, features[ends[i] - len(c.tokens) + 1:ends[i] + 1])
+            req = c.request
+            req.draft_lag += len(c.tokens)
             self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
         eager = [i for i in range(len(chunks)) if i not in self._lazy]
         if not eager:

@@ -341,6 +341,8 @@ class AdaptivePolicy:
         self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
         self._reuse_left = 0  # further steps the last decision (a model choice) stands for
         self._reuse_bucket = 0  # ... in this cost bucket
+        self._reuse_choice: str | None = None  # ... of this choice (None: the last decision was a probe)
+        self._reuse_idle = False  # an idle gap came since: a batch of a lower cost bucket may not reuse it
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
         self._arrivals = (0.0, 0.0)  # the last decision's (request_tokens, new_positions): steady_choice prices the
         # draft's work on arriving prompts as decide does
@@ -541,6 +543,7 @@ class AdaptivePolicy:
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
         self._reuse_left, self._reuse_bucket, self._reuse_accept = 0, bucket, self.prior_accept()
+        self._reuse_choice, self._reuse_idle = (d.choice if d.reason == "model" else None), False
         if d.reason == "model":
             self._model_choice[bucket] = d.choice
             left = self.epochs.current.target - self.epochs.current.steps  # steps left in the epoch
@@ -783,7 +786,8 @@ class AdaptivePolicy:
         if self._reuse_left <= 0:
             return False
         bucket = self.bucket_for(batch_size)
-        if bucket != self._reuse_bucket and self._model_choice.get(bucket) != choice:
+        if bucket != self._reuse_bucket and (self._model_choice.get(bucket) != choice or (
+                self._reuse_idle and bucket < self._reuse_bucket)):  # a lower load after a gap: its own epoch
             return False
         self._reuse_left -= 1
         now = self.clock()
@@ -850,8 +854,10 @@ class AdaptivePolicy:
         plain steps ends, and the next step decides whether rounds pay now. Standing to its epoch's end over such
         arrivals, plain steps left each a lag that priced its own rounds out at the next decision: in the offline
         replay at concurrency 1 (bench/replay_adaptive.py, every round accepting 4 drafts) one plain probe's epoch
-        ran on into the next request, and every request after it decoded plainly (1430 plain steps, 1371 rounds)."""
-        self._reuse_left = 0
+        ran on into the next request, and every request after it decoded plainly (1430 plain steps, 1371 rounds).
+        A standing choice of rounds goes on: the arrivals are what it needs."""
+        if self._reuse_choice == PLAIN:
+            self._reuse_left = 0
 
     def idle(self) -> None:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
@@ -860,13 +866,23 @@ class AdaptivePolicy:
         more; kept across an idle
         gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
         prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136 rounds a pass at twice a
-        plain step's cost per token, with no switch at load 1."""
+        plain step's cost per token, with no switch at load 1.
+
+        A standing choice of plain steps survives the gap for a batch of its own cost bucket or a larger one whose
+        model choice is plain too (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as
+        outgrown, as a level's ramp is), not for a smaller one (a lower load: its own epoch, or the previous level's
+        figure would take its steps): at concurrency 1 every request follows such a gap, and deciding afresh after each one was a decided
+        step per request at the start of its decoding, where nothing overlaps its host work (~0.3 ms of the 2.5 ms
+        a request an adaptive server spent more than a plain one at concurrency 1, shared prefix, H200, 2026-11-25).
+        Any other standing choice ends."""
         self.epochs.idle()
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
         self._recent_loads.clear()
-        self._reuse_left = 0
+        self._reuse_idle = True
+        if self._reuse_choice != PLAIN:
+            self._reuse_left = 0
 
     def waited(self, seconds: float) -> None:
         """Seconds since the last decode launch that were not X: the host blocked on the device, ran device work
