@@ -209,3 +209,28 @@ def test_a_running_process_tree_moves_to_other_cpus(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_a_run_that_stops_early_keeps_its_servers_log_tail(monkeypatch, tmp_path):
+    """A launched server whose run stops early (an engine failure mid-level, on a device whose logs may not come
+    back) leaves the end of its log in the result."""
+    import spruce.bench.serving as serving
+    import spruce.bench.serving_launch as launch
+
+    monkeypatch.setattr(launch.LaunchedServer, "__enter__", lambda self: "http://127.0.0.1:9")
+    monkeypatch.setattr(launch.LaunchedServer, "__exit__", lambda self, *exc: None)
+    monkeypatch.setattr(launch.LaunchedServer, "log_tail", lambda self, lines=20: f"tail of {self.log_path.name}")
+    monkeypatch.setattr(serving, "_served_model", lambda args, base_url: "m")
+    monkeypatch.setattr(serving, "_prompts_for", lambda args, model: (tmp_path / "p.jsonl", ["x"]))
+    monkeypatch.setattr(serving, "server_info", lambda base_url, headers: {"device": "cpu"})
+
+    async def bench(args, targets, prompts, on_level=None, before_pass=None):
+        return [([], "ReadError: "), ([], None)]
+
+    monkeypatch.setattr(serving, "_bench", bench)
+    rc = main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--interleave", "--concurrency", "1",
+               "--out-dir", str(tmp_path)])
+    result = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
+    runs = {run["name"]: run for run in result["figures"]["runs"]}
+    assert rc == 1 and runs["a"]["stopped"] == "ReadError: " and runs["a"]["log_tail"] == "tail of a.log"
+    assert runs["b"]["stopped"] is None and "log_tail" not in runs["b"]

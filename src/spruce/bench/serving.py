@@ -46,6 +46,7 @@ from spruce.server.engine_process import PROCESS_PARTS
 
 PERCENTILES = (50, 90, 99)
 METRICS_TIMEOUT_S = 30.0  # a scrape of /metrics (milliseconds on a live server)
+LOG_TAIL_LINES = 80  # of a launched server's log, kept in the result when its run stopped early
 
 
 def add_serving_parser(sub) -> None:
@@ -600,9 +601,11 @@ def _run_launched(args: argparse.Namespace) -> int:
                 return placed
 
             measured = asyncio.run(_bench(args, targets, prompts, journal_level, place))
-            for run, (base_url, _), (levels, stopped) in zip(runs[-len(group):], targets, measured):
+            for run, server, (base_url, _), (levels, stopped) in zip(runs[-len(group):], launched, targets,
+                                                                      measured):
                 run |= {"server": server_info(base_url, _headers(args)), "levels": levels, "stopped": stopped}
-                if stopped:
+                if stopped:  # the log's end goes into the result: a device run's logs may not come back
+                    run["log_tail"] = server.log_tail(LOG_TAIL_LINES)
                     print(f"spruce bench serving: {run['name']}: stopped early; the server's log is {run['log']}",
                           file=sys.stderr)
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
