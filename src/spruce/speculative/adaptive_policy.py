@@ -140,10 +140,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their epoch
   or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
   while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
-  tokens left, which only favour plain steps further); deciding every 32 plain steps cost a served adaptive engine at
-  concurrency 1 ~4 us a step of host time on the H200, a decision and its timing events every ~26 steps, one of
-  several costs that left it ~3% behind a plain server there, 2026-11-25). Those steps skip the evaluation and the
-  timing, so an
+  tokens left, which only favour plain steps further); a decided step took ~275 us more than a standing one served
+  at concurrency 1 on the H200 (2026-11-25), and with REUSE_STEPS one came every ~26 steps, every ~64 since). Those
+  steps skip the evaluation and the timing, so an
   adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
   runs rounds. Only the steps that decide are timed (host interval, resolve, device events); every step counts in its
   epoch. Deciding each step cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain
@@ -778,7 +777,8 @@ class AdaptivePolicy:
         """A step of `choice` (the last decision's) over a batch of `batch_size` is about to launch: True when that
         decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
         must be decided (`decide`): the last decision was a probe, the batch moved to a cost bucket whose latest
-        model choice differs (with prefill batching the batch size swings between buckets), the epoch is
+        model choice differs (with prefill batching the batch size swings between buckets) or, after an idle gap,
+        to a smaller one (`idle`), the epoch is
         complete (a probe may be due), a collapsed request is due for a retry, or (rounds) REUSE_STEPS steps have
         passed.
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
