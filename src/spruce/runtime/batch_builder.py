@@ -42,7 +42,7 @@ class BatchBuilder:
         # one-launch Triton fill of scratch phases (same values as torch) where Triton can run it
         self.fused = device.type == "cuda" and HAS_TRITON
         self._known: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # set_known_prefix
-        self._uniform_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (T, bs) -> _slices (_view)
+        self._uniform_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (T, bs) -> _slices (_view)
 
     def set_known_prefix(self, rows: list[int] | None, floors: list[int] | None) -> None:
         """The host's view of the next decode step's requests: page-table rows and, per request, a committed
@@ -81,11 +81,13 @@ class BatchBuilder:
                 f"page_size {lim.page_size} = {cap}"
             )
 
-    def _slices(self, num_tokens: int, bs: int) -> tuple[torch.Tensor, ...]:
-        """The buffers' leading views a batch of `num_tokens` tokens over `bs` requests reads."""
-        return (self.input_ids[:num_tokens], self.positions[:num_tokens], self.out_slots[:num_tokens],
-                self.token_rows[:num_tokens], self.kv_lens[:num_tokens], self.tree_mask[:num_tokens],
-                self.req_rows[:bs], self.qo_indptr[: bs + 1])
+    def _slices(self, num_tokens: int, bs: int) -> dict[str, torch.Tensor]:
+        """The buffers' leading views a batch of `num_tokens` tokens over `bs` requests reads, by ForwardBatch
+        field."""
+        return dict(input_ids=self.input_ids[:num_tokens], positions=self.positions[:num_tokens],
+                    out_slots=self.out_slots[:num_tokens], token_rows=self.token_rows[:num_tokens],
+                    kv_lens=self.kv_lens[:num_tokens], tree_mask=self.tree_mask[:num_tokens],
+                    req_rows=self.req_rows[:bs], qo_indptr=self.qo_indptr[: bs + 1])
 
     def _view(self, phase, bs, num_tokens, max_kv_len, scratch_width, max_q_len=None,
               host_lens=None) -> ForwardBatch:
@@ -98,11 +100,8 @@ class BatchBuilder:
             views = self._uniform_views.get((num_tokens, bs))
             if views is None:
                 views = self._uniform_views[(num_tokens, bs)] = self._slices(num_tokens, bs)
-        input_ids, positions, out_slots, token_rows, kv_lens_t, tree_mask, req_rows, qo_indptr = views
         return ForwardBatch(
-            phase=phase, batch_size=bs, num_tokens=num_tokens,
-            input_ids=input_ids, positions=positions, out_slots=out_slots, token_rows=token_rows,
-            kv_lens=kv_lens_t, tree_mask=tree_mask, req_rows=req_rows, qo_indptr=qo_indptr,
+            phase=phase, batch_size=bs, num_tokens=num_tokens, **views,
             max_kv_len=max_kv_len, scratch_width=scratch_width,
             max_q_len=max_q_len if max_q_len is not None else (num_tokens // bs if bs else 0),
             host_q_lens=q_lens, host_kv_lens=kv_lens, host_rows=rows, host_kv_floor=floors,

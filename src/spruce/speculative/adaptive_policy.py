@@ -778,9 +778,8 @@ class AdaptivePolicy:
         decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
         must be decided (`decide`): the last decision was a probe, the batch moved to a cost bucket whose latest
         model choice differs (with prefill batching the batch size swings between buckets) or, after an idle gap,
-        to a smaller one (`idle`), the epoch is
-        complete (a probe may be due), a collapsed request is due for a retry, or (rounds) REUSE_STEPS steps have
-        passed.
+        to a smaller one (`idle`), the epoch is complete (a probe may be due), a collapsed request is due for a
+        retry, or (rounds) REUSE_STEPS steps have passed.
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
         if self._reuse_left <= 0:
@@ -863,17 +862,17 @@ class AdaptivePolicy:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
         the load is gone: the next batch starts a new load window and decides afresh. The window counts decisions,
         which a standing one spaces up to REUSE_STEPS steps apart (plain steps: an epoch), so it spans ~1000 steps or
-        more; kept across an idle
-        gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
+        more; kept across an idle gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
         prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136 rounds a pass at twice a
         plain step's cost per token, with no switch at load 1.
 
         A standing choice of plain steps survives the gap for a batch of its own cost bucket or a larger one whose
         model choice is plain too (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as
         outgrown, as a level's ramp is), not for a smaller one (a lower load: its own epoch, or the previous level's
-        figure would take its steps): at concurrency 1 every request follows such a gap, and deciding afresh after each one was a decided
-        step per request at the start of its decoding, where nothing overlaps its host work (~0.3 ms of the 2.5 ms
-        a request an adaptive server spent more than a plain one at concurrency 1, shared prefix, H200, 2026-11-25).
+        figure would take its steps): at concurrency 1 every request follows such a gap, and deciding afresh after
+        each one was a decided step per request at the start of its decoding, where nothing overlaps its host work
+        (~0.3 ms of the 2.5 ms a request an adaptive server spent more than a plain one at concurrency 1, shared
+        prefix, H200, 2026-11-25).
         Any other standing choice ends."""
         self.epochs.idle()
         self._last_launch = None
