@@ -234,3 +234,40 @@ def test_a_run_that_stops_early_keeps_its_servers_log_tail(monkeypatch, tmp_path
     runs = {run["name"]: run for run in result["figures"]["runs"]}
     assert rc == 1 and runs["a"]["stopped"] == "ReadError: " and runs["a"]["log_tail"] == "tail of a.log"
     assert runs["b"]["stopped"] is None and "log_tail" not in runs["b"]
+
+
+def test_pin_cpus_with_interleave_moves_the_servers_between_passes(monkeypatch, tmp_path):
+    """--pin-cpus --interleave: before each pass the servers are moved to that pass's rotation of the CPU sets
+    (the first pass keeps the launch placement), and each level records the set its server ran on."""
+    import spruce.bench.serving as serving
+    import spruce.bench.serving_launch as launch
+
+    pinned = []
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr("os.sched_setaffinity", lambda pid, cpus: None)
+    monkeypatch.setattr(launch.LaunchedServer, "__enter__", lambda self: f"http://127.0.0.1:{self.cpus[0] + 9}")
+    monkeypatch.setattr(launch.LaunchedServer, "__exit__", lambda self, *exc: None)
+    monkeypatch.setattr(launch.LaunchedServer, "pin",
+                        lambda self, cpus: (pinned.append((self.log_path.stem, cpus)), setattr(self, "cpus", cpus)))
+    monkeypatch.setattr(serving, "_served_model", lambda args, base_url: "m")
+    monkeypatch.setattr(serving, "_prompts_for", lambda args, model: (tmp_path / "p.jsonl", ["x"]))
+    monkeypatch.setattr(serving, "server_info", lambda base_url, headers: {"device": "cpu"})
+
+    async def bench(args, targets, prompts, on_level=None, before_pass=None):
+        levels = [[], []]
+        for k in range(args.passes):
+            placed = before_pass(k)
+            for i in range(2):
+                levels[i].append({"concurrency": 1, "pass": k + 1, "cpus": placed[i], "output_throughput_tok_s": 1.0,
+                                  "completed": 1, "failed": 0})
+        return [(levels[0], None), (levels[1], None)]
+
+    monkeypatch.setattr(serving, "_bench", bench)
+    monkeypatch.setattr(serving, "_plot_and_print", lambda series, path: None)
+    rc = main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--interleave", "--pin-cpus",
+               "--concurrency", "1", "--passes", "3", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    assert pinned == [("a", [2, 3]), ("b", [0, 1]), ("a", [0, 1]), ("b", [2, 3])]  # passes 2 and 3
+    result = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
+    runs = {run["name"]: run for run in result["figures"]["runs"]}
+    assert [lv["cpus"] for lv in runs["a"]["levels"]] == [[0, 1], [2, 3], [0, 1]]
