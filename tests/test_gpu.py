@@ -146,3 +146,38 @@ def test_eager_above_largest_bucket_under_overlap(pycode19m, draft19m, prompts19
         del llm
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_prefill_graphs_equal_eager(pycode19m, draft19m, prompts19m, spec):
+    """float32, prefills replayed from graphs (padded to their token bucket, up to 64 tokens) against the same
+    engine with every prefill eager: same tokens and prompt logprobs; ragged batches of new prompts, prefix-cache
+    hits (a few new tokens past a cached prefix) and prompts larger than the largest bucket (eager) all meet."""
+    kw = dict(dtype="float32", page_size=16, max_running_requests=16, chunked_prefill_size=128)
+    if spec:
+        kw.update(draft_model=draft19m, speculative_num_steps=4, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=12)
+    short = [p[:10 + i] for i, p in enumerate(prompts19m[:6])]  # 10-15 tokens each
+    cached = [prompts19m[15] + p[:5 + i] for i, p in enumerate(prompts19m[:4])]  # a shared 235-token prefix
+    params = SamplingParams(max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    outs, replays = {}, {}
+    for max_tokens in (0, 64):
+        llm = LLM(pycode19m, device="cuda", attention_backend="triton", cuda_graph_max_prefill_tokens=max_tokens, **kw)
+        graphs = llm.engine.runner.prefill_graphs
+        assert graphs.enabled == bool(max_tokens)
+        counted = []
+        run = graphs.run
+        graphs.run = lambda name, fn, bucket, *a, **k: counted.append(bucket) or run(name, fn, bucket, *a, **k)
+        got = [o for batch in ([short[0]], short[1:4], short[4:], cached[:1], cached[1:])
+               for o in llm.generate(batch, params)]
+        outs[max_tokens] = [(o.token_ids, [None if d is None else {t: round(v.logprob, 3) for t, v in d.items()}
+                                           for d in o.prompt_logprobs]) for o in got]
+        replays[max_tokens] = counted
+        llm.engine.check_no_leaks()
+        del llm
+        torch.cuda.empty_cache()
+    assert [t for t, _ in outs[64]] == [t for t, _ in outs[0]]
+    for (_, lp_graph), (_, lp_eager) in zip(outs[64], outs[0]):
+        assert [None if d is None else list(d) for d in lp_graph] == [None if d is None else list(d) for d in lp_eager]
+    assert replays[0] == [] and {16, 48} <= set(replays[64]), replays[64]  # short[1:4]: 36 tokens
+    REPORT.setdefault("prefill_graph_buckets_replayed", {})[str(spec)] = sorted(set(replays[64]))

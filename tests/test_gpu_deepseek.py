@@ -98,3 +98,16 @@ def test_nextn_eager_above_largest_bucket(pycodemla, prompts_mla):
     ref, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=False, **kw)
     mixed, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=True, cuda_graph_max_bs=4, **kw)
     assert mixed == ref
+
+
+def test_mla_prefill_graphs_equal_eager(pycodemla, prompts_mla):
+    """MLA + fused MoE prefills replayed from graphs (padded to their token bucket) against eager prefills:
+    one short prompt, then a ragged batch, then prefix-cache hits of a few new tokens each."""
+    kw = dict(dtype="float32", page_size=16, max_running_requests=8, chunked_prefill_size=128)
+    ps = [p[:9 + i] for i, p in enumerate(prompts_mla[:4])] + [prompts_mla[15] + p[:4 + i] for i, p in enumerate(prompts_mla[:3])]
+    outs = {}
+    for max_tokens in (0, 64):
+        runs = [generate(pycodemla, batch, 16, cuda_graph_max_prefill_tokens=max_tokens, **kw)[0]
+                for batch in (ps[:1], ps[1:4], ps[4:5], ps[5:])]
+        outs[max_tokens] = runs
+    assert outs[64] == outs[0]

@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=256,
+                   help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
+                        "bucket); 0: every prefill runs eagerly")
     p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
                    help="NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft path needed)")
     p.add_argument("--speculative-draft-model-path", default=None)
@@ -103,6 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         draft_model=draft, speculative_algorithm=args.speculative_algorithm if spec else None,
         speculative_num_steps=args.speculative_num_steps if spec else None,
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,

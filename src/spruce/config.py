@@ -102,6 +102,7 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     cuda_graph: bool | None = None  # None: on for cuda
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_prefill_tokens: int = 256  # prefills of at most this many tokens replay CUDA graphs; 0: eager
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     show_progress: bool = False
@@ -129,6 +130,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be an integer >= 1 or None, got {v!r}")
+        v = self.cuda_graph_max_prefill_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"cuda_graph_max_prefill_tokens must be an integer >= 0 (0: prefills run eagerly), "
+                              f"got {v!r}")
         _check_tp_size(self.tp_size, self.device)
         if self.tp_size > 1 and self.speculative is not None and self.speculative.adaptive:
             # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks

@@ -22,6 +22,20 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _token_buckets(largest: int) -> tuple[int, ...]:
+    """16, 32, 48, 64, then each power of two and 1.5 times it (96, 128, 192, 256, 384, ...) below `largest`, then
+    `largest` itself (none when it is 0): a batch padded up to its bucket does at most 1.5x its tokens' work above
+    16 tokens."""
+    if largest == 0:
+        return ()
+    cands, step = {16, 32, 48, 64}, 16
+    while max(cands) < largest:
+        step *= 2
+        top = max(cands)
+        cands |= {top + step * i for i in (1, 2)}
+    return tuple(sorted({b for b in cands if b < largest} | {largest}))
+
+
 def _size_buckets(largest: int) -> tuple[int, ...]:
     """1, 2, 4, 8, then every multiple of 8 below `largest`, then `largest` itself (none when it is 0)."""
     if largest == 0:
@@ -45,6 +59,7 @@ class Limits:
     eagle_topk: int = 0  # K
     num_draft_tokens: int = 0  # N (tree size, root included)
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
+    prefill_graph_max_tokens: int = 0  # largest token bucket of the prefill CUDA graphs (0: prefills run eagerly)
     overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
     adaptive: bool = False  # adaptive speculation: plain steps may leave the draft behind (feature ring)
     reverted_fixes: frozenset = frozenset()  # fix toggles reverted for A/B debugging (spruce.runtime.fixes)
@@ -168,6 +183,29 @@ class Limits:
         return _size_buckets(self.graph_max_bs)
 
     @cached_property
+    def graph_kv_len(self) -> int:
+        """max_kv_len CUDA graphs are captured with: the most positions any request can hold."""
+        return self.max_pages_per_request * self.page_size
+
+    @cached_property
+    def prefill_graph_tokens(self) -> tuple[int, ...]:
+        """Token buckets captured as prefill CUDA graphs (the target over a batch of prompt chunks, padded up to
+        the bucket); always includes the largest (prefill_graph_max_tokens)."""
+        return _token_buckets(self.prefill_graph_max_tokens)
+
+    def prefill_bucket_for(self, num_tokens: int) -> int | None:
+        """Smallest prefill graph bucket holding `num_tokens` prompt tokens, or None (run eagerly)."""
+        for b in self.prefill_graph_tokens:
+            if b >= num_tokens:
+                return b
+        return None
+
+    def prefill_graph_rows(self, num_tokens: int) -> int:
+        """Requests a padded prefill batch of `num_tokens` tokens holds: every request has at least one token, so
+        min(tokens, R) real ones, then one padding request that owns the padding tokens (the dummy row)."""
+        return min(num_tokens, self.max_running_requests) + 1
+
+    @cached_property
     def cost_buckets(self) -> tuple[int, ...]:
         """Batch-size buckets adaptive speculation keeps one cost and one choice per: the graph buckets, then
         the same grid up to max_running_requests for batches that run eagerly."""
@@ -212,13 +250,14 @@ class Limits:
         else:
             total_tokens = min(r * (ctx + 2 * (s + 1)), 1 << 16)
         num_pages = ceil_div(total_tokens, ps) + 1  # + the dummy page
-        graph_max_bs = 0
+        graph_max_bs = prefill_graph_max_tokens = 0
         if config.use_cuda_graph:
             graph_max_bs = min(config.cuda_graph_max_bs or r, r)
+            prefill_graph_max_tokens = min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size)
         return Limits(
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            graph_max_bs=graph_max_bs, overlap=not config.disable_overlap_schedule,
+            graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens, overlap=not config.disable_overlap_schedule,
             adaptive=spec is not None and spec.adaptive,
             reverted_fixes=frozenset(reverted_fixes),
         )

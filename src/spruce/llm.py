@@ -40,6 +40,7 @@ class LLM:
         chunked_prefill_size: int = 2048,
         cuda_graph: bool | None = None,
         cuda_graph_max_bs: int | None = None,
+        cuda_graph_max_prefill_tokens: int = 256,
         draft_model: str | Path | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_steps: int | None = None,
@@ -66,7 +67,7 @@ class LLM:
             max_running_requests=max_running_requests, context_length=context_length,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-            speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
+            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens, speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )

@@ -91,6 +91,10 @@ class PerPhaseAttention(AttentionBackend):
         return line
 
     # --- plan and forward: the phase's backend -------------------------------------------------------------------
+    @property
+    def captures_prefill(self) -> bool:
+        return self.backend_for(Phase.EXTEND).captures_prefill
+
     def plan(self, batch: ForwardBatch, page_table) -> None:
         self.backend_for(batch.phase).plan(batch, page_table)
 

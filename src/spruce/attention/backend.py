@@ -83,6 +83,13 @@ class AttentionBackend:
                                  f"allocated with Limits of page_size {limits.page_size}")
         self.limits, self.device = limits, torch.device(device)
 
+    @property
+    def captures_prefill(self) -> bool:
+        """Whether a prefill (EXTEND) forward may be captured in a CUDA graph: its plan and kernels need no host
+        lengths, so one graph over a padded batch (`BatchBuilder.padded_extend`, which has none) serves every
+        prefill that fits. False by default: a backend that plans prefills from host lengths runs them eagerly."""
+        return False
+
     def plan(self, batch: ForwardBatch, page_table: torch.Tensor) -> None:
         """Host-side preparation for forwards over `batch` (see the class docstring); a no-op by default."""
 

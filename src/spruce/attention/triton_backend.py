@@ -57,6 +57,11 @@ class TritonAttention(AttentionBackend):
         super().__init__(page_size, limits, device)
         self._sms: int | None = None
 
+    @property
+    def captures_prefill(self) -> bool:
+        """Its grid and kernels read the batch's device tensors and host sizes only (no plan)."""
+        return True
+
     def sm_count(self, device: torch.device) -> int:
         if self._sms is None:
             self._sms = _num_sms(device)

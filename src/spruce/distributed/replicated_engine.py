@@ -78,7 +78,7 @@ def apply_commands(engine: Engine, commands: list[tuple]) -> None:
 def leave_group(engine: Engine | None) -> None:
     """Free the engine's CUDA graphs (their captured collectives hold the NCCL group), then leave the group."""
     if engine is not None:
-        engine.runner.graphs.release()
+        engine.runner.release_graphs()
     destroy_tp_group()
 
 

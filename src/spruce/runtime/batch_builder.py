@@ -37,8 +37,9 @@ class BatchBuilder:
         self.token_rows = torch.zeros(t, **i64)  # [T]
         self.kv_lens = torch.zeros(t, dtype=torch.int32, device=device)  # [T]
         self.tree_mask = torch.zeros(t, limits.mask_words, **i64)  # [T, words]
-        self.req_rows = torch.zeros(r, **i64)  # [R]
-        self.qo_indptr = torch.zeros(r + 1, dtype=torch.int32, device=device)  # [R+1]
+        # one more request than rows: a padded prefill's padding request (Limits.prefill_graph_rows)
+        self.req_rows = torch.zeros(r + 1, **i64)  # [R+1]
+        self.qo_indptr = torch.zeros(r + 2, dtype=torch.int32, device=device)  # [R+2]
         # one-launch Triton fill of scratch phases (same values as torch) where Triton can run it
         self.fused = device.type == "cuda" and HAS_TRITON
         self._known: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # set_known_prefix
@@ -113,8 +114,13 @@ class BatchBuilder:
         return self._view(phase, bs, bs * stride, max_kv_len, scratch_width)
 
     # --- EXTEND (prefill chunks; variable length per request) ---------------------------------------------
-    def extend(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> ForwardBatch:
-        """Tokens[i] go to positions starts[i].. of row rows[i]; causal over the paged cache."""
+    def extend(self, rows: list[int], starts: list[int], tokens: list[list[int]],
+               pad_to: int | None = None) -> ForwardBatch:
+        """Tokens[i] go to positions starts[i].. of row rows[i]; causal over the paged cache.
+
+        pad_to: fill a padded batch of that many tokens instead (a prefill graph's bucket: `padded_extend`),
+        whose last request (the dummy row) owns the padding tokens; they write the dummy page and attend to
+        nothing. Returns the batch to run (the padded one when padding)."""
         bs = len(rows)
         lens = [len(t) for t in tokens]
         n = sum(lens)
@@ -126,17 +132,45 @@ class BatchBuilder:
         indptr = [0]
         for m in lens:
             indptr.append(indptr[-1] + m)
+        if pad_to is not None:  # then the padding request(s), every one past the first empty
+            padded_bs = self._check_padding(bs, n, pad_to)
+            pad = pad_to - n
+            flat_ids += [0] * pad
+            flat_pos += [0] * pad
+            flat_rows += [self.limits.dummy_row] * pad
+            rows = [*rows, *[self.limits.dummy_row] * (padded_bs - bs)]
+            indptr += [pad_to] * (padded_bs - bs)
+        total = len(flat_ids)
         # non_blocking: copies from pageable host memory are staged at once and never wait for the device,
         # so a prefill can be queued behind a step still running (overlap scheduling)
-        host = torch.tensor([flat_ids, flat_pos, flat_rows], dtype=torch.int64).reshape(3, n)
-        self.input_ids[:n].copy_(host[0], non_blocking=True)
-        self.positions[:n].copy_(host[1], non_blocking=True)
-        self.token_rows[:n].copy_(host[2], non_blocking=True)
-        self.req_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
-        self.qo_indptr[: bs + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
-        self._fill_paged(n)
+        host = torch.tensor([flat_ids, flat_pos, flat_rows], dtype=torch.int64).reshape(3, total)
+        self.input_ids[:total].copy_(host[0], non_blocking=True)
+        self.positions[:total].copy_(host[1], non_blocking=True)
+        self.token_rows[:total].copy_(host[2], non_blocking=True)
+        self.req_rows[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+        self.qo_indptr[: len(rows) + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
+        self._fill_paged(total)
+        if pad_to is not None:
+            self._mask_padding(total)
+            return self.padded_extend(pad_to, self.limits.graph_kv_len)
         return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0),
                           (tuple(lens), tuple(s + m for s, m in zip(starts, lens)), tuple(rows)))
+
+    def _check_padding(self, bs: int, num_tokens: int, pad_to: int) -> int:
+        """Requests of a batch of `bs` requests and `num_tokens` tokens padded to `pad_to` tokens."""
+        padded_bs = self.limits.prefill_graph_rows(pad_to)
+        if num_tokens > pad_to or bs >= padded_bs:
+            raise InvariantError(f"extend: {bs} requests of {num_tokens} tokens do not fit a padded batch of "
+                                 f"{pad_to} tokens and {padded_bs} requests (one of them the padding request)")
+        return padded_bs
+
+    def padded_extend(self, num_tokens: int, max_kv_len: int) -> ForwardBatch:
+        """The padded EXTEND batch of `num_tokens` tokens (a prefill graph's bucket) that `extend(pad_to=...)`
+        fills: Limits.prefill_graph_rows requests, each up to all the tokens long, no host lengths (a graph
+        serves every batch that fits). Its layout is the same for every fill, so one plan serves them all."""
+        bs = self.limits.prefill_graph_rows(num_tokens)
+        self._check(Phase.EXTEND, bs - 1, num_tokens, max_kv_len)  # the real requests it holds at most
+        return self._view(Phase.EXTEND, bs, num_tokens, max_kv_len, 0, num_tokens)
 
     def _fill_paged(self, n: int) -> None:
         """out_slots = the token's own page slot; kv_lens = position + 1 (causal); no scratch."""

@@ -1,4 +1,4 @@
-"""CUDA graphs per batch-size bucket for the decode-time phases (DESIGN §4).
+"""CUDA graphs per bucket: batch sizes for the decode-time phases, token counts for prefills (DESIGN §4).
 
 A phase is a function `fn(P, max_kv_len, *previous)` of the padded batch size P that reads its inputs from
 persistent buffers (the metadata builder's, the caller's static inputs with rows past the real batch set to
@@ -34,10 +34,16 @@ PlanFn = Callable[[int, int], None]  # plan(P, max_kv_len): plan the phase's for
 
 
 class BucketGraphs:
-    def __init__(self, limits: Limits, device: torch.device, enabled: bool):
+    """Graphs of phases keyed by (name, bucket). The decode-time phases' buckets are batch sizes (the default,
+    `Limits.graph_buckets`); the prefill's are token counts (`Limits.prefill_graph_tokens`, `for_prefill`)."""
+
+    def __init__(self, limits: Limits, device: torch.device, enabled: bool, buckets: tuple[int, ...] | None = None,
+                 bucket_for: Callable[[int], int | None] | None = None):
         self.limits = limits
         self.device = device
-        self.enabled = enabled and device.type == "cuda" and bool(limits.graph_buckets)
+        self.buckets = limits.graph_buckets if buckets is None else buckets
+        self._bucket_for = limits.bucket_for if bucket_for is None else bucket_for
+        self.enabled = enabled and device.type == "cuda" and bool(self.buckets)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.predecessor: dict[str, str] = {}  # phase -> the phase whose output it reads (set by capture)
         self.phase: str | None = None  # the phase whose Python code (eager run, warm-up, capture) is running
@@ -51,14 +57,23 @@ class BucketGraphs:
         finally:
             self.phase = outer
 
+    @classmethod
+    def for_prefill(cls, limits: Limits, device: torch.device, enabled: bool) -> "BucketGraphs":
+        """Graphs of the prefill, one per token bucket (a batch of prompt chunks padded up to it)."""
+        return cls(limits, device, enabled, limits.prefill_graph_tokens, limits.prefill_bucket_for)
+
     @property
     def kv_bound(self) -> int:
         """max_kv_len graphs are captured with: the most positions any request can hold."""
-        return self.limits.max_pages_per_request * self.limits.page_size
+        return self.limits.graph_kv_len
 
     def bucket(self, bs: int) -> int | None:
-        """The bucket a batch of `bs` replays, or None (eager)."""
-        return self.limits.bucket_for(bs) if self.enabled else None
+        """The bucket a batch of `bs` (requests, or a prefill's tokens) replays, or None (eager)."""
+        return self._bucket_for(bs) if self.enabled else None
+
+    def captured(self, name: str, bucket: int) -> bool:
+        """Whether phase `name` has a graph for `bucket`."""
+        return (name, bucket) in self.graphs
 
     def padded_size(self, bs: int) -> int:
         """Rows the caller fills (real + dummy padding) for a batch of `bs` requests."""
@@ -74,11 +89,11 @@ class BucketGraphs:
         if bucket is not None and bucket < bs:
             raise InvariantError(
                 f"{name}: batch of {bs} requests would replay the graph captured for {bucket} "
-                f"(buckets {self.limits.graph_buckets}, max_running_requests {self.limits.max_running_requests})"
+                f"(buckets {self.buckets}, max_running_requests {self.limits.max_running_requests})"
             )
         entry = self.graphs.get((name, bucket)) if bucket is not None else None
         if entry is None and "eager_reads_eager_outputs" in self.limits.reverted_fixes and name in self.predecessor:
-            largest = self.graphs.get((self.predecessor[name], self.limits.graph_buckets[-1]))
+            largest = self.graphs.get((self.predecessor[name], self.buckets[-1]))
             if largest is not None:  # reverted: the static output of the largest graph, whatever ran
                 previous = (largest[1],)
         rows = bucket if entry is not None else bs
@@ -126,7 +141,7 @@ class BucketGraphs:
     def _capture(self, phases, prepare, desc: str, show_progress: bool) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        buckets = sorted(self.limits.graph_buckets, reverse=True)
+        buckets = sorted(self.buckets, reverse=True)
         for bucket in tqdm(buckets, desc=desc, disable=not show_progress):
             prepare(bucket)
             previous: tuple = ()

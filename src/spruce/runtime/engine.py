@@ -92,6 +92,7 @@ class Engine:
             self.strategy.capture_graphs(config.show_progress)
         if self.runner.device.type == "cuda":  # compile the eager paths' kernels now, not while serving
             self.strategy.warm_eager()
+        self.runner.capture_prefill_graphs(config.show_progress)  # after the warm-up: it runs the eager prefill
         self.strategy.measure_costs()
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
@@ -595,7 +596,7 @@ class Engine:
                 with torch.no_grad():
                     for start in range(0, len(token_ids), lim.chunked_prefill_size):
                         chunk = token_ids[start:start + lim.chunked_prefill_size]
-                        h, _ = runner.target_forward(runner.builder.extend([row], [start], [chunk]))  # [n, H]
+                        h, _ = runner.prefill_forward([row], [start], [chunk])  # [n, H]
                         hidden.append(h[max(first - start, 0):].clone())
                     return runner.target.compute_logits(torch.cat(hidden)).float()  # [len - first, V]
             finally:
@@ -650,6 +651,8 @@ class Engine:
                             + (" adaptive" if spec.adaptive else "") if spec is not None else "off"),
             "overlap_schedule": "on" if lim.overlap else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
+            "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled
+                                     else "off"),
         }
 
     def _prefix_cache_stats(self) -> dict | None:

@@ -81,6 +81,8 @@ class ModelRunner:
         self.builder = BatchBuilder(lim, self.page_table, self.device)
         self.graphs = BucketGraphs(lim, self.device, config.use_cuda_graph)
         self.backend.allocate(lim, self.device)
+        self.prefill_graphs = BucketGraphs.for_prefill(lim, self.device,
+                                                       config.use_cuda_graph and self.backend.captures_prefill)
         self._planned: dict[Phase, tuple] = {}  # phase -> layout planned by the running decode-time phase
         self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
         self.timer = PhaseTimer(self.device)
@@ -151,7 +153,7 @@ class ModelRunner:
     def _ensure_planned(self, batch: ForwardBatch) -> None:
         """Inside a decode-time phase the batch must be one its plan callback planned; elsewhere (prefill,
         scoring: eager, host-built batches) it is planned right here, before its forward."""
-        phase = self.graphs.phase
+        phase = self.graphs.phase or self.prefill_graphs.phase
         if phase is None:
             self.plan(batch)
             return
@@ -170,6 +172,46 @@ class ModelRunner:
         self._ensure_planned(batch)
         self.page_table.check_written("a target forward")
         return self.target(batch, self.target_kv, self.page_table.table, aux_parts=aux_parts)
+
+    def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, object]:
+        """The target over prompt chunks (EXTEND): tokens[i] at positions starts[i].. of page-table row rows[i].
+        Returns hidden [n, H] and aux [n, A] or None for the n tokens, in order.
+
+        A batch of at most the largest prefill bucket's tokens replays that bucket's graph (`capture_prefill_graphs`)
+        over the batch padded up to it (its outputs are views of the graph's static buffers, valid until the next
+        prefill); a larger one, or any before the graphs are captured, runs eagerly over the batch itself."""
+        graphs = self.prefill_graphs
+        num_tokens = sum(len(t) for t in tokens)
+        bucket = graphs.bucket(num_tokens)
+        if bucket is None or not graphs.captured("prefill", bucket):
+            return self.target_forward(self.builder.extend(rows, starts, tokens))
+        self.builder.extend(rows, starts, tokens, pad_to=bucket)
+        hidden, aux = graphs.run("prefill", self.prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
+        return hidden[:num_tokens], (aux[:num_tokens] if aux is not None else None)
+
+    def prefill_phase(self, num_tokens: int, max_kv_len: int) -> tuple[torch.Tensor, object]:
+        """What a prefill graph captures: the target over the padded batch of `num_tokens` tokens that
+        `BatchBuilder.extend(pad_to=num_tokens)` filled (hidden [num_tokens, H], aux or None)."""
+        return self.target_forward(self.builder.padded_extend(num_tokens, max_kv_len))
+
+    def _plan_prefill(self, num_tokens: int, max_kv_len: int) -> None:
+        self._planned = {}
+        self.plan(self.builder.padded_extend(num_tokens, max_kv_len))
+
+    def capture_prefill_graphs(self, show_progress: bool) -> None:
+        """Capture the prefill graph of every token bucket (Limits.prefill_graph_tokens), over batches of padding
+        alone. The engine calls this after its eager warm-up, which must compile the eager prefill's kernels
+        (prompts past the largest bucket run them)."""
+        if not self.prefill_graphs.enabled:
+            return
+        self.prefill_graphs.capture([("prefill", self.prefill_phase, self._plan_prefill)],
+                                    lambda tokens: self.builder.extend([], [], [], pad_to=tokens),
+                                    "capturing prefill graphs", show_progress)
+
+    def release_graphs(self) -> None:
+        """Free every captured graph (BucketGraphs.release); later forwards run eagerly."""
+        self.graphs.release()
+        self.prefill_graphs.release()
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""

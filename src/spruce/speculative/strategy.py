@@ -96,8 +96,7 @@ class DecodeStrategy:
         length, last = token).
         `logprobs`: score the sampled tokens of its final chunks and its prompt rows."""
         r = self.runner
-        batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
-        hidden, aux = r.target_forward(batch)
+        hidden, aux = r.prefill_forward([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
         ends = [n - 1 for n in itertools.accumulate(len(c.tokens) for c in chunks)]  # each chunk's last token
         finals = [i for i, c in enumerate(chunks) if c.final]
         result = torch.zeros(len(finals), r.limits.step_result_width, dtype=torch.int64, device=r.device)
