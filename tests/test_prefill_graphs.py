@@ -80,6 +80,20 @@ def test_padded_prefill_equals_eager(draft, spec):
                 assert [v.logprob for _, v in g] == pytest.approx([v.logprob for _, v in w], abs=1e-4)
 
 
+def test_padded_prefill_equals_eager_triton():
+    """The triton backend's kernels (under the interpreter) over the padded layout a graph captures: one prompt
+    alone, then two together, the second past a cached prefix."""
+    kw = dict(page_size=4, max_running_requests=4, context_length=64, attention_backend="triton")
+    batches = [PROMPTS[:1], [PROMPTS[1], PROMPTS[0] + " return"]]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    runs = []
+    for padded in (False, True):
+        llm = LLM(TARGET, **kw)
+        ran = as_if_prefill_graphed(llm, max_tokens=16) if padded else []
+        runs.append([o.token_ids for batch in batches for o in llm.generate(batch, params)])
+    assert runs[1] == runs[0] and 16 in ran
+
+
 def test_padded_batch_layout():
     """extend(pad_to=T): the padding request (dummy row) owns tokens n..T, which write the dummy page and attend
     to nothing; requests past it are empty; the batch is the one padded_extend describes."""
