@@ -22,20 +22,20 @@ TARGET = builtin_model_path()
 PROMPTS = ["def fib(n):", "import os\n", "class A:\n    def", "x = [1, 2,", "for i in", "with open("]
 
 
-def as_if_prefill_graphed(llm, max_tokens: int) -> list[int]:
-    """Make the runner's prefill graphs pad every prefill of at most `max_tokens` tokens to its bucket and run
-    the captured function (`prefill_phase`) eagerly over it, planned as before a replay. Returns the list the
-    buckets that ran are appended to."""
+def as_if_prefill_graphed(llm, max_tokens: int) -> list[tuple[str, int]]:
+    """Make the runner's prefill graphs pad every prefill (and draft extend) of at most `max_tokens` tokens to its
+    bucket and run the captured functions (`prefill_phase`, `draft_prefill_phase`) eagerly over it, planned as
+    before a replay. Returns the list the (phase, bucket) pairs that ran are appended to."""
     runner = llm.engine.runner
     limits = dataclasses.replace(runner.limits, prefill_graph_max_tokens=max_tokens)
     graphs = BucketGraphs.for_prefill(limits, runner.device, enabled=True)
     graphs.enabled = True  # BucketGraphs enables itself on CUDA only
-    ran: list[int] = []
+    ran: list[tuple[str, int]] = []
 
     def run(name, fn, bucket, max_kv_len, plan=None):
-        assert name == "prefill" and bucket in limits.prefill_graph_tokens
+        assert name in ("prefill", "draft_prefill") and bucket in limits.prefill_graph_tokens
         plan(bucket, max_kv_len)
-        ran.append(bucket)
+        ran.append((name, bucket))
         with graphs.running(name):
             return fn(bucket, max_kv_len)
 
@@ -69,7 +69,9 @@ def test_padded_prefill_equals_eager(draft, spec):
         results.append([(o.token_ids, [list(d.items()) if d else d for d in o.prompt_logprobs]) for o in outs])
         llm.engine.check_no_leaks()
         if padded:
-            assert set(ran) >= {16, 32}  # graphed prefills of both sizes ran; the 40-token chunks ran eagerly
+            # graphed prefills of both sizes ran (and with a draft its extends); the 40-token chunks ran eagerly
+            phases = ("prefill", "draft_prefill") if spec else ("prefill",)
+            assert set(ran) == {(phase, bucket) for phase in phases for bucket in (16, 32)}
     (want, got) = results
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, lp_got), (_, lp_want) in zip(got, want):
@@ -91,7 +93,7 @@ def test_padded_prefill_equals_eager_triton():
         llm = LLM(TARGET, **kw)
         ran = as_if_prefill_graphed(llm, max_tokens=16) if padded else []
         runs.append([o.token_ids for batch in batches for o in llm.generate(batch, params)])
-    assert runs[1] == runs[0] and 16 in ran
+    assert runs[1] == runs[0] and ("prefill", 16) in ran
 
 
 def test_padded_batch_layout():
@@ -157,4 +159,29 @@ def test_padded_prefill_equals_eager_mla(pycodemla):
     llm = LLM(pycodemla, **kw)
     ran = as_if_prefill_graphed(llm, max_tokens=16)
     got = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
-    assert got == want and 16 in ran
+    assert got == want and ("prefill", 16) in ran
+
+
+def test_padded_catch_ups_equal_eager(monkeypatch):
+    """Adaptive speculation with the bundled trained head, the choice forced through plain steps and rounds: its
+    catch-ups (ragged draft extends over ring features) and lazy or eager prompt extends run padded; the tokens
+    and every round's accepted drafts equal the eager engine's."""
+    from spruce.config import builtin_draft_path
+    from test_adaptive import fixed_costs, force
+
+    fixed_costs(monkeypatch)
+    prompts = ["def fib(n):\n    ", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = []
+    for padded in (False, True):
+        llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
+                  max_running_requests=4)
+        ran = as_if_prefill_graphed(llm, max_tokens=32) if padded else []
+        force(llm, [0, 0, 1, 0, 0, 0, 1, 1])
+        outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+        stats = llm.engine.stats()
+        runs.append(([o.token_ids for o in outs], [o.spec_stats["accept_length_counts"] for o in outs],
+                     stats["adaptive"]["catch_ups"]))
+        llm.engine.check_no_leaks()
+    assert runs[1] == runs[0] and runs[0][2] > 0
+    assert ("draft_prefill", 16) in ran

@@ -83,6 +83,7 @@ class ModelRunner:
         self.backend.allocate(lim, self.device)
         self.prefill_graphs = BucketGraphs.for_prefill(lim, self.device,
                                                        config.use_cuda_graph and self.backend.captures_prefill)
+        self._draft_features: torch.Tensor | None = None  # draft prefill graphs' static input (_draft_feature_buffer)
         self._planned: dict[Phase, tuple] = {}  # phase -> layout planned by the running decode-time phase
         self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
         self.timer = PhaseTimer(self.device)
@@ -194,19 +195,59 @@ class ModelRunner:
         `BatchBuilder.extend(pad_to=num_tokens)` filled (hidden [num_tokens, H], aux or None)."""
         return self.target_forward(self.builder.padded_extend(num_tokens, max_kv_len))
 
+    def draft_extend_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]], features: torch.Tensor,
+                             set_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The draft over ragged chunks (EXTEND): tokens[i] at positions starts[i].. of row rows[i], each token paired
+        with its row of `features` [n, F]; `set_ids` = (index [k], ids [k]) on the device overwrites those tokens'
+        ids first (tokens the host does not know yet: one sampled after a prompt, a row's last token). Returns the
+        draft's hidden [n, Hd] (a view of a graph's static output when replayed, valid until the next one).
+
+        Like `prefill_forward`: a batch that fits a prefill bucket replays that bucket's draft graph over the batch
+        padded up to it (the features copied into the graph's static input first), a larger one runs eagerly."""
+        graphs = self.prefill_graphs
+        num_tokens = sum(len(t) for t in tokens)
+        bucket = graphs.bucket(num_tokens)
+        if bucket is None or not graphs.captured("draft_prefill", bucket):
+            batch = self.builder.extend(rows, starts, tokens)
+            if set_ids is not None:
+                batch.input_ids[set_ids[0]] = set_ids[1]
+            return self.draft_forward(batch, features)
+        self.builder.extend(rows, starts, tokens, pad_to=bucket)
+        if set_ids is not None:  # the padded batch's first tokens are the batch's own, in order
+            self.builder.input_ids[set_ids[0]] = set_ids[1]
+        self._draft_feature_buffer()[:num_tokens].copy_(features)
+        hidden = graphs.run("draft_prefill", self.draft_prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
+        return hidden[:num_tokens]
+
+    def draft_prefill_phase(self, num_tokens: int, max_kv_len: int) -> torch.Tensor:
+        """What a draft prefill graph captures: the draft over the padded batch of `num_tokens` tokens that
+        `BatchBuilder.extend(pad_to=num_tokens)` filled, with the features of the static input (hidden [T, Hd])."""
+        batch = self.builder.padded_extend(num_tokens, max_kv_len)
+        return self.draft_forward(batch, self._draft_feature_buffer()[:num_tokens])
+
+    def _draft_feature_buffer(self) -> torch.Tensor:
+        """[largest prefill bucket, F]: the features every draft prefill graph reads (made on first use)."""
+        if self._draft_features is None:
+            self._draft_features = torch.zeros(self.prefill_graphs.buckets[-1], self.draft.feature_width_first_step,
+                                               dtype=self.dtype, device=self.device)
+        return self._draft_features
+
     def _plan_prefill(self, num_tokens: int, max_kv_len: int) -> None:
         self._planned = {}
         self.plan(self.builder.padded_extend(num_tokens, max_kv_len))
 
     def capture_prefill_graphs(self, show_progress: bool) -> None:
-        """Capture the prefill graph of every token bucket (Limits.prefill_graph_tokens), over batches of padding
-        alone. The engine calls this after its eager warm-up, which must compile the eager prefill's kernels
-        (prompts past the largest bucket run them)."""
+        """Capture the prefill graphs of every token bucket (Limits.prefill_graph_tokens): the target's and, with a
+        draft, the draft's extend, over batches of padding alone. The engine calls this after its eager warm-up,
+        which must compile the eager prefill's kernels (prompts past the largest bucket run them)."""
         if not self.prefill_graphs.enabled:
             return
-        self.prefill_graphs.capture([("prefill", self.prefill_phase, self._plan_prefill)],
-                                    lambda tokens: self.builder.extend([], [], [], pad_to=tokens),
-                                    "capturing prefill graphs", show_progress)
+        phases = [("prefill", self.prefill_phase, self._plan_prefill)]
+        if self.draft is not None:
+            phases.append(("draft_prefill", self.draft_prefill_phase, self._plan_prefill))
+        for phase in phases:  # each its own chain: the draft's reads no output of the target's graph
+            self.prefill_graphs.capture([phase], lambda tokens: self.builder.extend([], [], [], pad_to=tokens),
+                                        f"capturing {phase[0]} graphs", show_progress)
 
     def release_graphs(self) -> None:
         """Free every captured graph (BucketGraphs.release); later forwards run eagerly."""

@@ -121,12 +121,12 @@ class EagleWorker(DecodeStrategy):
         A final chunk's last pair takes the token just sampled after the prompt (`new_tokens`, on the device);
         its request then gets its step-0 top-K."""
         r = self.runner
-        batch = r.builder.extend([c.row for c in chunks], [c.start for c in chunks],
-                                 [c.next_tokens + [0] * c.final for c in chunks])
+        last = None
         if finals:
             last = torch.tensor([ends[i] for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
-            batch.input_ids[last] = new_tokens
-        h = r.draft_forward(batch, features)  # [T, Hd]
+        h = r.draft_extend_forward([c.row for c in chunks], [c.start for c in chunks],
+                                   [c.next_tokens + [0] * c.final for c in chunks], features,
+                                   (last, new_tokens) if finals else None)  # [T, Hd]
         if finals:
             rows = torch.tensor([chunks[i].row for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
             self.store_step0(rows, h[last])
@@ -157,13 +157,15 @@ class EagleWorker(DecodeStrategy):
         the last pair) is the row's last token on the device: under overlap the host may not know it yet."""
         r = self.runner
         rows = [g.row for g in lagging]
-        batch = r.builder.extend(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging])
         ends = list(itertools.accumulate(g.pairs for g in lagging))
         host = torch.tensor([[e - 1 for e in ends], rows], dtype=torch.int64)
         last, rows_t = host.to(r.device, non_blocking=True).unbind(0)  # [n] index of each last pair, its row
-        batch.input_ids[last] = r.row_state.last_token[rows_t]
-        h = r.draft_forward(batch, ring.gather(batch.token_rows, batch.positions))  # [T, Hd]
-        self.store_step0(rows_t, h[last])
+        pairs = torch.tensor([[g.row for g in lagging for _ in range(g.pairs)],
+                              [p for g in lagging for p in range(g.start, g.start + g.pairs)]], dtype=torch.int64)
+        pair_rows, pair_positions = pairs.to(r.device, non_blocking=True).unbind(0)  # [T] each
+        h = r.draft_extend_forward(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging],
+                                   ring.gather(pair_rows, pair_positions), (last, r.row_state.last_token[rows_t]))
+        self.store_step0(rows_t, h[last])  # h: [T, Hd]
 
     # --- the round -------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
