@@ -90,6 +90,30 @@ def test_output_deltas_rebuild_every_output(seed):
     assert not encoder._sent and not assembler._requests  # every request finished: nothing is kept
 
 
+def test_shared_step_outputs_encode_as_copies():
+    """Engine.step(shared=True), as the engine process steps: a running request's output holds the request's own
+    token id and logprob lists (no copy per step), and encoded at once, step by step, then assembled, every
+    output equals a twin engine's copied one; with stop strings, logprobs, prompt logprobs and sampling."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(max_tokens=30, temperature=0.8, seed=5, stop=["\n\n"]),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    engines = [LLM(max_running_requests=4).engine for _ in range(2)]
+    for engine in engines:
+        for prompt, p in zip(PROMPTS, params):
+            engine.add_request(prompt, p, request_id=f"r{len(engine.requests)}")
+    encoder, assembler, shared_seen = OutputEncoder(), OutputAssembler(), 0
+    while engines[0].has_unfinished():
+        copied = engines[0].step()
+        shared = engines[1].step(shared=True)
+        for out in shared:
+            req = engines[1].requests.get(out.request_id)
+            if req is not None:  # running: its own lists
+                assert out.token_ids is req.output_ids and (out.logprobs is None or out.logprobs is req.logprobs)
+                shared_seen += 1
+        assert assembler.assemble(pickle.loads(pickle.dumps(encoder.encode(shared)))) == copied
+    assert shared_seen and not engines[1].has_unfinished()
+
+
 # --- the same answers as an engine thread ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):

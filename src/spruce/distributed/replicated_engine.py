@@ -143,10 +143,10 @@ class DriverEngine(Engine):
             super().abort(request_id)
 
     # --- calls: one exchange each, then the same call on every rank -----------------------------------------------
-    def step(self, finished_only: bool = False):
+    def step(self, finished_only: bool = False, shared: bool = False):
         with self._lock, self._busy():
             self._exchange(OP_STEP, int(finished_only))
-            out = super().step(finished_only)
+            out = super().step(finished_only, shared)
             self._digest = state_digest(self)
             return out
 

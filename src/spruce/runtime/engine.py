@@ -68,6 +68,11 @@ class LaunchedStep:
     chosen: object | None = None  # a decode step: what `strategy.choose` returned for it (None: a prefill)
 
 
+def _shared(items: list) -> list:
+    """The list itself (Engine.step(shared=True): valid until the next step)."""
+    return items
+
+
 class Engine:
     """One engine. With a tensor-parallel group `tp` this is one rank's replica: every rank runs the same
     deterministic engine on the same inputs (distributed/replicated_engine.py feeds them; DESIGN §18)."""
@@ -223,10 +228,15 @@ class Engine:
             return self.scheduler.has_work or self._inflight is not None
 
     # --- stepping ----------------------------------------------------------------------------------------------
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False, shared: bool = False) -> list[RequestOutput]:
         """Plan and launch the next step, resolve the one before it (overlap) or this one; return the outputs
         of every request whose state changed (`finished_only`: of those that finished, as offline callers
-        need: running requests' outputs and text are then not built)."""
+        need: running requests' outputs and text are then not built).
+
+        `shared`: a running request's output holds the request's own token id and logprob lists, not copies, valid
+        until the next step, for a caller that consumes each step's outputs before it steps again (the engine
+        process's delta encoder): a copy of every request's whole output at every step made the outputs' cost grow
+        with the square of the output length."""
         with self._lock:
             counters = self.counters
             t0 = time.perf_counter()
@@ -244,17 +254,18 @@ class Engine:
                 else:
                     self._resolve(launched, touched)
             t2 = time.perf_counter()
-            outputs = self._outputs(touched, finished_only)
+            outputs = self._outputs(touched, finished_only, shared)
             counters.add("outputs", time.perf_counter() - t2)
             return outputs
 
-    def step_and_stats(self, due: Callable[[bool], bool] | None = None) -> tuple[list[RequestOutput], dict | None]:
-        """`step()` and then `stats()` (None unless `due(busy)` says they are wanted, busy: requests are still
-        unfinished; `due` None: always) within one hold of the engine lock: what a serving loop takes after every
-        step. Taken apart, the stats waited behind the add_request calls queued on the lock during the step (1.8 ms
-        a step at concurrency 64 on the H100, ~10% of the engine thread's time)."""
+    def step_and_stats(self, due: Callable[[bool], bool] | None = None,
+                       shared: bool = False) -> tuple[list[RequestOutput], dict | None]:
+        """`step(shared=shared)` and then `stats()` (None unless `due(busy)` says they are wanted, busy: requests are
+        still unfinished; `due` None: always) within one hold of the engine lock: what a serving loop takes after
+        every step. Taken apart, the stats waited behind the add_request calls queued on the lock during the step
+        (1.8 ms a step at concurrency 64 on the H100, ~10% of the engine thread's time)."""
         with self._lock:
-            outputs = self.step()
+            outputs = self.step(shared=shared)
             if due is not None and not due(self.has_unfinished()):
                 return outputs, None
             return outputs, self.stats()
@@ -275,13 +286,13 @@ class Engine:
         self._aborted = []
         return touched
 
-    def _outputs(self, touched: dict[str, Request], finished_only: bool) -> list[RequestOutput]:
+    def _outputs(self, touched: dict[str, Request], finished_only: bool, shared: bool = False) -> list[RequestOutput]:
         """End of a step: release settled pages, build finished texts, then the touched requests' outputs."""
         self.scheduler.release_settled()
         if self.debug:
             self.scheduler.check_accounting()
         self._build_final_texts()
-        return [self._output(q) for q in touched.values() if q.finished or not finished_only]
+        return [self._output(q, shared) for q in touched.values() if q.finished or not finished_only]
 
     def _plan_and_launch(self, previous: LaunchedStep | None, touched: dict[str, Request]):
         """Plan the next step and launch it. Preemption needs the step in flight resolved first (its requests'
@@ -556,17 +567,19 @@ class Engine:
         q.text = q.text[:cut]
         return True
 
-    def _output(self, q: Request) -> RequestOutput:
+    def _output(self, q: Request, shared: bool = False) -> RequestOutput:
+        """The request's output now: its lists copied, or (`shared`, see `step`) its own."""
         n = q.new_token_count
         q.new_token_count = 0
         if not q.finished or q.finish_reason == "abort":
             self._sync_text(q, flush=q.finished)
+        copy = _shared if shared else list
         out = RequestOutput(
-            request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=list(q.output_ids), text=q.text,
+            request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=copy(q.output_ids), text=q.text,
             new_token_ids=q.output_ids[len(q.output_ids) - n:] if n else [], finished=q.finished,
             finish_reason=q.finish_reason, spec_stats=q.spec.as_dict() if self.speculative else {},
-            logprobs=None if q.logprobs is None else list(q.logprobs),
-            prompt_logprobs=None if q.prompt_logprobs is None else list(q.prompt_logprobs),
+            logprobs=None if q.logprobs is None else copy(q.logprobs),
+            prompt_logprobs=None if q.prompt_logprobs is None else copy(q.prompt_logprobs),
             num_cached_tokens=q.cached_tokens,
         )
         if q.finished:

@@ -167,7 +167,7 @@ class _EngineServer:
             seconds["messages"] += t1 - t0
             self.must_step = False
             try:
-                outputs, stats = self.engine.step_and_stats(self.cadence.due)
+                outputs, stats = self.engine.step_and_stats(self.cadence.due, shared=True)  # encoded at once
             except Exception as e:  # fail-stop: no request is served by an engine that raised
                 log.exception("engine step failed: the engine process stops and every request in flight fails")
                 self.conn.send(("failed", f"{type(e).__name__}: {e}"))
