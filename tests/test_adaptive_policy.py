@@ -162,6 +162,35 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
 
 
+def test_a_probe_waits_for_an_epoch_that_ends_over_a_steady_batch():
+    """A probe measures its load's steady state: due at the end of an epoch over a level's first 4 requests while 28
+    more are held (in their prefills), it waits, and starts at the end of the first epoch over a batch of at least
+    half the load. Begun over the 4, its rounds had run while the batch filled (H200, 2026-11-25: such levels 2-25%
+    behind a plain server, every arrival caught up)."""
+    clock = Clock()
+    table = {(c, b): (1e-3 if c == PLAIN else 3e-3) for c in CHOICES for b in BUCKETS_32}
+    p = AdaptivePolicy(BUCKETS_32, table, overlapped=True, max_accept=4, clock=clock)
+    full = [Req() for _ in range(32)]
+    settle(p, full, 0)  # rounds accept nothing: plain steps are the model's choice
+
+    def steps(batch, n):
+        out = []
+        for _ in range(n):
+            out.append(p.decide(batch, held=32))
+            clock.now += out[-1].step_seconds[out[-1].choice]  # each step takes what it was priced at
+        return out
+
+    ramp = steps(full[:4], 3 * EPOCH_MIN + 1)  # three epochs end at load 32 over a batch of 4 (each at the next
+    # decision)
+    assert all(d.choice == PLAIN for d in ramp) and p.probes == 0
+    assert p._state[32].epochs_since_probe == 3  # due since the first
+    steady = steps(full, 2 * EPOCH_MIN)
+    assert p.probes == 1
+    first_probe = next(i for i, d in enumerate(steady) if d.reason == "probe")
+    assert first_probe <= EPOCH_MIN and steady[first_probe].choice == SPECULATIVE
+    assert steady[first_probe].batch_size == 32
+
+
 def test_speculative_runs_probe_a_plain_step_too():
     """A plain step's cost is re-measured during a run of rounds, by an epoch of plain steps, with the same
     backoff; an epoch lasts about one request's life (`request_tokens` over the choice's tokens per step)."""

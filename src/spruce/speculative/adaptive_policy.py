@@ -678,6 +678,15 @@ class AdaptivePolicy:
         the spacing and the expected cost against what the budget has spent): a serving run's plain steps under
         rounds are probes or switches, and only the switches were logged until 2026-11-23.
 
+        And only over a steady batch (`_steady`: at least half its load): a probe due at the end of an epoch over
+        a level's first requests (the others still in their prefills) or its last ones waits for an epoch that ends
+        over a steady batch. On the H200 (b2d3f8e, 2026-11-25, 1k shared prefix) 5 of a run's 13 probes of rounds
+        began so, at loads 8-64 over batches of 1-8; three of them ~0.5 s into a level at loads 32 and 64, priced at
+        the small batch (15-21 ms expected), ran their rounds while the batch filled, every arrival's prefill lazy
+        and then caught up: those levels ran 9, 14 and 24 catch-ups and 2%, 21% and 25% behind the plain server
+        (the levels whose probes began over a steady batch: 5-9 catch-ups, -15% to +6%). Such an epoch measures a
+        ramp, not the load.
+
         And only while all probes so far, at every load, stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE (`_probe_affordable`): the spacing above is per load bucket and restarts whenever the
         model's choice there flips, and on the H100 (2026-11-23, 128-token prompts, concurrency 8) an adaptive
@@ -699,7 +708,7 @@ class AdaptivePolicy:
             if self.epochs.ratio(other, load) is not None:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
-            if st.epochs_since_probe >= spacing:
+            if st.epochs_since_probe >= spacing and _steady(d.batch_size, load):
                 if self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     self.probes += 1
@@ -1033,6 +1042,12 @@ class AdaptivePolicy:
             "catch_up_seconds": {"device_fixed": fixed, "device_per_position": per, "host_fixed": host_fixed,
                                  "host_per_position": host_per},
         }
+
+
+def _steady(batch_size: int, load: int) -> bool:
+    """A batch of `batch_size` holds at least half its load bucket `load`: no level's ramp (arrivals in their
+    prefills) or drain, where a probe may start (`AdaptivePolicy._explore`)."""
+    return 2 * batch_size >= load
 
 
 def _rate(tokens: float, seconds: float) -> float:
