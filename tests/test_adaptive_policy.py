@@ -710,15 +710,18 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     rounds, and the low median of three epochs keeps it out of what rounds are worth (it is the probe's cost, not
     theirs). Once both choices are measured, probes are spaced by what one costs: rounds commit 4.35 tokens per
     0.7 ms against 1 per 0.3 ms (1.86x), so a probe of 128 plain steps costs 17.8 ms more than rounds for its tokens
-    and leaves a 3.5 ms catch-up; at PROBE_BUDGET of 30-round epochs (21 ms) that is one probe per 102 epochs. With
-    the catch-up left out (until 2026-11-24), one per 86."""
+    and leaves a 3.5 ms catch-up; at PROBE_BUDGET of 30-round epochs (21 ms) that is one probe per 21.3 / (21 x
+    PROBE_BUDGET) epochs (203 at 0.5%; with the catch-up left out, until 2026-11-24, 170)."""
     clock = Clock()
     p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
     q = Req()
     p.accepted(q, 3.35)
     p.caught_up(128, 3.5e-3, 0.0)  # what a catch-up over a probe's lag costs
     catch_up_due, decisions = False, []
-    for _ in range(12000):
+    rounds_epoch = math.ceil(128 / 4.35)
+    excess = 128 * 0.3e-3 * (1 - (1 / 0.3e-3) / (4.35 / 0.7e-3)) + 3.5e-3  # a probe's tokens at plain's price
+    spacing = math.ceil(excess / (PROBE_BUDGET * rounds_epoch * 0.7e-3))  # epochs of rounds between probes
+    for _ in range(3 * (spacing + 5) * rounds_epoch):
         d = p.decide([q], request_tokens=128)
         clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
         catch_up_due = d.choice == PLAIN
@@ -727,11 +730,10 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     assert p._realized(PLAIN, 1) == pytest.approx(0.3e-3)
     assert all(d.choice == SPECULATIVE for d in decisions if d.reason == "model")
     starts = [i for i, d in enumerate(decisions) if d.reason == "probe" and decisions[i - 1].reason != "probe"]
-    ends = [i for i, d in enumerate(decisions) if d.reason == "probe" and decisions[i + 1].reason != "probe"]
+    ends = [i for i, d in enumerate(decisions[:-1]) if d.reason == "probe" and decisions[i + 1].reason != "probe"]
     assert len(starts) >= 3 and ends[0] - starts[0] == 127  # the first probe measures plain steps: 128 of them
-    rounds_epoch = math.ceil(128 / 4.35)
     gaps = [(b - a) / rounds_epoch for a, b in zip(ends[1:], starts[2:])]  # epochs of rounds between probes
-    assert all(100 <= g <= 104 for g in gaps), gaps
+    assert gaps and all(spacing - 2 <= g <= spacing + 2 for g in gaps), (spacing, gaps)
 
 
 def test_a_collapsed_request_is_retried_with_backoff():

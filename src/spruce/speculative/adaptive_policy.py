@@ -109,7 +109,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
-  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). While the other's realized figure rests on fewer
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). PROBE_BUDGET was 1% until 2026-11-25: the H200's
+  bar runs with the 1k shared prefix had adaptive 2-4% behind a plain server at concurrency 1 in every run, the
+  passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each against 0.27 ms plain steps: ~48 ms
+  more on a 2.6 s level) 3-6% behind and those without 1-3%; replaying such acceptance (0.19 drafts a round) at
+  concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024 requests), probes cost 0.96% of plain's
+  tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%. Half the budget doubles the time a
+  change of workload waits for its probe (the run's spacing at concurrency 1 was 139 epochs of one 40 ms request
+  each: ~6 s, now ~11 s). While the other's realized figure rests on fewer
   than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
   caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
   steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
@@ -183,7 +190,7 @@ COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the cat
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
-PROBE_BUDGET = 0.01  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
+PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
