@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,26 @@ def test_paired_versus_best_other():
     assert got["plain"] == pytest.approx(150 / 155 - 1)
     short = paired_versus_best_other({"a": [10.0, 20.0, 30.0], "b": [11.0], "none": []})
     assert short == {"a": pytest.approx(10 / 11 - 1), "b": pytest.approx(11 / 10 - 1)}
+
+
+def test_copies_of_a_configuration_count_as_their_mean():
+    """CONTROL=1 runs two copies of one configuration (equal flags): a third server is compared pass by pass with the
+    mean of the copies, not with the better of the two (the better of two noisy draws, which put the adaptive
+    server a median 3.7 points lower at concurrency 8-64); each copy is compared with the other configurations only,
+    and with its twin in `paired_versus_twin`."""
+    from spruce.bench.serving import paired_versus_best_other, paired_versus_twin, versus_best_other
+
+    per_run = {"plain": [100.0, 150.0], "adaptive": [108.0, 141.0], "plain-again": [120.0, 130.0]}
+    configs = {"plain": "", "plain-again": "", "adaptive": "--speculative-adaptive"}
+    got = paired_versus_best_other(per_run, configs)
+    assert got["adaptive"] == pytest.approx(statistics.median([108 / 110 - 1, 141 / 140 - 1]))
+    assert got["plain"] == pytest.approx(statistics.median([100 / 108 - 1, 150 / 141 - 1]))
+    assert paired_versus_best_other(per_run)["adaptive"] == pytest.approx(
+        statistics.median([108 / 120 - 1, 141 / 150 - 1]))  # each copy a rival of its own: the better of two
+    assert versus_best_other(per_run, configs)["adaptive"] == pytest.approx(124.5 / 125 - 1)  # medians 125, 125
+    twins = paired_versus_twin(per_run, configs)
+    assert set(twins) == {"plain", "plain-again"}
+    assert twins["plain"] == pytest.approx(statistics.median([100 / 120 - 1, 150 / 130 - 1]))
 
 
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],

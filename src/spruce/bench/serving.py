@@ -611,16 +611,19 @@ def _run_launched(args: argparse.Namespace) -> int:
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
-    versus = {mode: {c: versus_best_other(per_run) for c, per_run in per_level.items()}
+    config_of = {cfg.name: shlex.join(cfg.flags) for cfg in configs}  # servers of equal flags are copies
+    versus = {mode: {c: versus_best_other(per_run, config_of) for c, per_run in per_level.items()}
               for mode, per_level in summary.items()}
-    paired = {mode: {c: paired_versus_best_other(per_run) for c, per_run in per_level.items()}
+    paired = {mode: {c: paired_versus_best_other(per_run, config_of) for c, per_run in per_level.items()}
               for mode, per_level in summary.items()}
-    _print_summary(summary, versus, paired)
+    twins = {mode: {c: paired_versus_twin(per_run, config_of) for c, per_run in per_level.items()}
+             for mode, per_level in summary.items()}
+    _print_summary(summary, versus, paired, twins)
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "base_url")} | {
         "prompts": str(prompts_path), "num_prompts": len(prompts)}
     path = write_result("serving", _device(args, runs[0]["server"]), config,
                         {"runs": runs, "summary": summary, "versus_best_other": versus,
-                         "paired_versus_best_other": paired}, out_dir)
+                         "paired_versus_best_other": paired, "paired_versus_twin": twins}, out_dir)
     print(f"results: {path}")
     _plot_and_print({f"{r['name']}{'' if r['prefix_cache'] else ' (no cache)'}": last_pass(r["levels"])
                      for r in runs}, path.with_suffix(".png"))
@@ -637,41 +640,70 @@ def _plot_and_print(series: dict[str, list[dict]], path: Path) -> None:
     print(f"plot: {png}" if png else "matplotlib is not installed: skipping the latency plot")
 
 
-def _over_best_other(values: dict[str, float]) -> dict[str, float]:
-    """Each entry over the best of the others, less 1 (none where the others are all 0 or there are none)."""
+def _over_best_other(values: dict[str, float], configs: dict[str, str] | None = None) -> dict[str, float]:
+    """Each entry over the best of the other configurations, less 1 (none where they are all 0 or there are none).
+    `configs`: each entry's configuration (its server flags); entries of one configuration are copies of one server
+    (CONTROL=1's twin), each other configuration counts as the mean of its copies. Without it every entry is a
+    configuration of its own."""
+    configs = configs or {name: name for name in values}
+    copies: dict[str, list[float]] = {}
+    for name, value in values.items():
+        copies.setdefault(configs[name], []).append(value)
+    means = {config: statistics.fmean(vals) for config, vals in copies.items()}
     out = {}
     for name, value in values.items():
-        others = [v for other, v in values.items() if other != name]
+        others = [v for config, v in means.items() if config != configs[name]]
         if others and max(others) > 0:
             out[name] = value / max(others) - 1.0
     return out
 
 
-def versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
-    """Each run's median output tokens/s over the best median among the other runs of its level, less 1 (+0.05:
-    5% ahead of the best other server; runs without figures left out). What a comparison run asks of its levels,
-    e.g. issue 16's adaptive server against the better of plain and fixed, and how far two copies of one server
-    (CONTROL=1) lie apart in the same run."""
-    return _over_best_other({name: statistics.median(tps) for name, tps in per_run.items() if tps})
+def versus_best_other(per_run: dict[str, list[float]], configs: dict[str, str] | None = None) -> dict[str, float]:
+    """Each run's median output tokens/s over the best median among the other configurations of its level (copies
+    of one configuration averaged, `_over_best_other`), less 1 (+0.05: 5% ahead of the best other server; runs
+    without figures left out). What a comparison run asks of its levels, e.g. issue 16's adaptive server against
+    the better of plain and fixed."""
+    return _over_best_other({name: statistics.median(tps) for name, tps in per_run.items() if tps}, configs)
 
 
-def paired_versus_best_other(per_run: dict[str, list[float]]) -> dict[str, float]:
-    """Each run's output tokens/s over the best other run's in the same pass, less 1, the median over the passes
-    every run has (runs without figures left out). Runs measured together (--interleave) share each pass's machine:
-    on the H200 (2026-11-23) identical servers moved 10-40% between passes, all of a slow pass's servers together more
-    often than not, so a pass-by-pass ratio is less noisy than the ratio of medians (`versus_best_other`), which
-    pairs one server's third-best pass with another's."""
+def paired_versus_best_other(per_run: dict[str, list[float]],
+                             configs: dict[str, str] | None = None) -> dict[str, float]:
+    """Each run's output tokens/s over the best other configuration's in the same pass (copies of one configuration
+    averaged, `_over_best_other`), less 1, the median over the passes every run has (runs without figures left
+    out). Runs measured together (--interleave) share each pass's machine: on the H200 (2026-11-23) identical
+    servers moved 10-40% between passes, all of a slow pass's servers together more often than not, so a
+    pass-by-pass ratio is less noisy than the ratio of medians (`versus_best_other`), which pairs one server's
+    third-best pass with another's. Copies are averaged, not each taken as a rival: until 2026-11-25 a CONTROL=1
+    run's adaptive server met the better of two copies of plain (or fixed) in each pass, the better of two noisy
+    draws: over the 46 such runs of 2026-11-23 to 25 (H100, H200) that put its figure lower by a median 3.7 points at
+    concurrency 8-64 (up to 12.8) and 1.1 at concurrency 1."""
     runs = {name: tps for name, tps in per_run.items() if tps}
     passes = min((len(tps) for tps in runs.values()), default=0)
-    per_pass = [_over_best_other({name: tps[k] for name, tps in runs.items()}) for k in range(passes)]
+    per_pass = [_over_best_other({name: tps[k] for name, tps in runs.items()}, configs) for k in range(passes)]
     return {name: statistics.median(ratios) for name in runs
             if (ratios := [ratio[name] for ratio in per_pass if name in ratio])}
 
 
-def _print_summary(summary: dict, versus: dict, paired: dict) -> None:
+def paired_versus_twin(per_run: dict[str, list[float]], configs: dict[str, str]) -> dict[str, float]:
+    """Each run that has copies (runs of its configuration): its output tokens/s over the mean of its copies' in the
+    same pass, less 1, the median over the passes they all have. How far one server's figure moves with nothing
+    changed (CONTROL=1): the floor under any figure of `paired_versus_best_other`."""
+    out = {}
+    for name, tps in per_run.items():
+        copies = [per_run[other] for other in per_run if other != name and configs[other] == configs[name]
+                  and per_run[other]]
+        passes = min([len(tps), *(len(c) for c in copies)])
+        if copies and passes:
+            out[name] = statistics.median(tps[k] / statistics.fmean(c[k] for c in copies) - 1.0
+                                          for k in range(passes))
+    return out
+
+
+def _print_summary(summary: dict, versus: dict, paired: dict, twins: dict) -> None:
     """Output tokens/s per run at each concurrency (one figure per pass, then their median), each median against
-    the best other's (`versus`: `versus_best_other` of each level) and each run pass by pass against the best other
-    of its pass (`paired`: `paired_versus_best_other`), per prefix-cache mode."""
+    the best other configuration's (`versus`: `versus_best_other` of each level), each run pass by pass against the
+    best other configuration of its pass (`paired`: `paired_versus_best_other`) and, where a configuration ran in
+    copies, each copy pass by pass against the others (`twins`: `paired_versus_twin`), per prefix-cache mode."""
     for mode, per_level in summary.items():
         print(f"-- output tokens/s, {mode.replace('_', ' ')} (each pass; median)")
         for c, per_run in per_level.items():
@@ -684,3 +716,6 @@ def _print_summary(summary: dict, versus: dict, paired: dict) -> None:
             if paired[mode][c]:
                 print("      pass by pass vs the best other of the pass (median): " + ", ".join(
                     f"{name} {v:+.1%}" for name, v in paired[mode][c].items()))
+            if twins[mode][c]:
+                print("      copies, pass by pass vs their twins (median): " + ", ".join(
+                    f"{name} {v:+.1%}" for name, v in twins[mode][c].items()))
