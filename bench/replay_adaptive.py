@@ -102,7 +102,7 @@ def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, m
                     policy.caught_up(lagging, catch_up, 0.0)
                 policy.measured(choice, decided.bucket, seconds)
             if mode == "adaptive" and choice == SPECULATIVE:
-                policy.accepted_round([(req, accepted)])
+                policy.accepted_round([req], [accepted])
     return counts | {"seconds": clock.now, "tokens_per_second": counts["tokens"] / clock.now}
 
 

@@ -1206,7 +1206,7 @@ def test_a_prior_over_mixed_requests_is_their_mean():
                 a += 1
             drafts.append(a)
             q.left -= a + 1
-        p.accepted_round(zip(live, drafts))
+        p.accepted_round(live, drafts)
         fed += drafts
         if i >= 1000:  # past the first windows
             priors.append(p.global_accept)
@@ -1228,10 +1228,10 @@ def test_the_prior_is_the_mean_of_the_last_window_of_rounds_fed_a_batch_at_a_tim
     fed = []
     for _ in range(3 * ACCEPT_WINDOW // 64 + 5):
         drafts = [rng.randint(0, 4) for _ in range(64)]
-        p.accepted_round(zip([Req() for _ in drafts], drafts))
+        p.accepted_round([Req() for _ in drafts], drafts)
         fed += drafts
         assert p.global_accept == pytest.approx(sum(fed[-ACCEPT_WINDOW:]) / len(fed[-ACCEPT_WINDOW:]))
-    p.accepted_round(zip([Req() for _ in range(ACCEPT_WINDOW + 7)], [1] * (ACCEPT_WINDOW + 7)))  # more than a window
+    p.accepted_round([Req() for _ in range(ACCEPT_WINDOW + 7)], [1] * (ACCEPT_WINDOW + 7))  # more than a window
     assert p.global_accept == 1.0
 
 
@@ -1408,7 +1408,7 @@ def test_a_compile_stall_in_the_first_plain_epoch_does_not_price_plain_out():
             chosen[d.choice] += 1
             clock.now += 0.8e-3 if d.choice == SPECULATIVE else 0.4e-3
             if d.choice == SPECULATIVE:
-                p.accepted_round((q, 0 if (i + k) % 5 else 1) for k, q in enumerate(reqs))  # ~0.2 drafts a round
+                p.accepted_round(reqs, [0 if (i + k) % 5 else 1 for k in range(len(reqs))])  # ~0.2 drafts a round
         return chosen
 
     assert level(count_stalls=False)[SPECULATIVE] < 400  # re-probed (below), plain again within two epochs
@@ -1437,7 +1437,7 @@ def test_a_lone_epoch_that_prices_a_choice_above_its_parts_does_not_keep_it_from
             chosen[d.choice] += 1
             clock.now += 0.8e-3 if d.choice == SPECULATIVE else 0.4e-3
             if d.choice == SPECULATIVE:
-                p.accepted_round((q, 0 if (i + k) % 5 else 1) for k, q in enumerate(reqs))
+                p.accepted_round(reqs, [0 if (i + k) % 5 else 1 for k in range(len(reqs))])
         return chosen
 
     assert level()[PLAIN] > 1600

@@ -16,6 +16,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+FINISHED = Status.FINISHED  # a module constant: `Status.FINISHED` is a class lookup (~60 ns) on hot paths
+
+
 @dataclass
 class SpecStats:
     """Speculation statistics. accept length = tokens committed per verify round, bonus included."""
@@ -115,7 +118,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == Status.FINISHED
+        return self.status is FINISHED
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone; prompt + output so far will be prefilled again."""

@@ -950,11 +950,11 @@ class AdaptivePolicy:
 
     def accepted(self, request, drafts: int) -> None:
         """A speculative round of `request` accepted `drafts` draft tokens (`accepted_round` for one request)."""
-        self.accepted_round(((request, drafts),))
+        self.accepted_round((request,), (drafts,))
 
-    def accepted_round(self, accepted) -> None:
-        """A speculative round's (request, accepted draft tokens) pairs, in one pass: a round at concurrency 64
-        feeds 64 of them, on the host's critical path. A retry's round (see the module docstring) that accepted at
+    def accepted_round(self, requests, drafts) -> None:
+        """A speculative round's requests and the draft tokens each accepted (two sequences of one length), in one
+        pass: a round at concurrency 64 feeds 64 of them, on the host's critical path. A retry's round (see the module docstring) that accepted at
         least half the prior restarts the request's EMA from it; one that did not doubles the lag before the next
         retry.
 
@@ -980,22 +980,23 @@ class AdaptivePolicy:
         it until its own rounds collapsed it, so batches of new requests looked worth rounds."""
         half = self.prior_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
-        for request, drafts in accepted:
+        count, alpha = counted.append, REQUEST_ALPHA
+        for request, accepted in zip(requests, drafts):
             own = request.accept_state
             if own is None:
-                request.accept_state = _RequestAcceptance(float(drafts))
-                counted.append(drafts)
+                request.accept_state = _RequestAcceptance(float(accepted))
+                count(accepted)
             elif own.retrying:  # a retry's round prices the request alone
-                if drafts >= half:
-                    own.ema, own.retry_after = float(drafts), RETRY_FIRST
+                if accepted >= half:
+                    own.ema, own.retry_after = float(accepted), RETRY_FIRST
                 else:
-                    own.ema += REQUEST_ALPHA * (drafts - own.ema)
+                    own.ema += alpha * (accepted - own.ema)
                     own.rounds += 1
                     own.retry_after = min(2 * own.retry_after, RETRY_MAX)
                 own.retrying = False
             else:
-                counted.append(drafts)
-                own.ema += REQUEST_ALPHA * (drafts - own.ema)
+                count(accepted)
+                own.ema += alpha * (accepted - own.ema)
                 own.rounds += 1
         window = self._accept_window
         if len(counted) >= window.maxlen:
