@@ -129,6 +129,26 @@ def test_copies_of_a_configuration_count_as_their_mean():
     assert twins["plain"] == pytest.approx(statistics.median([100 / 120 - 1, 150 / 130 - 1]))
 
 
+def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration():
+    """bench/serving_bar.py reads `bench serving --launch` results: per concurrency, the adaptive server pass by pass
+    against the better of plain and fixed (the control copy of plain averaged with it) and the copy against its
+    twin; a result without the three servers is skipped."""
+    import bench_scripts
+
+    bar = bench_scripts.load("serving_bar")
+    fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
+    result = {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
+                                    "plain-again="], "shared_prefix_tokens": 1024, "prompt_tokens": 256},
+              "figures": {"summary": {"prefix_cache": {"8": {"plain": [100.0, 90.0], "fixed": [60.0, 50.0],
+                                                             "adaptive": [95.0, 99.0], "plain-again": [110.0, 92.0]}}}}}
+    got = bar.run_figures(result)["8"]
+    assert got["adaptive_vs_better"] == pytest.approx(statistics.median([95 / 105 - 1, 99 / 91 - 1]))
+    assert got["control_vs_twin"] == pytest.approx(statistics.median([110 / 100 - 1, 92 / 90 - 1]))
+    assert got["passes"] == 2 and bar.workload(result["config"]) == "prefix1024+256"
+    result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
+    assert bar.run_figures(result) is None
+
+
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
                                   ["--pin-cpus"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):
