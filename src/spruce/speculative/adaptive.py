@@ -217,7 +217,7 @@ class AdaptiveDecoding(DecodeStrategy):
         window = self.lag_window
         standing = self.last_decision.choice if self.last_decision is not None else None
         if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
-            if max(map(_DRAFT_LAG, requests)) < window and self.policy.repeat(PLAIN, len(requests)):
+            if max(map(_DRAFT_LAG, requests), default=0) < window and self.policy.repeat(PLAIN, len(requests)):
                 for q in requests:
                     q.draft_lag += 1
                 return self.plain

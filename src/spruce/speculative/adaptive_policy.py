@@ -878,9 +878,9 @@ class AdaptivePolicy:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
         the load is gone: the next batch starts a new load window and decides afresh. The window counts decisions,
         which a standing one spaces up to REUSE_STEPS steps apart (plain steps: an epoch), so it spans ~1000 steps or
-        more; kept across an idle gap, it priced a new level's batches as the previous level's drain: on the H200 (2026-11-23, 1k shared
-        prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136 rounds a pass at twice a
-        plain step's cost per token, with no switch at load 1.
+        more; kept across an idle gap, it priced a new level's batches as the previous level's drain: on the H200
+        (2026-11-23, 1k shared prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136
+        rounds a pass at twice a plain step's cost per token, with no switch at load 1.
 
         A standing choice of plain steps survives the gap for a batch of its own cost bucket or a larger one whose
         model choice is plain too (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as
@@ -954,9 +954,9 @@ class AdaptivePolicy:
 
     def accepted_round(self, requests, drafts) -> None:
         """A speculative round's requests and the draft tokens each accepted (two sequences of one length), in one
-        pass: a round at concurrency 64 feeds 64 of them, on the host's critical path. A retry's round (see the module docstring) that accepted at
-        least half the prior restarts the request's EMA from it; one that did not doubles the lag before the next
-        retry.
+        pass: a round at concurrency 64 feeds 64 of them, on the host's critical path. A retry's round (see the
+        module docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
+        doubles the lag before the next retry.
 
         The engine-wide acceptance (the prior) is the plain mean of the last ACCEPT_WINDOW counted request-rounds:
         about 16 requests' lives at concurrency 1. An EMA over ~20 rounds (the last) tracked the last request at
