@@ -14,8 +14,9 @@ from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
                                                  PROBE_BUDGET, PROBE_FIRST, REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX,
-                                                 REUSE_STEPS, SETTLED_EPOCHS, SPECULATION_MARGIN, SPECULATIVE, WALL_TTL,
-                                                 AdaptivePolicy, LinearCost, _RequestAcceptance)
+                                                 REUSE_STEPS, SETTLED_EPOCHS, SPECULATION_MARGIN, SPECULATIVE,
+                                                 STEADY_WAIT, WALL_TTL, AdaptivePolicy, LinearCost,
+                                                 _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
 BUCKETS_32 = (1, 2, 4, 8, 16, 32)
@@ -189,6 +190,22 @@ def test_a_probe_waits_for_an_epoch_that_ends_over_a_steady_batch():
     first_probe = next(i for i, d in enumerate(steady) if d.reason == "probe")
     assert first_probe <= EPOCH_MIN and steady[first_probe].choice == SPECULATIVE
     assert steady[first_probe].batch_size == 32
+
+
+def test_a_load_whose_batch_stays_small_is_still_probed():
+    """A load whose batch never reaches half of it (its requests held in the queue, a full KV pool): a due probe
+    waits STEADY_WAIT epochs for a steady batch, then starts over the batch it has."""
+    clock = Clock()
+    table = {(c, b): (1e-3 if c == PLAIN else 3e-3) for c in CHOICES for b in BUCKETS_32}
+    p = AdaptivePolicy(BUCKETS_32, table, overlapped=True, max_accept=4, clock=clock)
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 0)
+    decisions = []
+    for _ in range((STEADY_WAIT + 3) * EPOCH_MIN):
+        decisions.append(p.decide(reqs, held=32))
+        clock.now += decisions[-1].step_seconds[decisions[-1].choice]
+    first_probe = next(i for i, d in enumerate(decisions) if d.reason == "probe")
+    assert first_probe == (1 + STEADY_WAIT) * EPOCH_MIN  # due at the first epoch's end, started STEADY_WAIT later
 
 
 def test_speculative_runs_probe_a_plain_step_too():

@@ -201,6 +201,7 @@ MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of 
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
 STALL_RATIO = 2.0  # a lone epoch reading more than this over its parts is taken for a stall (`_probe_price`)
+STEADY_WAIT = 16  # epochs a due probe waits for a steady batch (`_steady`) before it starts over any batch
 
 
 def _other(choice: str) -> str:
@@ -687,12 +688,13 @@ class AdaptivePolicy:
 
         And only over a steady batch (`_steady`: at least half its load): a probe due at the end of an epoch over
         a level's first requests (the others still in their prefills) or its last ones waits for an epoch that ends
-        over a steady batch. On the H200 (b2d3f8e, 2026-11-25, 1k shared prefix) 5 of a run's 13 probes of rounds
-        began so, at loads 8-64 over batches of 1-8; three of them ~0.5 s into a level at loads 32 and 64, priced at
-        the small batch (15-21 ms expected), ran their rounds while the batch filled, every arrival's prefill lazy
-        and then caught up: those levels ran 9, 14 and 24 catch-ups and 2%, 21% and 25% behind the plain server
-        (the levels whose probes began over a steady batch: 5-9 catch-ups, -15% to +6%). Such an epoch measures a
-        ramp, not the load.
+        over a steady batch, or for STEADY_WAIT epochs past its spacing (a load whose batch never reaches half of it,
+        its requests held in the queue by a full KV pool, is still probed). On the H200 (b2d3f8e, 2026-11-25, 1k
+        shared prefix) 5 of a run's 13 probes of rounds began so, at loads 8-64 over batches of 1-8; three of them
+        ~0.5 s into a level at loads 32 and 64, priced at the small batch (15-21 ms expected), ran their rounds while
+        the batch filled, every arrival's prefill lazy and then caught up: those levels ran 9, 14 and 24 catch-ups
+        and 2%, 21% and 25% behind the plain server (the levels whose probes began over a steady batch: 5-9
+        catch-ups, -15% to +6%). Such an epoch measures a ramp, not the load.
 
         And only while all probes so far, at every load, stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE (`_probe_affordable`): the spacing above is per load bucket and restarts whenever the
@@ -715,7 +717,8 @@ class AdaptivePolicy:
             if self.epochs.ratio(other, load) is not None:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
-            if st.epochs_since_probe >= spacing and _steady(d.batch_size, load):
+            steady = _steady(d.batch_size, load) or st.epochs_since_probe >= spacing + STEADY_WAIT
+            if st.epochs_since_probe >= spacing and steady:
                 if self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     self.probes += 1
