@@ -26,7 +26,8 @@
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
 # The device image lacks the server's packages: carry their wheels in .whl (fastapi, starlette, uvicorn, httptools,
-# pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api; bench/device_env.sh installs them).
+# pydantic, pydantic-core, annotated-types, annotated-doc, typing-inspection, opentelemetry-api, uvloop; the versions
+# the local .venv holds; bench/device_env.sh installs them). Pool runs with python bench/serving_bar.py RESULTS...
 # Usage (repo root, fixture model in .carry/models/pycode-19m): SPRUCE_GIT_COMMIT=<sha> MODE=prefix bash bench/device_serving_prefix.sh
 set -u
 . bench/device_env.sh
