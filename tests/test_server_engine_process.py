@@ -23,7 +23,7 @@ from spruce.runtime.logprobs import Logprob
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
 from spruce.server.engine_process import EngineProcess, ProcessEngineLoop
-from spruce.server.output_deltas import OutputAssembler, OutputEncoder
+from spruce.server.output_deltas import GrowingPrefix, OutputAssembler, OutputEncoder
 
 PROMPTS = ["def fib(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
 
@@ -73,11 +73,12 @@ def test_output_deltas_rebuild_every_output(seed):
     statistics only when they changed."""
     outs = _output_streams(random.Random(seed))
     encoder, assembler = OutputEncoder(), OutputAssembler()
-    seen, last_spec, unchanged = set(), {}, 0
+    seen, last_spec, unchanged, rebuilt = set(), {}, 0, []
     for i in range(0, len(outs), 3):  # three outputs per "step"
         step = outs[i:i + 3]
         deltas = pickle.loads(pickle.dumps(encoder.encode(step)))
-        assert assembler.assemble(deltas) == step
+        rebuilt += assembler.assemble(deltas)
+        assert rebuilt[-len(step):] == step
         for out, delta in zip(step, deltas):
             assert (delta[1] is None) == (out.request_id in seen)  # the prompt, in the first delta only
             assert delta[3] == out.new_token_ids  # every output is sent: the delta is the step's new tokens
@@ -88,6 +89,24 @@ def test_output_deltas_rebuild_every_output(seed):
             last_spec[out.request_id] = out.spec_stats
     assert unchanged  # the case is exercised
     assert not encoder._sent and not assembler._requests  # every request finished: nothing is kept
+    assert rebuilt == outs  # each output still reads as of its step, later deltas assembled (GrowingPrefix)
+    assert any(isinstance(out.token_ids, GrowingPrefix) for out in rebuilt)
+    assert all(type(out.token_ids) is list for out in rebuilt if out.finished)  # a finished one: its whole list
+
+
+def test_growing_prefix_reads_as_its_snapshot():
+    """A GrowingPrefix over a list that grows afterwards: length, items, slices, iteration and equality are the
+    list's as it was."""
+    items = [10, 11, 12]
+    snap = GrowingPrefix(items)
+    items += [13, 14]
+    assert len(snap) == 3 and snap[0] == 10 and snap[-1] == 12 and snap[1:] == [11, 12] and snap[::-2] == [12, 10]
+    assert snap[5:] == [] and list(snap) == [10, 11, 12] and snap == [10, 11, 12] and snap != items
+    assert snap == (10, 11, 12) and repr(snap) == "[10, 11, 12]" and GrowingPrefix(items, 3) == snap
+    with pytest.raises(IndexError, match="index 3 out of a snapshot of 3 items"):
+        snap[3]
+    with pytest.raises(IndexError):
+        snap[-4]
 
 
 def test_shared_step_outputs_encode_as_copies():

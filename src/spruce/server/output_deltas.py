@@ -14,6 +14,8 @@ of a request must be encoded, and assembled, in order: then the ids not sent yet
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from spruce.runtime.output import RequestOutput
@@ -58,6 +60,45 @@ class OutputEncoder:
         return delta
 
 
+class GrowingPrefix(Sequence):
+    """The first `n` items of a list that only grows (appends, never a change to an item it holds): a snapshot of
+    the list as it was, taken in O(1). The assembler's running outputs hold their token ids and logprobs so: the
+    server reads a request's latest output (Mailbox) after later ones were assembled, so each needs the list as of
+    its step, and a copy per request per step cost O(output) each (CPU, 2026-11-25: 3.6 us a request-step over a
+    4096-token output, 8.5 with logprobs). Lengths, indexing, slices (O(slice)), iteration and equality with a list
+    read as the snapshot."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items = items
+        self._n = len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._n)
+            if step == 1:
+                return self._items[start:max(start, stop)]
+            return [self._items[k] for k in range(start, stop, step)]  # indices() gave bounds of the snapshot
+        if not -self._n <= index < self._n:
+            raise IndexError(f"index {index} out of a snapshot of {self._n} items")
+        return self._items[index % self._n]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (GrowingPrefix, list, tuple)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self._items[:self._n])
+
+
 @dataclass
 class _Assembled:
     """One request's output so far, rebuilt from its deltas."""
@@ -93,9 +134,12 @@ class OutputAssembler:
             if req.logprobs is None:
                 req.logprobs = []
             req.logprobs.extend(logprobs)
-        if finished:
+        if finished:  # its lists grow no more: handed out whole
             del self._requests[rid]
+            token_ids, logprobs = req.token_ids, req.logprobs
+        else:  # snapshots: later deltas append to the lists
+            token_ids = GrowingPrefix(req.token_ids)
+            logprobs = None if req.logprobs is None else GrowingPrefix(req.logprobs)
         # every output is sent, so the ids new since the last one sent are the output's new ids
-        return RequestOutput(rid, req.prompt_token_ids, list(req.token_ids), req.text, tokens, finished,
-                             finish_reason, req.spec_stats, None if req.logprobs is None else list(req.logprobs),
-                             req.prompt_logprobs, cached)
+        return RequestOutput(rid, req.prompt_token_ids, token_ids, req.text, tokens, finished, finish_reason,
+                             req.spec_stats, logprobs, req.prompt_logprobs, cached)
