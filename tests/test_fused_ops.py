@@ -116,34 +116,31 @@ def test_fused_scratch_metadata_equals_torch_fill():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_parts", [1, 3])
-def test_feature_store_equals_the_torch_store(dtype, num_parts):
-    """The adaptive plain step's EAGLE-3 feature store (ops/feature_store.py) writes what the torch path wrote (the
-    parts' sums concatenated, stored at (row, position mod W)) to the bit: the first part without a residual (layer
-    0's input, the embedding), positions past the ring's width wrapping, a padding row, other slots untouched."""
-    from spruce.ops.feature_store import store_reference, store_stream_parts
-
+def test_add_rms_norm_stores_its_sum_in_a_feature_ring(dtype):
+    """With a StreamSink, the add-norm kernel also writes its sum x + residual to each token's ring slot (row,
+    position mod W) at the sink's columns, what the torch store writes, to the bit: positions past the ring's width
+    wrapping, a padding row, other slots and columns untouched; its outputs as without a sink."""
     g = torch.Generator().manual_seed(3)
-    t, h, rows_n, width = 5, 48, 6, 16
-    parts = [(torch.randn(t, h, generator=g).to(dtype).to(DEVICE),
-              None if j == 0 else torch.randn(t, h, generator=g).to(dtype).to(DEVICE)) for j in range(num_parts)]
-    rows = torch.tensor([3, 0, 5, 1, 5], device=DEVICE)[:t]
+    t, h, rows_n, width, parts = 5, 48, 6, 16, 3
+    x, r = (torch.randn(t, h, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = torch.randn(h, generator=g).to(dtype).to(DEVICE)
+    rows = torch.tensor([3, 0, 5, 1, 4], device=DEVICE)
     positions = torch.tensor([7, 15, 16, 40, 2], device=DEVICE)  # 16 and 40 wrap (W = 16)
-    rows[4] = 4  # one row per token, as a step has
-    base = torch.randn(rows_n, width, num_parts * h, generator=g).to(dtype).to(DEVICE)
+    base = torch.randn(rows_n, width, parts * h, generator=g).to(dtype).to(DEVICE)
     got, want = base.clone(), base.clone()
-    store_stream_parts(got, rows, positions, parts)
+    out, res = F.add_rms_norm(x, r, w, 1e-5, F.StreamSink(got, rows, positions, h))
+    plain_out, plain_res = F.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(out, plain_out) and torch.equal(res, plain_res)
     F._FORCE_TRITON[0] = False
-    store_reference(want, rows, positions, parts)
+    F.StreamSink(want, rows, positions, h).store(x + r)
     assert torch.equal(got, want)
-    assert not torch.equal(got, base)
+    assert torch.equal(got[:, :, :h], base[:, :, :h]) and not torch.equal(got, base)
 
 
-def test_feature_store_refuses_parts_that_do_not_fill_the_ring():
-    from spruce.ops.feature_store import store_stream_parts
-
+def test_a_stream_sink_refuses_what_does_not_fit():
     ring = torch.zeros(2, 4, 96)
-    with pytest.raises(ValueError, match="96 wide; 2 parts of 32 make 64"):
-        store_stream_parts(ring, torch.tensor([0]), torch.tensor([1]), [(torch.ones(1, 32), None)] * 2)
-    with pytest.raises(ValueError, match="at least one"):
-        store_stream_parts(ring, torch.tensor([0]), torch.tensor([1]), [])
+    x = torch.ones(1, 64)
+    with pytest.raises(ValueError, match="columns 64..128 of ring features 96 wide"):
+        F.add_rms_norm(x, x, torch.ones(64), 1e-5, F.StreamSink(ring, torch.tensor([0]), torch.tensor([1]), 64))
+    with pytest.raises(ValueError, match="2 rows for x \\(1, 64\\)"):
+        F.add_rms_norm(x, x, torch.ones(64), 1e-5, F.StreamSink(ring, torch.tensor([0, 1]), torch.tensor([1, 2]), 0))

@@ -13,6 +13,7 @@ from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.weights import load_named_tensors
+from spruce.ops import StreamSink
 
 
 class DecoderLM(nn.Module):
@@ -60,33 +61,40 @@ class DecoderLM(nn.Module):
         """Token embeddings: ids [n] -> [n, H]."""
         return self.embed_tokens(ids)
 
-    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, aux_parts: bool = False):
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, feature_ring=None):
         """One forward over batch.input_ids at batch.positions, writing every layer's cache entries into `kv`.
 
         Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0.
-        `aux_parts`: aux as the unsummed parts of each aux layer's input instead, [(x [T, H], residual [T, H] or
-        None)] in aux_layers order (None without aux layers), for a consumer that adds and stores them in one kernel
-        (ops/feature_store.py: the adaptive plain step)."""
+        `feature_ring`: (ring [R, W, len(aux_layers) * H], rows [T], positions [T]): each aux layer's input goes to
+        the ring's slot of its token instead, the j-th aux layer's to columns j*H.., written by the add-norm that
+        computes it (ops/fused.py StreamSink: the adaptive plain step); aux is then None."""
         x = self.embed(batch.input_ids)  # [T, H]
         residual = None
-        inputs = {}  # layer index -> its residual-stream input: x + residual, or the pair unsummed (aux_parts)
+        sinks = {}  # aux layer index -> its StreamSink (feature_ring)
+        if feature_ring is not None:
+            ring, rows, positions = feature_ring
+            sinks = {i: StreamSink(ring, rows, positions, j * x.shape[-1]) for j, i in enumerate(self.aux_layers)}
+        inputs = {}  # aux layer index -> its residual-stream input x + residual (no feature_ring)
 
         def stream_input(x, residual):
-            if aux_parts:
-                return x, residual
             return x if residual is None else x + residual
 
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
+            if i in self.aux_layers and not sinks:
                 inputs[i] = stream_input(x, residual)
-            x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
-        if len(self.layers) in self.aux_layers:
-            inputs[len(self.layers)] = stream_input(x, residual)
-        hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
-        if not self.aux_layers:
+            x, residual = layer.forward_residual(x, residual, batch, kv, page_table, sinks.get(i))
+        last = len(self.layers)
+        if last in self.aux_layers and not sinks:
+            inputs[last] = stream_input(x, residual)
+        if residual is None:
+            hidden = self.norm(x)
+            if last in sinks:
+                sinks[last].store(x)
+        else:
+            hidden = self.norm.add_forward(x, residual, sinks.get(last))[0]
+        if not self.aux_layers or sinks:
             return hidden, None
-        ordered = [inputs[i] for i in self.aux_layers]
-        return hidden, (ordered if aux_parts else torch.cat(ordered, dim=-1))
+        return hidden, torch.cat([inputs[i] for i in self.aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V] float32 (tensor-parallel: every rank's V/tp logits gathered, on every rank)."""

@@ -99,7 +99,8 @@ class AdaptiveDecoding(DecodeStrategy):
         r = worker.runner
         self.worker = worker
         self.prefix_cache = prefix_cache  # the engine's (None: off): which prompts repeat (_lazy_chunks)
-        self.ring = FeatureRing(r.limits, r.draft.feature_width_first_step, r.dtype, r.device)
+        self.ring = FeatureRing(r.limits, r.draft.feature_width_first_step, r.dtype, r.device,
+                                aux=bool(r.target.aux_layers))
         self.lag_window = r.limits.draft_lag_window  # read at every step (a Limits property computes it)
         self.plain = PlainDecoding(r, self.ring)
         self.policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture)

@@ -13,15 +13,19 @@ from __future__ import annotations
 import torch
 
 from spruce.limits import Limits
-from spruce.ops.feature_store import store_stream_parts
 
 
 class FeatureRing:
-    def __init__(self, limits: Limits, feature_width: int, dtype: torch.dtype, device: torch.device):
+    """`aux`: the draft reads the target's EAGLE-3 aux features (each aux layer's input stream), else its final
+    hidden state."""
+
+    def __init__(self, limits: Limits, feature_width: int, dtype: torch.dtype, device: torch.device,
+                 aux: bool = False):
         self.width = limits.draft_lag_window
         if self.width <= 0:
             raise ValueError(f"a feature ring needs Limits.draft_lag_window > 0 (adaptive speculation), got "
                              f"{self.width}")
+        self.aux = aux
         self.features = torch.zeros(limits.num_rows, self.width, feature_width, dtype=dtype,
                                     device=device)  # [rows, W, F]
 
@@ -42,14 +46,16 @@ class FeatureRing:
         if head < n:  # wraps around
             self.features[row, :n - head] = features[head:].to(self.features.dtype)
 
-    def store_forward(self, rows: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, aux_parts) -> None:
-        """Keep what the draft consumes of a target forward (ModelRunner.target_features) at each row's position:
-        EAGLE-3's aux features, added and stored from their parts in one kernel (`aux_parts`, the forward's
-        aux_parts=True output: ops/feature_store.py), else the final hidden [P, H]."""
-        if aux_parts is None:
-            self.store(rows, positions, hidden)
-        else:
-            store_stream_parts(self.features, rows, positions, aux_parts)
+    def keep_forward(self, target_forward, batch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run `target_forward(batch, ...)` (ModelRunner.target_forward) over one token a row and keep what the
+        draft consumes of it at each row's position [P]: EAGLE-3's aux features, which each aux layer's add-norm
+        writes to the ring as it computes them (ops/fused.py StreamSink), else the final hidden [P, H]. Returns
+        the hidden [P, H]."""
+        if self.aux:
+            return target_forward(batch, feature_ring=(self.features, rows, positions))[0]
+        hidden, _ = target_forward(batch)
+        self.store(rows, positions, hidden)
+        return hidden
 
     def gather(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The kept features of (row, position) pairs ([n] each): [n, F]."""

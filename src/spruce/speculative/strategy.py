@@ -236,9 +236,10 @@ class PlainDecoding(DecodeStrategy):
         rows = self.rows[:P]
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
-        hidden, aux = r.target_forward(batch, aux_parts=self.features is not None)
-        if self.features is not None:
-            self.features.store_forward(rows, positions, hidden, aux)
+        if self.features is None:
+            hidden, _ = r.target_forward(batch)
+        else:
+            hidden = self.features.keep_forward(r.target_forward, batch, rows, positions)
         logits = r.target.compute_logits(hidden)  # [P, V]
         greedy = logits.argmax(dim=-1)  # [P]
         r.row_state.set(rows, positions + 1, greedy)
