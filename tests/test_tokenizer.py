@@ -168,3 +168,30 @@ def test_sentencepiece_style_tokenizer(sentencepiece_style):
         parts, rest = stream(ours, ids)
         assert "".join(parts) + rest == ours.decode(ids)
         assert not any("\ufffd" in p for p in parts)
+
+
+def test_the_library_stream_adds_what_the_python_windows_add(toks, sentencepiece_style, heldout_prompts):
+    """IncrementalDetokenizer.add runs the library's DecodeStream where it decodes as decode() does: chunk by chunk,
+    every add returns what the Python window decode returns, after a prompt's tail as context and with special
+    tokens in the stream, for a byte-level BPE and a SentencePiece-style tokenizer (byte fallback, leading-space
+    strip); a tokenizer that cleans up spaces keeps the windows."""
+    import random
+
+    rng = random.Random(0)
+    for tok in (toks[0], Tokenizer.from_dir(sentencepiece_style, MODEL_CONFIG)):
+        for text in TEXTS + heldout_prompts[:2]:
+            ids = tok.encode(text)
+            ids = ids[:3] + [next(iter(tok.eos_token_ids))] + ids[3:]  # a special token mid-stream
+            context = tok.encode(heldout_prompts[2])[-10:]
+            fast, slow = IncrementalDetokenizer(tok, context), IncrementalDetokenizer(tok, context)
+            slow._step = None
+            assert fast._step is not None
+            k = 0
+            while k < len(ids):
+                n = rng.randrange(1, 6)
+                assert fast.add(ids[k:k + n]) == slow.add(ids[k:k + n])
+                k += n
+            assert fast.flush() == slow.flush()
+    cleaning = Tokenizer.from_dir(sentencepiece_style, MODEL_CONFIG)
+    cleaning._cleanup = True
+    assert IncrementalDetokenizer(cleaning)._step is None

