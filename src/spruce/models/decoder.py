@@ -34,6 +34,9 @@ class DecoderLM(nn.Module):
             if not 0 <= i <= cfg.num_layers:
                 raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
                                      f"(the target has {cfg.num_layers} layers; {cfg.num_layers} = last layer's output)")
+        if len(set(aux_layers)) != len(aux_layers):
+            raise ModelLoadError(f"aux hidden-state layer inputs {tuple(aux_layers)} repeat a layer; each may be read "
+                                 f"once")
         self.config = cfg
         self.tp = tp
         self.aux_layers = tuple(aux_layers)
