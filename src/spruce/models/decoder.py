@@ -34,9 +34,6 @@ class DecoderLM(nn.Module):
             if not 0 <= i <= cfg.num_layers:
                 raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
                                      f"(the target has {cfg.num_layers} layers; {cfg.num_layers} = last layer's output)")
-        if len(set(aux_layers)) != len(aux_layers):
-            raise ModelLoadError(f"aux hidden-state layer inputs {tuple(aux_layers)} repeat a layer; each may be read "
-                                 f"once")
         self.config = cfg
         self.tp = tp
         self.aux_layers = tuple(aux_layers)
@@ -73,10 +70,15 @@ class DecoderLM(nn.Module):
         computes it (ops/fused.py StreamSink: the adaptive plain step); aux is then None."""
         x = self.embed(batch.input_ids)  # [T, H]
         residual = None
-        sinks = {}  # aux layer index -> its StreamSink (feature_ring)
+        h = x.shape[-1]
+        sinks, repeats = {}, []  # aux layer index -> its StreamSink (feature_ring); a repeated one's (column, first's)
         if feature_ring is not None:
             ring, rows, positions = feature_ring
-            sinks = {i: StreamSink(ring, rows, positions, j * x.shape[-1]) for j, i in enumerate(self.aux_layers)}
+            for j, i in enumerate(self.aux_layers):
+                if i in sinks:  # a small target's default layers can repeat ((2, 2, 2) for 5 layers)
+                    repeats.append((j * h, sinks[i].column))
+                else:
+                    sinks[i] = StreamSink(ring, rows, positions, j * h)
         inputs = {}  # aux layer index -> its residual-stream input x + residual (no feature_ring)
 
         def stream_input(x, residual):
@@ -95,6 +97,10 @@ class DecoderLM(nn.Module):
                 sinks[last].store(x)
         else:
             hidden = self.norm.add_forward(x, residual, sinks.get(last))[0]
+        if repeats:
+            slots = positions % ring.shape[1]
+            for column, first in repeats:
+                ring[rows, slots, column:column + h] = ring[rows, slots, first:first + h]
         if not self.aux_layers or sinks:
             return hidden, None
         return hidden, torch.cat([inputs[i] for i in self.aux_layers], dim=-1)
