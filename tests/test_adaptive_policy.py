@@ -34,9 +34,9 @@ class Req:  # a request is any object with an `accept_state` (runtime/request.py
     accept_state = None
 
 
-def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4) -> AdaptivePolicy:
-    table = {(c, b): (plain if c == PLAIN else spec) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
-    return AdaptivePolicy(BUCKETS, table, overlapped=overlapped, max_accept=s, clock=clock or Clock())
+def policy(plain=1e-3, spec=3e-3, overlapped=True, clock=None, s=4, buckets=BUCKETS) -> AdaptivePolicy:
+    table = {(c, b): (plain if c == PLAIN else spec) for c in (PLAIN, SPECULATIVE) for b in buckets}
+    return AdaptivePolicy(buckets, table, overlapped=overlapped, max_accept=s, clock=clock or Clock())
 
 
 def set_ema(p: AdaptivePolicy, request, ema: float) -> None:
@@ -169,8 +169,7 @@ def test_a_probe_waits_for_an_epoch_that_ends_over_a_steady_batch():
     half the load. Begun over the 4, its rounds had run while the batch filled (H200, 2026-11-25: such levels 2-25%
     behind a plain server, every arrival caught up)."""
     clock = Clock()
-    table = {(c, b): (1e-3 if c == PLAIN else 3e-3) for c in CHOICES for b in BUCKETS_32}
-    p = AdaptivePolicy(BUCKETS_32, table, overlapped=True, max_accept=4, clock=clock)
+    p = policy(clock=clock, buckets=BUCKETS_32)
     full = [Req() for _ in range(32)]
     settle(p, full, 0)  # rounds accept nothing: plain steps are the model's choice
 
@@ -196,8 +195,7 @@ def test_a_load_whose_batch_stays_small_is_still_probed():
     """A load whose batch never reaches half of it (its requests held in the queue, a full KV pool): a due probe
     waits STEADY_WAIT epochs for a steady batch, then starts over the batch it has."""
     clock = Clock()
-    table = {(c, b): (1e-3 if c == PLAIN else 3e-3) for c in CHOICES for b in BUCKETS_32}
-    p = AdaptivePolicy(BUCKETS_32, table, overlapped=True, max_accept=4, clock=clock)
+    p = policy(clock=clock, buckets=BUCKETS_32)
     reqs = [Req() for _ in range(4)]
     settle(p, reqs, 0)
     decisions = []
