@@ -3,7 +3,9 @@
 Usage: python bench/sanitize_run.py MODEL [DRAFT | NEXTN] (env SANITIZE_BACKEND: the attention backend, default
 the CUDA default). With a trained DRAFT the rounds accept several tokens,
 so commits of accepted paths run too (a random head accepts almost nothing); NEXTN drafts with the model's own
-MTP layers. Greedy and sampled requests share
+MTP layers. With an EAGLE-3 draft an adaptive engine follows, its policy forced to alternate plain steps and rounds: its
+plain steps write the aux layers' features into the feature ring from the add-norm kernels (`StreamSink`), its rounds
+catch the draft up from them. Greedy and sampled requests share
 each batch, so both the in-graph greedy acceptance and the eager sampled acceptance run. Overlap scheduling is
 on (the default), so every step is queued behind the one still running; a plain-decoding run follows.
 """
@@ -35,6 +37,19 @@ with tempfile.TemporaryDirectory() as tmp:
         stats = llm.engine.stats()["spec"]
         print(f"page={page} topk={k}: {[len(o.token_ids) for o in outs]} tokens, "
               f"mean accept length {stats['mean_accept_length']:.2f} over {stats['rounds']} rounds")
+        llm.engine.check_no_leaks()
+        del llm
+    if not nextn:
+        from test_adaptive import force  # the tests' override of the policy's choice
+
+        llm = LLM(model, device="cuda", dtype="bfloat16", page_size=16, max_running_requests=4, draft_model=draft,
+                  speculative_adaptive=True, speculative_num_steps=5, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=8, cuda_graph=True, attention_backend=backend)
+        choices = force(llm, [0, 0, 1, 0, 1, 1, 0])
+        outs = llm.generate(prompts, params)
+        adaptive = llm.engine.stats()["adaptive"]
+        print(f"adaptive page=16: {[len(o.token_ids) for o in outs]} tokens, {choices.count('plain')} plain steps "
+              f"and {len(choices) - choices.count('plain')} rounds chosen, {adaptive['catch_ups']} catch-ups")
         llm.engine.check_no_leaks()
         del llm
     plain = LLM(model, device="cuda", dtype="bfloat16", page_size=4, max_running_requests=4, cuda_graph=True,
