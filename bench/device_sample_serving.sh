@@ -9,6 +9,7 @@
 # samples, start-up left out). Raw recordings and server logs stay in $WORK.
 #   SERVER_EXTRA="FLAGS": flags every server gets (default --scheduler-delay-factor 4, as issue 16's last runs).
 #   PREFIX_LEVELS / PREFIX_REQUESTS, SHORT_LEVELS / SHORT_REQUESTS: concurrency levels and requests per level.
+#   WORKLOADS="prefix short": the workloads to run (e.g. WORKLOADS=short for 128-token prompts alone).
 # Usage (repo root, fixture model in .carry/models/pycode-19m): bash bench/device_sample_serving.sh
 set -u
 . bench/device_env.sh
@@ -32,7 +33,7 @@ sampled() {  # workload-name bench-flags...
   for f in "$WORK/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 py-spy --version || exit 1
-sampled prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --concurrency ${PREFIX_LEVELS:-1 8} \
-  --num-requests ${PREFIX_REQUESTS:-128 256}
-sampled short --prompt-tokens 128 --concurrency ${SHORT_LEVELS:-8 64} --num-requests ${SHORT_REQUESTS:-1024 2048}
+case " ${WORKLOADS:-prefix short} " in *" prefix "*) sampled prefix --shared-prefix-tokens 1024 --prompt-tokens 256 --concurrency ${PREFIX_LEVELS:-1 8} \
+  --num-requests ${PREFIX_REQUESTS:-128 256} ;; esac
+case " ${WORKLOADS:-prefix short} " in *" short "*) sampled short --prompt-tokens 128 --concurrency ${SHORT_LEVELS:-8 64} --num-requests ${SHORT_REQUESTS:-1024 2048} ;; esac
 ls -la "$OUT"
