@@ -7,7 +7,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
   the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds, every round but a
   collapsed request's retries (the population's mean: see `accepted_round`; before any round at all, the tree
-  depth S: optimistic, so the first rounds measure it), except for a request whose own EMA
+  depth S: optimistic, so the first rounds measure it; while the window fills, shrunk towards S, see
+  `prior_accept`), except for a request whose own EMA
   collapsed (below COLLAPSE_FRACTION, a tenth, of the engine-wide one): its own. Such a request thus counts ~1
   token in both candidates: it neither forces the batch to plain nor makes speculation look better than it is for
   the others. The line was half the engine-wide one until 2026-11-23. bench/replay_adaptive.py replays the
@@ -186,6 +187,7 @@ COLLAPSE_ROUNDS = 8  # rounds a request must have had before its EMA can count a
 COLLAPSE_FRACTION = 0.1  # ... and the fraction of the engine-wide acceptance its EMA must fall below
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
 ACCEPT_WINDOW = 512  # request-rounds behind the engine-wide acceptance (the prior of requests without rounds)
+PRIOR_ROUNDS = 32  # pseudo-rounds at S the prior holds beside an empty window, fewer as it fills (none when full)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
@@ -440,9 +442,27 @@ class AdaptivePolicy:
         module docstring)."""
         return self.bucket_for(max(batch_size, max(self._recent_loads, default=0)))
 
-    def prior_accept(self) -> float:
-        """Expected accepted drafts per round of a request without rounds: the engine-wide acceptance, else S."""
+    def engine_accept(self) -> float:
+        """The engine-wide acceptance: the mean of the window's request-rounds, else S. What a request's own EMA is
+        judged against (collapse, retries)."""
         return self.global_accept if self.global_accept is not None else float(self.max_accept)
+
+    def prior_accept(self) -> float:
+        """Expected accepted drafts per round of a request without rounds (or with a collapse being retried): the
+        engine-wide acceptance, shrunk towards S while the window holds n < ACCEPT_WINDOW request-rounds, as if it
+        also held PRIOR_ROUNDS * (1 - n / ACCEPT_WINDOW) rounds that accepted S. The first rounds come from a
+        request or two, and a low mean of theirs would stand (plain steps measure nothing; only probes add rounds):
+        on the H100 (2026-11-25, 128-token prompts, concurrency 1) the first 34 rounds accepted 2.0 drafts where the
+        workload's rounds accept ~3.4, the policy chose plain steps for the rest of the level and the level ran
+        26% behind a fixed engine. Shrunk, 34 such rounds price at 3.4; rounds that accept ~1 draft (the shared
+        prefix) bring it below a break-even of 2.7 within ~40 rounds. Collapses are judged against the unshrunk
+        mean (`engine_accept`): the shrinkage prices new requests, it does not make a request look bad."""
+        mean = self.engine_accept()
+        n = len(self._accept_window)
+        if self.global_accept is None or n >= ACCEPT_WINDOW:
+            return mean
+        pseudo = PRIOR_ROUNDS * (1.0 - n / ACCEPT_WINDOW)
+        return (mean * n + self.max_accept * pseudo) / (n + pseudo)
 
     def expected_accept(self, request, lag: int = 0) -> float:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
@@ -452,10 +472,9 @@ class AdaptivePolicy:
 
     def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
         """`expected_accept` from a request's acceptance state (None: it has had no round)."""
-        prior = self.prior_accept()
-        if own is not None and own.collapsed(prior) and lag < own.retry_after:
+        if own is not None and own.collapsed(self.engine_accept()) and lag < own.retry_after:
             return own.ema
-        return prior
+        return self.prior_accept()
 
     def device(self, choice: str, bucket: int) -> float:
         """D(choice, bucket): measured, else the start-up table."""
@@ -586,12 +605,13 @@ class AdaptivePolicy:
                     "other_host": self.other_host(choice, bucket),
                     "wall": self._fresh_wall(choice, bucket)}
 
-        prior = self.prior_accept()
+        engine = self.engine_accept()
         log.info("adaptive switch %s", json.dumps({
             "from": before, "to": d.choice, "load": load, "bucket": bucket, "batch_size": d.batch_size,
-            "prior": prior, "accept_window": len(self._accept_window), "margin": self._margin(load),
+            "prior": self.prior_accept(), "engine_accept": engine, "accept_window": len(self._accept_window),
+            "margin": self._margin(load),
             "tokens_per_step": d.tokens_per_step[SPECULATIVE], "catch_up_positions": d.catch_up_positions,
-            "collapsed": sum(own is not None and own.collapsed(prior) for own in owns),
+            "collapsed": sum(own is not None and own.collapsed(engine) for own in owns),
             "priced": {c: priced(c) for c in CHOICES}}, default=float))
 
     def _priced(self, choice: str, load: int, batch_size: int, catch_up_positions: int, rounds: float,
@@ -779,14 +799,14 @@ class AdaptivePolicy:
     def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int], none_due: int) -> int:
         """Further plain steps (after this one) before the first collapsed one of the batch's requests (their
         acceptance states `owns`) is due for a retry (`none_due` if none is)."""
-        prior = self.prior_accept()
+        prior = self.engine_accept()
         due = [own.retry_after - lag - 1 for own, lag in zip(owns, lags)
                if own is not None and own.collapsed(prior) and lag < own.retry_after]
         return max(min(due, default=none_due), 0)
 
     def _mark_retries(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> None:
         """A round is launched: the requests in it priced on the prior (a retry) are judged by its acceptance."""
-        prior = self.prior_accept()
+        prior = self.engine_accept()
         for own, lag in zip(owns, lags):
             if own is not None and own.collapsed(prior) and lag >= own.retry_after:
                 own.retrying = True
@@ -981,7 +1001,7 @@ class AdaptivePolicy:
         fifth accept half their drafts and the rest almost none, that prior averaged 3.0-3.3x the mean of the
         rounds fed (three seeds; test_a_prior_over_mixed_requests_is_their_mean). Every new request was priced at
         it until its own rounds collapsed it, so batches of new requests looked worth rounds."""
-        half = self.prior_accept() / 2
+        half = self.engine_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
         count, alpha = counted.append, REQUEST_ALPHA
         for request, accepted in zip(requests, drafts):
@@ -1014,7 +1034,8 @@ class AdaptivePolicy:
             self._accept_sum += sum(counted)
         if not window:
             return
-        g = self.global_accept = self._accept_sum / len(window)
+        self.global_accept = self._accept_sum / len(window)
+        g = self.prior_accept()  # what the standing decision was priced at (`_reuse_accept`) is one too
         if abs(g - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
             self._reuse_left = 0  # the standing decision was priced at an acceptance that no longer holds
 
