@@ -158,8 +158,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   step, were priced (correctly) below a plain engine's steps, and at concurrency 64 a batch that changed at almost
   every step (a request ends every second step) decided almost every plain step too. Probes, another bucket, an
   epoch's end (a probe may be due), a collapsed request's retry and an engine-wide acceptance that drifted by more
-  than REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh; a request's own acceptance, which
-  rounds update every step, is read at the next decision.
+  than REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh (standing rounds' acceptance is read
+  every few rounds, speculative/adaptive.py READ_EVERY); a request's own acceptance is read at the next decision.
 
 Pure Python and torch-free: the unit tests feed it numbers.
 """
