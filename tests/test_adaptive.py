@@ -84,6 +84,7 @@ def force(llm, pattern: list[int]) -> list[str]:
         return True
 
     policy.decide, policy.repeat = forced, forced_repeat
+    policy.stand_ahead = lambda batch_size: (0, 0, 0)  # every step asks (no standing steps taken ahead)
     return log
 
 
@@ -361,6 +362,27 @@ def test_standing_rounds_are_read_in_order_a_few_at_a_time(monkeypatch, draft, o
     llm.engine.stats()  # a snapshot reads what is left
     assert not strategy._unread_rounds and read == resolved_rows and len(read) > 8 * adaptive.READ_EVERY
     assert max(calls) <= 4 * adaptive.READ_EVERY and max(calls) > 4  # several rounds per read, none over the cap
+
+
+@pytest.mark.parametrize("spec", [1.0, 100.0])
+def test_standing_steps_are_taken_ahead_and_each_counted(monkeypatch, draft, reference, spec):
+    """Rounds (spec=1: plain steps priced at 100 rounds) or plain steps (spec=100): after a standing step asks the
+    policy (`repeat`), the steps that stand after it are taken without asking (a ticket); the policy still counts
+    every decode step once (decided or standing), and the tokens are plain decoding's."""
+    fixed_costs(monkeypatch, plain=100.0 if spec == 1.0 else 1.0, spec=spec)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    llm = LLM(TARGET, page_size=16, max_running_requests=8, draft_model=draft, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=4, speculative_adaptive=True)
+    policy = llm.engine.strategy.policy
+    asked, repeat = [], policy.repeat
+    monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: asked.append(choice) or repeat(choice,
+                                                                                                 batch_size))
+    outputs = llm.generate(PROMPTS, params)
+    decodes = llm.engine.stats()["steps"]["decodes"]
+    chosen = llm.engine.strategy.policy.chosen  # read through `policy`: the last ticket replayed
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference(params)]
+    assert sum(chosen.values()) == decodes and chosen[SPECULATIVE if spec == 1.0 else PLAIN] > decodes / 2
+    assert 0 < len(asked) < decodes / 2  # most standing steps never asked (rounds: one asks every READ_EVERY)
 
 
 @pytest.mark.parametrize("window", [256, 3])

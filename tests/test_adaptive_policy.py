@@ -12,6 +12,7 @@ import pytest
 import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
+from spruce.errors import InvariantError
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
                                                  PROBE_BUDGET, PROBE_FIRST, REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX,
                                                  REUSE_STEPS, SETTLED_EPOCHS, SPECULATION_MARGIN, SPECULATIVE,
@@ -119,6 +120,47 @@ def test_a_thin_window_is_shrunk_towards_the_optimistic_prior():
             rounds += 1
     assert 32 <= rounds <= 48  # the raw mean would have turned plain after the first round
     assert p.prior_accept() < 2.67 < p.prior_accept() + 0.2
+
+
+def test_standing_steps_taken_ahead_count_as_asked_one_by_one():
+    """`stand_ahead` grants the steps that would stand after a standing one (same bucket, the budget left); taken
+    without asking and replayed by `stood`, they leave the policy as `repeat` and `waited` one by one would."""
+
+    def run(ahead: bool):
+        clock = Clock()
+        p = policy(clock=clock)
+        reqs = [Req() for _ in range(4)]
+        settle(p, reqs, 3)  # 4 tokens a round > 3: rounds
+        choice = p.decide(reqs).choice
+        batches = [4, 3, 4, 3, 4, 4]  # cost bucket 4 holds batches of 3-4
+        clock.now += 1e-3
+        assert p.repeat(choice, batches[0])
+        if ahead:
+            left, lo, hi = p.stand_ahead(batches[0])
+            assert (lo, hi) == (3, 4) and left >= len(batches) - 1
+        p.waited(2e-4)
+        times = []
+        for batch in batches[1:]:
+            clock.now += 1e-3
+            times.append(clock.now)
+            if not ahead:
+                assert p.repeat(choice, batch)
+                p.waited(2e-4)
+        if ahead:
+            p.stood(choice, times, batches[1:], 2e-4 * len(times))
+        cur = p.epochs.current
+        return (choice, dict(p.chosen), p._reuse_left, cur.steps, cur.request_steps, cur.last_batch,
+                round(cur.busy, 12), dict(cur.step_buckets), round(p._not_host, 12), round(p.epochs.busy_total, 12))
+
+    assert run(True) == run(False) and run(True)[0] == SPECULATIVE
+    p = policy()
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 3)
+    choice = p.decide(reqs).choice
+    assert p.repeat(choice, 4)
+    left, _, _ = p.stand_ahead(4)
+    with pytest.raises(InvariantError, match=f"{left + 1} standing steps taken ahead, {left} granted"):
+        p.stood(choice, [0.0] * (left + 1), [4] * (left + 1), 0.0)
 
 
 def test_new_requests_take_the_engine_wide_acceptance():

@@ -176,6 +176,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from spruce.errors import InvariantError
 from spruce.speculative.epoch_clock import SETTLED_EPOCHS, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
@@ -836,6 +837,29 @@ class AdaptivePolicy:
             self._last_launch = None
             self._previous_choice = choice
         return True
+
+    def stand_ahead(self, batch_size: int) -> tuple[int, int, int]:
+        """Right after `repeat` let a step over `batch_size` requests stand: (n, lo, hi), where the next n steps
+        over lo..hi requests (that step's cost bucket) would stand too, for as long as nothing else reaches the
+        policy (each would find the same bucket and the same decision, its budget one step smaller); the strategy
+        takes them without asking and replays them (`stood`)."""
+        bucket = self.bucket_for(batch_size)
+        lower = self.buckets.index(bucket)
+        return self._reuse_left, (self.buckets[lower - 1] + 1 if lower else 1), bucket
+
+    def stood(self, choice: str, times: list[float], batches: list[int], waited: float) -> None:
+        """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, and
+        the wait seconds fed meanwhile: counted as `repeat` and `waited` would have counted them one by one."""
+        if self._last_launch is not None:
+            raise InvariantError("standing steps taken ahead while a decided step's interval is open")
+        if len(times) > self._reuse_left:
+            raise InvariantError(f"{len(times)} standing steps taken ahead, {self._reuse_left} granted")
+        epochs = self.epochs
+        for now, batch_size in zip(times, batches):
+            epochs.standing_step(now, self.bucket_for(batch_size), batch_size)
+        self._reuse_left -= len(times)
+        self.chosen[choice] += len(times)
+        self._not_host += waited
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
     def _launched(self, choice: str, bucket: int, now: float) -> None:
