@@ -268,3 +268,31 @@ def test_a_standing_step_counts_as_an_event_and_a_step():
     assert a.busy_total == pytest.approx(b.busy_total)
     assert a.ratio("plain", 8) == pytest.approx(b.ratio("plain", 8))
     assert a.request_seconds("plain", 8) == pytest.approx(b.request_seconds("plain", 8))
+
+
+def test_the_epochs_tool_reads_what_the_clock_logs(caplog):
+    """bench/adaptive_epochs.py parses the debug line EpochClock logs for each epoch it closes (the format is the
+    contract between them): two steady epochs of plain steps at load 8 (1 ms a step over 8 requests: 125 us a
+    request-step) and one of rounds over batches of 2 (not steady at load 8)."""
+    import logging
+
+    import bench_scripts
+
+    tool = bench_scripts.load("adaptive_epochs")
+    clock = EpochClock(per_step)
+    with caplog.at_level(logging.DEBUG, logger="spruce.adaptive.epochs"):
+        t = run(clock, 0.0, "plain", 2 * EPOCH_MIN, 1e-3)
+        for _ in range(EPOCH_MIN):
+            clock.event(t)
+            clock.step("speculative", 8, EPOCH_MIN, 2, 2)
+            t += 2e-3
+        run(clock, t, "plain", 1, 1e-3)  # ends the epoch of rounds
+    epochs = tool.parse(r.getMessage() for r in caplog.records)
+    assert [(e["choice"], e["load"], e["steps"], e["request_steps"]) for e in epochs] == [
+        ("plain", 8, EPOCH_MIN, 8 * EPOCH_MIN), ("plain", 8, EPOCH_MIN, 8 * EPOCH_MIN),
+        ("speculative", 8, EPOCH_MIN, 2 * EPOCH_MIN)]
+    summary = tool.summarize(epochs)
+    assert summary["8/plain"]["steady"]["epochs"] == 2 and summary["8/plain"]["other"]["epochs"] == 0
+    assert summary["8/plain"]["steady"]["median_us_per_request_step"] == pytest.approx(125.0, rel=1e-3)
+    assert summary["8/speculative"]["other"]["epochs"] == 1
+    assert summary["8/speculative"]["other"]["median_us_per_request_step"] == pytest.approx(1000.0, rel=1e-3)
