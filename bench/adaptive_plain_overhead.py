@@ -12,7 +12,8 @@ Each decode step's wall time is split into:
   graphs and the host work between them, alike in both engines);
 - host: the rest of `Engine.step` (on a GPU also the time blocked on the device: compare `block` there), with the
   strategy's choose and resolved (both engines' wrapped alike) and, separately, `Engine.stats()`, which the
-  server's engine loop takes after every step (server/engine_loop.py);
+  serving loops take when their `StatsCadence` is due (at most every 50 ms while busy; taken after every step, as
+  here until 2026-11-25, it also ended an adaptive engine's standing steps taken ahead at every step);
 - block: wall seconds per step over the whole run of steps (stats included), synchronised at its ends only: on a
   GPU, the figure to compare (overlap keeps the device busy while the host works).
 Engines alternate per repeat and medians are taken, so the other processes on a shared CPU weigh on both alike.
@@ -39,6 +40,7 @@ import torch
 from spruce import LLM, SamplingParams
 from spruce.bench.common import device_name, git_commit, price_out
 from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.server.metrics import StatsCadence
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
 PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n"
@@ -106,8 +108,9 @@ def engine_of(llm: LLM):
 
 def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
             syncs: Counter | None = None) -> dict[str, list[float]]:
-    """Per decode step: wall seconds of Engine.step, of Engine.stats(), and the wrapped parts. With `syncs`
-    (CUDA), torch's sync debug mode is on during the timed steps and each synchronising call site is counted."""
+    """Per decode step: wall seconds of Engine.step, of Engine.stats() (0 where the cadence was not due), and the
+    wrapped parts. With `syncs` (CUDA), torch's sync debug mode is on during the timed steps and each synchronising
+    call site is counted."""
     engine = engine_of(llm)
     params = SamplingParams(max_tokens=steps * engine.limits.step_advance + 64, ignore_eos=True)  # none ends
     ids = [engine.add_request(PROMPT, params) for _ in range(bs)]
@@ -116,6 +119,7 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
     for _ in range(8):  # settle: the first decode steps fill static rows
         engine.step()
     out = defaultdict(list)
+    cadence = StatsCadence()  # the serving loops' (server/engine_loop.py, server/engine_process.py)
     sync()
     with count_syncs(syncs) if syncs is not None else contextlib.nullcontext():
         start = time.perf_counter()
@@ -124,7 +128,8 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
             t0 = time.perf_counter()
             engine.step()
             t1 = time.perf_counter()
-            engine.stats()
+            if cadence.due(True):
+                engine.stats()
             t2 = time.perf_counter()
             out["step"].append(t1 - t0)
             out["stats"].append(t2 - t1)
