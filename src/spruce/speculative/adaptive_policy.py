@@ -284,10 +284,10 @@ class _RequestAcceptance:
     retry_after: int = RETRY_FIRST  # draft lag (positions) from which a collapsed EMA is retried
     retrying: bool = False  # a round was launched on the prior: the next acceptance judges the retry
 
-    def collapsed(self, prior: float) -> bool:
-        """After COLLAPSE_ROUNDS rounds at least, its EMA is below COLLAPSE_FRACTION of the prior (the engine-wide
-        acceptance)."""
-        return self.rounds >= COLLAPSE_ROUNDS and self.ema < COLLAPSE_FRACTION * prior
+    def collapsed(self, engine_accept: float) -> bool:
+        """After COLLAPSE_ROUNDS rounds at least, its EMA is below COLLAPSE_FRACTION of the engine-wide acceptance
+        (AdaptivePolicy.engine_accept)."""
+        return self.rounds >= COLLAPSE_ROUNDS and self.ema < COLLAPSE_FRACTION * engine_accept
 
 
 @dataclass
@@ -467,8 +467,8 @@ class AdaptivePolicy:
 
     def expected_accept(self, request, lag: int = 0) -> float:
         """Request's expected accepted drafts per round, its draft lagging by `lag` positions: the prior, unless
-        its EMA collapsed (below COLLAPSE_FRACTION of the prior): then its EMA, until it is retried (the prior) from
-        a lag of its `retry_after`."""
+        its EMA collapsed (below COLLAPSE_FRACTION of the engine-wide acceptance, `engine_accept`): then its EMA,
+        until it is retried (the prior) from a lag of its `retry_after`."""
         return self._expected(request.accept_state, lag)
 
     def _expected(self, own: _RequestAcceptance | None, lag: int) -> float:
@@ -800,16 +800,16 @@ class AdaptivePolicy:
     def _retry_in(self, owns: list[_RequestAcceptance | None], lags: list[int], none_due: int) -> int:
         """Further plain steps (after this one) before the first collapsed one of the batch's requests (their
         acceptance states `owns`) is due for a retry (`none_due` if none is)."""
-        prior = self.engine_accept()
+        engine = self.engine_accept()
         due = [own.retry_after - lag - 1 for own, lag in zip(owns, lags)
-               if own is not None and own.collapsed(prior) and lag < own.retry_after]
+               if own is not None and own.collapsed(engine) and lag < own.retry_after]
         return max(min(due, default=none_due), 0)
 
     def _mark_retries(self, owns: list[_RequestAcceptance | None], lags: list[int]) -> None:
         """A round is launched: the requests in it priced on the prior (a retry) are judged by its acceptance."""
-        prior = self.engine_accept()
+        engine = self.engine_accept()
         for own, lag in zip(owns, lags):
-            if own is not None and own.collapsed(prior) and lag >= own.retry_after:
+            if own is not None and own.collapsed(engine) and lag >= own.retry_after:
                 own.retrying = True
                 self.retries += 1
 
