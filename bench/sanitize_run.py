@@ -25,35 +25,42 @@ backend = os.environ.get("SANITIZE_BACKEND")
 prompts = ["def fib(n):", "import os\n", "class A:", "x = ["]
 params = [SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.0),
           SamplingParams(max_tokens=48, temperature=0.8, seed=1), SamplingParams(max_tokens=48, temperature=0.8, seed=2)]
+
+
+def serve(label: str, describe=lambda llm, prepared: "", prepare=lambda llm: None, **kw) -> None:
+    """An engine on the device (bf16, CUDA graphs, 4 rows, `kw`): `prepare(llm)`, the prompts generated, a line with
+    `label`, each prompt's tokens and `describe(llm, prepared)`, then its page accounting checked."""
+    llm = LLM(model, device="cuda", dtype="bfloat16", max_running_requests=4, cuda_graph=True,
+              attention_backend=backend, **kw)
+    prepared = prepare(llm)
+    outs = llm.generate(prompts, params)
+    print(f"{label}: {[len(o.token_ids) for o in outs]} tokens{describe(llm, prepared)}")
+    llm.engine.check_no_leaks()
+
+
+def accept_lengths(llm, _) -> str:
+    stats = llm.engine.stats()["spec"]
+    return f", mean accept length {stats['mean_accept_length']:.2f} over {stats['rounds']} rounds"
+
+
+def switches(llm, choices) -> str:
+    plain = choices.count("plain")
+    return (f", {plain} plain steps and {len(choices) - plain} rounds chosen, "
+            f"{llm.engine.stats()['adaptive']['catch_ups']} catch-ups")
+
+
 with tempfile.TemporaryDirectory() as tmp:
     arg = sys.argv[2] if len(sys.argv) > 2 else None
     nextn = arg == "NEXTN"
     draft = None if nextn else arg or str(write_eagle3_checkpoint(Path(tmp) / "d", model, seed=3))
     for page, k, s, n in [(64, 8, 5, 32), (4, 8, 5, 32)]:
-        llm = LLM(model, device="cuda", dtype="bfloat16", page_size=page, max_running_requests=4,
-                  draft_model=draft, speculative_algorithm="NEXTN" if nextn else None, speculative_num_steps=s,
-                  speculative_eagle_topk=k, speculative_num_draft_tokens=n, cuda_graph=True, attention_backend=backend)
-        outs = llm.generate(prompts, params)
-        stats = llm.engine.stats()["spec"]
-        print(f"page={page} topk={k}: {[len(o.token_ids) for o in outs]} tokens, "
-              f"mean accept length {stats['mean_accept_length']:.2f} over {stats['rounds']} rounds")
-        llm.engine.check_no_leaks()
-        del llm
+        serve(f"page={page} topk={k}", accept_lengths, page_size=page, draft_model=draft,
+              speculative_algorithm="NEXTN" if nextn else None, speculative_num_steps=s, speculative_eagle_topk=k,
+              speculative_num_draft_tokens=n)
     if not nextn:
         from test_adaptive import force  # the tests' override of the policy's choice
 
-        llm = LLM(model, device="cuda", dtype="bfloat16", page_size=16, max_running_requests=4, draft_model=draft,
-                  speculative_adaptive=True, speculative_num_steps=5, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=8, cuda_graph=True, attention_backend=backend)
-        choices = force(llm, [0, 0, 1, 0, 1, 1, 0])
-        outs = llm.generate(prompts, params)
-        adaptive = llm.engine.stats()["adaptive"]
-        print(f"adaptive page=16: {[len(o.token_ids) for o in outs]} tokens, {choices.count('plain')} plain steps "
-              f"and {len(choices) - choices.count('plain')} rounds chosen, {adaptive['catch_ups']} catch-ups")
-        llm.engine.check_no_leaks()
-        del llm
-    plain = LLM(model, device="cuda", dtype="bfloat16", page_size=4, max_running_requests=4, cuda_graph=True,
-                attention_backend=backend)
-    outs = plain.generate(prompts, params)
-    print(f"plain page=4: {[len(o.token_ids) for o in outs]} tokens")
-    plain.engine.check_no_leaks()
+        serve("adaptive page=16", switches, lambda llm: force(llm, [0, 0, 1, 0, 1, 1, 0]), page_size=16,
+              draft_model=draft, speculative_adaptive=True, speculative_num_steps=5, speculative_eagle_topk=4,
+              speculative_num_draft_tokens=8)
+    serve("plain page=4", page_size=4)
