@@ -255,21 +255,6 @@ class AdaptiveDecoding(DecodeStrategy):
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
         window = self.lag_window
-        ticket = self._ticket  # the policy granted standing steps ahead: no call to it (see `_stand`)
-        if ticket is not None and ticket.left and ticket.lo <= len(requests) <= ticket.hi:
-            if ticket.choice == PLAIN:
-                if max(map(_DRAFT_LAG, requests)) < window:
-                    for q in requests:
-                        q.draft_lag += 1
-                    ticket.left -= 1
-                    ticket.times.append(ticket.clock())
-                    ticket.batches.append(len(requests))
-                    return self.plain
-            elif not any(map(_DRAFT_LAG, requests)):
-                ticket.left -= 1
-                ticket.times.append(ticket.clock())
-                ticket.batches.append(len(requests))
-                return self.worker
         standing = self.last_decision.choice if self.last_decision is not None else None
         if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
             if max(map(_DRAFT_LAG, requests), default=0) < window and self._stand(PLAIN, len(requests)):
@@ -297,11 +282,17 @@ class AdaptiveDecoding(DecodeStrategy):
     def _stand(self, choice: str, batch_size: int) -> bool:
         """Whether the last decision stands for a step of `choice` over `batch_size` requests
         (`AdaptivePolicy.repeat`, which counts it); if so, the steps that may stand after it without asking
-        (`AdaptivePolicy.stand_ahead`) become a ticket. A standing step asked the policy, an object of some fifty
-        fields, on cold caches: `choose` took 10-13 us on the H100's host against a fixed engine's 1.3-1.9 (in
-        process, 2026-11-25), and at concurrency 1 an adaptive engine's plain steps took 8-10 us more wall time
-        each than a plain engine's, 2.5-3.3% behind it."""
-        policy = self.policy
+        (`AdaptivePolicy.stand_ahead`) become a ticket, which the next steps take while it lasts. A standing step
+        asked the policy, an object of some fifty fields, on cold caches: `choose` took 10-13 us on the H100's host
+        against a fixed engine's 1.3-1.9 (in process, 2026-11-25), and at concurrency 1 an adaptive engine's plain
+        steps took 8-10 us more wall time each than a plain engine's, 2.5-3.3% behind it."""
+        ticket = self._ticket  # steps granted ahead
+        if ticket is not None and ticket.left and ticket.choice == choice and ticket.lo <= batch_size <= ticket.hi:
+            ticket.left -= 1
+            ticket.times.append(ticket.clock())
+            ticket.batches.append(batch_size)
+            return True
+        policy = self.policy  # (replays the ticket, if any)
         if not policy.repeat(choice, batch_size):
             return False
         left, lo, hi = policy.stand_ahead(batch_size)
@@ -387,12 +378,8 @@ class AdaptiveDecoding(DecodeStrategy):
         unread = self._unread_rounds
         if not unread:
             return
-        if len(unread) == 1:
-            requests, results = unread[0]
-            drafts = [row[0] for row in results]
-        else:
-            requests = [q for reqs, _ in unread for q in reqs]
-            drafts = [row[0] for _, results in unread for row in results]
+        requests = [q for reqs, _ in unread for q in reqs]
+        drafts = [row[0] for _, results in unread for row in results]
         unread.clear()
         self.policy.accepted_round(requests, drafts)
 
