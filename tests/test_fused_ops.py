@@ -115,6 +115,43 @@ def test_fused_scratch_metadata_equals_torch_fill():
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fused_decode_metadata_equals_torch_fill(page_size):
+    """The one-launch DECODE fill writes exactly what the torch builder writes: page slots through the table (a
+    position on a later page included), causal kv lengths, empty masks, padding rows (the dummy row) writing the
+    dummy page and attending to nothing; buffers past the batch untouched."""
+    from spruce.attention.metadata import Phase
+    from spruce.limits import Limits
+    from spruce.memory import PageTable
+    from spruce.runtime.batch_builder import BatchBuilder
+
+    lim = Limits(max_running_requests=6, page_size=page_size, context_length=64, num_pages=300,
+                 chunked_prefill_size=16)
+    dev = torch.device(DEVICE)
+    rows = torch.tensor([2, 0, 3, lim.dummy_row, lim.dummy_row], device=dev)
+    positions = torch.tensor([5, 13, 0, 7, 0], device=dev)
+    ids = torch.tensor([11, 12, 13, 0, 0], device=dev)
+    outs = []
+    for fused in (False, True):
+        table = PageTable(lim, dev)
+        pages = torch.arange(table.table.numel(), dtype=torch.int32).reshape(table.table.shape) % 251 + 1
+        table.table.copy_(pages.to(dev))
+        b = BatchBuilder(lim, table, dev)
+        for buf in (b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
+                    b.qo_indptr):
+            buf.fill_(-7)  # what a previous step left
+        b.fused = fused
+        batch = b.decode(rows, positions, ids, 16)
+        assert batch.num_tokens == 5 and batch.batch_size == 5
+        outs.append([b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
+                     b.qo_indptr])
+    for name, a, c in zip(("ids", "pos", "slots", "token_rows", "kv", "mask", "req_rows", "indptr"), *outs):
+        assert torch.equal(a, c), name
+    slots = outs[1][2][:5].tolist()
+    assert slots[3:] == [0, 0] and outs[1][4][:5].tolist() == [6, 14, 1, 0, 0]
+    assert outs[1][2][5].item() == -7 and outs[1][7][6].item() == -7
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_stores_its_sum_in_a_feature_ring(dtype):
     """With a StreamSink, the add-norm kernel also writes its sum x + residual to each token's ring slot (row,

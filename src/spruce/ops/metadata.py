@@ -1,8 +1,15 @@
-"""One-launch fill of the scratch-phase metadata (VERIFY, DRAFT_DECODE) on the GPU.
+"""One-launch fills of the uniform phases' metadata on the GPU: the scratch phases (VERIFY, DRAFT_DECODE) and DECODE.
 
-The torch version in `BatchBuilder.scratch_phase` is the reference (and the CPU path); this kernel writes
-the same values into the same persistent buffers with one launch instead of ~20 small ones. Padding rows
-(the dummy row) get out_slot 0, kv_len 0 and an empty mask, exactly as `BatchBuilder._mask_padding` does.
+The torch versions in `BatchBuilder.scratch_phase` and `BatchBuilder.decode` are the references (and the CPU path);
+these kernels write the same values into the same persistent buffers with one launch instead of ~20 (scratch) or
+~12 (decode) small ones. Padding rows (the dummy row) get out_slot 0, kv_len 0 and an empty mask, exactly as
+`BatchBuilder._mask_padding` does.
+
+Why DECODE too: its torch fill copies contiguous int64 views (`req_rows[:P] = rows`, the positions, the token ids),
+which a CUDA graph captures as memcpy nodes. On the H100 (2026-11-25, pycode-19m, one request) the same nodes ran
+as a `memcpy32_post` kernel in a plain engine's decode graph and on the copy engine (`Memcpy DtoD`) in an adaptive
+engine's, whose plain step then spanned 20 us more of the stream (316 against 295 us) for the same 270 us of kernels.
+A kernel writes them on the compute engine whatever the graph's lowering.
 """
 
 from __future__ import annotations
@@ -39,6 +46,47 @@ def _scratch_metadata_kernel(
         tl.store(out_mask + t * OUT_WORDS + w, tl.where(pad, 0, word), mask=valid)
     tl.store(out_req_rows + t, tl.load(rows_ptr + t, mask=t < batch, other=0), mask=t < batch)
     tl.store(out_indptr + t, (t * n_per).to(tl.int32), mask=t <= batch)
+
+
+@triton.jit
+def _decode_metadata_kernel(
+    rows_ptr, pos_ptr, ids_ptr, table_ptr,
+    out_ids, out_pos, out_slots, out_rows, out_kv, out_mask, out_req_rows, out_indptr,
+    batch, table_stride, page_size, dummy_row,
+    MASK_WORDS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = t < batch
+    row = tl.load(rows_ptr + t, mask=valid, other=0)
+    pos = tl.load(pos_ptr + t, mask=valid, other=0)
+    pad = row == dummy_row
+    page = tl.load(table_ptr + row * table_stride + pos // page_size, mask=valid & (pad == 0), other=0)
+    tl.store(out_ids + t, tl.load(ids_ptr + t, mask=valid, other=0), mask=valid)
+    tl.store(out_pos + t, pos, mask=valid)
+    tl.store(out_slots + t, tl.where(pad, 0, page.to(tl.int64) * page_size + pos % page_size), mask=valid)
+    tl.store(out_rows + t, row, mask=valid)
+    tl.store(out_req_rows + t, row, mask=valid)
+    tl.store(out_kv + t, tl.where(pad, 0, pos + 1).to(tl.int32), mask=valid)
+    for w in tl.static_range(MASK_WORDS):
+        tl.store(out_mask + t * MASK_WORDS + w, tl.zeros([BLOCK], dtype=tl.int64), mask=valid)
+    tl.store(out_indptr + t, t.to(tl.int32), mask=t <= batch)
+
+
+def fill_decode_metadata(builder, rows, positions, input_ids) -> None:
+    """Write the builder's DECODE buffers for P = rows.shape[0] requests of one token each (rows, positions and
+    input_ids [P] on the device; positions[i] is request i's token position)."""
+    if not HAS_TRITON:
+        raise missing_triton_error("the one-launch decode-metadata fill (BatchBuilder.fused, on for CUDA)")
+    p = rows.shape[0]
+    block = 128
+    table = builder.table
+    _decode_metadata_kernel[(triton.cdiv(p + 1, block),)](
+        rows.contiguous(), positions.contiguous(), input_ids.contiguous(), table,
+        builder.input_ids, builder.positions, builder.out_slots, builder.token_rows, builder.kv_lens,
+        builder.tree_mask, builder.req_rows, builder.qo_indptr,
+        p, table.stride(0), builder.limits.page_size, builder.limits.dummy_row,
+        MASK_WORDS=builder.tree_mask.shape[1], BLOCK=block,
+    )
 
 
 def fill_scratch_metadata(builder, rows, committed, input_ids, depths, masks, scratch_offset: int,

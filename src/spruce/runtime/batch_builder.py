@@ -14,7 +14,7 @@ from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.page_table import PageTable
-from spruce.ops.metadata import fill_scratch_metadata
+from spruce.ops.metadata import fill_decode_metadata, fill_scratch_metadata
 from spruce.ops.triton_support import HAS_TRITON
 
 
@@ -205,6 +205,10 @@ class BatchBuilder:
     def decode(self, rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                max_kv_len: int) -> ForwardBatch:
         """One token per request at `positions` (written to its page slot, attends to 0..position)."""
+        if self.fused and rows.shape[0]:
+            self._check(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len)
+            fill_decode_metadata(self, rows, positions, input_ids)
+            return self._view(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len, 0)
         n = self._fill_uniform(Phase.DECODE, rows, 1, input_ids, positions, max_kv_len)
         self._fill_paged(n)
         self._mask_padding(n)
