@@ -152,55 +152,6 @@ def test_fused_decode_metadata_equals_torch_fill(page_size):
     assert outs[1][2][5].item() == -7 and outs[1][7][6].item() == -7
 
 
-def test_scatter_pages_equals_index_assignment():
-    """The page-table scatter kernel writes table[row, column] = page for each triple, as torch's index assignment
-    does, and nothing else."""
-    from spruce.ops.page_writes import scatter_pages
-
-    g = torch.Generator().manual_seed(5)
-    base = torch.randint(0, 1000, (9, 37), generator=g, dtype=torch.int32)
-    flat = torch.randperm(9 * 37, generator=g)[:300]  # distinct (row, column) pairs, more than one block
-    triples = torch.stack([flat // 37, flat % 37, torch.randint(0, 50000, (300,), generator=g)])
-    want = base.clone()
-    want[triples[0], triples[1]] = triples[2].to(torch.int32)
-    got = base.to(DEVICE)
-    scatter_pages(got, triples.to(DEVICE).contiguous())
-    scatter_pages(got, triples[:, :0].to(DEVICE).contiguous())  # nothing to write
-    assert torch.equal(got.cpu(), want)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="pinned staging and events need CUDA")
-def test_page_table_writes_through_staging_as_torch_does():
-    """A CUDA page table's appends (single, batched, more writes than staging slots, one larger than a slot) leave
-    the same table as the torch write, with the stream kept busy so that staged copies are still queued when their
-    slot comes round again."""
-    from spruce.limits import Limits
-    from spruce.memory import PageTable
-    from spruce.ops import page_writes
-
-    lim = Limits(max_running_requests=8, page_size=1, context_length=8192, num_pages=70000, chunked_prefill_size=16)
-    staged = PageTable(lim, torch.device("cuda"))
-    reference = PageTable(lim, torch.device("cpu"))
-    assert staged._writer is not None and reference._writer is None
-    rows = [(staged.alloc_row(), reference.alloc_row()) for _ in range(6)]
-    g = torch.Generator().manual_seed(7)
-    next_page = 1
-    for step in range(3 * page_writes.STAGING_SLOTS):
-        torch.cuda._sleep(1_000_000)  # the copies queue behind device work
-        with staged.batched():
-            with reference.batched():
-                for a, b in rows:
-                    n = int(torch.randint(0, 3, (1,), generator=g))
-                    pages = list(range(next_page, next_page + n))
-                    next_page += n
-                    staged.append_pages(a, pages)
-                    reference.append_pages(b, pages)
-    big = list(range(next_page, next_page + page_writes.STAGING_PAGES + 1))  # larger than a slot: torch's path
-    staged.append_pages(rows[0][0], big)
-    reference.append_pages(rows[0][1], big)
-    assert torch.equal(staged.table.cpu(), reference.table)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_stores_its_sum_in_a_feature_ring(dtype):
     """With a StreamSink, the add-norm kernel also writes its sum x + residual to each token's ring slot (row,

@@ -8,8 +8,6 @@ import torch
 
 from spruce.errors import InvariantError
 from spruce.limits import DUMMY_PAGE, Limits
-from spruce.ops.page_writes import PageWriter
-from spruce.ops.triton_support import HAS_TRITON
 
 
 class PageTable:
@@ -19,10 +17,8 @@ class PageTable:
     host-side; the device tensor is updated only where pages are appended. Inside `batched()` appends are written
     to the device together when the block ends, one copy and one scatter for all of them: a decode step reserves
     pages for many requests, and one small copy each cost the engine thread ~0.8 ms apiece under a loaded server
-    on the H100 (yappi: 40% of its time at concurrency 64). On CUDA the write goes through pinned staging and one
-    Triton scatter (ops/page_writes.py: the torch write took ~240 us of host a call on the H100); elsewhere, and
-    for a write too large to stage, through torch. `check_written` (always on, before a forward reads the table)
-    fails if an append is still pending.
+    on the H100 (yappi: 40% of its time at concurrency 64). `check_written` (always on, before a forward reads the
+    table) fails if an append is still pending.
     """
 
     def __init__(self, limits: Limits, device: torch.device):
@@ -33,7 +29,6 @@ class PageTable:
         self._free_rows = list(range(limits.max_running_requests - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._pending: list[tuple[int, int, list[int]]] | None = None  # inside batched(): (row, start, pages)
-        self._writer = PageWriter(self.table) if device.type == "cuda" and HAS_TRITON else None
 
     @property
     def num_free_rows(self) -> int:
@@ -85,9 +80,6 @@ class PageTable:
         rows = [row for row, _, pages in pending for _ in pages]
         cols = [start + i for _, start, pages in pending for i in range(len(pages))]
         values = [page for _, _, pages in pending for page in pages]
-        if self._writer is not None and self._writer.fits(len(values)):
-            self._writer.write(rows, cols, values)
-            return
         host = torch.tensor([rows, cols, values], dtype=torch.int64)  # [3, n]
         rows_d, cols_d, values_d = host.to(self.table.device, non_blocking=True).unbind(0)
         self.table[rows_d, cols_d] = values_d.to(self.table.dtype)
