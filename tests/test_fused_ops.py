@@ -152,6 +152,42 @@ def test_fused_decode_metadata_equals_torch_fill(page_size):
     assert outs[1][2][5].item() == -7 and outs[1][7][6].item() == -7
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fused_draft_extend_metadata_equals_torch_fill(page_size):
+    """DRAFT_EXTEND's one-launch fill (stride S+1, counts = accepted + 1) writes what the torch builder writes: only
+    each request's first counts[b] tokens get a page slot and a kv length, the rest and padding rows none."""
+    from spruce.limits import Limits
+    from spruce.memory import PageTable
+    from spruce.runtime.batch_builder import BatchBuilder
+
+    lim = Limits(max_running_requests=6, page_size=page_size, context_length=64, num_pages=300,
+                 chunked_prefill_size=16, num_steps=3, eagle_topk=2, num_draft_tokens=4)
+    stride = lim.draft_extend_stride
+    dev = torch.device(DEVICE)
+    rows = torch.tensor([4, 1, 0, lim.dummy_row], device=dev)
+    starts = torch.tensor([9, 2, 30, 0], device=dev)
+    counts = torch.tensor([1, stride, 2, 1], device=dev)
+    ids = torch.arange(4 * stride, device=dev).reshape(4, stride) + 100
+    outs = []
+    for fused in (False, True):
+        table = PageTable(lim, dev)
+        pages = torch.arange(table.table.numel(), dtype=torch.int32).reshape(table.table.shape) % 251 + 1
+        table.table.copy_(pages.to(dev))
+        b = BatchBuilder(lim, table, dev)
+        for buf in (b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
+                    b.qo_indptr):
+            buf.fill_(-7)
+        b.fused = fused
+        batch = b.draft_extend(rows, starts, counts, ids, 48)
+        assert batch.num_tokens == 4 * stride and batch.batch_size == 4
+        outs.append([b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
+                     b.qo_indptr])
+    for name, a, c in zip(("ids", "pos", "slots", "token_rows", "kv", "mask", "req_rows", "indptr"), *outs):
+        assert torch.equal(a, c), name
+    kv = outs[1][4][:4 * stride].reshape(4, stride).tolist()
+    assert kv[0] == [10] + [0] * (stride - 1) and kv[1] == list(range(3, 3 + stride)) and kv[3] == [0] * stride
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_stores_its_sum_in_a_feature_ring(dtype):
     """With a StreamSink, the add-norm kernel also writes its sum x + residual to each token's ring slot (row,

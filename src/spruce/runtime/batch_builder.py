@@ -14,7 +14,7 @@ from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.errors import InvariantError
 from spruce.limits import Limits
 from spruce.memory.page_table import PageTable
-from spruce.ops.metadata import fill_decode_metadata, fill_scratch_metadata
+from spruce.ops.metadata import fill_scratch_metadata, fill_uniform_metadata
 from spruce.ops.triton_support import HAS_TRITON
 
 
@@ -207,7 +207,7 @@ class BatchBuilder:
         """One token per request at `positions` (written to its page slot, attends to 0..position)."""
         if self.fused and rows.shape[0]:
             self._check(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len)
-            fill_decode_metadata(self, rows, positions, input_ids)
+            fill_uniform_metadata(self, rows, positions, input_ids[:, None])
             return self._view(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len, 0)
         n = self._fill_uniform(Phase.DECODE, rows, 1, input_ids, positions, max_kv_len)
         self._fill_paged(n)
@@ -255,6 +255,10 @@ class BatchBuilder:
         if input_ids.shape[1] != stride:
             raise InvariantError(f"draft_extend: token stride {input_ids.shape[1]} != the Limits stride {stride} "
                                  f"(S+1 = {self.limits.num_steps + 1}, N = {self.limits.num_draft_tokens})")
+        if self.fused and rows.shape[0]:
+            self._check(Phase.DRAFT_EXTEND, rows.shape[0], rows.shape[0] * stride, max_kv_len)
+            fill_uniform_metadata(self, rows, starts, input_ids, counts)
+            return self._view(Phase.DRAFT_EXTEND, rows.shape[0], rows.shape[0] * stride, max_kv_len, 0)
         i = torch.arange(stride, device=self.device)[None, :]
         n = self._fill_uniform(Phase.DRAFT_EXTEND, rows, stride, input_ids, starts[:, None] + i, max_kv_len)
         real = (i < counts[:, None]).reshape(-1)  # [P*(S+1)]
