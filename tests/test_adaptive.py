@@ -23,7 +23,7 @@ from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
 from spruce.server.metrics import Metrics
 from spruce.speculative import adaptive
-from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
 from spruce.speculative.strategy import PlainDecoding
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
@@ -221,6 +221,28 @@ def test_lazy_prefill_catches_up_where_an_eager_one_is(monkeypatch, page, overla
     fresh = LLM(TARGET, draft_model=builtin_draft_path(), disable_radix_cache=True, page_size=page)
     assert_caught_up_as_fresh(caught, fresh, text)
     assert llm.engine.stats()["spec"]["rounds"] >= 3
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("reason,eager", [("model", True), ("probe", False)])
+def test_a_prefill_under_standing_rounds_extends_its_draft_at_once(monkeypatch, reason, eager):
+    """While rounds are the last decision's model choice, a prefill extends its draft at once without asking the
+    steady choice (here: plain steps, which would make it lazy); after a probe of rounds it asks, and is lazy."""
+    lazy_prefills(monkeypatch)
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True,
+              page_size=16)
+    strategy = llm.engine.strategy
+    strategy.last_decision = Decision(bucket=1, batch_size=1, choice=SPECULATIVE, reason=reason,
+                                      tokens_per_step={PLAIN: 1.0, SPECULATIVE: 4.0},
+                                      step_seconds={PLAIN: 1e-3, SPECULATIVE: 1e-3})
+    extends = []
+    extend = strategy.worker.extend_draft
+    monkeypatch.setattr(strategy.worker, "extend_draft", lambda *a: extends.append(1) or extend(*a))
+    llm.engine.add_request("def fib(n):\n    ", SamplingParams(max_tokens=4, ignore_eos=True))
+    llm.engine.step()  # the prefill
+    assert bool(extends) == eager
+    while llm.engine.has_unfinished():
+        llm.engine.step()
     assert_no_leaks(llm)
 
 
