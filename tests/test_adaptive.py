@@ -404,7 +404,34 @@ def test_standing_steps_are_taken_ahead_and_each_counted(monkeypatch, draft, ref
     chosen = llm.engine.strategy.policy.chosen  # read through `policy`: the last ticket replayed
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference(params)]
     assert sum(chosen.values()) == decodes and chosen[SPECULATIVE if spec == 1.0 else PLAIN] > decodes / 2
-    assert 0 < len(asked) < decodes / 2  # most standing steps never asked (rounds: one asks every READ_EVERY)
+    assert 0 < len(asked) < decodes / 2  # most standing steps never asked
+
+
+def test_a_ticket_outlives_its_deciding_steps_resolve_and_the_acceptance_reads(monkeypatch, draft):
+    """Standing rounds (no arrivals after the start): the ticket a standing step takes is not ended by the resolve
+    of the decided round before it (its cost samples go straight to the policy) nor by the batched acceptance reads
+    (the ticket is granted again after them): no standing step asks the policy right after one that was granted
+    steps ahead over the same batch."""
+    fixed_costs(monkeypatch, plain=100.0, spec=1.0)
+    llm = LLM(TARGET, page_size=16, max_running_requests=8, draft_model=draft, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=4, speculative_adaptive=True)
+    strategy = llm.engine.strategy
+    policy = strategy.policy
+    step, asked = [0], []
+    choose, repeat = strategy.choose, policy.repeat
+    monkeypatch.setattr(strategy, "choose", lambda *a: step.__setitem__(0, step[0] + 1) or choose(*a))
+
+    def asking(choice, batch_size):
+        granted = repeat(choice, batch_size)
+        asked.append((step[0], batch_size, granted, policy._reuse_left))
+        return granted
+
+    monkeypatch.setattr(policy, "repeat", asking)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=64, ignore_eos=True))
+    assert llm.engine.stats()["adaptive"]["chosen"][SPECULATIVE] > 4 * adaptive.READ_EVERY
+    again = [(a, b) for a, b in zip(asked, asked[1:])
+             if b[0] == a[0] + 1 and b[1] == a[1] and a[2] and b[2] and a[3] > 0]
+    assert again == []
 
 
 @pytest.mark.parametrize("window", [256, 3])

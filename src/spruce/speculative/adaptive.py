@@ -355,7 +355,9 @@ class AdaptiveDecoding(DecodeStrategy):
             extend = self._prefill_extends.popleft()  # prefills resolve in launch order
             if extend is not None:
                 completed, start, end, host_s = extend
-                self.policy.drafted_prompts(completed, self._elapsed(start, end), host_s)
+                # straight to the policy: the prompt-extend price is none of what standing steps feed, so the
+                # ticket (if any) goes on (through `policy` it would be replayed and end at every arrival)
+                self._policy.drafted_prompts(completed, self._elapsed(start, end), host_s)
                 if self.cuda:
                     self._events.extend((start, end))
             return
@@ -367,12 +369,15 @@ class AdaptiveDecoding(DecodeStrategy):
                 self._read_rounds()
             return
         d, m = step.decision, step.marks
-        self.policy.resolved_host(d.choice, d.bucket, resolve_s)
+        # the step's own cost samples go straight to the policy: none of them is what standing steps feed, so the
+        # ticket that the first standing step after this one took goes on (through `policy` it would end here, one
+        # step after it began, and the next step would ask again)
+        self._policy.resolved_host(d.choice, d.bucket, resolve_s)
         catch_up_s = 0.0
-        if step.lagging:
+        if step.lagging:  # (its device time leaves the epoch's busy time: after the ticket's steps are in)
             catch_up_s = self._elapsed(m["catch_up_start"], m["catch_up_end"])
             self.policy.caught_up(step.catch_up_positions, catch_up_s, step.catch_up_host_s)
-        self.policy.measured(d.choice, d.bucket, max(self._elapsed(m["start"], m["end"]) - catch_up_s, 0.0))
+        self._policy.measured(d.choice, d.bucket, max(self._elapsed(m["start"], m["end"]) - catch_up_s, 0.0))
         if self.cuda:
             self._events.extend(v for k, v in m.items() if k != "catch_up_start")
         if step.speculative:
@@ -385,14 +390,25 @@ class AdaptiveDecoding(DecodeStrategy):
         prefill, a snapshot). A standing round thus costs its resolve one list append; read per round, an adaptive
         engine's standing round took ~20 us more than a fixed engine's (CPU, batch 8, 2026-11-25), mostly the
         call's fixed cost on cold caches. A request that the round finished counts too: its first result entry is
-        the device's acceptance of real drafts (the host cuts the committed tokens at the request's end, not it)."""
+        the device's acceptance of real drafts (the host cuts the committed tokens at the request's end, not it).
+
+        The ticket's steps are replayed first (a drift of the acceptance ends the standing decision: its budget is
+        then 0, and the steps taken before the read were granted before it); if the decision still stands, the
+        ticket is granted again at once, as the next standing step's `repeat` and `stand_ahead` would grant it:
+        ended at every read, it cost standing rounds a `repeat` every READ_EVERY rounds."""
         unread = self._unread_rounds
         if not unread:
             return
         requests = [q for reqs, _ in unread for q in reqs]
         drafts = [row[0] for _, results in unread for row in results]
         unread.clear()
-        self.policy.accepted_round(requests, drafts)
+        ticket = self._ticket
+        policy = self.policy  # replays the ticket
+        policy.accepted_round(requests, drafts)
+        if ticket is not None:
+            left, lo, hi = policy.stand_ahead(ticket.hi)
+            if left > 0:
+                self._ticket = _Ticket(ticket.choice, lo, hi, left, policy.clock)
 
     def idle(self) -> None:
         if self.policy is not None:
