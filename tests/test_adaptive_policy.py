@@ -161,6 +161,8 @@ def test_standing_steps_taken_ahead_count_as_asked_one_by_one():
     left, _, _ = p.stand_ahead(4)
     with pytest.raises(InvariantError, match=f"{left + 1} standing steps taken ahead, {left} granted"):
         p.stood(choice, [0.0] * (left + 1), [4] * (left + 1), 0.0)
+    with pytest.raises(InvariantError, match="span cost buckets"):  # a ticket holds one bucket's batches
+        p.stood(choice, [0.0, 0.0], [4, 2], 0.0)
 
 
 def test_new_requests_take_the_engine_wide_acceptance():

@@ -270,6 +270,33 @@ def test_a_standing_step_counts_as_an_event_and_a_step():
     assert a.request_seconds("plain", 8) == pytest.approx(b.request_seconds("plain", 8))
 
 
+@pytest.mark.parametrize("excluded", [0.0, 2e-4, 5e-3])
+def test_standing_steps_in_one_pass_are_standing_steps_one_by_one(excluded):
+    """`standing_steps` (a ticket's replay) leaves the epoch and the clock as `standing_step` per step would: busy
+    time, the total, steps, request-steps, first and last batch, steps per bucket, the last launch; with time
+    excluded before the first step (a catch-up's launch), more than that gap too (nothing counted for it)."""
+    def feed(one_pass: bool) -> EpochClock:
+        clock = EpochClock(lambda choice, bucket: 1e-4)
+        clock.event(0.0)
+        clock.step("plain", 8, EPOCH_MIN, 8, 8)
+        clock.exclude(excluded)
+        times, batches = [1e-3 * (i + 1) + 1e-5 * i * i for i in range(9)], [7, 8, 8, 6, 5, 8, 7, 8, 8]
+        if one_pass:
+            clock.standing_steps(times, 8, batches)
+        else:
+            for t, b in zip(times, batches):
+                clock.standing_step(t, 8, b)
+        return clock
+
+    a, b = feed(True), feed(False)
+    ca, cb = a.current, b.current
+    assert (ca.steps, ca.request_steps, ca.first_batch, ca.last_batch, dict(ca.step_buckets)) == (
+        cb.steps, cb.request_steps, cb.first_batch, cb.last_batch, dict(cb.step_buckets))
+    assert ca.busy == pytest.approx(cb.busy, abs=1e-15) and a.busy_total == pytest.approx(b.busy_total, abs=1e-15)
+    assert a._last == b._last and a._excluded == b._excluded == 0.0
+    assert ca.steps == 10 and ca.busy > 0
+
+
 def test_the_epochs_tool_reads_what_the_clock_logs(caplog):
     """bench/adaptive_epochs.py parses the debug line EpochClock logs for each epoch it closes (the format is the
     contract between them): two steady epochs of plain steps at load 8 (1 ms a step over 8 requests: 125 us a

@@ -854,9 +854,12 @@ class AdaptivePolicy:
             raise InvariantError("standing steps taken ahead while a decided step's interval is open")
         if len(times) > self._reuse_left:
             raise InvariantError(f"{len(times)} standing steps taken ahead, {self._reuse_left} granted")
-        epochs = self.epochs
-        for now, batch_size in zip(times, batches):
-            epochs.standing_step(now, self.bucket_for(batch_size), batch_size)
+        if times:
+            bucket = self.bucket_for(batches[0])
+            if self.bucket_for(max(batches)) != bucket or self.bucket_for(min(batches)) != bucket:
+                raise InvariantError(f"standing steps taken ahead over batches {sorted(set(batches))} span cost "
+                                     f"buckets; a ticket holds one")
+            self.epochs.standing_steps(times, bucket, batches)
         self._reuse_left -= len(times)
         self.chosen[choice] += len(times)
         self._not_host += waited

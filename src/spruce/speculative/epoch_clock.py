@@ -126,6 +126,15 @@ class Epoch:
         self.last_batch = batch_size
         self.step_buckets[step_bucket] += 1
 
+    def add_many(self, step_bucket: int, batch_sizes: list[int]) -> None:
+        """`add(step_bucket, b)` for each b in `batch_sizes` (at least one), in one pass."""
+        if not self.steps:
+            self.first_batch = batch_sizes[0]
+        self.steps += len(batch_sizes)
+        self.request_steps += sum(batch_sizes)
+        self.last_batch = batch_sizes[-1]
+        self.step_buckets[step_bucket] += len(batch_sizes)
+
     def merged(self, later: Epoch) -> Epoch:
         """This epoch and the `later` one of the same choice and load right after it, as one epoch."""
         return Epoch(self.choice, self.bucket, self.target, self.stalls, self.steps + later.steps,
@@ -186,6 +195,20 @@ class EpochClock:
         `event(now)`, then the epoch counts it."""
         self.event(now)
         self.current.add(step_bucket, batch_size)
+
+    def standing_steps(self, times: list[float], step_bucket: int, batches: list[int]) -> None:
+        """`standing_step(times[i], step_bucket, batches[i])` for each i, in one pass (AdaptivePolicy.stood replays a
+        ticket's steps, all of one cost bucket, with nothing between them): the busy time from the last launch to
+        the first, then the span to the last, and the steps added at once."""
+        if not times:
+            return
+        self.event(times[0])
+        span = times[-1] - times[0]
+        if span > 0.0:
+            self.current.busy += span
+            self.busy_total += span
+        self._last = times[-1]
+        self.current.add_many(step_bucket, batches)
 
     def prefill(self, now: float, arrivals: int = 0) -> None:
         """A prefill that completes `arrivals` prompts is being launched at `now` (an `event` that the epoch under
