@@ -115,15 +115,38 @@ def test_fused_scratch_metadata_equals_torch_fill():
         assert torch.equal(a, c)
 
 
+def _paged_fill_both_ways(lim, fill) -> dict[str, torch.Tensor]:
+    """Run `fill(builder)` through the torch builder and the one-launch kernel (BatchBuilder.fused), each over a page
+    table of distinct pages and buffers holding -7 (what a previous step left); assert every buffer equal and return
+    the fused one's, by name."""
+    from spruce.memory import PageTable
+    from spruce.runtime.batch_builder import BatchBuilder
+
+    dev = torch.device(DEVICE)
+    outs = []
+    for fused in (False, True):
+        table = PageTable(lim, dev)
+        pages = torch.arange(table.table.numel(), dtype=torch.int32).reshape(table.table.shape) % 251 + 1
+        table.table.copy_(pages.to(dev))
+        b = BatchBuilder(lim, table, dev)
+        bufs = dict(ids=b.input_ids, pos=b.positions, slots=b.out_slots, token_rows=b.token_rows, kv=b.kv_lens,
+                    mask=b.tree_mask, req_rows=b.req_rows, indptr=b.qo_indptr)
+        for buf in bufs.values():
+            buf.fill_(-7)
+        b.fused = fused
+        fill(b)
+        outs.append(bufs)
+    for name in outs[0]:
+        assert torch.equal(outs[0][name], outs[1][name]), name
+    return outs[1]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_fused_decode_metadata_equals_torch_fill(page_size):
     """The one-launch DECODE fill writes exactly what the torch builder writes: page slots through the table (a
     position on a later page included), causal kv lengths, empty masks, padding rows (the dummy row) writing the
     dummy page and attending to nothing; buffers past the batch untouched."""
-    from spruce.attention.metadata import Phase
     from spruce.limits import Limits
-    from spruce.memory import PageTable
-    from spruce.runtime.batch_builder import BatchBuilder
 
     lim = Limits(max_running_requests=6, page_size=page_size, context_length=64, num_pages=300,
                  chunked_prefill_size=16)
@@ -131,25 +154,14 @@ def test_fused_decode_metadata_equals_torch_fill(page_size):
     rows = torch.tensor([2, 0, 3, lim.dummy_row, lim.dummy_row], device=dev)
     positions = torch.tensor([5, 13, 0, 7, 0], device=dev)
     ids = torch.tensor([11, 12, 13, 0, 0], device=dev)
-    outs = []
-    for fused in (False, True):
-        table = PageTable(lim, dev)
-        pages = torch.arange(table.table.numel(), dtype=torch.int32).reshape(table.table.shape) % 251 + 1
-        table.table.copy_(pages.to(dev))
-        b = BatchBuilder(lim, table, dev)
-        for buf in (b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
-                    b.qo_indptr):
-            buf.fill_(-7)  # what a previous step left
-        b.fused = fused
+
+    def fill(b):
         batch = b.decode(rows, positions, ids, 16)
         assert batch.num_tokens == 5 and batch.batch_size == 5
-        outs.append([b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
-                     b.qo_indptr])
-    for name, a, c in zip(("ids", "pos", "slots", "token_rows", "kv", "mask", "req_rows", "indptr"), *outs):
-        assert torch.equal(a, c), name
-    slots = outs[1][2][:5].tolist()
-    assert slots[3:] == [0, 0] and outs[1][4][:5].tolist() == [6, 14, 1, 0, 0]
-    assert outs[1][2][5].item() == -7 and outs[1][7][6].item() == -7
+
+    out = _paged_fill_both_ways(lim, fill)
+    assert out["slots"][3:5].tolist() == [0, 0] and out["kv"][:5].tolist() == [6, 14, 1, 0, 0]
+    assert out["slots"][5].item() == -7 and out["indptr"][6].item() == -7
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -157,8 +169,6 @@ def test_fused_draft_extend_metadata_equals_torch_fill(page_size):
     """DRAFT_EXTEND's one-launch fill (stride S+1, counts = accepted + 1) writes what the torch builder writes: only
     each request's first counts[b] tokens get a page slot and a kv length, the rest and padding rows none."""
     from spruce.limits import Limits
-    from spruce.memory import PageTable
-    from spruce.runtime.batch_builder import BatchBuilder
 
     lim = Limits(max_running_requests=6, page_size=page_size, context_length=64, num_pages=300,
                  chunked_prefill_size=16, num_steps=3, eagle_topk=2, num_draft_tokens=4)
@@ -168,23 +178,13 @@ def test_fused_draft_extend_metadata_equals_torch_fill(page_size):
     starts = torch.tensor([9, 2, 30, 0], device=dev)
     counts = torch.tensor([1, stride, 2, 1], device=dev)
     ids = torch.arange(4 * stride, device=dev).reshape(4, stride) + 100
-    outs = []
-    for fused in (False, True):
-        table = PageTable(lim, dev)
-        pages = torch.arange(table.table.numel(), dtype=torch.int32).reshape(table.table.shape) % 251 + 1
-        table.table.copy_(pages.to(dev))
-        b = BatchBuilder(lim, table, dev)
-        for buf in (b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
-                    b.qo_indptr):
-            buf.fill_(-7)
-        b.fused = fused
+
+    def fill(b):
         batch = b.draft_extend(rows, starts, counts, ids, 48)
         assert batch.num_tokens == 4 * stride and batch.batch_size == 4
-        outs.append([b.input_ids, b.positions, b.out_slots, b.token_rows, b.kv_lens, b.tree_mask, b.req_rows,
-                     b.qo_indptr])
-    for name, a, c in zip(("ids", "pos", "slots", "token_rows", "kv", "mask", "req_rows", "indptr"), *outs):
-        assert torch.equal(a, c), name
-    kv = outs[1][4][:4 * stride].reshape(4, stride).tolist()
+
+    out = _paged_fill_both_ways(lim, fill)
+    kv = out["kv"][:4 * stride].reshape(4, stride).tolist()
     assert kv[0] == [10] + [0] * (stride - 1) and kv[1] == list(range(3, 3 + stride)) and kv[3] == [0] * stride
 
 

@@ -202,13 +202,20 @@ class BatchBuilder:
         self.kv_lens[:n].masked_fill_(pad, 0)
         self.tree_mask[:n].masked_fill_(pad[:, None], 0)
 
+    def _fused_paged(self, phase: Phase, rows: torch.Tensor, starts: torch.Tensor, input_ids: torch.Tensor,
+                     counts: torch.Tensor | None, max_kv_len: int) -> ForwardBatch:
+        """A paged uniform phase (DECODE, DRAFT_EXTEND) filled by the one-launch kernel (ops/metadata.py): input_ids
+        [P, stride] at positions starts[b] + i, only the first counts[b] of a row real (None: all)."""
+        bs, stride = input_ids.shape
+        self._check(phase, bs, bs * stride, max_kv_len)
+        fill_uniform_metadata(self, rows, starts, input_ids, counts)
+        return self._view(phase, bs, bs * stride, max_kv_len, 0)
+
     def decode(self, rows: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                max_kv_len: int) -> ForwardBatch:
         """One token per request at `positions` (written to its page slot, attends to 0..position)."""
         if self.fused and rows.shape[0]:
-            self._check(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len)
-            fill_uniform_metadata(self, rows, positions, input_ids[:, None])
-            return self._view(Phase.DECODE, rows.shape[0], rows.shape[0], max_kv_len, 0)
+            return self._fused_paged(Phase.DECODE, rows, positions, input_ids[:, None], None, max_kv_len)
         n = self._fill_uniform(Phase.DECODE, rows, 1, input_ids, positions, max_kv_len)
         self._fill_paged(n)
         self._mask_padding(n)
@@ -256,9 +263,7 @@ class BatchBuilder:
             raise InvariantError(f"draft_extend: token stride {input_ids.shape[1]} != the Limits stride {stride} "
                                  f"(S+1 = {self.limits.num_steps + 1}, N = {self.limits.num_draft_tokens})")
         if self.fused and rows.shape[0]:
-            self._check(Phase.DRAFT_EXTEND, rows.shape[0], rows.shape[0] * stride, max_kv_len)
-            fill_uniform_metadata(self, rows, starts, input_ids, counts)
-            return self._view(Phase.DRAFT_EXTEND, rows.shape[0], rows.shape[0] * stride, max_kv_len, 0)
+            return self._fused_paged(Phase.DRAFT_EXTEND, rows, starts, input_ids, counts, max_kv_len)
         i = torch.arange(stride, device=self.device)[None, :]
         n = self._fill_uniform(Phase.DRAFT_EXTEND, rows, stride, input_ids, starts[:, None] + i, max_kv_len)
         real = (i < counts[:, None]).reshape(-1)  # [P*(S+1)]
