@@ -353,7 +353,7 @@ def test_the_engine_hands_the_policy_the_requests_it_holds(monkeypatch, draft):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_standing_rounds_are_read_in_order_a_few_at_a_time(monkeypatch, draft, overlap):
     """Rounds only (plain steps priced at 100 rounds): every resolved round's (request, accepted drafts) reaches
-    AdaptivePolicy.accepted_round once, in resolve order; standing rounds are read READ_EVERY at a time, a decided
+    AdaptivePolicy.accepted_rounds once, in resolve order; standing rounds are read READ_EVERY at a time, a decided
     round at once with those before it, and nothing is left unread when the policy decides or a snapshot is taken."""
     fixed_costs(monkeypatch, plain=100.0, spec=1.0)
     llm = LLM(TARGET, page_size=16, max_running_requests=4, draft_model=draft, speculative_num_steps=3,
@@ -361,24 +361,25 @@ def test_standing_rounds_are_read_in_order_a_few_at_a_time(monkeypatch, draft, o
               disable_overlap_schedule=not overlap)
     strategy, policy = llm.engine.strategy, llm.engine.strategy.policy
     resolved_rows, read, calls = [], [], []
-    resolved, accepted_round, decide = strategy.resolved, policy.accepted_round, policy.decide
+    resolved, accepted_rounds, decide = strategy.resolved, policy.accepted_rounds, policy.decide
 
     def on_resolved(step, requests, results, *args, **kw):
         if step is not None and step is not strategy.plain and (step is strategy.worker or step.speculative):
             resolved_rows.extend((q.request_id, row[0]) for q, row in zip(requests, results))
         return resolved(step, requests, results, *args, **kw)
 
-    def on_read(requests, drafts):
-        read.extend((q.request_id, a) for q, a in zip(requests, drafts))
-        calls.append(len(requests))
-        return accepted_round(requests, drafts)
+    def on_read(rounds):
+        for requests, drafts in rounds:
+            read.extend((q.request_id, a) for q, a in zip(requests, drafts))
+        calls.append(sum(len(requests) for requests, _ in rounds))
+        return accepted_rounds(rounds)
 
     def on_decide(*args, **kw):
         assert not strategy._unread_rounds  # the policy decides on every round resolved so far
         return decide(*args, **kw)
 
     monkeypatch.setattr(strategy, "resolved", on_resolved)
-    monkeypatch.setattr(policy, "accepted_round", on_read)
+    monkeypatch.setattr(policy, "accepted_rounds", on_read)
     monkeypatch.setattr(policy, "decide", on_decide)
     llm.generate(PROMPTS[:4], SamplingParams(max_tokens=48, ignore_eos=True))
     llm.engine.stats()  # a snapshot reads what is left

@@ -270,11 +270,13 @@ def test_a_standing_step_counts_as_an_event_and_a_step():
     assert a.request_seconds("plain", 8) == pytest.approx(b.request_seconds("plain", 8))
 
 
+@pytest.mark.parametrize("prefills", [[], [(5e-4, 2), (3.5e-3, 1), (3.6e-3, 0)], [(9.5e-3, 3)]])
 @pytest.mark.parametrize("excluded", [0.0, 2e-4, 5e-3])
-def test_standing_steps_in_one_pass_are_standing_steps_one_by_one(excluded):
-    """`standing_steps` (a ticket's replay) leaves the epoch and the clock as `standing_step` per step would: busy
-    time, the total, steps, request-steps, first and last batch, steps per bucket, the last launch; with time
-    excluded before the first step (a catch-up's launch), more than that gap too (nothing counted for it)."""
+def test_standing_steps_in_one_pass_are_standing_steps_one_by_one(excluded, prefills):
+    """`standing_steps` (a ticket's replay) leaves the epoch and the clock as `standing_step` per step and `prefill`
+    per prefill launched among them (before the first step, between two, after the last) would: busy time, the
+    total, steps, request-steps, first and last batch, steps per bucket, prefills, arrivals, the last launch; with
+    time excluded before the first launch (a catch-up's), more than that gap too (nothing counted for it)."""
     def feed(one_pass: bool) -> EpochClock:
         clock = EpochClock(lambda choice, bucket: 1e-4)
         clock.event(0.0)
@@ -282,19 +284,21 @@ def test_standing_steps_in_one_pass_are_standing_steps_one_by_one(excluded):
         clock.exclude(excluded)
         times, batches = [1e-3 * (i + 1) + 1e-5 * i * i for i in range(9)], [7, 8, 8, 6, 5, 8, 7, 8, 8]
         if one_pass:
-            clock.standing_steps(times, 8, batches)
+            clock.standing_steps(times, 8, batches, prefills)
         else:
-            for t, b in zip(times, batches):
-                clock.standing_step(t, 8, b)
+            launches = sorted([(t, "step", b) for t, b in zip(times, batches)] + [(t, "prefill", n) for t, n in prefills])
+            for t, kind, n in launches:
+                clock.standing_step(t, 8, n) if kind == "step" else clock.prefill(t, n)
         return clock
 
     a, b = feed(True), feed(False)
     ca, cb = a.current, b.current
-    assert (ca.steps, ca.request_steps, ca.first_batch, ca.last_batch, dict(ca.step_buckets)) == (
-        cb.steps, cb.request_steps, cb.first_batch, cb.last_batch, dict(cb.step_buckets))
+    assert (ca.steps, ca.request_steps, ca.first_batch, ca.last_batch, dict(ca.step_buckets), ca.prefills,
+            ca.arrivals) == (cb.steps, cb.request_steps, cb.first_batch, cb.last_batch, dict(cb.step_buckets),
+                             cb.prefills, cb.arrivals)
     assert ca.busy == pytest.approx(cb.busy, abs=1e-15) and a.busy_total == pytest.approx(b.busy_total, abs=1e-15)
     assert a._last == b._last and a._excluded == b._excluded == 0.0
-    assert ca.steps == 10 and ca.busy > 0
+    assert ca.steps == 10 and ca.busy > 0 and ca.prefills == len(prefills)
 
 
 def test_the_epochs_tool_reads_what_the_clock_logs(caplog):

@@ -98,7 +98,9 @@ class _Ticket:
     """Standing steps the policy granted ahead (`AdaptivePolicy.stand_ahead`): up to `left` more steps of `choice`
     over batches of lo..hi requests (the cost bucket of the step that asked) stand without asking it; each one taken
     is kept (its launch time on the policy's clock, its batch size) with the wait seconds fed meanwhile, and replayed
-    to the policy (`AdaptivePolicy.stood`) before anything else reaches it."""
+    to the policy (`AdaptivePolicy.stood`) before anything else reaches it. A ticket of rounds also keeps the
+    prefills launched meanwhile: nothing a prefill tells the policy under standing rounds but its launch and its
+    arrivals (`prefill`), and ended at each, the ticket cost the next round a `repeat` per arrival."""
 
     choice: str
     lo: int
@@ -107,7 +109,8 @@ class _Ticket:
     clock: Callable[[], float]
     times: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
-    waited: float = 0.0
+    waited: float = 0.0  # wait seconds fed since its last prefill (break_chain zeroes them), or since it began
+    prefills: list[tuple[float, int]] = field(default_factory=list)  # (launch time, prompts completed), rounds only
 
 
 class AdaptiveDecoding(DecodeStrategy):
@@ -135,8 +138,8 @@ class AdaptiveDecoding(DecodeStrategy):
         self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
         self._prefill_extends: collections.deque = collections.deque()  # per prefill in flight, oldest first: its
         # eager draft extend's (requests completed, start mark, end mark, host seconds), or None
-        self._unread_rounds: list[tuple[list, list[list[int]]]] = []  # resolved standing rounds (requests, result
-        # rows) the policy has not read yet, oldest first
+        self._unread_rounds: list[tuple[list, list[int]]] = []  # resolved rounds (requests, drafts each accepted:
+        # its result row's first entry) the policy has not read yet, oldest first
 
     @property
     def policy(self) -> AdaptivePolicy | None:
@@ -144,7 +147,7 @@ class AdaptiveDecoding(DecodeStrategy):
         or feeds it through here sees every step as if each had asked it (`AdaptivePolicy.repeat`)."""
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
-            self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.waited)
+            self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.waited, ticket.prefills)
         return self._policy
 
     @policy.setter
@@ -156,13 +159,23 @@ class AdaptiveDecoding(DecodeStrategy):
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
                 logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         """The target's prefill, then the draft's extend over the chunks, except over lazy ones (`_lazy_chunks`),
-        whose features go to the ring instead: their drafts lag like a plain step's."""
-        if self.policy is not None:
+        whose features go to the ring instead: their drafts lag like a plain step's.
+
+        Under a ticket of standing rounds the prefill joins the ticket (its launch time and arrivals, replayed with
+        its steps): rounds stand, so no chunk is lazy and the drafts joining end nothing (`drafts_joined` ends only
+        standing plain steps). Told at once, each arrival replayed the ticket and the next round asked the policy
+        again: on the CPU (128-token prompts at concurrency 32, rounds standing, ~0.5 arrivals a round) the
+        adaptive engine's own host work was 76 us a round, 23 of them in this method and the extend's timing."""
+        ticket = self._ticket
+        if ticket is not None and ticket.choice == SPECULATIVE:
+            ticket.prefills.append((ticket.clock(), sum(c.final for c in chunks)))
+            ticket.waited = 0.0  # (break_chain's)
+        elif self._policy is not None:
             self.policy.break_chain(sum(c.final for c in chunks))  # the time until the next decode launch is not
             # a decode step's; the prompts it completes arrive in the epoch under way
-        self._lazy = self._lazy_chunks(chunks)
-        if self.policy is not None and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
-            self.policy.drafts_joined()  # arrivals with current drafts: a standing plain choice is decided again
+            self._lazy = self._lazy_chunks(chunks)
+            if any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
+                self.policy.drafts_joined()  # arrivals with current drafts: a standing plain choice is decided again
         self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:
             return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
@@ -251,7 +264,9 @@ class AdaptiveDecoding(DecodeStrategy):
         self.worker.extend_draft(chunks, features, ends, finals, new_tokens)
         end = self._mark()
         launch_s = time.perf_counter() - t0
-        self.policy.prompt_extend_launched(launch_s)
+        ticket = self._ticket
+        if ticket is None or ticket.choice != SPECULATIVE:  # (under standing rounds the epoch is theirs: it pays
+            self.policy.prompt_extend_launched(launch_s)  # the extend, AdaptivePolicy.prompt_extend_launched)
         self._prefill_extends[-1] = (len(finals), start, end, launch_s if self.cuda else 0.0)
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
@@ -364,7 +379,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if step is self.plain:  # a plain step the last decision stood for
             return
         if step is self.worker:  # a round the last decision stood for: only its acceptance is read, later
-            self._unread_rounds.append((requests, results))
+            self._unread_rounds.append((requests, [row[0] for row in results]))  # (read while the rows are warm)
             if len(self._unread_rounds) >= READ_EVERY:
                 self._read_rounds()
             return
@@ -381,7 +396,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.cuda:
             self._events.extend(v for k, v in m.items() if k != "catch_up_start")
         if step.speculative:
-            self._unread_rounds.append((requests, results))
+            self._unread_rounds.append((requests, [row[0] for row in results]))
             self._read_rounds()
 
     def _read_rounds(self) -> None:
@@ -399,12 +414,10 @@ class AdaptiveDecoding(DecodeStrategy):
         unread = self._unread_rounds
         if not unread:
             return
-        requests = [q for reqs, _ in unread for q in reqs]
-        drafts = [row[0] for _, results in unread for row in results]
-        unread.clear()
+        self._unread_rounds = []
         ticket = self._ticket
         policy = self.policy  # replays the ticket
-        policy.accepted_round(requests, drafts)
+        policy.accepted_rounds(unread)
         if ticket is not None:
             left, lo, hi = policy.stand_ahead(ticket.hi)
             if left > 0:

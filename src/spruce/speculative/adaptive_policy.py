@@ -847,21 +847,31 @@ class AdaptivePolicy:
         lower = self.buckets.index(bucket)
         return self._reuse_left, (self.buckets[lower - 1] + 1 if lower else 1), bucket
 
-    def stood(self, choice: str, times: list[float], batches: list[int], waited: float) -> None:
-        """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, and
-        the wait seconds fed meanwhile: counted as `repeat` and `waited` would have counted them one by one."""
+    def stood(self, choice: str, times: list[float], batches: list[int], waited: float,
+              prefills: list[tuple[float, int]] = ()) -> None:
+        """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, the
+        prefills launched among them, (time, prompts completed) each, and the wait seconds fed since the last of
+        those launches: counted as `repeat`, `break_chain` and `waited` would have counted them one by one. Only
+        rounds stand over prefills: a prefill ends a standing choice of plain steps (`drafts_joined`)."""
         if self._last_launch is not None:
             raise InvariantError("standing steps taken ahead while a decided step's interval is open")
         if len(times) > self._reuse_left:
             raise InvariantError(f"{len(times)} standing steps taken ahead, {self._reuse_left} granted")
+        if prefills and choice != SPECULATIVE:
+            raise InvariantError(f"prefills under standing {choice} steps taken ahead; only rounds stand over them")
         if times:
             bucket = self.bucket_for(batches[0])
             if self.bucket_for(max(batches)) != bucket or self.bucket_for(min(batches)) != bucket:
                 raise InvariantError(f"standing steps taken ahead over batches {sorted(set(batches))} span cost "
                                      f"buckets; a ticket holds one")
-            self.epochs.standing_steps(times, bucket, batches)
+        else:
+            bucket = 0
+        self.epochs.standing_steps(times, bucket, batches, prefills)
         self._reuse_left -= len(times)
         self.chosen[choice] += len(times)
+        if prefills:  # (break_chain's)
+            self._previous_choice = None
+            self._not_host = 0.0
         self._not_host += waited
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
@@ -1003,8 +1013,15 @@ class AdaptivePolicy:
         self.accepted_round((request,), (drafts,))
 
     def accepted_round(self, requests, drafts) -> None:
-        """A speculative round's requests and the draft tokens each accepted (two sequences of one length), in one
-        pass: a round at concurrency 64 feeds 64 of them, on the host's critical path. A retry's round (see the
+        """A speculative round's requests and the draft tokens each accepted (two sequences of one length): one of
+        `accepted_rounds`."""
+        self.accepted_rounds(((requests, drafts),))
+
+    def accepted_rounds(self, rounds) -> None:
+        """Speculative rounds, oldest first, each its requests and the draft tokens each accepted (two sequences of
+        one length), in one pass: a round at concurrency 64 feeds 64 of them, on the host's critical path (the
+        rounds as they came, not flattened: on the CPU, at concurrency 32 and eight rounds a read, joining them
+        into two lists first took ~20 us a read, most of it touching each request once more). A retry's round (see the
         module docstring) that accepted at least half the prior restarts the request's EMA from it; one that did not
         doubles the lag before the next retry.
 
@@ -1031,23 +1048,24 @@ class AdaptivePolicy:
         half = self.engine_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
         count, alpha = counted.append, REQUEST_ALPHA
-        for request, accepted in zip(requests, drafts):
-            own = request.accept_state
-            if own is None:
-                request.accept_state = _RequestAcceptance(float(accepted))
-                count(accepted)
-            elif own.retrying:  # a retry's round prices the request alone
-                if accepted >= half:
-                    own.ema, own.retry_after = float(accepted), RETRY_FIRST
+        for requests, drafts in rounds:
+            for request, accepted in zip(requests, drafts):
+                own = request.accept_state
+                if own is None:
+                    request.accept_state = _RequestAcceptance(float(accepted))
+                    count(accepted)
+                elif own.retrying:  # a retry's round prices the request alone
+                    if accepted >= half:
+                        own.ema, own.retry_after = float(accepted), RETRY_FIRST
+                    else:
+                        own.ema += alpha * (accepted - own.ema)
+                        own.rounds += 1
+                        own.retry_after = min(2 * own.retry_after, RETRY_MAX)
+                    own.retrying = False
                 else:
+                    count(accepted)
                     own.ema += alpha * (accepted - own.ema)
                     own.rounds += 1
-                    own.retry_after = min(2 * own.retry_after, RETRY_MAX)
-                own.retrying = False
-            else:
-                count(accepted)
-                own.ema += alpha * (accepted - own.ema)
-                own.rounds += 1
         window = self._accept_window
         if len(counted) >= window.maxlen:
             window.clear()

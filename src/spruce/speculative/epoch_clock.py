@@ -196,19 +196,27 @@ class EpochClock:
         self.event(now)
         self.current.add(step_bucket, batch_size)
 
-    def standing_steps(self, times: list[float], step_bucket: int, batches: list[int]) -> None:
-        """`standing_step(times[i], step_bucket, batches[i])` for each i, in one pass (AdaptivePolicy.stood replays a
-        ticket's steps, all of one cost bucket, with nothing between them): the busy time from the last launch to
-        the first, then the span to the last, and the steps added at once."""
-        if not times:
+    def standing_steps(self, times: list[float], step_bucket: int, batches: list[int],
+                       prefills: list[tuple[float, int]] = ()) -> None:
+        """`standing_step(times[i], step_bucket, batches[i])` for each i and `prefill(t, arrivals)` for each (t, arrivals)
+        in `prefills`, in one pass (AdaptivePolicy.stood replays a ticket's steps, all of one cost bucket, and the
+        prefills launched among them, with nothing else between them): the busy time from the last launch to the
+        first of them, then the span to the last, and the steps and prefills added at once."""
+        if not times and not prefills:
             return
-        self.event(times[0])
-        span = times[-1] - times[0]
-        if span > 0.0:
+        launches = [*times[:1], *times[-1:], *(t for t, _ in prefills[:1]), *(t for t, _ in prefills[-1:])]
+        first, last = min(launches), max(launches)
+        self.event(first)
+        span = last - first
+        if span > 0.0 and self.current is not None:
             self.current.busy += span
             self.busy_total += span
-        self._last = times[-1]
-        self.current.add_many(step_bucket, batches)
+        self._last = last
+        if times:
+            self.current.add_many(step_bucket, batches)
+        if prefills and self.current is not None:
+            self.current.prefills += len(prefills)
+            self.current.arrivals += sum(arrivals for _, arrivals in prefills)
 
     def prefill(self, now: float, arrivals: int = 0) -> None:
         """A prefill that completes `arrivals` prompts is being launched at `now` (an `event` that the epoch under
