@@ -186,6 +186,19 @@ def test_cpu_sets_give_each_server_cpus_of_its_own():
         cpu_sets(4, list(range(7)))
 
 
+def test_cpu_sets_keep_the_threads_of_a_core_together():
+    """Two hardware threads per core, numbered as Linux does (core k holds CPUs k and k + 8): each server gets both
+    threads of one core, and the client only cores no server has a thread of."""
+    from spruce.bench.serving_launch import cpu_core, cpu_sets
+
+    client, servers = cpu_sets(4, list(range(16)), core=lambda cpu: (0, cpu % 8))
+    assert servers == [[0, 8], [1, 9], [2, 10], [3, 11]] and client == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert not {cpu % 8 for cpu in client} & {cpu % 8 for s in servers for cpu in s}
+    client, servers = cpu_sets(2, list(range(8)), core=lambda cpu: (cpu // 4, cpu % 2))  # two packages
+    assert servers == [[0, 2], [1, 3]] and client == [4, 5, 6, 7]
+    assert isinstance(cpu_core(min(os.sched_getaffinity(0))), tuple)  # this machine's topology, or the fallback
+
+
 def test_pin_cpus_with_too_few_cpus_is_refused_before_any_server_starts(monkeypatch, capsys, tmp_path):
     import spruce.bench.serving_launch as launch
 

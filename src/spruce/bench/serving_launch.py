@@ -35,17 +35,30 @@ class LaunchConfig:
         return LaunchConfig(name, tuple(shlex.split(flags)))
 
 
-def cpu_sets(servers: int, cpus: list[int]) -> tuple[list[int], list[list[int]]]:
+def cpu_core(cpu: int) -> tuple[int, int]:
+    """The physical core of logical CPU `cpu`: (package, core id) from Linux's sysfs topology, or (0, cpu) where
+    that is not readable (each CPU then a core of its own)."""
+    topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return int((topology / "physical_package_id").read_text()), int((topology / "core_id").read_text())
+    except (OSError, ValueError):
+        return 0, cpu
+
+
+def cpu_sets(servers: int, cpus: list[int], core=cpu_core) -> tuple[list[int], list[list[int]]]:
     """Split `cpus` (this process's affinity) into the client's CPUs and one disjoint set per server: each server
     len(cpus) // (2 x servers) CPUs (a server is two busy processes, HTTP and engine), the client the rest (its
-    processes parse every streamed chunk; at least half of `cpus`). ValueError when there are fewer than two CPUs
-    per server plus one."""
+    processes parse every streamed chunk; at least half of `cpus`). The CPUs are dealt in the order of their
+    physical cores (`core(cpu)`), so the hardware threads of one core go to one server or to the client: dealt in
+    number order on a machine whose core k holds CPUs k and k + n/2, as Linux numbers them, every server's CPUs
+    shared cores with the client's, whose load then took the server's cycles. ValueError when there are fewer
+    than two CPUs per server plus one."""
     per = len(cpus) // (2 * servers) if servers > 0 else 0
     if per < 1:
         raise ValueError(f"--pin-cpus needs at least {2 * servers + 1} CPUs for {servers} servers and the client, "
                          f"this process may run on {len(cpus)} ({cpus})")
-    cpus = sorted(cpus)
-    return cpus[per * servers:], [cpus[i * per:(i + 1) * per] for i in range(servers)]
+    cpus = sorted(cpus, key=lambda cpu: (core(cpu), cpu))
+    return sorted(cpus[per * servers:]), [sorted(cpus[i * per:(i + 1) * per]) for i in range(servers)]
 
 
 def rotated(sets: list[list[int]], pass_index: int) -> list[list[int]]:
