@@ -128,6 +128,35 @@ def test_a_drain_is_dropped_and_a_ramp_kept():
     assert clock.drained == 1 and clock.epochs == 3 and clock.count("plain", 8) == 2
 
 
+def test_an_epoch_fed_more_arrivals_than_its_load_takes_is_dropped():
+    """The H100 prefix run at e3014e6 (2026-11-25): a concurrency-8 level's cohorts ended together under plain steps,
+    the load window started over at the first successor, and epochs at load 1 of 21-35 steps held the prefills of a
+    second arrival (490-830 us a request-step against ~270 for concurrency 1's). An epoch at load n into which more
+    than 2n per `target` steps, plus one, arrived is dropped as outgrown; a concurrency-1 epoch of a whole request
+    life with a second arrival, and a steady load-8 epoch, are kept."""
+    clock = EpochClock(per_step)
+
+    def epoch(bucket: int, steps: int, arrivals_at: dict[int, int], t: float) -> float:  # arrivals before step i
+        for i in range(steps):
+            if i in arrivals_at:
+                clock.prefill(t, arrivals=arrivals_at[i])
+                t += 2e-3
+            clock.event(t)
+            clock.step("plain", bucket, 128, bucket, bucket)
+            t += 0.3e-3
+        return run(clock, t, "speculative", 1, 1e-3)  # ends it
+
+    t = epoch(1, 128, {1: 1}, 0.0)  # concurrency 1: one request's life
+    t = epoch(1, 128, {1: 1, 100: 1}, t)  # ... two requests' prompts in one epoch: kept
+    assert clock.count("plain", 1) == 2 and clock.outgrown == 0
+    steady = clock.request_seconds("plain", 1)
+    t = epoch(1, 21, {1: 1, 10: 1}, t)  # a cohort's successors arriving: two prompts in 21 steps
+    t = epoch(1, 70, {1: 1, 20: 4, 40: 6}, t)  # a larger level's ramp under one decoding request
+    assert clock.outgrown == 2 and clock.count("plain", 1) == 2 and clock.request_seconds("plain", 1) == steady
+    epoch(8, 128, {1: 8, 64: 8}, t)  # load 8: a cohort ends and its successors arrive, twice: kept
+    assert clock.outgrown == 2 and clock.count("plain", 8) == 1
+
+
 def test_requests_that_end_together_across_an_epoch_boundary_are_one_epoch():
     """Under plain steps, equal-length requests end together and their successors arrive a client's round trip
     later. An epoch that ends between the two looks drained (all ended, none arrived) and the next like a ramp; on

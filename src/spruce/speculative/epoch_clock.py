@@ -60,7 +60,14 @@ apart) ran its whole ramp, its prefills of 55-63 arrivals and steps over batches
 to three such epochs at load 1, and on the H200 (8b04568, 2026-11-25) two levels of them put plain steps' figure
 there at 1.18 ms, the next concurrency-1 level switched to rounds (1.16 tokens each) and ran them for all its
 requests at 0.72x the plain server's tokens/s. An epoch any of whose steps ran at a cost bucket above its load's
-(`Epoch.outgrown`) is dropped (`outgrown`).
+(`Epoch.outgrown`) is dropped (`outgrown`). So is one into which more prompts arrived than its load takes in as many
+steps: under plain steps the requests of a concurrency-8 level end together, the engine idles, and the load window
+starts over at the first successor (AdaptivePolicy.idle), so the level's decisions alternated between loads 8 and
+1, and an epoch at load 1 that ended before the others joined (21-35 steps, 2 arrivals; at a larger level's ramp
+70-128 steps and 11-35 arrivals) held their prefills: on the H100 (e3014e6, 2026-11-25, 1k shared prefix) such
+epochs read 490-830 us a request-step against ~270 for concurrency 1's and the window at load 1 rose to 577 us;
+at ac9b1e4 the adaptive server switched into rounds at load 1 at level openings (plain priced at 670 us there),
+and its levels that ran rounds (2-44 catch-ups each) were mostly behind the plain server's.
 
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
@@ -150,8 +157,12 @@ class Epoch:
 
     @property
     def outgrown(self) -> bool:
-        """Some of its steps ran over a batch of a larger cost bucket than its load's: the load grew under it."""
-        return max(self.step_buckets, default=0) > self.bucket
+        """The load grew under it: some of its steps ran over a batch of a larger cost bucket than its load's, or
+        more prompts arrived than its load takes in as many steps (a load of n takes in about n per `target` steps,
+        one request's life; twice that and one more are allowed): the requests of a larger load arrived while its
+        batch stayed small (module docstring)."""
+        return (max(self.step_buckets, default=0) > self.bucket
+                or self.arrivals > 2 * self.bucket * self.steps / self.target + 1)
 
     @property
     def full(self) -> bool:
