@@ -482,17 +482,17 @@ def test_incomplete_cost_table_is_refused():
 def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     """`repeat` (the fast path): after a model choice, up to REUSE_STEPS steps in the same cost bucket reuse it,
     counted as steps of that choice in the epoch; the epoch's end (a probe may be due), another bucket or the reuse
-    budget ends it; a probe never stands. A round's new acceptance does not end it (rounds update it every step;
-    the next decision reads it). A model choice of rounds stands as a plain one does."""
+    budget ends it; a probe's steps stand to its epoch's end too. A round's new acceptance does not end it (rounds
+    update it every step; the next decision reads it). A model choice of rounds stands as a plain one does."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
     assert p.repeat(PLAIN, 1) is False  # nothing decided yet
     assert p.decide(reqs).choice == PLAIN
     assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1)) and p.repeat(PLAIN, 1) is False  # epoch complete
-    for _ in range(EPOCH_MIN):  # the probe epoch
-        d = p.decide(reqs)
-        assert d.reason == "probe" and d.choice == SPECULATIVE and p.repeat(SPECULATIVE, 1) is False
+    d = p.decide(reqs)  # the probe epoch: its first step decides, the others stand to its end
+    assert d.reason == "probe" and d.choice == SPECULATIVE
+    assert all(p.repeat(SPECULATIVE, 1) for _ in range(EPOCH_MIN - 1)) and p.repeat(SPECULATIVE, 1) is False
     assert p.decide(reqs).choice == PLAIN and p.repeat(PLAIN, 1)
     p.accepted(reqs[0], 0)  # a round's result (of the probe, resolved late) changes nothing here
     assert p.repeat(PLAIN, 1)
@@ -512,6 +512,24 @@ def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     settle(rounds, [Req() for _ in range(8)], 4)
     assert rounds.decide([Req() for _ in range(8)]).choice == SPECULATIVE
     assert rounds.repeat(SPECULATIVE, 3) and rounds.repeat(SPECULATIVE, 8)  # both buckets chose rounds last
+
+
+def test_a_probes_standing_steps_count_toward_its_length():
+    """A probe's steps stand as a model choice's (decided each, a plain probe under rounds was 128 decisions of
+    ~0.26 ms host work each, which its epoch then measured); its length limit (PROBE_STEPS_FACTOR epochs' steps)
+    counts the steps that stood after each of its decisions, not only the decisions."""
+    p = policy(spec=1.1e-3)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    assert p.decide(reqs).choice == PLAIN
+    assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))
+    d = p.decide(reqs)
+    assert d.reason == "probe" and d.choice == SPECULATIVE
+    state = p._state[d.bucket]
+    left = state.probe_left
+    assert all(p.repeat(SPECULATIVE, 1) for _ in range(5))  # five steps stand
+    d = p.decide(reqs)  # the sixth decides: still the probe (its epoch is not complete)
+    assert d.reason == "probe" and state.probe_left == left - 5 - 1
 
 
 def test_plain_steps_stand_to_their_epochs_end_unless_drafted_requests_join():
@@ -1392,19 +1410,22 @@ def test_a_choice_new_at_a_load_scales_as_the_other_measured():
     assert 1.14 / parts_spec > 1.1 * 23.4e3 / 32
 
 
-def rounds_amid_moving_loads(period: int, steps: int = 20000) -> AdaptivePolicy:
+def rounds_amid_moving_loads(period: int, steps: int = 20000, stand: bool = False) -> AdaptivePolicy:
     """Rounds commit 4 tokens per 2 ms against 1 per 1 ms plain step per request (2x); the batch moves through
-    buckets 1, 2, 4 and 8, `period` decisions at each, a group's requests arriving (a prefill) as it begins."""
+    buckets 1, 2, 4 and 8, `period` steps at each, a group's requests arriving (a prefill) as it begins. Each step
+    decides, or with `stand` only those that the last decision does not stand for (`repeat`)."""
     clock = Clock()
     p = policy(plain=1e-3, spec=2e-3, clock=clock)
     groups = [[Req() for _ in range(size)] for size in (1, 2, 4, 8)]
     settle(p, [q for g in groups for q in g], 3)
+    choice = None
     for i in range(steps):
         group = groups[(i // period) % 4]
         if i % period == 0:
             p.break_chain(arrivals=len(group))
-        d = p.decide(group, request_tokens=128)
-        clock.now += len(group) * (1e-3 if d.choice == PLAIN else 2e-3)
+        if not (stand and choice is not None and p.repeat(choice, len(group))):
+            choice = p.decide(group, request_tokens=128).choice
+        clock.now += len(group) * (1e-3 if choice == PLAIN else 2e-3)
     return p
 
 
@@ -1419,13 +1440,15 @@ def test_probes_over_every_load_stay_within_the_budget():
     assert p.probe_seconds <= PROBE_BUDGET * p.epochs.busy_total + PROBE_ALLOWANCE
 
 
-def test_a_probe_at_a_load_that_keeps_moving_ends(monkeypatch):
-    """The load bucket moves every 50 decisions, more often than a 128-step epoch of plain steps lasts, so a plain
+@pytest.mark.parametrize("stand", [False, True])
+def test_a_probe_at_a_load_that_keeps_moving_ends(monkeypatch, stand):
+    """The load bucket moves every 50 steps, more often than a 128-step epoch of plain steps lasts, so a plain
     probe's epoch never completes. It ends after PROBE_STEPS_FACTOR epochs' worth of its steps at that load; before,
     it stayed on, and every visit to the load ran plain steps: 99% of the steps were plain (27% with the budget)
-    though rounds commit twice as much. (The budget is lifted: this is the probe's own end.)"""
+    though rounds commit twice as much. With standing steps (`stand`: a probe's steps stand as a model choice's)
+    the steps that stood count too, not only the decisions. (The budget is lifted: this is the probe's own end.)"""
     monkeypatch.setattr(adaptive_policy, "PROBE_ALLOWANCE", 100.0)
-    p = rounds_amid_moving_loads(50)
+    p = rounds_amid_moving_loads(50, stand=stand)
     assert p.probes >= 2
     assert p.chosen[PLAIN] < 0.1 * (p.chosen[PLAIN] + p.chosen[SPECULATIVE])
 

@@ -144,8 +144,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   and 1.0% behind fixed rounds against 0.6%. And where plain steps' figure there is settled while rounds' is not,
   rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
   outweighed the margin (H200, 697c8ca, 2026-11-25).
-- A model choice (not a probe) stands for further steps whose batch falls in the same cost bucket, or in one whose
-  latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their epoch
+- A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
+  one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
+  their epoch
   or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
   while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
   tokens left, which only favour plain steps further); a decided step took ~275 us more than a standing one served
@@ -156,7 +157,10 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   epoch. Deciding each step cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain
   step that decided took 0.53 ms launch to launch against a plain engine's 0.27 ms), so rounds, which decided every
   step, were priced (correctly) below a plain engine's steps, and at concurrency 64 a batch that changed at almost
-  every step (a request ends every second step) decided almost every plain step too. Probes, another bucket, an
+  every step (a request ends every second step) decided almost every plain step too. A probe's steps decided each
+  until 2026-11-25 (session 27): a probe epoch of plain steps under rounds was 128 decided steps, each ~0.26 ms of
+  host work more than a standing one, which both cost the probe that much and put it into the probe's epoch, so the
+  challenger's realized figure read its steps at up to twice their steady cost. Another bucket, an
   epoch's end (a probe may be due), a collapsed request's retry and an engine-wide acceptance that drifted by more
   than REUSE_ACCEPT_DRIFT from the one the decision was priced at decide afresh (standing rounds' acceptance is read
   every few rounds, speculative/adaptive.py READ_EVERY); a request's own acceptance is read at the next decision.
@@ -351,9 +355,11 @@ class AdaptivePolicy:
         self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
         self._reuse_left = 0  # further steps the last decision (a model choice) stands for
         self._reuse_bucket = 0  # ... in this cost bucket
-        self._reuse_choice: str | None = None  # ... of this choice (None: the last decision was a probe)
+        self._reuse_choice: str | None = None  # ... of this choice (a model choice or a probe's)
         self._reuse_idle = False  # an idle gap came since: a batch of a lower cost bucket may not reuse it
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
+        self._probe_stood: tuple[_BucketState, str, int] | None = None  # after a probe's decision: its load's
+        # state, its choice, and that choice's steps counted then (the steps that stood after it shorten the probe)
         self._arrivals = (0.0, 0.0)  # the last decision's (request_tokens, new_positions): steady_choice prices the
         # draft's work on arriving prompts as decide does
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
@@ -538,6 +544,10 @@ class AdaptivePolicy:
         least one)."""
         now = self.clock()
         self.epochs.event(now)
+        if self._probe_stood is not None:  # a probe lasts PROBE_STEPS_FACTOR epochs' steps, standing ones included
+            probed, probe_choice, counted = self._probe_stood
+            probed.probe_left -= self.chosen[probe_choice] - counted
+            self._probe_stood = None
         bs = len(requests)
         bucket = self.bucket_for(bs)
         self._recent_loads.append(min(max(bs, held), self.buckets[-1]))
@@ -569,15 +579,17 @@ class AdaptivePolicy:
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
-        self._reuse_left, self._reuse_bucket, self._reuse_accept = 0, bucket, self.prior_accept()
-        self._reuse_choice, self._reuse_idle = (d.choice if d.reason == "model" else None), False
+        self._reuse_bucket, self._reuse_accept = bucket, self.prior_accept()
+        self._reuse_choice, self._reuse_idle = d.choice, False
         if d.reason == "model":
             self._model_choice[bucket] = d.choice
-            left = self.epochs.current.target - self.epochs.current.steps  # steps left in the epoch
-            if d.choice == PLAIN:  # stands to the epoch's end or the first retry (module docstring)
-                self._reuse_left = min(left, self._retry_in(owns, lags, left))
-            else:
-                self._reuse_left = min(REUSE_STEPS, left)
+        else:
+            self._probe_stood = (st, d.choice, self.chosen[d.choice])
+        left = self.epochs.current.target - self.epochs.current.steps  # steps left in the epoch
+        if d.choice == PLAIN:  # stands to the epoch's end or the first retry (module docstring)
+            self._reuse_left = min(left, self._retry_in(owns, lags, left))
+        else:
+            self._reuse_left = min(REUSE_STEPS, left)
         if d.choice == SPECULATIVE:
             self._mark_retries(owns, lags)
         self._tables = None
@@ -699,7 +711,7 @@ class AdaptivePolicy:
         not count; replaying the 128-token trace at concurrency 1, counting it cut the plain steps from 543 to 421.
 
         A probe ends when its epoch completes, or after PROBE_STEPS_FACTOR times an epoch's steps at its load
-        without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
+        (its decisions and the steps that stood after them, `repeat`) without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
         every 50 steps, against 128-step epochs of plain steps) had kept the probe on for good, and every visit to
         that load ran the probed choice.
 
@@ -815,8 +827,9 @@ class AdaptivePolicy:
 
     def repeat(self, choice: str, batch_size: int) -> bool:
         """A step of `choice` (the last decision's) over a batch of `batch_size` is about to launch: True when that
-        decision, a model choice, stands for it (counted as a step of that choice, not timed); False when the step
-        must be decided (`decide`): the last decision was a probe, the batch moved to a cost bucket whose latest
+        decision (a model choice or a probe's) stands for it (counted as a step of that choice, not timed); False
+        when the step
+        must be decided (`decide`): the batch moved to a cost bucket whose latest
         model choice differs (with prefill batching the batch size swings between buckets) or, after an idle gap,
         to a smaller one (`idle`), the epoch is complete (a probe may be due), a collapsed request is due for a
         retry, or (rounds) REUSE_STEPS steps have passed.
