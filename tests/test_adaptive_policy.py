@@ -447,9 +447,10 @@ def test_a_lone_epoch_prices_probes_unless_it_reads_a_stall():
         assert p._probe_price(d, PLAIN, 1) == pytest.approx(want * 0.3e-3)
 
 
-def test_a_plain_probe_under_rounds_costs_its_catch_up_too():
+def test_a_probe_costs_its_catch_up_too():
     """A probe epoch of plain steps under rounds leaves each request's draft `steps` positions behind: its expected
-    cost includes that catch-up; a probe of rounds under plain steps leaves none."""
+    cost includes that catch-up. A probe of rounds under plain steps leaves none but pays the one the batch owes
+    (its drafts' missing positions) at its first round: included; with current drafts nothing."""
     seed = [(16, 2.8e-3), (4096, 5.2e-3)]
     table = {(c, b): (0.3e-3 if c == PLAIN else 0.8e-3) for c in CHOICES for b in BUCKETS}
     p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=5, clock=Clock(),
@@ -459,6 +460,10 @@ def test_a_plain_probe_under_rounds_costs_its_catch_up_too():
     excess = 128 * 0.3e-3 * (1 - (4 / 0.3e-3) / (4 * 4.0 / 0.8e-3))
     assert p._probe_cost(d, SPECULATIVE, PLAIN, 128, 0.3e-3) == pytest.approx(excess + p.catch_up_seconds(4 * 128))
     assert p._probe_cost(d, PLAIN, SPECULATIVE, 32, 0.8e-3) == 0.0  # rounds are no worse: nothing to pay
+    lagging = p.decide([Req() for _ in range(4)], [300, 200, 256, 10], request_tokens=128)
+    assert lagging.catch_up_positions == 766
+    assert p._probe_cost(lagging, PLAIN, SPECULATIVE, 32, 0.8e-3) == pytest.approx(p.catch_up_seconds(766))
+    assert p.catch_up_seconds(766) > 2.8e-3
 
 
 def test_snapshot_reports_each_bucket_choice_and_reason():

@@ -704,7 +704,8 @@ class AdaptivePolicy:
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
         the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time: a
         probe's expected excess (`_probe_cost`: its tokens at the other choice's price, about (ratio - 1) epochs of
-        the model's choice, and for plain steps under rounds the catch-up they leave) over PROBE_BUDGET of an epoch
+        the model's choice, and the catch-up it brings: the lag plain steps under rounds leave, or the one rounds
+        under plain steps find) over PROBE_BUDGET of an epoch
         of the model's choice. The catch-up was left out of the spacing until 2026-11-24: on the H200 (4fd74eb,
         128-token prompts, concurrency 8, plain steps ~0.9x rounds' tokens/s) two passes ran 4-5 plain probes each
         (478-487 plain steps), each probe leaving a catch-up of the batch (8 x 128 positions) that the spacing did
@@ -787,11 +788,17 @@ class AdaptivePolicy:
 
     def _probe_cost(self, d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
         """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
-        model's choice would have taken for the same tokens (0 if `other` is expected to be no worse), and for
-        plain steps under rounds the catch-up of the lag they leave (the batch's drafts, `steps` positions each)."""
+        model's choice would have taken for the same tokens (0 if `other` is expected to be no worse), and the
+        catch-up it brings: for plain steps under rounds the one of the lag they leave (the batch's drafts, `steps`
+        positions each), for rounds under plain steps the one of the lag the batch owes (`d.catch_up_positions`),
+        which the probe's first round pays. The latter was left out until 2026-11-25 (session 27): with the 1k
+        shared prefix on the H100 (0ae3c95), where every prompt's extend is left to a catch-up, a concurrency-32
+        level ran three probes of rounds in 2.7 s, priced at 70, 1 and 0 ms, with 25 catch-ups over 8,395
+        positions, and was 20% behind the plain server."""
         ratio = d.tokens_per_second_at(other, other_seconds) / max(d.tokens_per_second(model), 1e-12)
         excess = steps * other_seconds * max(1.0 - ratio, 0.0)
-        return excess + (self.catch_up_seconds(d.batch_size * steps) if other == PLAIN else 0.0)
+        owed = d.batch_size * steps if other == PLAIN else d.catch_up_positions
+        return excess + (self.catch_up_seconds(owed) if owed else 0.0)
 
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
