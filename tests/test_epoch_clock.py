@@ -315,9 +315,12 @@ def test_standing_steps_in_one_pass_are_standing_steps_one_by_one(excluded, pref
         if one_pass:
             clock.standing_steps(times, 8, batches, prefills)
         else:
-            launches = sorted([(t, "step", b) for t, b in zip(times, batches)] + [(t, "prefill", n) for t, n in prefills])
-            for t, kind, n in launches:
-                clock.standing_step(t, 8, n) if kind == "step" else clock.prefill(t, n)
+            steps = [(t, "step", b) for t, b in zip(times, batches)]
+            for t, kind, n in sorted(steps + [(t, "prefill", arrivals) for t, arrivals in prefills]):
+                if kind == "step":
+                    clock.standing_step(t, 8, n)
+                else:
+                    clock.prefill(t, n)
         return clock
 
     a, b = feed(True), feed(False)

@@ -165,7 +165,8 @@ class AdaptiveDecoding(DecodeStrategy):
         its steps): rounds stand, so no chunk is lazy and the drafts joining end nothing (`drafts_joined` ends only
         standing plain steps). Told at once, each arrival replayed the ticket and the next round asked the policy
         again: on the CPU (128-token prompts at concurrency 32, rounds standing, ~0.5 arrivals a round) the
-        adaptive engine's own host work was 76 us a round, 23 of them in this method and the extend's timing."""
+        adaptive engine's own host work was 78-80 us a round, 24-25 of them in this method and the extend's timing
+        (65 and 16 since)."""
         ticket = self._ticket
         if ticket is not None and ticket.choice == SPECULATIVE:
             ticket.prefills.append((ticket.clock(), sum(c.final for c in chunks)))

@@ -145,9 +145,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
   outweighed the margin (H200, 697c8ca, 2026-11-25).
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
-  one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
-  their epoch
-  or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
+  one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their
+  epoch or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
   while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
   tokens left, which only favour plain steps further); a decided step took ~275 us more than a standing one served
   at concurrency 1 on the H200 (2026-11-25), and with REUSE_STEPS one came every ~26 steps, every ~64 since). Those
@@ -353,7 +352,7 @@ class AdaptivePolicy:
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
         self.catch_up_device = LinearCost(self.catch_up_prior.get("device"))
         self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
-        self._reuse_left = 0  # further steps the last decision (a model choice) stands for
+        self._reuse_left = 0  # further steps the last decision (a model choice or a probe's) stands for
         self._reuse_bucket = 0  # ... in this cost bucket
         self._reuse_choice: str | None = None  # ... of this choice (a model choice or a probe's)
         self._reuse_idle = False  # an idle gap came since: a batch of a lower cost bucket may not reuse it
@@ -705,16 +704,16 @@ class AdaptivePolicy:
         the other choice has a realized figure, enough for probes to cost at most PROBE_BUDGET of the time: a
         probe's expected excess (`_probe_cost`: its tokens at the other choice's price, about (ratio - 1) epochs of
         the model's choice, and the catch-up it brings: the lag plain steps under rounds leave, or the one rounds
-        under plain steps find) over PROBE_BUDGET of an epoch
-        of the model's choice. The catch-up was left out of the spacing until 2026-11-24: on the H200 (4fd74eb,
-        128-token prompts, concurrency 8, plain steps ~0.9x rounds' tokens/s) two passes ran 4-5 plain probes each
-        (478-487 plain steps), each probe leaving a catch-up of the batch (8 x 128 positions) that the spacing did
-        not count; replaying the 128-token trace at concurrency 1, counting it cut the plain steps from 543 to 421.
+        under plain steps find) over PROBE_BUDGET of an epoch of the model's choice. The catch-up was left out of the
+        spacing until 2026-11-24: on the H200 (4fd74eb, 128-token prompts, concurrency 8, plain steps ~0.9x rounds'
+        tokens/s) two passes ran 4-5 plain probes each (478-487 plain steps), each probe leaving a catch-up of the batch
+        (8 x 128 positions) that the spacing did not count; replaying the 128-token trace at concurrency 1,
+        counting it cut the plain steps from 543 to 421.
 
         A probe ends when its epoch completes, or after PROBE_STEPS_FACTOR times an epoch's steps at its load
-        (its decisions and the steps that stood after them, `repeat`) without one completing: a load that moves more often than an epoch lasts (a batch whose load bucket changes
-        every 50 steps, against 128-step epochs of plain steps) had kept the probe on for good, and every visit to
-        that load ran the probed choice.
+        (its decisions and the steps that stood after them, `repeat`) without one completing: a load that moves
+        more often than an epoch lasts (a batch whose load bucket changes every 50 steps, against 128-step epochs of
+        plain steps) had kept the probe on for good, and every visit to that load ran the probed choice.
 
         A probe that starts is logged (INFO, logger spruce.adaptive, one JSON line: the choice probed, the load,
         the spacing and the expected cost against what the budget has spent): a serving run's plain steps under
@@ -835,11 +834,10 @@ class AdaptivePolicy:
     def repeat(self, choice: str, batch_size: int) -> bool:
         """A step of `choice` (the last decision's) over a batch of `batch_size` is about to launch: True when that
         decision (a model choice or a probe's) stands for it (counted as a step of that choice, not timed); False
-        when the step
-        must be decided (`decide`): the batch moved to a cost bucket whose latest
-        model choice differs (with prefill batching the batch size swings between buckets) or, after an idle gap,
-        to a smaller one (`idle`), the epoch is complete (a probe may be due), a collapsed request is due for a
-        retry, or (rounds) REUSE_STEPS steps have passed.
+        when the step must be decided (`decide`): the batch moved to a cost bucket whose latest model choice
+        differs (with prefill batching the batch size swings between buckets) or, after an idle gap, to a smaller
+        one (`idle`), the epoch is complete (a probe may be due), a collapsed request is due for a retry, or
+        (rounds) REUSE_STEPS steps have passed.
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
         if self._reuse_left <= 0:

@@ -209,9 +209,9 @@ class EpochClock:
 
     def standing_steps(self, times: list[float], step_bucket: int, batches: list[int],
                        prefills: list[tuple[float, int]] = ()) -> None:
-        """`standing_step(times[i], step_bucket, batches[i])` for each i and `prefill(t, arrivals)` for each (t, arrivals)
-        in `prefills`, in one pass (AdaptivePolicy.stood replays a ticket's steps, all of one cost bucket, and the
-        prefills launched among them, with nothing else between them): the busy time from the last launch to the
+        """`standing_step(times[i], step_bucket, batches[i])` for each i and `prefill(t, arrivals)` for each
+        (t, arrivals) in `prefills`, in one pass (AdaptivePolicy.stood replays a ticket's steps, all of one cost bucket,
+        and the prefills launched among them, with nothing else between them): the busy time from the last launch to the
         first of them, then the span to the last, and the steps and prefills added at once."""
         if not times and not prefills:
             return
