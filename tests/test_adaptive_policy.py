@@ -125,8 +125,10 @@ def test_a_thin_window_is_shrunk_towards_the_optimistic_prior():
 @pytest.mark.parametrize("arrivals", [[], [(2, 2), (2, 0), (4, 1)]])
 def test_standing_steps_taken_ahead_count_as_asked_one_by_one(arrivals):
     """`stand_ahead` grants the steps that would stand after a standing one (same bucket, the budget left); taken
-    without asking and replayed by `stood`, they leave the policy as `repeat`, `waited` and, for prefills launched
-    among them (`arrivals`: (after which step, prompts completed)), `break_chain` one by one would."""
+    without asking and replayed by `stood`, they leave the policy as `repeat` and, for prefills launched among them
+    (`arrivals`: (after which step, prompts completed)), `break_chain` one by one would. The waits fed meanwhile
+    (`waited`) are not kept: no decided step's interval is open under standing steps, and the next one that opens
+    starts its own count (the host figures after the next decision are the same either way)."""
 
     def run(ahead: bool):
         clock = Clock()
@@ -141,13 +143,12 @@ def test_standing_steps_taken_ahead_count_as_asked_one_by_one(arrivals):
             left, lo, hi = p.stand_ahead(batches[0])
             assert (lo, hi) == (3, 4) and left >= len(batches) - 1
         p.waited(2e-4)
-        times, prefills, waited = [], [], 0.0
+        times, prefills = [], []
         for i, batch in enumerate(batches[1:], start=1):
             for _, completed in (a for a in arrivals if a[0] == i):  # prefills launched after step i - 1
                 clock.now += 3e-4
                 if ahead:
                     prefills.append((clock.now, completed))
-                    waited = 0.0
                 else:
                     p.break_chain(completed)
             clock.now += 1e-3
@@ -155,13 +156,18 @@ def test_standing_steps_taken_ahead_count_as_asked_one_by_one(arrivals):
             if not ahead:
                 assert p.repeat(choice, batch)
                 p.waited(2e-4)
-            waited += 2e-4
         if ahead:
-            p.stood(choice, times, batches[1:], waited, prefills)
+            p.stood(choice, times, batches[1:], prefills)
         cur = p.epochs.current
-        return (choice, dict(p.chosen), p._reuse_left, cur.steps, cur.request_steps, cur.last_batch,
-                round(cur.busy, 12), dict(cur.step_buckets), cur.prefills, cur.arrivals, p._previous_choice,
-                round(p._not_host, 12), round(p.epochs.busy_total, 12))
+        state = (choice, dict(p.chosen), p._reuse_left, cur.steps, cur.request_steps, cur.last_batch,
+                 round(cur.busy, 12), dict(cur.step_buckets), cur.prefills, cur.arrivals, p._previous_choice,
+                 p._last_launch, round(p.epochs.busy_total, 12))
+        clock.now += 1e-3
+        p.decide(reqs)  # the next decided step, then its interval closed by a standing one
+        clock.now += 1e-3
+        p.waited(1e-4)
+        p.repeat(choice, 4)
+        return state + (dict(p.other_host_seconds), dict(p.own_host_seconds))
 
     assert run(True) == run(False) and run(True)[0] == SPECULATIVE
     p = policy()
@@ -171,11 +177,11 @@ def test_standing_steps_taken_ahead_count_as_asked_one_by_one(arrivals):
     assert p.repeat(choice, 4)
     left, _, _ = p.stand_ahead(4)
     with pytest.raises(InvariantError, match=f"{left + 1} standing steps taken ahead, {left} granted"):
-        p.stood(choice, [0.0] * (left + 1), [4] * (left + 1), 0.0)
+        p.stood(choice, [0.0] * (left + 1), [4] * (left + 1))
     with pytest.raises(InvariantError, match="span cost buckets"):  # a ticket holds one bucket's batches
-        p.stood(choice, [0.0, 0.0], [4, 2], 0.0)
+        p.stood(choice, [0.0, 0.0], [4, 2])
     with pytest.raises(InvariantError, match="only rounds stand over them"):  # a prefill ends standing plain steps
-        p.stood(PLAIN, [0.0], [4], 0.0, [(0.0, 1)])
+        p.stood(PLAIN, [0.0], [4], [(0.0, 1)])
 
 
 def test_new_requests_take_the_engine_wide_acceptance():

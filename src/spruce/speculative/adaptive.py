@@ -97,8 +97,8 @@ class AdaptiveStep:
 class _Ticket:
     """Standing steps the policy granted ahead (`AdaptivePolicy.stand_ahead`): up to `left` more steps of `choice`
     over batches of lo..hi requests (the cost bucket of the step that asked) stand without asking it; each one taken
-    is kept (its launch time on the policy's clock, its batch size) with the wait seconds fed meanwhile, and replayed
-    to the policy (`AdaptivePolicy.stood`) before anything else reaches it. A ticket of rounds also keeps the
+    is kept (its launch time on the policy's clock, its batch size) and replayed to the policy
+    (`AdaptivePolicy.stood`) before anything else reaches it. A ticket of rounds also keeps the
     prefills launched meanwhile: nothing a prefill tells the policy under standing rounds but its launch and its
     arrivals (`prefill`), and ended at each, the ticket cost the next round a `repeat` per arrival."""
 
@@ -109,7 +109,6 @@ class _Ticket:
     clock: Callable[[], float]
     times: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
-    waited: float = 0.0  # wait seconds fed since its last prefill (break_chain zeroes them), or since it began
     prefills: list[tuple[float, int]] = field(default_factory=list)  # (launch time, prompts completed), rounds only
 
 
@@ -147,7 +146,7 @@ class AdaptiveDecoding(DecodeStrategy):
         or feeds it through here sees every step as if each had asked it (`AdaptivePolicy.repeat`)."""
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
-            self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.waited, ticket.prefills)
+            self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.prefills)
         return self._policy
 
     @policy.setter
@@ -170,7 +169,6 @@ class AdaptiveDecoding(DecodeStrategy):
         ticket = self._ticket
         if ticket is not None and ticket.choice == SPECULATIVE:
             ticket.prefills.append((ticket.clock(), sum(c.final for c in chunks)))
-            ticket.waited = 0.0  # (break_chain's)
         elif self._policy is not None:
             self.policy.break_chain(sum(c.final for c in chunks))  # the time until the next decode launch is not
             # a decode step's; the prompts it completes arrive in the epoch under way
@@ -282,6 +280,22 @@ class AdaptiveDecoding(DecodeStrategy):
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
         window = self.lag_window
+        ticket = self._ticket  # steps granted ahead (`_stand`): taken here first, the standing steps' fast path
+        batch_size = len(requests)
+        if ticket is not None and ticket.left and ticket.lo <= batch_size <= ticket.hi:
+            plain = ticket.choice == PLAIN
+            limit = window if plain else 1  # plain steps: no lag fills the ring; rounds: every draft current
+            for q in requests:
+                if q.draft_lag >= limit:  # a catch-up is due first
+                    break
+            else:
+                if plain:
+                    for q in requests:
+                        q.draft_lag += 1
+                ticket.left -= 1
+                ticket.times.append(ticket.clock())
+                ticket.batches.append(batch_size)
+                return self.plain if plain else self.worker
         standing = self.last_decision.choice if self.last_decision is not None else None
         if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
             if max(map(_DRAFT_LAG, requests), default=0) < window and self._stand(PLAIN, len(requests)):
@@ -309,16 +323,14 @@ class AdaptiveDecoding(DecodeStrategy):
     def _stand(self, choice: str, batch_size: int) -> bool:
         """Whether the last decision stands for a step of `choice` over `batch_size` requests
         (`AdaptivePolicy.repeat`, which counts it); if so, the steps that may stand after it without asking
-        (`AdaptivePolicy.stand_ahead`) become a ticket, which the next steps take while it lasts. A standing step
-        asked the policy, an object of some fifty fields, on cold caches: `choose` took 10-13 us on the H100's host
-        against a fixed engine's 1.3-1.9 (in process, 2026-11-25), and at concurrency 1 an adaptive engine's plain
-        steps took 8-10 us more wall time each than a plain engine's, 2.5-3.3% behind it."""
-        ticket = self._ticket  # steps granted ahead
-        if ticket is not None and ticket.left and ticket.choice == choice and ticket.lo <= batch_size <= ticket.hi:
-            ticket.left -= 1
-            ticket.times.append(ticket.clock())
-            ticket.batches.append(batch_size)
-            return True
+        (`AdaptivePolicy.stand_ahead`) become a ticket, which the next steps take while it lasts (`choose`'s first
+        lines). A standing step asked the policy, an object of some fifty fields, on cold caches: `choose`
+        took 10-13 us on the H100's host against a fixed engine's 1.3-1.9 (in process, 2026-11-25), and at
+        concurrency 1 an adaptive engine's plain steps took 8-10 us more wall time each than a plain engine's,
+        2.5-3.3% behind it. Taking the ticket through this method and a `max` over the lags still cost ~9-10 us a
+        step on the CPU at concurrency 1 with the shared prefix (the engine loop's own caches cold after each
+        forward); first in `choose`, with a loop over the lags, 5-6.5 (15-16 us a round against 19 at concurrency
+        32, rounds only; session 27)."""
         policy = self.policy  # (replays the ticket, if any)
         if not policy.repeat(choice, batch_size):
             return False
@@ -357,9 +369,7 @@ class AdaptiveDecoding(DecodeStrategy):
         """A step's results were read after waiting `waited_s` on the device and applied in `resolve_s` host
         seconds: feed the policy (a decided step's device time from its marks, which completed before its result,
         and its resolve time; a round's acceptance)."""
-        if self._ticket is not None:  # kept with the ticket's steps (the policy sums them: order does not matter)
-            self._ticket.waited += waited_s + resolve_s
-        else:
+        if self._ticket is None:  # (under standing steps no decided step's interval is open: AdaptivePolicy.stood)
             self.policy.waited(waited_s + resolve_s)
         if step is None:  # a prefill: its lazy requests' positions are all committed now
             for q in requests:

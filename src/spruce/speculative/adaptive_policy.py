@@ -865,12 +865,13 @@ class AdaptivePolicy:
         lower = self.buckets.index(bucket)
         return self._reuse_left, (self.buckets[lower - 1] + 1 if lower else 1), bucket
 
-    def stood(self, choice: str, times: list[float], batches: list[int], waited: float,
+    def stood(self, choice: str, times: list[float], batches: list[int],
               prefills: list[tuple[float, int]] = ()) -> None:
-        """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, the
-        prefills launched among them, (time, prompts completed) each, and the wait seconds fed since the last of
-        those launches: counted as `repeat`, `break_chain` and `waited` would have counted them one by one. Only
-        rounds stand over prefills: a prefill ends a standing choice of plain steps (`drafts_joined`)."""
+        """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, and
+        the prefills launched among them, (time, prompts completed) each: counted as `repeat` and `break_chain` would
+        have counted them one by one. Only rounds stand over prefills: a prefill ends a standing choice of plain steps
+        (`drafts_joined`). What `waited` would have been told meanwhile is not needed: no decided step's interval is
+        open under standing steps (`_last_launch` is None), and the next decided step starts its count afresh."""
         if self._last_launch is not None:
             raise InvariantError("standing steps taken ahead while a decided step's interval is open")
         if len(times) > self._reuse_left:
@@ -889,8 +890,6 @@ class AdaptivePolicy:
         self.chosen[choice] += len(times)
         if prefills:  # (break_chain's)
             self._previous_choice = None
-            self._not_host = 0.0
-        self._not_host += waited
 
     # --- what the strategy reports back ----------------------------------------------------------------------------
     def _launched(self, choice: str, bucket: int, now: float) -> None:
