@@ -435,6 +435,31 @@ def test_a_ticket_outlives_its_deciding_steps_resolve_and_the_acceptance_reads(m
     assert again == []
 
 
+def test_a_standing_round_never_runs_over_a_lagging_draft(monkeypatch, draft, reference):
+    """Rounds stand (a ticket's fast path in `choose`) only while every draft of the batch is current: a request whose
+    draft lags (made to lag by two positions here, between standing rounds; served, a lazy prefill's) is caught up by
+    a decided round first. Lossless either way (the target verifies), so only `choose`'s answer shows it."""
+    fixed_costs(monkeypatch, plain=100.0, spec=1.0)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    strategy = llm.engine.strategy
+    choose, checked = strategy.choose, []
+
+    def choosing(requests, held=0):
+        if strategy._ticket is not None and strategy._ticket.left and len(checked) < 3:
+            requests[0].draft_lag = 2
+            step = choose(requests, held)
+            assert isinstance(step, adaptive.AdaptiveStep) and step.catch_up_positions == 2, step
+            checked.append(step)
+            return step
+        return choose(requests, held)
+
+    monkeypatch.setattr(strategy, "choose", choosing)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    assert len(checked) == 3 and all(step.speculative for step in checked)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference(params)]
+
+
 @pytest.mark.parametrize("window", [256, 3])
 def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window):
     """The model chooses plain (rounds priced at 100 plain steps): the draft runs only for the prompt when it is too
