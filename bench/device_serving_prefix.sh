@@ -56,4 +56,9 @@ case "${MODE:-prefix}" in
       CONTROL= bench prefix-no-cache "" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;
 esac
+# A device call returns at most 8 files from $OUT (session 27 lost a run's JSON to that limit): more are bundled into
+# one archive, $OUT/results.tgz.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/bench-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/bench-results.tgz "$OUT/results.tgz"
+fi
 ls -laR "$OUT"
