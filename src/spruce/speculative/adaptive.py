@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import operator
 import statistics
 import time
 import weakref
@@ -60,7 +59,6 @@ from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft
 from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk, warm_spans
 
-_DRAFT_LAG = operator.attrgetter("draft_lag")  # a request's draft lag (the standing checks map it in C)
 READ_EVERY = 8  # standing rounds whose acceptance the policy reads at once (`AdaptiveDecoding._read_rounds`)
 WARMUP_RUNS = 2
 TIMED_RUNS = 5
@@ -280,31 +278,28 @@ class AdaptiveDecoding(DecodeStrategy):
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
         window = self.lag_window
-        ticket = self._ticket  # steps granted ahead (`_stand`): taken here first, the standing steps' fast path
-        batch_size = len(requests)
-        if ticket is not None and ticket.left and ticket.lo <= batch_size <= ticket.hi:
-            plain = ticket.choice == PLAIN
-            limit = window if plain else 1  # plain steps: no lag fills the ring; rounds: every draft current
+        last = self.last_decision
+        if last is not None:  # the last decision may stand: plain steps while no lag fills the ring, rounds while
+            plain = last.choice == PLAIN  # every draft is current (else a catch-up is due first)
+            limit = window if plain else 1
+            batch_size = len(requests)
             for q in requests:
-                if q.draft_lag >= limit:  # a catch-up is due first
+                if q.draft_lag >= limit:
                     break
             else:
-                if plain:
-                    for q in requests:
-                        q.draft_lag += 1
-                ticket.left -= 1
-                ticket.times.append(ticket.clock())
-                ticket.batches.append(batch_size)
-                return self.plain if plain else self.worker
-        standing = self.last_decision.choice if self.last_decision is not None else None
-        if standing == PLAIN:  # stands if no lag fills the ring (a catch-up would be due first)
-            if max(map(_DRAFT_LAG, requests), default=0) < window and self._stand(PLAIN, len(requests)):
-                for q in requests:
-                    q.draft_lag += 1
-                return self.plain
-        elif standing == SPECULATIVE:  # stands if every draft is current (no catch-up is due)
-            if not any(map(_DRAFT_LAG, requests)) and self._stand(SPECULATIVE, len(requests)):
-                return self.worker
+                ticket = self._ticket  # steps granted ahead (`_grant`): the standing steps' fast path
+                if ticket is not None and ticket.left and ticket.lo <= batch_size <= ticket.hi:
+                    ticket.left -= 1
+                    ticket.times.append(ticket.clock())
+                    ticket.batches.append(batch_size)
+                    stands = True
+                else:
+                    stands = self._stand(last.choice, batch_size)
+                if stands:
+                    if plain:
+                        for q in requests:
+                            q.draft_lag += 1
+                    return self.plain if plain else self.worker
         bs = self._batch_size = len(requests)
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
@@ -321,23 +316,27 @@ class AdaptiveDecoding(DecodeStrategy):
         return AdaptiveStep(self, d, lagging)
 
     def _stand(self, choice: str, batch_size: int) -> bool:
-        """Whether the last decision stands for a step of `choice` over `batch_size` requests
-        (`AdaptivePolicy.repeat`, which counts it); if so, the steps that may stand after it without asking
-        (`AdaptivePolicy.stand_ahead`) become a ticket, which the next steps take while it lasts (`choose`'s first
-        lines). A standing step asked the policy, an object of some fifty fields, on cold caches: `choose`
-        took 10-13 us on the H100's host against a fixed engine's 1.3-1.9 (in process, 2026-11-25), and at
-        concurrency 1 an adaptive engine's plain steps took 8-10 us more wall time each than a plain engine's,
-        2.5-3.3% behind it. Taking the ticket through this method and a `max` over the lags still cost ~9-10 us a
-        step on the CPU at concurrency 1 with the shared prefix (the engine loop's own caches cold after each
-        forward); first in `choose`, with a loop over the lags, 5-6.5 (15-16 us a round against 19 at concurrency
-        32, rounds only; session 27)."""
+        """Whether the last decision stands for a step of `choice` over `batch_size` requests that no ticket covers
+        (`AdaptivePolicy.repeat`, which counts it); if so, the steps that may stand after it are granted (`_grant`).
+        A standing step asked the policy, an object of some fifty fields, on cold caches: `choose` took 10-13 us on
+        the H100's host against a fixed engine's 1.3-1.9 (in process, 2026-11-25), and at concurrency 1 an adaptive
+        engine's plain steps took 8-10 us more wall time each than a plain engine's, 2.5-3.3% behind it. Taking the
+        ticket through this method after a `max(map(attrgetter))` over the lags still cost ~9-10 us a step on the
+        CPU at concurrency 1 with the shared prefix (the engine loop's own caches cold after each forward); taken in
+        `choose` after a loop over the lags, 5-6.5 (15-16 us a round against 19 at concurrency 32, rounds only;
+        session 27)."""
         policy = self.policy  # (replays the ticket, if any)
         if not policy.repeat(choice, batch_size):
             return False
+        self._grant(policy, choice, batch_size)
+        return True
+
+    def _grant(self, policy: AdaptivePolicy, choice: str, batch_size: int) -> None:
+        """The steps of `choice` that would stand after one over `batch_size` requests that the policy just let
+        stand (`AdaptivePolicy.stand_ahead`) become the ticket, which the next steps take without asking it."""
         left, lo, hi = policy.stand_ahead(batch_size)
         if left > 0:
             self._ticket = _Ticket(choice, lo, hi, left, policy.clock)
-        return True
 
     def run(self, step: AdaptiveStep, rows: list[int], max_kv: int, sampling: SamplingTensors,
             logprobs: LogprobPlan | None, grammar: GrammarBatch | None) -> torch.Tensor:
@@ -430,9 +429,7 @@ class AdaptiveDecoding(DecodeStrategy):
         policy = self.policy  # replays the ticket
         policy.accepted_rounds(unread)
         if ticket is not None:
-            left, lo, hi = policy.stand_ahead(ticket.hi)
-            if left > 0:
-                self._ticket = _Ticket(ticket.choice, lo, hi, left, policy.clock)
+            self._grant(policy, ticket.choice, ticket.hi)
 
     def idle(self) -> None:
         if self.policy is not None:
