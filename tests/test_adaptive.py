@@ -466,7 +466,8 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     long to leave to a catch-up (window 3: the ring holds less) and for the catch-ups a full feature ring forces,
     never in a plain step; with a ring of 256 the prompt's extend waits too and the draft never runs; the lag
     grows by one per plain step; the plain fast path serves every step that no catch-up interrupts (one decision
-    per catch-up, plus the first); the tokens are plain decoding's."""
+    per catch-up, plus the first); a plain step's result rows are a plain engine's two columns (accept length 0,
+    the token: no round's padding to read back); the tokens are plain decoding's."""
     fixed_costs(monkeypatch, plain=1.0, spec=100.0)
     monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
@@ -475,11 +476,13 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     monkeypatch.setattr(runner, "draft_forward", lambda batch, *a, **kw: calls.append(batch.phase) or
                         draft_forward(batch, *a, **kw))
     monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
-    lags = []
+    lags, widths = [], set()
     resolved = llm.engine.strategy.resolved
 
     def record(step, requests, results, waited_s, **kw):
-        lags.extend(q.draft_lag for q in requests if step is not None)
+        if step is not None:
+            lags.extend(q.draft_lag for q in requests)
+            widths.update(len(row) for row in results)
         resolved(step, requests, results, waited_s, **kw)
 
     llm.engine.strategy.resolved = record
@@ -494,6 +497,7 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
         catch_ups = sum(lag == 1 for lag in want_lags[1:])
         assert lags == want_lags and len(calls) == 1 + catch_ups and len(decisions) == 1 + catch_ups
     assert llm.engine.stats()["adaptive"]["chosen"] == {PLAIN: MAX_NEW - 1, SPECULATIVE: 0}
+    assert widths == {2}
 
 
 def _round_counts(llm, prompts, params):

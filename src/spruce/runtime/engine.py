@@ -59,7 +59,8 @@ class LaunchedStep:
 
     reqs: list[Request]  # every request the step touches (each holds one `inflight` count for it)
     result_reqs: list[Request]  # the request of each result row
-    result: torch.Tensor  # [len(result_reqs), step_result_width]; valid on the host once `done` has completed
+    result: torch.Tensor  # [len(result_reqs), 2 + a]: a plain step's 2 columns, at most step_result_width; valid
+    # on the host once `done` has completed
     done: torch.cuda.Event | None  # None on the cpu (the result is already there)
     decode: bool  # a decode step
     speculated: bool = False  # a speculative round (its accept lengths count toward speculation statistics)
@@ -415,7 +416,8 @@ class Engine:
         done = None
         if self._result_buffers:
             slot = self._next_buffer
-            host = self._result_buffers[slot][: result.shape[0]]
+            host = self._result_buffers[slot].view(-1)[: result.numel()].view(result.shape)  # (a plain step's
+            # result is narrower than a round's: Limits.step_result_width is the widest)
             done = self._result_events[slot]
             self._next_buffer = 1 - slot
             host.copy_(result, non_blocking=True)

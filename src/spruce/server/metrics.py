@@ -75,6 +75,7 @@ class RequestClock:
     last_token: float | None = None
     spec_rounds: int = 0
     spec_committed: int = 0
+    spec_seen: dict | None = None  # the last speculation statistics read (the same object until its next round)
 
 
 class Metrics:
@@ -112,7 +113,8 @@ class Metrics:
                 else:
                     self.itl.observe((now - clock.last_token) / new_tokens, new_tokens)
                 clock.last_token = now
-            if spec:
+            if spec and spec is not clock.spec_seen:  # (an adaptive engine's plain steps repeat the last one:
+                clock.spec_seen = spec  # Request.spec.as_dict is built once a round, and so is its IPC copy)
                 rounds = spec.get("rounds", 0) - clock.spec_rounds
                 committed = spec.get("committed_tokens", 0) - clock.spec_committed
                 if rounds > 0:

@@ -4,8 +4,9 @@ The engine plans, launches and resolves steps and never asks which strategy it h
 static inputs, its phases and their CUDA graphs; `PlainDecoding` commits one target token per step, the
 EAGLE worker (EAGLE, EAGLE-3) a tree-verified run of draft tokens plus the target's bonus token.
 
-Every step returns a device tensor [n, Limits.step_result_width]: each row's accept length a (0 for plain
-decoding and prefill), then its committed tokens (a + 1 of them, then padding). Nothing inside a strategy
+Every step returns a device tensor [n, W], W at most Limits.step_result_width: each row's accept length a (0 for
+plain decoding and prefill), then its committed tokens (a + 1 of them, then padding). A plain step's is [n, 2] even
+beside a draft (adaptive speculation), so that its read-back holds no padding. Nothing inside a strategy
 reads device memory back to the host, so a step can be queued while the previous one still runs.
 
 A step given a `LogprobPlan` (some request wants logprobs) also scores the plan's rows, eagerly after its
@@ -134,7 +135,7 @@ class DecodeStrategy:
     # --- decode ----------------------------------------------------------------------------------------------
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
-        """One decode step for the requests in `rows`: [bs, step_result_width] on the device.
+        """One decode step for the requests in `rows`: [bs, W] on the device (module docstring).
 
         max_kv: an upper bound of any row's kv length during the step (eager runs size their split-KV by it).
         `sampling` has one row per request (per tree node for speculative strategies). `logprobs`: score the
@@ -204,7 +205,7 @@ class PlainDecoding(DecodeStrategy):
         super().__init__(runner)
         self.features = features
         lim = runner.limits
-        self.result = torch.zeros(lim.max_running_requests, lim.step_result_width, dtype=torch.int64,
+        self.result = torch.zeros(lim.max_running_requests, 2, dtype=torch.int64,
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
