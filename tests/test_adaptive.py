@@ -500,6 +500,43 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     assert widths == {2}
 
 
+@pytest.mark.parametrize("rounds_pay", [False, True])
+def test_an_eager_prefill_ends_standing_plain_steps_only_where_rounds_would_pay(monkeypatch, draft, reference,
+                                                                                rounds_pay):
+    """Rounds priced at 100 plain steps: a short request runs and ends (its prefill lazy, so the prefix cache
+    remembers its prompt), three others decode with standing plain steps, then a fourth arrives whose prompt repeats
+    the short one's, so its prefill extends its draft eagerly (its pages may enter the prefix cache). Where rounds do
+    not pay even with every draft current (the steady choice is plain), the standing choice goes on over the arrival:
+    no decision follows its prefill (each was a decided step's host work). Where they would (the steady choice made
+    rounds for this arrival), it ends and the next step decides. Tokens are plain decoding's either way."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, page=4, disable_overlap_schedule=True)  # (the short prompt fills pages of 4)
+    engine, strategy = llm.engine, llm.engine.strategy
+    policy = strategy.policy
+    decisions, extends = [], []
+    decide, extend = policy.decide, strategy.worker.extend_draft
+    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
+    monkeypatch.setattr(strategy.worker, "extend_draft", lambda chunks, *a: extends.append(len(chunks)) or
+                        extend(chunks, *a))
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS[1:]]
+    for _ in range(4):  # the prefill, then plain steps that stand
+        engine.step()
+    assert extends == [] and strategy.last_decision.choice == PLAIN
+    decisions.clear()
+    if rounds_pay:
+        monkeypatch.setattr(policy, "steady_choice", lambda batch_size: SPECULATIVE)
+    ids.append(engine.add_request(PROMPTS[0], GREEDY))  # repeats the short request's prompt: extended eagerly
+    for _ in range(4):  # its prefill, then four requests' plain steps (batches of 3 and 4 share a cost bucket)
+        engine.step()
+    assert extends == [1] and bool(decisions) == rounds_pay, (extends, decisions)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    want = reference(GREEDY)
+    assert [outputs[i].token_ids for i in ids] == [w.token_ids for w in want[1:]] + [want[0].token_ids]
+
+
 def _round_counts(llm, prompts, params):
     return [(o.token_ids, o.spec_stats["accept_length_counts"]) for o in (llm.generate([p], params)[0]
                                                                           for p in prompts)]
