@@ -113,8 +113,15 @@ class Limits:
 
     @cached_property
     def step_result_width(self) -> int:
-        """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1)."""
+        """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1). The widest
+        row; a plain step's is `plain_result_width` even beside a draft."""
         return 1 + self.step_advance
+
+    @cached_property
+    def plain_result_width(self) -> int:
+        """Columns of a plain step's result row (also an adaptive engine's plain step): the accept length 0, then
+        the token."""
+        return 2
 
     @cached_property
     def target_scratch_width(self) -> int:

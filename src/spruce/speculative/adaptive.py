@@ -165,12 +165,13 @@ class AdaptiveDecoding(DecodeStrategy):
         adaptive engine's own host work was 78-80 us a round, 24-25 of them in this method and the extend's timing
         (65 and 16 since)."""
         ticket = self._ticket
+        finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None and ticket.choice == SPECULATIVE:
-            ticket.prefills.append((ticket.clock(), sum(c.final for c in chunks)))
+            ticket.prefills.append((ticket.clock(), finals))
         elif self._policy is not None:
-            self.policy.break_chain(sum(c.final for c in chunks))  # the time until the next decode launch is not
-            # a decode step's; the prompts it completes arrive in the epoch under way
-            self._lazy, steady_plain = self._lazy_chunks(chunks)
+            self.policy.break_chain(finals)  # the time until the next decode launch is not a decode step's; the
+            # prompts it completes arrive in the epoch under way
+            self._lazy, steady_plain = self._lazy_chunks(chunks, finals)
             if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
                 self.policy.drafts_joined()  # arrivals with current drafts, for which rounds may pay: a standing
                 # plain choice is decided again (not where the steady choice is plain even with every draft current)
@@ -180,9 +181,9 @@ class AdaptiveDecoding(DecodeStrategy):
         finally:
             self._lazy = frozenset()
 
-    def _lazy_chunks(self, chunks: list[PrefillChunk]) -> tuple[frozenset[int], bool]:
-        """The chunks whose draft extend is left to a later catch-up, and whether the steady choice was asked and
-        is plain. None is lazy unless the policy prefers plain steps for the batch these requests join with current
+    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool]:
+        """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, and whether the
+        steady choice was asked and is plain. None is lazy unless the policy prefers plain steps for the batch these requests join with current
         drafts (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's size, as requests come as
         others finish; or these alone); then each final chunk of a request whose draft is current and that is at
         most Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a catch-up is due), unless
@@ -213,7 +214,6 @@ class AdaptiveDecoding(DecodeStrategy):
         work (choose, resolved, this) went from 53 to 45-49 us a round (two runs each); on the H100 (2026-11-25,
         b726f34) an adaptive server running only rounds there launched each round ~150 us slower than a fixed
         server."""
-        finals = sum(c.final for c in chunks)
         if self.policy is None or not finals:
             return frozenset(), False
         last = self.last_decision

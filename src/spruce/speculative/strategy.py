@@ -205,7 +205,7 @@ class PlainDecoding(DecodeStrategy):
         super().__init__(runner)
         self.features = features
         lim = runner.limits
-        self.result = torch.zeros(lim.max_running_requests, 2, dtype=torch.int64,
+        self.result = torch.zeros(lim.max_running_requests, lim.plain_result_width, dtype=torch.int64,
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
 
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
