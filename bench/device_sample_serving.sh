@@ -10,6 +10,8 @@
 #   SERVER_EXTRA="FLAGS": flags every server gets (default --scheduler-delay-factor 4, as issue 16's last runs).
 #   PREFIX_LEVELS / PREFIX_REQUESTS, SHORT_LEVELS / SHORT_REQUESTS: concurrency levels and requests per level.
 #   WORKLOADS="prefix short": the workloads to run (e.g. WORKLOADS=short for 128-token prompts alone).
+#   BENCH_EXTRA="FLAGS": more `spruce bench serving` flags (e.g. --pin-cpus, as the serving bar runs).
+#   RAW=1: the raw recordings (collapsed stacks per process) come back too, as $OUT/<workload>-raw.tgz.
 # Usage (repo root, fixture model in .carry/models/pycode-19m): bash bench/device_sample_serving.sh
 set -u
 . bench/device_env.sh
@@ -25,11 +27,12 @@ sampled() {  # workload-name bench-flags...
   timeout ${BENCH_TIMEOUT:-280} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive" \
     --max-tokens 128 --interleave --passes 2 --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
-    --out-dir "$WORK/$name" "$@" 2>&1 | grep -v "^== " | tail -30
+    --out-dir "$WORK/$name" ${BENCH_EXTRA:-} "$@" 2>&1 | grep -v "^== " | tail -30
   kill -INT $watcher; wait $watcher
   cp "$WORK/$name"/serving-*.json "$OUT/$name.json"
   python3 bench/sample_servers.py summarize "$WORK/$name/raw" "$OUT/$name-profile.json" --rate 500 --top 60 \
     > "$WORK/$name/profile.txt"
+  [ "${RAW:-0}" = 1 ] && tar czf "$OUT/$name-raw.tgz" -C "$WORK/$name" raw
   for f in "$WORK/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 py-spy --version || exit 1
