@@ -126,21 +126,38 @@ def test_refcounts_lru_and_duplicates():
 
 def test_pages_left_out_for_their_draft_are_remembered():
     """A request whose draft KV is valid only below `valid` (adaptive speculation's plain steps) inserts the pages
-    below it; the first page past it, with everything before it, is remembered (`seen_before`), and only that
-    content: another continuation of the same pages is not, nor a sequence a full release inserted whole."""
+    below it; the first page past it, under the pages before it, is remembered (`seen_before`: the first page a
+    later sequence finds past its matched path), and only that content: another continuation of the same pages is
+    not, nor the same page after another prefix, nor a sequence a full release inserted whole."""
     cache, alloc = _cache()
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # pages [1,2] [3,4] [5,6] [7,8]
+
+    def seen(seq: list[int]) -> bool:
+        return cache.seen_before(cache.match(seq), seq)
+
     pages = alloc.alloc(4)
     freed = cache.release([], tokens, pages, valid=2)  # draft valid for positions 0 and 1 only
     assert freed == pages[1:] and [n.page for n in cache.match(tokens)] == pages[:1]
-    assert cache.seen_before(tokens, 1) and cache.seen_before([1, 2, 3, 4, 5], 1)  # page [3,4] + next token 5
-    assert not cache.seen_before([1, 2, 3, 4, 6], 1)  # page [3,4] before another token
-    assert not cache.seen_before([9, 2, 3, 4, 5], 1)  # the same page after another prefix
-    assert not cache.seen_before(tokens, 2) and not cache.seen_before([1, 2, 3], 1)  # too short to say
+    assert seen(tokens) and seen([1, 2, 3, 4, 5])  # page [3,4] + next token 5, under [1,2]
+    assert not seen([1, 2, 3, 4, 6])  # page [3,4] before another token
+    assert not seen([9, 2, 3, 4, 5]) and not seen([1, 2, 3])  # another prefix; too short to say
+    assert not cache.seen_before([], tokens)  # the page past no path is [1,2], which the tree holds
     alloc.free(freed)
     whole = alloc.alloc(2)
     alloc.free(cache.release([], [7, 7, 7, 7, 7], whole, valid=4))  # everything valid: nothing remembered
-    assert not cache.seen_before([7, 7, 7, 7, 7], 1) and not cache.seen_before([7, 7, 7, 7, 7], 2)
+    assert not seen([7, 7, 7, 7, 7]) and not seen([7, 7, 7, 7, 7, 7, 7])
+
+
+def test_remembered_page_is_forgotten_with_its_parent():
+    """A remembered page is known by its parent node: once that node is evicted, the same content cached again is
+    a new node, and the page past it counts as new (no content is ever taken for another)."""
+    cache, alloc = _cache()
+    tokens = [1, 2, 3, 4, 5]
+    alloc.free(cache.release([], tokens, alloc.alloc(2), valid=2))
+    assert cache.seen_before(cache.match(tokens), tokens)
+    assert cache.evict(1) == 1 and cache.match(tokens) == []
+    alloc.free(cache.release([], tokens[:3], alloc.alloc(1), valid=2))  # [1,2] cached again: a new node
+    assert len(cache.match(tokens)) == 1 and not cache.seen_before(cache.match(tokens), tokens)
 
 
 def test_remembered_pages_are_bounded(monkeypatch):
@@ -152,4 +169,4 @@ def test_remembered_pages_are_bounded(monkeypatch):
     for first in (1, 2, 3):
         pages = alloc.alloc(2)
         alloc.free(cache.release([], [first, 0, 0, 0, 0], pages, valid=0))
-    assert [cache.seen_before([first, 0, 0, 0, 0], 0) for first in (1, 2, 3)] == [False, True, True]
+    assert [cache.seen_before([], [first, 0, 0, 0, 0]) for first in (1, 2, 3)] == [False, True, True]

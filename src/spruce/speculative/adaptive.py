@@ -223,11 +223,11 @@ class AdaptiveDecoding(DecodeStrategy):
         self._read_rounds()
         if self.policy.steady_choice(size) != PLAIN:
             return frozenset(), False
-        longest, page = self.runner.limits.lazy_prefill_tokens, self.runner.limits.page_size
+        longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
 
-        def repeats(c: PrefillChunk) -> bool:  # its first page left out of the cache was left out before
-            return cache is not None and cache.seen_before(c.request.token_ids, c.start // page)
+        def repeats(c: PrefillChunk) -> bool:  # its first page the cache lacks was left out of it before
+            return cache is not None and cache.seen_before(c.request.cached_path, c.request.token_ids)
 
         return frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c)), True
