@@ -16,7 +16,8 @@ from spruce.errors import InvariantError
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
                                                  PROBE_BUDGET, PROBE_FIRST, REALIZED_MARGIN, RETRY_FIRST, RETRY_MAX,
                                                  REUSE_STEPS, SETTLED_EPOCHS, SPECULATION_MARGIN, SPECULATIVE,
-                                                 STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS, AdaptivePolicy, LinearCost,
+                                                 PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
+                                                 AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
@@ -511,7 +512,9 @@ def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     assert p.chosen == {PLAIN: EPOCH_MIN + 3, SPECULATIVE: EPOCH_MIN} and p.probes == 1
     assert p.decide(reqs).choice == PLAIN
     left = EPOCH_MIN - 4  # steps left in this epoch (4 made in it)
-    assert sum(p.repeat(PLAIN, 1) for _ in range(REUSE_STEPS + left)) == min(REUSE_STEPS, left)
+    # its end opens the next epoch undecided, as no probe can be due there (probe_after is 2 after the probe: one
+    # more epoch of plain steps first, `_epoch_stands`); that epoch's end decides
+    assert sum(p.repeat(PLAIN, 1) for _ in range(REUSE_STEPS + left)) == left + EPOCH_MIN
     rounds = policy(spec=1.1e-3)
     batch = [Req() for _ in range(3)]
     settle(rounds, batch, 4)
@@ -523,6 +526,45 @@ def test_a_model_choice_stands_in_its_bucket_until_something_changes():
     settle(rounds, [Req() for _ in range(8)], 4)
     assert rounds.decide([Req() for _ in range(8)]).choice == SPECULATIVE
     assert rounds.repeat(SPECULATIVE, 3) and rounds.repeat(SPECULATIVE, 8)  # both buckets chose rounds last
+
+
+def test_plain_epochs_open_undecided_while_no_probe_can_be_due():
+    """At the end of an epoch of plain steps (the model's choice), the next epoch opens without a decision while its
+    load's probe cannot be due there (fewer than probe_after epochs since the last probe), for up to STANDING_EPOCHS
+    epochs; each counts toward the next probe and is recorded by the epoch clock. Not after a prefill that extended
+    arriving drafts (`drafts_joined`), not for rounds, not past the epoch where a probe may be due. Fails if every
+    epoch's end decides (the decided step a request at concurrency 1)."""
+    p = policy(spec=1.1e-3)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    d = p.decide(reqs)
+    assert d.choice == PLAIN and d.reason == "model"
+    state = p._state[p.epochs.current.bucket]
+    state.probe_after = PROBE_MAX  # as after a run of probes that left plain steps the choice
+    since = state.epochs_since_probe
+    decided = p.chosen[PLAIN]
+    steps = 1 + sum(p.repeat(PLAIN, 1) for _ in range((STANDING_EPOCHS + 2) * EPOCH_MIN))
+    assert steps == (STANDING_EPOCHS + 1) * EPOCH_MIN  # the decided epoch and STANDING_EPOCHS more, then decide
+    assert p.chosen[PLAIN] == decided + steps - 1 and state.epochs_since_probe == since + STANDING_EPOCHS
+    d = p.decide(reqs)
+    assert d.choice == PLAIN
+    assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))
+    p.drafts_joined()  # arrivals with current drafts: the standing choice ends and the next epoch is decided
+    assert p.repeat(PLAIN, 1) is False
+    assert p.decide(reqs).reason == "model"
+    state.epochs_since_probe, state.probe_after, state.spacing = 0, 2, 2  # a probe may be due at the next epoch's
+    # end: decide there
+    assert sum(p.repeat(PLAIN, 1) for _ in range(3 * EPOCH_MIN)) == EPOCH_MIN - 1 + EPOCH_MIN
+    state.probe_after = PROBE_MAX  # (no probe at this decision)
+    assert p.decide(reqs).reason == "model"
+    state.epochs_since_probe, state.probe_after, state.spacing = 0, 1, 3  # the probe budget's spacing counts too
+    assert sum(p.repeat(PLAIN, 1) for _ in range(4 * EPOCH_MIN)) == EPOCH_MIN - 1 + 2 * EPOCH_MIN
+    rounds = policy(spec=1.1e-3)
+    batch = [Req() for _ in range(3)]
+    settle(rounds, batch, 4)
+    assert rounds.decide(batch).choice == SPECULATIVE
+    rounds._state[rounds.epochs.current.bucket].probe_after = PROBE_MAX
+    assert sum(rounds.repeat(SPECULATIVE, 3) for _ in range(4 * REUSE_STEPS)) < 2 * REUSE_STEPS  # rounds: REUSE_STEPS
 
 
 def test_a_probes_standing_steps_count_toward_its_length():

@@ -146,7 +146,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   outweighed the margin (H200, 697c8ca, 2026-11-25).
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their
-  epoch or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
+  epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
+  `_epoch_stands`) or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
   while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
   tokens left, which only favour plain steps further); a decided step took ~275 us more than a standing one served
   at concurrency 1 on the H200 (2026-11-25), and with REUSE_STEPS one came every ~26 steps, every ~64 since). Those
@@ -200,6 +201,7 @@ PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (the
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
+STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps ...
 REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realized figures
@@ -297,6 +299,7 @@ class _RequestAcceptance:
 class _BucketState:
     probe_after: int = PROBE_FIRST  # epochs
     epochs_since_probe: int = 0  # epochs of `model_choice` completed since the last probe epoch
+    spacing: int = PROBE_FIRST  # epochs between probes as `_explore` last computed them (probe_after or the budget's)
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
     model_choice: str | None = None
@@ -353,6 +356,7 @@ class AdaptivePolicy:
         self.catch_up_device = LinearCost(self.catch_up_prior.get("device"))
         self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
         self._reuse_left = 0  # further steps the last decision (a model choice or a probe's) stands for
+        self._epochs_stood = 0  # epochs the last decision (plain steps) opened since, undecided (`repeat`)
         self._reuse_bucket = 0  # ... in this cost bucket
         self._reuse_choice: str | None = None  # ... of this choice (a model choice or a probe's)
         self._reuse_idle = False  # an idle gap came since: a batch of a lower cost bucket may not reuse it
@@ -580,6 +584,7 @@ class AdaptivePolicy:
         self._launched(d.choice, bucket, now)
         self._reuse_bucket, self._reuse_accept = bucket, self.prior_accept()
         self._reuse_choice, self._reuse_idle = d.choice, False
+        self._epochs_stood = 0
         if d.reason == "model":
             self._model_choice[bucket] = d.choice
         else:
@@ -750,6 +755,7 @@ class AdaptivePolicy:
             if self.epochs.ratio(other, load) is not None:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
+            st.spacing = spacing
             steady = _steady(d.batch_size, load) or st.epochs_since_probe >= spacing + STEADY_WAIT
             if st.epochs_since_probe >= spacing and steady:
                 if self._probe_affordable(cost):
@@ -838,23 +844,53 @@ class AdaptivePolicy:
         differs (with prefill batching the batch size swings between buckets) or, after an idle gap, to a smaller
         one (`idle`), the epoch is complete (a probe may be due), a collapsed request is due for a retry, or
         (rounds) REUSE_STEPS steps have passed.
+        At the end of an epoch of plain steps the next one may open without a decision (`_epoch_stands`).
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
-        if self._reuse_left <= 0:
-            return False
         bucket = self.bucket_for(batch_size)
+        opens = self._reuse_left <= 0
+        if opens and not self._epoch_stands(choice, bucket):
+            return False
         if bucket != self._reuse_bucket and (self._model_choice.get(bucket) != choice or (
                 self._reuse_idle and bucket < self._reuse_bucket)):  # a lower load after a gap: its own epoch
             return False
-        self._reuse_left -= 1
         now = self.clock()
-        self.epochs.standing_step(now, bucket, batch_size)
+        if opens:  # the epoch under way is full: this step opens the next one of the same choice and load
+            load = self.epochs.current.bucket
+            self._reuse_left = epoch_steps(self.epochs.current.target)
+            self._epochs_stood += 1
+            self._state[load].epochs_since_probe += 1
+            self.epochs.event(now)
+            self.epochs.step(choice, load, self._reuse_left, bucket, batch_size)
+        else:
+            self.epochs.standing_step(now, bucket, batch_size)
+        self._reuse_left -= 1
         self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
             self._close_interval(now)
             self._last_launch = None
             self._previous_choice = choice
         return True
+
+    def _epoch_stands(self, choice: str, bucket: int) -> bool:
+        """Whether a step of `choice` over a batch of cost bucket `bucket`, due to decide only because the epoch
+        under way is full, opens the next epoch without a decision: plain steps, the model's choice (not a probe's)
+        at the epoch's load and its last decided cost bucket, no probe due at this epoch's end (fewer than
+        `probe_after` epochs of it since the last probe, or than the spacing `_explore` last computed with the
+        probe budget, so `_explore` would not start one), and fewer than
+        STANDING_EPOCHS epochs opened so since the last decision (which prices the choice again: realized figures
+        move at each epoch's end). While plain steps run, nothing else that prices rounds moves (the module
+        docstring). An epoch is about a request's life, so at concurrency 1 every request paid a decided step (the
+        H100, 2026-11-25, served with the 1k shared prefix: ITL p99 659-711 us against a plain server's 433-468,
+        one decided step a request)."""
+        cur = self.epochs.current
+        if (choice != PLAIN or self._reuse_choice != PLAIN or self._probe_stood is not None or cur is None
+                or cur.choice != PLAIN or not cur.full or bucket != self._reuse_bucket
+                or self._epochs_stood >= STANDING_EPOCHS):
+            return False
+        st = self._state[cur.bucket]
+        return (st.model_choice == PLAIN and not st.probing
+                and st.epochs_since_probe + 1 < max(st.probe_after, st.spacing))
 
     def stand_ahead(self, batch_size: int) -> tuple[int, int, int]:
         """Right after `repeat` let a step over `batch_size` requests stand: (n, lo, hi), where the next n steps
@@ -950,6 +986,7 @@ class AdaptivePolicy:
         A standing choice of rounds goes on: the arrivals are what it needs."""
         if self._reuse_choice == PLAIN:
             self._reuse_left = 0
+            self._epochs_stood = STANDING_EPOCHS  # (and the next epoch is decided: `_epoch_stands`)
 
     def idle(self) -> None:
         """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
@@ -1100,6 +1137,7 @@ class AdaptivePolicy:
         g = self.prior_accept()  # what the standing decision was priced at (`_reuse_accept`) is one too
         if abs(g - self._reuse_accept) > REUSE_ACCEPT_DRIFT * self._reuse_accept:
             self._reuse_left = 0  # the standing decision was priced at an acceptance that no longer holds
+            self._epochs_stood = STANDING_EPOCHS
 
     # --- reporting ----------------------------------------------------------------------------------------------
     def snapshot(self) -> dict:
