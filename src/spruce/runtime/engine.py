@@ -59,8 +59,8 @@ class LaunchedStep:
 
     reqs: list[Request]  # every request the step touches (each holds one `inflight` count for it)
     result_reqs: list[Request]  # the request of each result row
-    result: torch.Tensor  # [len(result_reqs), 2 + a]: a plain step's 2 columns, at most step_result_width; valid
-    # on the host once `done` has completed
+    result: torch.Tensor  # [len(result_reqs), W]: W = Limits.plain_result_width for a plain step, at most
+    # Limits.step_result_width; valid on the host once `done` has completed
     done: torch.cuda.Event | None  # None on the cpu (the result is already there)
     decode: bool  # a decode step
     speculated: bool = False  # a speculative round (its accept lengths count toward speculation statistics)

@@ -183,11 +183,11 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool]:
         """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, and whether the
-        steady choice was asked and is plain. None is lazy unless the policy prefers plain steps for the batch these requests join with current
-        drafts (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's size, as requests come as
-        others finish; or these alone); then each final chunk of a request whose draft is current and that is at
-        most Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a catch-up is due), unless
-        its pages repeat a prompt seen before.
+        steady choice was asked and is plain. None is lazy unless the policy prefers plain steps for the batch these
+        requests join with current drafts (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's
+        size, as requests come as others finish; or these alone); then each final chunk of a request whose draft is
+        current and that is at most Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a
+        catch-up is due), unless its pages repeat a prompt seen before.
 
         Where the steady choice is plain, the chunks extended eagerly all the same (a repeated prompt, a long one)
         do not end a standing choice of plain steps (`prefill`): rounds do not pay for that batch even with every

@@ -145,13 +145,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
   outweighed the margin (H200, 697c8ca, 2026-11-25).
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
-  one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of their
-  epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
-  `_epoch_stands`) or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no catch-up; otherwise,
-  while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat` checks, and lags and
-  tokens left, which only favour plain steps further); a decided step took ~275 us more than a standing one served
-  at concurrency 1 on the H200 (2026-11-25), and with REUSE_STEPS one came every ~26 steps, every ~64 since). Those
-  steps skip the evaluation and the timing, so an
+  one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
+  their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
+  `_epoch_stands`) or to a prefill that extends arriving requests' drafts (`drafts_joined`: they would need no
+  catch-up; otherwise, while rounds do not run, nothing that prices them moves but the batch, whose bucket `repeat`
+  checks, and lags and tokens left, which only favour plain steps further); a decided step took ~275 us more than a
+  standing one served at concurrency 1 on the H200 (2026-11-25), and with REUSE_STEPS one came every ~26 steps, every
+  ~64 since). Those steps skip the evaluation and the timing, so an
   adaptive engine costs the host what a plain engine does while it decodes plainly, and what a fixed one does while it
   runs rounds. Only the steps that decide are timed (host interval, resolve, device events); every step counts in its
   epoch. Deciding each step cost the H100's host ~0.26 ms (pycode-19m, 2026-11-23, offline at concurrency 1: a plain
@@ -857,7 +857,7 @@ class AdaptivePolicy:
         now = self.clock()
         if opens:  # the epoch under way is full: this step opens the next one of the same choice and load
             load = self.epochs.current.bucket
-            self._reuse_left = epoch_steps(self.epochs.current.target)
+            self._reuse_left = self.epochs.current.target  # (an epoch's target is within EpochClock's bounds)
             self._epochs_stood += 1
             self._state[load].epochs_since_probe += 1
             self.epochs.event(now)
@@ -877,12 +877,11 @@ class AdaptivePolicy:
         under way is full, opens the next epoch without a decision: plain steps, the model's choice (not a probe's)
         at the epoch's load and its last decided cost bucket, no probe due at this epoch's end (fewer than
         `probe_after` epochs of it since the last probe, or than the spacing `_explore` last computed with the
-        probe budget, so `_explore` would not start one), and fewer than
-        STANDING_EPOCHS epochs opened so since the last decision (which prices the choice again: realized figures
-        move at each epoch's end). While plain steps run, nothing else that prices rounds moves (the module
-        docstring). An epoch is about a request's life, so at concurrency 1 every request paid a decided step (the
-        H100, 2026-11-25, served with the 1k shared prefix: ITL p99 659-711 us against a plain server's 433-468,
-        one decided step a request)."""
+        probe budget, so `_explore` would not start one), and fewer than STANDING_EPOCHS epochs opened so since the
+        last decision (which prices the choice again: realized figures move at each epoch's end). While plain steps
+        run, nothing else that prices rounds moves (the module docstring). An epoch is about a request's life, so
+        at concurrency 1 every request paid a decided step (the H100, 2026-11-25, served with the 1k shared prefix:
+        ITL p99 659-711 us against a plain server's 433-468, one decided step a request)."""
         cur = self.epochs.current
         if (choice != PLAIN or self._reuse_choice != PLAIN or self._probe_stood is not None or cur is None
                 or cur.choice != PLAIN or not cur.full or bucket != self._reuse_bucket
