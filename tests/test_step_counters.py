@@ -1,14 +1,21 @@
 """The engine's step counters (runtime/step_counters.py) and when a serving loop takes the engine's stats
-(server/metrics.py StatsCadence).
+(server/metrics.py StatsCadence; the engine process sends an idle step's stats after its outputs, and the server's
+readers wait for them).
 
 Target: the bundled pycode-6m, plain and with its bundled EAGLE-3 head."""
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
+import threading
+import time
+
 import pytest
 
 from spruce import SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.server.engine_process import _EngineServer
 from spruce.server.metrics import Metrics, StatsCadence
 
 TARGET = builtin_model_path()
@@ -74,3 +81,57 @@ def test_step_and_stats_takes_stats_only_when_due(make_llm):
         assert (stats is None) == seen[-1]
     assert seen[-1] is False and stats["steps"]["decodes"] == 3
     assert eng.step_and_stats()[1] is not None  # no cadence: every step
+
+
+def test_readers_wait_for_the_stats_announced():
+    """The engine process sends the stats of a step that leaves the engine idle after its outputs: once announced
+    (`expect_stats`), a scrape waits for them and sees them; a failure releases the wait."""
+    metrics = Metrics()
+    metrics.on_engine_stats({"tokens_generated": 1, "running": 1})
+    metrics.expect_stats()
+    threading.Timer(0.2, metrics.on_engine_stats, args=({"tokens_generated": 9, "running": 0},)).start()
+    t0 = time.monotonic()
+    assert "spruce_requests_running 0" in metrics.render()
+    assert time.monotonic() - t0 >= 0.15
+    assert metrics.snapshot()["tokens_generated"] == 9
+    metrics.expect_stats()
+    metrics.expect_stats(False)  # the engine failed: none will come
+    t0 = time.monotonic()
+    metrics.render()
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_engine_process_sends_idle_stats_after_the_outputs():
+    """The engine process's loop over a pipe: the step that leaves the engine idle goes out without stats, flagged
+    (stats_follow), and its stats right after it; a busy step's stats go with it when the cadence says so."""
+    class Engine:  # runs two steps for a request, then is idle
+        steps = 0
+
+        def add_request(self, ids, params, request_id=None):
+            self.steps = 2
+
+        def has_unfinished(self):
+            return self.steps > 0
+
+        def step_and_stats(self, due, shared=False):
+            self.steps -= 1
+            return [], ({"taken": "with its step"} if due(self.has_unfinished()) else None)
+
+        def stats(self):
+            return {"taken": "after its step"}
+
+    here, there = multiprocessing.Pipe()
+    server = _EngineServer(Engine(), there)
+    loop = threading.Thread(target=server.run)
+    loop.start()
+    here.send(("add", 1, [([1, 2], SamplingParams(max_tokens=2), "r")]))
+    got = [here.recv() for _ in range(4) if here.poll(10)]
+    here.send(("stop",))
+    loop.join(10)
+    gc.callbacks.remove(server._on_gc)
+    assert len(got) == 4, got
+    assert got[0] == ("reply", 1, None)
+    (_, _, busy_stats, busy_follow), (_, _, idle_stats, idle_follow), (kind, stats) = got[1], got[2], got[3]
+    assert busy_stats["taken"] == "with its step" and busy_follow is False  # the cadence's first: due
+    assert idle_stats is None and idle_follow is True
+    assert kind == "stats" and stats["taken"] == "after its step" and "process_seconds" in stats

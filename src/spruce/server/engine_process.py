@@ -22,7 +22,8 @@ Messages (tuples; the first element is the kind):
   server -> engine: ("add", call, [(ids, params, request_id), ...]), ("abort", [request_id, ...]),
                     ("flush", call), ("stop",)
   engine -> server: ("ready", EngineDescription) or ("load_failed", exception), then ("step", deltas, stats or
-                    None), ("reply", call, result) and, last, ("failed", error)
+                    None, stats_follow), ("stats", stats) right after a step with stats_follow, ("reply", call,
+                    result) and, last, ("failed", error)
 
 Fail-stop as in engine_loop (DESIGN §20): a step that raises sends ("failed", "Type: message") and ends the
 process; a process that ends without saying so (killed, out of memory) fails every request in flight the same
@@ -167,21 +168,53 @@ class _EngineServer:
             seconds["messages"] += t1 - t0
             self.must_step = False
             try:
-                outputs, stats = self.engine.step_and_stats(self.cadence.due, shared=True)  # encoded at once
+                outputs, stats = self.engine.step_and_stats(self._due_while_busy, shared=True)  # encoded at once
+                idle = stats is None and not self.engine.has_unfinished()
             except Exception as e:  # fail-stop: no request is served by an engine that raised
-                log.exception("engine step failed: the engine process stops and every request in flight fails")
-                self.conn.send(("failed", f"{type(e).__name__}: {e}"))
+                self._fail(e)
                 return
             t2 = clock()
             deltas = self.encoder.encode(outputs)
             t3 = clock()
             if stats is not None:
-                stats["process_seconds"] = dict(seconds)
-                stats["process_cpu_seconds"] = time.process_time()
-            self.conn.send(("step", deltas, stats))
+                self._add_process_seconds(stats)
+            self.conn.send(("step", deltas, stats, idle))
             seconds["step"] += t2 - t1
             seconds["encode"] += t3 - t2
             seconds["send"] += clock() - t3
+            if idle and not self._send_stats():
+                return
+
+    def _due_while_busy(self, busy: bool) -> bool:
+        """Whether a step's stats go with its outputs: while requests run, as often as the cadence allows. The
+        stats of a step that leaves the engine idle follow its outputs instead (`_send_stats`)."""
+        return busy and self.cadence.due(busy)
+
+    def _send_stats(self) -> bool:
+        """Send the stats of the step just sent, which left the engine idle (the server's readers wait for them:
+        Metrics.expect_stats); False if the engine raised. Taken before that step's outputs were sent, they held up
+        every request's last token, and at concurrency 1 the next request, which comes after it: an adaptive
+        engine's stats (its cost tables) take ~110 us of cold-cache host work, a plain engine's ~35 (CPU, 2026-11-26),
+        at every request's end."""
+        t0 = time.perf_counter()
+        try:
+            self.cadence.due(False)
+            stats = self.engine.stats()
+        except Exception as e:  # fail-stop, as for a step
+            self._fail(e)
+            return False
+        self.seconds["step"] += time.perf_counter() - t0
+        self._add_process_seconds(stats)
+        self.conn.send(("stats", stats))
+        return True
+
+    def _add_process_seconds(self, stats: dict) -> None:
+        stats["process_seconds"] = dict(self.seconds)
+        stats["process_cpu_seconds"] = time.process_time()
+
+    def _fail(self, error: Exception) -> None:
+        log.exception("engine step failed: the engine process stops and every request in flight fails")
+        self.conn.send(("failed", f"{type(error).__name__}: {error}"))
 
     def _handle(self, message: tuple) -> bool:
         """Apply one message from the server; False for "stop"."""
@@ -339,9 +372,10 @@ class EngineProcess:
         return EngineFailure(f"the engine is not running ({reason})", status=503, code=ENGINE_FAILED)
 
     # --- receiving ------------------------------------------------------------------------------------------------
-    def pump(self, on_step, on_failure) -> None:
-        """Receive until the engine process ends: each step's outputs and stats go to on_step(outputs, stats),
-        replies to their callers; a failure, or an end not asked for by `shutdown`, to on_failure(error)."""
+    def pump(self, on_step, on_stats, on_failure) -> None:
+        """Receive until the engine process ends: each step's outputs and stats go to on_step(outputs, stats,
+        stats_follow), stats sent after their step's outputs to on_stats(stats), replies to their callers; a
+        failure, or an end not asked for by `shutdown`, to on_failure(error)."""
         assembler = OutputAssembler()
         while True:
             try:
@@ -353,10 +387,14 @@ class EngineProcess:
                     on_failure(self._closed_error)
                 return
             kind = message[0]
-            if kind == "step":  # its stats: None when the engine process took none after it (StatsCadence)
-                if message[2] is not None:
-                    self._stats = message[2]
-                on_step(assembler.assemble(message[1]), message[2])
+            if kind == "step":  # its stats: None when the engine process took none with it (StatsCadence)
+                _, deltas, stats, stats_follow = message
+                if stats is not None:
+                    self._stats = stats
+                on_step(assembler.assemble(deltas), stats, stats_follow)
+            elif kind == "stats":
+                self._stats = message[1]
+                on_stats(message[1])
             elif kind == "reply":
                 _, call_id, result = message
                 with self._calls_lock:
@@ -434,15 +472,18 @@ class ProcessEngineLoop(EngineLoop):
 
     def _run(self) -> None:
         log.info("engine process receiver started")
-        self.engine.pump(self._on_step, self._on_failure)
+        self.engine.pump(self._on_step, self.metrics.on_engine_stats, self._on_failure)
         log.info("engine process receiver stopped")
 
-    def _on_step(self, outputs: list[RequestOutput], stats: dict | None) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: dict | None, stats_follow: bool) -> None:
+        if stats_follow:  # before any output is posted: a reader that saw one waits for these stats
+            self.metrics.expect_stats()
         self._dispatch(outputs)
         if stats is not None:
             self.metrics.on_engine_stats(stats)
 
     def _on_failure(self, error: str) -> None:
+        self.metrics.expect_stats(False)
         self._fail_all(error)
 
     def _halt(self, timeout: float) -> None:

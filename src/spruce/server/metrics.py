@@ -2,8 +2,10 @@
 
 Engine-side figures (running/waiting requests, KV pages, generated tokens, speculation) come from a snapshot
 of `Engine.stats()` the serving loop takes after a step (`StatsCadence`: at most every STATS_INTERVAL_S while
-requests run, and after the step that leaves the engine idle), so a scrape never waits on the engine. Latency
-histograms are fed as outputs are dispatched.
+requests run, and after the step that leaves the engine idle), so a scrape never waits on the engine lock. The
+engine process sends the stats of a step that leaves the engine idle after that step's outputs; readers wait for
+them (up to STATS_WAIT_S), so a scrape after the requests end still sees them whole. Latency histograms are fed as
+outputs are dispatched.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 RATE_WINDOW_S = 10.0
 STATS_INTERVAL_S = 0.05  # while requests run, the engine's stats are taken at most this often (StatsCadence)
+STATS_WAIT_S = 1.0  # how long a reader waits for stats that follow the outputs it may have seen (expect_stats)
 
 
 class StatsCadence:
     """Whether the serving loop takes `Engine.stats()` after a step: always once the engine is idle (a scrape after
-    the requests end sees them whole), else at most every `interval` seconds. Taken and sent after every step, an
+    the requests end sees them whole; the engine process takes them after that step's outputs are sent), else at
+    most every `interval` seconds. Taken and sent after every step, an
     adaptive engine's stats (its cost tables) cost the H100's engine process ~25 us a step to build and pickle,
     8% of a plain step at concurrency 1 (py-spy, 2026-11-23), and the server process as much to unpickle."""
 
@@ -100,6 +104,8 @@ class Metrics:
         self.errors: dict[int, int] = {}
         self.stats: dict = {}
         self._samples: deque[tuple[float, int]] = deque()
+        self._stats_current = threading.Event()  # clear while stats announced by `expect_stats` are on their way
+        self._stats_current.set()
 
     # --- writers (engine thread / handlers) ---------------------------------------------------------------
     def on_output(self, clock: RequestClock, new_tokens: int, spec: dict, finished: str | None, now: float) -> None:
@@ -141,6 +147,16 @@ class Metrics:
             self._samples.append((now, stats.get("tokens_generated", 0)))
             while len(self._samples) > 2 and now - self._samples[1][0] > RATE_WINDOW_S:
                 self._samples.popleft()
+        self._stats_current.set()
+
+    def expect_stats(self, expected: bool = True) -> None:
+        """The engine's stats after the outputs about to be dispatched follow them (the engine process sends a step
+        that leaves the engine idle before its stats): until they come (`on_engine_stats`), readers wait, up to
+        STATS_WAIT_S. False: none will come (the engine failed); readers stop waiting."""
+        if expected:
+            self._stats_current.clear()
+        else:
+            self._stats_current.set()
 
     # --- readers --------------------------------------------------------------------------------------------
     def tokens_per_second(self, now: float | None = None) -> float:
@@ -157,6 +173,7 @@ class Metrics:
     def snapshot(self) -> dict:
         """The latest engine stats (taken by the engine thread after its last step) and the generation
         throughput: what /server_info reports, read without waiting on the engine lock."""
+        self._stats_current.wait(STATS_WAIT_S)
         tps = self.tokens_per_second()
         with self._lock:
             return {**self.stats, "tokens_per_second": tps}
@@ -195,6 +212,7 @@ class Metrics:
                 out.append(f"{name}{{{labels}}} {_num(value)}")
 
     def render(self) -> str:
+        self._stats_current.wait(STATS_WAIT_S)
         tps = self.tokens_per_second()
         with self._lock:
             s = dict(self.stats)
