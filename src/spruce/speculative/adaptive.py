@@ -453,7 +453,12 @@ class AdaptiveDecoding(DecodeStrategy):
         a gap, kernels alike). With CUDA_MODULE_LOADING=EAGER every engine's graphs replay with the long gaps (fixed
         796, plain 276): consistent with the gaps following where the lazily loaded kernels land, the set loaded
         first keeping the short ones (cause not proven). Plain steps first: they lose more to the long gaps
-        (+6.4% against rounds' +4.5%), and a plain step is what must cost what a plain engine's does."""
+        (+6.4% against rounds' +4.5%), and a plain step is what must cost what a plain engine's does. Served (the
+        engine process), the order made no difference (a round's device span 664-667 us either way, a fixed
+        server's 666-669; a plain step's 248.5-250.6 either way, a plain server's 244.4-246.3 in that run, while in
+        a later run the adaptive server's ITL p50 at concurrency 1 was the lowest of three, 243-245 us against two
+        plain servers' 246-247 and 249-250): there a step's time differs between server processes by a few
+        microseconds whatever they hold."""
         self.plain.capture_graphs(show_progress)
         self.worker.capture_graphs(show_progress)
 
