@@ -188,7 +188,7 @@ class _EngineServer:
     def _due_while_busy(self, busy: bool) -> bool:
         """Whether a step's stats go with its outputs: while requests run, as often as the cadence allows. The
         stats of a step that leaves the engine idle follow its outputs instead (`_send_stats`)."""
-        return busy and self.cadence.due(busy)
+        return busy and self.cadence.due(True)
 
     def _send_stats(self) -> bool:
         """Send the stats of the step just sent, which left the engine idle (the server's readers wait for them:
@@ -198,7 +198,7 @@ class _EngineServer:
         at every request's end."""
         t0 = time.perf_counter()
         try:
-            self.cadence.due(False)
+            self.cadence.due(False)  # always due when idle; called so that the busy interval counts from these stats
             stats = self.engine.stats()
         except Exception as e:  # fail-stop, as for a step
             self._fail(e)
