@@ -125,25 +125,28 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   the H200 (2026-11-23, 128-token prompts) the first decision after a probe at concurrency 1 weighed a catch-up of
   30-99 positions against the request's last tokens and found rounds within the 2% margin of plain steps, so the
   request ended plainly (9 of the 14 switches to plain steps at concurrency 1 in five passes, with 13 probes).
-- Rounds are chosen only when they are expected to commit SPECULATION_MARGIN (10%) more tokens per second than
-  plain steps; ties and near-ties go to plain, the cheaper step with nothing to catch up. Under a loaded server the
-  host term is measured with the event loop contending for the GIL, and the H100 serving runs of 2026-11-23 show
-  its error: at batch 8 the model put rounds within 3% of plain steps while a server running only rounds took
-  1.9x plain's time per token. A margin costs at most that fraction where rounds truly win by less. Once both
-  candidates are priced by realized figures at the load bucket, which hold that host work, the margin is
-  REALIZED_MARGIN: on the H100 at concurrency 1 (2026-11-23) rounds' realized figure put them 10% ahead of plain
-  steps, within the 10% margin, while a fixed server was 23-40% ahead of a plain one, and the adaptive server ran
-  plain steps for half its steps. But where plain steps are the load's model choice and rounds' realized figure
-  rests on fewer than SETTLED_EPOCHS epochs, the margin stays SPECULATION_MARGIN: that figure is one or two probe
-  epochs, which inherit the state plain steps left (a probe of rounds after plain steps starts over requests that
-  arrived together, its epoch holding none of their successors' prefills), and the low median of one or two
-  epochs is their lowest. On the H200 (c2ece4a, 2026-11-24, 1k shared prefix) one probe epoch priced rounds at
-  concurrency 64 at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers: 22.9k and 28.7k), and
-  the level switched to rounds. Not the other way (rounds the incumbent, plain steps probed): replaying the
-  128-token trace at concurrency 1 (`bench/replay_adaptive.py`), holding rounds so ran 814 plain steps against 543
-  and 1.0% behind fixed rounds against 0.6%. And where plain steps' figure there is settled while rounds' is not,
-  rounds must also win by their parts (`_rounds_win`): one probe epoch begun over a level's first 5 requests
-  outweighed the margin (H200, 697c8ca, 2026-11-25).
+- A switch of a load's model choice needs the challenger expected to commit SWITCH_MARGIN (10%) more tokens per
+  second than the incumbent, either way once both are priced by realized figures at the load (`_margin`; before
+  that, and before a load has a model choice, plain steps are the incumbent: ties go to the cheaper step with
+  nothing to catch up). A realized figure is the low median of a few
+  epochs, each about one request's life, and epochs of one choice at one load read +-30% of each other (H200
+  `-065410`, rounds at concurrency 8: 207-408 us a request-step within 1.6 s), so the figures of two candidates
+  that truly differ by 20% cross now and then; a margin below that noise turns each crossing into a switch and its
+  catch-up. On the H100 (16296f6, 2026-11-26, 128-token prompts, where rounds lead plain steps by ~19% at
+  concurrency 8 and 30-50% at 32-64), with 2% to leave rounds, the switches to plain steps came with plain steps
+  0.6-6.7% ahead as priced (rounds' figure at 8 read 197-228 us a request-step at those moments against the
+  level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23% behind the fixed server there; with the 1k
+  shared prefix (rounds 2x behind) switches into rounds came with rounds 0.5-8.6% ahead as priced, and one ran 704
+  rounds, 20% behind the plain server. The margin costs at most its fraction where the loser truly loses by less.
+  Where plain steps are the load's model choice and rounds' realized figure rests on fewer than SETTLED_EPOCHS
+  epochs while plain steps' is settled, rounds must also win by SWITCH_MARGIN by their parts (`_rounds_win`): that
+  figure is one or two probe epochs, which inherit the state plain steps left (a probe of rounds after plain steps
+  starts over requests that arrived together), and one probe epoch begun over a level's first 5 requests put
+  rounds 15% ahead of plain steps while the fixed server made 0.55x the plain one's tokens/s (H200, 697c8ca,
+  2026-11-25). Until 2026-11-26 the margin was 10% into rounds by the parts and 2% once both were realized (on the
+  H100 at concurrency 1, 2026-11-23, rounds' realized figure put them 10% ahead while a fixed server was 23-40%
+  ahead of a plain one, and a 10% margin without hold kept the adaptive server in plain steps for half its steps),
+  and plain steps took over from rounds as soon as rounds were not 2% ahead.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
   their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
@@ -203,8 +206,7 @@ PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps e
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
-SPECULATION_MARGIN = 0.1  # rounds must be expected to commit this much more per second than plain steps ...
-REALIZED_MARGIN = 0.02  # ... or this much more, once both are priced by realized figures
+SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
@@ -415,9 +417,10 @@ class AdaptivePolicy:
                     parts: Callable[[], dict[str, float]]) -> bool:
         """Whether rounds committing `spec_tokens` per request-step beat plain steps at load bucket `load`, each
         step priced at `seconds[choice]` (the step at hand; `parts()`: priced by their parts alone): by the margin
-        (`_margin`) as priced; and, where rounds are not the load's model choice and their realized figure there
-        rests on fewer than SETTLED_EPOCHS epochs while plain steps' rests on that many, by SPECULATION_MARGIN by
-        the parts as well. One rule for `decide` and `steady_choice`.
+        (`_margin`: the load's model choice holds unless the other wins by SWITCH_MARGIN) as priced; and, where
+        rounds are not the load's model choice and their realized figure there rests on fewer than SETTLED_EPOCHS
+        epochs while plain steps' rests on that many, by SWITCH_MARGIN by the parts as well. One rule for `decide`
+        and `steady_choice`.
 
         A figure of one or two probe epochs is whatever those epochs met, and one that met the start of a level
         (its first requests decoding while the others prefill) priced rounds below what they cost: on the H200
@@ -434,18 +437,19 @@ class AdaptivePolicy:
                      and self._state[load].model_choice != SPECULATIVE)
         if not unsettled or self._realized(SPECULATIVE, load) is None:
             return True
-        return _ahead(spec_tokens, parts(), SPECULATION_MARGIN)
+        return _ahead(spec_tokens, parts(), SWITCH_MARGIN)
 
     def _margin(self, load: int) -> float:
-        """How much more tokens/s rounds must be expected to commit than plain steps at load bucket `load` (module
-        docstring): REALIZED_MARGIN once both choices have realized figures there, unless plain steps are the load's
-        model choice and rounds' figure rests on fewer than SETTLED_EPOCHS epochs; else SPECULATION_MARGIN. The one
-        rule for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
-        if any(self.epochs.ratio(c, load) is None for c in CHOICES):
-            return SPECULATION_MARGIN
-        if self._state[load].model_choice == PLAIN and self.epochs.count(SPECULATIVE, load) < SETTLED_EPOCHS:
-            return SPECULATION_MARGIN
-        return REALIZED_MARGIN
+        """How much more tokens/s than plain steps rounds must be expected to commit at load bucket `load` (module
+        docstring): SWITCH_MARGIN, unless they are the load's model choice and both choices have realized figures
+        there: then less by as much as plain steps must win by to take over (a negative margin: rounds hold unless
+        plain steps commit SWITCH_MARGIN more). Before that, priced by their parts and the prior acceptance (the
+        optimistic S while the window is thin), rounds are not held: their price is what moves first. The one rule
+        for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
+        if (self._state[load].model_choice == SPECULATIVE
+                and all(self.epochs.ratio(c, load) is not None for c in CHOICES)):
+            return 1.0 / (1.0 + SWITCH_MARGIN) - 1.0
+        return SWITCH_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
