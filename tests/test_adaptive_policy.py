@@ -15,7 +15,7 @@ from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
                                                  PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
-                                                 REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
+                                                 PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
                                                  AdaptivePolicy, LinearCost,
                                                  _RequestAcceptance)
@@ -761,6 +761,33 @@ def test_a_switch_needs_the_margin_either_way():
     assert 0.05 < SWITCH_MARGIN < 0.15
 
 
+def test_plain_steps_priced_by_a_probe_need_the_larger_margin():
+    """The H100 bar at cce3e5f (2026-11-26, 128-token prompts): the first plain probe at load 8, a second into the
+    level, priced plain steps 10.5% ahead of rounds whose figure held the level's ramp, and the level ran 4766 plain
+    steps, 12% behind the fixed server. Against rounds, the load's model choice, plain steps whose figure rests on
+    fewer than SETTLED_EPOCHS epochs must win by PROBED_MARGIN; settled, by SWITCH_MARGIN."""
+    p = policy(plain=1e-3, spec=2e-3)
+    reqs = [Req()]
+    set_accept(p, 2.0)
+    assert p.decide(reqs).choice == SPECULATIVE
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, SPECULATIVE, 1, 1.0)
+    realize(p, PLAIN, 1, 1.0)  # one probe epoch of plain steps
+    set_accept(p, 2 / 1.15 - 1)  # plain steps now commit 15% more
+    assert p.decide(reqs).choice == SPECULATIVE and p.steady_choice(1) == SPECULATIVE
+    set_accept(p, 2 / 1.3 - 1)  # 30% more
+    assert p.decide(reqs).choice == PLAIN
+    p = policy(plain=1e-3, spec=2e-3)
+    set_accept(p, 2.0)
+    assert p.decide(reqs).choice == SPECULATIVE
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, SPECULATIVE, 1, 1.0)
+        realize(p, PLAIN, 1, 1.0)
+    set_accept(p, 2 / 1.15 - 1)
+    assert p.decide(reqs).choice == PLAIN
+    assert SWITCH_MARGIN < 0.15 < PROBED_MARGIN < 0.3
+
+
 def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     """The H200 run at c2ece4a (2026-11-24, 1k shared prefix, concurrency 64): one probe epoch of rounds priced them
     at 25.8k tokens/s against plain steps' 24.9k (the fixed and plain servers made 22.9k and 28.7k), and the level
@@ -768,7 +795,7 @@ def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     rounds' figure rests on fewer than SETTLED_EPOCHS epochs, rounds 15% ahead as priced must be ahead by their
     parts too; settled, the figure decides; and a prefill's draft extend follows the same rule (`steady_choice`:
     rounds not expected, the extend is left lazy). Rounds that are the model choice are not held so: plain steps
-    15% better take over from one epoch."""
+    30% better (PROBED_MARGIN) take over from one epoch, whatever their parts."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     set_accept(p, 0.5)  # by the parts: rounds 1.33x worse
@@ -789,7 +816,7 @@ def test_unsettled_rounds_do_not_take_over_from_plain_steps():
     for _ in range(SETTLED_EPOCHS):
         realize(p, SPECULATIVE, 1, 1.0)
     realize(p, PLAIN, 1, 1.0)  # one probe epoch of plain steps
-    set_accept(p, 2 / 1.15 - 1)  # plain steps now commit 15% more
+    set_accept(p, 2 / 1.3 - 1)  # plain steps now commit 30% more
     assert p.decide(reqs).choice == PLAIN
 
 
@@ -1080,9 +1107,10 @@ def test_realized_seconds_price_what_the_parts_miss():
     """The H100 short-prompt run with the engine in its own process (2026-11-23, concurrency 8): the parts put a
     round at 0.86 ms for 33 tokens against 0.77 ms plain steps (rounds 3.8x better), and the engine ran rounds,
     while a plain server committed 14.7k tokens/s against ~10k for rounds. Each arrival's prefill took ~7.7 ms
-    of eager launches behind a broken per-step clock. Epochs measure it: rounds with a prefill every 4th round
-    cost 0.86 + 7.7 / 4 ms per round, plain steps with 8 prompts prefilled together every 128 steps 0.5 + 13 / 128
-    ms: after one epoch of each (the first probe needs no budget), plain steps win."""
+    of eager launches behind a broken per-step clock. Epochs measure it: rounds with a prefill every 3rd round
+    cost 0.86 + 7.7 / 3 ms per round, plain steps with 8 prompts prefilled together every 128 steps 0.5 + 13 / 128
+    ms (plain steps 1.37x rounds' tokens/s; the servers: 1.47x): after one epoch of each (the first probe needs no
+    budget), plain steps win, by more than PROBED_MARGIN."""
     clock = Clock()
     p = policy(plain=0.77e-3, spec=0.86e-3, clock=clock)
     reqs = [Req() for _ in range(8)]
@@ -1093,7 +1121,7 @@ def test_realized_seconds_price_what_the_parts_miss():
         d = p.decide(reqs, request_tokens=128)
         steps[d.choice] += 1
         clock.now += 0.86e-3 if d.choice == SPECULATIVE else 0.5e-3
-        if d.choice == SPECULATIVE and steps[d.choice] % 4 == 0:
+        if d.choice == SPECULATIVE and steps[d.choice] % 3 == 0:
             p.break_chain()  # a prefill
             clock.now += 7.7e-3
         elif d.choice == PLAIN and steps[d.choice] % 128 == 0:
@@ -1103,8 +1131,8 @@ def test_realized_seconds_price_what_the_parts_miss():
     assert decisions[0].choice == SPECULATIVE  # the parts' choice, until measured
     realized = p.snapshot()["realized_ratio"]  # over what the parts give the same steps
     assert realized[SPECULATIVE][8] > 2 and realized[PLAIN][8] < 1
-    # per request-step (8 requests a step); 7 or 8 prefills an epoch of rounds
-    assert 8 * p._realized(SPECULATIVE, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 4, rel=0.1)
+    # per request-step (8 requests a step); 10 or 11 prefills an epoch of rounds
+    assert 8 * p._realized(SPECULATIVE, 8) == pytest.approx(0.86e-3 + 7.7e-3 / 3, rel=0.1)
     assert 8 * p._realized(PLAIN, 8) == pytest.approx(0.5e-3 + 13e-3 / 128, rel=0.05)
     assert decisions[-1].choice == PLAIN and decisions[-1].reason == "model"
     assert decisions[-1].step_seconds[SPECULATIVE] == pytest.approx(8 * p._realized(SPECULATIVE, 8), rel=0.05)

@@ -207,6 +207,7 @@ REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more s
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
+PROBED_MARGIN = 0.25  # ... plain steps over rounds while plain steps' realized figure is not settled (`_margin`)
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
@@ -443,12 +444,18 @@ class AdaptivePolicy:
         """How much more tokens/s than plain steps rounds must be expected to commit at load bucket `load` (module
         docstring): SWITCH_MARGIN, unless they are the load's model choice and both choices have realized figures
         there: then less by as much as plain steps must win by to take over (a negative margin: rounds hold unless
-        plain steps commit SWITCH_MARGIN more). Before that, priced by their parts and the prior acceptance (the
+        plain steps commit SWITCH_MARGIN more, PROBED_MARGIN while plain steps' figure rests on fewer than
+        SETTLED_EPOCHS epochs: one or two probe epochs against rounds' figure, which at a load's first level holds
+        its ramp, every arrival's prefill and draft extend: on the H100 (cce3e5f, 2026-11-26, 128-token prompts)
+        the first plain probe at load 8, begun a second into the first concurrency-8 level, priced plain steps 10.5%
+        ahead of rounds (rounds' epochs at 2.0x their parts, plain steps' at 0.8x), the level switched and ran 4766
+        plain steps, 12% behind the fixed server). Before that, priced by their parts and the prior acceptance (the
         optimistic S while the window is thin), rounds are not held: their price is what moves first. The one rule
         for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
         if (self._state[load].model_choice == SPECULATIVE
                 and all(self.epochs.ratio(c, load) is not None for c in CHOICES)):
-            return 1.0 / (1.0 + SWITCH_MARGIN) - 1.0
+            settled = self.epochs.count(PLAIN, load) >= SETTLED_EPOCHS
+            return 1.0 / (1.0 + (SWITCH_MARGIN if settled else PROBED_MARGIN)) - 1.0
         return SWITCH_MARGIN
 
     def _load_bucket(self, batch_size: int) -> int:
@@ -606,10 +613,10 @@ class AdaptivePolicy:
     def _log_switch(self, d: Decision, load: int, before: str, owns: list) -> None:
         """Log (INFO, logger spruce.adaptive, one JSON line) a change of the model's choice at load bucket `load`
         and what priced it: the prior, the margin, and per candidate its price, the realized ratio it used (the
-        load's, or the nearest load's), its parts and its fresh W. Switches are rare (each switch into rounds
-        pays a catch-up), and they are what a serving run cannot otherwise explain: on the H100 with the shared
-        prefix (2026-11-23) one pass at concurrency 8 ran rounds for 4141 of 8486 steps in 8 stretches while the
-        level's final tables priced rounds at half plain's tokens/s."""
+        load's, or the nearest load's), the epochs behind its figure at the load, its parts and its fresh W.
+        Switches are rare (each switch into rounds pays a catch-up), and they are what a serving run cannot
+        otherwise explain: on the H100 with the shared prefix (2026-11-23) one pass at concurrency 8 ran rounds for
+        4141 of 8486 steps in 8 stretches while the level's final tables priced rounds at half plain's tokens/s."""
         if not log.isEnabledFor(logging.INFO):
             return
         bucket = d.bucket
@@ -620,7 +627,8 @@ class AdaptivePolicy:
                     "ratio": self.epochs.ratio(choice, ratio_at) if ratio_at is not None else None,
                     "realized_request_seconds": (self.epochs.request_seconds(choice, ratio_at)
                                                  if ratio_at is not None else None),
-                    "ratio_load": ratio_at, "parts": self._parts_seconds(choice, bucket),
+                    "ratio_load": ratio_at, "epochs": self.epochs.count(choice, load),
+                    "parts": self._parts_seconds(choice, bucket),
                     "device": self.device(choice, bucket), "launch": self.launch(choice, bucket),
                     "resolve": _own_or_other(self.resolve_seconds, choice, bucket),
                     "other_host": self.other_host(choice, bucket),
