@@ -786,6 +786,34 @@ def test_plain_steps_priced_by_a_probe_need_the_larger_margin():
     set_accept(p, 2 / 1.15 - 1)
     assert p.decide(reqs).choice == PLAIN
     assert SWITCH_MARGIN < 0.15 < PROBED_MARGIN < 0.3
+    p = policy(plain=1e-3, spec=2e-3)  # a window of probes' epochs alone is not settled
+    set_accept(p, 2.0)
+    assert p.decide(reqs).choice == SPECULATIVE
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, SPECULATIVE, 1, 1.0)
+    for _ in range(5):
+        p.epochs.record(PLAIN, 1, 1.0, p._parts_seconds(PLAIN, 1), probe=True)
+    set_accept(p, 2 / 1.15 - 1)
+    assert p.decide(reqs).choice == SPECULATIVE
+
+
+def test_a_probe_opens_a_probes_epoch():
+    """The steps a probe runs open an epoch marked as a probe's: once rounds are measured at the load, the first
+    probe epoch of plain steps under rounds counts among plain steps' epochs there, not among their own."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=2e-3, clock=clock)
+    reqs = [Req()]
+    settle(p, reqs, 3)
+    for _ in range(4 * EPOCH_MIN + 1):
+        d = p.decide(reqs)
+        clock.now += 1e-3 if d.choice == PLAIN else 2e-3
+        if d.reason == "probe":
+            break
+    assert d.reason == "probe" and d.choice == PLAIN and p.epochs.current.probe
+    for _ in range(2 * EPOCH_MIN):
+        d = p.decide(reqs)
+        clock.now += 1e-3 if d.choice == PLAIN else 2e-3
+    assert p.epochs.count(PLAIN, 1) == 1 and p.epochs.count(PLAIN, 1, probes=False) == 0
 
 
 def test_unsettled_rounds_do_not_take_over_from_plain_steps():

@@ -48,6 +48,23 @@ def test_a_short_run_measures_nothing_and_a_long_one_is_cut():
     assert clock.epochs == 1 and clock.current.steps == 1
 
 
+def test_a_probes_epoch_counts_apart():
+    """An epoch that a probe opened is marked so: it counts among the epochs behind its figure, not among those its
+    choice ran as the model's (AdaptivePolicy._margin); an epoch merged from a probe's and the next is not a
+    probe's."""
+    clock = EpochClock(per_step)
+    t = 0.0
+    for probe in (True, False, True):
+        for _ in range(EPOCH_MIN):
+            clock.event(t)
+            clock.step("plain", 8, EPOCH_MIN, 8, 8, probe=probe)
+            t += 1e-3
+        run(clock, t, "speculative", 1, 1e-3)  # another choice ends it
+        t += 1e-3
+    assert clock.count("plain", 8) == 3 and clock.count("plain", 8, probes=False) == 1
+    assert clock.current.probe is False and clock.current.merged(clock.current).probe is False
+
+
 def test_one_disturbed_epoch_moves_nothing():
     clock = EpochClock(per_step)
     t = run(clock, 0.0, "plain", EPOCH_MIN, 1e-3)

@@ -138,6 +138,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23% behind the fixed server there; with the 1k
   shared prefix (rounds 2x behind) switches into rounds came with rounds 0.5-8.6% ahead as priced, and one ran 704
   rounds, 20% behind the plain server. The margin costs at most its fraction where the loser truly loses by less.
+  A challenger whose figure there is mostly probes' epochs (fewer than SETTLED_EPOCHS of its own) must win by
+  PROBED_MARGIN (25%): a probe epoch starts over the state the model choice left and reads the probed choice
+  cheaper than its steady state (`_margin` has the figures).
   Where plain steps are the load's model choice and rounds' realized figure rests on fewer than SETTLED_EPOCHS
   epochs while plain steps' is settled, rounds must also win by SWITCH_MARGIN by their parts (`_rounds_win`): that
   figure is one or two probe epochs, which inherit the state plain steps left (a probe of rounds after plain steps
@@ -207,7 +210,7 @@ REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more s
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
-PROBED_MARGIN = 0.25  # ... plain steps over rounds while plain steps' realized figure is not settled (`_margin`)
+PROBED_MARGIN = 0.25  # ... or this much, while the other's figure there is mostly probes' epochs (`_margin`)
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
@@ -442,21 +445,28 @@ class AdaptivePolicy:
 
     def _margin(self, load: int) -> float:
         """How much more tokens/s than plain steps rounds must be expected to commit at load bucket `load` (module
-        docstring): SWITCH_MARGIN, unless they are the load's model choice and both choices have realized figures
-        there: then less by as much as plain steps must win by to take over (a negative margin: rounds hold unless
-        plain steps commit SWITCH_MARGIN more, PROBED_MARGIN while plain steps' figure rests on fewer than
-        SETTLED_EPOCHS epochs: one or two probe epochs against rounds' figure, which at a load's first level holds
-        its ramp, every arrival's prefill and draft extend: on the H100 (cce3e5f, 2026-11-26, 128-token prompts)
-        the first plain probe at load 8, begun a second into the first concurrency-8 level, priced plain steps 10.5%
-        ahead of rounds (rounds' epochs at 2.0x their parts, plain steps' at 0.8x), the level switched and ran 4766
-        plain steps, 12% behind the fixed server). Before that, priced by their parts and the prior acceptance (the
-        optimistic S while the window is thin), rounds are not held: their price is what moves first. The one rule
-        for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
-        if (self._state[load].model_choice == SPECULATIVE
-                and all(self.epochs.ratio(c, load) is not None for c in CHOICES)):
-            settled = self.epochs.count(PLAIN, load) >= SETTLED_EPOCHS
-            return 1.0 / (1.0 + (SWITCH_MARGIN if settled else PROBED_MARGIN)) - 1.0
-        return SWITCH_MARGIN
+        docstring): before both choices have realized figures there, SWITCH_MARGIN (priced by their parts and the
+        prior acceptance, the optimistic S while the window is thin, rounds are not held: their price is what moves
+        first). Then the load's model choice holds unless the other wins by SWITCH_MARGIN, or by PROBED_MARGIN while
+        fewer than SETTLED_EPOCHS of the other's epochs there were not probes' (rounds held: a negative margin,
+        less by as much as plain steps must win by). A probe epoch starts over the state the model choice left, and
+        it reads the probed choice cheaper than its steady state: plain steps probed under rounds at load 8 met 5-6
+        arrivals in 128 steps against 8 in a steady epoch (H100, a0a7fec, 2026-11-26, 128-token prompts; 44-77 us a
+        request-step there against the plain server's 42-45, and at load 32 and 64 28-32 and 20-28 against 21 and
+        17-19), and rounds probed under plain steps start over requests that arrived together (H200, c2ece4a,
+        2026-11-24: one probe epoch put rounds 4% ahead of plain steps at concurrency 64 where the plain server
+        made 1.25x the fixed one's tokens/s). In the H100 bars of 2026-11-26 (128-token prompts, where rounds lead
+        by 19-50% at 8-64) the switches to plain steps came with plain steps 10.5%, 13.5% and 21.7% ahead as priced,
+        their figures made of probes' epochs alone, rounds' of epochs that read +-30% of each other, and each ran
+        1-2 s of plain steps (4766, 6182 and 3892 steps), 6-12% behind the fixed server in those passes. The one
+        rule for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
+        if any(self.epochs.ratio(c, load) is None for c in CHOICES):
+            return SWITCH_MARGIN
+        rounds_held = self._state[load].model_choice == SPECULATIVE
+        challenger = PLAIN if rounds_held else SPECULATIVE
+        settled = self.epochs.count(challenger, load, probes=False) >= SETTLED_EPOCHS
+        margin = SWITCH_MARGIN if settled else PROBED_MARGIN
+        return 1.0 / (1.0 + margin) - 1.0 if rounds_held else margin
 
     def _load_bucket(self, batch_size: int) -> int:
         """The bucket of the largest among `batch_size` and the loads of the last LOAD_WINDOW decisions (see the
@@ -589,7 +599,8 @@ class AdaptivePolicy:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
-        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs)
+        self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs,
+                         d.reason == "probe")
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)

@@ -105,6 +105,7 @@ class EpochFigure(NamedTuple):
 
     ratio: float  # busy over modelled seconds
     request_seconds: float  # busy seconds per request-step
+    probe: bool = False  # a probe's epoch (AdaptivePolicy._explore): the other choice's state, not its own
 
 
 @dataclass
@@ -123,6 +124,7 @@ class Epoch:
     arrivals: int = 0  # prompts those prefills completed
     busy: float = 0.0  # seconds
     step_buckets: collections.Counter = field(default_factory=collections.Counter)  # steps per own cost bucket
+    probe: bool = False  # run by a probe (AdaptivePolicy._explore)
 
     def add(self, step_bucket: int, batch_size: int) -> None:
         """One more step, over a batch of `batch_size` requests (of cost bucket `step_bucket`)."""
@@ -147,7 +149,7 @@ class Epoch:
         return Epoch(self.choice, self.bucket, self.target, self.stalls, self.steps + later.steps,
                      self.request_steps + later.request_steps, self.first_batch, later.last_batch,
                      self.prefills + later.prefills, self.arrivals + later.arrivals, self.busy + later.busy,
-                     self.step_buckets + later.step_buckets)
+                     self.step_buckets + later.step_buckets, self.probe and later.probe)
 
     @property
     def drained(self) -> bool:
@@ -251,14 +253,15 @@ class EpochClock:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
         self._last = None
 
-    def step(self, choice: str, bucket: int, target: int, step_bucket: int, batch_size: int) -> None:
+    def step(self, choice: str, bucket: int, target: int, step_bucket: int, batch_size: int,
+             probe: bool = False) -> None:
         """A decode step of `choice` at load `bucket`, over a batch of `batch_size` requests (cost bucket
         `step_bucket`), is launched (after `event`): it joins the epoch under way, or ends it (another choice or
-        load, or the epoch is full) and starts one of `target` steps."""
+        load, or the epoch is full) and starts one of `target` steps (a probe's, if `probe`)."""
         cur = self.current
         if cur is None or cur.full or (cur.choice, cur.bucket) != (choice, bucket):
             self._end()
-            cur = self.current = Epoch(choice, bucket, epoch_steps(target), self.stalls())
+            cur = self.current = Epoch(choice, bucket, epoch_steps(target), self.stalls(), probe=probe)
         cur.add(step_bucket, batch_size)
 
     def _end(self) -> None:
@@ -298,14 +301,14 @@ class EpochClock:
         if cur.drained:
             self._pending = cur
             return
-        self.record(cur.choice, cur.bucket, ratio, request_seconds)
+        self.record(cur.choice, cur.bucket, ratio, request_seconds, cur.probe)
         self.epochs += 1
 
-    def record(self, choice: str, bucket: int, ratio: float, request_seconds: float) -> None:
+    def record(self, choice: str, bucket: int, ratio: float, request_seconds: float, probe: bool = False) -> None:
         """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and busy seconds per
-        request-step."""
+        request-step (a probe's epoch, if `probe`)."""
         window = self._windows.setdefault((choice, bucket), collections.deque(maxlen=EPOCH_WINDOW))
-        window.append(EpochFigure(ratio, request_seconds))
+        window.append(EpochFigure(ratio, request_seconds, probe))
 
     def ratio(self, choice: str, bucket: int) -> float | None:
         """Busy over modelled seconds of `choice` at load `bucket` (low median of its last epochs), None before its
@@ -319,9 +322,11 @@ class EpochClock:
         window = self._windows.get((choice, bucket))
         return statistics.median_low(f.request_seconds for f in window) if window else None
 
-    def count(self, choice: str, bucket: int) -> int:
-        """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW)."""
-        return len(self._windows.get((choice, bucket), ()))
+    def count(self, choice: str, bucket: int, probes: bool = True) -> int:
+        """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW); not counting probes'
+        epochs unless `probes`."""
+        window = self._windows.get((choice, bucket), ())
+        return len(window) if probes else sum(not f.probe for f in window)
 
     def buckets(self, choice: str) -> list[int]:
         """The buckets `choice` has a figure at."""
