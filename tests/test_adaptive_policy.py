@@ -797,6 +797,37 @@ def test_plain_steps_priced_by_a_probe_need_the_larger_margin():
     assert p.decide(reqs).choice == SPECULATIVE
 
 
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_switch_from_a_settled_choice_is_checked_whatever_the_budget(settled):
+    """The H100 bar at 3c59215 (2026-11-26, 128-token prompts): rounds' figure at load 8, read in a pass where the host
+    was slow for all, switched the level to plain steps, and the probes of rounds that would re-measure them were
+    priced by that figure out of the budget: the next pass's level ran 10155 plain steps. A switch away from a
+    choice settled at the load (SETTLED_EPOCHS epochs of its own) is checked by a probe PROBE_FIRST epochs later,
+    the budget spent or not; away from an unsettled one, the budget holds it back."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=2e-3, clock=clock)
+    reqs = [Req()]
+    set_accept(p, 2.0)
+    assert p.decide(reqs).choice == SPECULATIVE
+    for _ in range(SETTLED_EPOCHS if settled else 1):
+        realize(p, SPECULATIVE, 1, 1.0)
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, 1, 1.0)
+    p.probe_seconds = 1e9  # the budget is spent
+    set_accept(p, 0.5)  # plain steps now commit 1.33x rounds' tokens/s
+    choices = []
+    for _ in range(4 * EPOCH_MIN):
+        d = p.decide(reqs)
+        clock.now += 1e-3 if d.choice == PLAIN else 2e-3
+        choices.append((d.choice, d.reason))
+    assert choices[0] == (PLAIN, "model")
+    probes = [i for i, (choice, reason) in enumerate(choices) if reason == "probe"]
+    if settled:
+        assert probes and probes[0] == PROBE_FIRST * EPOCH_MIN and choices[probes[0]][0] == SPECULATIVE
+    else:
+        assert not probes
+
+
 def test_a_probe_opens_a_probes_epoch():
     """The steps a probe runs open an epoch marked as a probe's: once rounds are measured at the load, the first
     probe epoch of plain steps under rounds counts among plain steps' epochs there, not among their own."""

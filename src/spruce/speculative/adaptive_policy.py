@@ -309,6 +309,7 @@ class _BucketState:
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
     model_choice: str | None = None
+    check: bool = False  # the model's choice changed away from a settled one: its first probe is not budgeted
     last: Decision | None = None
 
 
@@ -596,6 +597,9 @@ class AdaptivePolicy:
         if d.choice != st.model_choice:
             if st.model_choice is not None:
                 self._log_switch(d, load, st.model_choice, owns)
+            st.check = (st.model_choice is not None
+                        and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
+                        and not any(own is not None and own.collapsed(self.engine_accept()) for own in owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
@@ -761,7 +765,15 @@ class AdaptivePolicy:
         PROBE_ALLOWANCE (`_probe_affordable`): the spacing above is per load bucket and restarts whenever the
         model's choice there flips, and on the H100 (2026-11-23, 128-token prompts, concurrency 8) an adaptive
         server whose load moved between two buckets ran five plain probe epochs per 9 s pass, ~4% of its time,
-        against rounds 3x as productive."""
+        against rounds 3x as productive.
+
+        Except the first probe after the model's choice changed away from one settled at the load (SETTLED_EPOCHS
+        epochs of its own; not a collapsed request's switch, which the next request undoes): it comes PROBE_FIRST
+        epochs after the switch, whatever the budget, which then counts it. The choice left behind is priced by its
+        last epochs, which a switch leaves frozen, and probes priced by them may not come for the rest of the level:
+        on the H100 (3c59215, 2026-11-26, 128-token prompts) rounds' figure at load 8 read 1.69x their parts in a
+        pass where the host was slow for all, the level switched to plain steps, and the next pass's concurrency-8
+        level ran 10155 plain steps and no probe of rounds, 35% behind the fixed server."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
@@ -775,14 +787,15 @@ class AdaptivePolicy:
             other_seconds = self._probe_price(d, other, load)
             steps = self._epoch_steps(d, other, request_tokens)
             cost = self._probe_cost(d, model, other, steps, other_seconds)
-            if self.epochs.ratio(other, load) is not None:
+            if self.epochs.ratio(other, load) is not None and not st.check:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or st.epochs_since_probe >= spacing + STEADY_WAIT
             if st.epochs_since_probe >= spacing and steady:
-                if self._probe_affordable(cost):
+                if st.check or self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
+                    st.check = False
                     self.probes += 1
                     self.probe_seconds += cost
                     if log.isEnabledFor(logging.INFO):
