@@ -15,6 +15,7 @@ import pytest
 
 from spruce import SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
+from spruce.server.engine_loop import EngineLoop
 from spruce.server.engine_process import _EngineServer
 from spruce.server.metrics import Metrics, StatsCadence
 
@@ -135,3 +136,51 @@ def test_engine_process_sends_idle_stats_after_the_outputs():
     assert busy_stats["taken"] == "with its step" and busy_follow is False  # the cadence's first: due
     assert idle_stats is None and idle_follow is True
     assert kind == "stats" and stats["taken"] == "after its step" and "process_seconds" in stats
+
+
+def test_engine_thread_takes_idle_stats_after_the_outputs():
+    """The engine thread's loop (--disable-engine-process, tensor parallel) as the engine process: the step that
+    leaves the engine idle has its outputs dispatched first, its stats announced before them and taken after; a busy
+    step's stats go with it when the cadence says so. A failure releases readers waiting for stats."""
+    events = []
+
+    class Engine:  # runs two steps for a request, then is idle
+        steps = 2
+
+        def has_unfinished(self):
+            return self.steps > 0
+
+        def step_and_stats(self, due, shared=False):
+            self.steps -= 1
+            return ["out"], ({"taken": "with its step"} if due(self.has_unfinished()) else None)
+
+        def stats(self):
+            events.append("stats taken")
+            return {"taken": "after its step"}
+
+    class Recorder(Metrics):
+        def expect_stats(self, expected=True):
+            events.append(f"expect {expected}")
+            super().expect_stats(expected)
+
+        def on_engine_stats(self, stats):
+            events.append(f"stats {stats['taken']}")
+            super().on_engine_stats(stats)
+
+    loop = EngineLoop(Engine(), Recorder())
+    loop._dispatch = lambda outputs: events.append(f"dispatch {outputs}")
+    events.clear()
+    loop._iteration([])
+    loop._iteration([])
+    assert events == ["dispatch ['out']", "stats with its step",  # busy: the cadence's first, with its step
+                      "expect True", "dispatch ['out']", "stats taken", "stats after its step"]
+    assert loop.metrics.snapshot()["taken"] == "after its step"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    loop.engine.step_and_stats = broken
+    loop._pending = True
+    events.clear()
+    loop._run()
+    assert "expect False" in events and loop.failure is not None

@@ -265,20 +265,36 @@ class EngineLoop:
                 self._iteration(aborts)
             except Exception as e:  # fail-stop: no request is served by an engine that raised
                 log.exception("engine step failed: the engine is stopped and every request in flight fails")
+                self.metrics.expect_stats(False)
                 self._fail_all(f"{type(e).__name__}: {e}")
                 break
         log.info("engine loop stopped")
 
     def _iteration(self, aborts: list[str]) -> None:
+        """One step and its outputs dispatched. The stats of a step that leaves the engine idle are taken after its
+        outputs are posted, announced first (Metrics.expect_stats), as the engine process sends them
+        (server/engine_process.py `_send_stats`): taken before, they held up every request's last token, and at
+        concurrency 1 the next request."""
         for rid in aborts:
             self.engine.abort(rid)
-        outputs, stats = self.engine.step_and_stats(self._cadence.due)
+        outputs, stats = self.engine.step_and_stats(self._due_while_busy)
+        idle = stats is None and not self.engine.has_unfinished()
+        if idle:
+            self.metrics.expect_stats()
         self._dispatch(outputs)
         if stats is not None:
             self.metrics.on_engine_stats(stats)
+        if idle:
+            self._cadence.due(False)  # always due when idle; called so that the busy interval counts from these
+            self.metrics.on_engine_stats(self.engine.stats())
         if self.engine.has_unfinished():
             with self._cond:
                 self._pending = True
+
+    def _due_while_busy(self, busy: bool) -> bool:
+        """Whether a step's stats are taken with it: while requests run, as often as the cadence allows (an idle
+        step's follow its outputs: `_iteration`)."""
+        return busy and self._cadence.due(True)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Post a step's outputs to their streams' mailboxes, then wake their takers at once (see `wake`)."""
