@@ -133,14 +133,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   `-065410`, rounds at concurrency 8: 207-408 us a request-step within 1.6 s), so the figures of two candidates
   that truly differ by 20% cross now and then; a margin below that noise turns each crossing into a switch and its
   catch-up. On the H100 (16296f6, 2026-11-26, 128-token prompts, where rounds lead plain steps by ~19% at
-  concurrency 8 and 30-50% at 32-64), with 2% to leave rounds, the switches to plain steps came with plain steps
-  0.6-6.7% ahead as priced (rounds' figure at 8 read 197-228 us a request-step at those moments against the
-  level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23% behind the fixed server there; with the 1k
-  shared prefix (rounds 2x behind) switches into rounds came with rounds 0.5-8.6% ahead as priced, and one ran 704
-  rounds, 20% behind the plain server. The margin costs at most its fraction where the loser truly loses by less.
+  concurrency 8 and 30-50% at 32-64), with rounds held only while 2% ahead, the switches to plain steps came with
+  plain steps priced from 1.9% behind to 6.7% ahead (rounds' figure at 8 read 197-228 us a request-step at those
+  moments against the level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23% behind the fixed
+  server there; with the 1k shared prefix (rounds 2x behind) a switch into rounds came with rounds 8.6% ahead as
+  priced and ran ~1 s of rounds (704 in that pass), 20% behind the plain server. The margin costs at most its fraction where the loser truly loses by less.
   A challenger whose figure there is mostly probes' epochs (fewer than SETTLED_EPOCHS of its own) must win by
-  PROBED_MARGIN (25%): a probe epoch starts over the state the model choice left and reads the probed choice
-  cheaper than its steady state (`_margin` has the figures).
+  PROBED_MARGIN (25%): each probe epoch starts over the state the model choice left, and a few of them read the
+  probed choice anywhere from its steady cost to 1.7x it (`_margin` has the figures).
   Where plain steps are the load's model choice and rounds' realized figure rests on fewer than SETTLED_EPOCHS
   epochs while plain steps' is settled, rounds must also win by SWITCH_MARGIN by their parts (`_rounds_win`): that
   figure is one or two probe epochs, which inherit the state plain steps left (a probe of rounds after plain steps
@@ -450,17 +450,17 @@ class AdaptivePolicy:
         prior acceptance, the optimistic S while the window is thin, rounds are not held: their price is what moves
         first). Then the load's model choice holds unless the other wins by SWITCH_MARGIN, or by PROBED_MARGIN while
         fewer than SETTLED_EPOCHS of the other's epochs there were not probes' (rounds held: a negative margin,
-        less by as much as plain steps must win by). A probe epoch starts over the state the model choice left, and
-        it reads the probed choice cheaper than its steady state: plain steps probed under rounds at load 8 met 5-6
-        arrivals in 128 steps against 8 in a steady epoch (H100, a0a7fec, 2026-11-26, 128-token prompts; 44-77 us a
-        request-step there against the plain server's 42-45, and at load 32 and 64 28-32 and 20-28 against 21 and
-        17-19), and rounds probed under plain steps start over requests that arrived together (H200, c2ece4a,
-        2026-11-24: one probe epoch put rounds 4% ahead of plain steps at concurrency 64 where the plain server
-        made 1.25x the fixed one's tokens/s). In the H100 bars of 2026-11-26 (128-token prompts, where rounds lead
-        by 19-50% at 8-64) the switches to plain steps came with plain steps 10.5%, 13.5% and 21.7% ahead as priced,
-        their figures made of probes' epochs alone, rounds' of epochs that read +-30% of each other, and each ran
-        1-2 s of plain steps (4766, 6182 and 3892 steps), 6-12% behind the fixed server in those passes. The one
-        rule for `decide`, `steady_choice` (whether a prefill extends the draft) and the switch log."""
+        less by as much as plain steps must win by). A figure of probes' epochs alone is one to five epochs each
+        taken right after the model choice's, over the state it left: plain steps probed under rounds read 44-77 us
+        a request-step at load 8 (the plain server's level: 41-46), 27-32 at 32 (21) and 20-28 at 64 (17-19) (H100,
+        cce3e5f and a0a7fec, 2026-11-26, 128-token prompts), and rounds probed under plain steps start over requests
+        that arrived together (H200, c2ece4a, 2026-11-24: one probe epoch put rounds 4% ahead of plain steps at
+        concurrency 64 where the plain server made 1.25x the fixed one's tokens/s). In the H100 bars of 2026-11-26
+        (128-token prompts, where rounds lead by 19-50% at 8-64) switches to plain steps came with plain steps 10.5%
+        and 21.7% ahead as priced by figures of probes' epochs alone (4766 and 3892 plain steps followed), and 13.5%
+        by plain steps' own epochs of such a switch the pass before (6182), rounds' figure made of epochs that read
+        +-30% of each other: those passes ran 7-17% behind the fixed server. The one rule for `decide`,
+        `steady_choice` (whether a prefill extends the draft) and the switch log."""
         if any(self.epochs.ratio(c, load) is None for c in CHOICES):
             return SWITCH_MARGIN
         rounds_held = self._state[load].model_choice == SPECULATIVE
