@@ -762,10 +762,11 @@ def test_a_switch_needs_the_margin_either_way():
 
 
 def test_plain_steps_priced_by_a_probe_need_the_larger_margin():
-    """The H100 bar at cce3e5f (2026-11-26, 128-token prompts): the first plain probe at load 8, a second into the
-    level, priced plain steps 10.5% ahead of rounds whose figure held the level's ramp, and the level ran 4766 plain
-    steps, 12% behind the fixed server. Against rounds, the load's model choice, plain steps whose figure rests on
-    fewer than SETTLED_EPOCHS epochs must win by PROBED_MARGIN; settled, by SWITCH_MARGIN."""
+    """The H100 bar at cce3e5f (2026-11-26, 128-token prompts): the first plain probe at load 8, early in the
+    level, priced plain steps 10.5% ahead of rounds whose figure rested on the level's first epochs (2.0x their
+    parts), and the level ran 4766 plain steps, 12% behind the fixed server. Against rounds, the load's model
+    choice, plain steps whose figure rests on fewer than SETTLED_EPOCHS epochs of their own must win by
+    PROBED_MARGIN; settled, by SWITCH_MARGIN."""
     p = policy(plain=1e-3, spec=2e-3)
     reqs = [Req()]
     set_accept(p, 2.0)
