@@ -70,6 +70,9 @@ def test_stats_cadence():
     now[0] += 0.002
     assert cadence.due(busy=True)
     assert not cadence.due(busy=True)
+    now[0] += 0.051
+    assert not cadence.with_step(busy=False)  # an idle step's stats follow its outputs, not with it
+    assert cadence.with_step(busy=True) and not cadence.with_step(busy=True)
 
 
 def test_step_and_stats_takes_stats_only_when_due(make_llm):

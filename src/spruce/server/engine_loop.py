@@ -277,7 +277,7 @@ class EngineLoop:
         concurrency 1 the next request."""
         for rid in aborts:
             self.engine.abort(rid)
-        outputs, stats = self.engine.step_and_stats(self._due_while_busy)
+        outputs, stats = self.engine.step_and_stats(self._cadence.with_step)
         idle = stats is None and not self.engine.has_unfinished()
         if idle:
             self.metrics.expect_stats()
@@ -290,11 +290,6 @@ class EngineLoop:
         if self.engine.has_unfinished():
             with self._cond:
                 self._pending = True
-
-    def _due_while_busy(self, busy: bool) -> bool:
-        """Whether a step's stats are taken with it: while requests run, as often as the cadence allows (an idle
-        step's follow its outputs: `_iteration`)."""
-        return busy and self._cadence.due(True)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Post a step's outputs to their streams' mailboxes, then wake their takers at once (see `wake`)."""

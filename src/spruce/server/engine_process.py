@@ -168,7 +168,7 @@ class _EngineServer:
             seconds["messages"] += t1 - t0
             self.must_step = False
             try:
-                outputs, stats = self.engine.step_and_stats(self._due_while_busy, shared=True)  # encoded at once
+                outputs, stats = self.engine.step_and_stats(self.cadence.with_step, shared=True)  # encoded at once
                 idle = stats is None and not self.engine.has_unfinished()
             except Exception as e:  # fail-stop: no request is served by an engine that raised
                 self._fail(e)
@@ -184,11 +184,6 @@ class _EngineServer:
             seconds["send"] += clock() - t3
             if idle and not self._send_stats():
                 return
-
-    def _due_while_busy(self, busy: bool) -> bool:
-        """Whether a step's stats go with its outputs: while requests run, as often as the cadence allows. The
-        stats of a step that leaves the engine idle follow its outputs instead (`_send_stats`)."""
-        return busy and self.cadence.due(True)
 
     def _send_stats(self) -> bool:
         """Send the stats of the step just sent, which left the engine idle (the server's readers wait for them:

@@ -44,6 +44,12 @@ class StatsCadence:
         self._next = now + self.interval
         return True
 
+    def with_step(self, busy: bool) -> bool:
+        """Whether a step's stats go with its outputs (Engine.step_and_stats's `due`): while requests run, when
+        `due`; not for a step that leaves the engine idle, whose stats the serving loop takes after its outputs are
+        out (announced: Metrics.expect_stats), calling `due(False)` then so that the interval counts from them."""
+        return busy and self.due(True)
+
 
 class Histogram:
     """A cumulative histogram: bucket upper bounds, a sum and a count."""

@@ -125,19 +125,19 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   the H200 (2026-11-23, 128-token prompts) the first decision after a probe at concurrency 1 weighed a catch-up of
   30-99 positions against the request's last tokens and found rounds within the 2% margin of plain steps, so the
   request ended plainly (9 of the 14 switches to plain steps at concurrency 1 in five passes, with 13 probes).
-- A switch of a load's model choice needs the challenger expected to commit SWITCH_MARGIN (10%) more tokens per
-  second than the incumbent, either way once both are priced by realized figures at the load (`_margin`; before
-  that, and before a load has a model choice, plain steps are the incumbent: ties go to the cheaper step with
-  nothing to catch up). A realized figure is the low median of a few
-  epochs, each about one request's life, and epochs of one choice at one load read +-30% of each other (H200
-  `-065410`, rounds at concurrency 8: 207-408 us a request-step within 1.6 s), so the figures of two candidates
-  that truly differ by 20% cross now and then; a margin below that noise turns each crossing into a switch and its
-  catch-up. On the H100 (16296f6, 2026-11-26, 128-token prompts, where rounds lead plain steps by ~19% at
-  concurrency 8 and 30-50% at 32-64), with rounds held only while 2% ahead, the switches to plain steps came with
-  plain steps priced from 1.9% behind to 6.7% ahead (rounds' figure at 8 read 197-228 us a request-step at those
-  moments against the level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23% behind the fixed
-  server there; with the 1k shared prefix (rounds 2x behind) a switch into rounds came with rounds 8.6% ahead as
-  priced and ran ~1 s of rounds (704 in that pass), 20% behind the plain server. The margin costs at most its fraction where the loser truly loses by less.
+- A switch of a load's model choice needs the challenger expected to commit SWITCH_MARGIN (10%) more tokens per second
+  than the incumbent, either way once both are priced by realized figures at the load (`_margin`; before that, and
+  before a load has a model choice, plain steps are the incumbent: ties go to the cheaper step with nothing to catch
+  up). A realized figure is the low median of a few epochs, each about one request's life, and epochs of one choice at
+  one load read +-30% of each other (H200 `-065410`, rounds at concurrency 8: 207-408 us a request-step within 1.6 s),
+  so the figures of two candidates that truly differ by 20% cross now and then; a margin below that noise turns each
+  crossing into a switch and its catch-up. On the H100 (16296f6, 2026-11-26, 128-token prompts, where rounds lead
+  plain steps by ~19% at concurrency 8 and 30-50% at 32-64), with rounds held only while 2% ahead, the switches to
+  plain steps came with plain steps priced from 1.9% behind to 6.7% ahead (rounds' figure at 8 read 197-228 us a
+  request-step at those moments against the level's 144-150), and one at concurrency 32 ran 2144 plain steps, 23%
+  behind the fixed server there; with the 1k shared prefix (rounds 2x behind) a switch into rounds came with rounds
+  8.6% ahead as priced and ran ~1 s of rounds (704 in that pass), 20% behind the plain server. The margin costs at
+  most its fraction where the loser truly loses by less.
   A challenger whose figure there is mostly probes' epochs (fewer than SETTLED_EPOCHS of its own) must win by
   PROBED_MARGIN (25%): each probe epoch starts over the state the model choice left, and a few of them read the
   probed choice anywhere from its steady cost to 1.7x it (`_margin` has the figures).
@@ -599,7 +599,7 @@ class AdaptivePolicy:
                 self._log_switch(d, load, st.model_choice, owns)
             st.check = (st.model_choice is not None
                         and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
-                        and not any(own is not None and own.collapsed(self.engine_accept()) for own in owns))
+                        and not self._collapsed(owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
@@ -655,8 +655,14 @@ class AdaptivePolicy:
             "prior": self.prior_accept(), "engine_accept": engine, "accept_window": len(self._accept_window),
             "margin": self._margin(load),
             "tokens_per_step": d.tokens_per_step[SPECULATIVE], "catch_up_positions": d.catch_up_positions,
-            "collapsed": sum(own is not None and own.collapsed(engine) for own in owns),
+            "collapsed": self._collapsed(owns),
             "priced": {c: priced(c) for c in CHOICES}}, default=float))
+
+    def _collapsed(self, owns: list) -> int:
+        """How many of the acceptance states `owns` (a batch's requests', None: no rounds yet) collapsed below the
+        engine-wide acceptance."""
+        engine = self.engine_accept()
+        return sum(own is not None and own.collapsed(engine) for own in owns)
 
     def _priced(self, choice: str, load: int, batch_size: int, catch_up_positions: int, rounds: float,
                 round_tokens: float, request_tokens: float, new_positions: float, realized: bool = True) -> float:
