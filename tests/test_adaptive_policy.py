@@ -829,6 +829,25 @@ def test_a_switch_from_a_settled_choice_is_checked_whatever_the_budget(settled):
         assert not probes
 
 
+def test_a_probe_re_measures_a_choice_its_switch_froze():
+    """b32202e's bar on the H100 (2026-11-26, 128-token prompts): rounds' window at load 8 held five epochs at 289 us
+    a request-step where the level's rounds cost ~175, the level switched to plain steps, and neither of the two
+    probes of rounds that followed could move the low median of five: 9406 plain steps, 26% behind the fixed
+    server. The first probe's epoch after the switch is rounds' figure alone, and rounds that it puts PROBED_MARGIN
+    ahead take the load back; one that finds them no better leaves plain steps."""
+    reqs = [Req()]
+    for probe_ratio, after in ((1.0, SPECULATIVE), (1.8, PLAIN)):
+        p = rounds_held()  # rounds (3 tokens a 2 ms step) 50% ahead of plain steps (1 token a 1 ms step)
+        for _ in range(SETTLED_EPOCHS):
+            realize(p, PLAIN, 1, 1.0)
+        for _ in range(5):
+            realize(p, SPECULATIVE, 1, 2.0)  # a slow host: rounds' figure doubles, 25% behind
+        assert p.decide(reqs).choice == PLAIN and p.steady_choice(1) == PLAIN
+        p.epochs.record(SPECULATIVE, 1, probe_ratio, probe_ratio * p._parts_seconds(SPECULATIVE, 1), probe=True)
+        assert p.epochs.count(SPECULATIVE, 1) == 1
+        assert p.decide(reqs).choice == after
+
+
 def test_a_probe_opens_a_probes_epoch():
     """The steps a probe runs open an epoch marked as a probe's: once rounds are measured at the load, the first
     probe epoch of plain steps under rounds counts among plain steps' epochs there, not among their own."""

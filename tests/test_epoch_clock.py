@@ -48,21 +48,43 @@ def test_a_short_run_measures_nothing_and_a_long_one_is_cut():
     assert clock.epochs == 1 and clock.current.steps == 1
 
 
+def plain_epochs(clock: EpochClock, t: float, probes: list[bool], step: float = 1e-3) -> float:
+    """Plain epochs at load 8, a probe's where `probes` says so, each `step` seconds a step and ended by a round."""
+    for probe in probes:
+        for _ in range(EPOCH_MIN):
+            clock.event(t)
+            clock.step("plain", 8, EPOCH_MIN, 8, 8, probe=probe)
+            t += step
+        t = run(clock, t, "speculative", 1, 1e-3)  # another choice ends it
+    return t
+
+
 def test_a_probes_epoch_counts_apart():
     """An epoch that a probe opened is marked so: it counts among the epochs behind its figure, not among those its
     choice ran as the model's (AdaptivePolicy._margin); an epoch merged from a probe's and the next is not a
     probe's."""
     clock = EpochClock(per_step)
-    t = 0.0
-    for probe in (True, False, True):
-        for _ in range(EPOCH_MIN):
-            clock.event(t)
-            clock.step("plain", 8, EPOCH_MIN, 8, 8, probe=probe)
-            t += 1e-3
-        run(clock, t, "speculative", 1, 1e-3)  # another choice ends it
-        t += 1e-3
-    assert clock.count("plain", 8) == 3 and clock.count("plain", 8, probes=False) == 1
+    plain_epochs(clock, 0.0, [False, False, True, True])
+    assert clock.count("plain", 8) == 2 and clock.count("plain", 8, probes=False) == 0
+    clock = EpochClock(per_step)
+    plain_epochs(clock, 0.0, [True, False])
+    assert clock.count("plain", 8) == 2 and clock.count("plain", 8, probes=False) == 1
     assert clock.current.probe is False and clock.current.merged(clock.current).probe is False
+
+
+def test_a_probes_epoch_drops_what_its_choice_measured_before_the_switch():
+    """The epochs a choice ran as the load's model choice price it until its first probe's epoch after a switch
+    away: then they, and any probe's epoch before them, leave the window (b32202e's bar on the H100: rounds' window
+    of five epochs at 289 us a request-step, where the level's rounds cost ~175, kept the concurrency-8 level in
+    plain steps through two probes of rounds). Until then, and for the model choice's own epochs, the window is the
+    last EPOCH_WINDOW epochs."""
+    clock = EpochClock(per_step)
+    t = plain_epochs(clock, 0.0, [True] + [False] * 5, step=2e-3)  # a probe, then five slow epochs as the model's
+    assert clock.count("plain", 8) == 5 and clock.request_seconds("plain", 8) == pytest.approx(2e-3 / 8)
+    t = plain_epochs(clock, t, [True], step=1e-3)  # the first probe after the switch: its epoch alone
+    assert clock.count("plain", 8) == 1 and clock.request_seconds("plain", 8) == pytest.approx(1e-3 / 8)
+    plain_epochs(clock, t, [True, False], step=1e-3)
+    assert clock.count("plain", 8) == 3 and clock.count("plain", 8, probes=False) == 1
 
 
 def test_one_disturbed_epoch_moves_nothing():

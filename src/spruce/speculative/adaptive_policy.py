@@ -140,7 +140,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   most its fraction where the loser truly loses by less.
   A challenger whose figure there is mostly probes' epochs (fewer than SETTLED_EPOCHS of its own) must win by
   PROBED_MARGIN (25%): each probe epoch starts over the state the model choice left, and a few of them read the
-  probed choice anywhere from its steady cost to 1.7x it (`_margin` has the figures).
+  probed choice anywhere from its steady cost to 1.7x it (`_margin` has the figures). The first probe's epoch after
+  a switch away from a choice is its figure alone (EpochClock.record drops the epochs the switch froze, which may
+  have measured a host that has moved since); until 2026-11-26 it joined them and could not move their low median.
   Where plain steps are the load's model choice and rounds' realized figure rests on fewer than SETTLED_EPOCHS
   epochs while plain steps' is settled, rounds must also win by SWITCH_MARGIN by their parts (`_rounds_win`): that
   figure is one or two probe epochs, which inherit the state plain steps left (a probe of rounds after plain steps

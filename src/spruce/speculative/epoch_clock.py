@@ -69,6 +69,15 @@ epochs read 490-830 us a request-step against ~270 for concurrency 1's and the w
 at ac9b1e4 the adaptive server switched into rounds at load 1 at level openings (plain priced at 670 us there),
 and its levels that ran rounds (2-44 catch-ups each) were mostly behind the plain server's.
 
+A choice's epochs from while it was the load's model choice stop pricing it at its first probe's epoch there
+after a switch away (`record`): the switch froze them, the host they measured may have moved since, and with
+them in the window one fresh epoch is outvoted by the low median. On the H100 (b32202e, 2026-11-26, 128-token
+prompts, four bar runs at once on an x4 machine) rounds' window at load 8, five epochs, read 289 us a request-step (the
+fixed server's level, ~24k tokens/s at 4.2 tokens a round, implies ~175), plain steps' 52; the concurrency-8 level
+switched to plain steps, and each of the two probes of rounds that followed could add one epoch to a window of five
+stale ones, whose low median it cannot move: the level ran 9406 plain steps and 127 rounds, 26% behind the fixed
+server. A figure of probes' epochs alone must win by PROBED_MARGIN (AdaptivePolicy._margin).
+
 An epoch during which the process stalled (`stalls`, a count that grows at each stall: the engine passes Triton's
 compilations, ops/compile_watch.py) is dropped: its busy time holds the stall, not the choice's cost. On the H100
 (1k shared prefix, 2026-11-23, e2444fb) a kernel compiled at the first prefill of the concurrency-8 level stalled
@@ -306,8 +315,13 @@ class EpochClock:
 
     def record(self, choice: str, bucket: int, ratio: float, request_seconds: float, probe: bool = False) -> None:
         """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and busy seconds per
-        request-step (a probe's epoch, if `probe`)."""
+        request-step (a probe's epoch, if `probe`). A probe's epoch first drops the window's epochs up to its last
+        that was not a probe's: those are what `choice` measured while it was the load's model choice, before the
+        switch away that the probe now checks, and they price it no longer (module docstring)."""
         window = self._windows.setdefault((choice, bucket), collections.deque(maxlen=EPOCH_WINDOW))
+        if probe:
+            while any(not f.probe for f in window):
+                window.popleft()
         window.append(EpochFigure(ratio, request_seconds, probe))
 
     def ratio(self, choice: str, bucket: int) -> float | None:
