@@ -14,7 +14,7 @@ from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
-                                                 PROBE_BUDGET, PROBE_FIRST, RETRY_FIRST, RETRY_MAX,
+                                                 PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN, RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
                                                  AdaptivePolicy, LinearCost,
@@ -992,7 +992,8 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     theirs). Once both choices are measured, probes are spaced by what one costs: rounds commit 4.35 tokens per
     0.7 ms against 1 per 0.3 ms (1.86x), so a probe of 128 plain steps costs 17.8 ms more than rounds for its tokens
     and leaves a 3.5 ms catch-up; at PROBE_BUDGET of 30-round epochs (21 ms) that is one probe per 21.3 / (21 x
-    PROBE_BUDGET) epochs (203 at 0.5%; with the catch-up left out, until 2026-11-24, 170)."""
+    PROBE_BUDGET) epochs (203 at 0.5%; with the catch-up left out, until 2026-11-24, 170), times the share of the
+    budget rounds' lead of 86% leaves the load's probes (`_probe_share`: PROBE_SHARE_MIN, a quarter: 812)."""
     clock = Clock()
     p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
     q = Req()
@@ -1001,7 +1002,10 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     catch_up_due, decisions = False, []
     rounds_epoch = math.ceil(128 / 4.35)
     excess = 128 * 0.3e-3 * (1 - (1 / 0.3e-3) / (4.35 / 0.7e-3)) + 3.5e-3  # a probe's tokens at plain's price
-    spacing = math.ceil(excess / (PROBE_BUDGET * rounds_epoch * 0.7e-3))  # epochs of rounds between probes
+    lead = (4.35 / 0.7e-3) / (1 / 0.3e-3) - 1
+    share = max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / lead))
+    assert share == PROBE_SHARE_MIN
+    spacing = math.ceil(excess / (PROBE_BUDGET * share * rounds_epoch * 0.7e-3))  # epochs of rounds between probes
     for _ in range(3 * (spacing + 5) * rounds_epoch):
         d = p.decide([q], request_tokens=128)
         clock.now += 0.3e-3 if d.choice == PLAIN else 0.7e-3 + 3.5e-3 * catch_up_due
@@ -1603,6 +1607,19 @@ def test_probes_over_every_load_stay_within_the_budget():
     assert p.probe_seconds <= PROBE_BUDGET * p.epochs.busy_total + PROBE_ALLOWANCE
 
 
+def test_a_loads_probes_get_less_of_the_budget_the_further_its_choice_leads():
+    """`_probe_share`: SWITCH_MARGIN over the model choice's lead, within PROBE_SHARE_MIN..1. Against 1 ms plain
+    steps, 2 ms rounds that commit 2.1 tokens lead by 5% (the whole budget), 2.4 by 20% (half of it), 4 by 100% (a
+    quarter); plain steps lead rounds that commit 1.9 tokens by 5%, 1.6 by 25% (0.4), 1 by 100% (a quarter)."""
+    reqs = [Req()]
+    for tokens, share in ((2.1, 1.0), (2.4, 0.5), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 0.4), (1.0, 0.25)):
+        p = policy(plain=1e-3, spec=2e-3)
+        set_accept(p, tokens - 1)
+        d = p.decide(reqs)
+        model, other = (SPECULATIVE, PLAIN) if tokens > 2 else (PLAIN, SPECULATIVE)
+        assert p._probe_share(d, model, other, d.step_seconds[other]) == pytest.approx(share)
+
+
 @pytest.mark.parametrize("stand", [False, True])
 def test_a_probe_at_a_load_that_keeps_moving_ends(monkeypatch, stand):
     """The load bucket moves every 50 steps, more often than a 128-step epoch of plain steps lasts, so a plain
@@ -1611,6 +1628,7 @@ def test_a_probe_at_a_load_that_keeps_moving_ends(monkeypatch, stand):
     though rounds commit twice as much. With standing steps (`stand`: a probe's steps stand as a model choice's)
     the steps that stood count too, not only the decisions. (The budget is lifted: this is the probe's own end.)"""
     monkeypatch.setattr(adaptive_policy, "PROBE_ALLOWANCE", 100.0)
+    monkeypatch.setattr(adaptive_policy, "PROBE_SHARE_MIN", 1.0)
     p = rounds_amid_moving_loads(50, stand=stand)
     assert p.probes >= 2
     assert p.chosen[PLAIN] < 0.1 * (p.chosen[PLAIN] + p.chosen[SPECULATIVE])

@@ -110,9 +110,11 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
-  PROBE_ALLOWANCE seconds (a probe that would exceed it waits). PROBE_BUDGET was 1% until 2026-11-25: the H200's
-  bar runs with the 1k shared prefix had adaptive 2-4% behind a plain server at concurrency 1 in every run, the
-  passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each against 0.27 ms plain steps: ~48 ms
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits); a load's own spacing takes only SWITCH_MARGIN over
+  its model choice's lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the 128-token
+  trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%). PROBE_BUDGET was
+  1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a plain server at
+  concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each against 0.27 ms plain steps: ~48 ms
   more on a 2.6 s level) 3-6% behind and those without 1-3%; replaying such acceptance (0.19 drafts a round) at
   concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024 requests), probes cost 0.96% of plain's
   tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%. Half the budget doubles the time a
@@ -207,6 +209,8 @@ PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epo
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
+PROBE_SHARE_MIN = 0.25  # a load's probes get PROBE_BUDGET times SWITCH_MARGIN over its model choice's lead, down to
+# this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
@@ -797,7 +801,8 @@ class AdaptivePolicy:
             cost = self._probe_cost(d, model, other, steps, other_seconds)
             if self.epochs.ratio(other, load) is not None and not st.check:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
-                spacing = max(spacing, math.ceil(cost / max(PROBE_BUDGET * model_epoch, 1e-12) - 1e-9))
+                budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
+                spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or st.epochs_since_probe >= spacing + STEADY_WAIT
             if st.epochs_since_probe >= spacing and steady:
@@ -834,6 +839,20 @@ class AdaptivePolicy:
         if ratio is not None and ratio > STALL_RATIO and self.epochs.count(other, load) < SETTLED_EPOCHS:
             return seconds / ratio
         return seconds
+
+    @staticmethod
+    def _probe_share(d: Decision, model: str, other: str, other_seconds: float) -> float:
+        """The share of PROBE_BUDGET a load's probes of `other` may spend, by how far the model's choice leads it
+        as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, at most 1 and at least
+        PROBE_SHARE_MIN. A probe pays only if the other choice has come to win by the margin since it was last
+        measured, and the further it is behind, the less likely that is. At the full budget probes cost what they
+        were budgeted, and that is a loss the fixed configuration does not pay: on the H100 (b32202e, 2026-11-26,
+        128-token prompts, 12 runs) the adaptive server trailed the fixed one by 0.9% at concurrency 1 (one plain
+        probe of 128 steps every other 64-request level, where rounds lead by ~25%), and its concurrency-8 passes
+        with a probe averaged 4.6% behind against 1.5% for those without. A quarter of the budget at most quadruples
+        the time a change of workload waits for its probe."""
+        lead = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12) - 1.0
+        return max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / max(lead, 1e-12)))
 
     def _probe_cost(self, d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
         """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
