@@ -114,12 +114,12 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   its model choice's lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the 128-token
   trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%). PROBE_BUDGET was
   1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a plain server at
-  concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each against 0.27 ms plain steps: ~48 ms
-  more on a 2.6 s level) 3-6% behind and those without 1-3%; replaying such acceptance (0.19 drafts a round) at
-  concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024 requests), probes cost 0.96% of plain's
-  tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%. Half the budget doubles the time a
-  change of workload waits for its probe (the run's spacing at concurrency 1 was 139 epochs of one 40 ms request
-  each: ~6 s, now ~11 s). While the other's realized figure rests on fewer
+  concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each
+  against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%; replaying such
+  acceptance (0.19 drafts a round) at concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024
+  requests), probes cost 0.96% of plain's tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%.
+  Half the budget doubles the time a change of workload waits for its probe (the run's spacing at concurrency 1
+  was 139 epochs of one 40 ms request each: ~6 s, now ~11 s). While the other's realized figure rests on fewer
   than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
   caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
   steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
