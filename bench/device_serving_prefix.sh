@@ -58,7 +58,10 @@ case "${MODE:-prefix}" in
 esac
 # A device call returns at most 8 files from $OUT (session 27 lost a run's JSON to that limit): more are bundled into
 # one archive, $OUT/results.tgz.
+# The archive's temporary name is this run's own: four runs at once (bench/device_serving_parallel.sh) that ended
+# within a second shared one name, and one run's files were lost (2026-11-26).
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
-  tar czf /tmp/bench-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/bench-results.tgz "$OUT/results.tgz"
+  archive=$(mktemp /tmp/bench-results-XXXXXX.tgz)
+  tar czf "$archive" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$archive" "$OUT/results.tgz"
 fi
 ls -laR "$OUT"
