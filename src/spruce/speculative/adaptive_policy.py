@@ -846,11 +846,12 @@ class AdaptivePolicy:
         as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, at most 1 and at least
         PROBE_SHARE_MIN. A probe pays only if the other choice has come to win by the margin since it was last
         measured, and the further it is behind, the less likely that is. At the full budget probes cost what they
-        were budgeted, and that is a loss the fixed configuration does not pay: on the H100 (b32202e, 2026-11-26,
-        128-token prompts, 12 runs) the adaptive server trailed the fixed one by 0.9% at concurrency 1 (one plain
-        probe of 128 steps every other 64-request level, where rounds lead by ~25%), and its concurrency-8 passes
-        with a probe averaged 4.6% behind against 1.5% for those without. A quarter of the budget at most quadruples
-        the time a change of workload waits for its probe."""
+        were budgeted, and that is a loss the fixed configuration does not pay: on the H100 (59f0601 and b32202e,
+        2026-11-26, 128-token prompts, 6 runs) the adaptive server trailed the fixed one by 0.9% at concurrency 1
+        (one plain probe of 128 steps every other 64-request level, where rounds lead by ~25%), and its 19
+        concurrency-8 passes with a plain probe averaged 4.1% behind against 1.4% for the 11 without (a pass's
+        stdev is ~6%). A quarter of the budget at most quadruples the time a change of workload waits for its
+        probe."""
         lead = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12) - 1.0
         return max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / max(lead, 1e-12)))
 
