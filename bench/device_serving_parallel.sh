@@ -4,9 +4,10 @@
 # (CUDA_VISIBLE_DEVICES) and a quarter of the machine's physical cores (taskset; --pin-cpus deals that quarter among
 # its servers and its client), like a one-GPU machine's 16 CPUs. A multi-GPU machine's held time counts in full
 # against the device time and a one-GPU machine's at half (device README, 2026-11-26): four runs at once cost half
-# the device time of four in turn. On the H100 x4 (2026-11-26) the control copy's spread against its twin matched
-# the one-GPU machine's (mean |.| 0.6-1.5% at concurrency 1, 1.6-6.5% at 8-64). Results under $OUT/g0..g3 (the
-# runs' own layout) and each run's log in $OUT/gN.log, bundled into $OUT/results.tgz at the end.
+# the device time of four in turn. On the H100 x4 (2026-11-26) the control copy's spread against its twin was the
+# one-GPU machine's: mean |.| per workload 0.6-1.5% at concurrency 1 and 0.7-6.5% at 8-64 (session 31's one-GPU
+# runs: 0.7-1.0% and 1.9-5.8%). Results under $OUT/g0..g3 (the runs' own layout) and each run's log in
+# $OUT/gN.log, bundled into $OUT/results.tgz at the end.
 #   MODES="short short prefix prefix": each run's workload (device_serving_prefix.sh's MODE);
 #   PASSESV="5 5 5 4": each run's passes; GPU_TESTS=1 (default): the `gpu` tests of tests/test_adaptive.py first,
 #   on GPU 3 and its cores; BENCH_TIMEOUT: each run's time limit (seconds, device_serving_prefix.sh's).
