@@ -1608,11 +1608,12 @@ def test_probes_over_every_load_stay_within_the_budget():
 
 
 def test_a_loads_probes_get_less_of_the_budget_the_further_its_choice_leads():
-    """`_probe_share`: SWITCH_MARGIN over the model choice's lead, within PROBE_SHARE_MIN..1. Against 1 ms plain
+    """`_probe_share`: under rounds, SWITCH_MARGIN over rounds' lead, within PROBE_SHARE_MIN..1. Against 1 ms plain
     steps, 2 ms rounds that commit 2.1 tokens lead by 5% (the whole budget), 2.4 by 20% (half of it), 4 by 100% (a
-    quarter); plain steps lead rounds that commit 1.9 tokens by 5%, 1.6 by 25% (0.4), 1 by 100% (a quarter)."""
+    quarter). Under plain steps, however far they lead (rounds of 1.9, 1.6 or 1 token), the whole budget: only
+    probes of rounds re-measure the acceptance (test_a_change_of_workload_is_found_by_a_probe)."""
     reqs = [Req()]
-    for tokens, share in ((2.1, 1.0), (2.4, 0.5), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 0.4), (1.0, 0.25)):
+    for tokens, share in ((2.1, 1.0), (2.4, 0.5), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 1.0), (1.0, 1.0)):
         p = policy(plain=1e-3, spec=2e-3)
         set_accept(p, tokens - 1)
         d = p.decide(reqs)
@@ -1632,6 +1633,28 @@ def test_a_probe_at_a_load_that_keeps_moving_ends(monkeypatch, stand):
     p = rounds_amid_moving_loads(50, stand=stand)
     assert p.probes >= 2
     assert p.chosen[PLAIN] < 0.1 * (p.chosen[PLAIN] + p.chosen[SPECULATIVE])
+
+
+def test_a_change_of_workload_is_found_by_a_probe():
+    """Replayed at concurrency 1 (bench/replay_adaptive.py): 256 requests whose rounds accept nothing (plain steps
+    lead by 2.6x), then requests whose rounds accept 4 drafts. Plain steps stay the model's choice while rounds'
+    acceptance is the old one, and only probes of rounds re-measure it, each adding one epoch's rounds to a window of
+    ACCEPT_WINDOW: at the whole budget rounds take the load back 256-512 requests after the change; with probes
+    under plain steps given a quarter of it, as `_probe_share` gives plain probes under rounds, not within 1024
+    (2026-11-26). And the other way (acceptance 4, then 0), plain steps take over within 16 requests, probes or
+    none: rounds measure their acceptance as they run."""
+    replay = bench_scripts.load("replay_adaptive")
+    cost = {"plain": 0.275e-3, "round": 0.72e-3, "prefill": 13.5e-3, "extend": 3e-3, "catch_up_fixed": 2.8e-3,
+            "catch_up_per_position": 10e-6}
+    traces = [[0] * 127] * 256 + [[4] * 127] * 1024
+    before = replay.replay(traces, [128] * len(traces), 256, "adaptive", cost)
+    after = replay.replay(traces, [128] * len(traces), 256 + 512, "adaptive", cost)
+    assert before["rounds"] < 0.02 * before["plain"]
+    assert after["rounds"] - before["rounds"] > 3000  # at 5 tokens a round, 100+ requests' worth of rounds
+    traces = [[4] * 127] * 256 + [[0] * 127] * 1024
+    before = replay.replay(traces, [128] * len(traces), 256, "adaptive", cost)
+    after = replay.replay(traces, [128] * len(traces), 256 + 32, "adaptive", cost)
+    assert after["plain"] - before["plain"] > 14 * 127  # plain steps from the 16th request after the change on
 
 
 def test_replayed_traces_follow_the_acceptance():

@@ -110,12 +110,13 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
-  PROBE_ALLOWANCE seconds (a probe that would exceed it waits); a load's own spacing takes only SWITCH_MARGIN over
-  its model choice's lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the 128-token
-  trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%). PROBE_BUDGET was
-  1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a plain server at
-  concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens, 0.74 ms each
-  against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%; replaying such
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits); under rounds a load's own spacing takes only
+  SWITCH_MARGIN over rounds' lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the
+  128-token trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%).
+  PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
+  plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
+  0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
+  replaying such
   acceptance (0.19 drafts a round) at concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024
   requests), probes cost 0.96% of plain's tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%.
   Half the budget doubles the time a change of workload waits for its probe (the run's spacing at concurrency 1
@@ -209,7 +210,7 @@ PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epo
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
-PROBE_SHARE_MIN = 0.25  # a load's probes get PROBE_BUDGET times SWITCH_MARGIN over its model choice's lead, down to
+PROBE_SHARE_MIN = 0.25  # plain probes under rounds get PROBE_BUDGET times SWITCH_MARGIN over rounds' lead, down to
 # this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
@@ -842,16 +843,22 @@ class AdaptivePolicy:
 
     @staticmethod
     def _probe_share(d: Decision, model: str, other: str, other_seconds: float) -> float:
-        """The share of PROBE_BUDGET a load's probes of `other` may spend, by how far the model's choice leads it
-        as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, at most 1 and at least
-        PROBE_SHARE_MIN. A probe pays only if the other choice has come to win by the margin since it was last
-        measured, and the further it is behind, the less likely that is. At the full budget probes cost what they
-        were budgeted, and that is a loss the fixed configuration does not pay: on the H100 (59f0601 and b32202e,
-        2026-11-26, 128-token prompts, 6 runs) the adaptive server trailed the fixed one by 0.9% at concurrency 1
-        (one plain probe of 128 steps every other 64-request level, where rounds lead by ~25%), and its 19
-        concurrency-8 passes with a plain probe averaged 4.1% behind against 1.4% for the 11 without (a pass's
-        stdev is ~6%). A quarter of the budget at most quadruples the time a change of workload waits for its
-        probe."""
+        """The share of PROBE_BUDGET a load's probes of `other` may spend. Under rounds (plain probes), by how far
+        rounds lead plain steps as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, at most
+        1 and at least PROBE_SHARE_MIN. A probe pays only if plain steps have come to win by the margin since they
+        were last measured, and the further behind they are, the less likely that is; at the full budget probes
+        cost what they were budgeted, a loss the fixed configuration does not pay: on the H100 (59f0601 and
+        b32202e, 2026-11-26, 128-token prompts, 6 runs) the adaptive server trailed the fixed one by 0.9% at
+        concurrency 1 (one plain probe of 128 steps every other 64-request level, where rounds lead by ~25%), and
+        its 19 concurrency-8 passes with a plain probe averaged 4.1% behind against 1.4% for the 11 without (a
+        pass's stdev is ~6%). Rounds measure the acceptance as they run, so a fall in it switches a load to plain
+        steps without a probe (replayed at concurrency 1: acceptance 4 then 0, plain steps from the 16th request on,
+        at either share). Under plain steps the whole budget: only a probe of rounds re-measures the acceptance,
+        and each adds one epoch's rounds to a window of ACCEPT_WINDOW (replayed: acceptance 0 for 256 requests then
+        4, rounds take the load back 256-512 requests after the change at the whole budget, not within 1024 at a
+        quarter)."""
+        if model != SPECULATIVE:
+            return 1.0
         lead = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12) - 1.0
         return max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / max(lead, 1e-12)))
 
