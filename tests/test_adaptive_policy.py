@@ -13,8 +13,9 @@ import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
-from spruce.speculative.adaptive_policy import (ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN, PROBE_ALLOWANCE,
-                                                 PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN, RETRY_FIRST, RETRY_MAX,
+from spruce.speculative.adaptive_policy import (ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN,
+                                                 PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN,
+                                                 RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
                                                  AdaptivePolicy, LinearCost,
@@ -52,7 +53,10 @@ def set_accept(p: AdaptivePolicy, ema: float) -> None:
     rounds that accepted `ema`, so no shrinkage towards S."""
     p._accept_window.clear()
     p._accept_window.extend([ema] * ACCEPT_WINDOW)
+    p._accept_stamps.clear()
+    p._accept_stamps.extend([p.chosen[PLAIN]] * ACCEPT_WINDOW)
     p._accept_sum = ema * ACCEPT_WINDOW
+    p._accept_counted = max(p._accept_counted, ACCEPT_WINDOW)
     p.global_accept = ema
 
 
@@ -1655,6 +1659,24 @@ def test_a_change_of_workload_is_found_by_a_probe():
     before = replay.replay(traces, [128] * len(traces), 256, "adaptive", cost)
     after = replay.replay(traces, [128] * len(traces), 256 + 32, "adaptive", cost)
     assert after["plain"] - before["plain"] > 14 * 127  # plain steps from the 16th request after the change on
+    traces = [[1] * 127] * 256 + [[4] * 127] * 1024  # probes of rounds more often (cheaper), each the acceptance
+    before = replay.replay(traces, [128] * len(traces), 256, "adaptive", cost)
+    after = replay.replay(traces, [128] * len(traces), 256 + 64, "adaptive", cost)
+    assert after["rounds"] - before["rounds"] > 1000  # with the stale rounds kept, 65 (one probe's)
+
+
+def test_stale_request_rounds_leave_the_acceptance_window():
+    """Request-rounds counted more than ACCEPT_STALE_STEPS plain steps ago leave the window when newer ones come,
+    and the thinner window is taken as it is (the shrinkage towards S is the cold start's): a probe's rounds after a
+    long stretch of plain steps are the acceptance. Until then the window is the last ACCEPT_WINDOW."""
+    p = policy()
+    settle(p, [Req()], 0)  # a full window of rounds that accepted nothing
+    p.chosen[PLAIN] += ACCEPT_STALE_STEPS  # not yet stale
+    settle(p, [Req()], 4, rounds=32)
+    assert p.prior_accept() == pytest.approx(4 * 32 / ACCEPT_WINDOW)
+    p.chosen[PLAIN] += 1  # the first window's rounds are stale now; the 32 since are not
+    settle(p, [Req()], 4, rounds=16)
+    assert len(p._accept_window) == 48 and p.prior_accept() == 4.0
 
 
 def test_replayed_traces_follow_the_acceptance():
