@@ -503,7 +503,7 @@ class AdaptivePolicy:
         (`accepted_rounds`) is taken as it is."""
         mean = self.engine_accept()
         n = len(self._accept_window)
-        if self.global_accept is None or n >= ACCEPT_WINDOW or self._accept_counted >= ACCEPT_WINDOW:
+        if self.global_accept is None or self._accept_counted >= ACCEPT_WINDOW:  # (the window never holds more)
             return mean
         pseudo = PRIOR_ROUNDS * (1.0 - n / ACCEPT_WINDOW)
         return (mean * n + self.max_accept * pseudo) / (n + pseudo)
