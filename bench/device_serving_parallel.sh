@@ -1,45 +1,51 @@
 #!/usr/bin/env bash
-# Issue 16's serving bar, four runs at once on a four-GPU machine (nvidia-h100-x4): each run is
-# bench/device_serving_prefix.sh (plain, fixed, adaptive and a control copy, interleaved) on a GPU of its own
-# (CUDA_VISIBLE_DEVICES) and a quarter of the machine's physical cores (taskset; --pin-cpus deals that quarter among
-# its servers and its client), like a one-GPU machine's 16 CPUs. A multi-GPU machine's held time counts in full
-# against the device time and a one-GPU machine's at half (device README, 2026-11-26): four runs at once cost half
-# the device time of four in turn. On the H100 x4 (2026-11-26) the control copy's spread against its twin was the
-# one-GPU machine's: mean |.| per workload 0.6-1.5% at concurrency 1 and 0.7-6.5% at 8-64 (session 31's one-GPU
-# runs: 0.7-1.0% and 1.9-5.8%). Results under $OUT/g0..g3 (the runs' own layout) and each run's log in
-# $OUT/gN.log, bundled into $OUT/results.tgz at the end.
-#   MODES="short short prefix prefix": each run's workload (device_serving_prefix.sh's MODE);
-#   PASSESV="5 5 5 4": each run's passes; GPU_TESTS=1 (default): the `gpu` tests of tests/test_adaptive.py first,
-#   on GPU 3 and its cores; BENCH_TIMEOUT: each run's time limit (seconds, device_serving_prefix.sh's).
+# Issue 16's serving bar, one run per GPU at once on a multi-GPU machine (nvidia-h100-x4: four, nvidia-h100-x2 or
+# nvidia-h200-x2: two): each run is bench/device_serving_prefix.sh (plain, fixed, adaptive and a control copy,
+# interleaved) on a GPU of its own (CUDA_VISIBLE_DEVICES) and its share of the machine's physical cores (taskset;
+# --pin-cpus deals that share among its servers and its client): a quarter of the x4's 64 CPUs or half the x2's 32,
+# like a one-GPU machine's 16 CPUs. A multi-GPU machine's held time counts in full against the device time and a
+# one-GPU machine's at half (device README, 2026-11-26): four runs at once cost half the device time of four in turn,
+# two at once the same as two in turn (when the x4 is not lent), in half the wall time. On the H100 x4 (2026-11-26)
+# the control copy's spread against its twin was the one-GPU machine's: mean |.| per workload 0.6-1.5% at
+# concurrency 1 and 0.7-6.5% at 8-64 (session 31's one-GPU runs: 0.7-1.0% and 1.9-5.8%). Results under $OUT/g0,
+# g1, ... (the runs' own layout) and each run's log in $OUT/gN.log, bundled into $OUT/results.tgz at the end.
+#   MODES="short short prefix prefix": each run's workload (device_serving_prefix.sh's MODE), one per GPU (on two
+#   GPUs the first two); PASSESV="5 5 5 4": each run's passes; GPU_TESTS=1 (default): the `gpu` tests of
+#   tests/test_adaptive.py first, on the last GPU and its cores; BENCH_TIMEOUT: each run's time limit (seconds,
+#   device_serving_prefix.sh's).
 # Usage (repo root, fixture model in .carry/models/pycode-19m, server wheels in .whl):
 #   SPRUCE_GIT_COMMIT=<sha> bash bench/device_serving_parallel.sh
 set -u
 . bench/device_env.sh
 export SPRUCE_WHEELS_INSTALLED=1 SPRUCE_PYCODE_19M=$PWD/.carry/models/pycode-19m SPRUCE_GIT_COMMIT=${SPRUCE_GIT_COMMIT:-unknown}
 nvidia-smi -L; nproc
-python3 - > /tmp/core-quarters <<'PY'
+GPUS=$(nvidia-smi -L | wc -l)
+python3 - "$GPUS" > /tmp/core-shares <<'PY'
 import os
+import sys
 from spruce.bench.serving_launch import cpu_core
+gpus = int(sys.argv[1])
 cpus = sorted(os.sched_getaffinity(0))
 cores = sorted({cpu_core(cpu) for cpu in cpus})
-per = len(cores) // 4
-if per < 2:
-    raise SystemExit(f"four runs at once need at least 8 physical cores, this machine has {len(cores)}")
-for i in range(4):
+per = len(cores) // gpus
+if gpus < 2 or per < 2:
+    raise SystemExit(f"runs at once need at least two GPUs and two physical cores a GPU; this machine has {gpus} "
+                     f"GPUs and {len(cores)} physical cores")
+for i in range(gpus):
     mine = set(cores[i * per:(i + 1) * per])
     print(",".join(str(cpu) for cpu in cpus if cpu_core(cpu) in mine))
 PY
-cat /tmp/core-quarters
+cat /tmp/core-shares || exit 2
 ROOT=$OUT; T0=$SECONDS
 MODES=(${MODES:-short short prefix prefix}); PASSESV=(${PASSESV:-5 5 5 4})
-for i in 0 1 2 3; do
-  cpus=$(sed -n "$((i + 1))p" /tmp/core-quarters)
+for ((i = 0; i < GPUS; i++)); do
+  cpus=$(sed -n "$((i + 1))p" /tmp/core-shares)
   (
     export CUDA_VISIBLE_DEVICES=$i OUT=$ROOT/g$i; mkdir -p "$OUT"
-    if [ $i = 3 ] && [ "${GPU_TESTS:-1}" = 1 ]; then
+    if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = 1 ]; then
       SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 150 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
         -m gpu tests/test_adaptive.py > "$OUT/gpu_tests.log" 2>&1
-      echo "g3 gpu tests t=$((SECONDS - T0)): $(tail -1 "$OUT/gpu_tests.log")"
+      echo "g$i gpu tests t=$((SECONDS - T0)): $(tail -1 "$OUT/gpu_tests.log")"
     fi
     MODE=${MODES[$i]} PASSES=${PASSESV[$i]} REQUESTS="64 512 1024 1024" CONTROL=1 PIN_CPUS=1 NO_CACHE_RUN=0 \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-530} taskset -c "$cpus" bash bench/device_serving_prefix.sh > "$ROOT/g$i.log" 2>&1
