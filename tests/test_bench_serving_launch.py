@@ -149,6 +149,37 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     assert bar.run_figures(result) is None
 
 
+def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
+    """bench/serving_passes.py: per pass, the adaptive server against the better configuration (its copies
+    averaged), with the steps of the losing choice it ran (plain steps where fixed is better) and its engine
+    counters per decode step less the copies' mean, beside the copies' own difference."""
+    import bench_scripts
+
+    passes = bench_scripts.load("serving_passes")
+    fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
+
+    def level(tps: float, plain_steps: int, launch_s: float) -> dict:
+        return {"concurrency": 8, "output_throughput_tok_s": tps, "adaptive_steps": {"plain": plain_steps},
+                "engine": {"steps": {"decode": 1000}, "seconds": {"step.launch": launch_s}}}
+
+    runs = [{"name": "plain", "levels": [level(70.0, 0, 0.1), level(80.0, 0, 0.1)]},
+            {"name": "fixed", "levels": [level(100.0, 0, 0.5), level(90.0, 0, 0.6)]},
+            {"name": "adaptive", "levels": [level(99.0, 128, 0.8), level(96.0, 0, 0.7)]},
+            {"name": "fixed-again", "levels": [level(102.0, 0, 0.55), level(94.0, 0, 0.62)]}]
+    result = {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
+                                    f"fixed-again={fixed}"], "prompt_tokens": 128, "concurrency": [8]},
+              "figures": {"runs": runs}}
+    workload, records = passes.run_passes(result)
+    assert workload == "prompt128" and [r["pass"] for r in records] == [0, 1]
+    first, second = records
+    assert first["better"] == "fixed" and first["losing_steps"] == 128 and second["losing_steps"] == 0
+    assert first["versus_better"] == pytest.approx(99 / 101 - 1)
+    assert second["counters"]["step.launch"] == pytest.approx(700 - 610)  # us a decode step
+    assert second["control"]["step.launch"] == pytest.approx(620 - 600)
+    result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
+    assert passes.run_passes(result) is None
+
+
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
                                   ["--pin-cpus"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):

@@ -1,0 +1,132 @@
+"""Issue 16's bar pass by pass: where the adaptive server's shortfall against the better of plain and fixed comes
+from, over many `spruce bench serving --launch` results (bench/device_serving_prefix.sh with CONTROL=1).
+
+Per workload and concurrency the adaptive server's passes are grouped by whether its level ran any step of the
+losing choice (plain steps where the fixed server is the better one, rounds where the plain server is: probes and
+switches) and whether it was a run's first pass (where every load is learned). Each group: the adaptive server's
+tokens/s over the better configuration's in the same pass (copies averaged, as bench/serving_bar.py), mean and
+standard error over the passes. For the passes that ran the better choice only, the engine's own counters per
+decode step (launch, resolve, outputs, the engine process's step, ...: `engine.seconds` of each level) of the
+adaptive server less those of the better configuration's copies, beside the same difference between the two copies
+(the control): what the adaptive machinery costs the served engine's host when it decides nothing new.
+
+Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+from pathlib import Path
+
+from spruce.bench.common import write_result
+from spruce.bench.serving_launch import LaunchConfig
+
+COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
+            "process.send")
+
+
+def mean_se(values: list[float]) -> dict:
+    """Mean, its standard error (None for one value) and the count."""
+    return {"n": len(values), "mean": statistics.fmean(values),
+            "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
+
+
+def per_decode(level: dict, counter: str) -> float | None:
+    """A level's engine counter (seconds) per decode step, in microseconds (None: the level has no counters)."""
+    engine = level.get("engine") or {}
+    decodes = (engine.get("steps") or {}).get("decode")
+    seconds = (engine.get("seconds") or {}).get(counter)
+    return None if not decodes or seconds is None else seconds / decodes * 1e6
+
+
+def run_passes(result: dict) -> tuple[str, list[dict]] | None:
+    """One result's adaptive passes: (workload, one record per pass and concurrency), None without plain, fixed and
+    adaptive servers and a copy of the better one."""
+    config = result["config"]
+    prefix = config.get("shared_prefix_tokens") or 0
+    workload = f"prefix{prefix}+{config['prompt_tokens']}" if prefix else f"prompt{config['prompt_tokens']}"
+    launch = {cfg.name: shlex.join(cfg.flags) for cfg in map(LaunchConfig.parse, config.get("launch") or [])}
+    runs = {run["name"]: run for run in result["figures"]["runs"] if run.get("prefix_cache", True)}
+    if not {"plain", "fixed", "adaptive"} <= set(runs) <= set(launch):
+        return None
+    records = []
+    for concurrency in config["concurrency"]:
+        levels = {name: [lv for lv in run["levels"] if lv["concurrency"] == concurrency] for name, run in runs.items()}
+        mean_tps = {name: statistics.fmean(lv["output_throughput_tok_s"] for lv in lvs) if lvs else 0.0
+                    for name, lvs in levels.items()}
+        better = max(("plain", "fixed"), key=lambda name: mean_tps[name])
+        copies = [name for name in runs if launch[name] == launch[better]]
+        losing_steps = "plain" if better == "fixed" else "speculative"
+        passes = min(len(levels[name]) for name in ("adaptive", *copies))
+        for k in range(passes):
+            adaptive = levels["adaptive"][k]
+            better_tps = statistics.fmean(levels[name][k]["output_throughput_tok_s"] for name in copies)
+            record = {"concurrency": concurrency, "pass": k, "better": better,
+                      "losing_steps": adaptive.get("adaptive_steps", {}).get(losing_steps, 0),
+                      "versus_better": adaptive["output_throughput_tok_s"] / better_tps - 1.0, "counters": {},
+                      "control": {}}
+            for counter in COUNTERS:
+                theirs = [per_decode(levels[name][k], counter) for name in copies]
+                mine = per_decode(adaptive, counter)
+                if mine is not None and None not in theirs:
+                    record["counters"][counter] = mine - statistics.fmean(theirs)
+                    if len(theirs) == 2:
+                        record["control"][counter] = theirs[1] - theirs[0]
+            records.append(record)
+    return workload, records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    args = parser.parse_args()
+    table: dict[str, dict[int, list[dict]]] = {}
+    used, devices = [], set()
+    for path in args.results:
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != "serving" or "runs" not in result["figures"]:
+            continue
+        parsed = run_passes(result)
+        if parsed is None:
+            continue
+        workload, records = parsed
+        used.append(path.name)
+        devices.add(result["device"])
+        for record in records:
+            table.setdefault(workload, {}).setdefault(record["concurrency"], []).append(record)
+    summary = {}
+    for workload, per_c in table.items():
+        print(f"-- {workload}: adaptive vs the better server, pass by pass (mean +- standard error, passes)")
+        for concurrency, records in sorted(per_c.items()):
+            groups = {}
+            for record in records:
+                key = ("first" if record["pass"] == 0 else "later") + (
+                    ", losing choice ran" if record["losing_steps"] else ", better choice only")
+                groups.setdefault(key, []).append(record)
+            cell = {key: mean_se([r["versus_better"] for r in group]) for key, group in sorted(groups.items())}
+            clean = groups.get("later, better choice only", [])
+            host = {counter: {"adaptive_less_better_us": mean_se([r["counters"][counter] for r in clean
+                                                                  if counter in r["counters"]]),
+                              "control_us": mean_se([r["control"][counter] for r in clean if counter in r["control"]])}
+                    for counter in COUNTERS if sum(counter in r["counters"] and counter in r["control"]
+                                                   for r in clean) > 1}
+            summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host}
+            print(f"   concurrency {concurrency:>3}: " + "; ".join(
+                f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
+                + f" ({fig['n']})" for key, fig in cell.items()))
+            for counter, fig in host.items():
+                mine, control = fig["adaptive_less_better_us"], fig["control_us"]
+                print(f"      {counter:<17} adaptive - better {mine['mean']:+7.1f} +- {mine['se']:5.1f} us a decode"
+                      f" step (control {control['mean']:+7.1f} +- {control['se']:5.1f})")
+    device = next(iter(devices)) if len(devices) == 1 else "mixed"
+    path = write_result("serving-passes", device, {"results": used, "devices": sorted(devices)}, summary,
+                        args.out_dir)
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
