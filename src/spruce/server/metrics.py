@@ -349,6 +349,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
     series("spruce_adaptive_probes_total", "counter", "Probe epochs (the candidate the model did not choose, run "
            "for an epoch to re-measure it).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_probe_cost_factor", "gauge", "What probes of each candidate are taken to cost over "
+           "their modelled price (measured: the probe's epoch and the next one of the model's choice).",
+           [(f'choice="{c}"', v) for c, v in sorted(a.get("probe_cost_factor", {}).items())])
     series("spruce_adaptive_epochs_total", "counter", "Epochs measured (runs of decode steps of one choice at one "
            "bucket).", [("", a.get("epochs", 0))])
     series("spruce_adaptive_epochs_dropped_total", "counter", "Epochs dropped because the process stalled in them "

@@ -113,6 +113,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   PROBE_ALLOWANCE seconds (a probe that would exceed it waits); under rounds a load's own spacing takes only
   SWITCH_MARGIN over rounds' lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the
   128-token trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%).
+  Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
+  1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
+  by several times the probe's price).
   PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
   plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
   0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
@@ -192,7 +195,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spruce.errors import InvariantError
-from spruce.speculative.epoch_clock import SETTLED_EPOCHS, EpochClock, epoch_steps
+from spruce.speculative.epoch_clock import SETTLED_EPOCHS, Epoch, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
 
@@ -214,6 +217,8 @@ PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (lear
 PROBE_SHARE_MIN = 0.25  # plain probes under rounds get PROBE_BUDGET times SWITCH_MARGIN over rounds' lead, down to
 # this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
+PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
+PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`)
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
@@ -319,6 +324,19 @@ class _BucketState:
     model_choice: str | None = None
     check: bool = False  # the model's choice changed away from a settled one: its first probe is not budgeted
     last: Decision | None = None
+    measure: _ProbeMeasure | None = None  # the probe under way (or just ended) whose cost is being measured
+
+
+@dataclass
+class _ProbeMeasure:
+    """What a probe was priced at and what its cost is measured against (`AdaptivePolicy._measured_probe`)."""
+
+    choice: str  # the probed choice
+    priced: float  # its expected excess seconds as priced (`_probe_cost`, before `_probe_factor`)
+    catch_up: float  # the part of that which is its catch-up (priced, not measured: epochs leave catch-ups out)
+    model_seconds: float  # the model choice's mean busy seconds per request-step at the load (its epochs)
+    token_ratio: float  # the probed choice's tokens per request-step over the model choice's
+    excess: float | None = None  # the probe epoch's busy seconds over what its tokens cost at `model_seconds`
 
 
 @dataclass
@@ -352,6 +370,8 @@ class AdaptivePolicy:
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHOICES, 0))
     probes: int = 0
     probe_seconds: float = 0.0  # the probes' expected excess seconds (`_probe_cost`), summed
+    probe_cost_factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CHOICES, 1.0))  # per probed
+    # choice, the EMA of probes' measured over priced cost (`_measured_probe`)
     catch_ups: int = 0
     catch_up_positions: int = 0
     retries: int = 0  # requests retried in a round (collapsed: EMA below a tenth of the engine-wide one)
@@ -613,6 +633,7 @@ class AdaptivePolicy:
                         and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
                         and not self._collapsed(owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
+            st.measure = None
         if self._explore(st, d, load, request_tokens) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
         self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs,
@@ -799,12 +820,21 @@ class AdaptivePolicy:
             st.probe_left -= 1
             if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
+                if st.measure is not None and done and cur.choice == other:
+                    m = st.measure
+                    m.excess = cur.busy - cur.request_steps * m.model_seconds * m.token_ratio
+                else:
+                    st.measure = None
         elif done and cur.choice == model:
+            if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
+                self._measured_probe(st.measure, cur, load)
+                st.measure = None
             st.epochs_since_probe += 1
             spacing = st.probe_after
             other_seconds = self._probe_price(d, other, load)
             steps = self._epoch_steps(d, other, request_tokens)
-            cost = self._probe_cost(d, model, other, steps, other_seconds)
+            priced = self._probe_cost(d, model, other, steps, other_seconds)
+            cost = priced * self._probe_factor(other)
             if self.epochs.ratio(other, load) is not None and not st.check:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
@@ -815,12 +845,14 @@ class AdaptivePolicy:
                 if st.check or self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     st.check = False
+                    st.measure = self._probe_measure(d, model, other, load, steps, priced)
                     self.probes += 1
                     self.probe_seconds += cost
                     if log.isEnabledFor(logging.INFO):
                         log.info("adaptive probe %s", json.dumps({
                             "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
                             "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
+                            "cost_factor": self._probe_factor(other),
                             "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
 
@@ -878,8 +910,51 @@ class AdaptivePolicy:
         positions, and was 20% behind the plain server."""
         ratio = d.tokens_per_second_at(other, other_seconds) / max(d.tokens_per_second(model), 1e-12)
         excess = steps * other_seconds * max(1.0 - ratio, 0.0)
+        return excess + self._probe_catch_up(d, other, steps)
+
+    def _probe_catch_up(self, d: Decision, other: str, steps: int) -> float:
+        """The catch-up a probe of `steps` steps of `other` brings (`_probe_cost`): plain steps under rounds leave
+        the batch's drafts `steps` positions behind; rounds under plain steps first catch up the lag the batch
+        owes."""
         owed = d.batch_size * steps if other == PLAIN else d.catch_up_positions
-        return excess + (self.catch_up_seconds(owed) if owed else 0.0)
+        return self.catch_up_seconds(owed) if owed else 0.0
+
+    def _probe_factor(self, choice: str) -> float:
+        """What probes of `choice` are taken to cost over their price (`_probe_cost`): the EMA of their measured
+        over priced cost (`_measured_probe`), within 1 and PROBE_COST_FACTOR_MAX."""
+        return min(max(self.probe_cost_factor[choice], 1.0), PROBE_COST_FACTOR_MAX)
+
+    def _probe_measure(self, d: Decision, model: str, other: str, load: int, steps: int,
+                       priced: float) -> _ProbeMeasure | None:
+        """The record against which a probe of `other` that starts now (priced at `priced`) is measured: None while
+        the model choice has no realized figure at `load` to measure it against."""
+        model_seconds = self.epochs.mean_request_seconds(model, load)
+        if model_seconds is None or priced <= 0.0:
+            return None
+        return _ProbeMeasure(other, priced, self._probe_catch_up(d, other, steps), model_seconds,
+                             d.tokens_per_step[other] / d.tokens_per_step[model])
+
+    def _measured_probe(self, m: _ProbeMeasure, after: Epoch, load: int) -> None:
+        """A probe's cost as measured, once the first epoch of the model choice after it (`after`) is complete: the
+        probe epoch's busy seconds over what its tokens cost at the model choice's mean figure before it, plus
+        `after`'s over that figure (a probe leaves state behind: its catch-up, arrivals' drafts, requests out of
+        step), plus its catch-up as priced (epochs leave catch-ups out). Its ratio to the probe's price moves the
+        EMA behind `_probe_factor`, which spaces later probes of that choice by what they cost. On the H100 bars
+        of 2026-11-26 (bench/serving_passes.py, 32 runs) a pass whose level ran a probe trailed those that ran none
+        by 3-13 points at concurrency 8-32, 0.1-0.6 s of a level, where `_probe_cost` had priced them at 5-46 ms: the
+        probe budget, spent at those prices, was spent several times over. Each sample is noisy (an epoch reads
+        +-30% of its neighbours), so no one probe moves the factor far, and a sample is held within
+        +-PROBE_COST_FACTOR_MAX, negative ones kept (a probe that cost less than nothing is noise, and cut at 0 the
+        noise would only push the factor up); the mean figure, not the low median, is the yardstick, since the low
+        median sits below a typical epoch and would read every probe as costly."""
+        measured = m.excess + after.busy - after.request_steps * m.model_seconds + m.catch_up
+        sample = min(max(measured / m.priced, -PROBE_COST_FACTOR_MAX), PROBE_COST_FACTOR_MAX)
+        factor = self.probe_cost_factor[m.choice]
+        self.probe_cost_factor[m.choice] = factor + PROBE_COST_ALPHA * (sample - factor)
+        if log.isEnabledFor(logging.INFO):
+            log.info("adaptive probe measured %s", json.dumps({
+                "choice": m.choice, "load": load, "priced": m.priced, "measured": measured,
+                "factor": self.probe_cost_factor[m.choice]}))
 
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
@@ -1238,6 +1313,7 @@ class AdaptivePolicy:
         if self._tables is None:
             self._tables = self._build_tables()
         return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
+                "probe_cost_factor": {c: self._probe_factor(c) for c in CHOICES},
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
                 "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped,
