@@ -1063,6 +1063,28 @@ def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost():
     assert p.probe_cost_factor[SPECULATIVE] == 1.0  # no probe of rounds was measured
 
 
+def test_a_probes_cost_is_not_measured_over_a_drain_a_ramp_or_a_stall():
+    """A probe's cost is measured only over epochs that measure their load's steady state (`_undisturbed`): a
+    level's drain right after a probe (requests end, none arrive) would read as the probe's cost."""
+    from spruce.speculative.epoch_clock import Epoch
+
+    stalls = [0]
+    p = AdaptivePolicy(BUCKETS, {(c, b): 1e-3 for c in CHOICES for b in BUCKETS}, overlapped=True, max_accept=4,
+                       clock=Clock(), stalls=lambda: stalls[0])
+
+    def epoch(batches: list[int], arrivals: int) -> Epoch:
+        e = Epoch(PLAIN, 8, len(batches), stalls=0)
+        e.add_many(max(p.bucket_for(b) for b in batches), batches)
+        e.arrivals = arrivals
+        return e
+
+    assert p._undisturbed(epoch([8] * 16, arrivals=8))
+    assert not p._undisturbed(epoch([8] * 8 + [2] * 8, arrivals=0))  # a drain
+    assert not p._undisturbed(epoch([8] * 16, arrivals=40))  # more arrivals than load 8 takes in: a ramp
+    stalls[0] = 1
+    assert not p._undisturbed(epoch([8] * 16, arrivals=8))  # a compilation stalled it
+
+
 def test_a_collapsed_request_is_retried_with_backoff():
     """The H100 short-prompt run (2026-11-23, concurrency 1): rounds of 0.87 ms commit ~4.3 tokens against one per
     0.55 ms plain step, yet 42% of the steps were plain: a few rejected rounds put a request's EMA below the

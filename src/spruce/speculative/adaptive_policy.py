@@ -820,14 +820,15 @@ class AdaptivePolicy:
             st.probe_left -= 1
             if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
-                if st.measure is not None and done and cur.choice == other:
+                if st.measure is not None and done and cur.choice == other and self._undisturbed(cur):
                     m = st.measure
                     m.excess = cur.busy - cur.request_steps * m.model_seconds * m.token_ratio
                 else:
                     st.measure = None
         elif done and cur.choice == model:
             if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
-                self._measured_probe(st.measure, cur, load)
+                if self._undisturbed(cur):
+                    self._measured_probe(st.measure, cur, load)
                 st.measure = None
             st.epochs_since_probe += 1
             spacing = st.probe_after
@@ -933,6 +934,12 @@ class AdaptivePolicy:
             return None
         return _ProbeMeasure(other, priced, self._probe_catch_up(d, other, steps), model_seconds,
                              d.tokens_per_step[other] / d.tokens_per_step[model])
+
+    def _undisturbed(self, epoch: Epoch) -> bool:
+        """Whether `epoch` (complete, not yet recorded) measures its load's steady state: not a drain, not a ramp
+        into a larger load, no stall in it (what EpochClock drops). A probe's cost is not measured over one that
+        does not: a level's drain after a probe would read as the probe's cost."""
+        return not epoch.drained and not epoch.outgrown and epoch.stalls == self.epochs.stalls()
 
     def _measured_probe(self, m: _ProbeMeasure, after: Epoch, load: int) -> None:
         """A probe's cost as measured, once the first epoch of the model choice after it (`after`) is complete: the
