@@ -19,16 +19,10 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import write_result
-from spruce.bench.serving import paired_versus_best_other, paired_versus_twin
+from spruce.bench.serving import paired_versus_best_other, paired_versus_twin, workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
 BAR = ("plain", "fixed", "adaptive")
-
-
-def workload(config: dict) -> str:
-    """A result's workload: the shared-prefix one or short prompts."""
-    prefix = config.get("shared_prefix_tokens") or 0
-    return f"prefix{prefix}+{config['prompt_tokens']}" if prefix else f"prompt{config['prompt_tokens']}"
 
 
 def run_figures(result: dict) -> dict | None:
@@ -70,7 +64,7 @@ def main() -> None:
             continue
         figures = run_figures(result)
         if figures:
-            runs.append({"file": path.name, "git_commit": result["git_commit"], "workload": workload(result["config"]),
+            runs.append({"file": path.name, "git_commit": result["git_commit"], "workload": workload_name(result["config"]),
                          "levels": figures})
             devices.add(result["device"])
     table = {}

@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import write_result
+from spruce.bench.serving import workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
@@ -46,8 +47,7 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
     """One result's adaptive passes: (workload, one record per pass and concurrency), None without plain, fixed and
     adaptive servers and a copy of the better one."""
     config = result["config"]
-    prefix = config.get("shared_prefix_tokens") or 0
-    workload = f"prefix{prefix}+{config['prompt_tokens']}" if prefix else f"prompt{config['prompt_tokens']}"
+    workload = workload_name(config)
     launch = {cfg.name: shlex.join(cfg.flags) for cfg in map(LaunchConfig.parse, config.get("launch") or [])}
     runs = {run["name"]: run for run in result["figures"]["runs"] if run.get("prefix_cache", True)}
     if not {"plain", "fixed", "adaptive"} <= set(runs) <= set(launch):

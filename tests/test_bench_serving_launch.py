@@ -144,7 +144,7 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     got = bar.run_figures(result)["8"]
     assert got["adaptive_vs_better"] == pytest.approx(statistics.median([95 / 105 - 1, 99 / 91 - 1]))
     assert got["control_vs_twin"] == pytest.approx(statistics.median([110 / 100 - 1, 92 / 90 - 1]))
-    assert got["passes"] == 2 and bar.workload(result["config"]) == "prefix1024+256"
+    assert got["passes"] == 2 and bar.workload_name(result["config"]) == "prefix1024+256"
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert bar.run_figures(result) is None
 

@@ -684,6 +684,13 @@ def paired_versus_best_other(per_run: dict[str, list[float]],
             if (ratios := [ratio[name] for ratio in per_pass if name in ratio])}
 
 
+def workload_name(config: dict) -> str:
+    """A `bench serving` result's workload from its config: the shared-prefix one (prefix<tokens>+<prompt tokens>)
+    or short prompts (prompt<tokens>)."""
+    prefix = config.get("shared_prefix_tokens") or 0
+    return f"prefix{prefix}+{config['prompt_tokens']}" if prefix else f"prompt{config['prompt_tokens']}"
+
+
 def paired_versus_twin(per_run: dict[str, list[float]], configs: dict[str, str]) -> dict[str, float]:
     """Each run that has copies (runs of its configuration): its output tokens/s over the mean of its copies' in the
     same pass, less 1, the median over the passes they all have. How far one server's figure moves with nothing
