@@ -399,13 +399,3 @@ def test_the_epochs_tool_reads_what_the_clock_logs(caplog):
     assert summary["8/speculative"]["other"]["epochs"] == 1
     assert summary["8/speculative"]["other"]["median_us_per_request_step"] == pytest.approx(1000.0, rel=1e-3)
 
-
-def test_mean_request_seconds_is_the_typical_epoch_where_the_figure_is_the_low_median():
-    """`request_seconds` is the low median of a window (what the choice costs undisturbed); `mean_request_seconds`
-    the mean (what a typical epoch cost: the yardstick of a probe's measured cost)."""
-    clock = EpochClock(lambda choice, bucket: 1e-3)
-    for seconds in (1e-3, 1e-3, 4e-3):
-        clock.record("plain", 8, 1.0, seconds)
-    assert clock.request_seconds("plain", 8) == 1e-3
-    assert clock.mean_request_seconds("plain", 8) == pytest.approx(2e-3)
-    assert clock.mean_request_seconds("plain", 1) is None

@@ -334,8 +334,10 @@ class _ProbeMeasure:
     choice: str  # the probed choice
     priced: float  # its expected excess seconds as priced (`_probe_cost`, before `_probe_factor`)
     catch_up: float  # the part of that which is its catch-up (priced, not measured: epochs leave catch-ups out)
-    model_seconds: float  # the model choice's mean busy seconds per request-step at the load (its epochs)
-    token_ratio: float  # the probed choice's tokens per request-step over the model choice's
+    model_seconds: float  # the model choice's realized busy seconds per request-step at the load
+    model_tokens: float  # ... and its tokens per request-step (1 + the engine-wide acceptance for rounds)
+    drafts: float  # the policy's counted drafts and request-rounds when the probe began: a probe of rounds commits
+    rounds: int  # 1 + the drafts its own request-rounds accepted per request-step
     excess: float | None = None  # the probe epoch's busy seconds over what its tokens cost at `model_seconds`
 
 
@@ -405,6 +407,7 @@ class AdaptivePolicy:
         self._accept_sum = 0.0  # their sum
         self._accept_stamps: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # plain steps before each
         self._accept_counted = 0  # request-rounds counted since the start (the prior's shrinkage ends at a window's)
+        self._accept_drafts = 0.0  # ... and the drafts they accepted (a probe's own acceptance: `_ProbeMeasure`)
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
         self._recent_loads: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
@@ -822,7 +825,9 @@ class AdaptivePolicy:
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
                 if st.measure is not None and done and cur.choice == other and self._undisturbed(cur):
                     m = st.measure
-                    m.excess = cur.busy - cur.request_steps * m.model_seconds * m.token_ratio
+                    rounds = self._accept_counted - m.rounds
+                    tokens = 1.0 + (self._accept_drafts - m.drafts) / rounds if other == SPECULATIVE and rounds else 1.0
+                    m.excess = cur.busy - cur.request_steps * m.model_seconds * tokens / m.model_tokens
                 else:
                     st.measure = None
         elif done and cur.choice == model:
@@ -929,11 +934,11 @@ class AdaptivePolicy:
                        priced: float) -> _ProbeMeasure | None:
         """The record against which a probe of `other` that starts now (priced at `priced`) is measured: None while
         the model choice has no realized figure at `load` to measure it against."""
-        model_seconds = self.epochs.mean_request_seconds(model, load)
+        model_seconds = self.epochs.request_seconds(model, load)
         if model_seconds is None or priced <= 0.0:
             return None
         return _ProbeMeasure(other, priced, self._probe_catch_up(d, other, steps), model_seconds,
-                             d.tokens_per_step[other] / d.tokens_per_step[model])
+                             d.tokens_per_step[model], self._accept_drafts, self._accept_counted)
 
     def _undisturbed(self, epoch: Epoch) -> bool:
         """Whether `epoch` (complete, not yet recorded) measures its load's steady state: not a drain, not a ramp
@@ -943,17 +948,22 @@ class AdaptivePolicy:
 
     def _measured_probe(self, m: _ProbeMeasure, after: Epoch, load: int) -> None:
         """A probe's cost as measured, once the first epoch of the model choice after it (`after`) is complete: the
-        probe epoch's busy seconds over what its tokens cost at the model choice's mean figure before it, plus
-        `after`'s over that figure (a probe leaves state behind: its catch-up, arrivals' drafts, requests out of
-        step), plus its catch-up as priced (epochs leave catch-ups out). Its ratio to the probe's price moves the
-        EMA behind `_probe_factor`, which spaces later probes of that choice by what they cost. On the H100 bars
+        probe epoch's busy seconds over what its tokens (a probe of rounds: at the acceptance its own rounds had)
+        cost at the model choice's realized figure before it, plus `after`'s over that figure (a probe leaves state
+        behind: its catch-up, arrivals' drafts, requests out of step), plus its catch-up as priced (epochs leave
+        catch-ups out). Its ratio to the probe's price moves the EMA behind `_probe_factor`, which spaces later
+        probes of that choice by what they cost. On the H100 bars
         of 2026-11-26 (bench/serving_passes.py, 32 runs) a pass whose level ran a probe trailed those that ran none
         by 3-13 points at concurrency 8-32, 0.1-0.6 s of a level, where `_probe_cost` had priced them at 5-46 ms: the
         probe budget, spent at those prices, was spent several times over. Each sample is noisy (an epoch reads
         +-30% of its neighbours), so no one probe moves the factor far, and a sample is held within
         +-PROBE_COST_FACTOR_MAX, negative ones kept (a probe that cost less than nothing is noise, and cut at 0 the
-        noise would only push the factor up); the mean figure, not the low median, is the yardstick, since the low
-        median sits below a typical epoch and would read every probe as costly."""
+        noise would only push the factor up). The yardstick is the model choice's figure, the low median of its
+        epochs, not their mean: one epoch that held a stall or a burst of prefills (on the CPU, a prefill of eight
+        prompts outlasts many steps) moves a mean of five far, and every probe measured against it read as a gain.
+        A probe of rounds is measured at its own rounds' acceptance, not the one it was priced at: on the CPU the
+        prior put them at 4 tokens where they committed ~1.2, and the tokens they did not commit read as a gain
+        too (measured over priced -970 and -310, held at -16)."""
         measured = m.excess + after.busy - after.request_steps * m.model_seconds + m.catch_up
         sample = min(max(measured / m.priced, -PROBE_COST_FACTOR_MAX), PROBE_COST_FACTOR_MAX)
         factor = self.probe_cost_factor[m.choice]
@@ -1294,6 +1304,8 @@ class AdaptivePolicy:
                 self._accept_sum -= window.popleft()
             stamps.extend(itertools.repeat(plain_steps, min(len(counted), ACCEPT_WINDOW)))
             self._accept_counted += len(counted)
+            total = sum(counted)
+            self._accept_drafts += total
         if len(counted) >= window.maxlen:
             window.clear()
             window.extend(counted[-window.maxlen:])
@@ -1303,7 +1315,7 @@ class AdaptivePolicy:
             if overflow > 0:
                 self._accept_sum -= sum(itertools.islice(window, overflow))
             window.extend(counted)
-            self._accept_sum += sum(counted)
+            self._accept_sum += total if counted else 0
         if not window:
             return
         self.global_accept = self._accept_sum / len(window)

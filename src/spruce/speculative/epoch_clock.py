@@ -336,13 +336,6 @@ class EpochClock:
         window = self._windows.get((choice, bucket))
         return statistics.median_low(f.request_seconds for f in window) if window else None
 
-    def mean_request_seconds(self, choice: str, bucket: int) -> float | None:
-        """The mean over the last epochs of `choice` at load `bucket` of their busy seconds per request-step (what a
-        typical epoch cost, where `request_seconds` gives the low median: what the choice costs undisturbed), None
-        before its first."""
-        window = self._windows.get((choice, bucket))
-        return statistics.fmean(f.request_seconds for f in window) if window else None
-
     def count(self, choice: str, bucket: int, probes: bool = True) -> int:
         """The epochs behind the figure of `choice` at load `bucket` (at most EPOCH_WINDOW); not counting probes'
         epochs unless `probes`."""
