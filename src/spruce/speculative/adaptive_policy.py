@@ -336,8 +336,8 @@ class _ProbeMeasure:
     catch_up: float  # the part of that which is its catch-up (priced, not measured: epochs leave catch-ups out)
     model_seconds: float  # the model choice's realized busy seconds per request-step at the load
     model_tokens: float  # ... and its tokens per request-step (1 + the engine-wide acceptance for rounds)
-    drafts: float  # the policy's counted drafts and request-rounds when the probe began: a probe of rounds commits
-    rounds: int  # 1 + the drafts its own request-rounds accepted per request-step
+    drafts: float  # the drafts of the request-rounds the policy had counted when the probe began ...
+    rounds: int  # ... and those request-rounds (a probe of rounds commits 1 + its own rounds' drafts a request-step)
     excess: float | None = None  # the probe epoch's busy seconds over what its tokens cost at `model_seconds`
 
 
