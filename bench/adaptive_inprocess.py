@@ -1,5 +1,5 @@
-"""Adaptive speculation against plain decoding in one process, engines alternated (issue 16): the serving bar's
-shared-prefix workload without the servers.
+"""Adaptive speculation against plain decoding (or a fixed round) in one process, engines alternated (issue 16): the
+serving bar's workloads without the servers.
 
 Served, two identical plain servers differ by up to 10-25% in a pass, and on the H200 an adaptive server trailed plain
 at concurrency 1 by ~8% in three runs while this benchmark put the engines 1-2% apart. Here the engines are built side
@@ -9,20 +9,31 @@ repetition runs each engine once, in a rotating order, so that the machine's dri
 - plain: the target alone;
 - adaptive: `speculative_adaptive` over the (5, 4, 8) EAGLE-3 round, its own policy (probes included);
 - forced (`--forced`): the adaptive engine with rounds priced out (1 s a step), so its model always chooses plain
-  steps: what the adaptive machinery costs when it never speculates.
-Every request is one 1024-token shared prefix + its own held-out prompt (256 tokens), 128 output tokens, greedy;
-the prompts are sent twice before measuring, so the prefix cache holds them as in a serving run's later passes.
+  steps: what the adaptive machinery costs when it never speculates;
+- fixed (`--kinds`): the same (5, 4, 8) round, not adaptive;
+- rounds (`--kinds`): the adaptive engine with plain steps priced out, so it runs rounds only: what the adaptive
+  machinery costs when it always speculates (against fixed: on the H100, 2026-11-26, 128-token prompts, its
+  launch +35 us and resolve +15 us a decode step at concurrency 8).
+`--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256
+tokens); `short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring,
+so the prefix cache holds them as in a serving run's later passes.
 Per repetition and engine: output tokens/s, median TTFT (launch to first token), TPOT, and the engine's own step
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
-choices, probes and catch-ups. Medians over repetitions and their ratio to plain go into the summary.
+choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
+the summary. `--profile`: each engine's last repetition at each concurrency runs under cProfile, whose top
+functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt.
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
-    [--repeats 6] [--requests 48] [--forced] [--out-dir bench/results]
+    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--workload prefix|short] [--profile]
+    [--out-dir bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -32,24 +43,25 @@ import torch
 from spruce import LLM, SamplingParams
 from spruce.bench.common import price_out, write_result
 from spruce.bench.serving import load_prompts
-from spruce.speculative.adaptive_policy import SPECULATIVE
+from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
 MAX_TOKENS = 128
-SHARED_PREFIX_TOKENS = 1024
-PROMPT_TOKENS = 256
+WORKLOADS = {"prefix": (1024, 256), "short": (0, 128)}  # (shared prefix tokens, prompt tokens)
+KINDS = ("plain", "adaptive", "forced", "fixed", "rounds")
 
 
 def build(kind: str, args) -> LLM:
-    """The engine named `kind`: plain, adaptive, or forced (adaptive with rounds priced out)."""
+    """The engine named `kind`: plain, adaptive, forced (adaptive with rounds priced out), fixed, or rounds
+    (adaptive with plain steps priced out)."""
     kw = dict(page_size=16, max_running_requests=64, device=args.device)
     if args.device == "cuda":
         kw["dtype"] = "bfloat16"
     if kind != "plain":
         kw.update(draft_model=args.draft, speculative_num_steps=5, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=8, speculative_adaptive=True)
+                  speculative_num_draft_tokens=8, speculative_adaptive=kind != "fixed")
     llm = LLM(args.model, **kw)
-    if kind == "forced":
-        price_out(llm, SPECULATIVE)
+    if kind in ("forced", "rounds"):
+        price_out(llm, SPECULATIVE if kind == "forced" else PLAIN)
     return llm
 
 
@@ -92,7 +104,7 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
     wall = time.perf_counter() - start
     after = engine.stats()
     steps_before, steps_after = before["steps"], after["steps"]
-    adaptive = after["adaptive"]
+    adaptive = after.get("adaptive")
     return {
         "tokens_per_s": round(tokens / wall, 1),
         "ttft_ms_median": round(statistics.median(ttft) * 1e3, 3),
@@ -114,13 +126,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48,
                     help="requests per repetition at concurrency 1 (16 x concurrency when that is more)")
     ap.add_argument("--forced", action="store_true", help="also the adaptive engine with rounds priced out")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["plain", "adaptive"],
+                    help="the engines to alternate (--forced adds forced)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="prefix")
+    ap.add_argument("--profile", action="store_true", help="each engine's last repetition under cProfile")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
-    kinds = ["plain", "adaptive"] + (["forced"] if args.forced else [])
+    kinds = list(dict.fromkeys(args.kinds + (["forced"] if args.forced else [])))
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     llms = {kind: build(kind, args) for kind in kinds}
-    prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", PROMPT_TOKENS, llms["plain"].engine.tokenizer,
-                           SHARED_PREFIX_TOKENS)
+    shared_prefix_tokens, prompt_tokens = WORKLOADS[args.workload]
+    prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", prompt_tokens,
+                           llms[kinds[0]].engine.tokenizer, shared_prefix_tokens)
     for llm in llms.values():  # every prompt twice: the cache holds them (an adaptive engine inserts a prompt's
         closed_loop(llm, prompts, 0, 1, len(prompts))  # pages the second time, speculative/adaptive.py)
         closed_loop(llm, prompts, 0, 8, len(prompts))
@@ -130,7 +148,16 @@ def main() -> None:
         per_kind = {kind: [] for kind in kinds}
         for rep in range(args.repeats):
             for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
+                profile = cProfile.Profile() if args.profile and rep == args.repeats - 1 else None
+                if profile is not None:
+                    profile.enable()
                 figures = closed_loop(llms[kind], prompts, rep * num_requests, concurrency, num_requests)
+                if profile is not None:
+                    profile.disable()
+                    report = io.StringIO()
+                    pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(60)
+                    (Path(args.out_dir) / f"adaptive-inprocess-profile-{kind}-{concurrency}.txt").write_text(
+                        report.getvalue())
                 per_kind[kind].append(figures)
                 print(f"concurrency {concurrency} rep {rep} {kind}: {figures}", flush=True)
         runs[str(concurrency)] = per_kind
@@ -138,11 +165,13 @@ def main() -> None:
                           for f in ("tokens_per_s", "ttft_ms_median", "tpot_us_median")}
                    for kind, rows in per_kind.items()}
         for kind, med in medians.items():
-            med["vs_plain"] = round(med["tokens_per_s"] / medians["plain"]["tokens_per_s"] - 1, 4)
+            for base in ("plain", "fixed"):
+                if base in medians:
+                    med[f"vs_{base}"] = round(med["tokens_per_s"] / medians[base]["tokens_per_s"] - 1, 4)
             print(f"concurrency {concurrency} {kind}: {med}", flush=True)
         summary[str(concurrency)] = medians
-    config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": SHARED_PREFIX_TOKENS,
-                           "prompt_tokens": PROMPT_TOKENS, "num_prompts": len(prompts)}
+    config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": shared_prefix_tokens,
+                           "prompt_tokens": prompt_tokens, "num_prompts": len(prompts)}
     path = write_result("adaptive-inprocess", args.device, config, {"summary": summary, "runs": runs},
                         Path(args.out_dir))
     print(f"results: {path}")
