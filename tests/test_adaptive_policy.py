@@ -1063,9 +1063,10 @@ def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost():
     assert p.probe_cost_factor[SPECULATIVE] == 1.0  # no probe of rounds was measured
 
 
-def test_a_probes_cost_is_not_measured_over_a_drain_a_ramp_or_a_stall():
+def test_a_probes_cost_is_measured_over_steady_epochs_only():
     """A probe's cost is measured only over epochs that measure their load's steady state (`_undisturbed`): a
-    level's drain right after a probe (requests end, none arrive) would read as the probe's cost."""
+    level's drain right after a probe (requests end, none arrive) would read as the probe's cost (`EpochClock.steady`,
+    the epochs the clock itself holds or drops)."""
     from spruce.speculative.epoch_clock import Epoch
 
     stalls = [0]
@@ -1078,11 +1079,11 @@ def test_a_probes_cost_is_not_measured_over_a_drain_a_ramp_or_a_stall():
         e.arrivals = arrivals
         return e
 
-    assert p._undisturbed(epoch([8] * 16, arrivals=8))
-    assert not p._undisturbed(epoch([8] * 8 + [2] * 8, arrivals=0))  # a drain
-    assert not p._undisturbed(epoch([8] * 16, arrivals=40))  # more arrivals than load 8 takes in: a ramp
+    assert p.epochs.steady(epoch([8] * 16, arrivals=8))
+    assert not p.epochs.steady(epoch([8] * 8 + [2] * 8, arrivals=0))  # a drain
+    assert not p.epochs.steady(epoch([8] * 16, arrivals=40))  # more arrivals than load 8 takes in: a ramp
     stalls[0] = 1
-    assert not p._undisturbed(epoch([8] * 16, arrivals=8))  # a compilation stalled it
+    assert not p.epochs.steady(epoch([8] * 16, arrivals=8))  # a compilation stalled it
 
 
 def test_a_collapsed_request_is_retried_with_backoff():

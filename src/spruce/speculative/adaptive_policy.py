@@ -823,7 +823,7 @@ class AdaptivePolicy:
             st.probe_left -= 1
             if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
-                if st.measure is not None and done and cur.choice == other and self._undisturbed(cur):
+                if st.measure is not None and done and cur.choice == other and self.epochs.steady(cur):
                     m = st.measure
                     rounds = self._accept_counted - m.rounds
                     tokens = 1.0 + (self._accept_drafts - m.drafts) / rounds if other == SPECULATIVE and rounds else 1.0
@@ -832,7 +832,7 @@ class AdaptivePolicy:
                     st.measure = None
         elif done and cur.choice == model:
             if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
-                if self._undisturbed(cur):
+                if self.epochs.steady(cur):
                     self._measured_probe(st.measure, cur, load)
                 st.measure = None
             st.epochs_since_probe += 1
@@ -940,20 +940,15 @@ class AdaptivePolicy:
         return _ProbeMeasure(other, priced, self._probe_catch_up(d, other, steps), model_seconds,
                              d.tokens_per_step[model], self._accept_drafts, self._accept_counted)
 
-    def _undisturbed(self, epoch: Epoch) -> bool:
-        """Whether `epoch` (complete, not yet recorded) measures its load's steady state: not a drain, not a ramp
-        into a larger load, no stall in it (what EpochClock drops). A probe's cost is not measured over one that
-        does not: a level's drain after a probe would read as the probe's cost."""
-        return not epoch.drained and not epoch.outgrown and epoch.stalls == self.epochs.stalls()
-
     def _measured_probe(self, m: _ProbeMeasure, after: Epoch, load: int) -> None:
         """A probe's cost as measured, once the first epoch of the model choice after it (`after`) is complete: the
         probe epoch's busy seconds over what its tokens (a probe of rounds: at the acceptance its own rounds had)
         cost at the model choice's realized figure before it, plus `after`'s over that figure (a probe leaves state
         behind: its catch-up, arrivals' drafts, requests out of step), plus its catch-up as priced (epochs leave
-        catch-ups out). Its ratio to the probe's price moves the EMA behind `_probe_factor`, which spaces later
-        probes of that choice by what they cost. On the H100 bars
-        of 2026-11-26 (bench/serving_passes.py, 32 runs) a pass whose level ran a probe trailed those that ran none
+        catch-ups out). Neither epoch may be a drain, a ramp or a stall (`EpochClock.steady`): a level's drain
+        after a probe would read as its cost. Its ratio to the probe's price moves the EMA behind `_probe_factor`,
+        which spaces later probes of that choice by what they cost. On the H100 bars of 2026-11-26
+        (bench/serving_passes.py, 32 runs) a pass whose level ran a probe trailed those that ran none
         by 3-13 points at concurrency 8-32, 0.1-0.6 s of a level, where `_probe_cost` had priced them at 5-46 ms: the
         probe budget, spent at those prices, was spent several times over. Each sample is noisy (an epoch reads
         +-30% of its neighbours), so no one probe moves the factor far, and a sample is held within
@@ -1296,7 +1291,7 @@ class AdaptivePolicy:
                     count(accepted)
                     own.ema += alpha * (accepted - own.ema)
                     own.rounds += 1
-        window, stamps = self._accept_window, self._accept_stamps
+        window, stamps, total = self._accept_window, self._accept_stamps, sum(counted)
         if counted:  # request-rounds from before a long stretch of plain steps price rounds no longer
             plain_steps = self.chosen[PLAIN]
             while stamps and stamps[0] < plain_steps - ACCEPT_STALE_STEPS:
@@ -1304,7 +1299,6 @@ class AdaptivePolicy:
                 self._accept_sum -= window.popleft()
             stamps.extend(itertools.repeat(plain_steps, min(len(counted), ACCEPT_WINDOW)))
             self._accept_counted += len(counted)
-            total = sum(counted)
             self._accept_drafts += total
         if len(counted) >= window.maxlen:
             window.clear()
@@ -1315,7 +1309,7 @@ class AdaptivePolicy:
             if overflow > 0:
                 self._accept_sum -= sum(itertools.islice(window, overflow))
             window.extend(counted)
-            self._accept_sum += total if counted else 0
+            self._accept_sum += total
         if not window:
             return
         self.global_accept = self._accept_sum / len(window)

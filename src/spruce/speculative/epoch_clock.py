@@ -293,7 +293,7 @@ class EpochClock:
                       "%d arrivals", cur.choice, cur.bucket, cur.steps, dict(cur.step_buckets), cur.first_batch,
                       cur.last_batch, cur.arrivals)
             return
-        if self.stalls() != cur.stalls:
+        if self.stalled(cur):
             self.dropped += 1
             log.debug("epoch dropped (stall): %s at load %d, %d steps", cur.choice, cur.bucket, cur.steps)
             return
@@ -312,6 +312,15 @@ class EpochClock:
             return
         self.record(cur.choice, cur.bucket, ratio, request_seconds, cur.probe)
         self.epochs += 1
+
+    def stalled(self, epoch: Epoch) -> bool:
+        """The process stalled during `epoch` (its busy time holds the stall, not its choice's cost)."""
+        return self.stalls() != epoch.stalls
+
+    def steady(self, epoch: Epoch) -> bool:
+        """`epoch` measures its load's steady state: not a drain, not a ramp into a larger load, no stall in it
+        (each of which `_end` holds or drops)."""
+        return not epoch.drained and not epoch.outgrown and not self.stalled(epoch)
 
     def record(self, choice: str, bucket: int, ratio: float, request_seconds: float, probe: bool = False) -> None:
         """One epoch's figure for `choice` at load `bucket`: busy over modelled seconds, and busy seconds per
