@@ -4,8 +4,10 @@ from, over many `spruce bench serving --launch` results (bench/device_serving_pr
 Per workload and concurrency the adaptive server's passes are grouped by whether its level ran any step of the
 losing choice (plain steps where the fixed server is the better one, rounds where the plain server is: probes and
 switches) and whether it was a run's first pass (where every load is learned). Each group: the adaptive server's
-tokens/s over the better configuration's in the same pass (copies averaged, as bench/serving_bar.py), mean and
-standard error over the passes. For the passes that ran the better choice only, the engine's own counters per
+tokens/s over the better configuration's in the same pass (the level's better one, by its mean over the passes,
+its copies averaged; bench/serving_bar.py takes the better one of each pass, the same configuration wherever the
+two differ by more than the noise, as plain and fixed do on these workloads), mean and standard error over the
+passes. For the passes that ran the better choice only, the engine's own counters per
 decode step (launch, resolve, outputs, the engine process's step, ...: `engine.seconds` of each level) of the
 adaptive server less those of the better configuration's copies, beside the same difference between the two copies
 (the control): what the adaptive machinery costs the served engine's host when it decides nothing new.
