@@ -1,0 +1,39 @@
+"""bench/adaptive_inprocess.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): the engines
+`--kinds` names are built as named (fixed: not adaptive; rounds: adaptive with plain steps priced out, so it runs
+rounds only), `--workload short` sends the 128-token prompts without a shared prefix, and `--profile` writes each
+engine's cProfile report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import bench_scripts
+from checkpoints import python_source_prompts, write_eagle3_checkpoint
+from spruce.config import builtin_model_path
+
+
+def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
+    bench = bench_scripts.load("adaptive_inprocess")
+    model = tmp_path / "model"
+    shutil.copytree(builtin_model_path(), model)
+    (model / "heldout_prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                         for t in python_source_prompts()[:2]))
+    draft = write_eagle3_checkpoint(tmp_path / "draft", builtin_model_path(), seed=1)
+    out = tmp_path / "out"
+    monkeypatch.setattr(bench, "MAX_TOKENS", 4)
+    monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
+                                      "--device", "cpu", "--kinds", "fixed", "rounds", "--workload", "short",
+                                      "--concurrency", "2", "--repeats", "1", "--requests", "2", "--profile",
+                                      "--out-dir", str(out)])
+    bench.main()
+    result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
+    assert result["config"]["kinds"] == ["fixed", "rounds"]
+    assert (result["config"]["shared_prefix_tokens"], result["config"]["prompt_tokens"]) == (0, 128)
+    (fixed,), (rounds,) = result["figures"]["runs"]["2"]["fixed"], result["figures"]["runs"]["2"]["rounds"]
+    assert fixed["adaptive_total"] is None and fixed["steps"]["rounds"] == fixed["steps"]["decodes"] > 0
+    assert rounds["adaptive_total"]["chosen"]["plain"] == 0 and rounds["adaptive_total"]["chosen"]["speculative"] > 0
+    assert "vs_fixed" in result["figures"]["summary"]["2"]["rounds"]
+    for kind in ("fixed", "rounds"):
+        assert "function calls" in (out / f"adaptive-inprocess-profile-{kind}-2.txt").read_text()
