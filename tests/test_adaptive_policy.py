@@ -13,7 +13,7 @@ import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
-from spruce.speculative.adaptive_policy import (ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN,
+from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
@@ -433,6 +433,28 @@ def test_an_idle_gap_ends_the_load():
 
     assert first_choice(idle=True) == PLAIN
     assert first_choice(idle=False) == SPECULATIVE
+
+
+def test_a_dip_runs_its_loads_model_choice_and_leaves_it():
+    """A level's drain at load 8 (rounds its model choice): two requests left, their drafts 35 positions behind (a
+    plain probe's) with 3 tokens to go, so a round over them pays the whole catch-up. A batch below half its load
+    (`_steady`) runs the load's choice, rounds, and leaves it the model choice; the same lag over a batch of 4, half
+    the load, decides by itself (plain steps) and switches the load. On the H100 (762c84e, 2026-11-26) such a switch
+    in a concurrency-64 level's drain set plain steps as the load's choice for the next level: 17% behind the fixed
+    server."""
+    def drain(batch: int) -> tuple[str, str]:
+        p = policy(plain=1e-3, spec=2e-3)
+        set_accept(p, 3.0)
+        for n, seconds in ((16, 3.1e-3), (23, 4.3e-3), (30, 3.4e-3)):  # a catch-up costs ~3.5 ms
+            p.caught_up(n, seconds, seconds)
+        reqs = [Req() for _ in range(8)]
+        assert p.decide(reqs).choice == SPECULATIVE
+        d = p.decide(reqs[:batch], lags=[35] * batch, tokens_left=3)
+        assert p._load_bucket(batch) == 8
+        return d.choice, p._state[8].model_choice
+
+    assert drain(2) == (SPECULATIVE, SPECULATIVE)
+    assert drain(4) == (PLAIN, PLAIN)
 
 
 def test_a_level_that_ramps_up_is_priced_at_the_requests_it_holds():
@@ -1728,9 +1750,10 @@ def test_a_change_of_workload_is_found_by_a_probe():
 
 
 def test_stale_request_rounds_leave_the_acceptance_window():
-    """Request-rounds counted more than ACCEPT_STALE_STEPS plain steps ago leave the window when newer ones come,
-    and the thinner window is taken as it is (the shrinkage towards S is the cold start's): a probe's rounds after a
-    long stretch of plain steps are the acceptance. Until then the window is the last ACCEPT_WINDOW."""
+    """Request-rounds counted more than ACCEPT_STALE_STEPS plain steps ago leave the window as newer ones come, down to
+    ACCEPT_FRESH_MIN request-rounds in all, and the window is then taken as it is (the shrinkage towards S is the cold
+    start's): a probe's rounds after a long stretch of plain steps are the acceptance once there are that many of
+    them. Until then the window is the last ACCEPT_WINDOW."""
     p = policy()
     settle(p, [Req()], 0)  # a full window of rounds that accepted nothing
     p.chosen[PLAIN] += ACCEPT_STALE_STEPS  # not yet stale
@@ -1738,7 +1761,32 @@ def test_stale_request_rounds_leave_the_acceptance_window():
     assert p.prior_accept() == pytest.approx(4 * 32 / ACCEPT_WINDOW)
     p.chosen[PLAIN] += 1  # the first window's rounds are stale now; the 32 since are not
     settle(p, [Req()], 4, rounds=16)
-    assert len(p._accept_window) == 48 and p.prior_accept() == 4.0
+    assert len(p._accept_window) == ACCEPT_FRESH_MIN  # 48 fresh, 16 stale stay beside them
+    assert p.prior_accept() == pytest.approx(4 * 48 / ACCEPT_FRESH_MIN)
+    settle(p, [Req()], 4, rounds=16)
+    assert len(p._accept_window) == ACCEPT_FRESH_MIN and p.prior_accept() == 4.0
+    settle(p, [Req()], 4, rounds=16)
+    assert len(p._accept_window) == ACCEPT_FRESH_MIN + 16 and p.prior_accept() == 4.0
+
+
+def test_one_round_after_a_long_stretch_of_plain_steps_does_not_switch_the_load():
+    """A probe's first round over a batch, after more than ACCEPT_STALE_STEPS plain steps, is ACCEPT_FRESH_MIN's
+    fraction of the acceptance, not all of it: on the H100 (762c84e, 2026-11-26, 1k shared prefix, where rounds
+    accept ~0.15 drafts) one round over 11 requests read 0.27, the concurrency-32 load switched to rounds at the
+    probe's second step, and 875 rounds with 19 catch-ups followed in that load's next two passes, 9-11% behind the
+    plain server. Here a window of rounds that accepted 1 draft, then one round of 8 that accepted 3 each, with rounds
+    costing 1.5x plain steps: rounds pay from 0.5 drafts a round, so the load stays plain; a window of such rounds does
+    switch it."""
+    p = policy(plain=1e-3, spec=1.5e-3)
+    reqs = [Req() for _ in range(8)]
+    settle(p, reqs, 0)
+    assert p.decide(reqs).choice == PLAIN
+    p.chosen[PLAIN] += ACCEPT_STALE_STEPS + 1
+    settle(p, reqs, 3, rounds=1)
+    assert p.prior_accept() == pytest.approx(3 * 8 / ACCEPT_FRESH_MIN)
+    assert p.decide(reqs).choice == PLAIN
+    settle(p, reqs, 3, rounds=ACCEPT_FRESH_MIN // 8)
+    assert p.decide(reqs).choice == SPECULATIVE
 
 
 def test_replayed_traces_follow_the_acceptance():

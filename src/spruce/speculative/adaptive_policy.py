@@ -158,6 +158,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   H100 at concurrency 1, 2026-11-23, rounds' realized figure put them 10% ahead while a fixed server was 23-40%
   ahead of a plain one, and a 10% margin without hold kept the adaptive server in plain steps for half its steps),
   and plain steps took over from rounds as soon as rounds were not 2% ahead.
+- A dip: a decision over a batch below half its load bucket (`_steady`: a level's ramp or drain) runs the load's
+  model choice and changes it not. Such a batch's own price is the catch-up its few requests owe over the few tokens
+  they have left, which says nothing of the load's steady state, and the changed choice stood for the load's next
+  level: on the H100 (762c84e, 2026-11-26, 128-token prompts, where rounds lead by 20-40% at 8-64) a plain probe
+  that began in a concurrency-64 level's drain left its 4 last requests 35 positions behind, rounds over them priced
+  at 30k tokens/s against plain steps' 33k, the load switched to plain steps, and the next concurrency-64 level ran
+  plain steps until it switched back 0.4 s in (17% behind the fixed server); loads 8 and 32 switched so at batches of
+  2.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
   their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
@@ -206,7 +214,8 @@ COLLAPSE_ROUNDS = 8  # rounds a request must have had before its EMA can count a
 COLLAPSE_FRACTION = 0.1  # ... and the fraction of the engine-wide acceptance its EMA must fall below
 RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request is retried (doubling backoff)
 ACCEPT_WINDOW = 512  # request-rounds behind the engine-wide acceptance (the prior of requests without rounds)
-ACCEPT_STALE_STEPS = 4096  # plain steps after which a request-round no longer prices rounds (`accepted_rounds`)
+ACCEPT_STALE_STEPS = 4096  # plain steps after which a request-round no longer prices rounds (`accepted_rounds`) ...
+ACCEPT_FRESH_MIN = 64  # ... once this many request-rounds have come since (the window never thins below it)
 PRIOR_ROUNDS = 32  # pseudo-rounds at S the prior holds beside an empty window, fewer as it fills (none when full)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
@@ -625,10 +634,12 @@ class AdaptivePolicy:
 
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
-        if self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
+        st = self._state[load]
+        if st.model_choice is not None and not _steady(bs, load):
+            d.choice = st.model_choice  # a dip takes its load's choice (module docstring, "A dip")
+        elif self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
-        st = self._state[load]
         if d.choice != st.model_choice:
             if st.model_choice is not None:
                 self._log_switch(d, load, st.model_choice, owns)
@@ -1294,7 +1305,8 @@ class AdaptivePolicy:
         window, stamps, total = self._accept_window, self._accept_stamps, sum(counted)
         if counted:  # request-rounds from before a long stretch of plain steps price rounds no longer
             plain_steps = self.chosen[PLAIN]
-            while stamps and stamps[0] < plain_steps - ACCEPT_STALE_STEPS:
+            keep = ACCEPT_FRESH_MIN - len(counted)  # stale request-rounds that stay beside the fresh ones
+            while stamps and stamps[0] < plain_steps - ACCEPT_STALE_STEPS and len(stamps) > keep:
                 stamps.popleft()
                 self._accept_sum -= window.popleft()
             stamps.extend(itertools.repeat(plain_steps, min(len(counted), ACCEPT_WINDOW)))
