@@ -13,7 +13,8 @@ import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
-from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES, COLLAPSE_ROUNDS, PLAIN,
+from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
+                                                 COLLAPSE_ROUNDS, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
