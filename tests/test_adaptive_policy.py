@@ -522,6 +522,14 @@ def test_snapshot_reports_each_bucket_choice_and_reason():
     assert b4["tokens_per_second"][PLAIN] > b4["tokens_per_second"][SPECULATIVE]
     assert snap["device_seconds"][SPECULATIVE][8] == 3e-3 and snap["chosen"][PLAIN] == 1
     assert snap["probe_cost_factor"] == {PLAIN: 1.0, SPECULATIVE: 1.0}  # no probe measured yet
+    assert p.repeat(PLAIN, 3)  # a step that stands on the decision does not ask the policy
+    p.decide(reqs)
+    assert p.snapshot()["decided"] == 2 and p.chosen[PLAIN] == 3
+    from spruce.server.metrics import Metrics
+
+    metrics = Metrics(5)
+    metrics.on_engine_stats({"adaptive": p.snapshot()})
+    assert "spruce_adaptive_decided_steps_total 2" in metrics.render()
 
 
 def test_incomplete_cost_table_is_refused():

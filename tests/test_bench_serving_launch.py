@@ -62,8 +62,9 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             # W and the own host time: once a step was steady; realized figures: once an epoch completed
             assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
                                                                  "realized_ratio", "realized_request_seconds"}
-            assert set(steps) == {"plain", "speculative", "probes", "catch_ups", "catch_up_positions", "retries",
-                                  "epochs_dropped", "epochs_drained", "epochs_outgrown"}
+            assert set(steps) == {"plain", "speculative", "decided", "probes", "catch_ups", "catch_up_positions",
+                                  "retries", "epochs_dropped", "epochs_drained", "epochs_outgrown"}
+            assert 0 < steps["decided"] <= steps["plain"] + steps["speculative"]
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
     # a level starts one server later than the round before, so no server always runs last
     starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])

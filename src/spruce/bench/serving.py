@@ -160,7 +160,8 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 
 
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
-ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total", "catch_ups": "spruce_adaptive_catch_ups_total",
+ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "probes": "spruce_adaptive_probes_total",
+                     "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total",
                      "epochs_dropped": "spruce_adaptive_epochs_dropped_total",

@@ -1337,7 +1337,8 @@ class AdaptivePolicy:
         sample); the counts are read each time."""
         if self._tables is None:
             self._tables = self._build_tables()
-        return {**self._tables, "chosen": dict(self.chosen), "probes": self.probes,
+        return {**self._tables, "chosen": dict(self.chosen), "decided": sum(self._decisions.values()),
+                "probes": self.probes,
                 "probe_cost_factor": {c: self._probe_factor(c) for c in CHOICES},
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
