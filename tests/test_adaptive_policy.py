@@ -436,26 +436,29 @@ def test_an_idle_gap_ends_the_load():
     assert first_choice(idle=False) == SPECULATIVE
 
 
-def test_a_dip_runs_its_loads_model_choice_and_leaves_it():
+def test_a_drain_runs_its_loads_model_choice_and_leaves_it():
     """A level's drain at load 8 (rounds its model choice): two requests left, their drafts 35 positions behind (a
     plain probe's) with 3 tokens to go, so a round over them pays the whole catch-up. A batch below half its load
-    (`_steady`) runs the load's choice, rounds, and leaves it the model choice; the same lag over a batch of 4, half
-    the load, decides by itself (plain steps) and switches the load. On the H100 (762c84e, 2026-11-26) such a switch
-    in a concurrency-64 level's drain set plain steps as the load's choice for the next level: 17% behind the fixed
+    (`_steady`) with nothing held behind it runs the load's choice, rounds, and leaves it the model choice; the same
+    lag over a batch of 4, half the load, decides by itself (plain steps) and switches the load, and so does the
+    batch of 2 with 6 more requests held (a ramp, or a KV pool too full to admit them: a load whose batch never
+    reaches half of it must still be able to change its choice). On the H100 (762c84e, 2026-11-26) such a switch in
+    a concurrency-64 level's drain set plain steps as the load's choice for the next level: 17% behind the fixed
     server."""
-    def drain(batch: int) -> tuple[str, str]:
+    def drain(batch: int, held: int = 0) -> tuple[str, str]:
         p = policy(plain=1e-3, spec=2e-3)
         set_accept(p, 3.0)
         for n, seconds in ((16, 3.1e-3), (23, 4.3e-3), (30, 3.4e-3)):  # a catch-up costs ~3.5 ms
             p.caught_up(n, seconds, seconds)
         reqs = [Req() for _ in range(8)]
         assert p.decide(reqs).choice == SPECULATIVE
-        d = p.decide(reqs[:batch], lags=[35] * batch, tokens_left=3)
+        d = p.decide(reqs[:batch], lags=[35] * batch, tokens_left=3, held=held)
         assert p._load_bucket(batch) == 8
         return d.choice, p._state[8].model_choice
 
-    assert drain(2) == (SPECULATIVE, SPECULATIVE)
+    assert drain(2) == drain(2, held=2) == (SPECULATIVE, SPECULATIVE)
     assert drain(4) == (PLAIN, PLAIN)
+    assert drain(2, held=8) == (PLAIN, PLAIN)
 
 
 def test_a_level_that_ramps_up_is_priced_at_the_requests_it_holds():

@@ -158,14 +158,16 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   H100 at concurrency 1, 2026-11-23, rounds' realized figure put them 10% ahead while a fixed server was 23-40%
   ahead of a plain one, and a 10% margin without hold kept the adaptive server in plain steps for half its steps),
   and plain steps took over from rounds as soon as rounds were not 2% ahead.
-- A dip: a decision over a batch below half its load bucket (`_steady`: a level's ramp or drain) runs the load's
-  model choice and changes it not. Such a batch's own price is the catch-up its few requests owe over the few tokens
-  they have left, which says nothing of the load's steady state, and the changed choice stood for the load's next
-  level: on the H100 (762c84e, 2026-11-26, 128-token prompts, where rounds lead by 20-40% at 8-64) a plain probe
-  that began in a concurrency-64 level's drain left its 4 last requests 35 positions behind, rounds over them priced
-  at 30k tokens/s against plain steps' 33k, the load switched to plain steps, and the next concurrency-64 level ran
-  plain steps until it switched back 0.4 s in (17% behind the fixed server); loads 8 and 32 switched so at batches of
-  2.
+- A drain: a decision over a batch below half its load bucket (`_steady`) with no other request held (none in its
+  prefill or queued: a level's last requests) runs the load's model choice and changes it not. Such a batch's own
+  price is the catch-up its few requests owe over the few tokens they have left, which says nothing of the load's
+  steady state, and the changed choice stood for the load's next level: on the H100 (762c84e, 2026-11-26, 128-token
+  prompts, where rounds lead by 20-40% at 8-64) a plain probe that began in a concurrency-64 level's drain left its 4
+  last requests 35 positions behind, rounds over them priced at 30k tokens/s against plain steps' 33k, the load
+  switched to plain steps, and the next concurrency-64 level ran plain steps until it switched back 0.4 s in (17%
+  behind the fixed server); loads 8 and 32 switched so at batches of 2. A batch below half its load with requests
+  held behind it (a ramp, or a KV pool too full to admit them) decides as any other: a load whose batch never
+  reaches half of it would otherwise never change its choice.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
   their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
@@ -635,8 +637,8 @@ class AdaptivePolicy:
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
         st = self._state[load]
-        if st.model_choice is not None and not _steady(bs, load):
-            d.choice = st.model_choice  # a dip takes its load's choice (module docstring, "A dip")
+        if st.model_choice is not None and held <= bs and not _steady(bs, load):
+            d.choice = st.model_choice  # a drain takes its load's choice (module docstring, "A drain")
         elif self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
