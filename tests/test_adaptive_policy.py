@@ -1785,8 +1785,8 @@ def test_one_round_after_a_long_stretch_of_plain_steps_does_not_switch_the_load(
     """A probe's first round over a batch, after more than ACCEPT_STALE_STEPS plain steps, is ACCEPT_FRESH_MIN's
     fraction of the acceptance, not all of it: on the H100 (762c84e, 2026-11-26, 1k shared prefix, where rounds
     accept ~0.15 drafts) one round over 11 requests read 0.27, the concurrency-32 load switched to rounds at the
-    probe's second step, and 875 rounds with 19 catch-ups followed in that load's next two passes, 9-11% behind the
-    plain server. Here a window of rounds that accepted 1 draft, then one round of 8 that accepted 3 each, with rounds
+    probe's second step, and 875 rounds with 19 catch-ups followed in that load's next two passes, 11% behind the
+    plain server. Here a window of rounds that accepted nothing, then one round of 8 that accepted 3 each, with rounds
     costing 1.5x plain steps: rounds pay from 0.5 drafts a round, so the load stays plain; a window of such rounds does
     switch it."""
     p = policy(plain=1e-3, spec=1.5e-3)
