@@ -1024,15 +1024,18 @@ def test_a_wall_floor_not_re_measured_lapses():
     assert d.step_seconds[PLAIN] == pytest.approx(0.4e-3) and d.choice == PLAIN
 
 
-def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
+def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs(monkeypatch):
     """Amid rounds, a probe epoch of plain steps makes the next round catch its draft up (one position per plain
     step): on the H100 a catch-up took ~3.5 ms against 0.7 ms rounds. That catch-up lands in the next epoch of
     rounds, and the low median of three epochs keeps it out of what rounds are worth (it is the probe's cost, not
     theirs). Once both choices are measured, probes are spaced by what one costs: rounds commit 4.35 tokens per
     0.7 ms against 1 per 0.3 ms (1.86x), so a probe of 128 plain steps costs 17.8 ms more than rounds for its tokens
     and leaves a 3.5 ms catch-up; at PROBE_BUDGET of 30-round epochs (21 ms) that is one probe per 21.3 / (21 x
-    PROBE_BUDGET) epochs (203 at 0.5%; with the catch-up left out, until 2026-11-24, 170), times the share of the
-    budget rounds' lead of 86% leaves the load's probes (`_probe_share`: PROBE_SHARE_MIN, a quarter: 812)."""
+    PROBE_BUDGET) epochs (203 at 0.5%; with the catch-up left out, until 2026-11-24, 170), over the share of the
+    budget rounds' lead of 86% leaves the load's probes (`_probe_share`: PROBE_SHARE_MIN; at a quarter, until
+    session 34, 812). The share is a quarter here, as then, to keep the test short (the share's own test:
+    test_a_loads_probes_get_less_of_the_budget_the_further_its_choice_leads)."""
+    monkeypatch.setattr(adaptive_policy, "PROBE_SHARE_MIN", 0.25)
     clock = Clock()
     p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
     q = Req()
@@ -1042,8 +1045,8 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     rounds_epoch = math.ceil(128 / 4.35)
     excess = 128 * 0.3e-3 * (1 - (1 / 0.3e-3) / (4.35 / 0.7e-3)) + 3.5e-3  # a probe's tokens at plain's price
     lead = (4.35 / 0.7e-3) / (1 / 0.3e-3) - 1
-    share = max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / lead))
-    assert share == PROBE_SHARE_MIN
+    share = max(0.25, min(1.0, (SWITCH_MARGIN / lead) ** 2))
+    assert share == 0.25
     spacing = math.ceil(excess / (PROBE_BUDGET * share * rounds_epoch * 0.7e-3))  # epochs of rounds between probes
     for _ in range(3 * (spacing + 5) * rounds_epoch):
         d = p.decide([q], request_tokens=128)
@@ -1062,7 +1065,7 @@ def test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs():
     assert gaps and all(spacing - 2 <= g <= spacing + 2 for g in gaps), (spacing, gaps)
 
 
-def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost():
+def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost(monkeypatch):
     """A probe of plain steps amid rounds priced as in test_a_plain_probe_amid_rounds_is_spaced_by_what_it_costs,
     but leaving state behind that makes the epoch of rounds after it cost 2 ms a round more (on the H100 a pass with
     a probe trailed those without by several times the probe's price: bench/serving_passes.py). Each probe's cost
@@ -1075,7 +1078,8 @@ def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost():
     p.caught_up(128, 3.5e-3, 0.0)
     rounds_epoch = math.ceil(128 / 4.35)
     priced = 128 * 0.3e-3 * (1 - (1 / 0.3e-3) / (4.35 / 0.7e-3)) + 3.5e-3
-    spacing = math.ceil(priced / (PROBE_BUDGET * PROBE_SHARE_MIN * rounds_epoch * 0.7e-3))  # by the price: 812
+    monkeypatch.setattr(adaptive_policy, "PROBE_SHARE_MIN", 0.25)  # as test_a_plain_probe_amid_rounds_is_spaced_...
+    spacing = math.ceil(priced / (PROBE_BUDGET * 0.25 * rounds_epoch * 0.7e-3))  # by the price: 812
     measured = priced + rounds_epoch * 2e-3  # what each probe really costs (~4x its price)
     catch_up_due, aftermath, decisions = False, 0, []
     for _ in range(120_000):
@@ -1707,12 +1711,14 @@ def test_probes_over_every_load_stay_within_the_budget():
 
 
 def test_a_loads_probes_get_less_of_the_budget_the_further_its_choice_leads():
-    """`_probe_share`: under rounds, SWITCH_MARGIN over rounds' lead, within PROBE_SHARE_MIN..1. Against 1 ms plain
-    steps, 2 ms rounds that commit 2.1 tokens lead by 5% (the whole budget), 2.4 by 20% (half of it), 4 by 100% (a
-    quarter). Under plain steps, however far they lead (rounds of 1.9, 1.6 or 1 token), the whole budget: only
+    """`_probe_share`: under rounds, SWITCH_MARGIN over rounds' lead, squared, within PROBE_SHARE_MIN..1. Against
+    1 ms plain steps, 2 ms rounds that commit 2.1 tokens lead by 5% (the whole budget), 2.4 by 20% (a quarter of it),
+    2.8 by 40% (a sixteenth: PROBE_SHARE_MIN, a twentieth, is the floor below it), 4 by 100% (the floor). Under plain
+    steps, however far they lead (rounds of 1.9, 1.6 or 1 token), the whole budget: only
     probes of rounds re-measure the acceptance (test_a_change_of_workload_is_found_by_a_probe)."""
     reqs = [Req()]
-    for tokens, share in ((2.1, 1.0), (2.4, 0.5), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 1.0), (1.0, 1.0)):
+    for tokens, share in ((2.1, 1.0), (2.4, 0.25), (2.8, 1 / 16), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 1.0),
+                          (1.0, 1.0)):
         p = policy(plain=1e-3, spec=2e-3)
         set_accept(p, tokens - 1)
         d = p.decide(reqs)
@@ -1739,7 +1745,8 @@ def test_a_change_of_workload_is_found_by_a_probe():
     lead by 2.6x), then requests whose rounds accept 4 drafts. Plain steps stay the model's choice while rounds'
     acceptance is the old one, and only probes of rounds re-measure it, each adding one epoch's rounds to a window of
     ACCEPT_WINDOW: at the whole budget rounds take the load back 256-512 requests after the change; with probes
-    under plain steps given a quarter of it, as `_probe_share` gives plain probes under rounds, not within 1024
+    under plain steps given a quarter of it (what `_probe_share` gave plain probes under rounds at the least until
+    session 34), not within 1024
     (2026-11-26). And the other way (acceptance 4, then 0), plain steps take over within 16 requests, probes or
     none: rounds measure their acceptance as they run."""
     replay = bench_scripts.load("replay_adaptive")

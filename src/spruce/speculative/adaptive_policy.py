@@ -111,8 +111,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
   PROBE_ALLOWANCE seconds (a probe that would exceed it waits); under rounds a load's own spacing takes only
-  SWITCH_MARGIN over rounds' lead of the budget, a quarter at least (`_probe_share`, 2026-11-26: replaying the
-  128-token trace at concurrency 1, 400 plain steps against 640 and 0.5% behind fixed rounds against 0.9%).
+  (SWITCH_MARGIN over rounds' lead) squared of the budget, a twentieth at least (`_probe_share`; linear and a
+  quarter at least from 2026-11-26, replaying the 128-token trace at concurrency 1: 400 plain steps against 640 and
+  0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind).
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price).
@@ -225,8 +226,8 @@ PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epo
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
 PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
-PROBE_SHARE_MIN = 0.25  # plain probes under rounds get PROBE_BUDGET times SWITCH_MARGIN over rounds' lead, down to
-# this share of it (`_probe_share`)
+PROBE_SHARE_MIN = 0.05  # plain probes under rounds get PROBE_BUDGET times (SWITCH_MARGIN over rounds' lead) squared,
+# down to this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
 PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`)
@@ -900,9 +901,9 @@ class AdaptivePolicy:
     @staticmethod
     def _probe_share(d: Decision, model: str, other: str, other_seconds: float) -> float:
         """The share of PROBE_BUDGET a load's probes of `other` may spend. Under rounds (plain probes), by how far
-        rounds lead plain steps as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, at most
-        1 and at least PROBE_SHARE_MIN. A probe pays only if plain steps have come to win by the margin since they
-        were last measured, and the further behind they are, the less likely that is; at the full budget probes
+        rounds lead plain steps as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, squared,
+        at most 1 and at least PROBE_SHARE_MIN. A probe pays only if plain steps have come to win by the margin since
+        they were last measured, and the further behind they are, the less likely that is; at the full budget probes
         cost what they were budgeted, a loss the fixed configuration does not pay: on the H100 (59f0601 and
         b32202e, 2026-11-26, 128-token prompts, 6 runs) the adaptive server trailed the fixed one by 0.9% at
         concurrency 1 (one plain probe of 128 steps every other 64-request level, where rounds lead by ~25%), and
@@ -912,11 +913,20 @@ class AdaptivePolicy:
         at either share). Under plain steps the whole budget: only a probe of rounds re-measures the acceptance,
         and each adds one epoch's rounds to a window of ACCEPT_WINDOW (replayed: acceptance 0 for 256 requests then
         4, rounds take the load back 256-512 requests after the change at the whole budget, not within 1024 at a
-        quarter)."""
+        quarter).
+
+        Squared (and down to a twentieth) since session 34: the margin over the lead was a quarter to a half of the
+        budget where rounds lead by 20-40% (128-token prompts at 8-64), and on the H100 (762c84e and 3d6e0ae,
+        2026-11-26, 12 runs) a third of the later concurrency-8 passes still held a plain probe (128 plain steps:
+        ~1-2% of a pass; the median of 15 measured plain probes cost 2.5x its price). Plain steps' figure is the
+        host's and the load's, which rounds do not move; what moves the choice is the acceptance, which rounds
+        measure as they run. Replayed at concurrency 1: the 128-token trace -0.39% against fixed rounds, 272 plain
+        steps (was -0.52%, 400); the changes of workload and the stationary traces unchanged (plain probes under
+        rounds are none of their cost)."""
         if model != SPECULATIVE:
             return 1.0
         lead = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12) - 1.0
-        return max(PROBE_SHARE_MIN, min(1.0, SWITCH_MARGIN / max(lead, 1e-12)))
+        return max(PROBE_SHARE_MIN, min(1.0, (SWITCH_MARGIN / max(lead, 1e-12)) ** 2))
 
     def _probe_cost(self, d: Decision, model: str, other: str, steps: int, other_seconds: float) -> float:
         """A probe epoch's expected excess seconds: its `steps` of `other` at `other_seconds` each, less what the
