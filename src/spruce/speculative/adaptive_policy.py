@@ -838,10 +838,7 @@ class AdaptivePolicy:
             if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
                 st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
                 if st.measure is not None and done and cur.choice == other and self.epochs.steady(cur):
-                    m = st.measure
-                    rounds = self._accept_counted - m.rounds
-                    tokens = 1.0 + (self._accept_drafts - m.drafts) / rounds if other == SPECULATIVE and rounds else 1.0
-                    m.excess = cur.busy - cur.request_steps * m.model_seconds * tokens / m.model_tokens
+                    self._measured_probe_epoch(st.measure, cur)
                 else:
                     st.measure = None
         elif done and cur.choice == model:
@@ -962,6 +959,14 @@ class AdaptivePolicy:
             return None
         return _ProbeMeasure(other, priced, self._probe_catch_up(d, other, steps), model_seconds,
                              d.tokens_per_step[model], self._accept_drafts, self._accept_counted)
+
+    def _measured_probe_epoch(self, m: _ProbeMeasure, probe_epoch: Epoch) -> None:
+        """The first half of a probe's measured cost (`_measured_probe`), once its own epoch completes: that epoch's
+        busy seconds over what its tokens cost at the model choice's figure, a probe of rounds counted at the
+        acceptance of the request-rounds it added."""
+        rounds = self._accept_counted - m.rounds
+        tokens = 1.0 + (self._accept_drafts - m.drafts) / rounds if m.choice == SPECULATIVE and rounds else 1.0
+        m.excess = probe_epoch.busy - probe_epoch.request_steps * m.model_seconds * tokens / m.model_tokens
 
     def _measured_probe(self, m: _ProbeMeasure, after: Epoch, load: int) -> None:
         """A probe's cost as measured, once the first epoch of the model choice after it (`after`) is complete: the
