@@ -12,7 +12,8 @@
 #   MODES="short short prefix prefix": each run's workload (device_serving_prefix.sh's MODE), one per GPU (on two
 #   GPUs the first two); PASSESV="5 5 5 4": each run's passes; GPU_TESTS=1 (default): the `gpu` tests of
 #   tests/test_adaptive.py first, on the last GPU and its cores; BENCH_TIMEOUT: each run's time limit (seconds,
-#   device_serving_prefix.sh's).
+#   device_serving_prefix.sh's); REQUESTS: requests per level (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...:
+#   one more server for that GPU's run only (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
 # Usage (repo root, fixture model in .carry/models/pycode-19m, server wheels in .whl):
 #   SPRUCE_GIT_COMMIT=<sha> bash bench/device_serving_parallel.sh
 set -u
@@ -42,12 +43,13 @@ for ((i = 0; i < GPUS; i++)); do
   cpus=$(sed -n "$((i + 1))p" /tmp/core-shares)
   (
     export CUDA_VISIBLE_DEVICES=$i OUT=$ROOT/g$i; mkdir -p "$OUT"
+    extra_var=EXTRA_$i; export EXTRA="${!extra_var:-${EXTRA:-}}"
     if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = 1 ]; then
       SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 150 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
         -m gpu tests/test_adaptive.py > "$OUT/gpu_tests.log" 2>&1
       echo "g$i gpu tests t=$((SECONDS - T0)): $(tail -1 "$OUT/gpu_tests.log")"
     fi
-    MODE=${MODES[$i]} PASSES=${PASSESV[$i]} REQUESTS="64 512 1024 1024" CONTROL=1 PIN_CPUS=1 NO_CACHE_RUN=0 \
+    MODE=${MODES[$i]} PASSES=${PASSESV[$i]} REQUESTS=${REQUESTS:-64 512 1024 1024} CONTROL=1 PIN_CPUS=1 NO_CACHE_RUN=0 \
       BENCH_TIMEOUT=${BENCH_TIMEOUT:-530} taskset -c "$cpus" bash bench/device_serving_prefix.sh > "$ROOT/g$i.log" 2>&1
     echo "g$i ${MODES[$i]} done t=$((SECONDS - T0))"
     grep "pass by pass vs the best\|rror" "$ROOT/g$i.log" | tail -8
