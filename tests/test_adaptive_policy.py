@@ -315,6 +315,51 @@ def test_a_load_whose_batch_stays_small_is_still_probed():
     assert first_probe == (1 + STEADY_WAIT) * EPOCH_MIN  # due at the first epoch's end, started STEADY_WAIT later
 
 
+def test_a_drain_starts_no_probe():
+    """A level's drain (its batch below half the load, nothing held behind it) starts no probe however long its due
+    probe has waited: the drain's small batch prices a probe low, and one begun there ran its epoch at the load's
+    next level (H200 x4, 834dffed, 2026-11-26: plain probes begun over batches of 1-5 at loads 32 and 64, each
+    128 plain steps at the start of the next level while rounds led by 30-40%). The same batch with requests held
+    behind it (a full KV pool) is probed after STEADY_WAIT epochs (the test above)."""
+    clock = Clock()
+    p = policy(clock=clock, buckets=BUCKETS_32)
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 0)
+    assert p.decide([Req() for _ in range(32)], held=32).choice == PLAIN  # the load: 32
+    p._state[32].epochs_since_probe = STEADY_WAIT + 4  # the level's epochs while the budget held the probe back
+    decisions = []
+    for _ in range(EPOCH_MIN + 1):  # an epoch ends over the drain
+        decisions.append(p.decide(reqs, held=4))
+        clock.now += decisions[-1].step_seconds[decisions[-1].choice]
+    assert p._load_bucket(4) == 32 and p._state[32].epochs_since_probe == STEADY_WAIT + 5
+    assert p.probes == 0 and all(d.reason == "model" and d.choice == PLAIN for d in decisions)
+
+
+def test_a_probe_ends_when_its_load_does():
+    """A probe under way when the load moves (a level ended, the next began) ends unmeasured: the load's next visit
+    runs its model choice, and its probes are spaced twice as far apart. A probe epoch completes only at its
+    load, and one left under way had run at the load's next level (H200 x4, 834dffed, 2026-11-26: 128 plain steps
+    of a concurrency-64 level's 650, rounds leading by 30-40%)."""
+    clock = Clock()
+    p = policy(clock=clock, buckets=BUCKETS_32)
+    full = [Req() for _ in range(32)]
+    settle(p, full, 0)  # rounds accept nothing: plain steps are the model's choice at load 32
+
+    def step(batch, held):
+        d = p.decide(batch, held=held)
+        clock.now += d.step_seconds[d.choice]
+        return d
+
+    decisions = [step(full, 32) for _ in range(EPOCH_MIN + 2)]
+    assert decisions[-1].reason == "probe" and decisions[-1].choice == SPECULATIVE and p._state[32].probing
+    p.idle()
+    assert step(full[:1], 1).reason == "model"  # the next level: load 1
+    assert not p._state[32].probing and p._state[32].probe_after == 2 * PROBE_FIRST
+    p.idle()
+    back = step(full, 32)  # load 32's next level starts with its model choice
+    assert back.choice == PLAIN and back.reason == "model"
+
+
 def test_speculative_runs_probe_a_plain_step_too():
     """A plain step's cost is re-measured during a run of rounds, by an epoch of plain steps, with the same
     backoff; an epoch lasts about one request's life (`request_tokens` over the choice's tokens per step)."""
@@ -439,7 +484,8 @@ def test_an_idle_gap_ends_the_load():
 def test_a_drain_runs_its_loads_model_choice_and_leaves_it():
     """A level's drain at load 8 (rounds its model choice): two requests left, their drafts 35 positions behind (a
     plain probe's) with 3 tokens to go, so a round over them pays the whole catch-up. A batch below half its load
-    (`_steady`) with nothing held behind it runs the load's choice, rounds, and leaves it the model choice; the same
+    (`_steady`) with fewer than half the load held (itself, one more in its prefill) runs the load's choice, rounds,
+    and leaves it the model choice; the same
     lag over a batch of 4, half the load, decides by itself (plain steps) and switches the load, and so does the
     batch of 2 with 6 more requests held (a ramp, or a KV pool too full to admit them: a load whose batch never
     reaches half of it must still be able to change its choice). On the H100 (762c84e, 2026-11-26) such a switch in
@@ -457,6 +503,7 @@ def test_a_drain_runs_its_loads_model_choice_and_leaves_it():
         return d.choice, p._state[8].model_choice
 
     assert drain(2) == drain(2, held=2) == (SPECULATIVE, SPECULATIVE)
+    assert drain(2, held=3) == (SPECULATIVE, SPECULATIVE)  # one more in its prefill: still the level's last requests
     assert drain(4) == (PLAIN, PLAIN)
     assert drain(2, held=8) == (PLAIN, PLAIN)
 

@@ -159,16 +159,19 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   H100 at concurrency 1, 2026-11-23, rounds' realized figure put them 10% ahead while a fixed server was 23-40%
   ahead of a plain one, and a 10% margin without hold kept the adaptive server in plain steps for half its steps),
   and plain steps took over from rounds as soon as rounds were not 2% ahead.
-- A drain: a decision over a batch below half its load bucket (`_steady`) with no other request held (none in its
-  prefill or queued: a level's last requests) runs the load's model choice and changes it not. Such a batch's own
-  price is the catch-up its few requests owe over the few tokens they have left, which says nothing of the load's
-  steady state, and the changed choice stood for the load's next level: on the H100 (762c84e, 2026-11-26, 128-token
-  prompts, where rounds lead by 20-40% at 8-64) a plain probe that began in a concurrency-64 level's drain left its 4
-  last requests 35 positions behind, rounds over them priced at 30k tokens/s against plain steps' 33k, the load
-  switched to plain steps, and the next concurrency-64 level ran plain steps until it switched back 0.4 s in (17%
-  behind the fixed server); loads 8 and 32 switched so at batches of 2. A batch below half its load with requests
-  held behind it (a ramp, or a KV pool too full to admit them) decides as any other: a load whose batch never
-  reaches half of it would otherwise never change its choice.
+- A drain: a decision while the requests held (the batch, those in their prefill and queued ones) are below half
+  its load bucket (`_steady`: a level's last requests) runs the load's model choice, changes it not, and starts no
+  probe (`_explore`). Such a batch's own price is the catch-up its few requests owe over the few tokens they have
+  left, which says nothing of the load's steady state, and the changed choice stood for the load's next level: on
+  the H100 (762c84e, 2026-11-26, 128-token prompts, where rounds lead by 20-40% at 8-64) a plain probe that began in
+  a concurrency-64 level's drain left its 4 last requests 35 positions behind, rounds over them priced at 30k
+  tokens/s against plain steps' 33k, the load switched to plain steps, and the next concurrency-64 level ran plain
+  steps until it switched back 0.4 s in (17% behind the fixed server); loads 8 and 32 switched so at batches of 2.
+  Until session 35 only a batch with no other request held was a drain: on the H200 x4 (834dffed, 2026-11-26) a
+  concurrency-64 level's last 5 requests, one more in its prefill, started a plain probe and, 2 left, switched the
+  load to plain steps. A small batch with half its load or more held behind it (a ramp, or a KV pool too full to
+  admit them) decides as any other: a load whose batch never reaches half of it would otherwise never change its
+  choice.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
   their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
@@ -412,6 +415,7 @@ class AdaptivePolicy:
         self._reuse_accept = 0.0  # ... priced at this engine-wide acceptance
         self._probe_stood: tuple[_BucketState, str, int] | None = None  # after a probe's decision: its load's
         # state, its choice, and that choice's steps counted then (the steps that stood after it shorten the probe)
+        self._probe_load: int | None = None  # the load bucket whose probe is under way (at most one: `_leave_probe`)
         self._arrivals = (0.0, 0.0)  # the last decision's (request_tokens, new_positions): steady_choice prices the
         # draft's work on arriving prompts as decide does
         self._model_choice: dict[int, str] = {}  # per (batch) bucket, its latest model choice
@@ -624,6 +628,8 @@ class AdaptivePolicy:
         bucket = self.bucket_for(bs)
         self._recent_loads.append(min(max(bs, held), self.buckets[-1]))
         load = self._load_bucket(bs)
+        if self._probe_load is not None and self._probe_load != load:
+            self._leave_probe(self._state[self._probe_load])
         lags = lags if lags is not None else [0] * bs
         self._arrivals = (request_tokens, new_positions)
         owns = [q.accept_state for q in requests]  # each request's acceptance state
@@ -638,7 +644,8 @@ class AdaptivePolicy:
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
         st = self._state[load]
-        if st.model_choice is not None and held <= bs and not _steady(bs, load):
+        drain = st.model_choice is not None and not _steady(max(bs, held), load)
+        if drain:
             d.choice = st.model_choice  # a drain takes its load's choice (module docstring, "A drain")
         elif self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
             d.choice = SPECULATIVE
@@ -650,8 +657,9 @@ class AdaptivePolicy:
                         and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
                         and not self._collapsed(owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
+            self._probe_load = None  # a probe under way was this load's (`_leave_probe`)
             st.measure = None
-        if self._explore(st, d, load, request_tokens) != d.choice:
+        if self._explore(st, d, load, request_tokens, drain) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
         self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs,
                          d.reason == "probe")
@@ -785,7 +793,7 @@ class AdaptivePolicy:
         measured = self.epochs.buckets(choice)
         return min(measured, key=lambda b: abs(math.log(b / load))) if measured else None
 
-    def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float) -> str:
+    def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float, drain: bool) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
@@ -809,8 +817,15 @@ class AdaptivePolicy:
 
         And only over a steady batch (`_steady`: at least half its load): a probe due at the end of an epoch over
         a level's first requests (the others still in their prefills) or its last ones waits for an epoch that ends
-        over a steady batch, or for STEADY_WAIT epochs past its spacing (a load whose batch never reaches half of it,
-        its requests held in the queue by a full KV pool, is still probed). On the H200 (b2d3f8e, 2026-11-25, 1k
+        over a steady batch, or, unless the batch drains (`drain`: nothing held behind it), for STEADY_WAIT epochs
+        past its spacing (a load whose batch never reaches half of it, its requests held in the queue by a full KV
+        pool, is still probed). A drain's epochs are short, so STEADY_WAIT of them had passed by the end of most
+        levels whose probe the budget held back at the full batch, and the drain's small batch priced the probe low
+        enough to pass it: on the H200 x4 (834dffed, 2026-11-26, 128-token prompts) plain probes began over batches
+        of 1-5 at loads 32 and 64, and each ran its 128 plain steps at the start of the load's next level (below).
+        A probe ends when its load does (`_leave_probe`): its epoch completes only at its load, and one still under
+        way when the load moved had run on at the load's next visit, the next level's first 128 steps (of its 650
+        at concurrency 64) in plain steps while rounds led by 30-40%. On the H200 (b2d3f8e, 2026-11-25, 1k
         shared prefix) 5 of a run's 13 probes of rounds began so, at loads 8-64 over batches of 1-8; three of them
         ~0.5 s into a level at loads 32 and 64, priced at the small batch (15-21 ms expected), ran their rounds while
         the batch filled, every arrival's prefill lazy and then caught up: those levels ran 9, 14 and 24 catch-ups
@@ -836,11 +851,10 @@ class AdaptivePolicy:
         if st.probing:
             st.probe_left -= 1
             if (done and cur.choice == other) or st.probe_left < 0:  # the probe epoch is measured, or cannot be
-                st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
-                if st.measure is not None and done and cur.choice == other and self.epochs.steady(cur):
+                measured = st.measure is not None and done and cur.choice == other and self.epochs.steady(cur)
+                if measured:
                     self._measured_probe_epoch(st.measure, cur)
-                else:
-                    st.measure = None
+                self._leave_probe(st, keep_measure=measured)
         elif done and cur.choice == model:
             if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
                 if self.epochs.steady(cur):
@@ -857,10 +871,11 @@ class AdaptivePolicy:
                 budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
-            steady = _steady(d.batch_size, load) or st.epochs_since_probe >= spacing + STEADY_WAIT
+            steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
             if st.epochs_since_probe >= spacing and steady:
                 if st.check or self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
+                    self._probe_load = load
                     st.check = False
                     st.measure = self._probe_measure(d, model, other, load, steps, priced)
                     self.probes += 1
@@ -872,6 +887,15 @@ class AdaptivePolicy:
                             "cost_factor": self._probe_factor(other),
                             "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
+
+    def _leave_probe(self, st: _BucketState, keep_measure: bool = False) -> None:
+        """The probe under way at `st`'s load ends: its epoch measured (`keep_measure`: the first epoch of the
+        model's choice after it completes the measure, `_measured_probe`), or not (its steps ran out, or the load
+        moved before its epoch completed). Either way the load's probes are spaced twice as far apart."""
+        st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
+        if not keep_measure:
+            st.measure = None
+        self._probe_load = None
 
     @staticmethod
     def _epoch_steps(d: Decision, choice: str, request_tokens: float) -> int:
