@@ -13,7 +13,9 @@ repetition runs each engine once, in a rotating order, so that the machine's dri
 - fixed (`--kinds`): the same (5, 4, 8) round, not adaptive;
 - rounds (`--kinds`): the adaptive engine with plain steps priced out, so it runs rounds only: what the adaptive
   machinery costs when it always speculates (against fixed: on the H100, 2026-11-26, 128-token prompts, its
-  launch +35 us and resolve +15 us a decode step at concurrency 8).
+  launch +35 us and resolve +15 us a decode step at concurrency 8);
+- fixed-S-K-N (`--shapes S,K,N ...`): a fixed round of another tree shape: which (S, K, N) wins at which load,
+  the headroom a per-load choice of the shape would have over the (5, 4, 8) round.
 `--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256
 tokens); `short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring,
 so the prefix cache holds them as in a serving run's later passes.
@@ -24,8 +26,8 @@ the summary. `--profile`: each engine's last repetition at each concurrency runs
 functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt.
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
-    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--workload prefix|short] [--profile]
-    [--out-dir bench/results]
+    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--workload prefix|short]
+    [--profile] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -50,15 +52,24 @@ WORKLOADS = {"prefix": (1024, 256), "short": (0, 128)}  # (shared prefix tokens,
 KINDS = ("plain", "adaptive", "forced", "fixed", "rounds")
 
 
+def shape_kind(text: str) -> str:
+    """`--shapes`' "S,K,N" as the kind name fixed-S-K-N (an error naming the value if it is not three integers)."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"a tree shape is S,K,N (three positive integers), got {text!r}")
+    return "fixed-" + "-".join(part.strip() for part in parts)
+
+
 def build(kind: str, args) -> LLM:
-    """The engine named `kind`: plain, adaptive, forced (adaptive with rounds priced out), fixed, or rounds
-    (adaptive with plain steps priced out)."""
+    """The engine named `kind`: plain, adaptive, forced (adaptive with rounds priced out), fixed, rounds
+    (adaptive with plain steps priced out), or fixed-S-K-N (a fixed round of that tree shape)."""
     kw = dict(page_size=16, max_running_requests=64, device=args.device)
     if args.device == "cuda":
         kw["dtype"] = "bfloat16"
     if kind != "plain":
-        kw.update(draft_model=args.draft, speculative_num_steps=5, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=8, speculative_adaptive=kind != "fixed")
+        steps, topk, tokens = map(int, kind.split("-")[1:]) if kind.startswith("fixed-") else (5, 4, 8)
+        kw.update(draft_model=args.draft, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                  speculative_num_draft_tokens=tokens, speculative_adaptive=kind not in ("fixed", *args.shapes))
     llm = LLM(args.model, **kw)
     if kind in ("forced", "rounds"):
         price_out(llm, SPECULATIVE if kind == "forced" else PLAIN)
@@ -128,12 +139,14 @@ def main() -> None:
     ap.add_argument("--forced", action="store_true", help="also the adaptive engine with rounds priced out")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["plain", "adaptive"],
                     help="the engines to alternate (--forced adds forced)")
+    ap.add_argument("--shapes", nargs="+", type=shape_kind, default=[], metavar="S,K,N",
+                    help="fixed rounds of these tree shapes too (kinds fixed-S-K-N)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="prefix")
     ap.add_argument("--profile", action="store_true", help="each engine's last repetition under cProfile")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
-    kinds = list(dict.fromkeys(args.kinds + (["forced"] if args.forced else [])))
+    kinds = list(dict.fromkeys(args.kinds + (["forced"] if args.forced else []) + args.shapes))
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     llms = {kind: build(kind, args) for kind in kinds}
     shared_prefix_tokens, prompt_tokens = WORKLOADS[args.workload]
@@ -171,7 +184,8 @@ def main() -> None:
             print(f"concurrency {concurrency} {kind}: {med}", flush=True)
         summary[str(concurrency)] = medians
     config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": shared_prefix_tokens,
-                           "prompt_tokens": prompt_tokens, "num_prompts": len(prompts)}
+                           "prompt_tokens": prompt_tokens, "num_prompts": len(prompts),
+                           "speculative": {kind: llm.engine.info()["speculative"] for kind, llm in llms.items()}}
     path = write_result("adaptive-inprocess", args.device, config, {"summary": summary, "runs": runs},
                         Path(args.out_dir))
     print(f"results: {path}")

@@ -1,6 +1,6 @@
 """bench/adaptive_inprocess.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): the engines
 `--kinds` names are built as named (fixed: not adaptive; rounds: adaptive with plain steps priced out, so it runs
-rounds only), `--workload short` sends the 128-token prompts without a shared prefix, and `--profile` writes each
+rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape), `--workload short` sends the 128-token prompts without a shared prefix, and `--profile` writes each
 engine's cProfile report."""
 
 from __future__ import annotations
@@ -24,12 +24,17 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
     out = tmp_path / "out"
     monkeypatch.setattr(bench, "MAX_TOKENS", 4)
     monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
-                                      "--device", "cpu", "--kinds", "fixed", "rounds", "--workload", "short",
+                                      "--device", "cpu", "--kinds", "fixed", "rounds", "--shapes", "2,2,3",
+                                      "--workload", "short",
                                       "--concurrency", "2", "--repeats", "1", "--requests", "2", "--profile",
                                       "--out-dir", str(out)])
     bench.main()
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
-    assert result["config"]["kinds"] == ["fixed", "rounds"]
+    assert result["config"]["kinds"] == ["fixed", "rounds", "fixed-2-2-3"]
+    assert result["config"]["speculative"] == {"fixed": "EAGLE3 S=5 K=4 N=8", "rounds": "EAGLE3 S=5 K=4 N=8 adaptive",
+                                               "fixed-2-2-3": "EAGLE3 S=2 K=2 N=3"}
+    (shaped,) = result["figures"]["runs"]["2"]["fixed-2-2-3"]
+    assert shaped["adaptive_total"] is None and shaped["steps"]["rounds"] == shaped["steps"]["decodes"] > 0
     assert (result["config"]["shared_prefix_tokens"], result["config"]["prompt_tokens"]) == (0, 128)
     (fixed,), (rounds,) = result["figures"]["runs"]["2"]["fixed"], result["figures"]["runs"]["2"]["rounds"]
     assert fixed["adaptive_total"] is None and fixed["steps"]["rounds"] == fixed["steps"]["decodes"] > 0
