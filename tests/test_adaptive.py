@@ -682,3 +682,23 @@ def test_feature_ring_span_store_equals_the_indexed_store(start, n):
     assert torch.equal(span.features, indexed.features)
     with pytest.raises(ValueError, match=f"store_span of {width + 1} positions: the ring holds {width} per row"):
         span.store_span(0, 0, torch.zeros(width + 1, 6))
+
+
+def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypatch, draft, reference):
+    """Rounds priced at a hundredth of a plain step, four requests served one after another (an idle gap before
+    each): the round decided over the first stands for the next ones, within its budget (REUSE_STEPS, the epoch),
+    instead of a decision at each request's start, where nothing overlaps its host work (H200 x4, 6128c32: 128
+    decided steps a 64-request level at concurrency 1). Tokens are plain decoding's."""
+    fixed_costs(monkeypatch, plain=100.0, spec=1.0)
+    llm = adaptive_llm(draft)
+    policy = llm.engine.strategy.policy
+    starts, decisions = [], []
+    decide = policy.decide
+    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(sum(policy.chosen.values())) or decide(*a))
+    outputs = []
+    for prompt in PROMPTS:
+        starts.append(sum(policy.chosen.values()))
+        outputs += llm.generate([prompt], GREEDY)
+    assert policy.chosen[PLAIN] == 0 and decisions[0] == starts[0]
+    assert not set(decisions[1:]) & set(starts), (decisions, starts)  # no request but the first starts decided
+    assert [o.token_ids for o in outputs] == [w.token_ids for w in reference(GREEDY)]

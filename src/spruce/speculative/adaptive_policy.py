@@ -1210,22 +1210,22 @@ class AdaptivePolicy:
         (2026-11-23, 1k shared prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136
         rounds a pass at twice a plain step's cost per token, with no switch at load 1.
 
-        A standing choice of plain steps survives the gap for a batch of its own cost bucket or a larger one whose
-        model choice is plain too (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as
-        outgrown, as a level's ramp is), not for a smaller one (a lower load: its own epoch, or the previous level's
-        figure would take its steps): at concurrency 1 every request follows such a gap, and deciding afresh after
-        each one was a decided step per request at the start of its decoding, where nothing overlaps its host work
-        (~0.3 ms of the 2.5 ms a request an adaptive server spent more than a plain one at concurrency 1, shared
-        prefix, H200, 2026-11-25).
-        Any other standing choice ends."""
+        A standing choice survives the gap for a batch of its own cost bucket or a larger one whose model choice is
+        the same (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as outgrown, as a
+        level's ramp is), not for a smaller one (a lower load: its own epoch, or the previous level's figure would
+        take its steps): at concurrency 1 every request follows such a gap, and deciding afresh after each one was a
+        decided step per request at the start of its decoding, where nothing overlaps its host work (~0.3 ms of the
+        2.5 ms a request an adaptive server spent more than a plain one at concurrency 1, shared prefix, H200,
+        2026-11-25). Rounds too since session 35 (until then only plain steps): a new request's draft is current
+        after its prefill under rounds, and a decision over it prices it at the prior, as the standing one was; on the
+        H200 x4 (6128c32, 2026-11-26, 128-token prompts) the adaptive server decided 128 steps a 64-request level at
+        concurrency 1 (2040 rounds), one at each request's start, and trailed the fixed server by 1.7% there."""
         self.epochs.idle()
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
         self._recent_loads.clear()
         self._reuse_idle = True
-        if self._reuse_choice != PLAIN:
-            self._reuse_left = 0
 
     def waited(self, seconds: float) -> None:
         """Seconds since the last decode launch that were not X: the host blocked on the device, ran device work
