@@ -168,8 +168,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   tokens/s against plain steps' 33k, the load switched to plain steps, and the next concurrency-64 level ran plain
   steps until it switched back 0.4 s in (17% behind the fixed server); loads 8 and 32 switched so at batches of 2.
   Until session 35 only a batch with no other request held was a drain: on the H200 x4 (834dffed, 2026-11-26) a
-  concurrency-64 level's last 5 requests, one more in its prefill, started a plain probe and, 2 left, switched the
-  load to plain steps. A small batch with half its load or more held behind it (a ramp, or a KV pool too full to
+  concurrency-64 level's last 5 requests, another held (in its prefill or queued), started a plain probe and, 2
+  left, switched the load to plain steps. A small batch with half its load or more held behind it (a ramp, or a KV pool too full to
   admit them) decides as any other: a load whose batch never reaches half of it would otherwise never change its
   choice.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
