@@ -1,7 +1,7 @@
 """bench/adaptive_inprocess.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): the engines
 `--kinds` names are built as named (fixed: not adaptive; rounds: adaptive with plain steps priced out, so it runs
-rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape), `--workload short` sends the 128-token prompts without a shared prefix, and `--profile` writes each
-engine's cProfile report."""
+rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape), `--workload short` sends the 128-token
+prompts without a shared prefix, and `--profile` writes each engine's cProfile report."""
 
 from __future__ import annotations
 

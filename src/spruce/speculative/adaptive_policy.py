@@ -169,9 +169,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   steps until it switched back 0.4 s in (17% behind the fixed server); loads 8 and 32 switched so at batches of 2.
   Until session 35 only a batch with no other request held was a drain: on the H200 x4 (834dffed, 2026-11-26) a
   concurrency-64 level's last 5 requests, another held (in its prefill or queued), started a plain probe and, 2
-  left, switched the load to plain steps. A small batch with half its load or more held behind it (a ramp, or a KV pool too full to
-  admit them) decides as any other: a load whose batch never reaches half of it would otherwise never change its
-  choice.
+  left, switched the load to plain steps. A small batch with half its load or more held behind it (a ramp, or a KV
+  pool too full to admit them) decides as any other: a load whose batch never reaches half of it would otherwise
+  never change its choice.
 - A decision, a model choice or a probe's, stands for further steps whose batch falls in the same cost bucket, or in
   one whose latest model choice was the same (`repeat`): rounds for up to `REUSE_STEPS`, plain steps to the end of
   their epoch (and, a model choice in its cost bucket with no probe due, through up to STANDING_EPOCHS more:
@@ -817,7 +817,7 @@ class AdaptivePolicy:
 
         And only over a steady batch (`_steady`: at least half its load): a probe due at the end of an epoch over
         a level's first requests (the others still in their prefills) or its last ones waits for an epoch that ends
-        over a steady batch, or, unless the batch drains (`drain`: nothing held behind it), for STEADY_WAIT epochs
+        over a steady batch, or, unless the load drains (`drain`: fewer than half of it held), for STEADY_WAIT epochs
         past its spacing (a load whose batch never reaches half of it, its requests held in the queue by a full KV
         pool, is still probed). A drain's epochs are short, so STEADY_WAIT of them had passed by the end of most
         levels whose probe the budget held back at the full batch, and the drain's small batch priced the probe low
