@@ -101,6 +101,15 @@ def test_limits_derive_from_config():
     cfg = EngineConfig(model="x", page_size=16, max_running_requests=2, context_length=100)
     lim = Limits.derive(cfg, max_position_embeddings=2048, kv_bytes_per_token=64, kv_budget_bytes=None)
     assert lim.context_length == 100 and lim.num_pages >= 2 * lim.max_pages_per_request
+    # the pool holds every running request at its longest, by the same bound every batch is checked against
+    # (Limits.kv_capacity: context + the lookahead of the steps in flight, in whole pages), plus the dummy page
+    for spec, overlap in ((False, True), (True, True), (True, False)):
+        cfg = EngineConfig(model="x", page_size=16, max_running_requests=3, context_length=100,
+                           disable_overlap_schedule=not overlap,
+                           speculative=SpeculativeConfig("EAGLE3", "d", 5, 4, 8) if spec else None)
+        lim = Limits.derive(cfg, max_position_embeddings=2048, kv_bytes_per_token=64, kv_budget_bytes=None)
+        assert lim.kv_capacity == lim.max_pages_per_request * 16 >= 100 + lim.lookahead
+        assert lim.num_pages == 3 * lim.max_pages_per_request + 1
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         Limits.derive(EngineConfig(model="x", context_length=4096), 2048, 64, None)
 

@@ -106,7 +106,7 @@ def test_padded_batch_layout():
     runner.page_table.append_pages(row, runner.allocator.alloc(2))
     batch = builder.extend([row], [2], [[5, 6, 7]], pad_to=16)
     assert (batch.batch_size, batch.num_tokens, batch.max_q_len) == (5, 16, 16)
-    assert batch.layout == builder.padded_extend(16, lim.graph_kv_len).layout
+    assert batch.layout == builder.padded_extend(16, lim.kv_capacity).layout
     assert batch.req_rows.tolist() == [row, lim.dummy_row, lim.dummy_row, lim.dummy_row, lim.dummy_row]
     assert batch.qo_indptr.tolist() == [0, 3, 16, 16, 16, 16]
     assert batch.positions[:3].tolist() == [2, 3, 4] and batch.kv_lens[:3].tolist() == [3, 4, 5]

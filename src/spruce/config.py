@@ -40,6 +40,12 @@ def check_delay_factor(delay_factor) -> None:
         raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
 
 
+def draft_candidates(num_steps: int, eagle_topk: int) -> int:
+    """M: the draft candidates one EAGLE round produces, K at step 0 and K*K at each later step (the one formula:
+    `SpeculativeConfig` checks N against it, `Limits.num_candidates` sizes the round's buffers by it)."""
+    return eagle_topk + (num_steps - 1) * eagle_topk * eagle_topk
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EAGLE tree drafting settings. S = num_steps, K = eagle_topk, N = num_draft_tokens (root included)."""
@@ -81,8 +87,8 @@ class SpeculativeConfig:
 
     @property
     def num_candidates(self) -> int:
-        """Draft candidates one round produces: K at step 0, K*K at each later step."""
-        return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
+        """Draft candidates one round produces (`draft_candidates`)."""
+        return draft_candidates(self.num_steps, self.eagle_topk)
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ def make_speculative_config(
     s = s_def if num_steps is None else num_steps
     k = k_def if eagle_topk is None else eagle_topk
     if num_draft_tokens is None:
-        n = s + 1 if k == 1 else min(n_def, 1 + k + (s - 1) * k * k)
+        n = s + 1 if k == 1 else min(n_def, 1 + draft_candidates(s, k))
     else:
         n = num_draft_tokens
     return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive)

@@ -7,10 +7,11 @@ nothing else computes a width.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
-from spruce.config import EngineConfig
+from spruce.config import EngineConfig, draft_candidates
 from spruce.errors import ConfigError, InvariantError
 
 MASK_WORD_BITS = 64
@@ -108,8 +109,8 @@ class Limits:
 
     @cached_property
     def num_candidates(self) -> int:
-        """M: draft candidates one round produces, K at step 0 and K*K at each later step."""
-        return self.eagle_topk + (self.num_steps - 1) * self.eagle_topk * self.eagle_topk
+        """M: draft candidates one round produces, K at step 0 and K*K at each later step (`draft_candidates`)."""
+        return draft_candidates(self.num_steps, self.eagle_topk)
 
     @cached_property
     def step_result_width(self) -> int:
@@ -190,8 +191,10 @@ class Limits:
         return _size_buckets(self.graph_max_bs)
 
     @cached_property
-    def graph_kv_len(self) -> int:
-        """max_kv_len CUDA graphs are captured with: the most positions any request can hold."""
+    def kv_capacity(self) -> int:
+        """The most positions any request can hold (its pages' slots): the bound every batch's max_kv_len is
+        checked against, the max_kv_len CUDA graphs are captured with, and per running request what the paged KV
+        pool is sized for at most (`derive`)."""
         return self.max_pages_per_request * self.page_size
 
     @cached_property
@@ -249,22 +252,22 @@ class Limits:
         s, k, n = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) if spec else (0, 0, 0)
         ps = config.page_size
         r = config.max_running_requests
-        if config.max_total_tokens is not None:
-            total_tokens = config.max_total_tokens
-        elif kv_budget_bytes is not None:
-            total_tokens = max(kv_budget_bytes // max(kv_bytes_per_token, 1), ps)
-            total_tokens = min(total_tokens, r * (ctx + 2 * (s + 1)))
-        else:
-            total_tokens = min(r * (ctx + 2 * (s + 1)), 1 << 16)
-        num_pages = ceil_div(total_tokens, ps) + 1  # + the dummy page
         graph_max_bs = prefill_graph_max_tokens = 0
         if config.use_cuda_graph:
             graph_max_bs = min(config.cuda_graph_max_bs or r, r)
             prefill_graph_max_tokens = min(config.cuda_graph_max_prefill_tokens, config.chunked_prefill_size)
-        return Limits(
-            max_running_requests=r, page_size=ps, context_length=ctx, num_pages=num_pages,
+        sized = Limits(  # every width but the pool's, which is sized by what its running requests can hold
+            max_running_requests=r, page_size=ps, context_length=ctx, num_pages=2,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens, overlap=not config.disable_overlap_schedule,
-            adaptive=spec is not None and spec.adaptive,
+            graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
+            overlap=not config.disable_overlap_schedule, adaptive=spec is not None and spec.adaptive,
             reverted_fixes=frozenset(reverted_fixes),
         )
+        needed = r * sized.kv_capacity  # every running request at its longest
+        if config.max_total_tokens is not None:
+            total_tokens = config.max_total_tokens
+        elif kv_budget_bytes is not None:
+            total_tokens = min(max(kv_budget_bytes // max(kv_bytes_per_token, 1), ps), needed)
+        else:
+            total_tokens = min(needed, 1 << 16)
+        return dataclasses.replace(sized, num_pages=ceil_div(total_tokens, ps) + 1)  # + the dummy page

@@ -75,11 +75,10 @@ class BatchBuilder:
             raise InvariantError(
                 f"{phase.value}: {num_tokens} tokens > max_tokens_per_forward {lim.max_tokens_per_forward} (bs={bs})"
             )
-        cap = lim.max_pages_per_request * lim.page_size
-        if max_kv_len > cap:
+        if max_kv_len > lim.kv_capacity:
             raise InvariantError(
                 f"{phase.value}: kv length {max_kv_len} > pages per request {lim.max_pages_per_request} x "
-                f"page_size {lim.page_size} = {cap}"
+                f"page_size {lim.page_size} = {lim.kv_capacity}"
             )
 
     def _slices(self, num_tokens: int, bs: int) -> dict[str, torch.Tensor]:
@@ -152,7 +151,7 @@ class BatchBuilder:
         self._fill_paged(total)
         if pad_to is not None:
             self._mask_padding(total)
-            return self.padded_extend(pad_to, self.limits.graph_kv_len)
+            return self.padded_extend(pad_to, self.limits.kv_capacity)
         return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0),
                           (tuple(lens), tuple(s + m for s, m in zip(starts, lens)), tuple(rows)))
 

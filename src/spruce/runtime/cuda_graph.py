@@ -65,7 +65,7 @@ class BucketGraphs:
     @property
     def kv_bound(self) -> int:
         """max_kv_len graphs are captured with: the most positions any request can hold."""
-        return self.limits.graph_kv_len
+        return self.limits.kv_capacity
 
     def bucket(self, bs: int) -> int | None:
         """The bucket a batch of `bs` (requests, or a prefill's tokens) replays, or None (eager)."""
