@@ -4,7 +4,9 @@ serving bar's workloads without the servers.
 Served, two identical plain servers differ by up to 10-25% in a pass, and on the H200 an adaptive server trailed plain
 at concurrency 1 by ~8% in three runs while this benchmark put the engines 1-2% apart. Here the engines are built side
 by side in one process and driven by a closed-loop client in that process (`concurrency` requests in flight, the next
-one added as soon as one finishes, one idle step when none is left, as a server's engine loop has), and every
+one added as soon as one finishes, one idle step when none is left, as a server's engine loop has; `--idle-gaps`: also
+before each added request when none is in flight, as a server at concurrency 1 meets each request after an idle gap
+(the client's round trip), which the adaptive policy's standing choices must survive), and every
 repetition runs each engine once, in a rotating order, so that the machine's drift weighs on all of them alike:
 - plain: the target alone;
 - adaptive: `speculative_adaptive` over the (5, 4, 8) EAGLE-3 round, its own policy (probes included);
@@ -27,7 +29,7 @@ functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt.
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
     [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--workload prefix|short]
-    [--profile] [--out-dir bench/results]
+    [--idle-gaps] [--profile] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -76,14 +78,16 @@ def build(kind: str, args) -> LLM:
     return llm
 
 
-def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_requests: int) -> dict:
+def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_requests: int,
+                idle_gaps: bool = False) -> dict:
     """Send `num_requests` requests (prompts[first:], wrapping) with `concurrency` in flight; the figures of the
-    run and the engine's counters over it."""
+    run and the engine's counters over it. `idle_gaps`: whenever none is in flight, one idle step before the next
+    request is added (else only after the last)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
     before = engine.stats()
     live: dict[str, list] = {}  # request id -> [added at, first token at]
-    e2e, ttft, tokens, sent = [], [], 0, 0
+    e2e, ttft, tokens, sent, idle_steps = [], [], 0, 0, 0
 
     def submit() -> None:
         nonlocal sent
@@ -97,6 +101,7 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
     while live:
         outputs = engine.step()
         now = time.perf_counter()
+        finished = 0
         for out in outputs:
             clock = live.get(out.request_id)
             if clock is None:
@@ -108,10 +113,12 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
                 ttft.append(clock[1] - clock[0])
                 tokens += len(out.token_ids)
                 del live[out.request_id]
-                if sent < num_requests:
-                    submit()
-        if not live:
+                finished += 1
+        if not live and (idle_gaps or sent == num_requests):
             engine.step()  # nothing to launch: the engine goes idle, as between a server's requests
+            idle_steps += 1
+        for _ in range(min(finished, num_requests - sent)):
+            submit()
     wall = time.perf_counter() - start
     after = engine.stats()
     steps_before, steps_after = before["steps"], after["steps"]
@@ -125,6 +132,7 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
         "step_host_ms": {k: round(1e3 * (steps_after["seconds"][k] - steps_before["seconds"][k]), 1)
                          for k in steps_after["seconds"]},
         "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups")},
+        "idle_steps": idle_steps,
     }
 
 
@@ -142,6 +150,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", type=shape_kind, default=[], metavar="S,K,N",
                     help="fixed rounds of these tree shapes too (kinds fixed-S-K-N)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="prefix")
+    ap.add_argument("--idle-gaps", action="store_true",
+                    help="an idle step before each request added while none is in flight (a server at concurrency 1)")
     ap.add_argument("--profile", action="store_true", help="each engine's last repetition under cProfile")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default="bench/results")
@@ -164,7 +174,8 @@ def main() -> None:
                 profile = cProfile.Profile() if args.profile and rep == args.repeats - 1 else None
                 if profile is not None:
                     profile.enable()
-                figures = closed_loop(llms[kind], prompts, rep * num_requests, concurrency, num_requests)
+                figures = closed_loop(llms[kind], prompts, rep * num_requests, concurrency, num_requests,
+                                      args.idle_gaps)
                 if profile is not None:
                     profile.disable()
                     report = io.StringIO()

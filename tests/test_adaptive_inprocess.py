@@ -1,7 +1,9 @@
 """bench/adaptive_inprocess.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): the engines
 `--kinds` names are built as named (fixed: not adaptive; rounds: adaptive with plain steps priced out, so it runs
 rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape), `--workload short` sends the 128-token
-prompts without a shared prefix, and `--profile` writes each engine's cProfile report."""
+prompts without a shared prefix, `--idle-gaps` lets the engine go idle before each request added while none is in
+flight (each request at concurrency 1 is followed by an idle step; without it only the last), and
+`--profile` writes each engine's cProfile report."""
 
 from __future__ import annotations
 
@@ -25,20 +27,21 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "MAX_TOKENS", 4)
     monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
                                       "--device", "cpu", "--kinds", "fixed", "rounds", "--shapes", "2,2,3",
-                                      "--workload", "short",
-                                      "--concurrency", "2", "--repeats", "1", "--requests", "2", "--profile",
+                                      "--workload", "short", "--idle-gaps",
+                                      "--concurrency", "1", "--repeats", "1", "--requests", "2", "--profile",
                                       "--out-dir", str(out)])
     bench.main()
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
     assert result["config"]["kinds"] == ["fixed", "rounds", "fixed-2-2-3"]
     assert result["config"]["speculative"] == {"fixed": "EAGLE3 S=5 K=4 N=8", "rounds": "EAGLE3 S=5 K=4 N=8 adaptive",
                                                "fixed-2-2-3": "EAGLE3 S=2 K=2 N=3"}
-    (shaped,) = result["figures"]["runs"]["2"]["fixed-2-2-3"]
+    (shaped,) = result["figures"]["runs"]["1"]["fixed-2-2-3"]
     assert shaped["adaptive_total"] is None and shaped["steps"]["rounds"] == shaped["steps"]["decodes"] > 0
     assert (result["config"]["shared_prefix_tokens"], result["config"]["prompt_tokens"]) == (0, 128)
-    (fixed,), (rounds,) = result["figures"]["runs"]["2"]["fixed"], result["figures"]["runs"]["2"]["rounds"]
+    (fixed,), (rounds,) = result["figures"]["runs"]["1"]["fixed"], result["figures"]["runs"]["1"]["rounds"]
     assert fixed["adaptive_total"] is None and fixed["steps"]["rounds"] == fixed["steps"]["decodes"] > 0
+    assert fixed["idle_steps"] == 16 and result["config"]["idle_gaps"]  # 16 requests (16 a concurrency at least)
     assert rounds["adaptive_total"]["chosen"]["plain"] == 0 and rounds["adaptive_total"]["chosen"]["speculative"] > 0
-    assert "vs_fixed" in result["figures"]["summary"]["2"]["rounds"]
+    assert "vs_fixed" in result["figures"]["summary"]["1"]["rounds"]
     for kind in ("fixed", "rounds"):
-        assert "function calls" in (out / f"adaptive-inprocess-profile-{kind}-2.txt").read_text()
+        assert "function calls" in (out / f"adaptive-inprocess-profile-{kind}-1.txt").read_text()
