@@ -626,7 +626,8 @@ class AdaptivePolicy:
             self._probe_stood = None
         bs = len(requests)
         bucket = self.bucket_for(bs)
-        self._recent_loads.append(min(max(bs, held), self.buckets[-1]))
+        holding = max(bs, held)  # the requests the engine holds, the batch at least
+        self._recent_loads.append(min(holding, self.buckets[-1]))
         load = self._load_bucket(bs)
         if self._probe_load is not None and self._probe_load != load:
             self._leave_probe(self._state[self._probe_load])
@@ -644,7 +645,7 @@ class AdaptivePolicy:
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
         st = self._state[load]
-        drain = st.model_choice is not None and not _steady(max(bs, held), load)
+        drain = st.model_choice is not None and not _steady(holding, load)
         if drain:
             d.choice = st.model_choice  # a drain takes its load's choice (module docstring, "A drain")
         elif self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
