@@ -17,7 +17,9 @@ repetition runs each engine once, in a rotating order, so that the machine's dri
   machinery costs when it always speculates (against fixed: on the H100, 2026-11-26, 128-token prompts, its
   launch +35 us and resolve +15 us a decode step at concurrency 8);
 - fixed-S-K-N (`--shapes S,K,N ...`): a fixed round of another tree shape: which (S, K, N) wins at which load,
-  the headroom a per-load choice of the shape would have over the (5, 4, 8) round.
+  the headroom a per-load choice of the shape would have over the (5, 4, 8) round;
+- adaptive-N-N'... (`--widths N,N' ...`): adaptive speculation over (5, 4, N) rounds that may also verify the
+  narrower trees N' (`speculative_adaptive_widths`; speculative/tree_width.py chooses per batch size).
 `--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256
 tokens); `short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring,
 so the prefix cache holds them as in a serving run's later passes.
@@ -28,7 +30,8 @@ the summary. `--profile`: each engine's last repetition at each concurrency runs
 functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt.
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
-    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--workload prefix|short]
+    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--widths N,N' ...]
+    [--workload prefix|short]
     [--idle-gaps] [--profile] [--out-dir bench/results]
 """
 
@@ -62,14 +65,27 @@ def shape_kind(text: str) -> str:
     return "fixed-" + "-".join(part.strip() for part in parts)
 
 
+def widths_kind(text: str) -> str:
+    """`--widths`' "N,N',..." as the kind name adaptive-N-N'-... (an error naming the value if it is not two or more
+    integers)."""
+    parts = text.split(",")
+    if len(parts) < 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"verify widths are N,N',... (two or more positive integers), got {text!r}")
+    return "adaptive-" + "-".join(part.strip() for part in parts)
+
+
 def build(kind: str, args) -> LLM:
     """The engine named `kind`: plain, adaptive, forced (adaptive with rounds priced out), fixed, rounds
-    (adaptive with plain steps priced out), or fixed-S-K-N (a fixed round of that tree shape)."""
+    (adaptive with plain steps priced out), fixed-S-K-N (a fixed round of that tree shape), or adaptive-N-N'...
+    (adaptive over (5, 4, N) rounds with the narrower verify widths N')."""
     kw = dict(page_size=16, max_running_requests=64, device=args.device)
     if args.device == "cuda":
         kw["dtype"] = "bfloat16"
     if kind != "plain":
         steps, topk, tokens = map(int, kind.split("-")[1:]) if kind.startswith("fixed-") else (5, 4, 8)
+        if kind.startswith("adaptive-"):
+            tokens, *narrower = map(int, kind.split("-")[1:])
+            kw.update(speculative_adaptive_widths=tuple(narrower))
         kw.update(draft_model=args.draft, speculative_num_steps=steps, speculative_eagle_topk=topk,
                   speculative_num_draft_tokens=tokens, speculative_adaptive=kind not in ("fixed", *args.shapes))
     llm = LLM(args.model, **kw)
@@ -131,7 +147,8 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
         "steps": {k: steps_after[k] - steps_before[k] for k in ("prefills", "decodes", "rounds", "decode_rows")},
         "step_host_ms": {k: round(1e3 * (steps_after["seconds"][k] - steps_before["seconds"][k]), 1)
                          for k in steps_after["seconds"]},
-        "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups")},
+        "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups",
+                                                                                  "tree_width") if k in adaptive},
         "idle_steps": idle_steps,
     }
 
@@ -149,6 +166,9 @@ def main() -> None:
                     help="the engines to alternate (--forced adds forced)")
     ap.add_argument("--shapes", nargs="+", type=shape_kind, default=[], metavar="S,K,N",
                     help="fixed rounds of these tree shapes too (kinds fixed-S-K-N)")
+    ap.add_argument("--widths", nargs="+", type=widths_kind, default=[], metavar="N,N'",
+                    help="adaptive engines over (5, 4, N) rounds that may verify the narrower trees N' too (kinds "
+                         "adaptive-N-N'...)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="prefix")
     ap.add_argument("--idle-gaps", action="store_true",
                     help="an idle step before each request added while none is in flight (a server at concurrency 1)")
@@ -156,7 +176,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
-    kinds = list(dict.fromkeys(args.kinds + (["forced"] if args.forced else []) + args.shapes))
+    kinds = list(dict.fromkeys(args.kinds + (["forced"] if args.forced else []) + args.shapes + args.widths))
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     llms = {kind: build(kind, args) for kind in kinds}
     shared_prefix_tokens, prompt_tokens = WORKLOADS[args.workload]

@@ -24,6 +24,7 @@ from spruce.errors import ConfigError
 from spruce.server.metrics import Metrics
 from spruce.speculative import adaptive
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
+from spruce.speculative.eagle_worker import EagleWorker
 from spruce.speculative.strategy import PlainDecoding
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
@@ -665,6 +666,43 @@ def test_switching_under_cuda_graphs_equals_plain_decoding(monkeypatch, pycode19
     assert_no_leaks(llm)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_every_verify_width_under_cuda_graphs(monkeypatch, backend):
+    """Adaptive rounds at N = 16 and its narrower trees 4 and 8 (each width's draft, verify and extend phases
+    captured as graphs of their own at every bucket), forced switching between them and plain steps, the bundled
+    model and its trained head: Triton (float32) gives plain decoding's greedy tokens; FlashInfer (bf16 only) gives
+    its eager run's tokens, which needs every width's VERIFY replayed with the wrapper planned for its own query
+    stride (one wrapper per bucket shared by the widths replays a graph over the schedule of another width's
+    plan)."""
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    kw = dict(device="cuda", dtype="float32" if backend == "triton" else "bfloat16", max_running_requests=8,
+              attention_backend=backend)
+    prompts = PROMPTS * 2
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+
+    def adaptive_run(**extra):
+        llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, speculative_num_steps=5,
+                  speculative_eagle_topk=4, speculative_num_draft_tokens=16, speculative_adaptive_widths=(4, 8), **kw,
+                  **extra)
+        force(llm, [1, 1, 0, 1, 1, 1, 0, 1])
+        ran = cycle_widths(monkeypatch, llm, [4, 16, 8])
+        return llm, [o.token_ids for o in llm.generate(prompts, params)], ran
+
+    llm, got, ran = adaptive_run()
+    assert {("verify", 8), ("verify@4", 8), ("verify@8", 8), ("draft@4", 1), ("extend@8", 4)} <= set(
+        llm.engine.runner.graphs.graphs)
+    assert set(ran) == {4, 8, 16}
+    if backend == "triton":
+        want = [o.token_ids for o in LLM(TARGET, **kw).generate(prompts, params)]
+    else:
+        want = adaptive_run(cuda_graph=False)[1]
+    assert got == want
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.5
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("start,n", [(0, 5), (3, 8), (60, 9), (63, 2), (100, 30)])  # W = 64: 60+9, 63+2, 100+30 wrap
 def test_feature_ring_span_store_equals_the_indexed_store(start, n):
     """A lazy prefill's chunk goes to the ring as one span (`store_span`: one or two slices, wrapping past slot W-1)
@@ -702,3 +740,133 @@ def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypa
     assert policy.chosen[PLAIN] == 0 and decisions[0] == starts[0]
     assert not set(decisions[1:]) & set(starts), (decisions, starts)  # no request but the first starts decided
     assert [o.token_ids for o in outputs] == [w.token_ids for w in reference(GREEDY)]
+
+
+# --- the verify width (speculative/tree_width.py) -------------------------------------------------------------------
+def cycle_widths(monkeypatch, llm, widths: list[int]) -> list[int]:
+    """The width chooser's pick replaced by `widths`, cycled by the rounds run so far (the pick comes at every
+    decision and read); returns the widths the rounds ran at."""
+    chooser, ran = llm.engine.strategy.widths, []
+    decode = EagleWorker.decode
+
+    def logged(self, rows, max_kv, sampling, logprobs=None, grammar=None, width=None):
+        ran.append(width or self.N)
+        return decode(self, rows, max_kv, sampling, logprobs, grammar, width)
+
+    def choose(bucket):
+        chooser.chosen[bucket] = widths[len(ran) % len(widths)]
+        return chooser.chosen[bucket]
+
+    monkeypatch.setattr(EagleWorker, "decode", logged)
+    chooser.choose = choose
+    return ran
+
+
+@pytest.mark.parametrize("k,s,n,widths,page,overlap", [(4, 3, 8, (3, 5), 16, True), (4, 2, 6, (2, 4), 1, False),
+                                                        (1, 4, 5, (2, 4), 16, True)])
+def test_every_verify_width_equals_plain_decoding(monkeypatch, draft, reference, k, s, n, widths, page, overlap):
+    """Rounds over trees of every configured width (and plain steps between), the width switched at every decision
+    and read: greedy, logprobs, seeded sampling and a request ending mid-round give plain decoding's tokens (a
+    narrower round samples one row per node of its own tree: the engine's sampling repeat is the step's width)."""
+    fixed_costs(monkeypatch)
+    params = mixed_params()
+    want = reference(params)
+    llm = adaptive_llm(draft, k, s, n, page, oracle_refs=reference(GREEDY), disable_overlap_schedule=not overlap,
+                       speculative_adaptive_widths=widths)
+    assert llm.engine.limits.tree_widths == (*widths, n)
+    force(llm, [1, 1, 0, 1, 1, 1, 0, 1])
+    ran = cycle_widths(monkeypatch, llm, [widths[0], n, widths[1]])
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got[1].logprobs, want[1].logprobs):
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    rounds = llm.engine.stats()["adaptive"]["tree_width"]["rounds"]  # (reads the unread rounds)
+    assert set(ran) == {*widths, n} and all(rounds[w] == ran.count(w) for w in (*widths, n)), (rounds, ran)
+    assert_no_leaks(llm)
+
+
+def test_a_round_reports_what_each_narrower_tree_accepts(monkeypatch, reference):
+    """A round at N = 16 carries, per narrower width (4 and 8), the drafts that width's tree would accept; at every
+    other position of the reference outputs they equal the first round of a fixed engine at that N (the bundled
+    trained EAGLE-3 head, greedy, S = 3, K = 4): what the width chooser prices every width by."""
+    from spruce.config import builtin_draft_path
+
+    import bench_scripts
+
+    trace = bench_scripts.load("accept_trace")
+    jobs = [list(ids) + out.token_ids[:p] for ids, out in zip(
+        (o.prompt_token_ids for o in reference(GREEDY)), reference(GREEDY)) for p in range(0, MAX_NEW - 1, 2)]
+    fixed = {}
+    for n in (4, 8):
+        llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_num_steps=3, speculative_eagle_topk=4,
+                  speculative_num_draft_tokens=n, max_running_requests=16, disable_radix_cache=True)
+        fixed[n] = trace.first_rounds(llm.engine, jobs, 3 + 2)
+    fixed_costs(monkeypatch, plain=100.0, spec=1.0)  # rounds throughout, every prompt's draft extended at once
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_num_steps=3, speculative_eagle_topk=4,
+              speculative_num_draft_tokens=16, max_running_requests=16, disable_radix_cache=True,
+              speculative_adaptive=True, speculative_adaptive_widths=(4, 8))
+    strategy = llm.engine.strategy
+    cycle_widths(monkeypatch, llm, [16])
+    first: dict[int, list[int]] = {}
+    resolved = strategy.resolved
+
+    def recording(step, requests, results, *a, **kw):
+        if step is not None and step is not strategy.plain:
+            for q, row in zip(requests, results):
+                first.setdefault(id(q.spec), row)
+        return resolved(step, requests, results, *a, **kw)
+
+    monkeypatch.setattr(strategy, "resolved", recording)
+    rows = []
+    for start in range(0, len(jobs), 16):
+        rids = [llm.engine.add_request(ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+                for ids in jobs[start:start + 16]]
+        stats = [llm.engine.requests[rid].spec for rid in rids]
+        while llm.engine.has_unfinished():
+            llm.engine.step(finished_only=True)
+        rows += [first[id(st)] for st in stats]
+        first.clear()
+    column = 1 + llm.engine.limits.step_advance
+    assert [row[column] for row in rows] == fixed[4] and [row[column + 1] for row in rows] == fixed[8]
+    assert sum(row[0] for row in rows) > sum(fixed[8]) > sum(fixed[4]) > 0  # the widths differ where it matters
+
+
+def test_the_width_chooser_prices_each_width_by_its_acceptance_and_cost():
+    """Widest until its acceptance is measured; then (1 + a_w) / (D_w (+) H) per bucket: a device-bound bucket
+    takes the narrow tree whose acceptance is nearly as good, a host-bound one the wide tree; a round at a width
+    measures only that width and narrower ones; the widest runs again for REFRESH_ROUNDS of every REFRESH_EVERY."""
+    from spruce.speculative import tree_width
+    from spruce.speculative.tree_width import WidthChooser
+
+    device = {(4, 1): 1e-3, (8, 1): 1.05e-3, (4, 64): 4e-3, (8, 64): 7e-3}
+    chooser = WidthChooser((4, 8), device, lambda bucket: 2e-3, max)
+    assert chooser.choose(64) == 8 and chooser.choose(1) == 8  # nothing measured yet: the widest measures all
+    chooser.add(4, [[1, 9]])  # a narrow round: says nothing of 8's acceptance
+    assert chooser.accept == {4: 1.0} and chooser.choose(64) == 8
+    chooser.add(8, [[2, 3], [2, 4]])  # wide rounds: a_4 = 2, a_8 = 3.5 (their running means)
+    assert chooser.accept == {4: pytest.approx(5 / 3), 8: 3.5}
+    assert chooser.choose(1) == 8  # host-bound (2 ms host against ~1 ms device): the wider tree's tokens are free
+    assert chooser.choose(64) == 4  # device-bound: 2.67 tokens in 4 ms beat 4.5 in 7 ms
+    for _ in range(tree_width.REFRESH_EVERY):
+        chooser.add(4, [[2, 0]])
+    assert chooser.choose(64) == 8 and chooser.accept[8] == 3.5  # the refresh: the widest re-measures a_8
+    for _ in range(tree_width.REFRESH_ROUNDS):
+        assert chooser.choose(64) == 8
+        chooser.add(8, [[2, 3]])
+    assert chooser.choose(64) == 4 and chooser.rounds == {4: 1 + tree_width.REFRESH_EVERY, 8: 1 + tree_width.REFRESH_ROUNDS}
+    assert chooser.snapshot()["chosen"] == {1: 8, 64: 4}
+
+
+def test_adaptive_widths_are_checked():
+    from spruce.cli import build_parser, engine_kwargs
+    from spruce.config import SpeculativeConfig
+
+    with pytest.raises(ConfigError, match=r"speculative_adaptive_widths=\[4\] needs speculative_adaptive"):
+        SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive_widths=(4,))
+    for bad in ((8,), (1,), (4, 4)):
+        with pytest.raises(ConfigError, match=r"each must be distinct and in \[2, speculative_num_draft_tokens=8\)"):
+            SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive=True, adaptive_widths=bad)
+    with pytest.raises(ConfigError, match="speculative_adaptive_widths need a draft model"):
+        LLM(TARGET, speculative_adaptive_widths=(4,))
+    args = build_parser().parse_args(["serve", "--speculative-adaptive", "--speculative-adaptive-widths", "4", "6"])
+    assert engine_kwargs(args)["speculative_adaptive_widths"] == (4, 6)

@@ -1,6 +1,7 @@
 """bench/adaptive_inprocess.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): the engines
 `--kinds` names are built as named (fixed: not adaptive; rounds: adaptive with plain steps priced out, so it runs
-rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape), `--workload short` sends the 128-token
+rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape; adaptive-N-N' from `--widths`: adaptive
+over (5, 4, N) rounds that may verify N' nodes), `--workload short` sends the 128-token
 prompts without a shared prefix, `--idle-gaps` lets the engine go idle before each request added while none is in
 flight (each request at concurrency 1 is followed by an idle step; without it only the last), and
 `--profile` writes each engine's cProfile report."""
@@ -27,14 +28,17 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "MAX_TOKENS", 4)
     monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
                                       "--device", "cpu", "--kinds", "fixed", "rounds", "--shapes", "2,2,3",
-                                      "--workload", "short", "--idle-gaps",
+                                      "--widths", "16,8", "--workload", "short", "--idle-gaps",
                                       "--concurrency", "1", "--repeats", "1", "--requests", "2", "--profile",
                                       "--out-dir", str(out)])
     bench.main()
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
-    assert result["config"]["kinds"] == ["fixed", "rounds", "fixed-2-2-3"]
+    assert result["config"]["kinds"] == ["fixed", "rounds", "fixed-2-2-3", "adaptive-16-8"]
     assert result["config"]["speculative"] == {"fixed": "EAGLE3 S=5 K=4 N=8", "rounds": "EAGLE3 S=5 K=4 N=8 adaptive",
-                                               "fixed-2-2-3": "EAGLE3 S=2 K=2 N=3"}
+                                               "fixed-2-2-3": "EAGLE3 S=2 K=2 N=3",
+                                               "adaptive-16-8": "EAGLE3 S=5 K=4 N=16 adaptive widths=8,16"}
+    (widths,) = result["figures"]["runs"]["1"]["adaptive-16-8"]
+    assert set(widths["adaptive_total"]["tree_width"]["rounds"]) == {"8", "16"}  # (JSON keys)
     (shaped,) = result["figures"]["runs"]["1"]["fixed-2-2-3"]
     assert shaped["adaptive_total"] is None and shaped["steps"]["rounds"] == shaped["steps"]["decodes"] > 0
     assert (result["config"]["shared_prefix_tokens"], result["config"]["prompt_tokens"]) == (0, 128)

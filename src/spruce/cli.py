@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-adaptive", action="store_true", default=None,
                    help="per decode step, run a speculative round or a plain step, whichever a cost model measured "
                         "at start-up and the running acceptance expect to commit more tokens per second")
+    p.add_argument("--speculative-adaptive-widths", type=int, nargs="+", default=None, metavar="N'",
+                   help="with --speculative-adaptive: narrower verify trees (each below --speculative-num-draft-tokens)"
+                        " its rounds may run; per batch size the width with the most expected tokens per second")
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
     p.add_argument("--random-seed", type=int, default=0)
@@ -59,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_adaptive")
+                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_adaptive",
+                     "speculative_adaptive_widths")
 
 
 def _flag(dest: str) -> str:
@@ -112,6 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
+        speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
         scheduler_delay_factor=args.scheduler_delay_factor,

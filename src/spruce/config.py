@@ -56,10 +56,12 @@ class SpeculativeConfig:
     eagle_topk: int
     num_draft_tokens: int
     adaptive: bool = False  # per decode step: this (S, K, N) round or a plain step (speculative/adaptive.py)
+    adaptive_widths: tuple[int, ...] = ()  # narrower verify trees (N' < N) adaptive rounds may run instead of N
 
     def __post_init__(self):
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_adaptive must be True or False, got {self.adaptive!r}")
+        self._check_widths()
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
                 f"speculative_algorithm={self.algorithm!r} is not supported; expected one of {SPECULATIVE_ALGORITHMS}"
@@ -89,6 +91,23 @@ class SpeculativeConfig:
     def num_candidates(self) -> int:
         """Draft candidates one round produces (`draft_candidates`)."""
         return draft_candidates(self.num_steps, self.eagle_topk)
+
+    @property
+    def tree_widths(self) -> tuple[int, ...]:
+        """The verify widths a round may run, ascending: the narrower adaptive ones, then N."""
+        return (*sorted(self.adaptive_widths), self.num_draft_tokens)
+
+    def _check_widths(self) -> None:
+        widths = self.adaptive_widths
+        if not isinstance(widths, tuple) or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
+            raise ConfigError(f"speculative_adaptive_widths must be a tuple of integers, got {widths!r}")
+        if widths and not self.adaptive:
+            raise ConfigError(f"speculative_adaptive_widths={list(widths)} needs speculative_adaptive (the policy "
+                              f"chooses the width per batch size)")
+        bad = [w for w in widths if not 2 <= w < self.num_draft_tokens]
+        if bad or len(set(widths)) != len(widths):
+            raise ConfigError(f"speculative_adaptive_widths={list(widths)}: each must be distinct and in "
+                              f"[2, speculative_num_draft_tokens={self.num_draft_tokens}) (the tree N is always one)")
 
 
 @dataclass(frozen=True)
@@ -206,16 +225,19 @@ def make_speculative_config(
     num_draft_tokens: int | None = None,
     model: str | None = None,
     adaptive: bool = False,
+    adaptive_widths: tuple[int, ...] | list[int] | None = None,
 ) -> SpeculativeConfig | None:
     """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
 
     NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
-    choose per decode step between these rounds and plain steps."""
+    choose per decode step between these rounds and plain steps; `adaptive_widths`: narrower verify trees (N' < N)
+    it may also run."""
     if algorithm is None and draft_model is None:
-        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)) or adaptive:
+        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)) or adaptive or adaptive_widths:
             given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
                                     ("speculative_num_draft_tokens", num_draft_tokens),
-                                    ("speculative_adaptive", adaptive or None)) if v is not None]
+                                    ("speculative_adaptive", adaptive or None),
+                                    ("speculative_adaptive_widths", adaptive_widths or None)) if v is not None]
             raise ConfigError(f"{'/'.join(given)} need a draft model (draft_model=PATH) or "
                               f"speculative_algorithm='NEXTN' (the target's own MTP layers)")
         return None
@@ -237,7 +259,8 @@ def make_speculative_config(
         n = s + 1 if k == 1 else min(n_def, 1 + draft_candidates(s, k))
     else:
         n = num_draft_tokens
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive)
+    widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, widths or ())
 
 
 def _guess_algorithm(draft_model: str) -> str:

@@ -59,6 +59,7 @@ class Limits:
     num_steps: int = 0  # S
     eagle_topk: int = 0  # K
     num_draft_tokens: int = 0  # N (tree size, root included)
+    narrower_widths: tuple[int, ...] = ()  # adaptive speculation: verify widths N' < N its rounds may run, ascending
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
     prefill_graph_max_tokens: int = 0  # largest token bucket of the prefill CUDA graphs (0: prefills run eagerly)
     overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
@@ -68,6 +69,10 @@ class Limits:
     def __post_init__(self):
         if self.num_pages < 2:
             raise ConfigError(f"KV cache has {self.num_pages} pages; need >= 2 (one is the reserved dummy page)")
+        widths = self.narrower_widths
+        if list(widths) != sorted(set(widths)) or any(not 2 <= w < self.num_draft_tokens for w in widths):
+            raise InvariantError(f"narrower_widths {widths} must ascend within [2, num_draft_tokens "
+                                 f"{self.num_draft_tokens})")
 
     # --- speculation -------------------------------------------------------------------------------------
     @cached_property
@@ -113,10 +118,16 @@ class Limits:
         return draft_candidates(self.num_steps, self.eagle_topk)
 
     @cached_property
+    def tree_widths(self) -> tuple[int, ...]:
+        """The verify widths a round may run, ascending: the narrower ones, then N (none without speculation)."""
+        return (*self.narrower_widths, self.num_draft_tokens) if self.speculative else ()
+
+    @cached_property
     def step_result_width(self) -> int:
-        """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1). The widest
+        """Columns of a decode step's result row: the accept length, then S+1 tokens (plain: 0, then 1), then per
+        narrower width N' the drafts a round at N' would have accepted (`EagleWorker._extend_phase`). The widest
         row; a plain step's is `plain_result_width` even beside a draft."""
-        return 1 + self.step_advance
+        return 1 + self.step_advance + len(self.narrower_widths)
 
     @cached_property
     def plain_result_width(self) -> int:
@@ -250,6 +261,7 @@ class Limits:
             )
         spec = config.speculative
         s, k, n = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) if spec else (0, 0, 0)
+        narrower = spec.tree_widths[:-1] if spec else ()
         ps = config.page_size
         r = config.max_running_requests
         graph_max_bs = prefill_graph_max_tokens = 0
@@ -259,7 +271,7 @@ class Limits:
         sized = Limits(  # every width but the pool's, which is sized by what its running requests can hold
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=2,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
+            narrower_widths=narrower, graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
             overlap=not config.disable_overlap_schedule, adaptive=spec is not None and spec.adaptive,
             reverted_fixes=frozenset(reverted_fixes),
         )

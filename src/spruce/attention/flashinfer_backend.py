@@ -94,6 +94,7 @@ class PrefixPlan:
     kv_lens: torch.Tensor  # [rows] int32, host (tokens: FlashInfer MLA's kv_len_arr)
     kv_indices: torch.Tensor  # [nnz pages] int32, device
     kv_start: torch.Tensor | None  # [rows] int32, device: the floors (decode-time phases)
+    q_stride: int = 0  # query tokens per request of a decode-time phase (VERIFY: the tree's width), 0 for EXTEND
 
 
 class FlashInferAttention(AttentionBackend):
@@ -152,7 +153,8 @@ class FlashInferAttention(AttentionBackend):
             kv_start = bufs["kv_start"][:bs]
             kv_start.copy_(torch.tensor(lengths, dtype=torch.int32), non_blocking=True)
         return PrefixPlan(bs, batch.phase == Phase.EXTEND, qo_indptr, kv_indptr, last,
-                          torch.tensor(lengths, dtype=torch.int32), indices, kv_start)
+                          torch.tensor(lengths, dtype=torch.int32), indices, kv_start,
+                          0 if batch.phase == Phase.EXTEND else batch.max_q_len)
 
     def _gather_indices(self, bufs, page_table, rows, pages, kv_indptr, nnz: int) -> torch.Tensor:
         """The page ids of rows[b]'s first pages[b] pages, concatenated: [nnz] on the device (enqueued, no sync).
@@ -173,8 +175,10 @@ class FlashInferAttention(AttentionBackend):
 
     @staticmethod
     def _key(phase: Phase, shape, plan: PrefixPlan) -> tuple:
-        """A wrapper's identity: graph-mode wrappers fix their rows, EXTEND's plain wrapper does not."""
-        return phase, shape, None if plan.extend else plan.rows
+        """A wrapper's identity: graph-mode wrappers fix their rows and query stride (a graph's kernels keep the
+        schedule of the plan they were captured with: adaptive rounds verify trees of several widths at one
+        bucket), EXTEND's plain wrapper does not."""
+        return phase, shape, None if plan.extend else (plan.rows, plan.q_stride)
 
     def _wrapper(self, phase: Phase, shape, plan: PrefixPlan):
         key = self._key(phase, shape, plan)

@@ -377,9 +377,8 @@ class Engine:
         held = len(self.scheduler.running) + len(self.scheduler.waiting)  # arrivals count in the load at once
         strategy = self.strategy.choose(reqs, held)  # adaptive speculation: a round or a plain step
         spec = strategy.speculative
-        repeat = self.limits.num_draft_tokens if spec else 1
         logprobs = decode_plan(reqs, self.limits.step_advance if spec else 1)
-        sampling = self._sampling(reqs, repeat)
+        sampling = self._sampling(reqs, strategy.tree_width)  # one row per tree node
         # planning data for library attention kernels: the committed length the host knows (a lower bound of
         # the device's under overlap) and whose pages are final (DESIGN §13)
         self.runner.set_known_prefix(rows, [q.committed for q in reqs])
@@ -663,7 +662,9 @@ class Engine:
             "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,
             "attention_backend": self.runner.backend.describe(), "page_size": str(lim.page_size),
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
-                            + (" adaptive" if spec.adaptive else "") if spec is not None else "off"),
+                            + (" adaptive" if spec.adaptive else "")
+                            + (f" widths={','.join(map(str, spec.tree_widths))}" if spec.adaptive_widths else "")
+                            if spec is not None else "off"),
             "overlap_schedule": "on" if lim.overlap else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled

@@ -85,7 +85,7 @@ class ModelRunner:
                                                        config.use_cuda_graph and self.backend.captures_prefill)
         self._draft_features: torch.Tensor | None = None  # draft prefill graphs' static input (_draft_feature_buffer)
         self._planned: dict[Phase, tuple] = {}  # phase -> layout planned by the running decode-time phase
-        self._planners: dict[tuple[Phase, ...], Callable[[int, int], None]] = {}
+        self._planners: dict[tuple, Callable[[int, int], None]] = {}  # (phases, tree width) -> plan callback
         self.timer = PhaseTimer(self.device)
         self.row_state = RowState(lim, self.device)
         self.penalties = PenaltyState(lim, mc.vocab_size, self.device)  # allocated when first used
@@ -129,27 +129,30 @@ class ModelRunner:
         from host lengths read them from the batches (`ForwardBatch.host_kv_floor`); None after the step."""
         self.builder.set_known_prefix(rows, floors)
 
-    def phase_layout(self, phase: Phase) -> tuple[int, int]:
-        """(tokens per request, scratch width) of a uniform-stride phase, from the Limits."""
+    def phase_layout(self, phase: Phase, tree_width: int | None = None) -> tuple[int, int]:
+        """(tokens per request, scratch width) of a uniform-stride phase, from the Limits; VERIFY's tokens are the
+        tree's `tree_width` (None: N; adaptive rounds may verify a narrower tree, Limits.tree_widths)."""
         lim = self.limits
-        layouts = {Phase.DECODE: (1, 0), Phase.VERIFY: (lim.num_draft_tokens, lim.target_scratch_width),
+        layouts = {Phase.DECODE: (1, 0), Phase.VERIFY: (tree_width or lim.num_draft_tokens, lim.target_scratch_width),
                    Phase.DRAFT_DECODE: (lim.eagle_topk, lim.draft_scratch_width),
                    Phase.DRAFT_EXTEND: (lim.draft_extend_stride, 0)}
         return layouts[phase]
 
-    def planner(self, *phases: Phase) -> Callable[[int, int], None]:
+    def planner(self, *phases: Phase, tree_width: int | None = None) -> Callable[[int, int], None]:
         """The plan callback of a decode-time phase whose forwards are `phases` (BucketGraphs.run / capture call
-        it with the rows and max_kv_len the phase runs with): plans each from the batch the builder will build."""
-        if phases not in self._planners:
-            layouts = [(phase, *self.phase_layout(phase)) for phase in phases]  # (phase, stride, width)
+        it with the rows and max_kv_len the phase runs with): plans each from the batch the builder will build
+        (`tree_width`: a VERIFY's tree, `phase_layout`)."""
+        key = (phases, tree_width)
+        if key not in self._planners:
+            layouts = [(phase, *self.phase_layout(phase, tree_width)) for phase in phases]  # (phase, stride, width)
 
             def plan(rows: int, max_kv_len: int) -> None:
                 self._planned = {}  # only this phase's plans count for its forwards
                 for phase, stride, width in layouts:
                     self.plan(self.builder.describe(phase, rows, stride, max_kv_len, width))
 
-            self._planners[phases] = plan
-        return self._planners[phases]
+            self._planners[key] = plan
+        return self._planners[key]
 
     def _ensure_planned(self, batch: ForwardBatch) -> None:
         """Inside a decode-time phase the batch must be one its plan callback planned; elsewhere (prefill,

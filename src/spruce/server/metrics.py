@@ -375,6 +375,16 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_catch_up_seconds", "gauge", "A catch-up's fitted cost: device or host seconds, fixed and "
            "per missing position.", [(f'part="{k.split("_", 1)[0]}",term="{k.split("_", 1)[1]}"', v)
                                      for k, v in sorted(a.get("catch_up_seconds", {}).items())])
+    widths = a.get("tree_width")
+    if widths is not None:  # --speculative-adaptive-widths (speculative/tree_width.py)
+        series("spruce_adaptive_tree_width", "gauge", "Verify tree width (nodes, root included) the last round over "
+               "a batch of each bucket was given: the width with the most expected tokens/s.",
+               [(f'bucket="{b}"', w) for b, w in sorted(widths["chosen"].items())])
+        series("spruce_adaptive_width_accept_length", "gauge", "Mean drafts a round at each verify width accepts "
+               "(measured in rounds of that width or wider: a narrower tree is a sub-tree).",
+               [(f'width="{w}"', v) for w, v in sorted(widths["accept"].items())])
+        series("spruce_adaptive_width_rounds_total", "counter", "Rounds run at each verify width.",
+               [(f'width="{w}"', n) for w, n in sorted(widths["rounds"].items())])
 
 
 @dataclass(frozen=True)

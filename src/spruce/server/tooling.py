@@ -120,6 +120,7 @@ class _Tools:
             "speculative_eagle_topk": spec.eagle_topk if spec else None,
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
             "speculative_adaptive": spec.adaptive if spec else False,
+            "speculative_adaptive_widths": list(spec.adaptive_widths) if spec else [],
             "avg_spec_accept_length": accept,
             "internal_states": [state],
             "version": spruce.__version__,

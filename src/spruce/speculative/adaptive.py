@@ -30,7 +30,11 @@ Pieces:
   captured graphs; larger batches run eagerly, as they will when serving. On CUDA the time is the device's
   (events around the call); on the CPU it is the call's wall time, which is the device work there;
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
-  the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up.
+  the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
+- the verify width (`speculative_adaptive_widths`): rounds run the tree of the width `WidthChooser` picks for the
+  batch's cost bucket (speculative/tree_width.py), fed with each round's per-width acceptance (its result row) when
+  the policy reads the rounds; a decided round takes the width then, standing rounds the one chosen at the last
+  decision or read.
 
 Losslessness: a committed token is the target's choice at its position whichever candidate ran (greedy:
 the argmax; sampled: the draw keyed by (seed, position), DESIGN §9), so adaptive output equals plain output.
@@ -55,9 +59,10 @@ from spruce.runtime.grammar import GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan
 from spruce.runtime.sampler import SamplingTensors
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
-from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft
+from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft, NarrowRound
 from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk, warm_spans
+from spruce.speculative.tree_width import WidthChooser
 
 READ_EVERY = 8  # standing rounds whose acceptance the policy reads at once (`AdaptiveDecoding._read_rounds`)
 WARMUP_RUNS = 2
@@ -74,12 +79,18 @@ class AdaptiveStep:
     owner: "AdaptiveDecoding"
     decision: Decision
     lagging: list[LaggingDraft]
+    round: "EagleWorker | NarrowRound | None" = None  # what launches the round (its verify width), if a round
     marks: dict = field(default_factory=dict)  # start, end, and with a catch-up catch_up_start, catch_up_end
     catch_up_host_s: float = 0.0  # host seconds of the catch-up's launch (CUDA)
 
     @property
     def speculative(self) -> bool:
         return self.decision.choice == SPECULATIVE
+
+    @property
+    def tree_width(self) -> int:
+        """Sampling rows per request (DecodeStrategy.tree_width): the round's tree, 1 for a plain step."""
+        return self.round.tree_width if self.round is not None else 1
 
     @property
     def catch_up_positions(self) -> int:
@@ -137,6 +148,11 @@ class AdaptiveDecoding(DecodeStrategy):
         # eager draft extend's (requests completed, start mark, end mark, host seconds), or None
         self._unread_rounds: list[tuple[list, list[int]]] = []  # resolved rounds (requests, drafts each accepted:
         # its result row's first entry) the policy has not read yet, oldest first
+        self.widths: WidthChooser | None = None  # the verify width's choice (made by measure_costs; None: N only)
+        self._width_columns = 1 + r.limits.step_advance  # where a result row's per-width acceptance starts
+        self._unread_widths: list[tuple[int, list[list[int]]]] = []  # per unread round: its width, its result rows
+        self.standing_round: EagleWorker | NarrowRound = worker  # what a standing round launches (its width)
+        self._width_bucket = 1  # the cost bucket that width was chosen for
 
     @property
     def policy(self) -> AdaptivePolicy | None:
@@ -309,7 +325,7 @@ class AdaptiveDecoding(DecodeStrategy):
                     if plain:
                         for q in requests:
                             q.draft_lag += 1
-                    return self.plain if plain else self.worker
+                    return self.plain if plain else self.standing_round
         bs = self._batch_size = len(requests)
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
@@ -323,7 +339,16 @@ class AdaptiveDecoding(DecodeStrategy):
         lagging = [_lagging(q, self._lazy_in_flight.get(q, 0)) for q in requests if q.draft_lag] if catch_up else []
         for q in requests:
             q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
-        return AdaptiveStep(self, d, lagging)
+        if spec:
+            self._choose_width(d.bucket)
+        return AdaptiveStep(self, d, lagging, self.standing_round if spec else None)
+
+    def _choose_width(self, bucket: int) -> None:
+        """Rounds over a batch of cost bucket `bucket` run the width the chooser picks (standing ones too, until
+        the next decision or read)."""
+        self._width_bucket = bucket
+        if self.widths is not None:
+            self.standing_round = self.worker.narrow(self.widths.choose(bucket))
 
     def _stand(self, choice: str, batch_size: int) -> bool:
         """Whether the last decision stands for a step of `choice` over `batch_size` requests that no ticket covers
@@ -363,7 +388,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if self.cuda:  # its launch is host time of the catch-up, not of the step
                 step.catch_up_host_s = catch_up_s
                 self.policy.waited(step.catch_up_host_s)
-        strategy = self.worker if step.speculative else self.plain
+        strategy = step.round if step.speculative else self.plain
         t1 = time.perf_counter()
         out = strategy.decode(rows, max_kv, sampling, logprobs, grammar)
         step.marks["end"] = self._mark()
@@ -398,8 +423,11 @@ class AdaptiveDecoding(DecodeStrategy):
             return
         if step is self.plain:  # a plain step the last decision stood for
             return
-        if step is self.worker:  # a round the last decision stood for: only its acceptance is read, later
+        if type(step) is not AdaptiveStep:  # a round the last decision stood for (the worker, or a NarrowRound: the
+            # width may have changed since its launch): only its acceptance is read, later
             self._unread_rounds.append((requests, [row[0] for row in results]))  # (read while the rows are warm)
+            if self.widths is not None:
+                self._unread_widths.append((step.tree_width, results))
             if len(self._unread_rounds) >= READ_EVERY:
                 self._read_rounds()
             return
@@ -417,6 +445,8 @@ class AdaptiveDecoding(DecodeStrategy):
             self._events.extend(v for k, v in m.items() if k != "catch_up_start")
         if step.speculative:
             self._unread_rounds.append((requests, [row[0] for row in results]))
+            if self.widths is not None:
+                self._unread_widths.append((step.tree_width, results))
             self._read_rounds()
 
     def _read_rounds(self) -> None:
@@ -438,8 +468,20 @@ class AdaptiveDecoding(DecodeStrategy):
         ticket = self._ticket
         policy = self.policy  # replays the ticket
         policy.accepted_rounds(unread)
+        if self.widths is not None:
+            self._read_widths()
         if ticket is not None:
             self._grant(policy, ticket.choice, ticket.hi)
+
+    def _read_widths(self) -> None:
+        """The chooser reads the unread rounds' per-width acceptance and picks the width of the standing rounds
+        again."""
+        start = self._width_columns
+        stop = start + len(self.widths.widths) - 1
+        for width, results in self._unread_widths:
+            self.widths.add(width, [[*row[start:stop], row[0]] for row in results])  # (the last: N's, if N ran)
+        self._unread_widths = []
+        self._choose_width(self._width_bucket)
 
     def idle(self) -> None:
         if self.policy is not None:
@@ -487,6 +529,13 @@ class AdaptiveDecoding(DecodeStrategy):
         self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
                                      max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {},
                                      stalls=_compilations, catch_up_prior=self._time_catch_ups())
+        if lim.narrower_widths:
+            width_seconds = {(w, b): (device_seconds[(SPECULATIVE, b)] if w == lim.num_draft_tokens else _time_step(
+                self.worker.narrow(w), [lim.dummy_row] * b, lim.page_size, self.cuda)[0])
+                for b in lim.cost_buckets for w in lim.tree_widths}
+            policy = self._policy
+            self.widths = WidthChooser(lim.tree_widths, width_seconds, lambda b: policy.host_seconds(SPECULATIVE, b),
+                                       policy.join)
 
     def _time_catch_ups(self) -> dict[str, list[tuple[int, float]]]:
         """The catch-up's cost at two sizes far apart, over the dummy row: one request lagging CATCH_UP_SMALL
@@ -510,7 +559,8 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.policy is None:
             return None
         self._read_rounds()
-        return self.policy.snapshot()
+        snapshot = self.policy.snapshot()
+        return snapshot if self.widths is None else {**snapshot, "tree_width": self.widths.snapshot()}
 
     # --- timing marks -----------------------------------------------------------------------------------------
     def _mark(self):

@@ -582,9 +582,13 @@ class AdaptivePolicy:
 
     def _parts_seconds(self, choice: str, bucket: int) -> float:
         """D (+) (E + R + X): a step's seconds from its parts, without the floor W."""
-        h = self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket) + self.other_host(
+        return self.join(self.device(choice, bucket), self.host_seconds(choice, bucket))
+
+    def host_seconds(self, choice: str, bucket: int) -> float:
+        """E + R + X: a step's host seconds (launching it, reading its results, and everything else between
+        steps)."""
+        return self.launch(choice, bucket) + _own_or_other(self.resolve_seconds, choice, bucket) + self.other_host(
             choice, bucket)
-        return self._join(self.device(choice, bucket), h)
 
     def other_host(self, choice: str, bucket: int) -> float:
         """X(choice, bucket): the median of the choice's own steady samples once it has OWN_HOST_SAMPLES of them,
@@ -603,9 +607,9 @@ class AdaptivePolicy:
 
     def catch_up_seconds(self, positions: int) -> float:
         """A catch-up over `positions` missing positions: its fitted device (+) host seconds."""
-        return self._join(self.catch_up_device.predict(positions), self.catch_up_host.predict(positions))
+        return self.join(self.catch_up_device.predict(positions), self.catch_up_host.predict(positions))
 
-    def _join(self, device_seconds: float, host_seconds: float) -> float:
+    def join(self, device_seconds: float, host_seconds: float) -> float:
         """(+): max when host and device overlap, + when one waits for the other."""
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
@@ -1271,7 +1275,7 @@ class AdaptivePolicy:
     def drafted_prompts(self, requests: int, device_seconds: float, host_seconds: float) -> None:
         """A prefill's eager draft extend took `device_seconds` on the device and `host_seconds` to launch, and
         completed the prompts of `requests` requests (0 for a chunk of a longer prompt)."""
-        seconds = self._join(device_seconds, host_seconds)
+        seconds = self.join(device_seconds, host_seconds)
         for name, value in (("draft_prompt_seconds", seconds), ("draft_prompt_requests", float(requests))):
             old = getattr(self, name)
             setattr(self, name, value if old is None else old + COST_ALPHA * (value - old))

@@ -11,12 +11,19 @@ back after DRAFT_DECODE, each node gets its grammar mask on the host (runtime/gr
 selection and acceptance run eagerly on the masked verify logits. Nothing in a round syncs with the host until one
 [bs, S+2] read-back (accept lengths and tokens) at its end. The same phase functions run eagerly or under
 CUDA graphs (runtime/cuda_graph.py).
+
+Adaptive speculation may also run the round over a narrower verify tree (N' < N, Limits.narrower_widths): the same
+draft, the tree of its best N'-1 candidates (`NarrowRound`); its phases are graphs of their own. Every round's
+result row then ends with, per narrower width, the drafts a round at that width would have accepted
+(speculative/tree.py's `accepted_within`), which is what the policy chooses the width by.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,7 +39,7 @@ from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
-from spruce.speculative.tree import DraftCandidates, Tree, build_tree, own_bits
+from spruce.speculative.tree import DraftCandidates, Tree, accepted_within, build_tree, own_bits
 from spruce.speculative.verify import accept
 
 
@@ -58,6 +65,14 @@ class LaggingDraft:
                                  f"{len(self.next_tokens)} next tokens (need start < end and end - start - 1 tokens)")
 
 
+class RoundPhase(NamedTuple):
+    """One phase of a round as BucketGraphs runs and captures it (runtime/cuda_graph.py)."""
+
+    name: str
+    fn: Callable
+    plan: Callable[[int, int], None]
+
+
 @dataclass
 class Verified:
     """VERIFY's output: the tree it checked and the target's logits and draft features at every node."""
@@ -71,6 +86,20 @@ class Verified:
         return self.tree.batch_rows
 
 
+@dataclass(frozen=True)
+class NarrowRound:
+    """The worker's round over a verify tree of `tree_width` (< N) nodes: what adaptive speculation launches when
+    it chooses that width (DecodeStrategy.decode's contract)."""
+
+    worker: "EagleWorker"
+    tree_width: int
+    speculative = True
+
+    def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        return self.worker.decode(rows, max_kv, sampling, logprobs, grammar, self.tree_width)
+
+
 class EagleWorker(DecodeStrategy):
     speculative = True
 
@@ -79,6 +108,9 @@ class EagleWorker(DecodeStrategy):
         self.debug = debug
         lim = runner.limits
         self.K, self.S, self.N = lim.eagle_topk, lim.num_steps, lim.num_draft_tokens
+        self.tree_width = self.N
+        # per verify width: its phases (name, fn, plan); N's keep the plain names (a fixed engine's graphs)
+        self._phases = {width: self._make_phases(width) for width in lim.tree_widths}
         draft = runner.draft
         if self.K > draft.draft_vocab_size:
             raise ConfigError(f"speculative_eagle_topk={self.K} exceeds the draft vocabulary {draft.draft_vocab_size}")
@@ -168,25 +200,40 @@ class EagleWorker(DecodeStrategy):
         self.store_step0(rows_t, h[last])  # h: [T, Hd]
 
     # --- the round -------------------------------------------------------------------------------------------
+    def _make_phases(self, width: int) -> list[RoundPhase]:
+        """The round's three phases over a verify tree of `width` nodes, in their order."""
+        plan, suffix = self.runner.planner, "" if width == self.N else f"@{width}"
+        return [RoundPhase(f"draft{suffix}", lambda P, max_kv: self._draft_phase(P, max_kv, width),
+                           plan(Phase.DRAFT_DECODE)),
+                RoundPhase(f"verify{suffix}", self._verify_phase, plan(Phase.VERIFY, tree_width=width)),
+                RoundPhase(f"extend{suffix}", self._extend_phase, plan(Phase.DRAFT_EXTEND))]
+
+    def narrow(self, width: int) -> "NarrowRound | EagleWorker":
+        """What launches a round at verify width `width` (one of Limits.tree_widths): the worker itself at N."""
+        if width not in self._phases:
+            raise InvariantError(f"verify width {width} is not one of {tuple(self._phases)} (Limits.tree_widths)")
+        return self if width == self.N else NarrowRound(self, width)
+
     def decode(self, rows: list[int], max_kv: int, sampling: SamplingTensors,
-               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
-        """One round for the requests in `rows`; `sampling` has one row per tree node ([bs*N]), `grammar` one
-        entry per request."""
+               logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None,
+               width: int | None = None) -> torch.Tensor:
+        """One round for the requests in `rows` over a verify tree of `width` nodes (None: N); `sampling` has one
+        row per tree node ([bs*width]), `grammar` one entry per request."""
         graphs, timer = self.runner.graphs, self.runner.timer
+        draft, verify, extend = self._phases[width or self.N]
         bs = len(rows)
         self.fill_rows(rows)
         if grammar is not None:
             with timer.phase("grammar"):  # the depth-1 draft tokens: only what the grammar allows next
                 self._prune_step0(bs, grammar.row_masks(self.runner.device))
         with timer.phase("draft"):
-            tree = graphs.run("draft", self._draft_phase, bs, max_kv, plan=self.runner.planner(Phase.DRAFT_DECODE))
+            tree = graphs.run(draft.name, draft.fn, bs, max_kv, plan=draft.plan)
         masks = None
         if grammar is not None:
             with timer.phase("grammar"):  # [bs*N, words]: each node's mask after its path (reads the tree back)
                 masks = grammar.tree_masks(tree.tokens[:bs], tree.parents[:bs], self.runner.device)
         with timer.phase("verify"):  # also accepts greedily on the device (the rows' accept state)
-            verified = graphs.run("verify", self._verify_phase, bs, max_kv, tree,
-                                  plan=self.runner.planner(Phase.VERIFY))
+            verified = graphs.run(verify.name, verify.fn, bs, max_kv, tree, plan=verify.plan)
         if not sampling.all_greedy or masks is not None:
             with timer.phase("accept"):  # sampled or masked rows: accept along the target's own choices instead
                 self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling, masks))
@@ -194,8 +241,7 @@ class EagleWorker(DecodeStrategy):
             with timer.phase("logprobs"):
                 logprobs.pack = self._path_logprobs(verified, logprobs)
         with timer.phase("extend"):
-            out = graphs.run("extend", self._extend_phase, bs, max_kv, verified,
-                             plan=self.runner.planner(Phase.DRAFT_EXTEND))  # [P, S+2]
+            out = graphs.run(extend.name, extend.fn, bs, max_kv, verified, plan=extend.plan)  # [P, result width]
         return out[:bs]
 
     def _prune_step0(self, bs: int, masks: torch.Tensor) -> None:
@@ -214,7 +260,7 @@ class EagleWorker(DecodeStrategy):
     def _sampled_target_tokens(self, bs: int, verified: Verified, sampling: SamplingTensors,
                                masks: torch.Tensor | None = None) -> torch.Tensor:
         """The target's token after each tree node under the requests' sampling parameters (and grammar masks
-        [bs*N, words], if given): [bs, N].
+        [bs*N, words], if given): [bs, N] (N: the tree's width).
 
         The random key is (seed, position) alone, as in plain decoding: the committed token at a position is
         the same sample whichever tree (or no tree) led there, so seeded output is identical with and without
@@ -226,10 +272,11 @@ class EagleWorker(DecodeStrategy):
         if sampling.penalties is not None:  # a node's penalties count its own path below the root too
             history = self.history(sampling, self.rows[:bs],
                                    *node_paths(tree.tokens[:bs], tree.parents[:bs], tree.depths[:bs], self.S))
-        logits = verified.logits[: bs * self.N]
+        width = tree.tokens.shape[1]
+        logits = verified.logits[: bs * width]
         if masks is not None:
             logits = apply_token_mask(logits, masks)
-        return select_tokens(logits, sampling, positions, history).view(bs, self.N)
+        return select_tokens(logits, sampling, positions, history).view(bs, width)
 
     def _path_logprobs(self, verified: Verified, plan: LogprobPlan) -> torch.Tensor:
         """The target's logprobs of the tokens the round commits, for the batch rows of `plan`: [w*(S+1), 2+2k].
@@ -244,7 +291,7 @@ class EagleWorker(DecodeStrategy):
         depth = torch.arange(steps, device=dev)[None, :]
         chosen = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)
         chosen = torch.where(depth == accept_lens[:, None], bonus[:, None], chosen)  # [w, S+1]
-        nodes = (idx[:, None] * self.N + path).reshape(-1)  # verify logits rows of the path nodes
+        nodes = (idx[:, None] * verified.tree.tokens.shape[1] + path).reshape(-1)  # verify logits rows of the path
         return pack_logprobs(verified.logits[nodes], chosen.reshape(-1), plan.k)
 
     def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor) -> None:
@@ -263,14 +310,15 @@ class EagleWorker(DecodeStrategy):
         self.bonus[start:stop] = 0
 
     # --- phases (graph-capturable: device work only, static inputs) ----------------------------------------------
-    def _draft_phase(self, P: int, max_kv: int) -> Tree:
-        """Gather the rows' committed lengths and last tokens (the roots), then draft and build the tree."""
+    def _draft_phase(self, P: int, max_kv: int, width: int) -> Tree:
+        """Gather the rows' committed lengths and last tokens (the roots), then draft and build the tree of `width`
+        nodes."""
         committed, roots = self.runner.row_state.gather(self.rows[:P])
         self.committed[:P] = committed
         self.roots[:P] = roots
         cands = self._draft(self.rows[:P], self.committed[:P], max_kv)
         lim = self.runner.limits
-        return build_tree(cands, self.roots[:P], self.N, lim.mask_words, self.S, debug=self.debug)
+        return build_tree(cands, self.roots[:P], width, lim.mask_words, self.S, debug=self.debug)
 
     def _verify_phase(self, P: int, max_kv: int, tree: Tree) -> Verified:
         r, lim = self.runner, self.runner.limits
@@ -278,13 +326,15 @@ class EagleWorker(DecodeStrategy):
                                         tree.masks, 0, r.target_kv.scratch_start, lim.target_scratch_width, max_kv)
         hidden, aux = r.target_forward(batch)
         logits = r.target.compute_logits(hidden)  # [P*N, V]
-        self._accept(P, tree, logits.argmax(dim=-1).view(P, self.N))  # greedy rows' acceptance, inside the graph
+        self._accept(P, tree, logits.argmax(dim=-1).view(P, -1))  # greedy rows' acceptance, inside the graph
         return Verified(tree, logits, r.target_features(hidden, aux))
 
     def _extend_phase(self, P: int, max_kv: int, verified: Verified) -> torch.Tensor:
         """Commit the accepted path's target KV, run the draft over it and advance the rows' state.
 
-        Returns [P, S+2]: each row's accept length, then its S+1 next tokens (accepted path + bonus, padded)."""
+        Returns [P, step_result_width]: each row's accept length, then its S+1 next tokens (accepted path + bonus,
+        padded), then per narrower width N' (Limits.narrower_widths) the drafts a round at N' accepts
+        (`accepted_within`; at N' >= this tree's width, this round's own)."""
         r, lim, tree = self.runner, self.runner.limits, verified.tree
         rows, committed = self.rows[:P], self.committed[:P]
         accept_lens, path, bonus = self.accept_lens[:P], self.path[:P], self.bonus[:P]
@@ -295,7 +345,8 @@ class EagleWorker(DecodeStrategy):
                                             lim.page_size), 0)
         r.target_kv.copy_slots(src.reshape(-1), dst.reshape(-1))
 
-        feats = verified.features.view(P, self.N, -1)
+        width = tree.tokens.shape[1]
+        feats = verified.features.view(P, width, -1)
         path_feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [P, S+1, F]
         path_tokens = tree.tokens.gather(1, path)  # [P, S+1]
         next_tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)  # token at p+1 for each p
@@ -305,7 +356,12 @@ class EagleWorker(DecodeStrategy):
         last = h.view(P, self.S + 1, -1).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
         self.store_step0(rows, last[:, 0])
         r.row_state.set(rows, committed + accept_lens + 1, bonus)
-        return torch.cat([accept_lens[:, None], next_tokens], dim=1)
+        columns = [accept_lens[:, None], next_tokens]
+        if lim.narrower_widths:
+            path_ranks = tree.ranks.gather(1, path)[:, 1:]  # [P, S]
+            columns += [(accepted_within(path_ranks, accept_lens, w) if w < width else accept_lens)[:, None]
+                        for w in lim.narrower_widths]
+        return torch.cat(columns, dim=1)
 
     def _draft(self, rows: torch.Tensor, committed: torch.Tensor, max_kv: int) -> DraftCandidates:
         """S steps of top-K expansion. Step 0 is the stored top-K; step j runs the draft (its layer for step j:
@@ -346,12 +402,11 @@ class EagleWorker(DecodeStrategy):
 
     # --- graphs -------------------------------------------------------------------------------------------------
     def capture_graphs(self, show_progress: bool) -> None:
-        plan = self.runner.planner
-        phases = [("draft", self._draft_phase, plan(Phase.DRAFT_DECODE)), ("verify", self._verify_phase,
-                  plan(Phase.VERIFY)), ("extend", self._extend_phase, plan(Phase.DRAFT_EXTEND))]
-        self.runner.graphs.capture(phases, lambda p: self.prepare_padding(0, p), "capturing speculative graphs",
-                                   show_progress)
+        """Each verify width's chain of phases, N's first."""
+        for width in sorted(self._phases, reverse=True):
+            self.runner.graphs.capture(self._phases[width], lambda p: self.prepare_padding(0, p),
+                                       f"capturing speculative graphs (N={width})", show_progress)
 
 
 def _slice_tree(tree: Tree, bs: int) -> Tree:
-    return Tree(tree.tokens[:bs], tree.parents[:bs], tree.depths[:bs], tree.masks[:bs])
+    return Tree(tree.tokens[:bs], tree.parents[:bs], tree.depths[:bs], tree.masks[:bs], tree.ranks[:bs])

@@ -79,6 +79,7 @@ class DecodeStrategy:
     """The interface, and the prefill and static-input handling every strategy shares."""
 
     speculative = False
+    tree_width = 1  # sampling rows per request of a decode step: the verify tree's nodes (speculative)
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner

@@ -3,6 +3,10 @@
 A candidate's score is the product of the draft probabilities along its path, so a child never scores
 above its parent; with a stable sort (ties keep candidate order, and parents precede children in that
 order) a kept child always has a kept parent. Debug mode checks it on the device.
+
+The tree of width N' < N is the first N'-1 candidates of the same order, so it is the width-N tree's nodes of rank
+below N'-1 (`Tree.ranks`), an ancestor-closed sub-tree: a round at N reads off exactly what a round at N' would
+have accepted (`accepted_within`), which adaptive speculation uses to choose the width (speculative/adaptive.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class Tree:
     parents: torch.Tensor  # [bs, N] int64 tree index, -1 for the root
     depths: torch.Tensor  # [bs, N] int64, 0 for the root
     masks: torch.Tensor  # [bs, N, words] int64 ancestor bitmask (self included)
+    ranks: torch.Tensor  # [bs, N] int64 a node's place in the score order (0: the best draft), -1 for the root
 
     @property
     def batch_rows(self) -> int:
@@ -73,7 +78,7 @@ def build_tree(cands: DraftCandidates, root_tokens: torch.Tensor, num_draft_toke
     if keep > m:
         raise InvariantError(f"tree needs {keep} candidates but the draft produced {m} (N={num_draft_tokens})")
     best = cands.scores.argsort(dim=1, descending=True, stable=True)[:, :keep]  # [bs, N-1]
-    chosen = best.sort(dim=1).values  # generation order = parents before children
+    chosen, rank = best.sort(dim=1)  # generation order = parents before children; each one's place in `best`
     device = root_tokens.device
     cand_to_node = torch.full((bs, m), -1, dtype=torch.int64, device=device)
     node_ids = torch.arange(1, keep + 1, device=device)[None, :].expand(bs, keep)
@@ -86,7 +91,19 @@ def build_tree(cands: DraftCandidates, root_tokens: torch.Tensor, num_draft_toke
     tokens = torch.cat([root_tokens[:, None], cands.tokens.gather(1, chosen)], dim=1)
     parents = torch.cat([root_col - 1, parent_node], dim=1)
     depths = torch.cat([root_col, cands.depths.gather(1, chosen)], dim=1)
-    return Tree(tokens=tokens, parents=parents, depths=depths, masks=ancestor_masks(parents, words, max_depth))
+    return Tree(tokens=tokens, parents=parents, depths=depths, masks=ancestor_masks(parents, words, max_depth),
+                ranks=torch.cat([root_col - 1, rank], dim=1))
+
+
+def accepted_within(path_ranks: torch.Tensor, accept_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """The drafts a round at verify width `width` accepts, from a wider round's accepted path: [bs].
+
+    path_ranks [bs, S]: the ranks (`Tree.ranks`) of the accepted path's nodes at depths 1..S (past accept_lens:
+    anything). The narrower tree holds the nodes of rank below width-1; its path is the wider one's up to the first
+    node it lacks (siblings carry distinct tokens, so no other child of that depth matches the target's token)."""
+    depth = torch.arange(1, path_ranks.shape[1] + 1, device=path_ranks.device)[None, :]  # [1, S]
+    kept = (path_ranks < width - 1) & (depth <= accept_lens[:, None])  # [bs, S]
+    return kept.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def _capturing() -> bool:
