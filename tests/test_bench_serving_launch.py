@@ -27,7 +27,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
     out = tmp_path / "results"
     rc = main(["bench", "serving", "--launch", "plain=--disable-speculative", "--launch",
                "adaptive=--speculative-adaptive --speculative-num-steps 2 --speculative-eagle-topk 2 "
-               "--speculative-num-draft-tokens 3",
+               "--speculative-num-draft-tokens 3 --speculative-adaptive-widths 2",
                "--server-args", "--device cpu --page-size 4 --max-running-requests 2", "--compare-prefix-cache",
                "--shared-prefix-tokens", "24", "--prompt-tokens", "6", "--max-tokens", "4", "--concurrency", "2",
                "--num-requests", "3", "--warmup", "1", "--passes", "2", "--interleave", "--prompts", str(prompts),
@@ -61,9 +61,11 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             parts = {"device_seconds", "launch_seconds", "resolve_seconds", "other_host_seconds", "catch_up_seconds"}
             # W and the own host time: once a step was steady; realized figures: once an epoch completed
             assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
-                                                                 "realized_ratio", "realized_request_seconds"}
+                                                                 "realized_ratio", "realized_request_seconds",
+                                                                 "tree_width", "width_accept_length"}
             assert set(steps) == {"plain", "speculative", "decided", "probes", "catch_ups", "catch_up_positions",
-                                  "retries", "epochs_dropped", "epochs_drained", "epochs_outgrown"}
+                                  "retries", "epochs_dropped", "epochs_drained", "epochs_outgrown", "width_rounds"}
+            assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
             assert 0 < steps["decided"] <= steps["plain"] + steps["speculative"]
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
     # a level starts one server later than the round before, so no server always runs last

@@ -180,15 +180,19 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
                    "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
                    "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio",
-                   "spruce_adaptive_realized_request_seconds")
+                   "spruce_adaptive_realized_request_seconds", "spruce_adaptive_tree_width",
+                   "spruce_adaptive_width_accept_length")
+WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width (--speculative-adaptive-widths)
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
     adaptive speculation's cost tables ({device,launch,resolve,wall,own_host}_seconds: {choice: {bucket: s}};
     realized_ratio: {choice: {bucket: busy over modelled seconds}}; realized_request_seconds: {choice: {bucket: s}};
-    other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; empty when not
-    adaptive); nothing if it does not answer within `timeout` seconds."""
+    other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; tree_width: {bucket:
+    nodes} and width_accept_length: {width: drafts} with --speculative-adaptive-widths; empty when not adaptive);
+    nothing if it does not answer within `timeout` seconds. The counters include each width's rounds
+    (WIDTH_ROUNDS)."""
     try:
         async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
             text = (await client.get("/metrics", timeout=timeout)).text
@@ -197,15 +201,15 @@ async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[s
     vals, tables = {}, {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in COUNTERS:
+        if name in COUNTERS or name.startswith(WIDTH_ROUNDS + "{"):
             vals[name] = float(value)
         elif name.split("{")[0] in ADAPTIVE_TABLES:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
             table = tables.setdefault(name.split("{")[0].removeprefix("spruce_adaptive_"), {})
             if "choice" in labels:
                 table.setdefault(labels["choice"], {})[labels["bucket"]] = float(value)
-            elif "bucket" in labels:
-                table[labels["bucket"]] = float(value)
+            elif "bucket" in labels or "width" in labels:
+                table[labels.get("bucket", labels.get("width"))] = float(value)
             else:
                 table.setdefault(labels["part"], {})[labels["term"]] = float(value)
     return vals, tables
@@ -234,6 +238,9 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
     adaptive = {name.split('"')[1]: int(delta[name]) for name in ADAPTIVE_STEPS if name in delta}
     if adaptive:
         adaptive |= {key: int(delta.get(name, 0)) for key, name in ADAPTIVE_COUNTERS.items()}
+        widths = {name.split('"')[1]: int(delta[name]) for name in delta if name.startswith(WIDTH_ROUNDS + "{")}
+        if widths:
+            adaptive["width_rounds"] = widths  # rounds per verify width during the level
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     engine = None
     if ENGINE_STEPS["decode"] in delta:
@@ -382,7 +389,8 @@ def _print_level(lv: dict) -> None:
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
-                                     f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}")
+                                     f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}"
+                                     + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps else ""))
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:
