@@ -790,6 +790,7 @@ def test_a_round_reports_what_each_narrower_tree_accepts(monkeypatch, reference)
     other position of the reference outputs they equal the first round of a fixed engine at that N (the bundled
     trained EAGLE-3 head, greedy, S = 3, K = 4): what the width chooser prices every width by."""
     from spruce.config import builtin_draft_path
+    from spruce.speculative import tree_width
 
     import bench_scripts
 
@@ -808,10 +809,12 @@ def test_a_round_reports_what_each_narrower_tree_accepts(monkeypatch, reference)
     strategy = llm.engine.strategy
     cycle_widths(monkeypatch, llm, [16])
     first: dict[int, list[int]] = {}
+    every: list[list[int]] = []  # every round's rows
     resolved = strategy.resolved
 
     def recording(step, requests, results, *a, **kw):
         if step is not None and step is not strategy.plain:
+            every.extend(results)
             for q, row in zip(requests, results):
                 first.setdefault(id(q.spec), row)
         return resolved(step, requests, results, *a, **kw)
@@ -829,6 +832,11 @@ def test_a_round_reports_what_each_narrower_tree_accepts(monkeypatch, reference)
     column = 1 + llm.engine.limits.step_advance
     assert [row[column] for row in rows] == fixed[4] and [row[column + 1] for row in rows] == fixed[8]
     assert sum(row[0] for row in rows) > sum(fixed[8]) > sum(fixed[4]) > 0  # the widths differ where it matters
+    llm.engine.stats()  # (reads the rounds not read yet)
+    accept = strategy.widths.accept  # fewer request-rounds than WIDTH_WINDOW: each width's plain mean of its column
+    assert len(every) < tree_width.WIDTH_WINDOW
+    for w, col in ((4, column), (8, column + 1), (16, 0)):
+        assert accept[w] == pytest.approx(sum(row[col] for row in every) / len(every)), w
 
 
 def test_the_width_chooser_prices_each_width_by_its_acceptance_and_cost():
@@ -841,18 +849,18 @@ def test_the_width_chooser_prices_each_width_by_its_acceptance_and_cost():
     device = {(4, 1): 1e-3, (8, 1): 1.05e-3, (4, 64): 4e-3, (8, 64): 7e-3}
     chooser = WidthChooser((4, 8), device, lambda bucket: 2e-3, max)
     assert chooser.choose(64) == 8 and chooser.choose(1) == 8  # nothing measured yet: the widest measures all
-    chooser.add(4, [[1, 9]])  # a narrow round: says nothing of 8's acceptance
+    chooser.add(4, [1, 9], 1)  # a narrow round: says nothing of 8's acceptance
     assert chooser.accept == {4: 1.0} and chooser.choose(64) == 8
-    chooser.add(8, [[2, 3], [2, 4]])  # wide rounds: a_4 = 2, a_8 = 3.5 (their running means)
+    chooser.add(8, [4, 7], 2)  # wide rounds: a_4 = 2, a_8 = 3.5 (their running means)
     assert chooser.accept == {4: pytest.approx(5 / 3), 8: 3.5}
     assert chooser.choose(1) == 8  # host-bound (2 ms host against ~1 ms device): the wider tree's tokens are free
     assert chooser.choose(64) == 4  # device-bound: 2.67 tokens in 4 ms beat 4.5 in 7 ms
     for _ in range(tree_width.REFRESH_EVERY):
-        chooser.add(4, [[2, 0]])
+        chooser.add(4, [2, 0], 1)
     assert chooser.choose(64) == 8 and chooser.accept[8] == 3.5  # the refresh: the widest re-measures a_8
     for _ in range(tree_width.REFRESH_ROUNDS):
         assert chooser.choose(64) == 8
-        chooser.add(8, [[2, 3]])
+        chooser.add(8, [2, 3], 1)
     assert chooser.choose(64) == 4 and chooser.rounds == {4: 1 + tree_width.REFRESH_EVERY, 8: 1 + tree_width.REFRESH_ROUNDS}
     assert chooser.snapshot()["chosen"] == {1: 8, 64: 4}
 

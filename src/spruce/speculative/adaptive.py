@@ -479,7 +479,9 @@ class AdaptiveDecoding(DecodeStrategy):
         start = self._width_columns
         stop = start + len(self.widths.widths) - 1
         for width, results in self._unread_widths:
-            self.widths.add(width, [[*row[start:stop], row[0]] for row in results])  # (the last: N's, if N ran)
+            columns = list(zip(*results))  # each result column over the round's requests
+            totals = [*map(sum, columns[start:stop]), sum(columns[0]) if columns else 0]  # (the last: N's, if N ran)
+            self.widths.add(width, totals, len(results))
         self._unread_widths = []
         self._choose_width(self._width_bucket)
 

@@ -49,24 +49,24 @@ class WidthChooser:
         self._narrow_rounds = 0  # rounds at a narrower width since the widest last ran
         self._refresh_left = 0  # rounds the widest still runs to re-measure its acceptance
 
-    def add(self, width: int, accepted: list[list[int]]) -> None:
-        """One round at `width`: per request, the drafts it accepted at each width (Limits.tree_widths' order;
-        entries for widths above `width` are ignored). Each width's mean moves by the round's mean, weighted by its
-        requests over the samples behind the mean (at most WIDTH_WINDOW): the running mean, then an EMA."""
+    def add(self, width: int, totals: list[int], requests: int) -> None:
+        """One round at `width` over `requests` requests: `totals`, per width (Limits.tree_widths' order), the drafts
+        its requests together would have accepted at that width (entries for widths above `width` are ignored). Each
+        width's mean moves by the round's mean, weighted by its requests over the samples behind the mean (at most
+        WIDTH_WINDOW): the running mean, then an EMA."""
         self.rounds[width] += 1
         if width < self.widest:
             self._narrow_rounds += 1
         elif self._refresh_left:
             self._refresh_left -= 1
-        n = len(accepted)
-        if not n:
+        if not requests:
             return
-        for w, total in zip(self.widths, map(sum, zip(*accepted))):
+        for w, total in zip(self.widths, totals):
             if w > width:
                 break
-            seen = self.samples[w] = self.samples[w] + n
+            seen = self.samples[w] = self.samples[w] + requests
             mean = self.accept.get(w, 0.0)
-            self.accept[w] = mean + (total / n - mean) * min(n / min(seen, WIDTH_WINDOW), 1.0)
+            self.accept[w] = mean + (total / requests - mean) * min(requests / min(seen, WIDTH_WINDOW), 1.0)
 
     def tokens_per_second(self, width: int, bucket: int) -> float:
         """Expected committed tokens per second per request of rounds at `width` over a batch of `bucket`."""
