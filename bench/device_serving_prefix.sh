@@ -15,6 +15,8 @@
 #   SERVER_EXTRA="FLAGS":  flags every server gets (default --scheduler-delay-factor 4, as issue 16's runs; "" for none).
 #   ADAPTIVE_EXTRA="FLAGS": flags the adaptive server alone gets (--log-level debug: every epoch the policy closes is
 #                          logged, spruce.adaptive.epochs, and grepped with the switches into adaptive-policy.log).
+#                          Session 36's bar runs also gave it "--speculative-num-draft-tokens 16
+#                          --speculative-adaptive-widths 8" (the last flag of a name wins): rounds of 16 or 8 nodes.
 #   PASSES=N:              passes per level instead of 3 (pass-to-pass noise on the H100 is 10-30%).
 #   MAX_TOKENS_MIN=N:      each request's max_tokens drawn from [N, 128] instead of 128 for all (the same draw for
 #                          request i on every server): equal lengths end a level's requests together, and at
