@@ -766,10 +766,13 @@ def cycle_widths(monkeypatch, llm, widths: list[int]) -> list[int]:
                                                         (1, 4, 5, (2, 4), 16, True)])
 def test_every_verify_width_equals_plain_decoding(monkeypatch, draft, reference, k, s, n, widths, page, overlap):
     """Rounds over trees of every configured width (and plain steps between), the width switched at every decision
-    and read: greedy, logprobs, seeded sampling and a request ending mid-round give plain decoding's tokens (a
-    narrower round samples one row per node of its own tree: the engine's sampling repeat is the step's width)."""
+    and read: greedy, logprobs, seeded sampling with penalties and a request ending mid-round give plain decoding's
+    tokens (a narrower round samples one row per node of its own tree: the engine's sampling repeat is the step's
+    width; penalties count each node's own path in it)."""
     fixed_costs(monkeypatch)
     params = mixed_params()
+    params[2] = SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=11, presence_penalty=0.5,
+                               frequency_penalty=0.3, repetition_penalty=1.2, ignore_eos=True)  # + penalties
     want = reference(params)
     llm = adaptive_llm(draft, k, s, n, page, oracle_refs=reference(GREEDY), disable_overlap_schedule=not overlap,
                        speculative_adaptive_widths=widths)

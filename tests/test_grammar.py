@@ -87,6 +87,30 @@ def test_greedy_spec_equals_plain_constrained(make_llm, k, page):
     assert stats["tree_nodes"] > 0 and 0 < stats["dead_nodes"] < stats["tree_nodes"]
 
 
+def test_narrower_verify_trees_equal_plain_constrained(make_llm, monkeypatch):
+    """Adaptive rounds over trees of 4, 8 and 16 nodes (`speculative_adaptive_widths`, the width cycled round by
+    round), every node masked by its path's grammar state: plain constrained decoding's greedy tokens (the masks and
+    the sampled acceptance read one row per node of the round's own tree)."""
+    if not builtin_draft_path().exists():
+        pytest.skip("bundled draft head absent")
+    from spruce.speculative import adaptive
+    from test_adaptive import cycle_widths, fixed_costs, force
+
+    fixed_costs(monkeypatch, plain=100.0, spec=1.0)
+    monkeypatch.setattr(adaptive, "READ_EVERY", 1)  # every round read, so the cycled width changes every round
+    plain = make_llm(builtin_model_path(), page_size=16, max_running_requests=16)
+    spec = make_llm(builtin_model_path(), page_size=16, max_running_requests=16, draft_model=str(builtin_draft_path()),
+                    speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
+                    speculative_adaptive=True, speculative_adaptive_widths=(4, 8))
+    force(spec, [1])
+    ran = cycle_widths(monkeypatch, spec, [4, 16, 8])
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(CONSTRAINED))]
+    want = plain.generate(prompts, CONSTRAINED)
+    got = spec.generate(prompts, CONSTRAINED)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert set(ran) == {4, 8, 16} and spec.engine.grammar_stats["tree_nodes"] > 0, ran
+
+
 def fresh_matcher_accepts(backend: GrammarBackend, spec: StructuredOutput, tokens: list[int]) -> bool:
     """An independent check: a new matcher for the constraint consumes every token."""
     g = backend.request_grammar(spec)
