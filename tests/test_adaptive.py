@@ -864,7 +864,8 @@ def test_the_width_chooser_prices_each_width_by_its_acceptance_and_cost():
     for _ in range(tree_width.REFRESH_ROUNDS):
         assert chooser.choose(64) == 8
         chooser.add(8, [2, 3], 1)
-    assert chooser.choose(64) == 4 and chooser.rounds == {4: 1 + tree_width.REFRESH_EVERY, 8: 1 + tree_width.REFRESH_ROUNDS}
+    assert chooser.choose(64) == 4
+    assert chooser.rounds == {4: 1 + tree_width.REFRESH_EVERY, 8: 1 + tree_width.REFRESH_ROUNDS}
     assert chooser.snapshot()["chosen"] == {1: 8, 64: 4}
 
 

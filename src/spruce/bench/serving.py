@@ -182,7 +182,7 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
                    "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio",
                    "spruce_adaptive_realized_request_seconds", "spruce_adaptive_tree_width",
                    "spruce_adaptive_width_accept_length")
-WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width (--speculative-adaptive-widths)
+WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width (adaptive widths)
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
@@ -390,7 +390,8 @@ def _print_level(lv: dict) -> None:
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
                                      f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}"
-                                     + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps else ""))
+                                     + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps
+                                        else ""))
     eng = lv.get("engine")
     engine = ""
     if eng and eng["steps"]["decode"]:

@@ -15,7 +15,8 @@ Pieces:
   with each deciding step's device time (events around its launch, read when its result is read: no extra sync),
   the host time of its launch and of reading its results, and the catch-up's cost;
 - the fast path: while the policy's last decision (a model choice) stands (`AdaptivePolicy.repeat`: the same
-  cost bucket, within its reuse budget), `choose` returns the plain strategy or the worker itself. Such a step is
+  cost bucket, within its reuse budget), `choose` returns the plain strategy or the worker itself (or the
+  `NarrowRound` of the chosen verify width, below). Such a step is
   exactly a plain engine's step plus one lag increment per request, or a fixed engine's round plus keeping its
   results for the policy (read READ_EVERY rounds at a time, `_read_rounds`): no decision object, no timing events,
   no wrapper. After one such step has asked the policy, the steps that would stand after it (same cost bucket, within
@@ -296,10 +297,10 @@ class AdaptiveDecoding(DecodeStrategy):
                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
         raise TypeError("AdaptiveDecoding runs no step itself: the engine asks choose(requests) for the step")
 
-    def choose(self, requests: list, held: int = 0) -> AdaptiveStep | PlainDecoding | EagleWorker:
+    def choose(self, requests: list, held: int = 0) -> AdaptiveStep | PlainDecoding | EagleWorker | NarrowRound:
         """The next decode step over `requests` (called right before its launch; `held`: the requests the engine
-        holds, AdaptivePolicy.decide): a round, or a plain step (the plain strategy or the worker itself while the
-        last decision stands: see the module docstring).
+        holds, AdaptivePolicy.decide): a round, or a plain step (the plain strategy or `standing_round`, the worker
+        or a NarrowRound, while the last decision stands: see the module docstring).
 
         Updates each request's draft lag as of this step's launch: 0 after a round (it catches up first), one
         more after a plain step."""
