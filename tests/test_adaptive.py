@@ -871,7 +871,7 @@ def test_the_width_chooser_prices_each_width_by_its_acceptance_and_cost():
 
 def test_adaptive_widths_are_checked():
     from spruce.cli import build_parser, engine_kwargs
-    from spruce.config import SpeculativeConfig
+    from spruce.config import SpeculativeConfig, make_speculative_config
 
     with pytest.raises(ConfigError, match=r"speculative_adaptive_widths=\[4\] needs speculative_adaptive"):
         SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive_widths=(4,))
@@ -880,5 +880,7 @@ def test_adaptive_widths_are_checked():
             SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive=True, adaptive_widths=bad)
     with pytest.raises(ConfigError, match="speculative_adaptive_widths need a draft model"):
         LLM(TARGET, speculative_adaptive_widths=(4,))
+    with pytest.raises(ConfigError, match="speculative_adaptive_widths must be a tuple of integers, got 0"):
+        make_speculative_config("EAGLE3", "d", adaptive=True, adaptive_widths=0)  # refused, not taken as none
     args = build_parser().parse_args(["serve", "--speculative-adaptive", "--speculative-adaptive-widths", "4", "6"])
     assert engine_kwargs(args)["speculative_adaptive_widths"] == (4, 6)

@@ -260,7 +260,7 @@ def make_speculative_config(
     else:
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, widths or ())
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths)
 
 
 def _guess_algorithm(draft_model: str) -> str:
