@@ -202,6 +202,7 @@ def test_server_info_names_device_and_speculation(server):
     info = server_info(server.base_url, {})
     assert info["device"].startswith("cpu (") and info["speculative"].startswith("EAGLE3 S=")
     assert info["attention_backend"] == "torch" and info["cuda_graph_buckets"] == "off"
+    assert info["cuda_graphs_captured"] == "0"
 
 
 GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}

@@ -75,6 +75,11 @@ class BucketGraphs:
         """Whether phase `name` has a graph for `bucket`."""
         return (name, bucket) in self.graphs
 
+    @property
+    def count(self) -> int:
+        """Graphs captured (every phase, every bucket; Engine.info's cuda_graphs_captured)."""
+        return len(self.graphs)
+
     def padded_size(self, bs: int) -> int:
         """Rows the caller fills (real + dummy padding) for a batch of `bs` requests."""
         return self.bucket(bs) or bs

@@ -669,6 +669,7 @@ class Engine:
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled
                                      else "off"),
+            "cuda_graphs_captured": str(self.runner.graphs.count + self.runner.prefill_graphs.count),
         }
 
     def _prefix_cache_stats(self) -> dict | None:
