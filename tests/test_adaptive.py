@@ -618,6 +618,7 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
     assert 'spruce_adaptive_probe_cost_factor{choice="plain"}' in text
+    assert f'spruce_adaptive_probes_cut_total {stats["adaptive"]["probes_cut"]}' in text
     assert "S=3 K=4 N=8 adaptive" in llm.engine.info()["speculative"]
     a = stats["adaptive"]
     if expected == SPECULATIVE:  # rounds preferred: prefills extend the draft eagerly, and price new prompts

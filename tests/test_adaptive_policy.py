@@ -15,7 +15,8 @@ from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
                                                  COLLAPSE_ROUNDS, PLAIN,
-                                                 PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_FIRST, PROBE_SHARE_MIN,
+                                                 PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
+                                                 PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
@@ -270,6 +271,55 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.probes == 2 and p.chosen == {PLAIN: 4 * EPOCH_MIN, SPECULATIVE: 2 * EPOCH_MIN}
     settle(p, reqs, 4)  # acceptance recovered: the model speculates again and the probe interval resets
     assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
+
+
+def probe_runs(batch: int, accepted: int, steps: int) -> tuple[AdaptivePolicy, list[int], list]:
+    """1 ms plain steps against 1.6 ms rounds, rounds accepting nothing so far (plain steps the model's choice), a
+    batch of `batch` requests of 128 tokens decided `steps` times, each round's requests accepting `accepted`
+    drafts (each step takes the time it was priced at): the policy, the length of each run of rounds, and the
+    decisions."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=1.6e-3, clock=clock)
+    reqs = [Req() for _ in range(batch)]
+    settle(p, reqs, 0)
+    runs, decisions = [], []
+    for _ in range(steps):
+        d = p.decide(reqs, tokens_left=64.0, request_tokens=128.0)
+        clock.now += d.step_seconds[d.choice]
+        decisions.append(d)
+        if d.choice == SPECULATIVE:
+            if decisions[-2:-1] and decisions[-2].choice == SPECULATIVE:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+            p.accepted_round(reqs, [accepted] * batch)
+    return p, runs, decisions
+
+
+def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut():
+    """At load 8, a probe of rounds whose rounds accept nothing ends at its first decision after
+    PROBE_CUT_REQUEST_ROUNDS request-rounds (32 rounds of 8): plain steps, priced at that acceptance, still commit
+    1.6x what rounds do. Its epoch would have run 128 rounds (a request's 128 tokens at 1 token a round): the
+    rounds that leave the load's choice as it was, four times over. The load's next probe comes twice as far on,
+    and no sooner than the budget allows for a whole epoch's price (charged in full when the probe began)."""
+    p, runs, decisions = probe_runs(8, 0, 1500)
+    assert PROBE_CUT_REQUEST_ROUNDS == 256 and 1.6 >= 1 + PROBE_CUT_LEAD
+    assert runs == [32] and p.probes_cut == p.probes == 1 and p.snapshot()["probes_cut"] == 1
+    assert all(d.reason == "probe" for d in decisions if d.choice == SPECULATIVE)
+    st = p._state[8]
+    assert st.model_choice == PLAIN and st.probe_after == 2 and not st.probing
+    assert st.spacing == math.ceil(p.probe_seconds / (PROBE_BUDGET * 128 * 1e-3))  # a full 128-round probe's price
+
+
+def test_a_probe_is_not_cut_below_its_request_rounds_nor_when_rounds_come_to_pay():
+    """At concurrency 1 a probe's epoch of rounds counts 128 request-rounds, below PROBE_CUT_REQUEST_ROUNDS: it runs
+    whole. At load 8, a probe whose rounds accept 4 drafts turns the model's choice to rounds (5 tokens a 1.6 ms
+    round against 1 a 1 ms step): nothing is cut, and rounds go on as the model's choice."""
+    p, runs, _ = probe_runs(1, 0, 400)
+    assert runs[0] == 128 and p.probes_cut == 0
+    p, runs, decisions = probe_runs(8, 4, 300)
+    assert p.probes_cut == 0 and p._state[8].model_choice == SPECULATIVE
+    assert decisions[-1].choice == SPECULATIVE and decisions[-1].reason == "model"
 
 
 def test_a_probe_waits_for_an_epoch_that_ends_over_a_steady_batch():

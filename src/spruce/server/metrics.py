@@ -351,6 +351,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            "~0.26 ms of host work on the H100); the others stood on an earlier one.", [("", a.get("decided", 0))])
     series("spruce_adaptive_probes_total", "counter", "Probe epochs (the candidate the model did not choose, run "
            "for an epoch to re-measure it).", [("", a.get("probes", 0))])
+    series("spruce_adaptive_probes_cut_total", "counter", "Probes of rounds ended before their epoch: their "
+           "rounds had settled the acceptance and plain steps still led by the cut margin.",
+           [("", a.get("probes_cut", 0))])
     series("spruce_adaptive_probe_cost_factor", "gauge", "What probes of each candidate are taken to cost over "
            "their modelled price (measured: the probe's epoch and the next one of the model's choice).",
            [(f'choice="{c}"', v) for c, v in sorted(a.get("probe_cost_factor", {}).items())])

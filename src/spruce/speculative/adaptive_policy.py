@@ -114,6 +114,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   (SWITCH_MARGIN over rounds' lead) squared of the budget, a twentieth at least (`_probe_share`; linear and a
   quarter at least from 2026-11-26, replaying the 128-token trace at concurrency 1: 400 plain steps against 640 and
   0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind).
+  A probe of rounds under plain steps ends early once its request-rounds have settled the acceptance and plain
+  steps still lead by PROBE_CUT_LEAD at it (`_cut`, session 37): from 8 requests up a probe's first 32 rounds or
+  fewer measure what its ~110 would.
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price).
@@ -232,6 +235,8 @@ PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (lear
 PROBE_SHARE_MIN = 0.05  # plain probes under rounds get PROBE_BUDGET times (SWITCH_MARGIN over rounds' lead) squared,
 # down to this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
+PROBE_CUT_REQUEST_ROUNDS = 256  # a probe of rounds under plain steps ends once it counted this many request-rounds
+PROBE_CUT_LEAD = 0.5  # ... if plain steps, priced at that acceptance, still commit this much more per second (`_cut`)
 PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
 PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`)
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
@@ -336,6 +341,7 @@ class _BucketState:
     spacing: int = PROBE_FIRST  # epochs between probes as `_explore` last computed them (probe_after or the budget's)
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
+    probe_counted: int = 0  # the request-rounds the policy had counted when the probe began (`_cut`)
     model_choice: str | None = None
     check: bool = False  # the model's choice changed away from a settled one: its first probe is not budgeted
     last: Decision | None = None
@@ -386,6 +392,7 @@ class AdaptivePolicy:
     global_accept: float | None = None
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHOICES, 0))
     probes: int = 0
+    probes_cut: int = 0  # probes of rounds ended early, their acceptance settled (`_cut`)
     probe_seconds: float = 0.0  # the probes' expected excess seconds (`_probe_cost`), summed
     probe_cost_factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CHOICES, 1.0))  # per probed
     # choice, the EMA of probes' measured over priced cost (`_measured_probe`)
@@ -860,6 +867,14 @@ class AdaptivePolicy:
                 if measured:
                     self._measured_probe_epoch(st.measure, cur)
                 self._leave_probe(st, keep_measure=measured)
+            elif self._cut(st, d, model, other):
+                self._leave_probe(st)
+                self.probes_cut += 1
+                if log.isEnabledFor(logging.INFO):
+                    log.info("adaptive probe cut %s", json.dumps({
+                        "load": load, "batch_size": d.batch_size, "request_rounds": self._accept_counted
+                        - st.probe_counted, "tokens_per_step": d.tokens_per_step[other],
+                        "tokens_per_second": {c: d.tokens_per_second(c) for c in CHOICES}}))
         elif done and cur.choice == model:
             if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
                 if self.epochs.steady(cur):
@@ -880,6 +895,7 @@ class AdaptivePolicy:
             if st.epochs_since_probe >= spacing and steady:
                 if st.check or self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
+                    st.probe_counted = self._accept_counted
                     self._probe_load = load
                     st.check = False
                     st.measure = self._probe_measure(d, model, other, load, steps, priced)
@@ -892,6 +908,23 @@ class AdaptivePolicy:
                             "cost_factor": self._probe_factor(other),
                             "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
+
+    def _cut(self, st: _BucketState, d: Decision, model: str, other: str) -> bool:
+        """Whether a probe of rounds under plain steps has settled what it was for: it counted
+        PROBE_CUT_REQUEST_ROUNDS request-rounds or more, and this step's decision, priced at the acceptance they give,
+        still has plain steps commit PROBE_CUT_LEAD more per second than rounds. Its epoch would have run on to about
+        a request's lifetime in rounds (~110 at the 1k shared prefix's 1.2 tokens a round) at every load, the
+        batch's own rounds giving the load's acceptance many times over from 8 requests up: in process on the H100
+        (2026-11-26, c0d4c6f) an adaptive engine that probed 5 times at concurrency 64 (387 rounds) ran 4.4% behind
+        the plain engine where one never probing ran 1.4% ahead of it. A cut probe's rounds are a short epoch (kept
+        for rounds' realized figure if EPOCH_MIN steps or more), its cost is not measured (`_measured_probe` needs
+        its whole epoch), it was charged its whole price against the budget when it began, and the load's next
+        probe comes twice as far on, as after any probe that changes nothing: probes come no more often than
+        before, each a fraction of the cost. At concurrency 1 an epoch of rounds counts fewer request-rounds than
+        the threshold, so its probes run whole; a probe under rounds (of plain steps) is never cut: plain steps
+        measure no acceptance."""
+        return (other == SPECULATIVE and self._accept_counted - st.probe_counted >= PROBE_CUT_REQUEST_ROUNDS
+                and d.tokens_per_second(model) >= (1.0 + PROBE_CUT_LEAD) * d.tokens_per_second(other))
 
     def _leave_probe(self, st: _BucketState, keep_measure: bool = False) -> None:
         """The probe under way at `st`'s load ends: its epoch measured (`keep_measure`: the first epoch of the
@@ -1384,7 +1417,7 @@ class AdaptivePolicy:
         if self._tables is None:
             self._tables = self._build_tables()
         return {**self._tables, "chosen": dict(self.chosen), "decided": sum(self._decisions.values()),
-                "probes": self.probes,
+                "probes": self.probes, "probes_cut": self.probes_cut,
                 "probe_cost_factor": {c: self._probe_factor(c) for c in CHOICES},
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
