@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -150,6 +152,41 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     assert got["passes"] == 2 and bar.workload_name(result["config"]) == "prefix1024+256"
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert bar.run_figures(result) is None
+
+
+def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
+    """bench/serving_journal.py: a run cut short (no result JSON) from its journal and log: each server's launch
+    flags less the common ones (copies share them), per concurrency only the passes every server completed, and
+    bench/serving_bar.py pools the rebuilt result like any other."""
+    import bench_scripts
+
+    journal = bench_scripts.load("serving_journal")
+    bar = bench_scripts.load("serving_bar")
+    common = "--model /m --max-running-requests 64"
+    fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
+    log = "\n".join(["-- CPUs: client [4], servers [[0], [1], [2], [3]]", f"== plain: spruce serve {common}",
+                     f"== fixed: spruce serve {common} {fixed}",
+                     f"== adaptive: spruce serve {common} {fixed} --speculative-adaptive",
+                     f"== plain-again: spruce serve {common}", "pass 1 concurrency   8: ..."])
+    assert journal.common_flags(log) == shlex.split(common)
+    assert journal.launch_of(log, shlex.split(common)) == ["plain=", f"fixed={fixed}",
+                                                           f"adaptive={fixed} --speculative-adaptive", "plain-again="]
+    tps = {"plain": [100.0, 90.0, 80.0], "fixed": [60.0, 50.0, 40.0], "adaptive": [95.0, 99.0, 70.0],
+           "plain-again": [110.0, 92.0]}  # the third pass stopped before plain-again's level
+    levels = [{"server": name, "concurrency": 8, "pass": k + 1, "output_throughput_tok_s": v}
+              for name, values in tps.items() for k, v in enumerate(values)]
+    assert journal.summary_of(levels) == {"8": {name: values[:2] for name, values in tps.items()}}
+    (tmp_path / "bench.log").write_text(log)
+    (tmp_path / "levels.jsonl").write_text("\n".join(json.dumps(level) for level in levels))
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "bench/serving_journal.py", str(tmp_path), "--device", "cpu", "--commit", "abc",
+                    "--shared-prefix-tokens", "1024", "--prompt-tokens", "256", "--out-dir", str(out)],
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
+    result = json.loads(next(out.glob("serving-*.json")).read_text())
+    assert result["git_commit"] == "abc" and bar.workload_name(result["config"]) == "prefix1024+256"
+    got = bar.run_figures(result)["8"]
+    assert got["adaptive_vs_better"] == pytest.approx(statistics.median([95 / 105 - 1, 99 / 91 - 1]))
+    assert got["passes"] == 2
 
 
 def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
