@@ -198,8 +198,9 @@ def main() -> None:
                          "idle_us_before_kernel_per_step": {k: round(v, 2) for k, v in idle.items()},
                          "one_step_device_events": sequence, "graph_replays": replays,
                          "host_ops_per_step": {k: {"count": c, "self_us": t} for k, (c, t) in host_ops.items()}}
-        print(name, f"({figures[name]['cuda_graphs']} graphs)", "kernel us per decode step", round(total, 2), "stream span us per step", round(span, 2),
-              "Engine.step wall us (median)", round(host, 2), "graph replays (unprofiled)", replays, flush=True)
+        print(name, f"({figures[name]['cuda_graphs']} graphs)", "kernel us per decode step", round(total, 2),
+              "stream span us per step", round(span, 2), "Engine.step wall us (median)", round(host, 2),
+              "graph replays (unprofiled)", replays, flush=True)
         del llm
         torch.cuda.empty_cache()
     a, p = figures["adaptive"]["kernels_us_per_step"], figures["plain"]["kernels_us_per_step"]

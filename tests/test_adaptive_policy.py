@@ -273,13 +273,14 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
 
 
-def probe_runs(batch: int, accepted: int, steps: int) -> tuple[AdaptivePolicy, list[int], list]:
-    """1 ms plain steps against 1.6 ms rounds, rounds accepting nothing so far (plain steps the model's choice), a
-    batch of `batch` requests of 128 tokens decided `steps` times, each round's requests accepting `accepted`
-    drafts (each step takes the time it was priced at): the policy, the length of each run of rounds, and the
+def probe_runs(batch: int, accepted: int, steps: int,
+               spec: float = 1.6e-3) -> tuple[AdaptivePolicy, list[int], list]:
+    """1 ms plain steps against `spec` seconds a round (1.6 ms), rounds accepting nothing so far (plain steps the
+    model's choice), a batch of `batch` requests of 128 tokens decided `steps` times, each round's requests accepting
+    `accepted` drafts (each step takes the time it was priced at): the policy, the length of each run of rounds, and the
     decisions."""
     clock = Clock()
-    p = policy(plain=1e-3, spec=1.6e-3, clock=clock)
+    p = policy(plain=1e-3, spec=spec, clock=clock)
     reqs = [Req() for _ in range(batch)]
     settle(p, reqs, 0)
     runs, decisions = [], []
@@ -311,12 +312,16 @@ def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut():
     assert st.spacing == math.ceil(p.probe_seconds / (PROBE_BUDGET * 128 * 1e-3))  # a full 128-round probe's price
 
 
-def test_a_probe_is_not_cut_below_its_request_rounds_nor_when_rounds_come_to_pay():
+def test_a_probe_is_not_cut_below_its_request_rounds_or_lead_nor_when_rounds_come_to_pay():
     """At concurrency 1 a probe's epoch of rounds counts 128 request-rounds, below PROBE_CUT_REQUEST_ROUNDS: it runs
-    whole. At load 8, a probe whose rounds accept 4 drafts turns the model's choice to rounds (5 tokens a 1.6 ms
-    round against 1 a 1 ms step): nothing is cut, and rounds go on as the model's choice."""
+    whole. At load 8 with plain steps leading by 20% (1.2 ms rounds), below PROBE_CUT_LEAD, it runs whole too: the
+    rest of its epoch may still find rounds' cost. A probe whose rounds accept 4 drafts turns the model's choice to
+    rounds (5 tokens a 1.6 ms round against 1 a 1 ms step): nothing is cut, and rounds go on as the model's
+    choice."""
     p, runs, _ = probe_runs(1, 0, 400)
     assert runs[0] == 128 and p.probes_cut == 0
+    p, runs, _ = probe_runs(8, 0, 400, spec=1.2e-3)
+    assert 1.2 < 1 + PROBE_CUT_LEAD and runs[0] == 128 and p.probes_cut == 0
     p, runs, decisions = probe_runs(8, 4, 300)
     assert p.probes_cut == 0 and p._state[8].model_choice == SPECULATIVE
     assert decisions[-1].choice == SPECULATIVE and decisions[-1].reason == "model"

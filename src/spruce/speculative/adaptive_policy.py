@@ -236,7 +236,7 @@ PROBE_SHARE_MIN = 0.05  # plain probes under rounds get PROBE_BUDGET times (SWIT
 # down to this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 PROBE_CUT_REQUEST_ROUNDS = 256  # a probe of rounds under plain steps ends once it counted this many request-rounds
-PROBE_CUT_LEAD = 0.5  # ... if plain steps, priced at that acceptance, still commit this much more per second (`_cut`)
+# (and plain steps still lead by PROBE_CUT_LEAD, below)
 PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
 PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`)
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
@@ -244,6 +244,8 @@ STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open w
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
 PROBED_MARGIN = 0.25  # ... or this much, while the other's figure there is mostly probes' epochs (`_margin`)
+PROBE_CUT_LEAD = PROBED_MARGIN  # a probe of rounds that counted PROBE_CUT_REQUEST_ROUNDS ends if plain steps, priced
+# at their acceptance, still commit this much more per second (`_cut`)
 MEDIAN_WINDOW = 7  # a step's device, launch and resolve seconds: the median of this many recent samples
 WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval floor (W), not re-measured, lapses
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
@@ -916,7 +918,12 @@ class AdaptivePolicy:
         a request's lifetime in rounds (~110 at the 1k shared prefix's 1.2 tokens a round) at every load, the
         batch's own rounds giving the load's acceptance many times over from 8 requests up: in process on the H100
         (2026-11-26, c0d4c6f) an adaptive engine that probed 5 times at concurrency 64 (387 rounds) ran 4.4% behind
-        the plain engine where one never probing ran 1.4% ahead of it. A cut probe's rounds are a short epoch (kept
+        the plain engine where one never probing ran 1.4% ahead of it. The lead asked is the margin rounds would
+        have to win by to take the load from a figure of probes' epochs (PROBED_MARGIN): with their acceptance
+        settled, the rest of the epoch would only re-measure their cost, which the cut epoch measures too. Half
+        (session 37's first H100 x4 runs, d26fce3) cut 9 of 35 probes, none of the ~110-round ones at 64 and few at
+        32: there plain steps' priced lead was below half at each of their decisions. A cut probe's rounds are a
+        short epoch (kept
         for rounds' realized figure if EPOCH_MIN steps or more), its cost is not measured (`_measured_probe` needs
         its whole epoch), it was charged its whole price against the budget when it began, and the load's next
         probe comes twice as far on, as after any probe that changes nothing: probes come no more often than
