@@ -115,8 +115,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   quarter at least from 2026-11-26, replaying the 128-token trace at concurrency 1: 400 plain steps against 640 and
   0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind).
   A probe of rounds under plain steps ends early once its request-rounds have settled the acceptance and plain
-  steps still lead by PROBE_CUT_LEAD at it (`_cut`, session 37): from 8 requests up a probe's first 32 rounds or
-  fewer measure what its ~110 would.
+  steps still lead by PROBE_CUT_LEAD at it (`_cut`, session 37): from 8 requests up a probe's first 32-40 rounds
+  measure what its ~110 would.
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price).
