@@ -161,6 +161,7 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
 ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "probes": "spruce_adaptive_probes_total",
+                     "probes_cut": "spruce_adaptive_probes_cut_total",
                      "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total",
@@ -386,7 +387,8 @@ def _print_level(lv: dict) -> None:
     acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
     steps = lv["adaptive_steps"]
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
-                                     f"{steps.get('speculative', 0)}, probes {steps['probes']}, catch-ups "
+                                     f"{steps.get('speculative', 0)}, probes {steps['probes']} "
+                                     f"({steps.get('probes_cut', 0)} cut), catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
                                      f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}"
