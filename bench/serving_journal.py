@@ -6,8 +6,11 @@ go into the result too. A device call that runs past its limit keeps the journal
 result JSON, which `bench serving` writes at the end (2026-11-26: four shared-prefix runs on the H100 x4 stopped in
 their third pass's concurrency-64 level).
 
-Usage (repo root): python bench/serving_journal.py OUT_DIR --device NAME --commit SHA --shared-prefix-tokens 1024
-    --prompt-tokens 256 [--out-dir bench/results]
+The result names the commit as every benchmark's does (`spruce.bench.common.git_commit`): set SPRUCE_GIT_COMMIT to
+the commit the run measured.
+
+Usage (repo root): SPRUCE_GIT_COMMIT=SHA python bench/serving_journal.py OUT_DIR --device NAME
+    --shared-prefix-tokens 1024 --prompt-tokens 256 [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -65,7 +68,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--device", required=True)
-    parser.add_argument("--commit", required=True)
     parser.add_argument("--shared-prefix-tokens", type=int, default=0)
     parser.add_argument("--prompt-tokens", type=int, required=True)
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -78,9 +80,6 @@ def main() -> None:
               "from_journal": str(args.run_dir)}
     path = write_result("serving", args.device, config, {"summary": {"prefix_cache": summary_of(levels)},
                                                          "levels": levels}, args.out_dir)
-    result = json.loads(path.read_text())
-    result["git_commit"] = args.commit
-    path.write_text(json.dumps(result, indent=1))
     print(f"results: {path}")
 
 

@@ -180,9 +180,10 @@ def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
     (tmp_path / "bench.log").write_text(log)
     (tmp_path / "levels.jsonl").write_text("\n".join(json.dumps(level) for level in levels))
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "bench/serving_journal.py", str(tmp_path), "--device", "cpu", "--commit", "abc",
+    subprocess.run([sys.executable, "bench/serving_journal.py", str(tmp_path), "--device", "cpu",
                     "--shared-prefix-tokens", "1024", "--prompt-tokens", "256", "--out-dir", str(out)],
-                   check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
+                   check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent,
+                   env=os.environ | {"SPRUCE_GIT_COMMIT": "abc"})
     result = json.loads(next(out.glob("serving-*.json")).read_text())
     assert result["git_commit"] == "abc" and bar.workload_name(result["config"]) == "prefix1024+256"
     got = bar.run_figures(result)["8"]

@@ -917,17 +917,17 @@ class AdaptivePolicy:
         still has plain steps commit PROBE_CUT_LEAD more per second than rounds. Its epoch would have run on to about
         a request's lifetime in rounds (~110 at the 1k shared prefix's 1.2 tokens a round) at every load, the
         batch's own rounds giving the load's acceptance many times over from 8 requests up: in process on the H100
-        (2026-11-26, c0d4c6f) an adaptive engine that probed 5 times at concurrency 64 (387 rounds) ran 4.4% behind
-        the plain engine where one never probing ran 1.4% ahead of it. The lead asked is the margin rounds would
-        have to win by to take the load from a figure of probes' epochs (PROBED_MARGIN): with their acceptance
-        settled, the rest of the epoch would only re-measure their cost, which the cut epoch measures too. Half
-        (session 37's first H100 x4 runs, d26fce3) cut 9 of 35 probes, none of the ~110-round ones at 64 and few at
-        32: there plain steps' priced lead was below half at each of their decisions. A cut probe's rounds are a
-        short epoch (kept
-        for rounds' realized figure if EPOCH_MIN steps or more), its cost is not measured (`_measured_probe` needs
-        its whole epoch), it was charged its whole price against the budget when it began, and the load's next
-        probe comes twice as far on, as after any probe that changes nothing: probes come no more often than
-        before, each a fraction of the cost. At concurrency 1 an epoch of rounds counts fewer request-rounds than
+        (2026-11-26, c0d4c6f) an adaptive engine whose probes ran 108 rounds (and 6 catch-ups) at concurrency 64
+        over six repetitions was 4.4% behind the plain engine there, where one never probing was 1.4% ahead of it.
+        The lead asked is the margin rounds would have to win by to take the load from a figure of probes' epochs
+        (PROBED_MARGIN): with their acceptance settled, the rest of the epoch would only re-measure their cost,
+        which the cut epoch measures too. Half (session 37's first H100 x4 runs, d26fce3) cut 9 of 35 probes, none
+        of the ~110-round ones at 64 over a full batch and 3 at 32: there plain steps' priced lead was below half
+        at each of their decisions. A cut probe's rounds are a short epoch (kept for rounds' realized figure if
+        EPOCH_MIN steps or more), its cost is not measured (`_measured_probe` needs its whole epoch), it was
+        charged its whole price against the budget when it began, and the load's next probe comes twice as far
+        on, as after any probe that changes nothing: probes come no more often than before, each a fraction of the
+        cost. At concurrency 1 an epoch of rounds counts fewer request-rounds than
         the threshold, so its probes run whole; a probe under rounds (of plain steps) is never cut: plain steps
         measure no acceptance."""
         return (other == SPECULATIVE and self._accept_counted - st.probe_counted >= PROBE_CUT_REQUEST_ROUNDS
