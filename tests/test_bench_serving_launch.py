@@ -7,6 +7,7 @@ working. Flags that configure launched servers are refused without --launch."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shlex
@@ -231,18 +232,24 @@ def test_launch_only_flags_are_refused_without_launch(capsys, flag):
     assert flag[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("servers,levels", [(4, 4), (4, 1), (3, 5), (2, 4)])
-def test_level_order_puts_every_server_at_every_position(servers, levels):
-    """Over any `servers` passes in a row, each server runs each level at each position once, also when there are
-    as many levels as servers (a rotation by level alone gave every pass the first pass's orders there)."""
+@pytest.mark.parametrize("servers,levels", [(4, 4), (4, 1), (3, 5), (2, 4), (5, 2)])
+def test_level_order_balances_positions_and_predecessors(servers, levels):
+    """Over any n passes in a row (2n for an odd number n of servers), each server runs each level at each position
+    equally often, also when there are as many levels as servers (a rotation by level alone gave every pass the
+    first pass's orders there), and right after each other server equally often (a plain rotation always put the
+    adaptive server right after the fixed one)."""
     from spruce.bench.serving import level_order
 
+    window = servers if servers % 2 == 0 else 2 * servers
     for first_pass in range(3):
         for level in range(levels):
-            orders = [level_order(servers, k, level) for k in range(first_pass, first_pass + servers)]
+            orders = [level_order(servers, k, level) for k in range(first_pass, first_pass + window)]
             assert all(sorted(order) == list(range(servers)) for order in orders)
             for position in range(servers):
-                assert sorted(order[position] for order in orders) == list(range(servers))
+                assert sorted(order[position] for order in orders) == sorted(list(range(servers)) * (window // servers))
+            follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+            assert set(follows) == {(a, b) for a in range(servers) for b in range(servers) if a != b}
+            assert len(set(follows.values())) == 1
 
 
 def test_cpu_sets_give_each_server_cpus_of_its_own():

@@ -354,16 +354,24 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
 
 
 def level_order(servers: int, pass_index: int, level_index: int) -> list[int]:
-    """The order in which `servers` servers run level `level_index` of pass `pass_index` (both from 0): a rotation
-    that starts one server later for each later level and each later pass (pass 0: 1, 2, 3 / 2, 3, 1 / ...; pass 1:
-    2, 3, 1 / 3, 1, 2 / ...). The client process and the machine carry state from one server's level to the next,
-    so over any `servers` passes in a row each server runs every level at every position once. (Until 2026-11-24
-    the rotation advanced only per level: with as many levels as servers, every pass repeated the first pass's
-    orders. In the H200 shared-prefix run at 5138249 the plain server thus ran concurrency 1 first in every pass,
-    adaptive third and the plain server's copy fourth, and the copy trailed the plain server in four passes of
-    five, by up to 8%.)"""
-    start = (pass_index + level_index) % servers
-    return [(start + i) % servers for i in range(servers)]
+    """The order in which `servers` servers run level `level_index` of pass `pass_index` (both from 0): row
+    pass_index + level_index of a Williams design, a crossover design balanced for first-order carryover. Its rows
+    are the shifts of 0, 1, n-1, 2, n-2, ... (mod n servers), and for odd n also those shifts reversed: over any n
+    passes in a row (2n for odd n) each server runs each level at each position, and right after each other server,
+    equally often.
+    The client process and the machine carry state from one server's level to the next. A plain rotation (0, 1, 2 /
+    1, 2, 0 / ...) put every server at every position, but always after the same one: until 2026-11-26 the adaptive
+    server always followed the fixed one (plain, fixed, adaptive, plain's copy), so any trace the fixed server left
+    (its GPU's heat, caches) weighed on the adaptive server alone. (Until 2026-11-24 the rotation advanced only per
+    level: with as many levels as servers, every pass repeated the first pass's orders.)"""
+    shift = (pass_index + level_index) % servers
+    base = [0]
+    for k in range(1, servers):
+        base.append((k + 1) // 2 if k % 2 else servers - k // 2)
+    order = [(b + shift) % servers for b in base]
+    if servers % 2 and (pass_index + level_index) // servers % 2:
+        order.reverse()
+    return order
 
 
 def requests_per_level(args) -> dict[int, int]:
