@@ -27,7 +27,7 @@ Per repetition and engine: output tokens/s, median TTFT (launch to first token),
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
 choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
 the summary. `--profile`: each engine's last repetition at each concurrency runs under cProfile, whose top
-functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt.
+functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all of them, pstats' dump, to .prof).
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
     [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--widths N,N' ...]
@@ -200,8 +200,9 @@ def main() -> None:
                     profile.disable()
                     report = io.StringIO()
                     pstats.Stats(profile, stream=report).sort_stats("tottime").print_stats(60)
-                    (Path(args.out_dir) / f"adaptive-inprocess-profile-{kind}-{concurrency}.txt").write_text(
-                        report.getvalue())
+                    stem = Path(args.out_dir) / f"adaptive-inprocess-profile-{kind}-{concurrency}"
+                    stem.with_suffix(".txt").write_text(report.getvalue())
+                    profile.dump_stats(stem.with_suffix(".prof"))  # every function, for a diff between kinds
                 per_kind[kind].append(figures)
                 print(f"concurrency {concurrency} rep {rep} {kind}: {figures}", flush=True)
         runs[str(concurrency)] = per_kind
