@@ -10,7 +10,9 @@
 # concurrency 1 and 0.7-6.5% at 8-64 (session 31's one-GPU runs: 0.7-1.0% and 1.9-5.8%). Results under $OUT/g0,
 # g1, ... (the runs' own layout) and each run's log in $OUT/gN.log, bundled into $OUT/results.tgz at the end.
 #   MODES="short short prefix prefix": each run's workload (device_serving_prefix.sh's MODE), one per GPU (on two
-#   GPUs the first two); PASSESV="5 5 5 4": each run's passes; GPU_TESTS=1 (default): the `gpu` tests of
+#   GPUs the first two); PASSESV="4 4 4 4": each run's passes (a multiple of the four servers: bench serving's
+#   order and CPU sets balance over four passes; with three the adaptive server never ran on one of the four CPU
+#   sets, on the H100 x2 at 779240c the one a plain server was fastest on); GPU_TESTS=1 (default): the `gpu` tests of
 #   tests/test_adaptive.py first, on the last GPU and its cores; BENCH_TIMEOUT: each run's time limit (seconds,
 #   device_serving_prefix.sh's); REQUESTS: requests per level (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...:
 #   one more server for that GPU's run only (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
@@ -38,7 +40,7 @@ for i in range(gpus):
 PY
 cat /tmp/core-shares || exit 2
 ROOT=$OUT; T0=$SECONDS
-MODES=(${MODES:-short short prefix prefix}); PASSESV=(${PASSESV:-5 5 5 4})
+MODES=(${MODES:-short short prefix prefix}); PASSESV=(${PASSESV:-4 4 4 4})
 for ((i = 0; i < GPUS; i++)); do
   cpus=$(sed -n "$((i + 1))p" /tmp/core-shares)
   (

@@ -17,7 +17,8 @@
 #                          logged, spruce.adaptive.epochs, and grepped with the switches into adaptive-policy.log).
 #                          Session 36's bar runs also gave it "--speculative-num-draft-tokens 16
 #                          --speculative-adaptive-widths 8" (the last flag of a name wins): rounds of 16 or 8 nodes.
-#   PASSES=N:              passes per level instead of 3 (pass-to-pass noise on the H100 is 10-30%).
+#   PASSES=N:              passes per level instead of 4 (pass-to-pass noise on the H100 is 10-30%; a multiple of the
+#                          servers balances their order and CPU sets: 4 with CONTROL=1, 6 without).
 #   MAX_TOKENS_MIN=N:      each request's max_tokens drawn from [N, 128] instead of 128 for all (the same draw for
 #                          request i on every server): equal lengths end a level's requests together, and at
 #                          concurrency 64 every server's batch then swings between 64 and a few (mean 35-41).
@@ -51,9 +52,9 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
 }
 case "${MODE:-prefix}" in
-  prefix) bench prefix "plain-again=" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-128 512 1024 2048} --passes ${PASSES:-3} ;;
+  prefix) bench prefix "plain-again=" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests ${REQUESTS:-128 512 1024 2048} --passes ${PASSES:-4} ;;
   short)
-    bench short "fixed-again=$FIXED" --prompt-tokens 128 --num-requests ${REQUESTS:-128 1024 2048 2048} --passes ${PASSES:-3}
+    bench short "fixed-again=$FIXED" --prompt-tokens 128 --num-requests ${REQUESTS:-128 1024 2048 2048} --passes ${PASSES:-4}
     [ "${NO_CACHE_RUN:-1}" = 1 ] && SERVER="$SERVER --disable-radix-cache" BENCH_TIMEOUT=200 \
       CONTROL= bench prefix-no-cache "" --shared-prefix-tokens 1024 --prompt-tokens 256 --num-requests 64 ;;
   *) echo "MODE must be prefix or short, got ${MODE}" >&2; exit 2 ;;

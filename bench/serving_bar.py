@@ -48,8 +48,11 @@ def run_figures(result: dict) -> dict | None:
 
 
 def pooled(values: list[float]) -> dict:
+    """Runs' figures pooled: their mean, median, spread, and the mean's standard error (stdev / sqrt(runs)), so that
+    a mean can be read against its noise (mean +- 2 standard errors: ~95%)."""
+    stdev = statistics.stdev(values) if len(values) > 1 else None
     return {"runs": len(values), "mean": statistics.fmean(values), "median": statistics.median(values),
-            "stdev": statistics.stdev(values) if len(values) > 1 else None}
+            "stdev": stdev, "stderr": stdev / len(values) ** 0.5 if stdev is not None else None}
 
 
 def main() -> None:
@@ -83,7 +86,7 @@ def main() -> None:
             a, ctl = cell["adaptive_vs_better"], cell["control_vs_twin"]
             line = f"   concurrency {c:>3}: {a['runs']:>2} runs, mean {a['mean']:+.1%}, median {a['median']:+.1%}"
             if a["stdev"] is not None:
-                line += f", stdev {a['stdev']:.1%}"
+                line += f", stdev {a['stdev']:.1%}, standard error {a['stderr']:.1%}"
             if ctl:
                 line += f" | control ({ctl['runs']}) mean {ctl['mean']:+.1%}, mean |.| " + \
                         f"{statistics.fmean(abs(v) for v in table[w][c]['control']):.1%}"

@@ -71,10 +71,10 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                                   "epochs_outgrown", "width_rounds"}
             assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
             assert 0 < steps["decided"] <= steps["plain"] + steps["speculative"]
-    # --interleave: all four servers ran at once, each level on each server in turn, pass after pass; each round of
-    # a level starts one server later than the round before, so no server always runs last
+    # --interleave: all four servers ran at once, each level on each server in turn, pass after pass, in the rows
+    # of a Williams design (level_order): each pass starts one server later, and no server always follows another
     starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])
-    assert [k for _, k in starts] == [0, 1, 2, 3, 1, 2, 3, 0]
+    assert [k for _, k in starts] == [0, 1, 3, 2, 1, 2, 0, 3]
     # each level went to the journal as it completed (what a run cut short by a time limit keeps)
     journal = [json.loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
     assert sorted((lv["started_at"], lv["server"], lv["prefix_cache"], lv["output_throughput_tok_s"])
@@ -154,6 +154,9 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     assert got["passes"] == 2 and bar.workload_name(result["config"]) == "prefix1024+256"
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert bar.run_figures(result) is None
+    pooled = bar.pooled([-0.02, 0.0, 0.02, 0.04])  # runs' figures: the mean's standard error is stdev / 2
+    assert pooled["mean"] == pytest.approx(0.01) and pooled["stderr"] == pytest.approx(pooled["stdev"] / 2)
+    assert bar.pooled([0.03])["stderr"] is None
 
 
 def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
@@ -238,9 +241,11 @@ def test_level_order_balances_positions_and_predecessors(servers, levels):
     equally often, also when there are as many levels as servers (a rotation by level alone gave every pass the
     first pass's orders there), and right after each other server equally often (a plain rotation always put the
     adaptive server right after the fixed one)."""
-    from spruce.bench.serving import level_order
+    from spruce.bench.serving import level_order, order_cycle, unbalanced_passes
 
-    window = servers if servers % 2 == 0 else 2 * servers
+    window = order_cycle(servers)
+    assert unbalanced_passes(servers, 2 * window) is None and unbalanced_passes(1, 3) is None
+    assert f"a multiple of {window}" in unbalanced_passes(servers, window + 1)
     for first_pass in range(3):
         for level in range(levels):
             orders = [level_order(servers, k, level) for k in range(first_pass, first_pass + window)]

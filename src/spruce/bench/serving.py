@@ -317,6 +317,9 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
     Each pass runs every level on each server in turn (level c on server 1, 2, ..., then the next level), so
     servers measured together see the same machine at the same time, in the order `level_order` gives."""
     headers = _headers(args)
+    warning = unbalanced_passes(len(targets), args.passes)
+    if warning:
+        print(f"spruce bench serving: {warning}", file=sys.stderr)
     levels: list[list[dict]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
     processes = {c: client_processes(args.client_processes, c) for c in args.concurrency}
@@ -372,6 +375,24 @@ def level_order(servers: int, pass_index: int, level_index: int) -> list[int]:
     if servers % 2 and (pass_index + level_index) // servers % 2:
         order.reverse()
     return order
+
+
+def order_cycle(servers: int) -> int:
+    """Passes in a row over which `level_order` balances positions and predecessors: n servers, 2n for odd n
+    (also a multiple of n, over which `rotated` deals each server every CPU set once)."""
+    return servers if servers % 2 == 0 else 2 * servers
+
+
+def unbalanced_passes(servers: int, passes: int) -> str | None:
+    """Why `passes` passes over `servers` servers measure them unevenly (None: they do not): a pass count that is no
+    multiple of `order_cycle` leaves some server never right after another, or (--pin-cpus) never on some CPU
+    set."""
+    cycle = order_cycle(servers)
+    if servers < 2 or passes % cycle == 0:
+        return None
+    return (f"{passes} passes over {servers} servers leave their order (and, with --pin-cpus, their CPU sets) "
+            f"unbalanced: a multiple of {cycle} puts every server at every position, right after every other one "
+            f"and on every CPU set equally often")
 
 
 def requests_per_level(args) -> dict[int, int]:
