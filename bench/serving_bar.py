@@ -5,7 +5,8 @@ the spread of the control copy (CONTROL=1: a second copy of the workload's bette
 
 One run's four to six passes cannot tell 5% apart on the H200 (identical servers move 10-40% between passes): the
 pooled figures over runs of similar code are what the bar can be judged on. Only results that ran plain, fixed and
-adaptive side by side count; their prefix-cache levels only.
+adaptive side by side count; their prefix-cache levels only. bench/serving_passes.py splits the same passes by
+whether the adaptive server ran the losing choice in them (probes, switches) and by first and later passes.
 
 Usage (repo root): python bench/serving_bar.py bench/results/serving-nvidia-h200-2026112*.json [--out-dir DIR]
 """
@@ -19,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import write_result
-from spruce.bench.serving import paired_versus_best_other, paired_versus_twin, per_pass_versus_best_other, workload_name
+from spruce.bench.serving import paired_versus_best_other, paired_versus_twin, workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
 BAR = ("plain", "fixed", "adaptive")
@@ -41,25 +42,10 @@ def run_figures(result: dict) -> dict | None:
             continue
         twins = paired_versus_twin(per_run, config_of)
         control = [name for name in twins if name not in BAR]
-        rounds = adaptive_rounds(result, concurrency)
-        per_pass = [ratio["adaptive"] for ratio in per_pass_versus_best_other(per_run, config_of)]
         out[concurrency] = {"adaptive_vs_better": paired_versus_best_other(per_run, config_of)["adaptive"],
                             "control_vs_twin": twins[control[0]] if control else None,
-                            "passes": min(len(per_run[name]) for name in BAR),
-                            "adaptive_passes": [{"vs_better": ratio, "rounds": rounds.get(k + 1)}
-                                                for k, ratio in enumerate(per_pass)]}
+                            "passes": min(len(per_run[name]) for name in BAR)}
     return out
-
-
-def adaptive_rounds(result: dict, concurrency: str) -> dict[int, int]:
-    """{pass: rounds the adaptive server ran} at `concurrency` with the prefix cache, from a result's levels (a
-    `bench serving` result's runs, or a journal rebuilt by serving_journal.py)."""
-    figures = result["figures"]
-    levels = figures.get("levels") or [dict(lv, server=run["name"], prefix_cache=run.get("prefix_cache"))
-                                       for run in figures.get("runs", []) for lv in run.get("levels", [])]
-    return {lv["pass"]: lv["engine"]["steps"]["round"] for lv in levels
-            if lv["server"] == "adaptive" and lv.get("prefix_cache") and str(lv["concurrency"]) == concurrency
-            and lv.get("engine") and "pass" in lv}
 
 
 def pooled(values: list[float]) -> dict:
@@ -88,18 +74,12 @@ def main() -> None:
     table = {}
     for run in runs:
         for concurrency, fig in run["levels"].items():
-            cell = table.setdefault(run["workload"], {}).setdefault(
-                concurrency, {"adaptive": [], "control": [], "passes_without_rounds": [], "passes_with_rounds": []})
+            cell = table.setdefault(run["workload"], {}).setdefault(concurrency, {"adaptive": [], "control": []})
             cell["adaptive"].append(fig["adaptive_vs_better"])
-            for one in fig["adaptive_passes"]:
-                if one["rounds"] is not None:
-                    cell["passes_with_rounds" if one["rounds"] else "passes_without_rounds"].append(one["vs_better"])
             if fig["control_vs_twin"] is not None:
                 cell["control"].append(fig["control_vs_twin"])
     summary = {w: {c: {"adaptive_vs_better": pooled(cell["adaptive"]),
-                       "control_vs_twin": pooled(cell["control"]) if cell["control"] else None,
-                       **{split: pooled(cell[split]) for split in ("passes_without_rounds", "passes_with_rounds")
-                          if cell[split]}}
+                       "control_vs_twin": pooled(cell["control"]) if cell["control"] else None}
                    for c, cell in sorted(per_c.items(), key=lambda kv: int(kv[0]))} for w, per_c in table.items()}
     for w, per_c in summary.items():
         print(f"-- {w}: adaptive pass by pass vs the better of plain and fixed, pooled over runs (control vs twin)")
@@ -112,11 +92,6 @@ def main() -> None:
                 line += f" | control ({ctl['runs']}) mean {ctl['mean']:+.1%}, mean |.| " + \
                         f"{statistics.fmean(abs(v) for v in table[w][c]['control']):.1%}"
             print(line)
-            split = [f"{name.replace('_', ' ')} {cell[name]['runs']}, mean {cell[name]['mean']:+.1%}"
-                     + (f" (standard error {cell[name]['stderr']:.1%})" if cell[name]["stderr"] is not None else "")
-                     for name in ("passes_without_rounds", "passes_with_rounds") if name in cell]
-            if split:
-                print("      adaptive pass by pass: " + "; ".join(split))
     device = next(iter(devices)) if len(devices) == 1 else "mixed"
     path = write_result("serving-bar", device, {"results": [p.name for p in args.results], "devices": sorted(devices)},
                         {"runs": runs, "pooled": summary}, args.out_dir)

@@ -718,17 +718,11 @@ def paired_versus_best_other(per_run: dict[str, list[float]],
     run's adaptive server met the better of two copies of plain (or fixed) in each pass, the better of two noisy
     draws: over the 46 such runs of 2026-11-23 to 25 (H100, H200) that put its figure lower by a median 3.7 points at
     concurrency 8-64 (up to 12.8) and 1.1 at concurrency 1."""
-    per_pass = per_pass_versus_best_other(per_run, configs)
-    return {name: statistics.median(ratios) for name in per_run
-            if (ratios := [ratio[name] for ratio in per_pass if name in ratio])}
-
-
-def per_pass_versus_best_other(per_run: dict[str, list[float]],
-                               configs: dict[str, str] | None = None) -> list[dict[str, float]]:
-    """`paired_versus_best_other`'s figures pass by pass (over the passes every run has), before the median."""
     runs = {name: tps for name, tps in per_run.items() if tps}
     passes = min((len(tps) for tps in runs.values()), default=0)
-    return [_over_best_other({name: tps[k] for name, tps in runs.items()}, configs) for k in range(passes)]
+    per_pass = [_over_best_other({name: tps[k] for name, tps in runs.items()}, configs) for k in range(passes)]
+    return {name: statistics.median(ratios) for name in runs
+            if (ratios := [ratio[name] for ratio in per_pass if name in ratio])}
 
 
 def workload_name(config: dict) -> str:
