@@ -618,6 +618,9 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
     assert 'spruce_adaptive_probe_cost_factor{choice="plain"}' in text
+    measured_at = [(c, load) for c, per in stats["adaptive"]["probe_cost_factor_at_load"].items() for load in per]
+    assert all(f'spruce_adaptive_probe_cost_factor_at_load{{choice="{c}",load="{load}"}}' in text
+               for c, load in measured_at)
     assert f'spruce_adaptive_probes_cut_total {stats["adaptive"]["probes_cut"]}' in text
     assert "S=3 K=4 N=8 adaptive" in llm.engine.info()["speculative"]
     a = stats["adaptive"]

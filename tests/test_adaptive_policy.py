@@ -2021,3 +2021,33 @@ def test_a_lone_epoch_that_prices_a_choice_above_its_parts_does_not_keep_it_from
     assert level()[PLAIN] > 1600
     monkeypatch.setattr(AdaptivePolicy, "_probe_price", lambda self, d, other, load: d.step_seconds[other])
     assert level()[SPECULATIVE] > 1500  # the lone figure's price: locked into rounds, as on the H100
+
+
+def test_a_probes_cost_factor_is_learned_per_load():
+    """Session 38's bar (H100 x2, 1k shared prefix): a probe of rounds at load 64 was priced at 5.5 ms and measured
+    at 0.32 s, ~58 times, where at loads 8-32 probes cost 3-13 times their price. Each measured probe moves the
+    choice-wide factor (samples held within PROBE_COST_FACTOR_MAX) and its load's own (from the choice-wide one,
+    samples within PROBE_COST_FACTOR_LOAD_MAX), which prices later probes at that load; other loads keep the
+    choice-wide factor."""
+    from types import SimpleNamespace
+
+    from spruce.speculative.adaptive_policy import (PROBE_COST_ALPHA, PROBE_COST_FACTOR_LOAD_MAX,
+                                                    PROBE_COST_FACTOR_MAX, _ProbeMeasure)
+
+    p = policy()
+    priced, measured, model_seconds = 5.5e-3, 0.32, 50e-6
+    after = SimpleNamespace(busy=100 * model_seconds, request_steps=100)  # the epoch after it: as the model's figure
+    factors = []
+    for _ in range(2):
+        m = _ProbeMeasure(SPECULATIVE, priced, 0.0, model_seconds, 1.0, 0.0, 0)
+        m.excess = measured
+        p._measured_probe(m, after, 64)
+        factors.append(p._probe_factor(SPECULATIVE, 64))
+    wide = 1 + PROBE_COST_ALPHA * (PROBE_COST_FACTOR_MAX - 1)
+    wide = wide + PROBE_COST_ALPHA * (PROBE_COST_FACTOR_MAX - wide)
+    first = 1 + PROBE_COST_ALPHA * (measured / priced - 1)
+    assert factors == pytest.approx([first, first + PROBE_COST_ALPHA * (measured / priced - first)])
+    assert PROBE_COST_FACTOR_MAX < factors[1] < PROBE_COST_FACTOR_LOAD_MAX
+    assert p._probe_factor(SPECULATIVE, 8) == p._probe_factor(SPECULATIVE) == pytest.approx(wide)
+    assert p._probe_factor(PLAIN, 64) == 1.0  # no probe of plain steps was measured
+    assert p.snapshot()["probe_cost_factor_at_load"] == {PLAIN: {}, SPECULATIVE: {64: pytest.approx(factors[1])}}

@@ -357,6 +357,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_probe_cost_factor", "gauge", "What probes of each candidate are taken to cost over "
            "their modelled price (measured: the probe's epoch and the next one of the model's choice).",
            [(f'choice="{c}"', v) for c, v in sorted(a.get("probe_cost_factor", {}).items())])
+    series("spruce_adaptive_probe_cost_factor_at_load", "gauge", "The same, at a load (cost bucket) where probes of "
+           "that candidate were measured: it prices that load's probes.",
+           [(f'choice="{c}",load="{load}"', v) for c, per in sorted(a.get("probe_cost_factor_at_load", {}).items())
+            for load, v in sorted(per.items())])
     series("spruce_adaptive_epochs_total", "counter", "Epochs measured (runs of decode steps of one choice at one "
            "bucket).", [("", a.get("epochs", 0))])
     series("spruce_adaptive_epochs_dropped_total", "counter", "Epochs dropped because the process stalled in them "

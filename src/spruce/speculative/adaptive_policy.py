@@ -119,7 +119,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   measure what its ~110 would.
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
-  by several times the probe's price).
+  by several times the probe's price), at a load where such probes were measured by that load's own figure (1 to
+  PROBE_COST_FACTOR_LOAD_MAX; session 38: at 64 with the 1k shared prefix a probe of rounds cost ~58 times its price).
   PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
   plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
   0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
@@ -238,7 +239,8 @@ PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps e
 PROBE_CUT_REQUEST_ROUNDS = 256  # a probe of rounds under plain steps ends once it counted this many request-rounds
 # (and plain steps still lead by PROBE_CUT_LEAD, below)
 PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
-PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`)
+PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`) ...
+PROBE_COST_FACTOR_LOAD_MAX = 64.0  # ... or, at a load where probes of that choice were measured, to this much
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
@@ -397,7 +399,8 @@ class AdaptivePolicy:
     probes_cut: int = 0  # probes of rounds ended early, their acceptance settled (`_cut`)
     probe_seconds: float = 0.0  # the probes' expected excess seconds (`_probe_cost`), summed
     probe_cost_factor: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CHOICES, 1.0))  # per probed
-    # choice, the EMA of probes' measured over priced cost (`_measured_probe`)
+    # choice, the EMA of probes' measured over priced cost (`_measured_probe`) ...
+    probe_cost_factor_at: dict[tuple[str, int], float] = field(default_factory=dict)  # ... and per (choice, load)
     catch_ups: int = 0
     catch_up_positions: int = 0
     retries: int = 0  # requests retried in a round (collapsed: EMA below a tenth of the engine-wide one)
@@ -887,7 +890,7 @@ class AdaptivePolicy:
             other_seconds = self._probe_price(d, other, load)
             steps = self._epoch_steps(d, other, request_tokens)
             priced = self._probe_cost(d, model, other, steps, other_seconds)
-            cost = priced * self._probe_factor(other)
+            cost = priced * self._probe_factor(other, load)
             if self.epochs.ratio(other, load) is not None and not st.check:
                 model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
@@ -907,7 +910,7 @@ class AdaptivePolicy:
                         log.info("adaptive probe %s", json.dumps({
                             "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
                             "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
-                            "cost_factor": self._probe_factor(other),
+                            "cost_factor": self._probe_factor(other, load),
                             "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
 
@@ -1014,9 +1017,19 @@ class AdaptivePolicy:
         owed = d.batch_size * steps if other == PLAIN else d.catch_up_positions
         return self.catch_up_seconds(owed) if owed else 0.0
 
-    def _probe_factor(self, choice: str) -> float:
-        """What probes of `choice` are taken to cost over their price (`_probe_cost`): the EMA of their measured
-        over priced cost (`_measured_probe`), within 1 and PROBE_COST_FACTOR_MAX."""
+    def _probe_factor(self, choice: str, load: int | None = None) -> float:
+        """What probes of `choice` (at `load`) are taken to cost over their price (`_probe_cost`): the EMA of their
+        measured over priced cost at that load once one was measured there (`_measured_probe`), within 1 and
+        PROBE_COST_FACTOR_LOAD_MAX; else the EMA over every load, within 1 and PROBE_COST_FACTOR_MAX.
+
+        Per load because the price errs by load: on the H100 x2 (2026-11-26, 1k shared prefix, bar runs at 779240c
+        and 891e24c) a probe of rounds at load 64 was priced at 5.5 ms and measured at 0.32 s (the parts model takes a
+        round's launch from the start-up table, ~0.1 ms over padding rows, where a fixed server's round took ~1.5 ms
+        to launch at batch 58), while at loads 8-32 probes cost 3-13 times their price; the one factor, its samples
+        held within 16, read 2.7 and then 6.0 there, and 5 of 16 later passes at 64 ran a probe (~9 points behind
+        the passes that did not)."""
+        if load is not None and (choice, load) in self.probe_cost_factor_at:
+            return min(max(self.probe_cost_factor_at[(choice, load)], 1.0), PROBE_COST_FACTOR_LOAD_MAX)
         return min(max(self.probe_cost_factor[choice], 1.0), PROBE_COST_FACTOR_MAX)
 
     def _probe_measure(self, d: Decision, model: str, other: str, load: int, steps: int,
@@ -1050,20 +1063,26 @@ class AdaptivePolicy:
         probe budget, spent at those prices, was spent several times over. Each sample is noisy (an epoch reads
         +-30% of its neighbours), so no one probe moves the factor far, and a sample is held within
         +-PROBE_COST_FACTOR_MAX, negative ones kept (a probe that cost less than nothing is noise, and cut at 0 the
-        noise would only push the factor up). The yardstick is the model choice's figure, the low median of its
+        noise would only push the factor up); the load's own EMA (from the choice-wide one) within
+        +-PROBE_COST_FACTOR_LOAD_MAX. The yardstick is the model choice's figure, the low median of its
         epochs, not their mean, which one epoch that held a stall or a burst of prefills moves far; and a probe of
         rounds is measured at the acceptance its own rounds had, not the one it was priced at (a prior that
         expected more drafts than they accepted credits it with tokens it never committed). With the mean and the
         price's acceptance, on the CPU (pycode-6m, concurrency 8), two probes of rounds read as gains of 13.9 and
         17.6 s (measured over priced -970 and -310)."""
         measured = m.excess + after.busy - after.request_steps * m.model_seconds + m.catch_up
-        sample = min(max(measured / m.priced, -PROBE_COST_FACTOR_MAX), PROBE_COST_FACTOR_MAX)
+        ratio = measured / m.priced
+        sample = min(max(ratio, -PROBE_COST_FACTOR_MAX), PROBE_COST_FACTOR_MAX)
         factor = self.probe_cost_factor[m.choice]
         self.probe_cost_factor[m.choice] = factor + PROBE_COST_ALPHA * (sample - factor)
+        key = (m.choice, load)  # the load's own EMA starts from the choice-wide one
+        at = self.probe_cost_factor_at.get(key, factor)
+        sample = min(max(ratio, -PROBE_COST_FACTOR_LOAD_MAX), PROBE_COST_FACTOR_LOAD_MAX)
+        self.probe_cost_factor_at[key] = at + PROBE_COST_ALPHA * (sample - at)
         if log.isEnabledFor(logging.INFO):
             log.info("adaptive probe measured %s", json.dumps({
                 "choice": m.choice, "load": load, "priced": m.priced, "measured": measured,
-                "factor": self.probe_cost_factor[m.choice]}))
+                "factor": self.probe_cost_factor[m.choice], "factor_at_load": self.probe_cost_factor_at[key]}))
 
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
@@ -1426,6 +1445,9 @@ class AdaptivePolicy:
         return {**self._tables, "chosen": dict(self.chosen), "decided": sum(self._decisions.values()),
                 "probes": self.probes, "probes_cut": self.probes_cut,
                 "probe_cost_factor": {c: self._probe_factor(c) for c in CHOICES},
+                "probe_cost_factor_at_load": {c: {load: self._probe_factor(c, load) for (choice, load)
+                                                  in sorted(self.probe_cost_factor_at) if choice == c}
+                                              for c in CHOICES},
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
                 "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped,
