@@ -2051,3 +2051,41 @@ def test_a_probes_cost_factor_is_learned_per_load():
     assert p._probe_factor(SPECULATIVE, 8) == p._probe_factor(SPECULATIVE) == pytest.approx(wide)
     assert p._probe_factor(PLAIN, 64) == 1.0  # no probe of plain steps was measured
     assert p.snapshot()["probe_cost_factor_at_load"] == {PLAIN: {}, SPECULATIVE: {64: pytest.approx(factors[1])}}
+
+
+def test_a_probe_at_a_load_new_to_its_choice_is_priced_the_dearer_way():
+    """Session 38's bar (H100 x2, -175949, 1k shared prefix): rounds had an epoch at load 32 (41.7 us a request-step,
+    their parts 44.3) and none at 64, where plain steps' figure was 0.544 times theirs at 32. Carried to 64 as plain
+    steps scale, a round over 64 requests was priced at 1.45 ms (22.7 us a request-step), about as good as a plain
+    step, and its probe at 5.5 ms; the probe epoch read 69.8 us a request-step and cost 0.32 s. Rounds' own parts put
+    them at 46.1 us a request-step at 64, which carries them to 43.4 us. The probe is priced the dearer of the two
+    ways; the decision keeps its price (carried by the parts rounds looked better than they were on the H200 at
+    390caaa: test_a_choice_new_at_a_load_scales_as_the_other_measured, where the dearer way is the other's)."""
+    buckets = (1, 2, 4, 8, 16, 32, 64)
+    table = {(PLAIN, b): 1.12e-3 for b in buckets} | {(SPECULATIVE, b): 44.3e-6 * 32 for b in buckets}
+    table[(SPECULATIVE, 64)] = 46.1e-6 * 64
+    p = AdaptivePolicy(buckets, table, overlapped=True, max_accept=4, clock=Clock())
+    set_accept(p, 0.2)
+    p.epochs.record(PLAIN, 32, 1.0, 36.2e-6)
+    p.epochs.record(PLAIN, 64, 1.0, 19.7e-6)
+    p.epochs.record(SPECULATIVE, 32, 1.0, 41.7e-6)
+    d = p.decide([Req() for _ in range(64)], held=64)
+    carried = 41.7e-6 * 19.7 / 36.2
+    assert d.choice == PLAIN and d.step_seconds[SPECULATIVE] == pytest.approx(64 * carried)
+    assert p._probe_cost(d, PLAIN, SPECULATIVE, 113, d.step_seconds[SPECULATIVE]) == 0.0  # as good as plain steps
+    price = p._probe_price(d, SPECULATIVE, 64)
+    assert price == pytest.approx(64 * 41.7e-6 * 46.1 / 44.3)
+    ratio = (1.2 / price) / (1.0 / (64 * 19.7e-6))
+    assert p._probe_cost(d, PLAIN, SPECULATIVE, 113, price) == pytest.approx(113 * price * (1 - ratio))
+    assert 0.13 < 113 * price * (1 - ratio) < 0.16
+    p.epochs.record(SPECULATIVE, 64, 1.0, 69.8e-6)  # once measured there, its own figure prices it
+    d = p.decide([Req() for _ in range(64)], held=64)
+    assert p._probe_price(d, SPECULATIVE, 64) == d.step_seconds[SPECULATIVE] == pytest.approx(64 * 69.8e-6)
+    # and where carrying by the parts is the cheaper way, the price is the decision's
+    p = AdaptivePolicy(buckets, {**table, (SPECULATIVE, 64): 40e-6 * 64}, overlapped=True, max_accept=4, clock=Clock())
+    set_accept(p, 0.2)
+    p.epochs.record(PLAIN, 32, 1.0, 36.2e-6)
+    p.epochs.record(PLAIN, 64, 1.0, 40e-6)
+    p.epochs.record(SPECULATIVE, 32, 1.0, 41.7e-6)
+    d = p.decide([Req() for _ in range(64)], held=64)
+    assert p._probe_price(d, SPECULATIVE, 64) == d.step_seconds[SPECULATIVE] == pytest.approx(64 * 41.7e-6 * 40 / 36.2)

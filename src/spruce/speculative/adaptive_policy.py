@@ -120,7 +120,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price), at a load where such probes were measured by that load's own figure (1 to
-  PROBE_COST_FACTOR_LOAD_MAX; session 38: at 64 with the 1k shared prefix a probe of rounds cost ~58 times its price).
+  PROBE_COST_FACTOR_LOAD_MAX; session 38: at 64 with the 1k shared prefix a probe of rounds cost ~58 times its price);
+  at a load where the probed choice has no epoch, the price carries its figure there the dearer of two ways (as the
+  model choice's figures scale, or as its own parts do: `_probe_price`, session 39).
   PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
   plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
   0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
@@ -799,6 +801,12 @@ class AdaptivePolicy:
             return per_request
         if other_there is not None:
             return per_request * other_here / other_there
+        return self._carried_by_parts(choice, at, load)
+
+    def _carried_by_parts(self, choice: str, at: int, load: int) -> float:
+        """`choice`'s realized seconds per request-step at load bucket `at`, carried to `load` as its own parts'
+        seconds per request scale between the two."""
+        per_request = self.epochs.request_seconds(choice, at)
         base = self._parts_seconds(choice, at) / at
         return per_request if base <= 0 else per_request * (self._parts_seconds(choice, load) / load) / base
 
@@ -960,11 +968,26 @@ class AdaptivePolicy:
         costs (prefills and the serving process's work included): priced at its parts instead, plain steps under
         rounds looked nearly as good as rounds priced at theirs, and probes came every few epochs until three had
         settled the figure (replaying the 128-token trace at concurrency 1: 1552 plain steps and -1.9% against
-        fixed rounds, against 543 and -0.6% with the lone epoch's figure)."""
+        fixed rounds, against 543 and -0.6% with the lone epoch's figure).
+
+        And while `other` has no epoch at `load`, its figure carried there from another load (`_realized`: as the
+        model choice's figures scale between the two loads) is raised to the figure its own parts carry, where that
+        is dearer. A probe priced low at a load it never ran at is what the budget lets through at once: on the H100
+        x2 (session 38, -175949, 1k shared prefix) rounds measured at 32 (41.7 us a request-step) were carried to 64
+        as plain steps scale (0.54x) and a round over 64 requests was priced at 1.45 ms, about a plain step's worth
+        per token, so the probe's expected excess was its catch-up, 5.5 ms; its epoch read 69.8 us a request-step and
+        cost 0.32 s. Rounds' own parts (44.3 us a request-step at 32, 46.1 at 64) carry them to 43.4 us: ~0.14 s
+        expected. The decision keeps the carried figure: carried by the parts, rounds looked better than they were
+        where their parts scaled better than plain steps' (H200, `_realized`), and the dearer of the two for both
+        choices would hold back whichever choice a new load has not measured."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
         if ratio is not None and ratio > STALL_RATIO and self.epochs.count(other, load) < SETTLED_EPOCHS:
             return seconds / ratio
+        if ratio is None:  # carried from another load: the dearer of the two ways to carry it
+            at, per_request = self._ratio_load(other, load), self._realized(other, load)
+            if at is not None and per_request is not None:
+                return seconds + d.batch_size * max(self._carried_by_parts(other, at, load) - per_request, 0.0)
         return seconds
 
     @staticmethod
