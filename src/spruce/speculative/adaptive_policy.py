@@ -121,8 +121,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price), at a load where such probes were measured by that load's own figure (1 to
   PROBE_COST_FACTOR_LOAD_MAX; session 38: at 64 with the 1k shared prefix a probe of rounds cost ~58 times its price);
-  at a load where the probed choice has no epoch, the price carries its figure there the dearer of two ways (as the
-  model choice's figures scale, or as its own parts do: `_probe_price`, session 39).
+  at a load where the probed choice has no epoch, the price takes its figure from the nearest load unscaled where
+  that is dearer than the figure carried as the model choice's scale (`_probe_price`, session 39).
   PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
   plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
   0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
@@ -553,10 +553,15 @@ class AdaptivePolicy:
         prefix) bring it below a break-even of 2.7 within ~40 rounds. Collapses are judged against the unshrunk
         mean (`engine_accept`): the shrinkage prices new requests, it does not make a request look bad. It is the
         cold start's: once ACCEPT_WINDOW request-rounds have been counted, a window that stale rounds left thin
-        (`accepted_rounds`) is taken as it is."""
+        (`accepted_rounds`) is taken as it is; before, the window's mean weighs as much as all the request-rounds
+        counted, stale ones included, which were evidence all the same. Weighed by the window's size, a first level at
+        concurrency 1 with the 1k shared prefix (~200 request-rounds at 0.22 drafts, then 8192 plain steps) left a
+        window thinned to ACCEPT_FRESH_MIN = 64 whose prior was back at 1.67 drafts, 7.6x the acceptance measured, and
+        the next level's first decisions at load 8 switched to rounds over 8 lagging drafts (H100 x2, session 39,
+        -194247); weighed by the count, 0.49."""
         mean = self.engine_accept()
-        n = len(self._accept_window)
-        if self.global_accept is None or self._accept_counted >= ACCEPT_WINDOW:  # (the window never holds more)
+        n = self._accept_counted
+        if self.global_accept is None or n >= ACCEPT_WINDOW:
             return mean
         pseudo = PRIOR_ROUNDS * (1.0 - n / ACCEPT_WINDOW)
         return (mean * n + self.max_accept * pseudo) / (n + pseudo)
@@ -801,12 +806,6 @@ class AdaptivePolicy:
             return per_request
         if other_there is not None:
             return per_request * other_here / other_there
-        return self._carried_by_parts(choice, at, load)
-
-    def _carried_by_parts(self, choice: str, at: int, load: int) -> float:
-        """`choice`'s realized seconds per request-step at load bucket `at`, carried to `load` as its own parts'
-        seconds per request scale between the two."""
-        per_request = self.epochs.request_seconds(choice, at)
         base = self._parts_seconds(choice, at) / at
         return per_request if base <= 0 else per_request * (self._parts_seconds(choice, load) / load) / base
 
@@ -970,24 +969,27 @@ class AdaptivePolicy:
         settled the figure (replaying the 128-token trace at concurrency 1: 1552 plain steps and -1.9% against
         fixed rounds, against 543 and -0.6% with the lone epoch's figure).
 
-        And while `other` has no epoch at `load`, its figure carried there from another load (`_realized`: as the
-        model choice's figures scale between the two loads) is raised to the figure its own parts carry, where that
-        is dearer. A probe priced low at a load it never ran at is what the budget lets through at once: on the H100
-        x2 (session 38, -175949, 1k shared prefix) rounds measured at 32 (41.7 us a request-step) were carried to 64
-        as plain steps scale (0.54x) and a round over 64 requests was priced at 1.45 ms, about a plain step's worth
-        per token, so the probe's expected excess was its catch-up, 5.5 ms; its epoch read 69.8 us a request-step and
-        cost 0.32 s. Rounds' own parts (44.3 us a request-step at 32, 46.1 at 64) carry them to 43.4 us: ~0.14 s
-        expected. The decision keeps the carried figure: carried by the parts, rounds looked better than they were
-        where their parts scaled better than plain steps' (H200, `_realized`), and the dearer of the two for both
-        choices would hold back whichever choice a new load has not measured."""
+        And while `other` has no epoch at `load`, its figure there is carried from the nearest load that has one
+        (`_realized`: scaled as the model choice's figures scale between the two), which the probe's price takes
+        unscaled where that is dearer: a probe is priced for the budget at the dear end of what the load may cost.
+        Per request-step, plain steps cost less at a higher load (a step's fixed work shared by more requests) and
+        rounds, whose host work grows with the tokens they commit, did not: in session 38's ten shared-prefix runs
+        on the H100 x2 rounds read 65, 67, 42 and 56 us a request-step at 32 and 67, 68, 70 and 46 at 64, where plain
+        steps went from 29-46 to 29-37. Carried from 32 as plain steps scale (0.54x at that moment, run -175949),
+        rounds over 64 requests were priced at 1.45 ms, a plain step's worth per token, so the probe's expected
+        excess was its catch-up, 5.5 ms; its epoch read 69.8 us a request-step and cost 0.32 s. Unscaled, 41.7 us:
+        ~0.13 s expected. Their parts do not carry them better: the start-up table's rounds (padding rows) take
+        1.02 ms at 32 and 1.09 at 64, and even measured (1.28-1.37 and 1.55-1.79 ms) they are device time, while
+        rounds served at 64 are host-bound. The decision keeps the carried figure (it is the better guess; the
+        price only spaces and budgets the probe that measures it)."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
         if ratio is not None and ratio > STALL_RATIO and self.epochs.count(other, load) < SETTLED_EPOCHS:
             return seconds / ratio
-        if ratio is None:  # carried from another load: the dearer of the two ways to carry it
-            at, per_request = self._ratio_load(other, load), self._realized(other, load)
-            if at is not None and per_request is not None:
-                return seconds + d.batch_size * max(self._carried_by_parts(other, at, load) - per_request, 0.0)
+        if ratio is None:  # carried from another load: at the dearer of its scaled and unscaled figures
+            at, carried = self._ratio_load(other, load), self._realized(other, load)
+            if at is not None and carried is not None:
+                return seconds + d.batch_size * max(self.epochs.request_seconds(other, at) - carried, 0.0)
         return seconds
 
     @staticmethod
@@ -1405,10 +1407,12 @@ class AdaptivePolicy:
         under plain steps only probes of rounds measure the acceptance, each adding one epoch's rounds to a window of
         ACCEPT_WINDOW, and the old ones outvoted them. Replayed at concurrency 1 (bench/replay_adaptive.py,
         2026-11-26): acceptance 1 for 256 requests, then 4: rounds took the load back more than 512 requests after
-        the change, now within 64; acceptance 0 then 4 (probes of rounds rarer, each costing more): 256-512, now
-        64-128. Over a stationary workload nothing moved that matters (shared-prefix-like acceptance, 0.19 drafts a
-        round: -0.70% against plain decoding, was -0.69%; requests whose rounds accept 0, 1 or 4 drafts at random:
-        -0.58%, was -0.53%; the 128-token trace: unchanged)."""
+        the change, now within 128-256 (within 64 until session 39, while the thinned window re-inflated the cold
+        start's prior, `prior_accept`; after 1024 requests at 1, within 64 either way); acceptance 0 then 4 (probes
+        of rounds rarer, each costing more): 256-512, now 64-128. Over a stationary workload nothing moved that
+        matters (shared-prefix-like acceptance, 0.19 drafts a round: -0.70% against plain decoding, was -0.69%;
+        requests whose rounds accept 0, 1 or 4 drafts at random: -0.58%, was -0.53%; the 128-token trace:
+        unchanged)."""
         half = self.engine_accept() / 2
         counted = []  # the drafts of the rounds the prior counts
         count, alpha = counted.append, REQUEST_ALPHA
