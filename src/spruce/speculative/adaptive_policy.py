@@ -558,7 +558,7 @@ class AdaptivePolicy:
         concurrency 1 with the 1k shared prefix (~200 request-rounds at 0.22 drafts, then 8192 plain steps) left a
         window thinned to ACCEPT_FRESH_MIN = 64 whose prior was back at 1.67 drafts, 7.6x the acceptance measured, and
         the next level's first decisions at load 8 switched to rounds over 8 lagging drafts (H100 x2, session 39,
-        -194247); weighed by the count, 0.49."""
+        -194247); weighed by the count (~195), 0.66."""
         mean = self.engine_accept()
         n = self._accept_counted
         if self.global_accept is None or n >= ACCEPT_WINDOW:
@@ -973,10 +973,11 @@ class AdaptivePolicy:
         (`_realized`: scaled as the model choice's figures scale between the two), which the probe's price takes
         unscaled where that is dearer: a probe is priced for the budget at the dear end of what the load may cost.
         Per request-step, plain steps cost less at a higher load (a step's fixed work shared by more requests) and
-        rounds, whose host work grows with the tokens they commit, did not: in session 38's ten shared-prefix runs
-        on the H100 x2 rounds read 65, 67, 42 and 56 us a request-step at 32 and 67, 68, 70 and 46 at 64, where plain
-        steps went from 29-46 to 29-37. Carried from 32 as plain steps scale (0.54x at that moment, run -175949),
-        rounds over 64 requests were priced at 1.45 ms, a plain step's worth per token, so the probe's expected
+        rounds, whose host work grows with the tokens they commit, did not: in the four of session 38's shared-prefix
+        runs on the H100 x2 whose adaptive server ended with rounds' figures at both loads, rounds read 65, 67, 42 and
+        56 us a request-step at 32 and 67, 68, 70 and 46 at 64, where plain steps went from 29-46 to 29-37. Carried
+        from 32 as plain steps scale (0.54x at that moment, run -175949), rounds over 64 requests were priced at
+        1.45 ms, a plain step's worth per token, so the probe's expected
         excess was its catch-up, 5.5 ms; its epoch read 69.8 us a request-step and cost 0.32 s. Unscaled, 41.7 us:
         ~0.13 s expected. Their parts do not carry them better: the start-up table's rounds (padding rows) take
         1.02 ms at 32 and 1.09 at 64, and even measured (1.28-1.37 and 1.55-1.79 ms) they are device time, while
