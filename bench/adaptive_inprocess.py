@@ -22,7 +22,10 @@ repetition runs each engine once, in a rotating order, so that the machine's dri
   narrower trees N' (`speculative_adaptive_widths`; speculative/tree_width.py chooses per batch size).
 `--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256
 tokens); `short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring,
-so the prefix cache holds them as in a serving run's later passes.
+so the prefix cache holds them as in a serving run's later passes. `--scheduler-delay-factor F`: prefill batching as the
+servers of the serving bar run it (4; runtime/prefill_batching.py), which holds arrivals back by the mean prefill
+launch: the in-process runs until session 39 admitted at once, and served, the adaptive server launched 15-18% fewer
+prefills than the plain ones at concurrency 32-64 (H100 x2, session 39).
 Per repetition and engine: output tokens/s, median TTFT (launch to first token), TPOT, and the engine's own step
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
 choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
@@ -32,7 +35,7 @@ functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
     [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--widths N,N' ...]
     [--workload prefix|short]
-    [--idle-gaps] [--profile] [--out-dir bench/results]
+    [--idle-gaps] [--scheduler-delay-factor F] [--profile] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def build(kind: str, args) -> LLM:
     """The engine named `kind`: plain, adaptive, forced (adaptive with rounds priced out), fixed, rounds
     (adaptive with plain steps priced out), fixed-S-K-N (a fixed round of that tree shape), or adaptive-N-N'...
     (adaptive over (5, 4, N) rounds with the narrower verify widths N')."""
-    kw = dict(page_size=16, max_running_requests=64, device=args.device)
+    kw = dict(page_size=16, max_running_requests=64, device=args.device,
+              scheduler_delay_factor=args.scheduler_delay_factor)
     if args.device == "cuda":
         kw["dtype"] = "bfloat16"
     if kind != "plain":
@@ -145,6 +149,8 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
         "tpot_us_median": round(statistics.median((a - b) / (MAX_TOKENS - 1) for a, b in zip(e2e, ttft)) * 1e6, 2),
         "wall_s": round(wall, 3),
         "steps": {k: steps_after[k] - steps_before[k] for k in ("prefills", "decodes", "rounds", "decode_rows")},
+        "prefill_launch_ms": round(1e3 * (steps_after["prefill_launch"] - steps_before["prefill_launch"]), 1),
+        "prefill_holds": after["prefill_holds"] - before["prefill_holds"],
         "step_host_ms": {k: round(1e3 * (steps_after["seconds"][k] - steps_before["seconds"][k]), 1)
                          for k in steps_after["seconds"]},
         "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups",
@@ -170,6 +176,8 @@ def main() -> None:
                     help="adaptive engines over (5, 4, N) rounds that may verify the narrower trees N' too (kinds "
                          "adaptive-N-N'...)")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="prefix")
+    ap.add_argument("--scheduler-delay-factor", type=float, default=0.0,
+                    help="prefill batching, as the servers' --scheduler-delay-factor (the serving bar's: 4)")
     ap.add_argument("--idle-gaps", action="store_true",
                     help="an idle step before each request added while none is in flight (a server at concurrency 1)")
     ap.add_argument("--profile", action="store_true", help="each engine's last repetition under cProfile")

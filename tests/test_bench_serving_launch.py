@@ -51,6 +51,10 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert lv["triton_compiles"] is None  # the CPU interpreter compiles nothing: the server counts nothing
         # the engine runs in its own process (the default), which reports its CPU seconds
         assert 0 < lv["engine"]["cpu_seconds"] and 0 <= lv["machine_steal_fraction"] < 1
+        # its prefills' launch seconds (part of the launch part) and the admission rounds prefill batching held
+        # (none: no --scheduler-delay-factor)
+        assert 0 < lv["engine"]["prefill_launch_seconds"] <= lv["engine"]["seconds"]["step.launch"]
+        assert lv["engine"]["prefill_holds"] == 0
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
         # that repeats the warm-up's prompt finds more)
         cached = lv["cached_prompt_tokens"]

@@ -40,6 +40,7 @@ def test_counts_every_launch_and_its_rows(make_llm, draft):
         assert steps["decode_rows"] <= sum(len(o.token_ids) - 1 for o in outs)
     assert set(steps["seconds"]) == {"launch", "wait", "resolve", "outputs"}
     assert all(v >= 0 for v in steps["seconds"].values()) and steps["seconds"]["launch"] > 0
+    assert 0 < steps["prefill_launch"] <= steps["seconds"]["launch"]  # the one prefill's launch, within "launch"
 
 
 def test_metrics_expose_the_counters(make_llm):
@@ -52,6 +53,7 @@ def test_metrics_expose_the_counters(make_llm):
     assert 'spruce_engine_steps_total{kind="prefill"} 1' in text
     assert 'spruce_engine_steps_total{kind="decode"} 5' in text
     assert "spruce_engine_decode_rows_total 5" in text
+    assert f"spruce_engine_prefill_launch_seconds_total {llm.engine.stats()['steps']['prefill_launch']!r}" in text
     assert 'spruce_engine_step_seconds_total{part="launch"}' in text
     assert 'spruce_engine_process_seconds_total{part="send"} 0.25' in text
     assert "spruce_engine_process_cpu_seconds_total 0.625" in text

@@ -173,9 +173,10 @@ ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in 
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
                   for family, parts in (("step", STEP_PARTS), ("process", PROCESS_PARTS)) for part in parts}
 ENGINE_CPU = "spruce_engine_process_cpu_seconds_total"
+PREFILL_LAUNCH, PREFILL_HOLDS = "spruce_engine_prefill_launch_seconds_total", "spruce_prefill_holds_total"
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES, *ENGINE_STEPS.values(), "spruce_engine_decode_rows_total",
-            *ENGINE_SECONDS.values(), ENGINE_CPU)
+            *ENGINE_SECONDS.values(), ENGINE_CPU, PREFILL_LAUNCH, PREFILL_HOLDS)
 HELD_FRACTION = 0.9  # a level whose client held fewer than this fraction of its streams in flight is flagged
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
@@ -250,7 +251,11 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         engine = {"steps": steps, "mean_decode_batch": rows / steps["decode"] if steps["decode"] else None,
                   "prefills_per_request": steps["prefill"] / len(ok) if ok else None,
                   "seconds": {key: delta[name] for key, name in ENGINE_SECONDS.items() if name in delta},
-                  "cpu_seconds": delta.get(ENGINE_CPU)}  # the engine process's CPU seconds (None: not reported)
+                  "cpu_seconds": delta.get(ENGINE_CPU),  # the engine process's CPU seconds (None: not reported)
+                  # the prefill launches' seconds, whose mean prices how long --scheduler-delay-factor holds arrivals
+                  # back, and the admission rounds it held them (None: not reported)
+                  "prefill_launch_seconds": delta.get(PREFILL_LAUNCH),
+                  "prefill_holds": int(delta[PREFILL_HOLDS]) if PREFILL_HOLDS in delta else None}
     return {
         "concurrency": concurrency, "num_requests": num_requests, "started_at": started_at, "completed": len(ok),
         "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -434,9 +439,12 @@ def _print_level(lv: dict) -> None:
         cpu = ("" if eng.get("cpu_seconds") is None or busy <= 0  # below 100%: the engine process waited for a CPU
                else f", CPU {100 * eng['cpu_seconds'] / busy:.0f}% of its busy time")
         per_request = eng["prefills_per_request"]  # None when no request completed
+        prefills, prefill_s = eng["steps"]["prefill"], eng.get("prefill_launch_seconds")
+        prefill = ("" if not prefills or prefill_s is None
+                   else f", prefill launch {1e3 * prefill_s / prefills:.2f} ms ({eng.get('prefill_holds')} holds)")
         engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
                   + ("" if per_request is None else f"{per_request:.2f} prefills/request, ") + "ms per launch "
-                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + cpu)
+                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + prefill + cpu)
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "

@@ -357,14 +357,15 @@ class Engine:
         launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
             result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
-        self.scheduler.batching.launched(time.perf_counter() - launch_start)
+        launch_s = time.perf_counter() - launch_start
+        self.scheduler.batching.launched(launch_s)
         if sampling.penalties is not None:
             self._count_penalties(finals, result)
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
                 q.status = Status.DECODE
-        self.counters.launched(False, len(stepped), False)
+        self.counters.launched(False, len(stepped), False, launch_s)
         return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
 
     def _launch_decode(self, reqs: list[Request]) -> LaunchedStep:

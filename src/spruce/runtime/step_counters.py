@@ -20,19 +20,24 @@ class StepCounters:
     decodes: int = 0  # decode launches (plain steps and speculative rounds)
     rounds: int = 0  # ... of which speculative rounds
     decode_rows: int = 0  # requests over all decode launches (their mean batch: decode_rows / decodes)
+    prefill_launch: float = 0.0  # wall seconds of the prefill launches (within "launch"): their mean is the P by
+    # which prefill batching holds arrivals back (runtime/prefill_batching.py)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
 
-    def launched(self, decode: bool, rows: int, speculative: bool) -> None:
+    def launched(self, decode: bool, rows: int, speculative: bool, seconds: float = 0.0) -> None:
+        """A launch: a decode step over `rows` requests (a round if `speculative`), or a prefill that took `seconds`
+        to launch."""
         if decode:
             self.decodes += 1
             self.decode_rows += rows
             self.rounds += speculative
         else:
             self.prefills += 1
+            self.prefill_launch += seconds
 
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += seconds
 
     def as_dict(self) -> dict:
         return {"prefills": self.prefills, "decodes": self.decodes, "rounds": self.rounds,
-                "decode_rows": self.decode_rows, "seconds": dict(self.seconds)}
+                "decode_rows": self.decode_rows, "prefill_launch": self.prefill_launch, "seconds": dict(self.seconds)}

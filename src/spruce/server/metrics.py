@@ -247,6 +247,9 @@ class Metrics:
                                                 ("kind", "round"): steps["rounds"]})
                 counter("spruce_engine_decode_rows_total", "Requests over all decode launches (their mean batch: "
                         "this over the decode launches).", steps["decode_rows"])
+                counter("spruce_engine_prefill_launch_seconds_total", "Wall seconds of the prefill launches (within "
+                        "the launch part; their mean is what --scheduler-delay-factor holds arrivals back by).",
+                        steps["prefill_launch"])
                 counter("spruce_engine_step_seconds_total", "Wall seconds of the engine's steps by part (launch: "
                         "planning and launching; wait: blocked on the device; resolve: applying results; "
                         "outputs: building the outputs).", {("part", k): v for k, v in steps["seconds"].items()})
