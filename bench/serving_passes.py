@@ -10,7 +10,11 @@ two differ by more than the noise, as plain and fixed do on these workloads), me
 passes. For the passes that ran the better choice only, the engine's own counters per
 decode step (launch, resolve, outputs, the engine process's step, ...: `engine.seconds` of each level) of the
 adaptive server less those of the better configuration's copies, beside the same difference between the two copies
-(the control): what the adaptive machinery costs the served engine's host when it decides nothing new.
+(the control): what the adaptive machinery costs the served engine's host when it decides nothing new. And for
+those passes, how it admitted requests against the better configuration's copies (relative: prefill launches per
+request, TTFT p50, the mean prefill launch's seconds where the servers report them), beside the copies' own: in
+session 39's shared-prefix runs the adaptive server launched 15-18% fewer prefills at concurrency 32-64 in those
+passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the mean prefill launch.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 """
@@ -29,6 +33,7 @@ from spruce.bench.serving_launch import LaunchConfig
 
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
             "process.send")
+ADMISSION = ("prefills_per_request", "ttft_p50", "prefill_launch")  # `admission`'s figures
 
 
 def mean_se(values: list[float]) -> dict:
@@ -43,6 +48,18 @@ def per_decode(level: dict, counter: str) -> float | None:
     decodes = (engine.get("steps") or {}).get("decode")
     seconds = (engine.get("seconds") or {}).get(counter)
     return None if not decodes or seconds is None else seconds / decodes * 1e6
+
+
+def admission(level: dict, figure: str) -> float | None:
+    """A level's ADMISSION `figure`: prefill launches per completed request, TTFT p50 (seconds), or the mean prefill
+    launch (seconds; None where the server does not report it)."""
+    engine = level.get("engine") or {}
+    if figure == "prefills_per_request":
+        return engine.get("prefills_per_request")
+    if figure == "ttft_p50":
+        return (level.get("ttft_s") or {}).get("p50")
+    prefills, seconds = (engine.get("steps") or {}).get("prefill"), engine.get("prefill_launch_seconds")
+    return None if not prefills or seconds is None else seconds / prefills
 
 
 def run_passes(result: dict) -> tuple[str, list[dict]] | None:
@@ -77,6 +94,14 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                     record["counters"][counter] = mine - statistics.fmean(theirs)
                     if len(theirs) == 2:
                         record["control"][counter] = theirs[1] - theirs[0]
+            record["admission"], record["admission_control"] = {}, {}
+            for figure in ADMISSION:
+                theirs = [admission(levels[name][k], figure) for name in copies]
+                mine = admission(adaptive, figure)
+                if mine is not None and None not in theirs and all(theirs):
+                    record["admission"][figure] = mine / statistics.fmean(theirs) - 1.0
+                    if len(theirs) == 2:
+                        record["admission_control"][figure] = theirs[1] / theirs[0] - 1.0
             records.append(record)
     return workload, records
 
@@ -116,7 +141,14 @@ def main() -> None:
                               "control_us": mean_se([r["control"][counter] for r in clean if counter in r["control"]])}
                     for counter in COUNTERS if sum(counter in r["counters"] and counter in r["control"]
                                                    for r in clean) > 1}
-            summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host}
+            admitted = {figure: {"adaptive_over_better": mean_se([r["admission"][figure] for r in clean
+                                                                  if figure in r["admission"]]),
+                                 "control": mean_se([r["admission_control"][figure] for r in clean
+                                                     if figure in r["admission_control"]])}
+                        for figure in ADMISSION if sum(figure in r["admission"] and figure in r["admission_control"]
+                                                       for r in clean) > 1}
+            summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
+                                                                   "admission": admitted}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
                 + f" ({fig['n']})" for key, fig in cell.items()))
@@ -124,6 +156,10 @@ def main() -> None:
                 mine, control = fig["adaptive_less_better_us"], fig["control_us"]
                 print(f"      {counter:<17} adaptive - better {mine['mean']:+7.1f} +- {mine['se']:5.1f} us a decode"
                       f" step (control {control['mean']:+7.1f} +- {control['se']:5.1f})")
+            for figure, fig in admitted.items():
+                mine, control = fig["adaptive_over_better"], fig["control"]
+                print(f"      {figure:<21} adaptive / better {mine['mean']:+.1%} +- {mine['se']:.1%} (control "
+                      f"{control['mean']:+.1%} +- {control['se']:.1%})")
     device = next(iter(devices)) if len(devices) == 1 else "mixed"
     path = write_result("serving-passes", device, {"results": used, "devices": sorted(devices)}, summary,
                         args.out_dir)

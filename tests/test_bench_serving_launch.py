@@ -201,21 +201,25 @@ def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
 
 def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     """bench/serving_passes.py: per pass, the adaptive server against the better configuration (its copies
-    averaged), with the steps of the losing choice it ran (plain steps where fixed is better) and its engine
-    counters per decode step less the copies' mean, beside the copies' own difference."""
+    averaged), with the steps of the losing choice it ran (plain steps where fixed is better), its engine
+    counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
+    against the copies (prefills per request, TTFT p50, mean prefill launch: relative)."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
     fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
 
-    def level(tps: float, plain_steps: int, launch_s: float) -> dict:
+    def level(tps: float, plain_steps: int, launch_s: float, prefills: int = 100, ttft: float = 0.04,
+              prefill_s: float | None = 0.1) -> dict:
         return {"concurrency": 8, "output_throughput_tok_s": tps, "adaptive_steps": {"plain": plain_steps},
-                "engine": {"steps": {"decode": 1000}, "seconds": {"step.launch": launch_s}}}
+                "ttft_s": {"p50": ttft},
+                "engine": {"steps": {"decode": 1000, "prefill": prefills}, "prefills_per_request": prefills / 200,
+                           "seconds": {"step.launch": launch_s}, "prefill_launch_seconds": prefill_s}}
 
     runs = [{"name": "plain", "levels": [level(70.0, 0, 0.1), level(80.0, 0, 0.1)]},
             {"name": "fixed", "levels": [level(100.0, 0, 0.5), level(90.0, 0, 0.6)]},
-            {"name": "adaptive", "levels": [level(99.0, 128, 0.8), level(96.0, 0, 0.7)]},
-            {"name": "fixed-again", "levels": [level(102.0, 0, 0.55), level(94.0, 0, 0.62)]}]
+            {"name": "adaptive", "levels": [level(99.0, 128, 0.8), level(96.0, 0, 0.7, 80, 0.05, 0.12)]},
+            {"name": "fixed-again", "levels": [level(102.0, 0, 0.55), level(94.0, 0, 0.62, 120, 0.06)]}]
     result = {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
                                     f"fixed-again={fixed}"], "prompt_tokens": 128, "concurrency": [8]},
               "figures": {"runs": runs}}
@@ -226,6 +230,13 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     assert first["versus_better"] == pytest.approx(99 / 101 - 1)
     assert second["counters"]["step.launch"] == pytest.approx(700 - 610)  # us a decode step
     assert second["control"]["step.launch"] == pytest.approx(620 - 600)
+    assert second["admission"] == pytest.approx({"prefills_per_request": 80 / 110 - 1, "ttft_p50": 0.05 / 0.05 - 1,
+                                                 "prefill_launch": (0.12 / 80) / ((0.1 / 100 + 0.1 / 120) / 2) - 1})
+    assert second["admission_control"] == pytest.approx({"prefills_per_request": 120 / 100 - 1,
+                                                         "ttft_p50": 0.06 / 0.04 - 1,
+                                                         "prefill_launch": (0.1 / 120) / (0.1 / 100) - 1})
+    runs[2]["levels"][1]["engine"]["prefill_launch_seconds"] = None  # a server that does not report it
+    assert "prefill_launch" not in passes.run_passes(result)[1][1]["admission"]
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert passes.run_passes(result) is None
 
