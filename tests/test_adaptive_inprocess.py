@@ -4,7 +4,8 @@ rounds only; fixed-S-K-N from `--shapes`: a fixed round of that tree shape; adap
 over (5, 4, N) rounds that may verify N' nodes), `--workload short` sends the 128-token
 prompts without a shared prefix, `--idle-gaps` lets the engine go idle before each request added while none is in
 flight (each request at concurrency 1 is followed by an idle step; without it only the last), and
-`--profile` writes each engine's cProfile report."""
+`--profile` writes each engine's cProfile report; `--scheduler-delay-factor` gives the engines the servers' prefill
+batching, and each repetition reports its prefill launches' seconds and the admission rounds held."""
 
 from __future__ import annotations
 
@@ -30,8 +31,17 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
                                       "--device", "cpu", "--kinds", "fixed", "rounds", "--shapes", "2,2,3",
                                       "--widths", "16,8", "--workload", "short", "--idle-gaps",
                                       "--concurrency", "1", "--repeats", "1", "--requests", "2", "--profile",
-                                      "--out-dir", str(out)])
+                                      "--scheduler-delay-factor", "4", "--out-dir", str(out)])
+    built = []
+
+    def build(kind, args, original=bench.build):  # the engines main() builds, kept for their config
+        llm = original(kind, args)
+        built.append(llm)
+        return llm
+
+    monkeypatch.setattr(bench, "build", build)
     bench.main()
+    assert {llm.engine.config.scheduler_delay_factor for llm in built} == {4.0} and len(built) == 4
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
     assert result["config"]["kinds"] == ["fixed", "rounds", "fixed-2-2-3", "adaptive-16-8"]
     assert result["config"]["speculative"] == {"fixed": "EAGLE3 S=5 K=4 N=8", "rounds": "EAGLE3 S=5 K=4 N=8 adaptive",
@@ -45,6 +55,8 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
     (fixed,), (rounds,) = result["figures"]["runs"]["1"]["fixed"], result["figures"]["runs"]["1"]["rounds"]
     assert fixed["adaptive_total"] is None and fixed["steps"]["rounds"] == fixed["steps"]["decodes"] > 0
     assert fixed["idle_steps"] == 16 and result["config"]["idle_gaps"]  # 16 requests (16 a concurrency at least)
+    assert fixed["prefill_launch_ms"] > 0 and fixed["prefill_holds"] == 0  # (concurrency 1: nothing decodes while
+    # a request waits, so none is held)
     assert rounds["adaptive_total"]["chosen"]["plain"] == 0 and rounds["adaptive_total"]["chosen"]["speculative"] > 0
     assert "vs_fixed" in result["figures"]["summary"]["1"]["rounds"]
     for kind in ("fixed", "rounds"):

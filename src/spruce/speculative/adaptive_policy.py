@@ -977,11 +977,10 @@ class AdaptivePolicy:
         runs on the H100 x2 whose adaptive server ended with rounds' figures at both loads, rounds read 65, 67, 42 and
         56 us a request-step at 32 and 67, 68, 70 and 46 at 64, where plain steps went from 29-46 to 29-37. Carried
         from 32 as plain steps scale (0.54x at that moment, run -175949), rounds over 64 requests were priced at
-        1.45 ms, a plain step's worth per token, so the probe's expected
-        excess was its catch-up, 5.5 ms; its epoch read 69.8 us a request-step and cost 0.32 s. Unscaled, 41.7 us:
-        ~0.13 s expected. Their parts do not carry them better: the start-up table's rounds (padding rows) take
-        1.02 ms at 32 and 1.09 at 64, and even measured (1.28-1.37 and 1.55-1.79 ms) they are device time, while
-        rounds served at 64 are host-bound. The decision keeps the carried figure (it is the better guess; the
+        1.45 ms, a plain step's worth per token, so the probe's expected excess was its catch-up, 5.5 ms; its epoch
+        read 69.8 us a request-step and cost 0.32 s. Unscaled, 41.7 us: ~0.13 s expected. Their parts do not carry
+        them better: the start-up table's rounds (padding rows) take 1.02 ms at 32 and 1.09 at 64, and even measured
+        (1.28-1.37 and 1.55-1.79 ms) they are device time, while rounds served at 64 are host-bound. The decision keeps the carried figure (it is the better guess; the
         price only spaces and budgets the probe that measures it)."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
@@ -1049,11 +1048,10 @@ class AdaptivePolicy:
         PROBE_COST_FACTOR_LOAD_MAX; else the EMA over every load, within 1 and PROBE_COST_FACTOR_MAX.
 
         Per load because the price errs by load: on the H100 x2 (2026-11-26, 1k shared prefix, bar runs at 779240c
-        and 891e24c) a probe of rounds at load 64 was priced at 5.5 ms and measured at 0.32 s (the parts model takes a
-        round's launch from the start-up table, ~0.1 ms over padding rows, where a fixed server's round took ~1.5 ms
-        to launch at batch 58), while at loads 8-32 probes cost 3-13 times their price; the one factor, its samples
-        held within 16, read 2.7 and then 6.0 there, and 5 of 16 later passes at 64 ran a probe (~9 points behind
-        the passes that did not)."""
+        and 891e24c) a probe of rounds at load 64 was priced at 5.5 ms and measured at 0.32 s (rounds' figure there
+        carried from load 32 as plain steps' scale, which rounds' did not follow: `_probe_price`), while at loads 8-32
+        probes cost 3-13 times their price; the one factor, its samples held within 16, read 2.7 and then 6.0 there,
+        and 5 of 16 later passes at 64 ran a probe (~9 points behind the passes that did not)."""
         if load is not None and (choice, load) in self.probe_cost_factor_at:
             return min(max(self.probe_cost_factor_at[(choice, load)], 1.0), PROBE_COST_FACTOR_LOAD_MAX)
         return min(max(self.probe_cost_factor[choice], 1.0), PROBE_COST_FACTOR_MAX)
