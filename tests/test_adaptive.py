@@ -538,6 +538,43 @@ def test_an_eager_prefill_ends_standing_plain_steps_only_where_rounds_would_pay(
     assert [outputs[i].token_ids for i in ids] == [w.token_ids for w in want[1:]] + [want[0].token_ids]
 
 
+def test_lazy_prefills_join_standing_plain_steps(monkeypatch, draft):
+    """Rounds priced at 100 plain steps: five requests decode with standing plain steps (a ticket over batches of
+    5-8), then two more arrive one after the other, their prefills lazy. Each prefill joins the ticket: it is not
+    replayed inside the prefill's launch (whose mean sets how long prefill batching holds arrivals), the standing
+    steps after it take the same ticket without asking the policy, and the steady choice is asked once for the
+    ticket, not at each arrival. The policy still counts every decode step once, and the prefills among them."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    engine, strategy = llm.engine, llm.engine.strategy
+    policy = strategy.policy
+    replays, steady, asked = [], [], []
+    stood, steady_choice, repeat = policy.stood, policy.steady_choice, policy.repeat
+    monkeypatch.setattr(policy, "stood", lambda *a: replays.append(len(a[1])) or stood(*a))
+    monkeypatch.setattr(policy, "steady_choice", lambda batch_size: steady.append(batch_size) or
+                        steady_choice(batch_size))
+    monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: asked.append(batch_size) or
+                        repeat(choice, batch_size))
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    for prompt in OVERLAP_PROMPTS[:5]:
+        engine.add_request(prompt, params)
+    for _ in range(4):  # the prefill, then plain steps that stand
+        engine.step()
+    ticket = strategy._ticket
+    assert ticket is not None and ticket.choice == PLAIN and strategy.last_decision.choice == PLAIN
+    replays.clear(), steady.clear(), asked.clear()
+    arrivals_before = policy.epochs.current.arrivals
+    for prompt in (OVERLAP_PROMPTS[5], "while True:\n    "):
+        engine.add_request(prompt, params)
+        engine.step()  # its prefill: lazy
+        engine.step()  # a plain step over the larger batch, standing
+    assert strategy._ticket is ticket and len(ticket.prefills) == 2
+    assert replays == [] and asked == [] and len(steady) == 1, (replays, asked, steady)
+    decodes = engine.stats()["steps"]["decodes"]
+    chosen = strategy.policy.chosen  # read through `policy`: the ticket replayed, its prefills with it
+    assert sum(chosen.values()) == decodes and replays and policy.epochs.current.arrivals >= arrivals_before + 2
+
+
 def _round_counts(llm, prompts, params):
     return [(o.token_ids, o.spec_stats["accept_length_counts"]) for o in (llm.generate([p], params)[0]
                                                                           for p in prompts)]

@@ -1207,15 +1207,13 @@ class AdaptivePolicy:
               prefills: list[tuple[float, int]] = ()) -> None:
         """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, and
         the prefills launched among them, (time, prompts completed) each: counted as `repeat` and `break_chain` would
-        have counted them one by one. Only rounds stand over prefills: a prefill ends a standing choice of plain steps
-        (`drafts_joined`). What `waited` would have been told meanwhile is not needed: no decided step's interval is
+        have counted them one by one (a prefill that extends drafts joining standing plain steps ends them:
+        `drafts_joined`, after this replay). What `waited` would have been told meanwhile is not needed: no decided step's interval is
         open under standing steps (`_last_launch` is None), and the next decided step starts its count afresh."""
         if self._last_launch is not None:
             raise InvariantError("standing steps taken ahead while a decided step's interval is open")
         if len(times) > self._reuse_left:
             raise InvariantError(f"{len(times)} standing steps taken ahead, {self._reuse_left} granted")
-        if prefills and choice != SPECULATIVE:
-            raise InvariantError(f"prefills under standing {choice} steps taken ahead; only rounds stand over them")
         if times:
             bucket = self.bucket_for(batches[0])
             if self.bucket_for(max(batches)) != bucket or self.bucket_for(min(batches)) != bucket:
