@@ -763,6 +763,24 @@ def test_feature_ring_span_store_equals_the_indexed_store(start, n):
         span.store_span(0, 0, torch.zeros(width + 1, 6))
 
 
+def test_feature_ring_stores_several_spans_as_each_span_alone():
+    """A lazy prefill of several chunks stores them in one indexed copy (`store_spans`): each lands where its own
+    `store_span` puts it, wrapping ones included; a span longer than the ring is refused by name."""
+    from spruce.limits import Limits
+    from spruce.speculative.feature_ring import FeatureRing
+
+    lim = Limits(4, 16, 256, 64, 64, num_steps=3, eagle_topk=2, num_draft_tokens=4, adaptive=True)
+    together, alone = (FeatureRing(lim, 6, torch.float32, torch.device("cpu")) for _ in range(2))
+    features = torch.randn(40, 6)
+    spans = [(0, 3, 0, 5), (2, 60, 5, 9), (1, 100, 14, 26)]  # (row, start, first, n): 60+9 and 100+26 wrap W = 64
+    together.store_spans(spans, features)
+    for row, start, first, n in spans:
+        alone.store_span(row, start, features[first:first + n])
+    assert torch.equal(together.features, alone.features) and together.features.abs().sum() > 0
+    with pytest.raises(ValueError, match="a span of 65 positions; the ring holds 64 per row"):
+        together.store_spans([(0, 0, 0, 1), (1, 0, 0, 65)], torch.zeros(65, 6))
+
+
 def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypatch, draft, reference):
     """Rounds priced at a hundredth of a plain step, four requests served one after another (an idle gap before
     each): the round decided over the first stands for the next ones, within its budget (REUSE_STEPS, the epoch),

@@ -279,12 +279,14 @@ class AdaptiveDecoding(DecodeStrategy):
         def token_indices(picked: list[int]) -> list[int]:  # the batch's tokens of the picked chunks
             return [t for i in picked for t in range(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1)]
 
+        spans = []  # (row, start, first token in `features`, tokens) of each lazy chunk
         for i in sorted(self._lazy):
             c = chunks[i]
-            self.ring.store_span(c.row, c.start, features[ends[i] - len(c.tokens) + 1:ends[i] + 1])
+            spans.append((c.row, c.start, ends[i] - len(c.tokens) + 1, len(c.tokens)))
             req = c.request
             req.draft_lag += len(c.tokens)
             self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
+        self.ring.store_spans(spans, features)
         eager = [i for i in range(len(chunks)) if i not in self._lazy]
         if not eager:
             return
