@@ -1,0 +1,41 @@
+"""bench/adaptive_prefill_parts.py on the bundled model (CPU, a random EAGLE-3 head, 4-token requests): each
+prefill's parts are timed for both engines (the adaptive ones only for the forced engine), cohort and trickled
+arrivals both run, and the forced engine never speculates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import bench_scripts
+from checkpoints import python_source_prompts, write_eagle3_checkpoint
+from spruce.config import builtin_model_path
+
+
+def test_prefill_parts_are_timed_for_both_engines(tmp_path, monkeypatch):
+    bench = bench_scripts.load("adaptive_prefill_parts")
+    model = tmp_path / "model"
+    shutil.copytree(builtin_model_path(), model)
+    (model / "heldout_prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                         for t in python_source_prompts()[:3]))
+    draft = write_eagle3_checkpoint(tmp_path / "draft", builtin_model_path(), seed=1)
+    out = tmp_path / "out"
+    monkeypatch.setattr(bench.adaptive_inprocess, "MAX_TOKENS", 4)
+    monkeypatch.setattr(sys, "argv", ["adaptive_prefill_parts.py", "--model", str(model), "--draft", str(draft),
+                                      "--device", "cpu", "--workload", "short", "--concurrency", "2", "--trickle",
+                                      "--repeats", "1", "--requests", "4", "--out-dir", str(out)])
+    bench.main()
+    result = json.loads(next(out.glob("adaptive-prefill-parts-cpu*.json")).read_text())
+    assert set(result["figures"]["runs"]) == {"cohort-2", "trickle-2"}
+    for label, runs in result["figures"]["runs"].items():
+        (plain,), (forced,) = runs["plain"], runs["forced"]
+        assert plain["prefills"] > 0 and forced["prefills"] > 0, label
+        assert set(plain["us_per_prefill"]) == {"launch", "strategy_prefill", "target_forward"}
+        assert {"launch", "strategy_prefill", "target_forward", "lazy_chunks", "extend_draft",
+                "steady_choice"} <= set(forced["us_per_prefill"])
+        for row in (plain, forced):  # the parts lie within the launch
+            parts = row["us_per_prefill"]
+            assert 0 < parts["target_forward"] <= parts["strategy_prefill"] <= parts["launch"]
+        assert 0 <= forced["under_ticket"] <= forced["prefills"]
+    assert result["config"]["scheduler_delay_factor"] == 4.0
