@@ -8,6 +8,7 @@ import importlib
 import inspect
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -82,6 +83,18 @@ def python_source_prompts(chars: int = 2000) -> list[str]:
         start = min(i for i in (src.find("\ndef "), src.find("\nclass ")) if i >= 0) + 1
         prompts.append(src[start:start + chars])
     return prompts
+
+
+def bundled_model_with_draft(tmp_path: Path, num_prompts: int) -> tuple[Path, Path]:
+    """The bundled demo model copied under `tmp_path` with `num_prompts` held-out prompts of real Python (what the
+    in-process benchmarks read), and a random EAGLE-3 head for it: (model dir, draft dir)."""
+    from spruce.config import builtin_model_path
+
+    model = Path(tmp_path) / "model"
+    shutil.copytree(builtin_model_path(), model)
+    (model / "heldout_prompts.jsonl").write_text("".join(json.dumps({"text": text}) + "\n"
+                                                         for text in python_source_prompts()[:num_prompts]))
+    return model, write_eagle3_checkpoint(Path(tmp_path) / "draft", builtin_model_path(), seed=1)
 
 
 def read_config(model_dir) -> dict:

@@ -5,21 +5,15 @@ arrivals both run, and the forced engine never speculates."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import bench_scripts
-from checkpoints import python_source_prompts, write_eagle3_checkpoint
-from spruce.config import builtin_model_path
+from checkpoints import bundled_model_with_draft
 
 
 def test_prefill_parts_are_timed_for_both_engines(tmp_path, monkeypatch):
     bench = bench_scripts.load("adaptive_prefill_parts")
-    model = tmp_path / "model"
-    shutil.copytree(builtin_model_path(), model)
-    (model / "heldout_prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
-                                                         for t in python_source_prompts()[:3]))
-    draft = write_eagle3_checkpoint(tmp_path / "draft", builtin_model_path(), seed=1)
+    model, draft = bundled_model_with_draft(tmp_path, 3)
     out = tmp_path / "out"
     monkeypatch.setattr(bench.adaptive_inprocess, "MAX_TOKENS", 4)
     monkeypatch.setattr(sys, "argv", ["adaptive_prefill_parts.py", "--model", str(model), "--draft", str(draft),
