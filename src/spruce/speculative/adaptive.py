@@ -188,9 +188,10 @@ class AdaptiveDecoding(DecodeStrategy):
         them in this method and the extend's timing (65 and 16 since). Under standing plain steps the prefill
         ends them only if it extends drafts that rounds may pay for; replayed at each arrival, the ticket and the
         steady choice took ~65 and ~80 us of each prefill's launch on the H100 (in process, 1k shared prefix,
-        concurrency 32, 2026-11-26), and served, the adaptive server's mean prefill launch was 2.28 ms against
-        the plain servers' 1.80 at 32 (5cd14df, four runs on the H100 x4), so prefill batching held its arrivals
-        longer: 8% fewer prefills per request, TTFT p50 +11%."""
+        concurrency 32, 2026-11-26). Served, the adaptive server's mean prefill launch was 2.28 ms against the plain
+        servers' 1.80 at 32 (5cd14df, four runs on the H100 x4), so prefill batching held its arrivals longer (8%
+        fewer prefills per request, TTFT p50 +11%); joining the ticket did not shorten it there (2.25 ms against
+        1.71, four runs at 6fd5dbb): what lengthens it served is elsewhere (DESIGN §16, session 40)."""
         ticket = self._ticket
         finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None:

@@ -1208,8 +1208,9 @@ class AdaptivePolicy:
         """Standing steps of `choice` taken ahead (`stand_ahead`), launched at `times` over `batches` requests, and
         the prefills launched among them, (time, prompts completed) each: counted as `repeat` and `break_chain` would
         have counted them one by one (a prefill that extends drafts joining standing plain steps ends them:
-        `drafts_joined`, after this replay). What `waited` would have been told meanwhile is not needed: no decided step's interval is
-        open under standing steps (`_last_launch` is None), and the next decided step starts its count afresh."""
+        `drafts_joined`, after this replay). What `waited` would have been told meanwhile is not needed: no decided
+        step's interval is open under standing steps (`_last_launch` is None), and the next decided step starts its
+        count afresh."""
         if self._last_launch is not None:
             raise InvariantError("standing steps taken ahead while a decided step's interval is open")
         if len(times) > self._reuse_left:
