@@ -249,9 +249,9 @@ class AdaptiveDecoding(DecodeStrategy):
         if last is not None and last.choice == SPECULATIVE and last.reason == "model":
             return frozenset(), False
         size = min(max(self._batch_size, finals), self._policy.buckets[-1])  # the running batch, or these alone
-        ticket = self._ticket  # (standing plain steps: asked once a ticket, `_Ticket.steady`)
+        self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
+        ticket = self._ticket  # standing plain steps: the steady choice asked once a ticket (`_Ticket.steady`)
         if ticket is None:
-            self._read_rounds()
             steady = self._policy.steady_choice(size)
         else:
             steady = ticket.steady.get(size)

@@ -980,8 +980,8 @@ class AdaptivePolicy:
         1.45 ms, a plain step's worth per token, so the probe's expected excess was its catch-up, 5.5 ms; its epoch
         read 69.8 us a request-step and cost 0.32 s. Unscaled, 41.7 us: ~0.13 s expected. Their parts do not carry
         them better: the start-up table's rounds (padding rows) take 1.02 ms at 32 and 1.09 at 64, and even measured
-        (1.28-1.37 and 1.55-1.79 ms) they are device time, while rounds served at 64 are host-bound. The decision keeps the carried figure (it is the better guess; the
-        price only spaces and budgets the probe that measures it)."""
+        (1.28-1.37 and 1.55-1.79 ms) they are device time, while rounds served at 64 are host-bound. The decision keeps
+        the carried figure (it is the better guess; the price only spaces and budgets the probe that measures it)."""
         seconds = d.step_seconds[other]
         ratio = self.epochs.ratio(other, load)
         if ratio is not None and ratio > STALL_RATIO and self.epochs.count(other, load) < SETTLED_EPOCHS:
