@@ -48,6 +48,11 @@ def function(frame: str) -> str:
     return f"{match.group(1)} ({match.group(2)})" if match else frame
 
 
+def name_of(frame: str) -> str:
+    """A frame's function name as py-spy writes it ('Engine._launch_prefill': qualified)."""
+    return function(frame).split(" (")[0]
+
+
 def analyse(lines, names: list[tuple[str, str]], root: str, depth: int) -> dict[str, dict]:
     """Per server: total samples, samples inside `root`, inclusive samples of each call path below it (up to
     `depth` functions) and own samples of each leaf line inside it."""
@@ -67,7 +72,7 @@ def analyse(lines, names: list[tuple[str, str]], root: str, depth: int) -> dict[
         n = int(count)
         entry["samples"] += n
         code = [f for f in frames if not PROCESS.match(f)]
-        at = next((i for i, f in enumerate(code) if function(f).split(" (")[0] == root), None)
+        at = next((i for i, f in enumerate(code) if name_of(f) == root or name_of(f).endswith("." + root)), None)
         if at is None:
             continue
         entry["in_root"] += n

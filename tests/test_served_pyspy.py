@@ -10,13 +10,13 @@ import pytest
 
 SERVE = 'process 10:"python3 -m spruce.cli serve --port 1 {flags}";process 11:"python3 -c spawn_main"'
 RAW = "\n".join([
-    f"{SERVE.format(flags='')};run (engine.py:10);_launch_prefill (engine.py:20);prefill (strategy.py:5) 40",
+    f"{SERVE.format(flags='')};run (engine.py:10);Engine._launch_prefill (engine.py:20);prefill (strategy.py:5) 40",
     f"{SERVE.format(flags='')};run (engine.py:10);_launch_decode (engine.py:30) 100",
-    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);_launch_prefill (engine.py:20);"
+    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);Engine._launch_prefill (engine.py:20);"
     "prefill (adaptive.py:7);_lazy_chunks (adaptive.py:9) 30",
-    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);_launch_prefill (engine.py:20);"
+    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);Engine._launch_prefill (engine.py:20);"
     "prefill (adaptive.py:8) 50",
-    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);_launch_prefill (engine.py:21) 20",
+    f"{SERVE.format(flags='--speculative-adaptive')};run (engine.py:10);Engine._launch_prefill (engine.py:21) 20",
     'process 3:"python3 -m spruce.cli bench serving";send (client.py:1) 500',
 ])
 
