@@ -6,7 +6,7 @@ than the plain servers' at concurrency 1-8 and 30% longer at 32-64, where it lau
 request with TTFT p50 +9-11%. This program times the parts of each prefill launch: the engine's whole launch
 (`Engine._launch_prefill`), the strategy's prefill, the target's forward, and, for the adaptive engine, which lazy
 chunks to leave to a catch-up (`_lazy_chunks`, with the policy's steady choice), the extend step (lazy chunks' ring
-store `FeatureRing.store_spans` included), and the policy's ticket replay (`stood`) and `break_chain`, and counts
+store `FeatureRing.store` included), and the policy's ticket replay (`stood`) and `break_chain`, and counts
 the prefills launched under a ticket of standing steps. It wraps those methods with a timer (a few microseconds a
 call), so its totals are a little above an unwrapped run's; a profiler, it names private methods, and a renamed one
 fails at once (AttributeError). Engines: plain and forced (bench/adaptive_inprocess.py:
@@ -87,7 +87,7 @@ def instrument(llm, timer: PartTimer) -> None:
     timer.wrap(strategy, "prefill", "strategy_prefill")
     timer.wrap(strategy, "_lazy_chunks", "lazy_chunks")
     timer.wrap(strategy, "extend_draft", "extend_draft")
-    timer.wrap(strategy.ring, "store_spans", "ring_store")
+    timer.wrap(strategy.ring, "store", "ring_store")
     for method in ("stood", "break_chain", "steady_choice"):
         timer.wrap(policy, method, method)
 

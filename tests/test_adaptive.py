@@ -247,13 +247,16 @@ def test_a_prefill_under_standing_rounds_extends_its_draft_at_once(monkeypatch, 
     assert_no_leaks(llm)
 
 
-def test_lazy_prefill_in_a_mixed_batch_equals_plain_decoding(monkeypatch, draft, reference):
+@pytest.mark.parametrize("window", [32, 16])
+def test_lazy_prefill_in_a_mixed_batch_equals_plain_decoding(monkeypatch, draft, reference, window):
     """Four requests (greedy, logprobs, seeded sampling, short) prefilled together, three chunks lazy and one not
-    (its prompt, 22 tokens, is longer than half the ring of 32), then every switch: the tokens and logprobs are
-    plain decoding's, and no page leaks."""
+    (its prompt, 22 tokens, is longer than half the ring), then every switch: the tokens and logprobs are plain
+    decoding's, and no page leaks. The ring store takes the eager chunk's features too; with a ring of 16 they wrap
+    within their row's ring (22 positions) in one store. (The caught-up draft state itself is checked against a
+    fresh prefill's in test_lazy_prefill_catches_up_where_an_eager_one_is.)"""
     fixed_costs(monkeypatch)
     lazy_prefills(monkeypatch)
-    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", 32)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     params = mixed_params()
     want = reference(params)
     llm = adaptive_llm(draft, 4, 2, 6, 16, oracle_refs=reference(GREEDY))
@@ -744,41 +747,16 @@ def test_every_verify_width_under_cuda_graphs(monkeypatch, backend):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("start,n", [(0, 5), (3, 8), (60, 9), (63, 2), (100, 30)])  # W = 64: 60+9, 63+2, 100+30 wrap
-def test_feature_ring_span_store_equals_the_indexed_store(start, n):
-    """A lazy prefill's chunk goes to the ring as one span (`store_span`: one or two slices, wrapping past slot W-1)
-    and lands where the indexed `store` of its positions puts it."""
-    from spruce.limits import Limits
-    from spruce.speculative.feature_ring import FeatureRing
-
-    lim = Limits(4, 16, 256, 64, 64, num_steps=3, eagle_topk=2, num_draft_tokens=4, adaptive=True)
-    span, indexed = (FeatureRing(lim, 6, torch.float32, torch.device("cpu")) for _ in range(2))
-    width = span.width
-    assert width == 64
-    features = torch.randn(n, 6)
-    span.store_span(2, start, features)
-    indexed.store(torch.full((n,), 2), torch.arange(start, start + n), features)
-    assert torch.equal(span.features, indexed.features)
-    with pytest.raises(ValueError, match=f"store_span of {width + 1} positions: the ring holds {width} per row"):
-        span.store_span(0, 0, torch.zeros(width + 1, 6))
-
-
-def test_feature_ring_stores_several_spans_as_each_span_alone():
-    """A lazy prefill of several chunks stores them in one indexed copy (`store_spans`): each lands where its own
-    `store_span` puts it, wrapping ones included; a span longer than the ring is refused by name."""
-    from spruce.limits import Limits
-    from spruce.speculative.feature_ring import FeatureRing
-
-    lim = Limits(4, 16, 256, 64, 64, num_steps=3, eagle_topk=2, num_draft_tokens=4, adaptive=True)
-    together, alone = (FeatureRing(lim, 6, torch.float32, torch.device("cpu")) for _ in range(2))
-    features = torch.randn(40, 6)
-    spans = [(0, 3, 0, 5), (2, 60, 5, 9), (1, 100, 14, 26)]  # (row, start, first, n): 60+9 and 100+26 wrap W = 64
-    together.store_spans(spans, features)
-    for row, start, first, n in spans:
-        alone.store_span(row, start, features[first:first + n])
-    assert torch.equal(together.features, alone.features) and together.features.abs().sum() > 0
-    with pytest.raises(ValueError, match="a span of 65 positions; the ring holds 64 per row"):
-        together.store_spans([(0, 0, 0, 1), (1, 0, 0, 65)], torch.zeros(65, 6))
+@pytest.mark.parametrize("pad_to", [None, 32])
+def test_prefilled_tokens_are_the_prefill_batchs_rows_and_positions(pad_to):
+    """What a lazy prefill's ring store indexes by: the row and the position of each of the prefill's tokens, in
+    its order, as its batch holds them (eager, and padded to a prefill graph's bucket)."""
+    runner = LLM(TARGET, disable_radix_cache=True).engine.runner
+    rows, starts, tokens = [1, 3, 2], [0, 5, 17], [[7] * 4, [9] * 6, [4] * 3]
+    runner.builder.extend(rows, starts, tokens, pad_to=pad_to)
+    got_rows, got_positions = runner.prefilled_tokens(13)
+    assert got_rows.tolist() == [1] * 4 + [3] * 6 + [2] * 3
+    assert got_positions.tolist() == [*range(4), *range(5, 11), *range(17, 20)]
 
 
 def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypatch, draft, reference):

@@ -193,6 +193,12 @@ class ModelRunner:
         hidden, aux = graphs.run("prefill", self.prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
         return hidden[:num_tokens], (aux[:num_tokens] if aux is not None else None)
 
+    def prefilled_tokens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The page-table row and the position [num_tokens] each (device) of the last `prefill_forward`'s tokens, in
+        its order: views of the batch builder's buffers, which that prefill filled (no host work, no copy), valid
+        until the next forward fills them again."""
+        return self.builder.token_rows[:num_tokens], self.builder.positions[:num_tokens]
+
     def prefill_phase(self, num_tokens: int, max_kv_len: int) -> tuple[torch.Tensor, object]:
         """What a prefill graph captures: the target over the padded batch of `num_tokens` tokens that
         `BatchBuilder.extend(pad_to=num_tokens)` filled (hidden [num_tokens, H], aux or None)."""

@@ -33,40 +33,6 @@ class FeatureRing:
         """Keep each row's feature [P, F] at its position [P] (padding rows write the dummy row's ring)."""
         self.features[rows, positions % self.width] = features.to(self.features.dtype)
 
-    def store_span(self, row: int, start: int, features: torch.Tensor) -> None:
-        """Keep the features [n, F] of positions start .. start + n - 1 of one row (n <= W): one or two slices of its
-        ring, no index tensors (a lazy prefill's chunk: the indexed `store` built them on the host, ~0.2 ms a
-        prefill on the H200's)."""
-        n = features.shape[0]
-        if n > self.width:
-            raise ValueError(f"store_span of {n} positions: the ring holds {self.width} per row")
-        first = start % self.width
-        head = min(n, self.width - first)
-        self.features[row, first:first + head] = features[:head].to(self.features.dtype)
-        if head < n:  # wraps around
-            self.features[row, :n - head] = features[head:].to(self.features.dtype)
-
-    def store_spans(self, spans: list[tuple[int, int, int, int]], features: torch.Tensor) -> None:
-        """Keep, for each span (row, start, first, n), the features [first:first + n] of `features` [T, F] at
-        positions start .. start + n - 1 of that row (n <= W each): a lazy prefill's chunks. One span is one or two
-        slices (`store_span`); several are one indexed copy whose slots are computed on the host and sent at once:
-        a slice per chunk took ~24 us of the prefill's launch each on the H100 (in process, 2026-11-26), and served
-        at concurrency 32 a prefill held ~4 chunks."""
-        if len(spans) == 1:
-            row, start, first, n = spans[0]
-            self.store_span(row, start, features[first:first + n])
-            return
-        slots, picks = [], []
-        for row, start, first, n in spans:
-            if n > self.width:
-                raise ValueError(f"store_spans: a span of {n} positions; the ring holds {self.width} per row")
-            base = row * self.width
-            slots.extend(base + (p % self.width) for p in range(start, start + n))
-            picks.extend(range(first, first + n))
-        index = torch.tensor([slots, picks], dtype=torch.int64).to(self.features.device, non_blocking=True)
-        flat = self.features.view(-1, self.features.shape[-1])  # [rows * W, F]
-        flat.index_copy_(0, index[0], features[index[1]].to(self.features.dtype))
-
     def keep_forward(self, target_forward, batch, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run `target_forward(batch, ...)` (ModelRunner.target_forward) over one token a row and keep what the
         draft consumes of it at each row's position [P]: EAGLE-3's aux features, which each aux layer's add-norm
