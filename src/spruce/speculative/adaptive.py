@@ -191,7 +191,8 @@ class AdaptiveDecoding(DecodeStrategy):
         concurrency 32, 2026-11-26). Served, the adaptive server's mean prefill launch was 2.28 ms against the plain
         servers' 1.80 at 32 (5cd14df, four runs on the H100 x4), so prefill batching held its arrivals longer (8%
         fewer prefills per request, TTFT p50 +11%); joining the ticket did not shorten it there (2.25 ms against
-        1.71, four runs at 6fd5dbb): what lengthens it served is elsewhere (DESIGN §16, session 40)."""
+        1.71, four runs at 6fd5dbb). The lazy chunks' ring stores built on the host were half the difference
+        (`extend_draft`): 1.98 ms against 1.66-1.77 without them (four runs at 3a56c35; DESIGN §16, session 41)."""
         ticket = self._ticket
         finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None:
