@@ -223,3 +223,21 @@ def test_abort_between_prefill_chunks_stops_the_prompt():
     assert [o.finish_reason for o in outs] == ["abort"] and req.committed == 16
     assert not eng.has_unfinished()
     assert_no_leaks(llm)
+
+
+def test_result_views_are_made_once_per_slot_and_shape():
+    """A launched step's result lands in the head of a host buffer seen as the result's shape (`_result_view`):
+    the same view for the same slot and shape, a view of that slot's buffer (no copy), shaped as asked. The
+    buffers are page-locked on CUDA only; plain CPU tensors stand in for them here."""
+    import torch
+
+    engine = LLM(TARGET).engine
+    engine._result_buffers = [torch.zeros(8, 5, dtype=torch.int64) for _ in range(2)]
+    plain, plain_again = engine._result_view(1, torch.Size([3, 2])), engine._result_view(1, torch.Size([3, 2]))
+    assert plain is plain_again and plain.shape == (3, 2)
+    plain.copy_(torch.arange(6).view(3, 2))
+    assert engine._result_buffers[1].view(-1)[:6].tolist() == list(range(6))  # the slot's own buffer, its head
+    assert engine._result_buffers[0].abs().sum() == 0
+    wide = engine._result_view(1, torch.Size([2, 5]))
+    assert wide is not plain and wide.tolist() == [[0, 1, 2, 3, 4], [5, 0, 0, 0, 0]]
+    assert engine._result_view(0, torch.Size([3, 2])) is not plain
