@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import write_result
-from spruce.bench.serving import workload_name
+from spruce.bench.serving import mean_prefill_launch, workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
@@ -58,8 +58,7 @@ def admission(level: dict, figure: str) -> float | None:
         return engine.get("prefills_per_request")
     if figure == "ttft_p50":
         return (level.get("ttft_s") or {}).get("p50")
-    prefills, seconds = (engine.get("steps") or {}).get("prefill"), engine.get("prefill_launch_seconds")
-    return None if not prefills or seconds is None else seconds / prefills
+    return mean_prefill_launch(engine)
 
 
 def run_passes(result: dict) -> tuple[str, list[dict]] | None:

@@ -285,6 +285,13 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
     }
 
 
+def mean_prefill_launch(engine: dict) -> float | None:
+    """A level's mean prefill launch in seconds, from its `engine` figures (None where the server does not report
+    the launch seconds, or launched no prefill)."""
+    prefills, seconds = (engine.get("steps") or {}).get("prefill"), engine.get("prefill_launch_seconds")
+    return None if not prefills or seconds is None else seconds / prefills
+
+
 def percentiles(values: list[float]) -> dict:
     if not values:
         return {f"p{p}": None for p in PERCENTILES} | {"mean": None, "max": None}
@@ -439,9 +446,9 @@ def _print_level(lv: dict) -> None:
         cpu = ("" if eng.get("cpu_seconds") is None or busy <= 0  # below 100%: the engine process waited for a CPU
                else f", CPU {100 * eng['cpu_seconds'] / busy:.0f}% of its busy time")
         per_request = eng["prefills_per_request"]  # None when no request completed
-        prefills, prefill_s = eng["steps"]["prefill"], eng.get("prefill_launch_seconds")
-        prefill = ("" if not prefills or prefill_s is None
-                   else f", prefill launch {1e3 * prefill_s / prefills:.2f} ms ({eng.get('prefill_holds')} holds)")
+        mean_prefill = mean_prefill_launch(eng)
+        prefill = ("" if mean_prefill is None
+                   else f", prefill launch {1e3 * mean_prefill:.2f} ms ({eng.get('prefill_holds')} holds)")
         engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
                   + ("" if per_request is None else f"{per_request:.2f} prefills/request, ") + "ms per launch "
                   + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + prefill + cpu)
