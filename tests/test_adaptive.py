@@ -747,16 +747,42 @@ def test_every_verify_width_under_cuda_graphs(monkeypatch, backend):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("pad_to", [None, 32])
-def test_prefilled_tokens_are_the_prefill_batchs_rows_and_positions(pad_to):
-    """What a lazy prefill's ring store indexes by: the row and the position of each of the prefill's tokens, in
-    its order, as its batch holds them (eager, and padded to a prefill graph's bucket)."""
+def test_lazy_ring_store_takes_each_prefill_tokens_row_and_position(monkeypatch):
+    """A lazy prefill's features go to the ring at the row and the position of each of its tokens, in its order
+    (`ModelRunner.prefilled_tokens`: the prefill batch's own buffers); asked for another count than the last
+    prefill's, it fails loudly."""
+    from spruce.errors import InvariantError
+
+    lazy_prefills(monkeypatch)
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, disable_radix_cache=True)
+    engine = llm.engine
+    stored = []
+    store = engine.strategy.ring.store
+    monkeypatch.setattr(engine.strategy.ring, "store", lambda rows, positions, features: stored.append(
+        (rows.tolist(), positions.tolist(), features.shape[0])) or store(rows, positions, features))
+    prompts = ["def fib(n):\n    ", "x = ["]
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()  # one prefill of both prompts, lazy
+    reqs = sorted(engine.requests.values(), key=lambda q: q.arrival)
+    lengths = [len(q.prompt_ids) for q in reqs]
+    assert stored == [([q.row for q, n in zip(reqs, lengths) for _ in range(n)],
+                       [p for n in lengths for p in range(n)], sum(lengths))]
+    with pytest.raises(InvariantError, match=f"prefilled_tokens\\({sum(lengths) + 1}\\): the last prefill_forward "
+                                             f"ran {sum(lengths)} tokens"):
+        engine.runner.prefilled_tokens(sum(lengths) + 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(llm)
+
+
+def test_padded_prefill_batch_keeps_its_tokens_first():
+    """A prefill padded to a graph's bucket holds its own tokens' rows and positions first, in order (what
+    `ModelRunner.prefilled_tokens` reads there too), the padding after them."""
     runner = LLM(TARGET, disable_radix_cache=True).engine.runner
-    rows, starts, tokens = [1, 3, 2], [0, 5, 17], [[7] * 4, [9] * 6, [4] * 3]
-    runner.builder.extend(rows, starts, tokens, pad_to=pad_to)
-    got_rows, got_positions = runner.prefilled_tokens(13)
-    assert got_rows.tolist() == [1] * 4 + [3] * 6 + [2] * 3
-    assert got_positions.tolist() == [*range(4), *range(5, 11), *range(17, 20)]
+    runner.builder.extend([1, 3, 2], [0, 5, 17], [[7] * 4, [9] * 6, [4] * 3], pad_to=32)
+    assert runner.builder.token_rows[:13].tolist() == [1] * 4 + [3] * 6 + [2] * 3
+    assert runner.builder.positions[:13].tolist() == [*range(4), *range(5, 11), *range(17, 20)]
 
 
 def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypatch, draft, reference):

@@ -79,6 +79,7 @@ class ModelRunner:
             self.draft_kv = make_pool(self.draft.attention_config, self.draft.num_layers, lim.draft_scratch_width,
                                       lim, self.dtype, self.device)
         self.builder = BatchBuilder(lim, self.page_table, self.device)
+        self._prefilled: int | None = None  # tokens of the last prefill_forward (`prefilled_tokens`)
         self.graphs = BucketGraphs(lim, self.device, config.use_cuda_graph)
         self.backend.allocate(lim, self.device)
         self.prefill_graphs = BucketGraphs.for_prefill(lim, self.device,
@@ -186,6 +187,7 @@ class ModelRunner:
         prefill); a larger one, or any before the graphs are captured, runs eagerly over the batch itself."""
         graphs = self.prefill_graphs
         num_tokens = sum(len(t) for t in tokens)
+        self._prefilled = num_tokens
         bucket = graphs.bucket(num_tokens)
         if bucket is None or not graphs.captured("prefill", bucket):
             return self.target_forward(self.builder.extend(rows, starts, tokens))
@@ -196,7 +198,10 @@ class ModelRunner:
     def prefilled_tokens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The page-table row and the position [num_tokens] each (device) of the last `prefill_forward`'s tokens, in
         its order: views of the batch builder's buffers, which that prefill filled (no host work, no copy), valid
-        until the next forward fills them again."""
+        until the next forward fills them again. Always on: `num_tokens` must be that prefill's."""
+        if num_tokens != self._prefilled:
+            raise InvariantError(f"prefilled_tokens({num_tokens}): the last prefill_forward ran {self._prefilled} "
+                                 f"tokens")
         return self.builder.token_rows[:num_tokens], self.builder.positions[:num_tokens]
 
     def prefill_phase(self, num_tokens: int, max_kv_len: int) -> tuple[torch.Tensor, object]:
