@@ -117,6 +117,40 @@ def test_padded_batch_layout():
     runner.allocator.free(runner.page_table.release_row(row))
 
 
+@pytest.mark.parametrize("page,pad_to", [(4, None), (4, 64), (1, 64), (16, None)])
+def test_prefill_slots_made_on_the_host_equal_the_page_table_lookup(page, pad_to):
+    """A prefill's page slots and kv lengths, made on the host from the rows' pages (`PageTable.slots`), are what
+    the device table's lookup gives (`paged_slots`, kv = position + 1), chunks crossing pages and starting
+    mid-page; padded, the padding tokens and a dummy-row chunk (warm_eager's) write slot 0 and attend to nothing,
+    unpadded the dummy row's positions map into the dummy page; tree masks are cleared."""
+    from spruce.runtime.batch_builder import paged_slots
+
+    llm = LLM(TARGET, page_size=page, max_running_requests=4, context_length=64)
+    runner = llm.engine.runner
+    builder, lim = runner.builder, runner.limits
+    rows = [runner.page_table.alloc_row() for _ in range(2)]
+    for row, positions in zip(rows, (23, 41)):
+        runner.page_table.append_pages(row, runner.allocator.alloc(lim.pages_for(positions)))
+    builder.tree_mask.fill_(-1)
+    chunk_rows, starts, lens = [rows[0], lim.dummy_row, rows[1]], [3, 5, 17], [20, 6, 24]
+    builder.extend(chunk_rows, starts, [[7] * n for n in lens], pad_to=pad_to)
+    n = sum(lens)
+    token_rows = torch.tensor([r for r, m in zip(chunk_rows, lens) for _ in range(m)])
+    positions = torch.tensor([s + j for s, m in zip(starts, lens) for j in range(m)])
+    want_slots = paged_slots(runner.page_table.table, token_rows, positions, page)
+    want_kv = positions + 1
+    if pad_to is not None:
+        dummy = token_rows == lim.dummy_row
+        want_slots, want_kv = want_slots.masked_fill(dummy, 0), want_kv.masked_fill(dummy, 0)
+    total = n if pad_to is None else pad_to
+    assert builder.out_slots[:n].tolist() == want_slots.tolist()
+    assert builder.kv_lens[:n].tolist() == want_kv.tolist()
+    assert builder.out_slots[n:total].abs().sum() == 0 and builder.kv_lens[n:total].abs().sum() == 0
+    assert builder.tree_mask[:total].abs().sum() == 0
+    for row in rows:
+        runner.allocator.free(runner.page_table.release_row(row))
+
+
 def test_prefill_buckets_from_limits():
     def limits(max_tokens, chunk=2048, r=64):
         return Limits(max_running_requests=r, page_size=16, context_length=4096, num_pages=64,

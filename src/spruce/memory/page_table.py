@@ -117,5 +117,21 @@ class PageTable:
             if end > len(pages[row]) * cap:
                 self.check_covers(row, end, f"{what} of row {row}")
 
+    def slots(self, row: int, start: int, n: int) -> list[int]:
+        """The KV cache slot of each of positions start .. start + n - 1 of `row`, from the pages the host knows it
+        holds, as the device table maps them (positions past its pages, or of a row not handed out: the dummy page,
+        as the table's unused entries). One range per page, so a prompt chunk costs the host a few calls a page."""
+        ps = self.limits.page_size
+        pages = self._pages.get(row, ())
+        out: list[int] = []
+        pos, end = start, start + n
+        while pos < end:
+            index = pos // ps
+            stop = min(end, (index + 1) * ps)
+            first = (pages[index] if index < len(pages) else DUMMY_PAGE) * ps + pos % ps
+            out.extend(range(first, first + stop - pos))
+            pos = stop
+        return out
+
     def pages_in_use(self) -> int:
         return sum(len(p) for p in self._pages.values())

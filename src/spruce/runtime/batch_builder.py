@@ -28,6 +28,7 @@ class BatchBuilder:
     def __init__(self, limits: Limits, page_table: PageTable, device: torch.device):
         self.limits = limits
         self.table = page_table.table
+        self.page_table = page_table  # the host's pages: a prefill's slots are computed there (`extend`)
         self.device = device
         t, r = limits.max_tokens_per_forward, limits.max_running_requests
         i64 = dict(dtype=torch.int64, device=device)
@@ -125,32 +126,44 @@ class BatchBuilder:
         n = sum(lens)
         max_kv = max((s + m for s, m in zip(starts, lens)), default=0)
         self._check(Phase.EXTEND, bs, n, max_kv)
+        dummy = self.limits.dummy_row
         flat_ids = [tok for seq in tokens for tok in seq]
         flat_pos = [s + j for s, m in zip(starts, lens) for j in range(m)]
         flat_rows = [r for r, m in zip(rows, lens) for _ in range(m)]
+        # each token's page slot and kv length (causal: position + 1), made on the host, where the pages are known:
+        # as device work (`_fill_paged`, `_mask_padding`) they were a dozen small launches a prefill
+        flat_slots, flat_kv = [], []
+        masked = pad_to is not None  # a padded batch's dummy-row tokens write the dummy page, attend to nothing
+        for r, s, m in zip(rows, starts, lens):
+            if masked and r == dummy:
+                flat_slots += [0] * m
+                flat_kv += [0] * m
+            else:
+                flat_slots += self.page_table.slots(r, s, m)
+                flat_kv += range(s + 1, s + m + 1)
         indptr = [0]
         for m in lens:
             indptr.append(indptr[-1] + m)
         if pad_to is not None:  # then the padding request(s), every one past the first empty
             padded_bs = self._check_padding(bs, n, pad_to)
             pad = pad_to - n
-            flat_ids += [0] * pad
-            flat_pos += [0] * pad
-            flat_rows += [self.limits.dummy_row] * pad
-            rows = [*rows, *[self.limits.dummy_row] * (padded_bs - bs)]
+            for flat, value in ((flat_ids, 0), (flat_pos, 0), (flat_rows, dummy), (flat_slots, 0), (flat_kv, 0)):
+                flat += [value] * pad
+            rows = [*rows, *[dummy] * (padded_bs - bs)]
             indptr += [pad_to] * (padded_bs - bs)
         total = len(flat_ids)
         # non_blocking: copies from pageable host memory are staged at once and never wait for the device,
         # so a prefill can be queued behind a step still running (overlap scheduling)
-        host = torch.tensor([flat_ids, flat_pos, flat_rows], dtype=torch.int64).reshape(3, total)
+        host = torch.tensor([flat_ids, flat_pos, flat_rows, flat_slots, flat_kv], dtype=torch.int64).reshape(5, total)
         self.input_ids[:total].copy_(host[0], non_blocking=True)
         self.positions[:total].copy_(host[1], non_blocking=True)
         self.token_rows[:total].copy_(host[2], non_blocking=True)
+        self.out_slots[:total].copy_(host[3], non_blocking=True)
+        self.kv_lens[:total].copy_(host[4].to(torch.int32), non_blocking=True)
+        self.tree_mask[:total] = 0
         self.req_rows[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
         self.qo_indptr[: len(rows) + 1].copy_(torch.tensor(indptr, dtype=torch.int32), non_blocking=True)
-        self._fill_paged(total)
         if pad_to is not None:
-            self._mask_padding(total)
             return self.padded_extend(pad_to, self.limits.kv_capacity)
         return self._view(Phase.EXTEND, bs, n, max_kv, 0, max(lens, default=0),
                           (tuple(lens), tuple(s + m for s, m in zip(starts, lens)), tuple(rows)))
