@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 
 PROCESS = re.compile(r'^process \d+:"(.*)"$')
+FRAME = re.compile(r'process \d+:"[^"]*"|[^;]+')  # a stack's frames: ';' apart, but a quoted command line may hold
+# one (a spawned engine process's: "-c from multiprocessing.spawn import spawn_main; spawn_main(...)")
 LINE = re.compile(r"^(.*) \(([^():]+)(?::\d+)?\)$")  # "func (file.py:12)" -> func, file.py
 
 
@@ -62,7 +64,7 @@ def analyse(lines, names: list[tuple[str, str]], root: str, depth: int) -> dict[
         if not raw:
             continue
         stack, _, count = raw.rpartition(" ")
-        frames = stack.split(";")
+        frames = FRAME.findall(stack)
         processes = [m.group(1) for m in map(PROCESS.match, frames) if m]
         server = server_of(processes, names)
         if server is None:

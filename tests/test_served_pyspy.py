@@ -8,7 +8,8 @@ import json
 import bench_scripts
 import pytest
 
-SERVE = 'process 10:"python3 -m spruce.cli serve --port 1 {flags}";process 11:"python3 -c spawn_main"'
+SERVE = ('process 10:"python3 -m spruce.cli serve --port 1 {flags}";'
+         'process 11:"python3 -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=21)"')
 RAW = "\n".join([
     f"{SERVE.format(flags='')};run (engine.py:10);Engine._launch_prefill (engine.py:20);prefill (strategy.py:5) 40",
     f"{SERVE.format(flags='')};run (engine.py:10);_launch_decode (engine.py:30) 100",
@@ -41,6 +42,9 @@ def test_samples_split_per_server_and_call_path(tmp_path, capsys):
     assert adaptive["paths"]["(own)"] == 20.0
     assert plain["root_ms_a_call"] == 100.0 and plain["paths"]["prefill (strategy.py)"] == 100.0
     assert adaptive["leaves"]["prefill (adaptive.py:8)"] == 50.0
+    # the engine process's command line holds a ';': one frame, not a process frame and a code frame
+    frames = tool.FRAME.findall(SERVE.format(flags="") + ";run (engine.py:10)")
+    assert len(frames) == 3 and all(tool.PROCESS.match(f) for f in frames[:2])
     assert "== adaptive: 100 samples, 100 in _launch_prefill" in capsys.readouterr().out
 
 
