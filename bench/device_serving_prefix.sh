@@ -46,7 +46,7 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive ${ADAPTIVE_EXTRA:-}" \
     ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
-    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ) --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ) ${ROTATION:+--rotation $ROTATION} --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/bench.log" | grep -v "^pass" | tail -40
   grep -h "spruce.adaptive" "$OUT/$name/server-logs/adaptive.log" > "$OUT/$name/adaptive-policy.log"
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done

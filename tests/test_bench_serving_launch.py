@@ -33,8 +33,8 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                "--speculative-num-draft-tokens 3 --speculative-adaptive-widths 2",
                "--server-args", "--device cpu --page-size 4 --max-running-requests 2", "--compare-prefix-cache",
                "--shared-prefix-tokens", "24", "--prompt-tokens", "6", "--max-tokens", "4", "--concurrency", "2",
-               "--num-requests", "3", "--warmup", "1", "--passes", "2", "--interleave", "--prompts", str(prompts),
-               "--out-dir", str(out)])
+               "--num-requests", "3", "--warmup", "1", "--passes", "2", "--interleave", "--rotation", "1",
+               "--prompts", str(prompts), "--out-dir", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     result = json.loads(next(out.glob("serving-*.json")).read_text())
@@ -76,9 +76,12 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
             assert 0 < steps["decided"] <= steps["plain"] + steps["speculative"]
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass, in the rows
-    # of a Williams design (level_order): each pass starts one server later, and no server always follows another
+    # of a Williams design (level_order): each pass starts one server later, and no server always follows another;
+    # --rotation 1: the second server started first and the passes took the design's rows 1 and 2 (rows 0 and 1:
+    # 0, 1, 3, 2, 1, 2, 0, 3)
     starts = sorted((lv["started_at"], k) for k, r in enumerate(runs) for lv in r["levels"])
-    assert [k for _, k in starts] == [0, 1, 3, 2, 1, 2, 0, 3]
+    assert [k for _, k in starts] == [1, 2, 0, 3, 2, 3, 1, 0]
+    assert [r["started"] for r in runs] == [3, 0, 1, 2]
     # each level went to the journal as it completed (what a run cut short by a time limit keeps)
     journal = [json.loads(line) for line in (out / "levels.jsonl").read_text().splitlines()]
     assert sorted((lv["started_at"], lv["server"], lv["prefix_cache"], lv["output_throughput_tok_s"])
@@ -242,7 +245,7 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
 
 
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
-                                  ["--pin-cpus"]])
+                                  ["--pin-cpus"], ["--rotation", "1"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):
     """A flag that configures --launch servers is refused (exit 2, naming it) when no server is launched, rather
     than accepted and ignored against --base-url."""
@@ -322,6 +325,17 @@ def test_a_started_process_and_its_children_run_on_the_given_cpus(tmp_path):
     with log_path.open("w") as log:
         start_process([sys.executable, "-c", script], log, [cpu]).wait(timeout=60)
     assert log_path.read_text().split("\n")[:2] == [f"[{cpu}]"] * 2
+
+
+def test_runs_of_a_set_start_each_server_first_once():
+    """--rotation K: the servers start from the K-th, so runs given 0 .. n-1 each start a different one first and
+    every server is started at every place once."""
+    from spruce.bench.serving import launch_order
+
+    orders = [launch_order(4, k) for k in range(4)]
+    assert orders[0] == [0, 1, 2, 3] and orders[1] == [1, 2, 3, 0] and launch_order(4, 5) == orders[1]
+    for place in range(4):
+        assert sorted(order[place] for order in orders) == [0, 1, 2, 3]
 
 
 def test_cpu_sets_rotate_between_passes():

@@ -107,6 +107,12 @@ def add_serving_parser(sub) -> None:
                         "the client or another server; with --interleave the servers trade sets between passes "
                         "(each pass one further), so that a slower set is every server's in turn; each level "
                         "records its server's set")
+    p.add_argument("--rotation", type=int, default=0,
+                   help="with --launch: this run's place in a set of runs of the same servers (0, 1, ...): the "
+                        "servers start from the K-th (mod their number), and pass p takes the server order "
+                        "(level_order) and CPU sets of pass p + K, so that runs given K = 0 .. n-1 give each server "
+                        "the first start, the run's first level and each CPU set alike (a process started first, or "
+                        "measured first, may run faster)")
     p.set_defaults(func=run_serving_bench)
 
 
@@ -349,7 +355,7 @@ async def _bench(args, targets: list[tuple[str, str]], prompts,
         for k in range(1, args.passes + 1):
             placed = before_pass(k - 1) if before_pass is not None else None
             for j, c in enumerate(args.concurrency):
-                for i in level_order(len(targets), k - 1, j):
+                for i in level_order(len(targets), k - 1 + args.rotation, j):
                     base_url, model = targets[i]
                     if stopped[i]:
                         continue
@@ -387,6 +393,12 @@ def level_order(servers: int, pass_index: int, level_index: int) -> list[int]:
     if servers % 2 and (pass_index + level_index) // servers % 2:
         order.reverse()
     return order
+
+
+def launch_order(servers: int, rotation: int) -> list[int]:
+    """The order in which `servers` launched servers start (their indices): from server `rotation` (mod their
+    number) on, so that the runs of a set given rotations 0 .. n-1 start each server first once."""
+    return [(rotation + k) % servers for k in range(servers)]
 
 
 def order_cycle(servers: int) -> int:
@@ -550,6 +562,9 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"spruce bench serving: --max-tokens-min must be in 1..--max-tokens ({args.max_tokens}), got "
               f"{args.max_tokens_min}", file=sys.stderr)
         return 2
+    if args.rotation < 0:
+        print(f"spruce bench serving: --rotation must be >= 0, got {args.rotation}", file=sys.stderr)
+        return 2
     if args.passes < 1:
         print(f"spruce bench serving: --passes must be >= 1, got {args.passes}", file=sys.stderr)
         return 2
@@ -564,10 +579,10 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.launch:
         return _run_launched(args)
-    if args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus:
-        print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave and --pin-cpus configure "
-              "--launch servers; add --launch NAME=FLAGS (or drop them to measure the server at --base-url)",
-              file=sys.stderr)
+    if args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus or args.rotation:
+        print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave, --pin-cpus and --rotation "
+              "configure --launch servers; add --launch NAME=FLAGS (or drop them to measure the server at "
+              "--base-url)", file=sys.stderr)
         return 2
     try:
         model = _served_model(args, args.base_url)
@@ -622,24 +637,26 @@ def _run_launched(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, client_cpus)  # this process and the client processes it starts
             print(f"-- CPUs: client {client_cpus}, servers {server_cpus}")
         with contextlib.ExitStack() as stack:
-            targets, launched = [], []
-            for (cfg, cache), cpus in zip(group, server_cpus):
+            targets, launched, started = [None] * len(group), [None] * len(group), [None] * len(group)
+            for start, i in enumerate(launch_order(len(group), args.rotation)):
+                (cfg, cache), cpus = group[i], server_cpus[i]
                 flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
                 label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
                 print(f"== {label}: spruce serve {shlex.join(flags)}")
                 log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
                 try:
-                    launched.append(LaunchedServer(flags, log, args.launch_timeout, cpus))
-                    base_url = stack.enter_context(launched[-1])
+                    launched[i] = LaunchedServer(flags, log, args.launch_timeout, cpus)
+                    base_url = stack.enter_context(launched[i])
                     model = _served_model(args, base_url)
                 except (RuntimeError, SystemExit) as e:
                     print(f"spruce bench serving: {label}: {e}", file=sys.stderr)
                     return 2
                 if prompts is None:
                     prompts_path, prompts = _prompts_for(args, model)
-                targets.append((base_url, model))
-                runs.append({"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log),
-                             "cpus": cpus})
+                targets[i] = (base_url, model)
+                started[i] = {"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log),
+                              "cpus": cpus, "started": start}
+            runs.extend(started)
             keys = [{"server": run["name"], "prefix_cache": run["prefix_cache"]} for run in runs[-len(group):]]
 
             def journal_level(i: int, level: dict, keys=keys) -> None:
@@ -650,7 +667,7 @@ def _run_launched(args: argparse.Namespace) -> int:
                 """--pin-cpus: this pass's CPU set of each server (`rotated`), the servers moved there."""
                 if not args.pin_cpus:
                     return None
-                placed = rotated(sets, pass_index)
+                placed = rotated(sets, pass_index + args.rotation)
                 for server, cpus in zip(servers, placed):
                     if server.cpus != cpus:
                         server.pin(cpus)
