@@ -13,6 +13,7 @@ import bench_scripts
 from spruce.speculative.epoch_clock import EPOCH_MIN, EpochClock
 from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
+from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
                                                  COLLAPSE_ROUNDS, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
@@ -20,7 +21,7 @@ from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_S
                                                  RETRY_FIRST, RETRY_MAX,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
-                                                 AdaptivePolicy, LinearCost,
+                                                 COST_ALPHA, AdaptivePolicy,
                                                  _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
@@ -473,7 +474,7 @@ def test_catch_up_cost_is_charged_to_the_round_that_needs_it():
 
 
 def test_linear_cost_fit():
-    fit = LinearCost()
+    fit = LinearCost(COST_ALPHA)
     assert fit.predict(100) == 0.0
     fit.add(8, 1e-3)
     assert fit.predict(100) == pytest.approx(1e-3)  # one size seen: its mean
@@ -489,7 +490,7 @@ def test_a_seeded_catch_up_fit_keeps_its_slope_through_a_few_close_samples():
     leave the slope near theirs; unseeded, they price a catch-up over 4096 positions at ~20x its cost."""
     seed = [(16, 2.8e-3), (4096, 5.2e-3)]
     samples = [(16, 3.1e-3), (23, 4.3e-3), (30, 3.4e-3)]
-    unseeded, seeded = LinearCost(), LinearCost(seed)
+    unseeded, seeded = LinearCost(COST_ALPHA), LinearCost(COST_ALPHA, seed)
     assert seeded.predict(16) == pytest.approx(2.8e-3) and seeded.predict(4096) == pytest.approx(5.2e-3)
     for n, seconds in samples:
         unseeded.add(n, seconds)

@@ -14,7 +14,7 @@ import pytest
 from spruce import LLM, SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import ConfigError
-from spruce.runtime.prefill_batching import PrefillBatching
+from spruce.runtime.prefill_batching import PREFILL_ALPHA, PrefillBatching
 from spruce.runtime.request import Status
 from spruce.server.metrics import Metrics
 from conftest import assert_no_leaks
@@ -48,7 +48,7 @@ def test_the_rule():
     clock = Clock()
     batching = PrefillBatching(4.0, clock)
     assert not hold(batching, [clock.now])  # no prefill measured yet: no delay to wait for
-    batching.launched(5e-3)  # a prefill would stall 3 decoding requests 5 ms each: 15 ms
+    batching.launched(5e-3, 1)  # a prefill would stall 3 decoding requests 5 ms each: 15 ms
     start = clock.now
     assert hold(batching, [start])
     clock.now += 14e-3
@@ -64,8 +64,29 @@ def test_the_rule():
     assert not hold(batching, fresh, waiting_tokens=2048)  # they fill a prefill chunk
     assert batching.held == 3
     off = PrefillBatching(0.0, clock)
-    off.launched(5e-3)
+    off.launched(5e-3, 1)
     assert not hold(off, fresh)
+
+
+def test_the_price_is_the_part_of_a_launch_that_batching_saves():
+    """Launches of 2-8 chunks at 0.4 ms + 0.3 ms a chunk (the shape served with the shared prefix at concurrency
+    32-64): P is the fixed 0.4 ms, not their mean launch (~1.9 ms), so 3 decoding requests hold an arrival 1.2 ms,
+    not 5.7 (a chunk's own 0.3 ms is paid whether it waits for company or not). With one chunk count seen, P is
+    the mean launch."""
+    clock = Clock()
+    batching = PrefillBatching(4.0, clock)
+    for chunks in (2, 4, 8, 3, 6, 5) * 4:
+        batching.launched(0.4e-3 + 0.3e-3 * chunks, chunks)
+    assert batching.prefill_seconds == pytest.approx(0.4e-3)
+    start = clock.now
+    clock.now += 1.1e-3
+    assert hold(batching, [start])  # 1.1 ms of waits < 3 x 0.4 ms
+    clock.now = start + 1.3e-3
+    assert not hold(batching, [start])
+    one_size = PrefillBatching(4.0, clock)
+    for seconds in (1e-3, 2e-3):
+        one_size.launched(seconds, 4)
+    assert one_size.prefill_seconds == pytest.approx(1e-3 + PREFILL_ALPHA * 1e-3)
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, True, "2"])

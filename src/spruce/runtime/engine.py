@@ -370,7 +370,7 @@ class Engine:
         with self.runner.timer.phase("prefill"):
             result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
         launch_s = time.perf_counter() - launch_start
-        self.scheduler.batching.launched(launch_s)
+        self.scheduler.batching.launched(launch_s, len(chunks))
         if sampling.penalties is not None:
             self._count_penalties(finals, result)
         for q, c in zip(stepped, chunks):

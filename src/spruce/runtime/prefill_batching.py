@@ -7,10 +7,21 @@ every running request waits. A server whose requests end at different steps (spe
 numbers of tokens) gets one prefill per arrival: offline at concurrency 64 a fixed EAGLE-3 engine spent 13.1 s of
 18.5 s in 1,693 prefill launches for 4,096 requests, a plain one 1.3 s in 192, because its requests end together.
 
-Rule (with f > 0): while B requests decode, a prefill launch would stall them for about P seconds (the EMA of the
-engine's measured prefill launches): B * P request-seconds. Holding the waiting requests costs the seconds they
-wait. So they are held until their waits add up to B * P (rent until it equals the price of buying: the classic
-2-competitive rule), and never longer than f * P for the oldest (the TTFT bound, vLLM's delay). They are admitted
+Rule (with f > 0): while B requests decode, one more prefill launch would stall them for P seconds, the part of a
+launch that does not grow with the chunks it holds (the launches measured, fitted online as P + p * chunks:
+runtime/linear_cost.py): B * P request-seconds. Holding the waiting requests costs the seconds they wait. So they
+are held until their waits add up to B * P (rent until it equals the price of buying: the classic 2-competitive
+rule), and never longer than f * P for the oldest (the TTFT bound, vLLM's delay).
+
+Why the fixed part: a chunk's own share (p) is paid whether it joins a batch or launches alone, so holding saves
+only P per launch avoided. Until 2026-11-27 P was the mean launch, chunks included. Served with the 1k shared
+prefix at concurrency 32-64 a launch is mostly per chunk (pycode-19m, H100 x4, 48-96 levels a server, 2026-11-26/
+27: ~0.31-0.37 ms a chunk over a fixed 0.17-0.47 ms, plain and adaptive alike; a fixed EAGLE-3 server's ~2.5-3.5
+ms, its draft extend's fixed cost), so the mean priced the holds by the chunks they gathered: a batch of k chunks
+held as if batching saved (k - 1) chunks' worth more than it does, and an engine whose chunks cost more held
+longer, gathered more chunks and held longer still (adaptive speculation at 32 on the H200 x4, 8345f06: 4.6-5.4
+chunks a prefill against the plain servers' 2.8-4.2, TTFT p50 +23%, throughput -5.7%). With one chunk count seen
+the fit is their mean launch, as before. They are admitted
 at once when no request decodes (an idle engine: concurrency 1 pays nothing), or when they fill every free running
 slot or a whole prefill chunk (nothing more could join). A burst of arrivals (a plain server's requests that ended
 together) thus goes in at once after its first prefill, and arrivals that trickle in one by one behind a large
@@ -23,9 +34,10 @@ import time
 from typing import Callable, Sequence
 
 from spruce.config import check_delay_factor
+from spruce.runtime.linear_cost import LinearCost
 from spruce.runtime.request import Status
 
-PREFILL_ALPHA = 0.2  # EMA weight of a new prefill launch time
+PREFILL_ALPHA = 0.05  # a new prefill launch's weight in the fit (a fit of two coefficients wants ~20 launches)
 
 
 class PrefillBatching:
@@ -35,17 +47,22 @@ class PrefillBatching:
         check_delay_factor(delay_factor)
         self.delay_factor = float(delay_factor)
         self.clock = clock
-        self.prefill_seconds = 0.0  # EMA of prefill launch seconds (0 until the first: nothing is held)
+        self.launch_cost = LinearCost(PREFILL_ALPHA)  # prefill launch seconds ~ fixed + per chunk x chunks
         self.held = 0  # admission rounds held back (for stats)
 
     def queued_at(self) -> float:
         """The time stamp a newly queued request carries."""
         return self.clock()
 
-    def launched(self, seconds: float) -> None:
-        """A prefill step took `seconds` to launch."""
-        old = self.prefill_seconds
-        self.prefill_seconds = seconds if old == 0.0 else old + PREFILL_ALPHA * (seconds - old)
+    def launched(self, seconds: float, chunks: int) -> None:
+        """A prefill step of `chunks` chunks took `seconds` to launch."""
+        self.launch_cost.add(chunks, seconds)
+
+    @property
+    def prefill_seconds(self) -> float:
+        """P: what one more prefill launch costs beside its chunks' own share (the module docstring); 0 until a
+        prefill was measured (nothing is held)."""
+        return self.launch_cost.coefficients()[0]
 
     def hold(self, waiting: Sequence, running: Sequence, free_slots: int, chunk_tokens: int) -> bool:
         """True: leave the `waiting` requests (oldest first; each with `queued_at` and `num_tokens`) queued for now,
@@ -57,9 +74,10 @@ class PrefillBatching:
         if not decoding or sum(r.num_tokens for r in waiting) >= chunk_tokens:
             return False
         now = self.clock()
-        if now - waiting[0].queued_at >= self.delay_factor * self.prefill_seconds:  # the oldest waited its bound
+        price = self.prefill_seconds
+        if now - waiting[0].queued_at >= self.delay_factor * price:  # the oldest waited its bound
             return False
-        if sum(now - r.queued_at for r in waiting) >= decoding * self.prefill_seconds:  # the waits outweigh a stall
+        if sum(now - r.queued_at for r in waiting) >= decoding * price:  # the waits outweigh a stall
             return False
         self.held += 1
         return True

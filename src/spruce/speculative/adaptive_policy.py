@@ -215,6 +215,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from spruce.errors import InvariantError
+from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.epoch_clock import SETTLED_EPOCHS, Epoch, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
@@ -285,44 +286,6 @@ class Decision:
                 "tokens_per_step": dict(self.tokens_per_step), "step_seconds": dict(self.step_seconds),
                 "catch_up_positions": self.catch_up_positions,
                 "tokens_per_second": {c: self.tokens_per_second(c) for c in CHOICES}}
-
-
-class LinearCost:
-    """seconds ~ fixed + per_position * n, fitted online by exponentially weighted least squares (forgetting
-    factor COST_ALPHA). With one distinct n seen so far it predicts the mean; before any sample, 0.
-
-    `seed`: (n, seconds) points that stand for the fit's state before its first sample (their mean), such as the
-    start-up measurement at a small and a large n: the slope then rests on two sizes far apart until online
-    samples outweigh them (0.9^k after k samples). Unseeded, the first few samples fix the slope alone, and
-    catch-ups in a level's first pass come in a few sizes close together: on the H200 (2026-11-23, 128-token
-    prompts) the fit read 25-66 us per position after 3-5 catch-ups, while a catch-up over 4096 positions cost
-    5.2 ms against 2.9 ms over 512 (0.6 us per position), and a round that needed one was priced out."""
-
-    def __init__(self, seed: list[tuple[int, float]] | None = None):
-        self._sums = None  # weighted means of (n, n^2, y, n*y)
-        for k, (n, seconds) in enumerate(seed or ()):  # their plain mean
-            x = (float(n), float(n) ** 2, seconds, n * seconds)
-            self._sums = x if self._sums is None else tuple(a + (b - a) / (k + 1) for a, b in zip(self._sums, x))
-
-    def add(self, n: int, seconds: float) -> None:
-        x = (float(n), float(n) ** 2, seconds, n * seconds)
-        s = self._sums
-        self._sums = x if s is None else tuple(a + COST_ALPHA * (b - a) for a, b in zip(s, x))
-
-    def coefficients(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per position)."""
-        if self._sums is None:
-            return 0.0, 0.0
-        n, nn, y, ny = self._sums
-        var = nn - n * n
-        if var <= 1e-9 * max(1.0, n * n):
-            return y, 0.0
-        slope = max((ny - n * y) / var, 0.0)
-        return max(y - slope * n, 0.0), slope
-
-    def predict(self, n: int) -> float:
-        fixed, per = self.coefficients()
-        return fixed + per * n
 
 
 @dataclass(slots=True)
@@ -419,8 +382,8 @@ class AdaptivePolicy:
         # bucket, whether the step before it (with no prefill between) had the same choice: a steady step)
         self._previous_choice: str | None = None  # the last decode step's choice (None after a prefill)
         self._not_host = 0.0  # seconds since then that were not host overhead (waits, ...)
-        self.catch_up_device = LinearCost(self.catch_up_prior.get("device"))
-        self.catch_up_host = LinearCost(self.catch_up_prior.get("host"))
+        self.catch_up_device = LinearCost(COST_ALPHA, self.catch_up_prior.get("device"))
+        self.catch_up_host = LinearCost(COST_ALPHA, self.catch_up_prior.get("host"))
         self._reuse_left = 0  # further steps the last decision (a model choice or a probe's) stands for
         self._epochs_stood = 0  # epochs the last decision (plain steps) opened since, undecided (`repeat`)
         self._reuse_bucket = 0  # ... in this cost bucket
