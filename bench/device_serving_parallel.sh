@@ -20,6 +20,11 @@
 # orders and CPU sets of passes i, i+1, ...; until 2026-11-27 every run started the plain server first and ran it
 # first in its first level, where its identical copy trailed it by 3.5 +- 0.4% (eight H100 x4 runs at concurrency 1;
 # later passes 1.1 +- 0.6%).
+# SRC_0, SRC_1, ... (with COMMIT_0, COMMIT_1, ...): that GPU's run imports spruce from another source tree and labels
+# its results with that commit, so that two versions run side by side in one call, e.g. for 8345f06 on GPUs 2-3:
+#   git archive 8345f06 src/spruce ':(exclude)src/spruce/assets' | tar x -C .carry/old   (then carry .carry)
+#   SRC_2=.carry/old/src COMMIT_2=8345f06 SRC_3=.carry/old/src COMMIT_3=8345f06 bash bench/device_serving_parallel.sh
+# (the scripts, the draft in bench/assets and the fixture model are this tree's).
 # Usage (repo root, fixture model in .carry/models/pycode-19m, server wheels in .whl):
 #   SPRUCE_GIT_COMMIT=<sha> bash bench/device_serving_parallel.sh
 set -u
@@ -50,6 +55,11 @@ for ((i = 0; i < GPUS; i++)); do
   (
     export CUDA_VISIBLE_DEVICES=$i OUT=$ROOT/g$i; mkdir -p "$OUT"
     extra_var=EXTRA_$i; export EXTRA="${!extra_var:-${EXTRA:-}}"
+    src_var=SRC_$i; commit_var=COMMIT_$i
+    if [ -n "${!src_var:-}" ]; then
+      [ -d "${!src_var}/spruce" ] || { echo "g$i: $src_var=${!src_var} holds no spruce package" >&2; exit 2; }
+      export SPRUCE_SRC=$PWD/${!src_var} SPRUCE_GIT_COMMIT=${!commit_var:-${!src_var}}
+    fi
     if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = 1 ]; then
       SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 150 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
         -m gpu tests/test_adaptive.py > "$OUT/gpu_tests.log" 2>&1
