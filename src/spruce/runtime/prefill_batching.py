@@ -1,7 +1,7 @@
 """Prefill batching (`scheduler_delay_factor`, vLLM's option of that name): while requests decode, hold new
 arrivals back for a short while so that several join in one prefill launch.
 
-Why: a prefill step costs about the same whatever it holds while it is launch-bound. On the H100 (pycode-19m,
+Why: part of a prefill step's cost is paid once whatever it holds, while it is launch-bound. On the H100 (pycode-19m,
 2026-11-23) one prefill of a 128-token prompt with its draft extend took ~7.7 ms of eager launches, during which
 every running request waits. A server whose requests end at different steps (speculative rounds commit different
 numbers of tokens) gets one prefill per arrival: offline at concurrency 64 a fixed EAGLE-3 engine spent 13.1 s of
@@ -11,7 +11,11 @@ Rule (with f > 0): while B requests decode, one more prefill launch would stall 
 launch that does not grow with the chunks it holds (the launches measured, fitted online as P + p * chunks:
 runtime/linear_cost.py): B * P request-seconds. Holding the waiting requests costs the seconds they wait. So they
 are held until their waits add up to B * P (rent until it equals the price of buying: the classic 2-competitive
-rule), and never longer than f * P for the oldest (the TTFT bound, vLLM's delay).
+rule), and never longer than f * P for the oldest (the TTFT bound, vLLM's delay). They are admitted at once when
+no request decodes (an idle engine: concurrency 1 pays nothing), or when they fill every free running slot or a
+whole prefill chunk (nothing more could join). A burst of arrivals (a plain server's requests that ended together)
+thus goes in at once after its first prefill, and arrivals that trickle in one by one behind a large batch are
+grouped. Each held request's TTFT grows by at most f * P. f = 0 (the default) admits at once.
 
 Why the fixed part: a chunk's own share (p) is paid whether it joins a batch or launches alone, so holding saves
 only P per launch avoided. Until 2026-11-27 P was the mean launch, chunks included. Served with the 1k shared
@@ -21,11 +25,7 @@ ms, its draft extend's fixed cost), so the mean priced the holds by the chunks t
 held as if batching saved (k - 1) chunks' worth more than it does, and an engine whose chunks cost more held
 longer, gathered more chunks and held longer still (adaptive speculation at 32 on the H200 x4, 8345f06: 4.6-5.4
 chunks a prefill against the plain servers' 2.8-4.2, TTFT p50 +23%, throughput -5.7%). With one chunk count seen
-the fit is their mean launch, as before. They are admitted
-at once when no request decodes (an idle engine: concurrency 1 pays nothing), or when they fill every free running
-slot or a whole prefill chunk (nothing more could join). A burst of arrivals (a plain server's requests that ended
-together) thus goes in at once after its first prefill, and arrivals that trickle in one by one behind a large
-batch are grouped. Each held request's TTFT grows by at most f * P. f = 0 (the default) admits at once.
+the fit is their mean launch, as before.
 """
 
 from __future__ import annotations
