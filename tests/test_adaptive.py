@@ -450,7 +450,7 @@ def test_a_standing_round_never_runs_over_a_lagging_draft(monkeypatch, draft, re
 
     def choosing(requests, held=0):
         if strategy._ticket is not None and strategy._ticket.left and len(checked) < 3:
-            requests[0].draft_lag = 2
+            strategy.add_lag(requests[0], 2)  # as a lazy prefill's chunk would
             step = choose(requests, held)
             assert isinstance(step, adaptive.AdaptiveStep) and step.catch_up_positions == 2, step
             checked.append(step)
@@ -462,6 +462,41 @@ def test_a_standing_round_never_runs_over_a_lagging_draft(monkeypatch, draft, re
     outputs = llm.generate(PROMPTS, params)
     assert len(checked) == 3 and all(step.speculative for step in checked)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference(params)]
+
+
+@pytest.mark.parametrize("window", [5, 8])
+def test_the_lag_bound_lets_no_plain_step_run_over_a_full_ring(monkeypatch, draft, reference, window):
+    """`choose` lets plain steps stand by a bound of the lags, not a loop over them: with two rows for four
+    requests of different lengths (they finish at different steps, which leaves the bound loose, and the later
+    ones join mid-run), no standing plain step runs over a lag that fills the ring, a decided plain step catches up
+    exactly where one is due, the bound is never below a lag, and the tokens are plain decoding's."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
+    llm = LLM(TARGET, page_size=4, max_running_requests=2, draft_model=draft, speculative_num_steps=3,
+              speculative_eagle_topk=2, speculative_num_draft_tokens=4, speculative_adaptive=True,
+              disable_overlap_schedule=True)
+    strategy = llm.engine.strategy
+    choose, seen = strategy.choose, []
+
+    def choosing(requests, held=0):
+        before = max(q.draft_lag for q in requests)
+        step = choose(requests, held)
+        seen.append((before, step, strategy._lag_bound, max(q.draft_lag for q in requests)))
+        return step
+
+    monkeypatch.setattr(strategy, "choose", choosing)
+    lengths = (7, 19, 11, 16)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [reference(p)[i].token_ids for i, p in enumerate(params)]
+    standing = [before for before, step, _, _ in seen if step is strategy.plain]
+    decided = [(before, step.catch_up_positions) for before, step, _, _ in seen
+               if isinstance(step, adaptive.AdaptiveStep)]
+    assert standing and all(before < window for before in standing)
+    assert all(not step.speculative for _, step, _, _ in seen if isinstance(step, adaptive.AdaptiveStep))
+    assert all((positions > 0) == (before >= window) for before, positions in decided)
+    assert any(positions for _, positions in decided)  # the ring filled, and was caught up
+    assert all(bound >= after for _, _, bound, after in seen)
 
 
 @pytest.mark.parametrize("window", [256, 3])
