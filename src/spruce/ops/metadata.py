@@ -87,7 +87,7 @@ def fill_uniform_metadata(builder, rows, starts, input_ids, counts=None) -> None
         raise missing_triton_error("the one-launch uniform-phase metadata fill (BatchBuilder.fused, on for CUDA)")
     p, stride = input_ids.shape
     block = 128
-    table = builder.table
+    table = builder.page_table.table
     _uniform_metadata_kernel[(triton.cdiv(max(p * stride, p + 1), block),)](
         rows.contiguous(), starts.contiguous(), input_ids.contiguous(),
         counts.contiguous() if counts is not None else rows, table,

@@ -27,8 +27,7 @@ def paged_slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
 class BatchBuilder:
     def __init__(self, limits: Limits, page_table: PageTable, device: torch.device):
         self.limits = limits
-        self.table = page_table.table
-        self.page_table = page_table  # the host's pages: a prefill's slots are computed there (`extend`)
+        self.page_table = page_table  # its device table (uniform fills' slots) and its host pages (`extend`'s)
         self.device = device
         t, r = limits.max_tokens_per_forward, limits.max_running_requests
         i64 = dict(dtype=torch.int64, device=device)
@@ -187,7 +186,7 @@ class BatchBuilder:
     def _fill_paged(self, n: int) -> None:
         """out_slots = the token's own page slot; kv_lens = position + 1 (causal); no scratch."""
         pos = self.positions[:n]
-        self.out_slots[:n] = paged_slots(self.table, self.token_rows[:n], pos, self.limits.page_size)
+        self.out_slots[:n] = paged_slots(self.page_table.table, self.token_rows[:n], pos, self.limits.page_size)
         self.kv_lens[:n] = (pos + 1).to(torch.int32)
         self.tree_mask[:n] = 0
 
