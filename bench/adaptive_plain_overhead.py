@@ -79,8 +79,8 @@ def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, mod
         policy = strategy.policy
         decide = policy.decide
 
-        def forced(requests, *args):  # the real decide runs (its cost is measured); probes are `choice` too
-            d = decide(requests, *args)
+        def forced(requests, *args, **kw):  # the real decide runs (its cost is measured); probes are `choice` too
+            d = decide(requests, *args, **kw)
             d.choice = choice
             return d
 

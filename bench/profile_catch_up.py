@@ -45,8 +45,8 @@ def forced_choices(engine) -> dict:
     decide = policy.decide
     force = {"choice": PLAIN}
 
-    def forced(requests, *args):
-        d = decide(requests, *args)
+    def forced(requests, *args, **kw):
+        d = decide(requests, *args, **kw)
         d.choice = force["choice"]
         return d
 

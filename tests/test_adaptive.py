@@ -12,6 +12,7 @@ bundled trained EAGLE-3 head where real acceptance matters. Start-up timing is r
 
 from __future__ import annotations
 
+import collections
 import itertools
 from pathlib import Path
 
@@ -71,8 +72,8 @@ def force(llm, pattern: list[int]) -> list[str]:
     policy = llm.engine.strategy.policy
     decide, repeat, log = policy.decide, policy.repeat, []
 
-    def forced(requests, *args):
-        d = decide(requests, *args)
+    def forced(requests, *args, **kw):
+        d = decide(requests, *args, **kw)
         d.choice = SPECULATIVE if pattern[len(log) % len(pattern)] else PLAIN
         log.append(d.choice)
         return d
@@ -514,7 +515,7 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     draft_forward, decide = runner.draft_forward, policy.decide
     monkeypatch.setattr(runner, "draft_forward", lambda batch, *a, **kw: calls.append(batch.phase) or
                         draft_forward(batch, *a, **kw))
-    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
+    monkeypatch.setattr(policy, "decide", lambda *a, **kw: decisions.append(1) or decide(*a, **kw))
     lags, widths = [], set()
     resolved = llm.engine.strategy.resolved
 
@@ -554,7 +555,7 @@ def test_an_eager_prefill_ends_standing_plain_steps_only_where_rounds_would_pay(
     policy = strategy.policy
     decisions, extends = [], []
     decide, extend = policy.decide, strategy.worker.extend_draft
-    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(1) or decide(*a))
+    monkeypatch.setattr(policy, "decide", lambda *a, **kw: decisions.append(1) or decide(*a, **kw))
     monkeypatch.setattr(strategy.worker, "extend_draft", lambda chunks, *a: extends.append(len(chunks)) or
                         extend(chunks, *a))
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -611,6 +612,106 @@ def test_lazy_prefills_join_standing_plain_steps(monkeypatch, draft):
     decodes = engine.stats()["steps"]["decodes"]
     chosen = strategy.policy.chosen  # read through `policy`: the ticket replayed, its prefills with it
     assert sum(chosen.values()) == decodes and replays and policy.epochs.current.arrivals >= arrivals_before + 2
+
+
+@pytest.mark.parametrize("page,overlap", [(16, True), (1, False)])
+def test_detached_requests_decode_plainly_with_no_draft_state(monkeypatch, draft, reference, page, overlap):
+    """Requests that join while the policy lets them detach (`AdaptivePolicy.detachable`) decode as a plain engine
+    would, token for token (greedy, logprobs, seeded sampling), with no draft state at all: no draft extend, no
+    feature kept in the ring (no store, and every decode step is the detached plain step, whose target keeps no
+    features), no catch-up, no round. Fails if a detached batch runs the feature-keeping plain step."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    params = mixed_params()
+    want = reference(params)
+    llm = adaptive_llm(draft, page=page, disable_overlap_schedule=not overlap)
+    strategy = llm.engine.strategy
+    monkeypatch.setattr(strategy.policy, "detachable", lambda batch_size: True)
+    calls = collections.Counter()
+
+    def counted(obj, name, key):
+        real = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, **kw: calls.update([key]) or real(*a, **kw))
+
+    counted(strategy.worker, "extend_draft", "extend")
+    counted(strategy.worker, "catch_up", "catch_up")
+    counted(strategy.worker, "decode", "round")
+    counted(strategy.ring, "store", "ring_store")
+    counted(strategy.plain, "decode", "plain")
+    counted(strategy.detached_plain, "decode", "detached")
+    forwards, target_forward = [], strategy.runner.target_forward  # (eager on the CPU: one a step)
+    monkeypatch.setattr(strategy.runner, "target_forward", lambda batch, **kw: forwards.append(kw.get("aux", True))
+                        or target_forward(batch, **kw))
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got[1].logprobs, want[1].logprobs):
+        assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    assert calls["detached"] > 0 and set(calls) == {"detached"}, calls
+    assert forwards.count(False) == calls["detached"], forwards  # the decode steps' forwards keep no features
+    assert llm.engine.stats()["adaptive"]["detached_requests"] == len(PROMPTS)
+    assert_no_leaks(llm)
+
+
+def test_rounds_wait_for_detached_requests_to_end(monkeypatch, draft, reference):
+    """Rounds priced far below plain steps, but the first request joined detached: every step over a batch that
+    holds it is plain (reason "detached"), and the second request, which joined with its draft (lazily), gets its
+    rounds once the first has ended. Both decode the plain engine's tokens."""
+    fixed_costs(monkeypatch, plain=1.0, spec=0.01)
+    llm = adaptive_llm(draft, oracle_refs=reference(GREEDY), disable_overlap_schedule=True)
+    engine, strategy = llm.engine, llm.engine.strategy
+    policy = strategy.policy
+    detach = [True]
+    monkeypatch.setattr(policy, "detachable", lambda batch_size: detach[0])
+    monkeypatch.setattr(policy, "steady_choice", lambda batch_size: PLAIN)  # its prefill is lazy
+    monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: False)  # every step decides
+    decisions, decide = [], policy.decide
+
+    def logged(requests, *a, **kw):
+        d = decide(requests, *a, **kw)
+        decisions.append((d.choice, d.reason, any(q.detached_at is not None for q in requests)))
+        return d
+
+    monkeypatch.setattr(policy, "decide", logged)
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # its prefill: detached
+    detach[0] = False
+    second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+    want = reference(SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outs[first].token_ids == want[0].token_ids[:8] and outs[second].token_ids == want[1].token_ids
+    blocked = [(choice, reason) for choice, reason, detached in decisions if detached]
+    assert blocked and set(blocked) == {(PLAIN, "detached")}, decisions
+    assert any(choice == SPECULATIVE for choice, _, detached in decisions if not detached), decisions
+    assert sum(outs[first].spec_stats["accept_length_counts"]) == 0 < sum(outs[second].spec_stats[
+        "accept_length_counts"])
+    assert_no_leaks(llm)
+
+
+def test_prefix_cache_takes_no_page_a_detached_request_wrote(monkeypatch):
+    """A detached request's pages from its detached prompt chunk on hold no valid draft KV: the prefix cache takes
+    none of them, and a later request whose prompt is its whole text plus more (all rounds) gives the tokens and
+    round-by-round accept lengths of the same run without the cache."""
+    fixed_costs(monkeypatch)
+    kw = dict(draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = LLM(TARGET, **kw)
+    monkeypatch.setattr(llm.engine.strategy.policy, "steady_choice", lambda batch_size: PLAIN)
+    detach = [True]
+    monkeypatch.setattr(llm.engine.strategy.policy, "detachable", lambda batch_size: detach[0])
+    force(llm, [0])
+    a = llm.generate([PROMPTS[1]], params)[0]
+    assert llm.engine.stats()["adaptive"]["detached_requests"] == 1
+    assert llm.engine.stats()["prefix_cache"]["cached_pages"] == 0
+    b_prompt = a.prompt_token_ids + a.token_ids + llm.tokenizer.encode("\n\n\ndef")
+    detach[0] = False
+    force(llm, [1])
+    got = _round_counts(llm, [b_prompt], params)
+    base = LLM(TARGET, disable_radix_cache=True, **kw)
+    force(base, [1])
+    assert got == _round_counts(base, [b_prompt], params)
+    assert_no_leaks(llm)
 
 
 def _round_counts(llm, prompts, params):
@@ -746,6 +847,29 @@ def test_switching_under_cuda_graphs_equals_plain_decoding(monkeypatch, pycode19
 
 
 @pytest.mark.gpu
+def test_detached_requests_under_cuda_graphs_equal_plain_decoding(monkeypatch, pycode19m, heldout_prompts):
+    """On the GPU with graphs: requests detached from their first step (`AdaptivePolicy.detachable`) replay the
+    detached plain step's own graphs (a plain engine's: no features kept) and give plain decoding's greedy tokens;
+    none of them runs a round, a catch-up or a draft extend."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    kw = dict(device="cuda", dtype="float32", max_running_requests=8)
+    prompts = [t[:600] for t in heldout_prompts[:8]]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want = LLM(pycode19m, **kw).generate(prompts, params)
+    llm = LLM(pycode19m, draft_model=DRAFT_19M, speculative_adaptive=True, **kw)
+    strategy = llm.engine.strategy
+    assert {("decode_detached", 8), ("decode", 8)} <= set(llm.engine.runner.graphs.graphs)
+    monkeypatch.setattr(strategy.policy, "detachable", lambda batch_size: True)
+    for name in ("extend_draft", "catch_up", "decode"):
+        monkeypatch.setattr(strategy.worker, name, lambda *a, name=name, **k: pytest.fail(f"worker.{name} ran"))
+    monkeypatch.setattr(strategy.plain, "decode", lambda *a, **k: pytest.fail("the feature-keeping plain step ran"))
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.stats()["adaptive"]["detached_requests"] == len(prompts)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_every_verify_width_under_cuda_graphs(monkeypatch, backend):
     """Adaptive rounds at N = 16 and its narrower trees 4 and 8 (each width's draft, verify and extend phases
@@ -830,7 +954,8 @@ def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypa
     policy = llm.engine.strategy.policy
     starts, decisions = [], []
     decide = policy.decide
-    monkeypatch.setattr(policy, "decide", lambda *a: decisions.append(sum(policy.chosen.values())) or decide(*a))
+    monkeypatch.setattr(policy, "decide", lambda *a, **kw: decisions.append(sum(policy.chosen.values()))
+                        or decide(*a, **kw))
     outputs = []
     for prompt in PROMPTS:
         starts.append(sum(policy.chosen.values()))

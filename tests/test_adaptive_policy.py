@@ -15,7 +15,7 @@ from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
-                                                 COLLAPSE_ROUNDS, PLAIN,
+                                                 COLLAPSE_ROUNDS, DETACH_EPOCHS, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
                                                  PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
@@ -718,6 +718,43 @@ def test_plain_epochs_open_undecided_while_no_probe_can_be_due():
     assert rounds.decide(batch).choice == SPECULATIVE
     rounds._state[rounds.epochs.current.bucket].probe_after = PROBE_MAX
     assert sum(rounds.repeat(SPECULATIVE, 3) for _ in range(4 * REUSE_STEPS)) < 2 * REUSE_STEPS  # rounds: REUSE_STEPS
+
+
+def test_detached_requests_hold_back_rounds_and_their_probes():
+    """`detachable`: only where the load's model choice is plain steps, settled (SETTLED_EPOCHS epochs of its own),
+    and its next probe of rounds is more than DETACH_EPOCHS epochs away. A batch holding a detached request
+    (`rounds_blocked`) runs plain steps whatever the model or a due probe would run; the due probe starts at the
+    first epoch's end over a batch without one. Fails if a blocked decision can be a round or start a probe, or if
+    requests detach where a probe is near."""
+    p = policy(spec=1.1e-3)
+    reqs = [Req()]
+    settle(p, reqs, 0)
+    assert not p.detachable(1)  # no model choice yet
+    assert p.decide(reqs).choice == PLAIN
+    state = p._state[p.epochs.current.bucket]
+    assert not p.detachable(1)  # plain steps not settled
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, 1, 1.0)
+    state.probe_after = state.spacing = DETACH_EPOCHS + 1
+    state.epochs_since_probe = 1
+    assert not p.detachable(1)  # the next probe is DETACH_EPOCHS epochs away
+    state.epochs_since_probe = 0
+    assert p.detachable(1)
+    state.probe_after = state.spacing = 1  # a probe of rounds is due at this epoch's end
+    assert not p.detachable(1)
+    assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))  # the epoch is full
+    probes = p.probes
+    d = p.decide(reqs, rounds_blocked=True)
+    assert (d.choice, d.reason, p.probes, state.probing) == (PLAIN, "model", probes, False)
+    assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))  # its epoch is full
+    d = p.decide(reqs)  # the detached request ended: the probe starts
+    assert (d.choice, d.reason, p.probes) == (SPECULATIVE, "probe", probes + 1)
+    rounds = policy(spec=1.1e-3)
+    batch = [Req() for _ in range(3)]
+    settle(rounds, batch, 4)
+    d = rounds.decide(batch, rounds_blocked=True)
+    assert (d.choice, d.reason) == (PLAIN, "detached")
+    assert rounds.decide(batch).choice == SPECULATIVE
 
 
 def test_a_probes_standing_steps_count_toward_its_length():

@@ -171,6 +171,7 @@ ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "probes":
                      "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
                      "retries": "spruce_adaptive_retries_total",
+                     "detached": "spruce_adaptive_detached_requests_total",
                      "epochs_dropped": "spruce_adaptive_epochs_dropped_total",
                      "epochs_drained": "spruce_adaptive_epochs_drained_total",
                      "epochs_outgrown": "spruce_adaptive_epochs_outgrown_total"}
@@ -443,7 +444,7 @@ def _print_level(lv: dict) -> None:
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']} "
                                      f"({steps.get('probes_cut', 0)} cut), catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}, epochs dropped {steps['epochs_dropped']}, drained "
+                                     f"{steps['retries']}, detached {steps.get('detached', 0)}, epochs dropped {steps['epochs_dropped']}, drained "
                                      f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}"
                                      + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps
                                         else ""))

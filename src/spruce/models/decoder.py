@@ -61,10 +61,12 @@ class DecoderLM(nn.Module):
         """Token embeddings: ids [n] -> [n, H]."""
         return self.embed_tokens(ids)
 
-    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, feature_ring=None):
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, feature_ring=None, aux: bool = True):
         """One forward over batch.input_ids at batch.positions, writing every layer's cache entries into `kv`.
 
         Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0.
+        `aux` False: no aux features are kept (aux None), as for a target without aux layers (a plain step that
+        no draft will read: adaptive speculation's detached requests).
         `feature_ring`: (ring [R, W, len(aux_layers) * H], rows [T], positions [T]): each aux layer's input goes to
         the ring's slot of its token instead, the j-th aux layer's to columns j*H.., written by the add-norm that
         computes it (ops/fused.py StreamSink: the adaptive plain step); aux is then None."""
@@ -72,9 +74,10 @@ class DecoderLM(nn.Module):
         residual = None
         h = x.shape[-1]
         sinks, repeats = {}, []  # aux layer index -> its StreamSink (feature_ring); a repeated one's (column, first's)
+        aux_layers = self.aux_layers if aux else ()
         if feature_ring is not None:
             ring, rows, positions = feature_ring
-            for j, i in enumerate(self.aux_layers):
+            for j, i in enumerate(aux_layers):
                 if i in sinks:  # a small target's default layers can repeat ((2, 2, 2) for 5 layers)
                     repeats.append((j * h, sinks[i].column))
                 else:
@@ -85,11 +88,11 @@ class DecoderLM(nn.Module):
             return x if residual is None else x + residual
 
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers and not sinks:
+            if i in aux_layers and not sinks:
                 inputs[i] = stream_input(x, residual)
             x, residual = layer.forward_residual(x, residual, batch, kv, page_table, sinks.get(i))
         last = len(self.layers)
-        if last in self.aux_layers and not sinks:
+        if last in aux_layers and not sinks:
             inputs[last] = stream_input(x, residual)
         if residual is None:
             hidden = self.norm(x)
@@ -101,9 +104,9 @@ class DecoderLM(nn.Module):
             slots = positions % ring.shape[1]
             for column, first in repeats:
                 ring[rows, slots, column:column + h] = ring[rows, slots, first:first + h]
-        if not self.aux_layers or sinks:
+        if not aux_layers or sinks:
             return hidden, None
-        return hidden, torch.cat([inputs[i] for i in self.aux_layers], dim=-1)
+        return hidden, torch.cat([inputs[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] -> [n, V] float32 (tensor-parallel: every rank's V/tp logits gathered, on every rank)."""

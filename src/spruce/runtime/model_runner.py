@@ -171,12 +171,13 @@ class ModelRunner:
             )
 
     # --- forwards ------------------------------------------------------------------------------------------
-    def target_forward(self, batch: ForwardBatch, feature_ring=None) -> tuple[torch.Tensor, object]:
+    def target_forward(self, batch: ForwardBatch, feature_ring=None, aux: bool = True) -> tuple[torch.Tensor, object]:
         """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None; `feature_ring` (ring, rows,
-        positions): the aux features go to the ring's slots instead, aux None (DecoderLM.forward)."""
+        positions): the aux features go to the ring's slots instead, aux None; `aux` False: none kept, aux None
+        (DecoderLM.forward)."""
         self._ensure_planned(batch)
         self.page_table.check_written("a target forward")
-        return self.target(batch, self.target_kv, self.page_table.table, feature_ring=feature_ring)
+        return self.target(batch, self.target_kv, self.page_table.table, feature_ring=feature_ring, aux=aux)
 
     def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, object]:
         """The target over prompt chunks (EXTEND): tokens[i] at positions starts[i].. of page-table row rows[i].

@@ -78,6 +78,8 @@ class Request:
     stop_ids: frozenset = frozenset()  # token ids that end it ("stop"): eos (unless ignored) and stop_token_ids
     committed: int = 0  # positions whose target KV is in the pages, as far as the host knows
     draft_lag: int = 0  # of those, the last ones whose draft KV is missing (adaptive plain steps since a catch-up)
+    detached_at: int | None = None  # adaptive speculation's detached request: its draft KV is missing from this
+    # position on and is never caught up, so it decodes plainly to its end (None: its draft is kept)
     accept_state: object | None = None  # adaptive speculation's record of its rounds' acceptance (AdaptivePolicy's;
     # None before its first round)
     reserved: int = 0  # positions its pages cover (0 while it holds no row)
@@ -126,6 +128,7 @@ class Request:
         self.row = None
         self.committed = 0
         self.draft_lag = 0
+        self.detached_at = None
         self.reserved = 0
         self.cached_path = []
         self.num_preemptions += 1

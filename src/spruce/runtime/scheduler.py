@@ -82,8 +82,11 @@ class Scheduler:
             pages = self.page_table.release_row(req.row)
             if self.prefix_cache is not None:
                 # positions whose target and draft KV match the host's tokens (tokens past a stop are dropped;
-                # a lagging draft (adaptive speculation) holds no KV for its last draft_lag positions)
+                # a lagging draft (adaptive speculation) holds no KV for its last draft_lag positions, a detached
+                # one none from detached_at on)
                 valid = min(req.committed - req.draft_lag, req.num_tokens - 1)
+                if req.detached_at is not None:
+                    valid = min(valid, req.detached_at)
                 pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid)
             self.allocator.free(pages)
             req.row = None

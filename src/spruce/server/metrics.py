@@ -378,6 +378,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
            "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
            [("", a.get("retries", 0))])
+    series("spruce_adaptive_detached_requests_total", "counter", "Requests that joined detached: decoded plainly to "
+           "their end with no draft state, where no round was expected over their lives.",
+           [("", a.get("detached_requests", 0))])
     series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
            "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
     series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",

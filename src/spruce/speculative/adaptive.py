@@ -32,6 +32,16 @@ Pieces:
   (events around the call); on the CPU it is the call's wall time, which is the device work there;
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
   the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
+- detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (the
+  load's settled model choice is plain steps and its next probe of rounds is epochs away), a lazy chunk is
+  detached instead: no feature goes to the ring, no lag is counted, and the request decodes plainly to its end
+  (`Request.detached_at`; the prefix cache takes none of its pages from there). A batch of detached requests runs
+  `detached_plain`, a plain engine's own step (its graphs keep no draft features); a batch holding one runs no
+  round (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they
+  have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server whose engine
+  did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that computed
+  the target's draft features and dropped them) was within the control's spread of the plain server at 8-64,
+  where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
 - the verify width (`speculative_adaptive_widths`): rounds run the tree of the width `WidthChooser` picks for the
   batch's cost bucket (speculative/tree_width.py), fed with each round's per-width acceptance (its result row) when
   the policy reads the rounds; a decided round takes the width then, standing rounds the one chosen at the last
@@ -81,6 +91,7 @@ class AdaptiveStep:
     decision: Decision
     lagging: list[LaggingDraft]
     round: "EagleWorker | NarrowRound | None" = None  # what launches the round (its verify width), if a round
+    detached: bool = False  # every request of the batch is detached: a plain step is a plain engine's
     marks: dict = field(default_factory=dict)  # start, end, and with a catch-up catch_up_start, catch_up_end
     catch_up_host_s: float = 0.0  # host seconds of the catch-up's launch (CUDA)
 
@@ -141,6 +152,7 @@ class AdaptiveDecoding(DecodeStrategy):
                                 aux=bool(r.target.aux_layers))
         self.lag_window = r.limits.draft_lag_window  # read at every step (a Limits property computes it)
         self.plain = PlainDecoding(r, self.ring)
+        self.detached_plain = PlainDecoding(r, None, phase="decode_detached")  # a plain engine's step (no features)
         self._policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture): `policy`
         self._ticket: _Ticket | None = None  # standing steps taken ahead, not yet replayed to the policy
         self.last_decision: Decision | None = None
@@ -151,6 +163,10 @@ class AdaptiveDecoding(DecodeStrategy):
         self._lag_bound = 0  # no request's draft lags by more (host): `choose` sets every lag of a decided step's
         # batch and grows them by one per plain step, `add_lag` by a lazy prefill's chunk (see `choose`)
         self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
+        self._detach = False  # ... and whether they are detached instead (their drafts never run again)
+        self._all_detached = False  # every request of the decode batch is detached: exact at each decided step,
+        # cleared when a request with a draft joins (`extend_draft`)
+        self.detached_requests = 0  # requests detached so far (/metrics)
         self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
         self._prefill_extends: collections.deque = collections.deque()  # per prefill in flight, oldest first: its
         # eager draft extend's (requests completed, start mark, end mark, host seconds), or None
@@ -203,7 +219,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if ticket is None:
                 self._policy.break_chain(finals)  # the time until the next decode launch is not a decode step's;
                 # the prompts it completes arrive in the epoch under way
-            self._lazy, steady_plain = self._lazy_chunks(chunks, finals)
+            self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals)
             if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
                 self.policy.drafts_joined()  # arrivals with current drafts, for which rounds may pay: a standing
                 # plain choice is decided again (not where the steady choice is plain even with every draft current)
@@ -211,9 +227,9 @@ class AdaptiveDecoding(DecodeStrategy):
         try:
             return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
         finally:
-            self._lazy = frozenset()
+            self._lazy, self._detach = frozenset(), False
 
-    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool]:
+    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool, bool]:
         """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, and whether the
         steady choice was asked and is plain. None is lazy unless the policy prefers plain steps for the batch these
         requests join with current drafts (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's
@@ -247,10 +263,10 @@ class AdaptiveDecoding(DecodeStrategy):
         b726f34) an adaptive server running only rounds there launched each round ~150 us slower than a fixed
         server."""
         if self._policy is None or not finals:
-            return frozenset(), False
+            return frozenset(), False, False
         last = self.last_decision
         if last is not None and last.choice == SPECULATIVE and last.reason == "model":
-            return frozenset(), False
+            return frozenset(), False, False
         size = min(max(self._batch_size, finals), self._policy.buckets[-1])  # the running batch, or these alone
         self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
         ticket = self._ticket  # standing plain steps: the steady choice asked once a ticket (`_Ticket.steady`)
@@ -261,15 +277,16 @@ class AdaptiveDecoding(DecodeStrategy):
             if steady is None:
                 steady = ticket.steady[size] = self._policy.steady_choice(size)
         if steady != PLAIN:
-            return frozenset(), False
+            return frozenset(), False, False
         longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
 
         def repeats(c: PrefillChunk) -> bool:  # its first page the cache lacks was left out of it before
             return cache is not None and cache.seen_before(c.request.cached_path, c.request.token_ids)
 
-        return frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
-                         and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c)), True
+        lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
+                         and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))
+        return lazy, True, bool(lazy) and self._policy.detachable(size)
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
@@ -281,7 +298,14 @@ class AdaptiveDecoding(DecodeStrategy):
         chunks' land in their rows too, harmlessly: their drafts are current once extended, and the steps that make
         a draft lag write each position of its lag before a catch-up reads it. Built on the host per chunk, the
         stores took ~0.16 ms of each served prefill launch at concurrency 32 (H100, 1k shared prefix, ~4.5 chunks
-        a prefill; py-spy over the served engine, 2026-11-27), the adaptive engine's largest own part of it."""
+        a prefill; py-spy over the served engine, 2026-11-27), the adaptive engine's largest own part of it.
+
+        Detached lazy chunks (`_detach`, AdaptivePolicy.detachable) keep nothing: their requests' drafts never run
+        again (`Request.detached_at`), so no lag is counted and no feature stored; they hold back standing rounds
+        (the bound of the lags is raised to one) until a decided step, which keeps their batches plain."""
+        detach = self._detach
+        if any(c.final and not (detach and i in self._lazy) for i, c in enumerate(chunks)):
+            self._all_detached = False  # a request with a draft joins the decode batch
         if not self._lazy:
             self._timed_extend(chunks, features, ends, finals, new_tokens)
             return
@@ -290,11 +314,17 @@ class AdaptiveDecoding(DecodeStrategy):
         def token_indices(picked: list[int]) -> list[int]:  # the batch's tokens of the picked chunks
             return [t for i in picked for t in range(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1)]
 
-        for i in self._lazy:
-            req = chunks[i].request
-            self.add_lag(req, len(chunks[i].tokens))
-            self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
-        self.ring.store(*self.runner.prefilled_tokens(features.shape[0]), features)
+        if detach:
+            for i in self._lazy:
+                chunks[i].request.detached_at = chunks[i].start
+            self.detached_requests += len(self._lazy)
+            self._lag_bound = max(self._lag_bound, 1)
+        else:
+            for i in self._lazy:
+                req = chunks[i].request
+                self.add_lag(req, len(chunks[i].tokens))
+                self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
+            self.ring.store(*self.runner.prefilled_tokens(features.shape[0]), features)
         eager = [i for i in range(len(chunks)) if i not in self._lazy]
         if not eager:
             return
@@ -356,28 +386,37 @@ class AdaptiveDecoding(DecodeStrategy):
                 else:
                     stands = self._stand(last.choice, batch_size)
                 if stands:
-                    if plain:
-                        self._lag_bound += 1
-                        for q in requests:
-                            q.draft_lag += 1
-                    return self.plain if plain else self.standing_round
+                    if not plain:
+                        return self.standing_round
+                    if self._all_detached:  # no draft to keep: a plain engine's step
+                        return self.detached_plain
+                    self._lag_bound += 1
+                    for q in requests:
+                        q.draft_lag += 1
+                    return self.plain
         bs = self._batch_size = len(requests)
         tokens_left = sum(max(q.token_limit - q.num_tokens, 0) for q in requests) / bs
         request_tokens = sum(q.token_limit - len(q.prompt_ids) for q in requests) / bs
         new_positions = sum(len(q.prompt_ids) - q.cached_tokens for q in requests) / bs
+        detached = [q.detached_at is not None for q in requests]
+        lags = [0 if gone else q.draft_lag for q, gone in zip(requests, detached)]  # (a detached draft: none)
         self._read_rounds()
-        d = self.policy.decide(requests, [q.draft_lag for q in requests], tokens_left, request_tokens, new_positions,
-                               held)
+        d = self.policy.decide(requests, lags, tokens_left, request_tokens, new_positions, held,
+                               rounds_blocked=any(detached))
         self.last_decision = d
         spec = d.choice == SPECULATIVE
-        catch_up = spec or any(q.draft_lag >= window for q in requests)
-        lagging = [_lagging(q, self._lazy_in_flight.get(q, 0)) for q in requests if q.draft_lag] if catch_up else []
-        for q in requests:
-            q.draft_lag = 0 if spec else (1 if lagging else q.draft_lag + 1)
+        if spec and any(detached):  # always on: its draft KV is missing and no catch-up has its features
+            raise InvariantError(f"a round was chosen over a batch holding {sum(detached)} detached request(s)")
+        catch_up = spec or any(lag >= window for lag in lags)
+        lagging = ([_lagging(q, self._lazy_in_flight.get(q, 0)) for q, lag in zip(requests, lags) if lag]
+                   if catch_up else [])
+        for q, gone in zip(requests, detached):
+            q.draft_lag = 0 if spec or gone else (1 if lagging else q.draft_lag + 1)
         self._lag_bound = max((q.draft_lag for q in requests), default=0)
+        self._all_detached = all(detached)
         if spec:
             self._choose_width(d.bucket)
-        return AdaptiveStep(self, d, lagging, self.standing_round if spec else None)
+        return AdaptiveStep(self, d, lagging, self.standing_round if spec else None, detached=self._all_detached)
 
     def add_lag(self, req, positions: int) -> None:
         """`req`'s draft misses `positions` more positions (a lazy prefill's chunk): every lag that grows outside
@@ -430,7 +469,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if self.cuda:  # its launch is host time of the catch-up, not of the step
                 step.catch_up_host_s = catch_up_s
                 self.policy.waited(step.catch_up_host_s)
-        strategy = step.round if step.speculative else self.plain
+        strategy = step.round if step.speculative else self.detached_plain if step.detached else self.plain
         t1 = time.perf_counter()
         out = strategy.decode(rows, max_kv, sampling, logprobs, grammar)
         step.marks["end"] = self._mark()
@@ -463,7 +502,7 @@ class AdaptiveDecoding(DecodeStrategy):
                 if self.cuda:
                     self._events.extend((start, end))
             return
-        if step is self.plain:  # a plain step the last decision stood for
+        if step is self.plain or step is self.detached_plain:  # a plain step the last decision stood for
             return
         if type(step) is not AdaptiveStep:  # a round the last decision stood for (the worker, or a NarrowRound: the
             # width may have changed since its launch): only its acceptance is read, later
@@ -532,7 +571,8 @@ class AdaptiveDecoding(DecodeStrategy):
             self.policy.idle()
 
     def capture_graphs(self, show_progress: bool) -> None:
-        """The plain step's graphs first, then the worker's. Graphs replay with the same kernels either way, but the
+        """The plain steps' graphs first (the detached one's, a plain engine's step, then the one keeping the draft's
+        features), then the worker's. Graphs replay with the same kernels either way, but the
         set captured second replays with longer gaps between its kernels (H100, in process, concurrency 1, session
         30: plain steps 283-286 us captured second against 266-268 first and a plain engine's 266-268; rounds
         782-794 against 752-754 first and a fixed engine's 747-754; under the profiler 0.52-0.56 against 0.34-0.41 us
@@ -545,6 +585,7 @@ class AdaptiveDecoding(DecodeStrategy):
         a later run the adaptive server's ITL p50 at concurrency 1 was the lowest of three, 243-245 us against two
         plain servers' 246-247 and 249-250): there a step's time differs between server processes by a few
         microseconds whatever they hold."""
+        self.detached_plain.capture_graphs(show_progress)
         self.plain.capture_graphs(show_progress)
         self.worker.capture_graphs(show_progress)
 
@@ -603,7 +644,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.policy is None:
             return None
         self._read_rounds()
-        snapshot = self.policy.snapshot()
+        snapshot = {**self.policy.snapshot(), "detached_requests": self.detached_requests}
         return snapshot if self.widths is None else {**snapshot, "tree_width": self.widths.snapshot()}
 
     # --- timing marks -----------------------------------------------------------------------------------------

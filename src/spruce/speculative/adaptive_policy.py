@@ -256,6 +256,7 @@ WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval fl
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
 STALL_RATIO = 2.0  # a lone epoch reading more than this over its parts is taken for a stall (`_probe_price`)
 STEADY_WAIT = 16  # epochs a due probe waits for a steady batch (`_steady`) before it starts over any batch
+DETACH_EPOCHS = 2  # a request joins detached only while the load's next probe of rounds is more epochs away
 
 
 def _other(choice: str) -> str:
@@ -269,7 +270,8 @@ class Decision:
     bucket: int
     batch_size: int
     choice: str  # PLAIN or SPECULATIVE
-    reason: str  # "model" (the higher expected tokens/s) or "probe" (re-measuring the other candidate)
+    reason: str  # "model" (the higher expected tokens/s), "probe" (re-measuring the other candidate) or
+    # "detached" (plain steps while a detached request is in the batch, whatever the model or a probe would run)
     tokens_per_step: dict[str, float]  # per request: 1 (plain), mean 1 + a_i (speculative)
     step_seconds: dict[str, float]  # t(c, bucket), the round's including its catch-up
     catch_up_positions: int = 0  # positions the batch's drafts miss (a round catches them up first)
@@ -444,6 +446,20 @@ class AdaptivePolicy:
                                lambda: {c: price(c, False) for c in CHOICES})
         return SPECULATIVE if win else PLAIN
 
+    def detachable(self, batch_size: int) -> bool:
+        """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no
+        draft state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own
+        step). Only where no round is expected over its life: the load's model choice is plain steps, settled
+        (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and its next probe of rounds more
+        than DETACH_EPOCHS epochs away (an epoch is about a request's life), so that detached requests have
+        mostly ended when one comes due; one that has not yet holds the probe back (`decide`'s rounds_blocked)
+        until it ends."""
+        load = self._load_bucket(batch_size)
+        st = self._state[load]
+        return (st.model_choice == PLAIN and not st.probing and not st.check
+                and self.epochs.count(PLAIN, load, probes=False) >= SETTLED_EPOCHS
+                and max(st.probe_after, st.spacing) - st.epochs_since_probe > DETACH_EPOCHS)
+
     def _rounds_win(self, load: int, spec_tokens: float, seconds: dict[str, float],
                     parts: Callable[[], dict[str, float]]) -> bool:
         """Whether rounds committing `spec_tokens` per request-step beat plain steps at load bucket `load`, each
@@ -596,14 +612,17 @@ class AdaptivePolicy:
         return max(device_seconds, host_seconds) if self.overlapped else device_seconds + host_seconds
 
     def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
-               request_tokens: float = 0.0, new_positions: float = 0.0, held: int = 0) -> Decision:
+               request_tokens: float = 0.0, new_positions: float = 0.0, held: int = 0,
+               rounds_blocked: bool = False) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
         which may each still generate `tokens_left` tokens on average, of `request_tokens` in all (0: unknown);
         `new_positions`: a new request's uncached prompt positions; `held`: the requests the engine holds (this
         batch, requests in their prefill and queued ones; 0: the batch alone), which the load window records in
         place of the batch's size when larger (`_load_bucket`). Also marks the step's launch for the clocks.
         A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for (at
-        least one)."""
+        least one). `rounds_blocked`: the batch holds a detached request (`detachable`), so the step is plain
+        (reason "detached") whatever the model would choose, and no probe of rounds starts (one due starts at the
+        first epoch's end after the detached requests have ended)."""
         now = self.clock()
         self.epochs.event(now)
         if self._probe_stood is not None:  # a probe lasts PROBE_STEPS_FACTOR epochs' steps, standing ones included
@@ -646,8 +665,10 @@ class AdaptivePolicy:
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
             self._probe_load = None  # a probe under way was this load's (`_leave_probe`)
             st.measure = None
-        if self._explore(st, d, load, request_tokens, drain) != d.choice:
+        if self._explore(st, d, load, request_tokens, drain, rounds_blocked) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
+        if rounds_blocked and d.choice == SPECULATIVE:
+            d.choice, d.reason = PLAIN, "detached"
         self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs,
                          d.reason == "probe")
         st.last = d
@@ -780,7 +801,8 @@ class AdaptivePolicy:
         measured = self.epochs.buckets(choice)
         return min(measured, key=lambda b: abs(math.log(b / load))) if measured else None
 
-    def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float, drain: bool) -> str:
+    def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float, drain: bool,
+                 rounds_blocked: bool = False) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
@@ -831,7 +853,10 @@ class AdaptivePolicy:
         last epochs, which a switch leaves frozen, and probes priced by them may not come for the rest of the level:
         on the H100 (3c59215, 2026-11-26, 128-token prompts) rounds' figure at load 8 read 1.69x their parts in a
         pass where the host was slow for all, the level switched to plain steps, and the next pass's concurrency-8
-        level ran 10155 plain steps and no probe of rounds, 35% behind the fixed server."""
+        level ran 10155 plain steps and no probe of rounds, 35% behind the fixed server.
+
+        And a probe of rounds not while rounds are blocked (`rounds_blocked`: a detached request in the batch,
+        `detachable`): a due one starts at the first epoch's end over a batch without one."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
@@ -867,7 +892,7 @@ class AdaptivePolicy:
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
-            if st.epochs_since_probe >= spacing and steady:
+            if st.epochs_since_probe >= spacing and steady and not (rounds_blocked and other == SPECULATIVE):
                 if st.check or self._probe_affordable(cost):
                     st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
                     st.probe_counted = self._accept_counted

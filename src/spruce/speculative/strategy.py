@@ -200,11 +200,14 @@ class PlainDecoding(DecodeStrategy):
 
     `features` (adaptive speculation's plain step, speculative/adaptive.py): the phase also keeps the target's
     draft features at each row's position in this ring, for the draft's later catch-up; the draft itself does
-    not run."""
+    not run. Without it the target keeps no draft features at all (a plain engine's target has none; an adaptive
+    engine's plain step over detached requests, whose drafts never run again, skips them). `phase`: its graphs'
+    name (an adaptive engine captures both kinds)."""
 
-    def __init__(self, runner: ModelRunner, features: FeatureRing | None = None):
+    def __init__(self, runner: ModelRunner, features: FeatureRing | None = None, phase: str = "decode"):
         super().__init__(runner)
         self.features = features
+        self.phase = phase
         lim = runner.limits
         self.result = torch.zeros(lim.max_running_requests, lim.plain_result_width, dtype=torch.int64,
                                   device=runner.device)  # [R, 2]: accept length 0, then the token
@@ -215,7 +218,7 @@ class PlainDecoding(DecodeStrategy):
         bs = len(rows)
         self.fill_rows(rows)
         with r.timer.phase("decode"):
-            logits, result = r.graphs.run("decode", self._decode_phase, bs, max_kv, plan=r.planner(Phase.DECODE))
+            logits, result = r.graphs.run(self.phase, self._decode_phase, bs, max_kv, plan=r.planner(Phase.DECODE))
         if not sampling.all_greedy or grammar is not None:
             with r.timer.phase("sample"):
                 rows_t = self.rows[:bs]
@@ -239,7 +242,7 @@ class PlainDecoding(DecodeStrategy):
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
         if self.features is None:
-            hidden, _ = r.target_forward(batch)
+            hidden, _ = r.target_forward(batch, aux=False)
         else:
             hidden = self.features.keep_forward(r.target_forward, batch, rows, positions)
         logits = r.target.compute_logits(hidden)  # [P, V]
@@ -249,6 +252,6 @@ class PlainDecoding(DecodeStrategy):
         return logits, self.result[:P]
 
     def capture_graphs(self, show_progress: bool) -> None:
-        self.runner.graphs.capture([("decode", self._decode_phase, self.runner.planner(Phase.DECODE))],
+        self.runner.graphs.capture([(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))],
                                    lambda p: self.prepare_padding(0, p),
                                    "capturing decode graphs", show_progress)
