@@ -722,10 +722,11 @@ def test_plain_epochs_open_undecided_while_no_probe_can_be_due():
 
 def test_detached_requests_hold_back_rounds_and_their_probes():
     """`detachable`: only where the load's model choice is plain steps, settled (SETTLED_EPOCHS epochs of its own),
-    and its next probe of rounds is more than DETACH_EPOCHS epochs away. A batch holding a detached request
-    (`rounds_blocked`) runs plain steps whatever the model or a due probe would run; the due probe starts at the
-    first epoch's end over a batch without one. Fails if a blocked decision can be a round or start a probe, or if
-    requests detach where a probe is near."""
+    and its next probe of rounds is more than DETACH_EPOCHS epochs away, by its spacing or by when the budget
+    affords it (a load where rounds never ran keeps the spacing at 1 while the budget holds their probe back). A
+    batch holding a detached request (`rounds_blocked`) runs plain steps whatever the model or a due probe would
+    run; the due probe starts at the first epoch's end over a batch without one. Fails if a blocked decision can be
+    a round or start a probe, if requests detach where a probe is near, or if the budget's wait is not counted."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
@@ -735,17 +736,21 @@ def test_detached_requests_hold_back_rounds_and_their_probes():
     assert not p.detachable(1)  # plain steps not settled
     for _ in range(SETTLED_EPOCHS):
         realize(p, PLAIN, 1, 1.0)
-    state.probe_after = state.spacing = DETACH_EPOCHS + 1
-    state.epochs_since_probe = 1
+    state.probe_due = state.epochs_since_probe + DETACH_EPOCHS
     assert not p.detachable(1)  # the next probe is DETACH_EPOCHS epochs away
-    state.epochs_since_probe = 0
+    state.probe_due += 1
     assert p.detachable(1)
-    state.probe_after = state.spacing = 1  # a probe of rounds is due at this epoch's end
-    assert not p.detachable(1)
+    p.probe_seconds = 1e3  # past probes far over the budget: the epoch's end starts none, though the spacing is 1
     assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))  # the epoch is full
+    d = p.decide(reqs)
+    assert (d.choice, d.reason, state.spacing, state.probing) == (PLAIN, "model", 1, False)
+    assert p.detachable(1)
+    p.probe_seconds = 0.0  # the budget affords the probe at the next epoch's end
+    assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
     probes = p.probes
     d = p.decide(reqs, rounds_blocked=True)
     assert (d.choice, d.reason, p.probes, state.probing) == (PLAIN, "model", probes, False)
+    assert not p.detachable(1)  # the probe is due
     assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))  # its epoch is full
     d = p.decide(reqs)  # the detached request ended: the probe starts
     assert (d.choice, d.reason, p.probes) == (SPECULATIVE, "probe", probes + 1)
