@@ -444,8 +444,9 @@ def _print_level(lv: dict) -> None:
                                      f"{steps.get('speculative', 0)}, probes {steps['probes']} "
                                      f"({steps.get('probes_cut', 0)} cut), catch-ups "
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}, detached {steps.get('detached', 0)}, epochs dropped {steps['epochs_dropped']}, drained "
-                                     f"{steps['epochs_drained']}, outgrown {steps['epochs_outgrown']}"
+                                     f"{steps['retries']}, detached {steps['detached']}, epochs dropped "
+                                     f"{steps['epochs_dropped']}, drained {steps['epochs_drained']}, outgrown "
+                                     f"{steps['epochs_outgrown']}"
                                      + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps
                                         else ""))
     eng = lv.get("engine")
