@@ -689,6 +689,40 @@ def test_rounds_wait_for_detached_requests_to_end(monkeypatch, draft, reference)
     assert_no_leaks(llm)
 
 
+def test_a_request_with_a_draft_ends_the_detached_plain_steps(monkeypatch, draft):
+    """Plain steps stand over a detached request (the detached plain step: no features kept, no lag counted); a
+    request that then joins with its draft (lazily) is in the next standing step, which must keep its features and
+    count its lag: the feature-keeping plain step runs from there on. Fails if standing steps go on without
+    features after it joined."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    engine, strategy = llm.engine, llm.engine.strategy
+    detach = [True]
+    monkeypatch.setattr(strategy.policy, "detachable", lambda batch_size: detach[0])
+    ran = []
+    for name in ("plain", "detached_plain"):
+        plain = getattr(strategy, name)
+        real = plain.decode
+        monkeypatch.setattr(plain, "decode", lambda *a, name=name, real=real, **kw: ran.append(name) or real(*a, **kw))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    detached = {engine.add_request(p, params) for p in PROMPTS[:3]}
+    for _ in range(4):  # their prefill (detached), then plain steps over 3: decided, then standing (cost bucket 4)
+        engine.step()
+    assert set(ran) == {"detached_plain"} and strategy._ticket is not None and strategy._ticket.hi == 4, ran
+    detach[0] = False
+    engine.add_request(PROMPTS[3], params)
+    engine.step()  # its prefill: lazy, with its draft
+    ran.clear()
+    for _ in range(3):  # standing steps over the 4, within the ticket's bucket
+        engine.step()
+    joined = next(q for q in engine.requests.values() if q.request_id not in detached)
+    assert ran == ["plain"] * 3 and joined.draft_lag > 3 and joined.detached_at is None, (ran, joined.draft_lag)
+    assert strategy.policy.chosen[PLAIN] == engine.stats()["steps"]["decodes"]
+    while engine.has_unfinished():
+        engine.step()
+    assert_no_leaks(llm)
+
+
 def test_prefix_cache_takes_no_page_a_detached_request_wrote(monkeypatch):
     """A detached request's pages from its detached prompt chunk on hold no valid draft KV: the prefix cache takes
     none of them, and a later request whose prompt is its whole text plus more (all rounds) gives the tokens and
