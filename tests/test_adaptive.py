@@ -647,7 +647,8 @@ def test_detached_requests_decode_plainly_with_no_draft_state(monkeypatch, draft
         assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     assert calls["detached"] > 0 and set(calls) == {"detached"}, calls
     assert forwards.count(False) == calls["detached"], forwards  # the decode steps' forwards keep no features
-    assert llm.engine.stats()["adaptive"]["detached_requests"] == len(PROMPTS)
+    adaptive_stats = llm.engine.stats()["adaptive"]
+    assert adaptive_stats["detached_requests"] == len(PROMPTS) and adaptive_stats["attached_requests"] == {}
     assert_no_leaks(llm)
 
 
@@ -686,6 +687,9 @@ def test_rounds_wait_for_detached_requests_to_end(monkeypatch, draft, reference)
     assert any(choice == SPECULATIVE for choice, _, detached in decisions if not detached), decisions
     assert sum(outs[first].spec_stats["accept_length_counts"]) == 0 < sum(outs[second].spec_stats[
         "accept_length_counts"])
+    adaptive_stats = engine.stats()["adaptive"]  # the second was lazy, kept from detaching by the policy's state
+    assert adaptive_stats["detached_requests"] == 1 and sum(adaptive_stats["attached_requests"].values()) == 1
+    assert set(adaptive_stats["attached_requests"]) <= {"model_choice", "probe", "unsettled", "probe_near"}
     assert_no_leaks(llm)
 
 
@@ -826,6 +830,9 @@ def test_acceptance_and_costs_drive_the_choice(monkeypatch, draft, reference, fr
     assert f'spruce_adaptive_resolve_seconds{{bucket="{bucket}",choice="' in text  # deciding steps' resolves
     assert f'spruce_adaptive_steps_total{{choice="{expected}"}} {chosen[expected]}' in text
     assert f'spruce_adaptive_catch_ups_total {stats["adaptive"]["catch_ups"]}' in text
+    assert f'spruce_adaptive_detached_requests_total {stats["adaptive"]["detached_requests"]}' in text
+    assert all(f'spruce_adaptive_attached_requests_total{{reason="{r}"}} {n}' in text
+               for r, n in stats["adaptive"]["attached_requests"].items()) and stats["adaptive"]["attached_requests"]
     assert 'spruce_adaptive_catch_up_seconds{part="device",term="per_position"}' in text
     assert 'spruce_adaptive_probe_cost_factor{choice="plain"}' in text
     measured_at = [(c, load) for c, per in stats["adaptive"]["probe_cost_factor_at_load"].items() for load in per]

@@ -730,16 +730,19 @@ def test_detached_requests_hold_back_rounds_and_their_probes():
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
-    assert not p.detachable(1)  # no model choice yet
+    assert p.detach_blocker(1) == "model_choice" and not p.detachable(1)  # no model choice yet
     assert p.decide(reqs).choice == PLAIN
     state = p._state[p.epochs.current.bucket]
-    assert not p.detachable(1)  # plain steps not settled
+    assert p.detach_blocker(1) == "unsettled"
     for _ in range(SETTLED_EPOCHS):
         realize(p, PLAIN, 1, 1.0)
     state.probe_due = state.epochs_since_probe + DETACH_EPOCHS
-    assert not p.detachable(1)  # the next probe is DETACH_EPOCHS epochs away
+    assert p.detach_blocker(1) == "probe_near"  # the next probe is DETACH_EPOCHS epochs away
     state.probe_due += 1
-    assert p.detachable(1)
+    assert p.detach_blocker(1) is None and p.detachable(1)
+    state.check = True
+    assert p.detach_blocker(1) == "probe"
+    state.check = False
     p.probe_seconds = 1e3  # past probes far over the budget: the epoch's end starts none, though the spacing is 1
     assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))  # the epoch is full
     d = p.decide(reqs)

@@ -72,7 +72,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
                                                                  "tree_width", "width_accept_length"}
             assert set(steps) == {"plain", "speculative", "decided", "probes", "probes_cut", "catch_ups",
                                   "catch_up_positions", "retries", "detached", "epochs_dropped", "epochs_drained",
-                                  "epochs_outgrown", "width_rounds"}
+                                  "epochs_outgrown", "width_rounds", "attached"}
             assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
             assert 0 < steps["decided"] <= steps["plain"] + steps["speculative"]
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass, in the rows

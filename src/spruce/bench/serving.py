@@ -192,6 +192,7 @@ ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_sec
                    "spruce_adaptive_realized_request_seconds", "spruce_adaptive_tree_width",
                    "spruce_adaptive_width_accept_length")
 WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width (adaptive widths)
+ATTACHED = "spruce_adaptive_attached_requests_total"  # {reason="R"}: requests that joined with their draft, by why
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
@@ -201,7 +202,7 @@ async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[s
     other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; tree_width: {bucket:
     nodes} and width_accept_length: {width: drafts} with --speculative-adaptive-widths; empty when not adaptive);
     nothing if it does not answer within `timeout` seconds. The counters include each width's rounds
-    (WIDTH_ROUNDS)."""
+    (WIDTH_ROUNDS) and the requests that joined adaptive speculation with their draft, by why (ATTACHED)."""
     try:
         async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
             text = (await client.get("/metrics", timeout=timeout)).text
@@ -210,7 +211,7 @@ async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[s
     vals, tables = {}, {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in COUNTERS or name.startswith(WIDTH_ROUNDS + "{"):
+        if name in COUNTERS or name.startswith((WIDTH_ROUNDS + "{", ATTACHED + "{")):
             vals[name] = float(value)
         elif name.split("{")[0] in ADAPTIVE_TABLES:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
@@ -250,6 +251,8 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         widths = {name.split('"')[1]: int(delta[name]) for name in delta if name.startswith(WIDTH_ROUNDS + "{")}
         if widths:
             adaptive["width_rounds"] = widths  # rounds per verify width during the level
+        adaptive["attached"] = {name.split('"')[1]: int(delta[name]) for name in delta
+                                if name.startswith(ATTACHED + "{") and delta[name]}  # joined with a draft, by why
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     engine = None
     if ENGINE_STEPS["decode"] in delta:
@@ -446,7 +449,7 @@ def _print_level(lv: dict) -> None:
                                      f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
                                      f"{steps['retries']}, detached {steps['detached']}, epochs dropped "
                                      f"{steps['epochs_dropped']}, drained {steps['epochs_drained']}, outgrown "
-                                     f"{steps['epochs_outgrown']}"
+                                     f"{steps['epochs_outgrown']}, attached {steps['attached']}"
                                      + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps
                                         else ""))
     eng = lv.get("engine")

@@ -381,6 +381,10 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     series("spruce_adaptive_detached_requests_total", "counter", "Requests that joined detached: decoded plainly to "
            "their end with no draft state, where no round was expected over their lives.",
            [("", a.get("detached_requests", 0))])
+    series("spruce_adaptive_attached_requests_total", "counter", "Requests that joined with their draft, by why: "
+           "rounds expected, extended eagerly (a repeated or long prompt), or what kept a lazy one from detaching "
+           "(model_choice, probe, unsettled, probe_near).",
+           [(f'reason="{r}"', n) for r, n in sorted(a.get("attached_requests", {}).items())])
     series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
            "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
     series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",

@@ -166,7 +166,9 @@ class AdaptiveDecoding(DecodeStrategy):
         self._detach = False  # ... and whether they are detached instead (their drafts never run again)
         self._all_detached = False  # every request of the decode batch is detached: exact at each decided step,
         # cleared when a request with a draft joins (`extend_draft`)
-        self.detached_requests = 0  # requests detached so far (/metrics)
+        self.detached_requests = 0  # requests detached so far (/metrics) ...
+        self.attached_requests = collections.Counter()  # ... and why the others joined with their drafts: rounds
+        # expected, extended eagerly, or what kept a lazy one from detaching (AdaptivePolicy.detach_blocker)
         self._lazy_in_flight: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> its lazy prefill
         self._prefill_extends: collections.deque = collections.deque()  # per prefill in flight, oldest first: its
         # eager draft extend's (requests completed, start mark, end mark, host seconds), or None
@@ -266,6 +268,7 @@ class AdaptiveDecoding(DecodeStrategy):
             return frozenset(), False, False
         last = self.last_decision
         if last is not None and last.choice == SPECULATIVE and last.reason == "model":
+            self.attached_requests["rounds"] += finals
             return frozenset(), False, False
         size = min(max(self._batch_size, finals), self._policy.buckets[-1])  # the running batch, or these alone
         self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
@@ -277,6 +280,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if steady is None:
                 steady = ticket.steady[size] = self._policy.steady_choice(size)
         if steady != PLAIN:
+            self.attached_requests["rounds"] += finals
             return frozenset(), False, False
         longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
@@ -286,7 +290,12 @@ class AdaptiveDecoding(DecodeStrategy):
 
         lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))
-        return lazy, True, bool(lazy) and self._policy.detachable(size)
+        detach = bool(lazy) and self._policy.detachable(size)
+        if len(lazy) < finals:
+            self.attached_requests["eager"] += finals - len(lazy)
+        if lazy and not detach:
+            self.attached_requests[self._policy.detach_blocker(size) or "policy"] += len(lazy)
+        return lazy, True, detach
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
@@ -644,7 +653,8 @@ class AdaptiveDecoding(DecodeStrategy):
         if self.policy is None:
             return None
         self._read_rounds()
-        snapshot = {**self.policy.snapshot(), "detached_requests": self.detached_requests}
+        snapshot = {**self.policy.snapshot(), "detached_requests": self.detached_requests,
+                    "attached_requests": dict(self.attached_requests)}
         return snapshot if self.widths is None else {**snapshot, "tree_width": self.widths.snapshot()}
 
     # --- timing marks -----------------------------------------------------------------------------------------

@@ -459,11 +459,23 @@ class AdaptivePolicy:
         epochs until the budget affords it (`probe_due`): at loads where rounds never ran the spacing stays at
         PROBE_FIRST while the budget keeps their probes away for good (the first H100 x4 runs of this rule, which read
         the spacing alone, detached 0.3-5% of the requests at concurrency 32-64, 0.6-44% at 8 and 72-98% at 1)."""
+        return self.detach_blocker(batch_size) is None
+
+    def detach_blocker(self, batch_size: int) -> str | None:
+        """The first condition of `detachable` that the load of `batch_size` fails: "model_choice" (not plain
+        steps), "probe" (one under way or owed), "unsettled" (fewer than SETTLED_EPOCHS epochs of plain steps),
+        "probe_near" (the next probe of rounds within DETACH_EPOCHS epochs); None when it fails none."""
         load = self._load_bucket(batch_size)
         st = self._state[load]
-        return (st.model_choice == PLAIN and not st.probing and not st.check
-                and self.epochs.count(PLAIN, load, probes=False) >= SETTLED_EPOCHS
-                and st.probe_due - st.epochs_since_probe > DETACH_EPOCHS)
+        if st.model_choice != PLAIN:
+            return "model_choice"
+        if st.probing or st.check:
+            return "probe"
+        if self.epochs.count(PLAIN, load, probes=False) < SETTLED_EPOCHS:
+            return "unsettled"
+        if st.probe_due - st.epochs_since_probe <= DETACH_EPOCHS:
+            return "probe_near"
+        return None
 
     def _rounds_win(self, load: int, spec_tokens: float, seconds: dict[str, float],
                     parts: Callable[[], dict[str, float]]) -> bool:
