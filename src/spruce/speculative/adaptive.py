@@ -234,9 +234,10 @@ class AdaptiveDecoding(DecodeStrategy):
     def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool, bool]:
         """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, whether the steady
         choice was asked and is plain, and whether those chunks are detached instead (`AdaptivePolicy.detachable`;
-        why each final chunk that is not joins with its draft is counted: `attached_requests`). None is lazy unless the policy prefers plain steps for the batch these
-        requests join with current drafts (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's
-        size, as requests come as others finish; or these alone); then each final chunk of a request whose draft is
+        why each final chunk that is not joins with its draft is counted: `attached_requests`). None is lazy unless
+        the policy prefers plain steps for the batch these requests join with current drafts
+        (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's size, as requests come as others
+        finish; or these alone); then each final chunk of a request whose draft is
         current and that is at most Limits.lazy_prefill_tokens long (half the ring stays for plain steps before a
         catch-up is due), unless its pages repeat a prompt seen before.
 
