@@ -292,12 +292,12 @@ class AdaptiveDecoding(DecodeStrategy):
 
         lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))
-        detach = bool(lazy) and self._policy.detachable(size)
         if len(lazy) < finals:
             self.attached_requests["eager"] += finals - len(lazy)
-        if lazy and not detach:
-            self.attached_requests[self._policy.detach_blocker(size) or "policy"] += len(lazy)
-        return lazy, True, detach
+        blocker = self._policy.detach_blocker(size) if lazy else None  # (None: detachable)
+        if blocker is not None:
+            self.attached_requests[blocker] += len(lazy)
+        return lazy, True, bool(lazy) and blocker is None
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:

@@ -903,13 +903,12 @@ class AdaptivePolicy:
             steps = self._epoch_steps(d, other, request_tokens)
             priced = self._probe_cost(d, model, other, steps, other_seconds)
             cost = priced * self._probe_factor(other, load)
+            model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]  # (seconds)
             if self.epochs.ratio(other, load) is not None and not st.check:
-                model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]
                 budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
-            st.probe_due = max(spacing, st.epochs_since_probe + self._epochs_to_afford(
-                cost, self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]))
+            st.probe_due = max(spacing, st.epochs_since_probe + self._epochs_to_afford(cost, model_epoch))
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
             if st.epochs_since_probe >= spacing and steady and not (rounds_blocked and other == SPECULATIVE):
                 if st.check or self._probe_affordable(cost):
@@ -1118,7 +1117,7 @@ class AdaptivePolicy:
     def _epochs_to_afford(self, cost: float, model_epoch: float) -> int:
         """Epochs of the model's choice, `model_epoch` busy seconds each, until a probe costing `cost` fits the
         budget (`_probe_affordable`), if nothing else adds busy time meanwhile (others do: it is an upper bound)."""
-        short = self.probe_seconds + cost - PROBE_BUDGET * self.epochs.busy_total - PROBE_ALLOWANCE
+        short = self._budget_short(cost)
         if short <= 0:
             return 0
         if not math.isfinite(short) or model_epoch <= 0:  # (a probe priced out, or no epoch's seconds yet)
@@ -1128,7 +1127,12 @@ class AdaptivePolicy:
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE."""
-        return self.probe_seconds + cost <= PROBE_BUDGET * self.epochs.busy_total + PROBE_ALLOWANCE
+        return self._budget_short(cost) <= 0
+
+    def _budget_short(self, cost: float) -> float:
+        """Seconds by which all probes' expected excess so far plus `cost` exceed PROBE_BUDGET of the busy time plus
+        PROBE_ALLOWANCE (0 or less: within it)."""
+        return self.probe_seconds + cost - PROBE_BUDGET * self.epochs.busy_total - PROBE_ALLOWANCE
 
     def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that
