@@ -13,7 +13,8 @@
 #   GPUs the first two); PASSESV="4 4 4 4": each run's passes (a multiple of the four servers: bench serving's
 #   order and CPU sets balance over four passes; with three the adaptive server never ran on one of the four CPU
 #   sets, on the H100 x2 at 779240c the one a plain server was fastest on); GPU_TESTS=1 (default): the `gpu` tests of
-#   tests/test_adaptive.py first, on the last GPU and its cores; BENCH_TIMEOUT: each run's time limit (seconds,
+#   tests/test_adaptive.py first, on the last GPU and its cores; GPU_TESTS=all: the last GPU runs the `gpu` tests of
+#   tests/test_adaptive.py, test_gpu.py and test_warm_eager.py instead of a serving run (its log: gN/gpu_tests.log); BENCH_TIMEOUT: each run's time limit (seconds,
 #   device_serving_prefix.sh's); REQUESTS: requests per level (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...:
 #   one more server for that GPU's run only (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
 # Run i is given `bench serving --rotation i`: it starts its servers from the i-th and runs its passes at the server
@@ -59,6 +60,12 @@ for ((i = 0; i < GPUS; i++)); do
     if [ -n "${!src_var:-}" ]; then
       [ -d "${!src_var}/spruce" ] || { echo "g$i: $src_var=${!src_var} holds no spruce package" >&2; exit 2; }
       export SPRUCE_SRC=$PWD/${!src_var} SPRUCE_GIT_COMMIT=${!commit_var:-${!src_var}}
+    fi
+    if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = all ]; then
+      SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 480 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
+        -m gpu tests/test_adaptive.py tests/test_gpu.py tests/test_warm_eager.py -rs > "$OUT/gpu_tests.log" 2>&1
+      echo "g$i gpu tests t=$((SECONDS - T0)):"; tail -4 "$OUT/gpu_tests.log"
+      exit 0
     fi
     if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = 1 ]; then
       SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 150 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \

@@ -661,7 +661,7 @@ def test_rounds_wait_for_detached_requests_to_end(monkeypatch, draft, reference)
     engine, strategy = llm.engine, llm.engine.strategy
     policy = strategy.policy
     detach = [True]
-    monkeypatch.setattr(policy, "detach_blocker", lambda batch_size: None if detach[0] else "probe_near")
+    monkeypatch.setattr(policy, "detach_blocker", lambda batch_size: None if detach[0] else "probe_waiting")
     monkeypatch.setattr(policy, "steady_choice", lambda batch_size: PLAIN)  # its prefill is lazy
     monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: False)  # every step decides
     decisions, decide = [], policy.decide
@@ -688,7 +688,7 @@ def test_rounds_wait_for_detached_requests_to_end(monkeypatch, draft, reference)
     assert sum(outs[first].spec_stats["accept_length_counts"]) == 0 < sum(outs[second].spec_stats[
         "accept_length_counts"])
     adaptive_stats = engine.stats()["adaptive"]  # the second was lazy, kept from detaching (the blocker given)
-    assert adaptive_stats["detached_requests"] == 1 and adaptive_stats["attached_requests"] == {"probe_near": 1}
+    assert adaptive_stats["detached_requests"] == 1 and adaptive_stats["attached_requests"] == {"probe_waiting": 1}
     assert_no_leaks(llm)
 
 
@@ -702,7 +702,7 @@ def test_a_request_with_a_draft_ends_the_detached_plain_steps(monkeypatch, draft
     engine, strategy = llm.engine, llm.engine.strategy
     detach = [True]
     monkeypatch.setattr(strategy.policy, "detach_blocker",
-                        lambda batch_size: None if detach[0] else "probe_near")
+                        lambda batch_size: None if detach[0] else "probe_waiting")
     ran = []
     for name in ("plain", "detached_plain"):
         plain = getattr(strategy, name)
@@ -738,7 +738,7 @@ def test_prefix_cache_takes_no_page_a_detached_request_wrote(monkeypatch):
     monkeypatch.setattr(llm.engine.strategy.policy, "steady_choice", lambda batch_size: PLAIN)
     detach = [True]
     monkeypatch.setattr(llm.engine.strategy.policy, "detach_blocker",
-                        lambda batch_size: None if detach[0] else "probe_near")
+                        lambda batch_size: None if detach[0] else "probe_waiting")
     force(llm, [0])
     a = llm.generate([PROMPTS[1]], params)[0]
     assert llm.engine.stats()["adaptive"]["detached_requests"] == 1

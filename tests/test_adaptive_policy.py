@@ -15,7 +15,7 @@ from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
-                                                 COLLAPSE_ROUNDS, DETACH_EPOCHS, PLAIN,
+                                                 COLLAPSE_ROUNDS, DETACH_GAP, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
                                                  PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
@@ -722,11 +722,12 @@ def test_plain_epochs_open_undecided_while_no_probe_can_be_due():
 
 def test_detached_requests_hold_back_rounds_and_their_probes():
     """`detachable`: only where the load's model choice is plain steps, settled (SETTLED_EPOCHS epochs of its own),
-    and its next probe of rounds is more than DETACH_EPOCHS epochs away, by its spacing or by when the budget
-    affords it (a load where rounds never ran keeps the spacing at 1 while the budget holds their probe back). A
-    batch holding a detached request (`rounds_blocked`) runs plain steps whatever the model or a due probe would
-    run; the due probe starts at the first epoch's end over a batch without one. Fails if a blocked decision can be
-    a round or start a probe, if requests detach where a probe is near, or if the budget's wait is not counted."""
+    with no probe under way or owed and none of rounds waiting. A batch holding a detached request
+    (`rounds_blocked`) runs plain steps whatever the model or a due probe would run; a due probe of rounds so held
+    back makes arriving requests join with their drafts (`probe_waiting`) until it starts at the first epoch's end
+    over a batch without a detached request, or until it is no longer due (the budget). Fails if a blocked decision
+    can be a round or start a probe, if requests detach while a held-back probe waits, or if they keep joining
+    with their drafts once it started or the budget took it away."""
     p = policy(spec=1.1e-3)
     reqs = [Req()]
     settle(p, reqs, 0)
@@ -736,33 +737,76 @@ def test_detached_requests_hold_back_rounds_and_their_probes():
     assert p.detach_blocker(1) == "unsettled"
     for _ in range(SETTLED_EPOCHS):
         realize(p, PLAIN, 1, 1.0)
-    state.probe_due = state.epochs_since_probe + DETACH_EPOCHS
-    assert p.detach_blocker(1) == "probe_near"  # the next probe is DETACH_EPOCHS epochs away
-    state.probe_due += 1
     assert p.detach_blocker(1) is None and p.detachable(1)
     state.check = True
     assert p.detach_blocker(1) == "probe"
     state.check = False
     p.probe_seconds = 1e3  # past probes far over the budget: the epoch's end starts none, though the spacing is 1
     assert all(p.repeat(PLAIN, 1) for _ in range(EPOCH_MIN - 1))  # the epoch is full
-    d = p.decide(reqs)
-    assert (d.choice, d.reason, state.spacing, state.probing) == (PLAIN, "model", 1, False)
-    assert p.detachable(1)
+    d = p.decide(reqs, rounds_blocked=True)
+    assert (d.choice, d.reason, state.spacing, state.probing, state.probe_waiting) == (PLAIN, "model", 1, False, False)
+    assert p.detachable(1)  # no probe is due: detached requests hold nothing back
     p.probe_seconds = 0.0  # the budget affords the probe at the next epoch's end
     assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
     probes = p.probes
     d = p.decide(reqs, rounds_blocked=True)
     assert (d.choice, d.reason, p.probes, state.probing) == (PLAIN, "model", probes, False)
-    assert not p.detachable(1)  # the probe is due
+    assert p.detach_blocker(1) == "probe_waiting"  # the probe is due and held back
+    assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
+    p.probe_seconds = 1e3  # the budget no longer affords it: requests detach again
+    d = p.decide(reqs, rounds_blocked=True)
+    assert (d.reason, p.probes, state.probe_waiting) == ("model", probes, False) and p.detachable(1)
+    p.probe_seconds = 0.0
+    assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
+    p.decide(reqs, rounds_blocked=True)
+    assert p.detach_blocker(1) == "probe_waiting"
     assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))  # its epoch is full
     d = p.decide(reqs)  # the detached request ended: the probe starts
-    assert (d.choice, d.reason, p.probes) == (SPECULATIVE, "probe", probes + 1)
+    assert (d.choice, d.reason, p.probes, state.probe_waiting) == (SPECULATIVE, "probe", probes + 1, False)
+    assert p.detach_blocker(1) == "probe"
     rounds = policy(spec=1.1e-3)
     batch = [Req() for _ in range(3)]
     settle(rounds, batch, 4)
     d = rounds.decide(batch, rounds_blocked=True)
     assert (d.choice, d.reason) == (PLAIN, "detached")
     assert rounds.decide(batch).choice == SPECULATIVE
+
+
+def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
+    """`detach_blocker` judges a joining request at the load it lives at: after an idle gap shorter than DETACH_GAP
+    (a served level's requests ended together and their clients' next ones are on their way) the load before the
+    gap, its standing steps' batches included, not the small loads the refilling batch passes through; after a
+    longer gap (a level of another concurrency), the new batch's own. Fails if the idle gap empties what the rule
+    reads, if standing steps' batches are not counted, if the carried load outlives the next gap, or if a long
+    gap carries it."""
+    clock = Clock()
+    p = policy(spec=1.1e-3, clock=clock)
+    settle(p, [Req()], 0)
+    big = max(BUCKETS)
+    full = [Req() for _ in range(big)]
+    for _ in range(SETTLED_EPOCHS):
+        realize(p, PLAIN, big, 1.0)  # plain steps are settled at the full batch's load, not at load 1
+    assert p.decide(full).choice == PLAIN
+    assert p.detach_blocker(1) is None  # the load window holds the full batch
+    p.idle()
+    assert p.detach_blocker(1) is None  # asked at once: carried
+    p.idle()  # the engine idles again before anything launched: nothing new to carry
+    clock.now += 1.0
+    assert p.detach_blocker(1) is None  # (what was carried stands until the first ask after the next gap)
+    assert p.decide([Req()]).choice == PLAIN  # the next wave's first request, decided at load 1 ...
+    assert p.detach_blocker(1) is None  # (still carried)
+    assert p.repeat(PLAIN, big)  # ... and the batch refills under the standing plain steps
+    p.idle()
+    clock.now += DETACH_GAP / 2  # a round trip later the next wave's first request arrives
+    assert p.detach_blocker(1) is None  # judged at the full batch its standing steps ran
+    assert p.decide([Req()]).choice == PLAIN
+    p.idle()  # a gap after a batch of one
+    clock.now += DETACH_GAP / 2
+    assert p.detach_blocker(1) == "unsettled"  # judged at load 1: the full batch is no longer carried
+    assert p.decide(full).choice == PLAIN
+    p.idle()
+    clock.now += 2 * DETACH_GAP  # a quiet gap: a new level
+    assert p.detach_blocker(1) == "unsettled"
 
 
 def test_a_probes_standing_steps_count_toward_its_length():

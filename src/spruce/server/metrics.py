@@ -383,7 +383,7 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            [("", a.get("detached_requests", 0))])
     series("spruce_adaptive_attached_requests_total", "counter", "Requests that joined with their draft, by why: "
            "rounds expected, extended eagerly (a repeated or long prompt), or what kept a lazy one from detaching "
-           "(model_choice, probe, unsettled, probe_near).",
+           "(model_choice, probe, unsettled, probe_waiting).",
            [(f'reason="{r}"', n) for r, n in sorted(a.get("attached_requests", {}).items())])
     series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
            "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])

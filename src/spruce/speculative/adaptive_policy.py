@@ -256,7 +256,8 @@ WALL_TTL = 128  # decisions at a bucket after which a choice's whole-interval fl
 LOAD_WINDOW = 32  # decisions: the load bucket is the bucket of the largest load among this many recent ones
 STALL_RATIO = 2.0  # a lone epoch reading more than this over its parts is taken for a stall (`_probe_price`)
 STEADY_WAIT = 16  # epochs a due probe waits for a steady batch (`_steady`) before it starts over any batch
-DETACH_EPOCHS = 2  # a request joins detached only while the load's next probe of rounds is more epochs away
+DETACH_GAP = 0.05  # seconds: an idle gap shorter than this (a client's round trip) keeps the load before it for
+# `detach_blocker` (`_detach_load`); a served level's change of concurrency leaves seconds
 
 
 def _other(choice: str) -> str:
@@ -310,8 +311,8 @@ class _BucketState:
     probe_after: int = PROBE_FIRST  # epochs
     epochs_since_probe: int = 0  # epochs of `model_choice` completed since the last probe epoch
     spacing: int = PROBE_FIRST  # epochs between probes as `_explore` last computed them (probe_after or the budget's)
-    probe_due: int = 0  # the epochs_since_probe at which the next probe may start, by the spacing and by when the
-    # budget affords its cost, as `_explore` last computed them (`detachable`)
+    probe_waiting: bool = False  # a probe of rounds was due at an epoch's end over a steady batch, affordable, and
+    # held back by detached requests: requests join with their drafts until it starts (`detach_blocker`)
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
     probe_counted: int = 0  # the request-rounds the policy had counted when the probe began (`_cut`)
@@ -408,6 +409,10 @@ class AdaptivePolicy:
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
         self._recent_loads: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
+        self._peak_load = 0  # the largest load decided or batch stepped since the last idle gap (`_detach_load`) ...
+        self._gap: tuple[int, float] | None = None  # ... and, from an idle gap until the next ask, the one before it
+        # and when the gap began
+        self._carried_load = 0  # the load before the last idle gap, if that gap was a round trip (`_detach_load`)
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
@@ -451,21 +456,28 @@ class AdaptivePolicy:
     def detachable(self, batch_size: int) -> bool:
         """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no
         draft state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own
-        step). Only where no round is expected over its life: the load's model choice is plain steps, settled
-        (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and its next probe of rounds more
-        than DETACH_EPOCHS epochs away (an epoch is about a request's life), so that detached requests have
-        mostly ended when one comes due; one that has not yet holds the probe back (`decide`'s rounds_blocked)
-        until it ends. When the next probe may come is its spacing or, where the budget holds it back longer, the
-        epochs until the budget affords it (`probe_due`): at loads where rounds never ran the spacing stays at
-        PROBE_FIRST while the budget keeps their probes away for good (the first H100 x4 runs of this rule, which read
-        the spacing alone, detached 0.3-5% of the requests at concurrency 32-64, 0.6-44% at 8 and 72-98% at 1)."""
+        step). Only where no round is expected over its life: at the load it joins (`_detach_load`) the model
+        choice is plain steps, settled (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and
+        no probe of rounds waiting for detached requests to end (`probe_waiting`, set by `_explore`: one was due,
+        affordable, over a steady batch, and a detached request held it back (`decide`'s rounds_blocked); until
+        it starts, arriving requests join with their drafts, so that it waits at most one request's life).
+
+        A batch holding one request with a draft runs the step that keeps features (and its lag loop), so detaching
+        pays only where every request of a batch is detached: the rule must hold for whole batches, not for most of
+        their requests. Its first form (6867faa) detached 53-96% of the requests at concurrency 64 and 57-91% at 32
+        (H100 x4, ebce9a3, 2026-11-27, 1k shared prefix): the others joined at loads where plain steps were not
+        settled (the buckets a level's wave passes through as it refills, after the idle gap that empties the load
+        window) or where the next probe of rounds was near by the spacing and the budget's wait, recomputed at each
+        epoch's end at that end's batch (a probe cheap over a wave's last requests, dear over a full batch), while no
+        probe of rounds ran at 32 or 64 in any of its sixteen levels."""
         return self.detach_blocker(batch_size) is None
 
     def detach_blocker(self, batch_size: int) -> str | None:
-        """The first condition of `detachable` that the load of `batch_size` fails: "model_choice" (not plain
-        steps), "probe" (one under way or owed), "unsettled" (fewer than SETTLED_EPOCHS epochs of plain steps),
-        "probe_near" (the next probe of rounds within DETACH_EPOCHS epochs); None when it fails none."""
-        load = self._load_bucket(batch_size)
+        """The first condition of `detachable` that the load a request joining a batch of `batch_size` lives at
+        fails: "model_choice" (not plain steps), "probe" (one under way or owed), "unsettled" (fewer than
+        SETTLED_EPOCHS epochs of plain steps), "probe_waiting" (a due probe of rounds waits for detached requests
+        to end); None when it fails none."""
+        load = self._detach_load(batch_size)
         st = self._state[load]
         if st.model_choice != PLAIN:
             return "model_choice"
@@ -473,9 +485,24 @@ class AdaptivePolicy:
             return "probe"
         if self.epochs.count(PLAIN, load, probes=False) < SETTLED_EPOCHS:
             return "unsettled"
-        if st.probe_due - st.epochs_since_probe <= DETACH_EPOCHS:
-            return "probe_near"
+        if st.probe_waiting:
+            return "probe_waiting"
         return None
+
+    def _detach_load(self, batch_size: int) -> int:
+        """The load bucket a request joining a batch of `batch_size` lives at: `_load_bucket`'s, or the largest
+        batch or load since the last idle gap, or, where that gap was shorter than DETACH_GAP, the largest before
+        it. Under plain steps the requests of a served level end together, the engine idles until their clients'
+        next requests come (a round trip), and the load window starts over (`idle`): the wave refills through the
+        small loads, where plain steps are not settled (their epochs are dropped as outgrown), and its first
+        requests, judged there, joined with their drafts and kept the full batch's steps on features until they
+        ended. A level's change of concurrency (a quiet gap of seconds in bench serving) is not carried over."""
+        if self._gap is not None:  # the first ask since an idle gap began: was it a round trip?
+            before, began = self._gap
+            self._carried_load = before if self.clock() - began <= DETACH_GAP else 0
+            self._gap = None
+        return self.bucket_for(max(batch_size, max(self._recent_loads, default=0), self._peak_load,
+                                   self._carried_load))
 
     def _rounds_win(self, load: int, spec_tokens: float, seconds: dict[str, float],
                     parts: Callable[[], dict[str, float]]) -> bool:
@@ -650,6 +677,7 @@ class AdaptivePolicy:
         bucket = self.bucket_for(bs)
         holding = max(bs, held)  # the requests the engine holds, the batch at least
         self._recent_loads.append(min(holding, self.buckets[-1]))
+        self._peak_load = max(self._peak_load, self._recent_loads[-1])
         load = self._load_bucket(bs)
         if self._probe_load is not None and self._probe_load != load:
             self._leave_probe(self._state[self._probe_load])
@@ -680,6 +708,7 @@ class AdaptivePolicy:
                         and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
                         and not self._collapsed(owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
+            st.probe_waiting = False
             self._probe_load = None  # a probe under way was this load's (`_leave_probe`)
             st.measure = None
         if self._explore(st, d, load, request_tokens, drain, rounds_blocked) != d.choice:
@@ -873,7 +902,8 @@ class AdaptivePolicy:
         level ran 10155 plain steps and no probe of rounds, 35% behind the fixed server.
 
         And a probe of rounds not while rounds are blocked (`rounds_blocked`: a detached request in the batch,
-        `detachable`): a due one starts at the first epoch's end over a batch without one."""
+        `detachable`): a due one starts at the first epoch's end over a batch without one; meanwhile arriving
+        requests join with their drafts (`probe_waiting`, until it starts, or until it is no longer due)."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
@@ -908,23 +938,28 @@ class AdaptivePolicy:
                 budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
-            st.probe_due = max(spacing, st.epochs_since_probe + self._epochs_to_afford(cost, model_epoch))
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
-            if st.epochs_since_probe >= spacing and steady and not (rounds_blocked and other == SPECULATIVE):
-                if st.check or self._probe_affordable(cost):
-                    st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
-                    st.probe_counted = self._accept_counted
-                    self._probe_load = load
-                    st.check = False
-                    st.measure = self._probe_measure(d, model, other, load, steps, priced)
-                    self.probes += 1
-                    self.probe_seconds += cost
-                    if log.isEnabledFor(logging.INFO):
-                        log.info("adaptive probe %s", json.dumps({
-                            "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
-                            "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
-                            "cost_factor": self._probe_factor(other, load),
-                            "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
+            due = st.epochs_since_probe >= spacing and (st.check or self._probe_affordable(cost))
+            # (a due probe's end over an unsteady batch, a wave's last requests, leaves probe_waiting as it was)
+            if not due:
+                st.probe_waiting = False
+            elif steady and rounds_blocked and other == SPECULATIVE:
+                st.probe_waiting = True  # requests join with their drafts until the detached ones have ended
+            elif steady:
+                st.probe_waiting = False
+                st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
+                st.probe_counted = self._accept_counted
+                self._probe_load = load
+                st.check = False
+                st.measure = self._probe_measure(d, model, other, load, steps, priced)
+                self.probes += 1
+                self.probe_seconds += cost
+                if log.isEnabledFor(logging.INFO):
+                    log.info("adaptive probe %s", json.dumps({
+                        "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
+                        "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
+                        "cost_factor": self._probe_factor(other, load),
+                        "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
 
     def _cut(self, st: _BucketState, d: Decision, model: str, other: str) -> bool:
@@ -1114,25 +1149,10 @@ class AdaptivePolicy:
                 "choice": m.choice, "load": load, "priced": m.priced, "measured": measured,
                 "factor": self.probe_cost_factor[m.choice], "factor_at_load": self.probe_cost_factor_at[key]}))
 
-    def _epochs_to_afford(self, cost: float, model_epoch: float) -> int:
-        """Epochs of the model's choice, `model_epoch` busy seconds each, until a probe costing `cost` fits the
-        budget (`_probe_affordable`), if nothing else adds busy time meanwhile (others do: it is an upper bound)."""
-        short = self._budget_short(cost)
-        if short <= 0:
-            return 0
-        if not math.isfinite(short) or model_epoch <= 0:  # (a probe priced out, or no epoch's seconds yet)
-            return PROBE_MAX
-        return math.ceil(short / (PROBE_BUDGET * model_epoch))
-
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE."""
-        return self._budget_short(cost) <= 0
-
-    def _budget_short(self, cost: float) -> float:
-        """Seconds by which all probes' expected excess so far plus `cost` exceed PROBE_BUDGET of the busy time plus
-        PROBE_ALLOWANCE (0 or less: within it)."""
-        return self.probe_seconds + cost - PROBE_BUDGET * self.epochs.busy_total - PROBE_ALLOWANCE
+        return self.probe_seconds + cost <= PROBE_BUDGET * self.epochs.busy_total + PROBE_ALLOWANCE
 
     def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that
@@ -1172,6 +1192,8 @@ class AdaptivePolicy:
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
         bucket = self.bucket_for(batch_size)
+        if batch_size > self._peak_load:
+            self._peak_load = batch_size
         opens = self._reuse_left <= 0
         if opens and not self._epoch_stands(choice, bucket):
             return False
@@ -1241,6 +1263,7 @@ class AdaptivePolicy:
             if self.bucket_for(max(batches)) != bucket or self.bucket_for(min(batches)) != bucket:
                 raise InvariantError(f"standing steps taken ahead over batches {sorted(set(batches))} span cost "
                                      f"buckets; a ticket holds one")
+            self._peak_load = max(self._peak_load, max(batches))
         else:
             bucket = 0
         self.epochs.standing_steps(times, bucket, batches, prefills)
@@ -1329,6 +1352,8 @@ class AdaptivePolicy:
         H200 x4 (6128c32, 2026-11-26, 128-token prompts) the adaptive server decided 128 steps a 64-request level at
         concurrency 1 (2040 rounds), one at each request's start, and trailed the fixed server by 1.7% there."""
         self.epochs.idle()
+        if self._peak_load:  # the gap's first call (the engine may call again before anything launches)
+            self._gap, self._peak_load = (self._peak_load, self.clock()), 0
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
