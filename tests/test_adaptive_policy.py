@@ -772,6 +772,27 @@ def test_detached_requests_hold_back_rounds_and_their_probes():
     assert rounds.decide(batch).choice == SPECULATIVE
 
 
+def test_a_probe_of_rounds_far_behind_waits_without_holding_requests():
+    """A due probe of rounds held back by detached requests makes arriving requests join with their drafts only
+    where rounds are priced within PROBED_MARGIN of plain steps' tokens/s (the probe may give them the load);
+    further behind it waits for a batch without a detached request, and requests keep detaching. Fails if the
+    probe's reach is not asked, or asked the other way round."""
+    for spec, waits in ((1.1e-3, True), (1e-3 / (1 - PROBED_MARGIN) * 1.05, False)):
+        p = policy(spec=spec)
+        reqs = [Req()]
+        settle(p, reqs, 0)  # rounds commit one token: priced at plain steps' seconds over theirs
+        assert p.decide(reqs).choice == PLAIN
+        state = p._state[p.epochs.current.bucket]
+        for _ in range(SETTLED_EPOCHS):
+            realize(p, PLAIN, 1, 1.0)
+        assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
+        d = p.decide(reqs, rounds_blocked=True)  # the probe is due at this epoch's end, held back
+        assert (d.reason, state.probe_waiting, state.probing) == ("model", waits, False)
+        assert p.detach_blocker(1) == ("probe_waiting" if waits else None)
+        assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
+        assert p.decide(reqs).reason == "probe"  # over a batch without one it starts either way
+
+
 def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
     """`detach_blocker` judges a joining request at the load it lives at: after an idle gap shorter than DETACH_GAP
     (a served level's requests ended together and their clients' next ones are on their way) the load before the

@@ -460,7 +460,13 @@ class AdaptivePolicy:
         choice is plain steps, settled (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and
         no probe of rounds waiting for detached requests to end (`probe_waiting`, set by `_explore`: one was due,
         affordable, over a steady batch, and a detached request held it back (`decide`'s rounds_blocked); until
-        it starts, arriving requests join with their drafts, so that it waits at most one request's life).
+        it starts, arriving requests join with their drafts, so that it waits at most one request's life). Only
+        where rounds are priced within PROBED_MARGIN of plain steps' tokens/s: a probe of rounds further behind
+        could not give them the load (they would have to win by PROBED_MARGIN on a figure of probes' epochs, and
+        their realized figure has come out above their parts, not below), and it waits for a batch without a
+        detached request instead. Forced for every due probe (4fb2ca6, H100 x4, 2026-11-27), a probe at load 32
+        priced rounds at 0.55x plain steps' tokens/s, began over a batch of 7 after the requests joined with their
+        drafts, was cut after 427 request-rounds, and its level ran 12.8% behind the plain server.
 
         A batch holding one request with a draft runs the step that keeps features (and its lag loop), so detaching
         pays only where every request of a batch is detached: the rule must hold for whole batches, not for most of
@@ -943,8 +949,9 @@ class AdaptivePolicy:
             # (a due probe's end over an unsteady batch, a wave's last requests, leaves probe_waiting as it was)
             if not due:
                 st.probe_waiting = False
-            elif steady and rounds_blocked and other == SPECULATIVE:
-                st.probe_waiting = True  # requests join with their drafts until the detached ones have ended
+            elif steady and rounds_blocked and other == SPECULATIVE:  # requests join with their drafts until the
+                # detached ones have ended, where the probe may change the model's choice (`detachable`)
+                st.probe_waiting = _ahead(d.tokens_per_step[SPECULATIVE], d.step_seconds, -PROBED_MARGIN)
             elif steady:
                 st.probe_waiting = False
                 st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
