@@ -18,7 +18,7 @@ Each decode step's wall time is split into:
   GPU, the figure to compare (overlap keeps the device busy while the host works).
 Engines alternate per repeat and medians are taken, so the other processes on a shared CPU weigh on both alike.
 
-Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--choice plain|speculative]
+Usage (repo root): python bench/adaptive_plain_overhead.py OUT_JSON [--choice plain|speculative] [--detached]
     [--batch-sizes 1 8] [--steps 200] [--repeats 5] [--device cpu] [--model DIR --draft DIR]
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -43,6 +44,7 @@ from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.server.metrics import StatsCadence
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
+_UNIQUE = itertools.count()  # a number heading each prompt
 PROMPT = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n"
 
 
@@ -62,9 +64,11 @@ class Clocks:
         return timed
 
 
-def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, model: str, draft: str) -> LLM:
+def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, model: str, draft: str,
+          detached: bool = False) -> LLM:
     """The baseline engine for `choice` (adaptive False: plain decoding, or fixed rounds) or the adaptive one
-    made to choose it; its per-step hooks wrapped in `clocks`."""
+    made to choose it; its per-step hooks wrapped in `clocks`. `detached` (plain only): the adaptive engine's
+    requests join detached (its policy finds every load detachable), so its steps are `detached_plain`."""
     kw = dict(page_size=16, max_running_requests=max(bs, 8), device=device, context_length=2048)
     if device == "cuda":
         kw.update(dtype="bfloat16")
@@ -85,7 +89,9 @@ def build(adaptive: bool, choice: str, bs: int, device: str, clocks: Clocks, mod
             return d
 
         policy.decide = forced
-        stepper = strategy.plain if choice == PLAIN else strategy.worker
+        if detached:
+            policy.detach_blocker = lambda batch_size: None
+        stepper = (strategy.worker if choice != PLAIN else strategy.detached_plain if detached else strategy.plain)
     else:
         stepper = strategy
     # both engines' per-step hooks wrapped alike (the wrapper's cost cancels)
@@ -113,7 +119,8 @@ def measure(llm: LLM, bs: int, steps: int, clocks: Clocks, sync,
     call site is counted."""
     engine = engine_of(llm)
     params = SamplingParams(max_tokens=steps * engine.limits.step_advance + 64, ignore_eos=True)  # none ends
-    ids = [engine.add_request(PROMPT, params) for _ in range(bs)]
+    ids = [engine.add_request(f"# {next(_UNIQUE)}\n{PROMPT}", params) for _ in range(bs)]  # (a repeated prompt's
+    # draft is extended at its prefill, so that the prefix cache takes it: no request would be detached)
     while any(q.status.value != "decode" for q in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(8):  # settle: the first decode steps fill static rows
@@ -171,6 +178,8 @@ def main() -> None:
     ap.add_argument("--choice", choices=(PLAIN, SPECULATIVE), default=PLAIN,
                     help="the step compared: adaptive's plain step against a plain engine's, or its round against a "
                          "fixed engine's")
+    ap.add_argument("--detached", action="store_true",
+                    help="plain: the adaptive engine's requests join detached (its steps: detached_plain)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
@@ -185,8 +194,8 @@ def main() -> None:
     for bs in args.batch_sizes:
         baseline = "plain" if args.choice == PLAIN else "fixed"
         clocks = {name: Clocks() for name in (baseline, "adaptive")}
-        llms = {name: build(name == "adaptive", args.choice, bs, args.device, clocks[name], args.model, args.draft)
-                for name in clocks}
+        llms = {name: build(name == "adaptive", args.choice, bs, args.device, clocks[name], args.model, args.draft,
+                            args.detached) for name in clocks}
         samples = {name: defaultdict(list) for name in llms}
         syncs = {name: Counter() for name in llms} if args.sync_debug else {}
         for _ in range(args.repeats):
@@ -211,7 +220,7 @@ def main() -> None:
         results.append(row)
         del llms
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
-                                          "choice": args.choice, "model": args.model, "draft": args.draft,
+                                          "choice": args.choice, "detached": args.detached, "model": args.model, "draft": args.draft,
                                           "steps": args.steps, "repeats": args.repeats,
                                           "unit": "milliseconds per decode step (medians)", "runs": results},
                                          indent=1))
