@@ -776,15 +776,18 @@ def test_a_probe_of_rounds_far_behind_waits_without_holding_requests():
     """A due probe of rounds held back by detached requests makes arriving requests join with their drafts only
     where rounds are priced within PROBED_MARGIN of plain steps' tokens/s (the probe may give them the load);
     further behind it waits for a batch without a detached request, and requests keep detaching. Fails if the
-    probe's reach is not asked, or asked the other way round."""
+    probe's reach is not asked, if it is asked the other way round, or if rounds are priced there by a figure of
+    theirs borrowed from another load (far cheaper than their parts here) instead of by their parts."""
     for spec, waits in ((1.1e-3, True), (1e-3 / (1 - PROBED_MARGIN) * 1.05, False)):
         p = policy(spec=spec)
         reqs = [Req()]
         settle(p, reqs, 0)  # rounds commit one token: priced at plain steps' seconds over theirs
-        assert p.decide(reqs).choice == PLAIN
-        state = p._state[p.epochs.current.bucket]
         for _ in range(SETTLED_EPOCHS):
             realize(p, PLAIN, 1, 1.0)
+            realize(p, PLAIN, 2, 1.0)
+        realize(p, SPECULATIVE, 2, 0.3)  # rounds' figure at load 2, a third of their parts: load 1 borrows it
+        assert p.decide(reqs).choice == PLAIN  # (unsettled there: the parts must put rounds ahead too)
+        state = p._state[p.epochs.current.bucket]
         assert all(p.repeat(PLAIN, 1) for _ in range(p.epochs.current.target - 1))
         d = p.decide(reqs, rounds_blocked=True)  # the probe is due at this epoch's end, held back
         assert (d.reason, state.probe_waiting, state.probing) == ("model", waits, False)

@@ -461,7 +461,10 @@ class AdaptivePolicy:
         no probe of rounds waiting for detached requests to end (`probe_waiting`, set by `_explore`: one was due,
         affordable, over a steady batch, and a detached request held it back (`decide`'s rounds_blocked); until
         it starts, arriving requests join with their drafts, so that it waits at most one request's life). Only
-        where rounds are priced within PROBED_MARGIN of plain steps' tokens/s: a probe of rounds further behind
+        where rounds are priced within PROBED_MARGIN of plain steps' tokens/s, both by their parts (rounds priced
+        by a figure borrowed from another load, scaled, against plain steps' own figure came within it at load 32 on
+        the H100 x4 at eb9d836, where their device time alone, 1.05 ms a round against 0.28 for a plain step at 1.18
+        tokens a round, put them at about a third): a probe of rounds further behind
         could not give them the load (they would have to win by PROBED_MARGIN on a figure of probes' epochs, and
         their realized figure has come out above their parts, not below), and it waits for a batch without a
         detached request instead. Forced for every due probe (4fb2ca6, H100 x4, 2026-11-27), a probe at load 32
@@ -698,13 +701,16 @@ class AdaptivePolicy:
             return self._priced(choice, load, bs, catch_up_positions, rounds, bs * spec_tokens, request_tokens,
                                 new_positions, realized)
 
+        def parts() -> dict[str, float]:  # each choice priced by its parts alone
+            return {c: price(c, False) for c in CHOICES}
+
         d = Decision(bucket, bs, PLAIN, "model", {PLAIN: 1.0, SPECULATIVE: spec_tokens},
                      {c: price(c) for c in CHOICES}, catch_up_positions)
         st = self._state[load]
         drain = st.model_choice is not None and not _steady(holding, load)
         if drain:
             d.choice = st.model_choice  # a drain takes its load's choice (module docstring, "A drain")
-        elif self._rounds_win(load, spec_tokens, d.step_seconds, lambda: {c: price(c, False) for c in CHOICES}):
+        elif self._rounds_win(load, spec_tokens, d.step_seconds, parts):
             d.choice = SPECULATIVE
         self._decisions[bucket] += 1
         if d.choice != st.model_choice:
@@ -717,7 +723,7 @@ class AdaptivePolicy:
             st.probe_waiting = False
             self._probe_load = None  # a probe under way was this load's (`_leave_probe`)
             st.measure = None
-        if self._explore(st, d, load, request_tokens, drain, rounds_blocked) != d.choice:
+        if self._explore(st, d, load, request_tokens, drain, rounds_blocked, parts) != d.choice:
             d.choice, d.reason = _other(d.choice), "probe"
         if rounds_blocked and d.choice == SPECULATIVE:
             d.choice, d.reason = PLAIN, "detached"
@@ -854,7 +860,7 @@ class AdaptivePolicy:
         return min(measured, key=lambda b: abs(math.log(b / load))) if measured else None
 
     def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float, drain: bool,
-                 rounds_blocked: bool = False) -> str:
+                 rounds_blocked: bool = False, parts: Callable[[], dict[str, float]] | None = None) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
@@ -909,7 +915,8 @@ class AdaptivePolicy:
 
         And a probe of rounds not while rounds are blocked (`rounds_blocked`: a detached request in the batch,
         `detachable`): a due one starts at the first epoch's end over a batch without one; meanwhile arriving
-        requests join with their drafts (`probe_waiting`, until it starts, or until it is no longer due)."""
+        requests join with their drafts (`probe_waiting`, until it starts, or until it is no longer due), where
+        rounds are within reach by their parts and plain steps' (`parts`: each choice priced by its parts alone)."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
@@ -951,7 +958,8 @@ class AdaptivePolicy:
                 st.probe_waiting = False
             elif steady and rounds_blocked and other == SPECULATIVE:  # requests join with their drafts until the
                 # detached ones have ended, where the probe may change the model's choice (`detachable`)
-                st.probe_waiting = _ahead(d.tokens_per_step[SPECULATIVE], d.step_seconds, -PROBED_MARGIN)
+                st.probe_waiting = _ahead(d.tokens_per_step[SPECULATIVE], parts() if parts else d.step_seconds,
+                                          -PROBED_MARGIN)
             elif steady:
                 st.probe_waiting = False
                 st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
