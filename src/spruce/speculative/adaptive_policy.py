@@ -454,31 +454,30 @@ class AdaptivePolicy:
         return SPECULATIVE if win else PLAIN
 
     def detachable(self, batch_size: int) -> bool:
-        """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no
-        draft state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own
-        step). Only where no round is expected over its life: at the load it joins (`_detach_load`) the model
-        choice is plain steps, settled (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and
-        no probe of rounds waiting for detached requests to end (`probe_waiting`, set by `_explore`: one was due,
-        affordable, over a steady batch, and a detached request held it back (`decide`'s rounds_blocked); until
-        it starts, arriving requests join with their drafts, so that it waits at most one request's life). Only
-        where rounds are priced within PROBED_MARGIN of plain steps' tokens/s, both by their parts (rounds priced
-        by a figure borrowed from another load, scaled, against plain steps' own figure came within it at load 32 on
-        the H100 x4 at eb9d836, where their device time alone, 1.05 ms a round against 0.28 for a plain step at 1.18
-        tokens a round, put them at about a third): a probe of rounds further behind
-        could not give them the load (they would have to win by PROBED_MARGIN on a figure of probes' epochs, and
-        their realized figure has come out above their parts, not below), and it waits for a batch without a
-        detached request instead. Forced for every due probe (4fb2ca6, H100 x4, 2026-11-27), a probe at load 32
-        priced rounds at 0.55x plain steps' tokens/s, began over a batch of 7 after the requests joined with their
+        """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no draft
+        state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own step). Only
+        where no round is expected over its life: at the load it joins (`_detach_load`) the model choice is plain steps,
+        settled (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and no probe of rounds waiting
+        for detached requests to end (`probe_waiting`, set by `_explore`: one was due, affordable, over a steady batch,
+        and a detached request held it back (`decide`'s rounds_blocked); until it starts, arriving requests join with
+        their drafts, so that it waits at most one request's life). Only where rounds are priced within PROBED_MARGIN of
+        plain steps' tokens/s, both by their parts (rounds priced by a figure borrowed from another load, scaled,
+        against plain steps' own figure came within it at load 32 on the H100 x4 at eb9d836, where their device time
+        alone, 1.05 ms a round against 0.28 for a plain step at 1.18 tokens a round, put them at about a third): a probe
+        of rounds further behind could not give them the load (they would have to win by PROBED_MARGIN on a figure of
+        probes' epochs, and their realized figure has come out above their parts, not below), and it waits for a batch
+        without a detached request instead. Forced for every due probe (4fb2ca6, H100 x4, 2026-11-27), a probe at load
+        32 priced rounds at 0.55x plain steps' tokens/s, began over a batch of 7 after the requests joined with their
         drafts, was cut after 427 request-rounds, and its level ran 12.8% behind the plain server.
 
-        A batch holding one request with a draft runs the step that keeps features (and its lag loop), so detaching
-        pays only where every request of a batch is detached: the rule must hold for whole batches, not for most of
-        their requests. Its first form (6867faa) detached 53-96% of the requests at concurrency 64 and 57-91% at 32
-        (H100 x4, ebce9a3, 2026-11-27, 1k shared prefix): the others joined at loads where plain steps were not
-        settled (the buckets a level's wave passes through as it refills, after the idle gap that empties the load
-        window) or where the next probe of rounds was near by the spacing and the budget's wait, recomputed at each
-        epoch's end at that end's batch (a probe cheap over a wave's last requests, dear over a full batch), while no
-        probe of rounds ran at 32 or 64 in any of its sixteen levels."""
+        A batch holding one request with a draft runs the step that keeps features (and its lag loop), so detaching pays
+        only where every request of a batch is detached: the rule must hold for whole batches, not for most of their
+        requests. Its first form (6867faa) detached 53-96% of the requests at concurrency 64 and 57-91% at 32 (H100 x4,
+        ebce9a3, 2026-11-27, 1k shared prefix): the others joined at loads where plain steps were not settled (the
+        buckets a level's wave passes through as it refills, after the idle gap that empties the load window) or where
+        the next probe of rounds was near by the spacing and the budget's wait, recomputed at each epoch's end at that
+        end's batch (a probe cheap over a wave's last requests, dear over a full batch), while no probe of rounds ran at
+        32 or 64 in any of its sixteen levels."""
         return self.detach_blocker(batch_size) is None
 
     def detach_blocker(self, batch_size: int) -> str | None:
@@ -860,7 +859,7 @@ class AdaptivePolicy:
         return min(measured, key=lambda b: abs(math.log(b / load))) if measured else None
 
     def _explore(self, st: _BucketState, d: Decision, load: int, request_tokens: float, drain: bool,
-                 rounds_blocked: bool = False, parts: Callable[[], dict[str, float]] | None = None) -> str:
+                 rounds_blocked: bool, parts: Callable[[], dict[str, float]]) -> str:
         """The choice this step runs: the model's, or the other's while a probe epoch runs. A probe epoch starts
         when an epoch of the model's choice completes and enough of them have since the last probe: `probe_after`
         (doubled by each probe that leaves the model's choice as it was, reset when the choice changes), and, once
@@ -958,8 +957,7 @@ class AdaptivePolicy:
                 st.probe_waiting = False
             elif steady and rounds_blocked and other == SPECULATIVE:  # requests join with their drafts until the
                 # detached ones have ended, where the probe may change the model's choice (`detachable`)
-                st.probe_waiting = _ahead(d.tokens_per_step[SPECULATIVE], parts() if parts else d.step_seconds,
-                                          -PROBED_MARGIN)
+                st.probe_waiting = _ahead(d.tokens_per_step[SPECULATIVE], parts(), -PROBED_MARGIN)
             elif steady:
                 st.probe_waiting = False
                 st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
