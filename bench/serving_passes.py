@@ -17,6 +17,7 @@ session 39's shared-prefix runs the adaptive server launched 15-18% fewer prefil
 passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the mean prefill launch.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
+(results rebuilt from a journal by bench/serving_journal.py too)
 """
 
 from __future__ import annotations
@@ -61,17 +62,31 @@ def admission(level: dict, figure: str) -> float | None:
     return mean_prefill_launch(engine)
 
 
+def runs_of(result: dict) -> list[dict]:
+    """A result's servers, each {"name", "prefix_cache", "levels" (in pass order)}: its `runs`, or, for one rebuilt
+    from a journal (bench/serving_journal.py), its levels grouped by server."""
+    figures = result["figures"]
+    if "runs" in figures:
+        return figures["runs"]
+    runs: dict[tuple[str, bool], dict] = {}
+    for level in sorted(figures.get("levels", []), key=lambda lv: lv.get("pass", 0)):
+        key = (level["server"], level.get("prefix_cache", True))
+        runs.setdefault(key, {"name": key[0], "prefix_cache": key[1], "levels": []})["levels"].append(level)
+    return list(runs.values())
+
+
 def run_passes(result: dict) -> tuple[str, list[dict]] | None:
     """One result's adaptive passes: (workload, one record per pass and concurrency), None without plain, fixed and
     adaptive servers and a copy of the better one."""
     config = result["config"]
     workload = workload_name(config)
     launch = {cfg.name: shlex.join(cfg.flags) for cfg in map(LaunchConfig.parse, config.get("launch") or [])}
-    runs = {run["name"]: run for run in result["figures"]["runs"] if run.get("prefix_cache", True)}
+    runs = {run["name"]: run for run in runs_of(result) if run.get("prefix_cache", True)}
     if not {"plain", "fixed", "adaptive"} <= set(runs) <= set(launch):
         return None
     records = []
-    for concurrency in config["concurrency"]:
+    for concurrency in config.get("concurrency") or sorted({lv["concurrency"] for run in runs.values()
+                                                            for lv in run["levels"]}):  # (a journal's: its levels')
         levels = {name: [lv for lv in run["levels"] if lv["concurrency"] == concurrency] for name, run in runs.items()}
         mean_tps = {name: statistics.fmean(lv["output_throughput_tok_s"] for lv in lvs) if lvs else 0.0
                     for name, lvs in levels.items()}
@@ -114,7 +129,7 @@ def main() -> None:
     used, devices = [], set()
     for path in args.results:
         result = json.loads(path.read_text())
-        if result.get("benchmark") != "serving" or "runs" not in result["figures"]:
+        if result.get("benchmark") != "serving" or not runs_of(result):
             continue
         parsed = run_passes(result)
         if parsed is None:
