@@ -64,15 +64,16 @@ def admission(level: dict, figure: str) -> float | None:
 
 def runs_of(result: dict) -> list[dict]:
     """A result's servers, each {"name", "prefix_cache", "levels" (in pass order)}: its `runs`, or, for one rebuilt
-    from a journal (bench/serving_journal.py), its levels grouped by server."""
+    from a journal (bench/serving_journal.py), its levels grouped by server, in the order of its launch list."""
     figures = result["figures"]
     if "runs" in figures:
         return figures["runs"]
+    order = [LaunchConfig.parse(text).name for text in result["config"].get("launch") or []]
     runs: dict[tuple[str, bool], dict] = {}
     for level in sorted(figures.get("levels", []), key=lambda lv: lv.get("pass", 0)):
         key = (level["server"], level.get("prefix_cache", True))
         runs.setdefault(key, {"name": key[0], "prefix_cache": key[1], "levels": []})["levels"].append(level)
-    return list(runs.values())
+    return sorted(runs.values(), key=lambda run: order.index(run["name"]) if run["name"] in order else len(order))
 
 
 def run_passes(result: dict) -> tuple[str, list[dict]] | None:

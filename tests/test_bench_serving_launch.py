@@ -206,7 +206,8 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     """bench/serving_passes.py: per pass, the adaptive server against the better configuration (its copies
     averaged), with the steps of the losing choice it ran (plain steps where fixed is better), its engine
     counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
-    against the copies (prefills per request, TTFT p50, mean prefill launch: relative)."""
+    against the copies (prefills per request, TTFT p50, mean prefill launch: relative); a result rebuilt from a
+    journal (flat levels, in any order, no concurrency list) reads the same."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
@@ -238,6 +239,10 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     assert second["admission_control"] == pytest.approx({"prefills_per_request": 120 / 100 - 1,
                                                          "ttft_p50": 0.06 / 0.04 - 1,
                                                          "prefill_launch": (0.1 / 120) / (0.1 / 100) - 1})
+    journal = {"config": {k: v for k, v in result["config"].items() if k != "concurrency"},  # rebuilt from a
+               "figures": {"levels": [dict(lv, server=run["name"], **{"pass": k + 1})  # journal: flat levels
+                                      for run in runs[::-1] for k, lv in reversed(list(enumerate(run["levels"])))]}}
+    assert passes.run_passes(journal) == (workload, records)
     runs[2]["levels"][1]["engine"]["prefill_launch_seconds"] = None  # a server that does not report it
     assert "prefill_launch" not in passes.run_passes(result)[1][1]["admission"]
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
