@@ -14,7 +14,9 @@ adaptive server less those of the better configuration's copies, beside the same
 those passes, how it admitted requests against the better configuration's copies (relative: prefill launches per
 request, TTFT p50, the mean prefill launch's seconds where the servers report them), beside the copies' own: in
 session 39's shared-prefix runs the adaptive server launched 15-18% fewer prefills at concurrency 32-64 in those
-passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the mean prefill launch.
+passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the mean prefill launch. And per group,
+the share of the adaptive server's requests that joined detached (mean over its passes) and why the others joined
+with their drafts (`adaptive_steps.attached`, summed), where the server reports them.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 (results rebuilt from a journal by bench/serving_journal.py too)
@@ -98,10 +100,13 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
         for k in range(passes):
             adaptive = levels["adaptive"][k]
             better_tps = statistics.fmean(levels[name][k]["output_throughput_tok_s"] for name in copies)
+            steps = adaptive.get("adaptive_steps") or {}
             record = {"concurrency": concurrency, "pass": k, "better": better,
-                      "losing_steps": adaptive.get("adaptive_steps", {}).get(losing_steps, 0),
+                      "losing_steps": steps.get(losing_steps, 0),
                       "versus_better": adaptive["output_throughput_tok_s"] / better_tps - 1.0, "counters": {},
-                      "control": {}}
+                      "control": {}, "detached": (steps["detached"] / adaptive["completed"]
+                                                  if "detached" in steps and adaptive.get("completed") else None),
+                      "attached": dict(steps.get("attached") or {})}
             for counter in COUNTERS:
                 theirs = [per_decode(levels[name][k], counter) for name in copies]
                 mine = per_decode(adaptive, counter)
@@ -162,11 +167,23 @@ def main() -> None:
                                                      if figure in r["admission_control"]])}
                         for figure in ADMISSION if sum(figure in r["admission"] and figure in r["admission_control"]
                                                        for r in clean) > 1}
+            joined = {}  # per group: the detached share of its requests (mean over passes) and why the others joined
+            for key, group in sorted(groups.items()):
+                shares = [r["detached"] for r in group if r.get("detached") is not None]
+                reasons: dict[str, int] = {}
+                for r in group:
+                    for reason, n in r.get("attached", {}).items():
+                        reasons[reason] = reasons.get(reason, 0) + n
+                if shares:
+                    joined[key] = {"detached": statistics.fmean(shares), "attached": dict(sorted(reasons.items()))}
             summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
-                                                                   "admission": admitted}
+                                                                   "admission": admitted, "requests": joined}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
                 + f" ({fig['n']})" for key, fig in cell.items()))
+            for key, fig in joined.items():
+                print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
+                      + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none"))
             for counter, fig in host.items():
                 mine, control = fig["adaptive_less_better_us"], fig["control_us"]
                 print(f"      {counter:<17} adaptive - better {mine['mean']:+7.1f} +- {mine['se']:5.1f} us a decode"

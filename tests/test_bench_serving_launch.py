@@ -206,8 +206,9 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     """bench/serving_passes.py: per pass, the adaptive server against the better configuration (its copies
     averaged), with the steps of the losing choice it ran (plain steps where fixed is better), its engine
     counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
-    against the copies (prefills per request, TTFT p50, mean prefill launch: relative); a result rebuilt from a
-    journal (flat levels, in any order, no concurrency list) reads the same."""
+    against the copies (prefills per request, TTFT p50, mean prefill launch: relative), the share of its requests
+    that joined detached and why the others joined with their drafts; a result rebuilt from a journal (flat levels,
+    in any order, no concurrency list) reads the same."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
@@ -227,8 +228,12 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     result = {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
                                     f"fixed-again={fixed}"], "prompt_tokens": 128, "concurrency": [8]},
               "figures": {"runs": runs}}
+    runs[2]["levels"][1].update(completed=200, adaptive_steps={"plain": 0, "detached": 150,
+                                                               "attached": {"unsettled": 30, "eager": 20}})
     workload, records = passes.run_passes(result)
     assert workload == "prompt128" and [r["pass"] for r in records] == [0, 1]
+    assert (records[0]["detached"], records[1]["detached"]) == (None, 0.75)
+    assert records[1]["attached"] == {"unsettled": 30, "eager": 20}
     first, second = records
     assert first["better"] == "fixed" and first["losing_steps"] == 128 and second["losing_steps"] == 0
     assert first["versus_better"] == pytest.approx(99 / 101 - 1)
