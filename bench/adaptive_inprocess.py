@@ -10,8 +10,8 @@ before each added request when none is in flight, as a server at concurrency 1 m
 repetition runs each engine once, in a rotating order, so that the machine's drift weighs on all of them alike:
 - plain: the target alone;
 - adaptive: `speculative_adaptive` over the (5, 4, 8) EAGLE-3 round, its own policy (probes included);
-- forced (`--forced`): the adaptive engine with rounds priced out (1 s a step), so its model always chooses plain
-  steps: what the adaptive machinery costs when it never speculates;
+- forced (`--forced`): the adaptive engine with rounds priced out (bench.common.price_out), so its model always
+  chooses plain steps: what the adaptive machinery costs when it never speculates;
 - fixed (`--kinds`): the same (5, 4, 8) round, not adaptive;
 - rounds (`--kinds`): the adaptive engine with plain steps priced out, so it runs rounds only: what the adaptive
   machinery costs when it always speculates (against fixed: on the H100, 2026-11-26, 128-token prompts, its

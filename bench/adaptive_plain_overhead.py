@@ -3,9 +3,10 @@
 (5, 4, 8) engine's round (`--choice speculative`).
 
 Two engines on the same target: the baseline (plain decoding, or fixed rounds), and `speculative_adaptive=True`
-whose start-up table prices the other candidate out (1 s a step), so that its model chooses the given one (plain, as
-on a host-bound model; rounds, as with short prompts on the H100); its probes are turned into that choice too (they
-still decide afresh, as probes do). Greedy, batch sizes given, every request decoding (prompts prefilled first).
+whose start-up table prices the other candidate out (bench.common.price_out), so that its model chooses the given
+one (plain, as on a host-bound model; rounds, as with short prompts on the H100); its probes are turned into that
+choice too (they still decide afresh, as probes do). Greedy, batch sizes given, every request decoding (prompts
+prefilled first).
 Each decode step's wall time is split into:
 - forward: plain, the DECODE phase function (target forward, token selection; adaptive: also the feature ring
   store), which is device work on a GPU (one graph replay there); rounds, the worker's whole `decode` (its three
@@ -220,7 +221,8 @@ def main() -> None:
         results.append(row)
         del llms
     Path(args.out).write_text(json.dumps({"device": device_name(args.device), "git_commit": git_commit(),
-                                          "choice": args.choice, "detached": args.detached, "model": args.model, "draft": args.draft,
+                                          "choice": args.choice, "detached": args.detached, "model": args.model,
+                                          "draft": args.draft,
                                           "steps": args.steps, "repeats": args.repeats,
                                           "unit": "milliseconds per decode step (medians)", "runs": results},
                                          indent=1))

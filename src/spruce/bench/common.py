@@ -43,13 +43,19 @@ def write_result(kind: str, device: str, config: dict, figures: dict, out_dir: P
     return path
 
 
+PRICED_OUT_SECONDS = 1e3  # a step of the choice `price_out` prices out
+
+
 def price_out(llm, choice: str) -> None:
     """Benchmarks of the adaptive machinery: the adaptive engine of `llm` prices `choice` (adaptive_policy's
-    PLAIN or SPECULATIVE) at 1 s a step in its start-up table at every cost bucket, so that its model chooses the
-    other candidate until `choice` has been measured (it never is, if never chosen)."""
+    PLAIN or SPECULATIVE) at PRICED_OUT_SECONDS a step in its start-up table at every cost bucket, so that its model
+    chooses the other candidate until `choice` has been measured (it never is, if never chosen). At 1 s a step,
+    the CPU test of bench/adaptive_prefill_parts.py, run beside other heavy processes on a 2-core machine
+    (2026-11-27), once saw its forced engine take rounds for its model's choice at every prefill; plain steps'
+    realized figure inflated by the process being descheduled within its epochs is the likely cause (not shown)."""
     policy = llm.engine.strategy.policy
     for bucket in policy.buckets:
-        policy.device_seconds[(choice, bucket)] = 1.0
+        policy.device_seconds[(choice, bucket)] = PRICED_OUT_SECONDS
 
 
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
