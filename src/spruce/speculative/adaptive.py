@@ -32,8 +32,8 @@ Pieces:
   (events around the call); on the CPU it is the call's wall time, which is the device work there;
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
   the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
-- detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (the
-  load's settled model choice is plain steps and its next probe of rounds is epochs away), a lazy chunk is
+- detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (at the
+  load it lives at the settled model choice is plain steps and no probe of rounds waits), a lazy chunk is
   detached instead: no feature goes to the ring, no lag is counted, and the request decodes plainly to its end
   (`Request.detached_at`; the prefix cache takes none of its pages from there). A batch of detached requests runs
   `detached_plain`, a plain engine's own step (its graphs keep no draft features); a batch holding one runs no
