@@ -15,7 +15,7 @@ from spruce.speculative import adaptive_policy
 from spruce.errors import InvariantError
 from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
-                                                 COLLAPSE_ROUNDS, DETACH_GAP, PLAIN,
+                                                 COLLAPSE_ROUNDS, DETACH_GAP, LOAD_WINDOW, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
                                                  PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX,
@@ -801,8 +801,8 @@ def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
     (a served level's requests ended together and their clients' next ones are on their way) the load before the
     gap, its standing steps' batches included, not the small loads the refilling batch passes through; after a
     longer gap (a level of another concurrency), the new batch's own. Fails if the idle gap empties what the rule
-    reads, if standing steps' batches are not counted, if the carried load outlives the next gap, or if a long
-    gap carries it."""
+    reads, if standing steps' batches are not counted, if the carried load outlives the next gap, if a long gap
+    carries it, or if a load that fell without an idle gap is remembered past the load window and two epochs."""
     clock = Clock()
     p = policy(spec=1.1e-3, clock=clock)
     settle(p, [Req()], 0)
@@ -831,6 +831,14 @@ def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
     p.idle()
     clock.now += 2 * DETACH_GAP  # a quiet gap: a new level
     assert p.detach_blocker(1) == "unsettled"
+    assert p.decide(full).choice == PLAIN  # the full batch again, then its load falls with no idle gap
+    assert p.detach_blocker(1) is None
+    for _ in range(LOAD_WINDOW):  # the load window forgets the full batch ...
+        p.decide([Req()])
+    for _ in range(2 * p.epochs.current.target):  # ... and two epochs pass (decided where one must be)
+        if not p.repeat(PLAIN, 1):
+            p.decide([Req()])
+    assert p.detach_blocker(1) == "unsettled"  # judged at the load it lives at now
 
 
 def test_a_probes_standing_steps_count_toward_its_length():

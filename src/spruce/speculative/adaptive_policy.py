@@ -409,7 +409,9 @@ class AdaptivePolicy:
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
         self._recent_loads: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
-        self._peak_load = 0  # the largest load decided or batch stepped since the last idle gap (`_detach_load`) ...
+        self._peak_load = 0  # the largest load decided or batch stepped in this epoch since the last idle gap ...
+        self._peak_before = 0  # ... and in the epoch before it (`_saw_load`, `_detach_load`) ...
+        self._peak_epoch: Epoch | None = None  # (the epoch `_peak_load` is this one's)
         self._gap: tuple[int, float] | None = None  # ... and, from an idle gap until the next ask, the one before it
         # and when the gap began
         self._carried_load = 0  # the load before the last idle gap, if that gap was a round trip (`_detach_load`)
@@ -498,19 +500,31 @@ class AdaptivePolicy:
         return None
 
     def _detach_load(self, batch_size: int) -> int:
-        """The load bucket a request joining a batch of `batch_size` lives at: `_load_bucket`'s, or the largest
-        batch or load since the last idle gap, or, where that gap was shorter than DETACH_GAP, the largest before
-        it. Under plain steps the requests of a served level end together, the engine idles until their clients'
-        next requests come (a round trip), and the load window starts over (`idle`): the wave refills through the
-        small loads, where plain steps are not settled (their epochs are dropped as outgrown), and its first
-        requests, judged there, joined with their drafts and kept the full batch's steps on features until they
-        ended. A level's change of concurrency (a quiet gap of seconds in bench serving) is not carried over."""
+        """The load bucket a request joining a batch of `batch_size` lives at: `_load_bucket`'s, or the largest batch or
+        load of this epoch and the one before it since the last idle gap (`_saw_load`), or, where that gap was shorter
+        than DETACH_GAP, the largest before it. Under plain steps the requests of a served level end together, the
+        engine idles until their clients' next requests come (a round trip), and the load window starts over (`idle`):
+        the wave refills through the small loads, where plain steps are not settled (their epochs are dropped as
+        outgrown), and its first requests, judged there, joined with their drafts and kept the full batch's steps on
+        features until they ended. A level's change of concurrency (a quiet gap of seconds in bench serving) is not
+        carried over."""
         if self._gap is not None:  # the first ask since an idle gap began: was it a round trip?
             before, began = self._gap
             self._carried_load = before if self.clock() - began <= DETACH_GAP else 0
             self._gap = None
         return self.bucket_for(max(batch_size, max(self._recent_loads, default=0), self._peak_load,
-                                   self._carried_load))
+                                   self._peak_before, self._carried_load))
+
+    def _saw_load(self, load: int) -> None:
+        """A decision over a load of `load` (the requests the engine held) or a step over a batch of `load` was
+        counted: `_detach_load`'s memory of the largest in this epoch and the one before it (since the last idle
+        gap), so that a load that fell with no idle gap is forgotten once two epochs and the load window have
+        passed. Kept since the last idle gap alone (4fb2ca6), it judged requests at a load long gone for as long as
+        the engine never idled."""
+        if self.epochs.current is not self._peak_epoch:
+            self._peak_epoch, self._peak_before, self._peak_load = self.epochs.current, self._peak_load, 0
+        if load > self._peak_load:
+            self._peak_load = load
 
     def _rounds_win(self, load: int, spec_tokens: float, seconds: dict[str, float],
                     parts: Callable[[], dict[str, float]]) -> bool:
@@ -685,7 +699,6 @@ class AdaptivePolicy:
         bucket = self.bucket_for(bs)
         holding = max(bs, held)  # the requests the engine holds, the batch at least
         self._recent_loads.append(min(holding, self.buckets[-1]))
-        self._peak_load = max(self._peak_load, self._recent_loads[-1])
         load = self._load_bucket(bs)
         if self._probe_load is not None and self._probe_load != load:
             self._leave_probe(self._state[self._probe_load])
@@ -728,6 +741,7 @@ class AdaptivePolicy:
             d.choice, d.reason = PLAIN, "detached"
         self.epochs.step(d.choice, load, self._epoch_steps(d, d.choice, request_tokens), bucket, bs,
                          d.reason == "probe")
+        self._saw_load(self._recent_loads[-1])
         st.last = d
         self.chosen[d.choice] += 1
         self._launched(d.choice, bucket, now)
@@ -1205,8 +1219,6 @@ class AdaptivePolicy:
         The caller checks what the choice needs of the batch's drafts (plain steps: no lag fills the ring; rounds:
         no lag)."""
         bucket = self.bucket_for(batch_size)
-        if batch_size > self._peak_load:
-            self._peak_load = batch_size
         opens = self._reuse_left <= 0
         if opens and not self._epoch_stands(choice, bucket):
             return False
@@ -1223,6 +1235,7 @@ class AdaptivePolicy:
             self.epochs.step(choice, load, self._reuse_left, bucket, batch_size)
         else:
             self.epochs.standing_step(now, bucket, batch_size)
+        self._saw_load(batch_size)
         self._reuse_left -= 1
         self.chosen[choice] += 1
         if self._last_launch is not None:  # the interval the deciding step opened ends here
@@ -1276,10 +1289,11 @@ class AdaptivePolicy:
             if self.bucket_for(max(batches)) != bucket or self.bucket_for(min(batches)) != bucket:
                 raise InvariantError(f"standing steps taken ahead over batches {sorted(set(batches))} span cost "
                                      f"buckets; a ticket holds one")
-            self._peak_load = max(self._peak_load, max(batches))
         else:
             bucket = 0
         self.epochs.standing_steps(times, bucket, batches, prefills)
+        if times:
+            self._saw_load(max(batches))
         self._reuse_left -= len(times)
         self.chosen[choice] += len(times)
         if prefills:  # (break_chain's)
@@ -1365,8 +1379,9 @@ class AdaptivePolicy:
         H200 x4 (6128c32, 2026-11-26, 128-token prompts) the adaptive server decided 128 steps a 64-request level at
         concurrency 1 (2040 rounds), one at each request's start, and trailed the fixed server by 1.7% there."""
         self.epochs.idle()
-        if self._peak_load:  # the gap's first call (the engine may call again before anything launches)
-            self._gap, self._peak_load = (self._peak_load, self.clock()), 0
+        peak = max(self._peak_load, self._peak_before)
+        if peak:  # the gap's first call (the engine may call again before anything launches)
+            self._gap, self._peak_load, self._peak_before = (peak, self.clock()), 0, 0
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
