@@ -14,9 +14,10 @@
 #   order and CPU sets balance over four passes; with three the adaptive server never ran on one of the four CPU
 #   sets, on the H100 x2 at 779240c the one a plain server was fastest on); GPU_TESTS=1 (default): the `gpu` tests of
 #   tests/test_adaptive.py first, on the last GPU and its cores; GPU_TESTS=all: the last GPU runs the `gpu` tests of
-#   tests/test_adaptive.py, test_gpu.py and test_warm_eager.py instead of a serving run (its log: gN/gpu_tests.log); BENCH_TIMEOUT: each run's time limit (seconds,
-#   device_serving_prefix.sh's); REQUESTS: requests per level (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...:
-#   one more server for that GPU's run only (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
+#   tests/test_adaptive.py, test_gpu.py and test_warm_eager.py instead of a serving run (its log: gN/gpu_tests.log);
+#   BENCH_TIMEOUT: each run's time limit (seconds, device_serving_prefix.sh's); REQUESTS: requests per level
+#   (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...: one more server for that GPU's run only
+#   (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
 # Run i is given `bench serving --rotation i`: it starts its servers from the i-th and runs its passes at the server
 # orders and CPU sets of passes i, i+1, ...; until 2026-11-27 every run started the plain server first and ran it
 # first in its first level, where its identical copy trailed it by 3.5 +- 0.4% (eight H100 x4 runs at concurrency 1;
@@ -50,6 +51,11 @@ for i in range(gpus):
 PY
 cat /tmp/core-shares || exit 2
 ROOT=$OUT; T0=$SECONDS
+gpu_tests() {  # the `gpu` tests of the files after the time limit $1, on this run's GPU and cores ($cpus), into $OUT
+  local limit=$1; shift
+  SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout "$limit" taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
+    -m gpu "$@" -rs > "$OUT/gpu_tests.log" 2>&1
+}
 MODES=(${MODES:-short short prefix prefix}); PASSESV=(${PASSESV:-4 4 4 4})
 for ((i = 0; i < GPUS; i++)); do
   cpus=$(sed -n "$((i + 1))p" /tmp/core-shares)
@@ -62,14 +68,12 @@ for ((i = 0; i < GPUS; i++)); do
       export SPRUCE_SRC=$PWD/${!src_var} SPRUCE_GIT_COMMIT=${!commit_var:-${!src_var}}
     fi
     if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = all ]; then
-      SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 480 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
-        -m gpu tests/test_adaptive.py tests/test_gpu.py tests/test_warm_eager.py -rs > "$OUT/gpu_tests.log" 2>&1
+      gpu_tests 480 tests/test_adaptive.py tests/test_gpu.py tests/test_warm_eager.py
       echo "g$i gpu tests t=$((SECONDS - T0)):"; tail -4 "$OUT/gpu_tests.log"
       exit 0
     fi
     if [ $i = $((GPUS - 1)) ] && [ "${GPU_TESTS:-1}" = 1 ]; then
-      SPRUCE_GPU_REPORT=$OUT/gpu_report.json timeout 150 taskset -c "$cpus" python3 -m pytest -q -p no:cacheprovider \
-        -m gpu tests/test_adaptive.py > "$OUT/gpu_tests.log" 2>&1
+      gpu_tests 150 tests/test_adaptive.py
       echo "g$i gpu tests t=$((SECONDS - T0)): $(tail -1 "$OUT/gpu_tests.log")"
     fi
     ROTATION=$i MODE=${MODES[$i]} PASSES=${PASSESV[$i]} REQUESTS=${REQUESTS:-64 512 1024 1024} CONTROL=1 PIN_CPUS=1 NO_CACHE_RUN=0 \
