@@ -727,10 +727,13 @@ def test_a_request_with_a_draft_ends_the_detached_plain_steps(monkeypatch, draft
     assert_no_leaks(llm)
 
 
-def test_prefix_cache_takes_no_page_a_detached_request_wrote(monkeypatch):
+def test_prefix_cache_pages_a_detached_request_wrote_lack_draft_kv(monkeypatch):
     """A detached request's pages from its detached prompt chunk on hold no valid draft KV: the prefix cache takes
-    none of them, and a later request whose prompt is its whole text plus more (all rounds) gives the tokens and
-    round-by-round accept lengths of the same run without the cache."""
+    them with their target KV alone, and a later request that will run rounds (it cannot join detached) takes none
+    of them: its prompt, the first one's whole text plus more, gives the tokens and round-by-round accept lengths of
+    the same run without the cache. Its own pages then give the cached ones their draft KV (copied): the same prompt
+    once more is served from the cache and still gives those accept lengths (fails if the copy is wrong or missing:
+    the draft would read the KV a detached request never wrote)."""
     fixed_costs(monkeypatch)
     kw = dict(draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -741,15 +744,43 @@ def test_prefix_cache_takes_no_page_a_detached_request_wrote(monkeypatch):
                         lambda batch_size: None if detach[0] else "probe_waiting")
     force(llm, [0])
     a = llm.generate([PROMPTS[1]], params)[0]
+    cache = llm.engine.scheduler.prefix_cache
     assert llm.engine.stats()["adaptive"]["detached_requests"] == 1
-    assert llm.engine.stats()["prefix_cache"]["cached_pages"] == 0
+    held = cache.match(a.prompt_token_ids + a.token_ids)
+    assert len(held) > 2 and cache.drafted(held) == 0  # (its first chunk was detached: no page has draft KV)
     b_prompt = a.prompt_token_ids + a.token_ids + llm.tokenizer.encode("\n\n\ndef")
     detach[0] = False
     force(llm, [1])
-    got = _round_counts(llm, [b_prompt], params)
+    got = [llm.generate([b_prompt], params)[0] for _ in range(2)]
     base = LLM(TARGET, disable_radix_cache=True, **kw)
     force(base, [1])
-    assert got == _round_counts(base, [b_prompt], params)
+    want = _round_counts(base, [b_prompt], params)
+    assert [(o.token_ids, o.spec_stats["accept_length_counts"]) for o in got] == want * 2
+    assert got[0].num_cached_tokens == 0 and got[1].num_cached_tokens > len(a.prompt_token_ids)
+    assert cache.drafted(cache.match(b_prompt)) == len(cache.match(b_prompt))
+    assert_no_leaks(llm)
+
+
+def test_detached_requests_take_pages_without_draft_kv(monkeypatch, draft, reference):
+    """Requests that join detached are served the pages detached requests left (target KV alone) at their prompt's
+    second sight, as a plain engine would: no draft extend runs, every request is detached (those admitted onto such
+    pages whatever their prefill finds), and the tokens are the plain engine's."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, page=4)
+    strategy = llm.engine.strategy
+    monkeypatch.setattr(strategy.policy, "detach_blocker", lambda batch_size: None)
+    extends = []
+    real = strategy.worker.extend_draft
+    monkeypatch.setattr(strategy.worker, "extend_draft", lambda *a, **kw: extends.append(1) or real(*a, **kw))
+    want = reference(GREEDY)
+    first = llm.generate(PROMPTS, GREEDY)
+    second = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in first] == [o.token_ids for o in second] == [o.token_ids for o in want]
+    assert all(o.num_cached_tokens == 0 for o in first)
+    assert all(o.num_cached_tokens >= len(o.prompt_token_ids) - 4 for o in second)
+    adaptive_stats = llm.engine.stats()["adaptive"]
+    assert adaptive_stats["detached_requests"] == 2 * len(PROMPTS) and adaptive_stats["attached_requests"] == {}
+    assert extends == [], extends
     assert_no_leaks(llm)
 
 

@@ -124,49 +124,46 @@ def test_refcounts_lru_and_duplicates():
     assert [n.page for n in cache.match([1, 2, 3, 4, 5])] == a[:1]
 
 
-def test_pages_left_out_for_their_draft_are_remembered():
-    """A request whose draft KV is valid only below `valid` (adaptive speculation's plain steps) inserts the pages
-    below it; the first page past it, under the pages before it, is remembered (`seen_before`: the first page a
-    later sequence finds past its matched path), and only that content: another continuation of the same pages is
-    not, nor the same page after another prefix, nor a sequence a full release inserted whole."""
+def test_pages_without_draft_kv_enter_with_their_target_kv():
+    """A request whose draft KV is valid only below `valid` (adaptive speculation's plain steps, a detached request)
+    inserts its pages below `target_valid` all the same, those past `valid` marked as lacking the draft's KV: a match
+    finds the whole path and `drafted` says how much of it a request that drafts may take; the first page past that
+    is `seen_before` (its content repeats), and only that content."""
+    copies = []
     cache, alloc = _cache()
+    cache.copy_draft = lambda src, dst: copies.append((list(src), list(dst)))
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # pages [1,2] [3,4] [5,6] [7,8]
 
     def seen(seq: list[int]) -> bool:
-        return cache.seen_before(cache.match(seq), seq)
+        path = cache.match(seq)
+        return cache.seen_before(path[:cache.drafted(path)], seq)
 
     pages = alloc.alloc(4)
-    freed = cache.release([], tokens, pages, valid=2)  # draft valid for positions 0 and 1 only
-    assert freed == pages[1:] and [n.page for n in cache.match(tokens)] == pages[:1]
+    assert cache.release([], tokens, pages, valid=2, target_valid=8) == []  # draft KV for positions 0 and 1 only
+    path = cache.match(tokens)
+    assert [n.page for n in path] == pages and cache.drafted(path) == 1 and cache.num_pages == 4
     assert seen(tokens) and seen([1, 2, 3, 4, 5])  # page [3,4] + next token 5, under [1,2]
     assert not seen([1, 2, 3, 4, 6])  # page [3,4] before another token
     assert not seen([9, 2, 3, 4, 5]) and not seen([1, 2, 3])  # another prefix; too short to say
-    assert not cache.seen_before([], tokens)  # the page past no path is [1,2], which the tree holds
-    alloc.free(freed)
-    whole = alloc.alloc(2)
-    alloc.free(cache.release([], [7, 7, 7, 7, 7], whole, valid=4))  # everything valid: nothing remembered
-    assert not seen([7, 7, 7, 7, 7]) and not seen([7, 7, 7, 7, 7, 7, 7])
+    assert not cache.seen_before([], tokens)  # the page past no path is [1,2], which the tree holds whole
+    assert copies == []
+    # a request that computed the same content with its draft gives the tree its draft KV; its pages are freed
+    again = alloc.alloc(4)
+    cache.lock(path[:1])  # it took the page with draft KV and computed the rest
+    assert cache.release(path[:1], tokens, [pages[0]] + again[1:], valid=8, target_valid=8) == again[1:]
+    assert copies == [(again[1:], pages[1:])] and cache.drafted(cache.match(tokens)) == 4
+    alloc.free(again[1:])
+    # content whose pages hold everything is not taken back by a request whose draft lagged
+    other = alloc.alloc(4)
+    assert cache.release([], tokens, other, valid=0, target_valid=8) == other
+    assert cache.drafted(cache.match(tokens)) == 4 and len(copies) == 1
 
 
-def test_remembered_page_is_forgotten_with_its_parent():
-    """A remembered page is known by its parent node: once that node is evicted, the same content cached again is
-    a new node, and the page past it counts as new (no content is ever taken for another)."""
+def test_pages_without_draft_kv_need_a_draft_copy():
+    """Giving a page its draft KV with no `copy_draft` (an engine without a draft cannot leave pages without it) is
+    an invariant error, not a page silently marked whole."""
     cache, alloc = _cache()
     tokens = [1, 2, 3, 4, 5]
-    alloc.free(cache.release([], tokens, alloc.alloc(2), valid=2))
-    assert cache.seen_before(cache.match(tokens), tokens)
-    assert cache.evict(1) == 1 and cache.match(tokens) == []
-    alloc.free(cache.release([], tokens[:3], alloc.alloc(1), valid=2))  # [1,2] cached again: a new node
-    assert len(cache.match(tokens)) == 1 and not cache.seen_before(cache.match(tokens), tokens)
-
-
-def test_remembered_pages_are_bounded(monkeypatch):
-    """At most GHOST_LIMIT prefixes are remembered; the oldest is forgotten first."""
-    from spruce.memory import prefix_cache
-
-    monkeypatch.setattr(prefix_cache, "GHOST_LIMIT", 2)
-    cache, alloc = _cache()
-    for first in (1, 2, 3):
-        pages = alloc.alloc(2)
-        alloc.free(cache.release([], [first, 0, 0, 0, 0], pages, valid=0))
-    assert [cache.seen_before([], [first, 0, 0, 0, 0]) for first in (1, 2, 3)] == [False, True, True]
+    alloc.free(cache.release([], tokens, alloc.alloc(2), valid=0, target_valid=4))
+    with pytest.raises(InvariantError, match="no copy_draft"):
+        cache.release([], tokens, alloc.alloc(2), valid=4)

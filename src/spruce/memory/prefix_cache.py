@@ -12,52 +12,55 @@ on each node (`lock`) until its row is released; unreferenced leaves are evicted
 when the allocator runs short. Requests only ever write positions past their matched prefix, so a shared page
 is never written after it enters the tree.
 
-Pages whose draft KV is not valid are not inserted (adaptive speculation's plain steps and lazy prefills leave
-the draft behind). Their first page's content is remembered instead, as its key under its parent node
-(`seen_before`; at most GHOST_LIMIT, oldest forgotten first): a later prompt that repeats it is one worth
-computing with its draft, so that it enters the tree (speculative/adaptive.py). The parent (the tree's node for
-the pages before it, by serial number) stands for everything before the page: a node's path is its content.
-A hash of the whole prefix did the same until 2026-11-25 at ~5 us a release (a tuple of ~1,300 tokens with the
-serving bar's 1k shared prefix; py-spy on the H100 put it at 2.7 us a decode step of the adaptive engine at
-concurrency 8-32, where every release remembers a page its plain steps left behind).
+A page's draft KV may be missing: adaptive speculation's plain steps and lazy prefills leave the draft behind,
+and a detached request's draft never runs (speculative/adaptive.py). Such a page still enters the tree with its
+target KV, marked as lacking the draft's (`_Node.draft`): a request that will decode plainly for its life takes it
+(`match`; the scheduler asks the strategy, `DecodeStrategy.joins_without_draft`), one that may run rounds takes
+only the path's pages with draft KV (`drafted`) and computes the rest, target and draft, itself; when it gives its
+row back, its draft KV is copied into the tree's page (`copy_draft`) and the page counts as whole. Until
+2026-11-27 such pages were left out and only their first page remembered, so an adaptive server that decoded
+plainly computed each prompt twice (its first sight, then its second with the draft's extend so that it entered
+the tree) where a plain server computed it once: on the H100 the first concurrency-8 level's prefills took
+0.44-0.50 s against 0.24-0.28. A page past the path whose draft KV is missing is what `seen_before` reports: the
+content repeats, so a request that may run rounds computes it with its draft this time.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
+from typing import Callable
 
 from spruce.errors import InvariantError
 from spruce.memory.page_allocator import PageAllocator
 
-GHOST_LIMIT = 4096  # prefixes remembered as seen but not inserted (their draft KV was not valid)
-
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "refs", "last_use", "serial")
+    __slots__ = ("key", "page", "parent", "children", "refs", "last_use", "draft")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None", serial: int):
-        self.serial = serial  # unique for the cache's life (a node made again for the same content gets another)
+    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None", draft: bool):
         self.key = key
         self.page = page
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.refs = 0  # running requests holding this node (and so its page)
         self.last_use = 0
+        self.draft = draft  # the page holds the draft's KV too (else the target's only)
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator):
+    """The tree. `copy_draft(src_pages, dst_pages)` copies the draft's KV of whole pages (None: the engine has no
+    draft, and every page holds all its KV)."""
+
+    def __init__(self, page_size: int, allocator: PageAllocator,
+                 copy_draft: Callable[[list[int], list[int]], None] | None = None):
         self.page_size = page_size
         self.allocator = allocator
-        self._serials = itertools.count()
-        self.root = _Node((), -1, None, next(self._serials))
+        self.copy_draft = copy_draft
+        self.root = _Node((), -1, None, True)
         self.num_pages = 0  # pages held by the tree
         self._clock = itertools.count(1)
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # prompt tokens looked up, since start
-        self._ghosts: collections.OrderedDict[tuple[int, tuple[int, ...]], None] = collections.OrderedDict()
-        # pages left out: (parent's serial, key) (module doc)
 
     def _key(self, tokens: list[int], k: int) -> tuple[int, ...] | None:
         """Key of page k of `tokens`: its tokens and the one after (None when the sequence is too short)."""
@@ -67,13 +70,22 @@ class PrefixCache:
         return tuple(tokens[k * ps:(k + 1) * ps + 1])
 
     def match(self, tokens: list[int]) -> list[_Node]:
-        """The longest cached path of full pages for `tokens` (at least one token is always left over)."""
+        """The longest cached path of full pages for `tokens` (at least one token is always left over); its pages
+        past `drafted(path)` hold the target's KV only."""
         path, node, k = [], self.root, 0
         while (key := self._key(tokens, k)) is not None and key in node.children:
             node = node.children[key]
             path.append(node)
             k += 1
         return path
+
+    @staticmethod
+    def drafted(path: list[_Node]) -> int:
+        """How many of the path's first pages hold the draft's KV too."""
+        for k, node in enumerate(path):
+            if not node.draft:
+                return k
+        return len(path)
 
     def lock(self, path: list[_Node]) -> None:
         """A request starts using `path` (its first len(path) pages): no eviction takes them meanwhile."""
@@ -93,52 +105,53 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
         self.queried_tokens += tokens
 
-    def release(self, path: list[_Node], tokens: list[int], pages: list[int], valid: int) -> list[int]:
-        """A request gives its row back: unlock its matched `path`, insert its own full pages whose KV is
-        valid (positions < `valid`, each page with its next token known), and return the pages to free
-        (those not kept by the tree)."""
+    def release(self, path: list[_Node], tokens: list[int], pages: list[int], valid: int,
+                target_valid: int | None = None) -> list[int]:
+        """A request gives its row back: unlock its matched `path`, insert its own full pages whose KV is valid
+        (each page with its next token known): whole below position `valid`, the target's alone below
+        `target_valid` (None: `valid`); return the pages to free (those not kept by the tree). A page whose content
+        the tree holds without the draft's KV, where this request's is whole, gives the tree its draft KV
+        (`copy_draft`): the tree's page may be shared by requests that never read it."""
         self.unlock(path)
         if pages[:len(path)] != [n.page for n in path]:
             raise InvariantError(f"prefix cache: a request's first pages {pages[:len(path)]} are not its matched "
                                  f"path {[n.page for n in path]}")
+        limit = valid if target_valid is None else max(valid, target_valid)
         node, now = (path[-1] if path else self.root), next(self._clock)
         for n in path:
             n.last_use = now
-        to_free = []
+        to_free, copy_from, copy_to = [], [], []
         for k in range(len(path), len(pages)):
             key = self._key(tokens, k)
-            if key is None or (k + 1) * self.page_size > valid:
+            if key is None or (k + 1) * self.page_size > limit:
                 to_free.extend(pages[k:])
                 break
+            draft = (k + 1) * self.page_size <= valid
             child = node.children.get(key)
             if child is None:  # new content: the tree takes this page
-                child = _Node(key, pages[k], node, next(self._serials))
+                child = _Node(key, pages[k], node, draft)
                 node.children[key] = child
                 self.num_pages += 1
             else:  # the same content is cached already (another request's page): ours is a duplicate
+                if draft and not child.draft:
+                    copy_from.append(pages[k])
+                    copy_to.append(child.page)
+                    child.draft = True
                 to_free.append(pages[k])
             child.last_use = now
             node = child
-        else:
-            return to_free
-        if key is not None:  # the first page left out (a short last page: nothing to remember)
-            self._remember(node, key)
+        if copy_from:
+            if self.copy_draft is None:
+                raise InvariantError(f"prefix cache: pages {copy_to} lack the draft's KV but no copy_draft was given")
+            self.copy_draft(copy_from, copy_to)
         return to_free
 
-    def _remember(self, parent: _Node, key: tuple[int, ...]) -> None:
-        """The page `key` under `parent` was not inserted (its draft KV was not valid): remember it."""
-        ghost = (parent.serial, key)
-        self._ghosts[ghost] = None
-        self._ghosts.move_to_end(ghost)
-        while len(self._ghosts) > GHOST_LIMIT:
-            self._ghosts.popitem(last=False)
-
     def seen_before(self, path: list[_Node], tokens: list[int]) -> bool:
-        """The first page of `tokens` past its matched `path` (`match`), with everything before it, is what a
-        released request held without inserting it (its draft KV was not valid): the content repeats, so it is
-        worth inserting this time. False when `tokens` are too short for that page."""
+        """The first page of `tokens` past its matched `path` is in the tree without the draft's KV: the content
+        repeats, so it is worth computing with the draft this time. False when `tokens` are too short for it."""
         key = self._key(tokens, len(path))
-        return key is not None and ((path[-1] if path else self.root).serial, key) in self._ghosts
+        child = None if key is None else (path[-1] if path else self.root).children.get(key)
+        return child is not None and not child.draft
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages of unreferenced leaves, least recently used first; returns how many."""

@@ -87,12 +87,15 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                               else self.runner.model_config.eos_token_ids)
-        cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
+        copy_draft = self.runner.copy_draft_pages if self.runner.draft_kv is not None else None
+        cache = (None if config.disable_radix_cache
+                 else PrefixCache(self.limits.page_size, self.runner.allocator, copy_draft))
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
                                    PrefillBatching(config.scheduler_delay_factor))
         spec = config.speculative
         self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive,
                                       prefix_cache=cache)
+        self.scheduler.joins_without_draft = self.strategy.joins_without_draft
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)

@@ -269,6 +269,15 @@ class ModelRunner:
         self.graphs.release()
         self.prefill_graphs.release()
 
+    def copy_draft_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy the draft's KV of pages `src` into pages `dst` (every layer, every slot of each page; the prefix
+        cache gives a page it holds with the target's KV alone the draft's KV another request computed)."""
+        ps = self.limits.page_size
+        offsets = torch.arange(ps, dtype=torch.int64)
+        slots = (torch.tensor([src, dst], dtype=torch.int64)[:, :, None] * ps + offsets).reshape(2, -1)
+        src_slots, dst_slots = slots.to(self.device, non_blocking=True).unbind(0)
+        self.draft_kv.copy_slots(src_slots, dst_slots)
+
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""
         return aux if aux is not None else hidden

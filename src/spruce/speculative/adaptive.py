@@ -35,7 +35,9 @@ Pieces:
 - detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (at the
   load it lives at the settled model choice is plain steps and no probe of rounds waits), a lazy chunk is
   detached instead: no feature goes to the ring, no lag is counted, and the request decodes plainly to its end
-  (`Request.detached_at`; the prefix cache takes none of its pages from there). A batch of detached requests runs
+  (`Request.detached_at`; the prefix cache takes its pages from there with the target's KV alone, and such pages
+  serve only a request that joins detached: `joins_without_draft`, which the scheduler asks where a cached path
+  holds one; that request is then detached whatever its prefill finds). A batch of detached requests runs
   `detached_plain`, a plain engine's own step (its graphs keep no draft features); a batch holding one runs no
   round (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they
   have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server whose engine
@@ -163,7 +165,8 @@ class AdaptiveDecoding(DecodeStrategy):
         self._lag_bound = 0  # no request's draft lags by more (host): `choose` sets every lag of a decided step's
         # batch and grows them by one per plain step, `add_lag` by a lazy prefill's chunk (see `choose`)
         self._lazy: frozenset[int] = frozenset()  # chunks of the prefill being launched whose draft extend waits
-        self._detach = False  # ... and whether they are detached instead (their drafts never run again)
+        self._detach: frozenset[int] = frozenset()  # ... and those of them detached instead (their drafts never
+        # run again)
         self._all_detached = False  # every request of the decode batch is detached: exact at each decided step,
         # cleared when a request with a draft joins (`extend_draft`)
         self.detached_requests = 0  # requests detached so far (/metrics) ...
@@ -225,16 +228,20 @@ class AdaptiveDecoding(DecodeStrategy):
             if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
                 self.policy.drafts_joined()  # arrivals with current drafts, for which rounds may pay: a standing
                 # plain choice is decided again (not where the steady choice is plain even with every draft current)
+        else:
+            self._lazy = self._detach = _detached_by_cache(chunks)
         self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:
             return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
         finally:
-            self._lazy, self._detach = frozenset(), False
+            self._lazy = self._detach = frozenset()
 
-    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool, bool]:
+    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool, frozenset[int]]:
         """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, whether the steady
-        choice was asked and is plain, and whether those chunks are detached instead (`AdaptivePolicy.detachable`;
-        why each final chunk that is not joins with its draft is counted: `attached_requests`). None is lazy unless
+        choice was asked and is plain, and those of them that are detached instead (`AdaptivePolicy.detachable`;
+        why each final chunk that is not joins with its draft is counted: `attached_requests`). Every chunk of a
+        request detached by its cached prefix (admitted onto pages without the draft's KV, `joins_without_draft`)
+        is detached whatever else holds. Otherwise none is lazy unless
         the policy prefers plain steps for the batch these requests join with current drafts
         (`AdaptivePolicy.steady_choice`; the batch: about the last decode batch's size, as requests come as others
         finish; or these alone); then each final chunk of a request whose draft is
@@ -266,38 +273,57 @@ class AdaptiveDecoding(DecodeStrategy):
         work (choose, resolved, this) went from 53 to 45-49 us a round (two runs each); on the H100 (2026-11-25,
         b726f34) an adaptive server running only rounds there launched each round ~150 us slower than a fixed
         server."""
+        forced = _detached_by_cache(chunks)
         if self._policy is None or not finals:
-            return frozenset(), False, False
+            return forced, False, forced
+        finals -= sum(chunks[i].final for i in forced)  # (the forced ones are counted as detached requests)
         last = self.last_decision
         if last is not None and last.choice == SPECULATIVE and last.reason == "model":
             self.attached_requests["rounds"] += finals
-            return frozenset(), False, False
+            return forced, False, forced
         size = min(max(self._batch_size, finals), self._policy.buckets[-1])  # the running batch, or these alone
-        self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
-        ticket = self._ticket  # standing plain steps: the steady choice asked once a ticket (`_Ticket.steady`)
-        if ticket is None:
-            steady = self._policy.steady_choice(size)
-        else:
-            steady = ticket.steady.get(size)
-            if steady is None:
-                steady = ticket.steady[size] = self._policy.steady_choice(size)
-        if steady != PLAIN:
+        if self._steady_choice(size) != PLAIN:
             self.attached_requests["rounds"] += finals
-            return frozenset(), False, False
+            return forced, False, forced
         longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
 
         def repeats(c: PrefillChunk) -> bool:  # its first page the cache lacks was left out of it before
             return cache is not None and cache.seen_before(c.request.cached_path, c.request.token_ids)
 
-        lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None
+        lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None and i not in forced
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))
         if len(lazy) < finals:
             self.attached_requests["eager"] += finals - len(lazy)
         blocker = self._policy.detach_blocker(size) if lazy else None  # (None: detachable)
         if blocker is not None:
             self.attached_requests[blocker] += len(lazy)
-        return lazy, True, bool(lazy) and blocker is None
+        return lazy | forced, True, (lazy if blocker is None else frozenset()) | forced
+
+    def _steady_choice(self, size: int) -> str:
+        """The policy's steady choice for a batch of `size` whose drafts are current (AdaptivePolicy.steady_choice),
+        asked once a ticket of standing plain steps (`_Ticket.steady`)."""
+        self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
+        ticket = self._ticket
+        if ticket is None:
+            return self._policy.steady_choice(size)
+        steady = ticket.steady.get(size)
+        if steady is None:
+            steady = ticket.steady[size] = self._policy.steady_choice(size)
+        return steady
+
+    def joins_without_draft(self) -> bool:
+        """Whether a request admitted now would join detached (DecodeStrategy.joins_without_draft): the steady
+        choice for the running batch is plain steps and nothing holds detaching back (`_lazy_chunks`'s rule for a
+        lazy chunk, asked before the request's prefill: the scheduler then gives it cached pages without the draft's
+        KV, and its prefill detaches it). No: while rounds are the model's choice."""
+        if self._policy is None:
+            return False
+        last = self.last_decision
+        if last is not None and last.choice == SPECULATIVE and last.reason == "model":
+            return False
+        size = min(max(self._batch_size, 1), self._policy.buckets[-1])
+        return self._steady_choice(size) == PLAIN and self._policy.detach_blocker(size) is None
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
@@ -315,7 +341,7 @@ class AdaptiveDecoding(DecodeStrategy):
         again (`Request.detached_at`), so no lag is counted and no feature stored; they hold back standing rounds
         (the bound of the lags is raised to one) until a decided step, which keeps their batches plain."""
         detach = self._detach
-        if any(c.final and not (detach and i in self._lazy) for i, c in enumerate(chunks)):
+        if any(c.final and i not in detach for i, c in enumerate(chunks)):
             self._all_detached = False  # a request with a draft joins the decode batch
         if not self._lazy:
             self._timed_extend(chunks, features, ends, finals, new_tokens)
@@ -326,15 +352,18 @@ class AdaptiveDecoding(DecodeStrategy):
             return [t for i in picked for t in range(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1)]
 
         if detach:
-            for i in self._lazy:
-                chunks[i].request.detached_at = chunks[i].start
-            self.detached_requests += len(self._lazy)
-            self._lag_bound = max(self._lag_bound, 1)
-        else:
-            for i in self._lazy:
+            for i in detach:
                 req = chunks[i].request
-                self.add_lag(req, len(chunks[i].tokens))
-                self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
+                req.detached_at = chunks[i].start if req.detached_at is None else min(req.detached_at,
+                                                                                     chunks[i].start)
+            self.detached_requests += sum(chunks[i].final for i in detach)
+            self._lag_bound = max(self._lag_bound, 1)
+        lagging = self._lazy - detach
+        for i in lagging:
+            req = chunks[i].request
+            self.add_lag(req, len(chunks[i].tokens))
+            self._lazy_in_flight[req] = self._lazy_in_flight.get(req, 0) + 1
+        if lagging:
             self.ring.store(*self.runner.prefilled_tokens(features.shape[0]), features)
         eager = [i for i in range(len(chunks)) if i not in self._lazy]
         if not eager:
@@ -671,6 +700,12 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def _elapsed(self, a, b) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+def _detached_by_cache(chunks: list[PrefillChunk]) -> frozenset[int]:
+    """The chunks of requests admitted onto cached pages without the draft's KV (`Request.detached_at` set before
+    their prefill, `joins_without_draft`): their drafts cannot be brought up to them, so they join detached."""
+    return frozenset(i for i, c in enumerate(chunks) if c.request is not None and c.request.detached_at is not None)
 
 
 def _compilations() -> int:

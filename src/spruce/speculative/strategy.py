@@ -162,6 +162,12 @@ class DecodeStrategy:
     def idle(self) -> None:
         """The engine has nothing to launch (its clocks must not count the wait for work)."""
 
+    def joins_without_draft(self) -> bool:
+        """Whether a request admitted now will decode plainly for its whole life (adaptive speculation: it would
+        join detached), so that cached pages holding the target's KV alone may serve it (memory/prefix_cache.py).
+        A fixed strategy's requests always run its steps: False."""
+        return False
+
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""
 
