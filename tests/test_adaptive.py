@@ -761,6 +761,26 @@ def test_prefix_cache_pages_a_detached_request_wrote_lack_draft_kv(monkeypatch):
     assert_no_leaks(llm)
 
 
+def test_detaching_is_judged_at_the_requests_the_engine_holds(monkeypatch, draft, reference):
+    """Eight requests arrive together into an idle engine whose prefills hold two or three prompts each: the load they
+    live at is the engine's (all held, queued included), not the prefill's own few requests nor the empty batch. A
+    load detachable only from 8 requests up detaches every one of them (fails if judged at the prefill's chunks or
+    the batch: the first ones would join with their drafts)."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, chunked_prefill_size=32)
+    strategy = llm.engine.strategy
+    asked = []
+    monkeypatch.setattr(strategy.policy, "detach_blocker", lambda batch_size: asked.append(batch_size) or (
+        None if batch_size >= 8 else "unsettled"))
+    prompts = [p[:60] for p in PROMPTS * 2]  # two or three prompts fill a prefill
+    want = LLM(TARGET, page_size=16, max_running_requests=8).generate(prompts, GREEDY)
+    got = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.stats()["steps"]["prefills"] >= 3 and set(asked) == {8}, asked
+    assert llm.engine.stats()["adaptive"]["detached_requests"] == 8
+    assert_no_leaks(llm)
+
+
 def test_detached_requests_take_pages_without_draft_kv(monkeypatch, draft, reference):
     """Requests that join detached are served the pages detached requests left (target KV alone) at their prompt's
     second sight, as a plain engine would: no draft extend runs, every request is detached (those admitted onto such

@@ -369,9 +369,10 @@ class Engine:
         sampling = self._sampling(finals)
         if sampling.penalties is not None:
             self._start_penalties(finals)
+        held = len(self.scheduler.running) + len(self.scheduler.waiting)  # (as for a decode step's choice)
         launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
+            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals), held)
         launch_s = time.perf_counter() - launch_start
         self.scheduler.batching.launched(launch_s, len(chunks))
         if sampling.penalties is not None:

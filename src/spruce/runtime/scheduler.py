@@ -39,8 +39,9 @@ class Scheduler:
         self.page_table = page_table
         self.allocator = allocator
         self.prefix_cache = prefix_cache
-        self.joins_without_draft: Callable[[], bool] = lambda: False  # whether a request admitted now decodes plainly
-        # for its life, so that cached pages without the draft's KV serve it (DecodeStrategy.joins_without_draft)
+        self.joins_without_draft: Callable[[int], bool] = lambda held: False  # whether a request admitted now (the
+        # requests held) decodes plainly for its life, so that cached pages without the draft's KV serve it
+        # (DecodeStrategy.joins_without_draft)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, with a launched step still holding their row
@@ -142,7 +143,7 @@ class Scheduler:
             drafted = cache.drafted(path) if path else 0
             if drafted < len(path):  # pages without the draft's KV: only a request that never drafts takes them
                 if without_draft is None:
-                    without_draft = self.joins_without_draft()
+                    without_draft = self.joins_without_draft(len(self.running) + len(self.waiting))
                 if not without_draft:
                     path = path[:drafted]
             if cache is not None:

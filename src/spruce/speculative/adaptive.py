@@ -199,9 +199,11 @@ class AdaptiveDecoding(DecodeStrategy):
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
-                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
-        """The target's prefill, then the draft's extend over the chunks, except over lazy ones (`_lazy_chunks`),
-        whose features go to the ring instead: their drafts lag like a plain step's.
+                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None,
+                held: int = 0) -> torch.Tensor:
+        """The target's prefill, then the draft's extend over the chunks, except over lazy ones (`_lazy_chunks`,
+        which judges detaching at the `held` requests too), whose features go to the ring instead: their drafts lag
+        like a plain step's.
 
         Under a ticket of standing steps the prefill joins the ticket (its launch time and arrivals, replayed with
         its steps, as `break_chain` would have told them). Under standing rounds no chunk is lazy and the drafts
@@ -224,7 +226,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if ticket is None:
                 self._policy.break_chain(finals)  # the time until the next decode launch is not a decode step's;
                 # the prompts it completes arrive in the epoch under way
-            self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals)
+            self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals, held)
             if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
                 self.policy.drafts_joined()  # arrivals with current drafts, for which rounds may pay: a standing
                 # plain choice is decided again (not where the steady choice is plain even with every draft current)
@@ -232,11 +234,12 @@ class AdaptiveDecoding(DecodeStrategy):
             self._lazy = self._detach = _detached_by_cache(chunks)
         self._prefill_extends.append(None)  # extend_draft replaces it if it extends eagerly
         try:
-            return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar)  # calls extend_draft below
+            return DecodeStrategy.prefill(self, chunks, sampling, logprobs, grammar, held)  # calls extend_draft
         finally:
             self._lazy = self._detach = frozenset()
 
-    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int) -> tuple[frozenset[int], bool, frozenset[int]]:
+    def _lazy_chunks(self, chunks: list[PrefillChunk], finals: int,
+                     held: int = 0) -> tuple[frozenset[int], bool, frozenset[int]]:
         """The chunks (`finals` of them final) whose draft extend is left to a later catch-up, whether the steady
         choice was asked and is plain, and those of them that are detached instead (`AdaptivePolicy.detachable`;
         why each final chunk that is not joins with its draft is counted: `attached_requests`). Every chunk of a
@@ -295,7 +298,7 @@ class AdaptiveDecoding(DecodeStrategy):
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))
         if len(lazy) < finals:
             self.attached_requests["eager"] += finals - len(lazy)
-        blocker = self._policy.detach_blocker(size) if lazy else None  # (None: detachable)
+        blocker = self._detach_blocker(size, held) if lazy else None  # (None: detachable)
         if blocker is not None:
             self.attached_requests[blocker] += len(lazy)
         return lazy | forced, True, (lazy if blocker is None else frozenset()) | forced
@@ -312,7 +315,7 @@ class AdaptiveDecoding(DecodeStrategy):
             steady = ticket.steady[size] = self._policy.steady_choice(size)
         return steady
 
-    def joins_without_draft(self) -> bool:
+    def joins_without_draft(self, held: int = 0) -> bool:
         """Whether a request admitted now would join detached (DecodeStrategy.joins_without_draft): the steady
         choice for the running batch is plain steps and nothing holds detaching back (`_lazy_chunks`'s rule for a
         lazy chunk, asked before the request's prefill: the scheduler then gives it cached pages without the draft's
@@ -323,7 +326,16 @@ class AdaptiveDecoding(DecodeStrategy):
         if last is not None and last.choice == SPECULATIVE and last.reason == "model":
             return False
         size = min(max(self._batch_size, 1), self._policy.buckets[-1])
-        return self._steady_choice(size) == PLAIN and self._policy.detach_blocker(size) is None
+        return self._steady_choice(size) == PLAIN and self._detach_blocker(size, held) is None
+
+    def _detach_blocker(self, size: int, held: int) -> str | None:
+        """AdaptivePolicy.detach_blocker for a request joining a batch of `size` while the engine holds `held`
+        requests (running and queued): the load it lives at is at least the engine's. After an idle gap a served
+        level's wave comes back all at once, but its first prefills find a small batch and a load window the gap
+        emptied: judged at those small loads (plain steps unsettled there, or no model choice), the first wave of
+        each concurrency-64 level joined with its drafts (H100 x4, 251813a, 2026-11-27: model_choice 262 and
+        unsettled 333 requests over 11 later passes) and its batches kept the feature-keeping step."""
+        return self._policy.detach_blocker(min(max(size, held), self._policy.buckets[-1]))
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:

@@ -90,8 +90,10 @@ class DecodeStrategy:
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
-                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
-        """Run prompt chunks through the target; sample after every final chunk.
+                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None,
+                held: int = 0) -> torch.Tensor:
+        """Run prompt chunks through the target; sample after every final chunk (`held`: the requests the engine
+        holds, running and queued, as for `choose`; 0: unknown).
 
         `sampling` (and `grammar`, if any) has one row per final chunk. Returns [finals, step_result_width]
         (accept length 0, the sampled token) and sets each finished prompt's row state (committed = prompt
@@ -162,10 +164,11 @@ class DecodeStrategy:
     def idle(self) -> None:
         """The engine has nothing to launch (its clocks must not count the wait for work)."""
 
-    def joins_without_draft(self) -> bool:
-        """Whether a request admitted now will decode plainly for its whole life (adaptive speculation: it would
-        join detached), so that cached pages holding the target's KV alone may serve it (memory/prefix_cache.py).
-        A fixed strategy's requests always run its steps: False."""
+    def joins_without_draft(self, held: int = 0) -> bool:
+        """Whether a request admitted now, while the engine holds `held` requests (running and queued), will decode
+        plainly for its whole life (adaptive speculation: it would join detached), so that cached pages holding the
+        target's KV alone may serve it (memory/prefix_cache.py). A fixed strategy's requests always run its steps:
+        False."""
         return False
 
     def measure_costs(self) -> None:
