@@ -313,6 +313,35 @@ def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut():
     assert st.spacing == math.ceil(p.probe_seconds / (PROBE_BUDGET * 128 * 1e-3))  # a full 128-round probe's price
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_probe_of_rounds_is_spaced_by_plain_steps_lead_where_other_loads_measure_the_acceptance(fresh):
+    """As test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut, then (`fresh`) ACCEPT_FRESH_MIN request-rounds
+    come from another load (accepting nothing, as here): the acceptance is re-measured without load 8's probes, and
+    its next spacing, computed at its next epoch's end, takes PROBE_SHARE_MIN of the budget (plain steps lead by
+    1.6x: (SWITCH_MARGIN / 0.6) squared is below it), a twentieth of the whole budget's rate: 20 times as far. Without
+    them (one load alone) the whole budget. Fails if the fresh acceptance is ignored, or if a load's own probe
+    counted as fresh."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=1.6e-3, clock=clock)
+    reqs = [Req() for _ in range(8)]
+    settle(p, reqs, 0)
+    st, spacings = p._state[8], []
+    for _ in range(1500):
+        cut = p.probes_cut
+        d = p.decide(reqs, tokens_left=64.0, request_tokens=128.0)
+        clock.now += d.step_seconds[d.choice]
+        if d.choice == SPECULATIVE:
+            p.accepted_round(reqs, [0] * 8)
+        if p.probes_cut > cut and fresh:
+            settle(p, [Req()], 0, rounds=ACCEPT_FRESH_MIN)  # another load's rounds
+        if p.probes_cut and not st.probing:
+            spacings.append(st.spacing)
+    assert p.probes == p.probes_cut == 1 and st.model_choice == PLAIN
+    whole = math.ceil(p.probe_seconds / (PROBE_BUDGET * 128 * 1e-3))  # a full 128-round probe's price
+    assert spacings[-1] == (math.ceil(p.probe_seconds / (PROBE_BUDGET * PROBE_SHARE_MIN * 128 * 1e-3))
+                            if fresh else whole), (spacings[-1], whole)
+
+
 def test_a_probe_is_not_cut_below_its_request_rounds_or_lead_nor_when_rounds_come_to_pay():
     """At concurrency 1 a probe's epoch of rounds counts 128 request-rounds, below PROBE_CUT_REQUEST_ROUNDS: it runs
     whole. At load 8 with plain steps leading by 20% (1.2 ms rounds), below PROBE_CUT_LEAD, it runs whole too: the
@@ -1936,15 +1965,19 @@ def test_a_loads_probes_get_less_of_the_budget_the_further_its_choice_leads():
     1 ms plain steps, 2 ms rounds that commit 2.1 tokens lead by 5% (the whole budget), 2.4 by 20% (a quarter of it),
     2.8 by 40% (a sixteenth: PROBE_SHARE_MIN, a twentieth, is the floor below it), 4 by 100% (the floor). Under plain
     steps, however far they lead (rounds of 1.9, 1.6 or 1 token), the whole budget: only
-    probes of rounds re-measure the acceptance (test_a_change_of_workload_is_found_by_a_probe)."""
+    probes of rounds re-measure the acceptance (test_a_change_of_workload_is_found_by_a_probe); but where the
+    acceptance is fresh (re-measured at other loads), as under rounds: plain steps leading by 5% (1.9 tokens), 25%
+    (1.6: 0.16) and 100% (1 token: the floor)."""
     reqs = [Req()]
-    for tokens, share in ((2.1, 1.0), (2.4, 0.25), (2.8, 1 / 16), (4.0, PROBE_SHARE_MIN), (1.9, 1.0), (1.6, 1.0),
-                          (1.0, 1.0)):
+    for tokens, share, fresh_share in ((2.1, 1.0, 1.0), (2.4, 0.25, 0.25), (2.8, 1 / 16, 1 / 16),
+                                       (4.0, PROBE_SHARE_MIN, PROBE_SHARE_MIN), (1.9, 1.0, 1.0), (1.6, 1.0, 0.16),
+                                       (1.0, 1.0, PROBE_SHARE_MIN)):
         p = policy(plain=1e-3, spec=2e-3)
         set_accept(p, tokens - 1)
         d = p.decide(reqs)
         model, other = (SPECULATIVE, PLAIN) if tokens > 2 else (PLAIN, SPECULATIVE)
         assert p._probe_share(d, model, other, d.step_seconds[other]) == pytest.approx(share)
+        assert p._probe_share(d, model, other, d.step_seconds[other], fresh=True) == pytest.approx(fresh_share)
 
 
 @pytest.mark.parametrize("stand", [False, True])

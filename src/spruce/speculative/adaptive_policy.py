@@ -113,7 +113,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   PROBE_ALLOWANCE seconds (a probe that would exceed it waits); under rounds a load's own spacing takes only
   (SWITCH_MARGIN over rounds' lead) squared of the budget, a twentieth at least (`_probe_share`; linear and a
   quarter at least from 2026-11-26, replaying the 128-token trace at concurrency 1: 400 plain steps against 640 and
-  0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind).
+  0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind), and under plain steps so do its probes
+  of rounds by plain steps' lead where other loads' rounds have re-measured the engine-wide acceptance since rounds
+  last ran at this load (session 46; else the whole budget: only rounds measure the acceptance).
   A probe of rounds under plain steps ends early once its request-rounds have settled the acceptance and plain
   steps still lead by PROBE_CUT_LEAD at it (`_cut`, session 37): from 8 requests up a probe's first 32-40 rounds
   measure what its ~110 would.
@@ -316,6 +318,8 @@ class _BucketState:
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
     probe_counted: int = 0  # the request-rounds the policy had counted when the probe began (`_cut`)
+    rounds_counted: int = 0  # ... and when rounds last ran here (a probe of rounds ended, or rounds stopped being the
+    # model's choice): request-rounds counted since came from other loads (`_probe_share`'s fresh acceptance)
     model_choice: str | None = None
     check: bool = False  # the model's choice changed away from a settled one: its first probe is not budgeted
     last: Decision | None = None
@@ -732,6 +736,7 @@ class AdaptivePolicy:
                         and self.epochs.count(st.model_choice, load, probes=False) >= SETTLED_EPOCHS
                         and not self._collapsed(owns))
             st.model_choice, st.probe_after, st.epochs_since_probe, st.probing = d.choice, PROBE_FIRST, 0, False
+            st.rounds_counted = self._accept_counted
             st.probe_waiting = False
             self._probe_load = None  # a probe under way was this load's (`_leave_probe`)
             st.measure = None
@@ -961,7 +966,8 @@ class AdaptivePolicy:
             cost = priced * self._probe_factor(other, load)
             model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]  # (seconds)
             if self.epochs.ratio(other, load) is not None and not st.check:
-                budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds)
+                fresh = self._accept_counted - st.rounds_counted >= ACCEPT_FRESH_MIN  # (rounds at other loads)
+                budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds, fresh)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
@@ -1016,6 +1022,7 @@ class AdaptivePolicy:
         model's choice after it completes the measure, `_measured_probe`), or not (its steps ran out, or the load
         moved before its epoch completed). Either way the load's probes are spaced twice as far apart."""
         st.probing, st.probe_after = False, min(2 * st.probe_after, PROBE_MAX)
+        st.rounds_counted = self._accept_counted
         if not keep_measure:
             st.measure = None
         self._probe_load = None
@@ -1061,10 +1068,12 @@ class AdaptivePolicy:
         return seconds
 
     @staticmethod
-    def _probe_share(d: Decision, model: str, other: str, other_seconds: float) -> float:
+    def _probe_share(d: Decision, model: str, other: str, other_seconds: float, fresh: bool = False) -> float:
         """The share of PROBE_BUDGET a load's probes of `other` may spend. Under rounds (plain probes), by how far
         rounds lead plain steps as priced (`other` at `other_seconds` a step): SWITCH_MARGIN over the lead, squared,
-        at most 1 and at least PROBE_SHARE_MIN. A probe pays only if plain steps have come to win by the margin since
+        at most 1 and at least PROBE_SHARE_MIN. Under plain steps the same where the acceptance is `fresh` (at least
+        ACCEPT_FRESH_MIN request-rounds came from other loads since rounds last ran at this one), else the whole
+        budget (below). A probe pays only if plain steps have come to win by the margin since
         they were last measured, and the further behind they are, the less likely that is; at the full budget probes
         cost what they were budgeted, a loss the fixed configuration does not pay: on the H100 (59f0601 and
         b32202e, 2026-11-26, 128-token prompts, 6 runs) the adaptive server trailed the fixed one by 0.9% at
@@ -1084,8 +1093,18 @@ class AdaptivePolicy:
         host's and the load's, which rounds do not move; what moves the choice is the acceptance, which rounds
         measure as they run. Replayed at concurrency 1: the 128-token trace -0.39% against fixed rounds, 272 plain
         steps (was -0.52%, 400); the changes of workload and the stationary traces unchanged (plain probes under
-        rounds are none of their cost)."""
-        if model != SPECULATIVE:
+        rounds are none of their cost).
+
+        Under plain steps with a fresh acceptance as under rounds, since session 46: the acceptance is engine-wide,
+        and a probe at one load re-measures it for all; what a probe at this load adds is rounds' cost here, which
+        moves the choice only where rounds come near plain steps. Where the acceptance is re-measured elsewhere
+        (probes at a load where they are cheap: with the 1k shared prefix on the H100 x4, 4b3d27c, a probe of rounds
+        at concurrency 1 cost 0.01-0.02 s for ~60 request-rounds, one at 8 was priced at 0.32 s for 290, and each
+        pass at 8 holding one ran 6.4% behind the plain server, its later passes without one 1.9%), a rise in it
+        reaches every load's decisions without this load's probe: each prices rounds at the engine-wide acceptance.
+        Where no other load measures it (one load alone, as in test_a_change_of_workload_is_found_by_a_probe), the
+        whole budget stays."""
+        if model != SPECULATIVE and not fresh:
             return 1.0
         lead = d.tokens_per_second(model) / max(d.tokens_per_second_at(other, other_seconds), 1e-12) - 1.0
         return max(PROBE_SHARE_MIN, min(1.0, (SWITCH_MARGIN / max(lead, 1e-12)) ** 2))
