@@ -16,8 +16,14 @@ arrival an engine step at most (as served, where requests come back one by one).
 divided by the run's prefills (`stood` and `steady_choice` also run outside prefills: at decode steps, at
 decisions), medians over repetitions.
 
+With `--sync-debug` (CUDA) each engine's prefill launches also run under torch's sync debug mode, and every
+synchronisation with the device inside them is counted by where it came from (bench/adaptive_plain_overhead.py's
+count_syncs): a launch that waits on the device waits for the decode step in flight, which grows with the decode
+batch (DESIGN §16, session 40: the adaptive launch's excess at 32-64 did not scale with its chunks). The mode's own
+checks lengthen every launch: the times of such a run are not the engine's.
+
 Usage (repo root): python bench/adaptive_prefill_parts.py --model DIR --draft DIR [--concurrency 1 32] [--trickle]
-    [--repeats 2] [--requests 256] [--scheduler-delay-factor 4] [--out-dir bench/results]
+    [--repeats 2] [--requests 256] [--scheduler-delay-factor 4] [--sync-debug] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling, also when loaded as a module (tests)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import adaptive_inprocess  # noqa: E402  (the engines it builds and the closed loop it drives)
+from adaptive_plain_overhead import count_syncs  # noqa: E402
 from spruce import SamplingParams  # noqa: E402
 from spruce.bench.common import write_result  # noqa: E402
 from spruce.bench.serving import load_prompts  # noqa: E402
@@ -67,10 +74,19 @@ class PartTimer:
         self.calls.clear()
 
 
-def instrument(llm, timer: PartTimer) -> None:
-    """Wrap the prefill's parts of `llm`'s engine (the adaptive ones where its strategy has them)."""
+def instrument(llm, timer: PartTimer, syncs: collections.Counter | None = None) -> None:
+    """Wrap the prefill's parts of `llm`'s engine (the adaptive ones where its strategy has them); with `syncs`, count
+    the synchronisations inside each prefill launch there by call site (`count_syncs`)."""
     engine = llm.engine
     strategy = engine.strategy
+    if syncs is not None:
+        launch = engine._launch_prefill
+
+        def synced(*args, **kwargs):
+            with count_syncs(syncs):
+                return launch(*args, **kwargs)
+
+        engine._launch_prefill = synced
     timer.wrap(engine, "_launch_prefill", "launch")
     timer.wrap(engine.runner, "prefill_forward", "target_forward")
     policy = getattr(strategy, "policy", None)
@@ -129,21 +145,29 @@ def main() -> None:
     ap.add_argument("--workload", choices=sorted(adaptive_inprocess.WORKLOADS), default="prefix")
     ap.add_argument("--scheduler-delay-factor", type=float, default=4.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="CUDA: count the synchronisations with the device inside the prefill launches, by call site")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
+    if args.sync_debug and args.device != "cuda":
+        ap.error(f"--sync-debug needs --device cuda (got {args.device!r}): torch's sync debug mode watches CUDA")
     args.shapes = []  # (adaptive_inprocess.build's fixed-shape kinds: none here)
     llms = {kind: adaptive_inprocess.build(kind, args) for kind in KINDS}
     timers = {kind: PartTimer() for kind in KINDS}
+    syncs = {kind: collections.Counter() for kind in KINDS} if args.sync_debug else None
     for kind, llm in llms.items():
-        instrument(llm, timers[kind])
+        instrument(llm, timers[kind], syncs[kind] if syncs is not None else None)
     shared_prefix_tokens, prompt_tokens = adaptive_inprocess.WORKLOADS[args.workload]
     prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", prompt_tokens, llms["plain"].engine.tokenizer,
                            shared_prefix_tokens)
     for llm in llms.values():  # every prompt twice: the cache holds them (bench/adaptive_inprocess.py)
         adaptive_inprocess.closed_loop(llm, prompts, 0, 1, len(prompts))
         adaptive_inprocess.closed_loop(llm, prompts, 0, 8, len(prompts))
+    for counter in (syncs or {}).values():
+        counter.clear()  # (the warm-up's)
     loops = [("cohort", c) for c in args.concurrency] + [("trickle", c) for c in args.concurrency if args.trickle]
     runs, summary = {}, {}
+    launched = collections.Counter()  # prefill launches per kind over every run (what the syncs were counted over)
     for arrivals, concurrency in loops:
         num_requests = max(args.requests, 16 * concurrency)
         label = f"{arrivals}-{concurrency}"
@@ -158,6 +182,7 @@ def main() -> None:
                 else:
                     tokens_per_s = trickle(llms[kind], prompts, rep * num_requests, concurrency, num_requests)
                 prefills = max(timer.calls["launch"], 1)
+                launched[kind] += timer.calls["launch"]
                 row = {"tokens_per_s": round(tokens_per_s, 1), "prefills": timer.calls["launch"],
                        "under_ticket": timer.calls.get("under_ticket", 0),
                        "us_per_prefill": {part: round(1e6 * s / prefills, 1) for part, s in timer.seconds.items()},
@@ -169,8 +194,12 @@ def main() -> None:
         print(f"{label} medians (us a prefill): {summary[label]}", flush=True)
     config = vars(args) | {"kinds": list(KINDS), "max_tokens": adaptive_inprocess.MAX_TOKENS,
                            "shared_prefix_tokens": shared_prefix_tokens, "prompt_tokens": prompt_tokens}
-    path = write_result("adaptive-prefill-parts", args.device, config, {"summary": summary, "runs": runs},
-                        Path(args.out_dir))
+    figures = {"summary": summary, "runs": runs}
+    if syncs is not None:
+        figures["syncs"] = {kind: {"prefill_launches": launched[kind], "sites": dict(counter.most_common())}
+                            for kind, counter in syncs.items()}
+        print(f"synchronisations inside prefill launches (every run): {figures['syncs']}", flush=True)
+    path = write_result("adaptive-prefill-parts", args.device, config, figures, Path(args.out_dir))
     print(f"results: {path}")
 
 
