@@ -259,9 +259,11 @@ class AdaptiveDecoding(DecodeStrategy):
         after the 1k shared prefix at concurrency 8: 9, 40 and 4 eager prefills in their first, second and third
         cycles; from the third the prefix cache holds each prompt but its last page).
 
-        The prefix cache takes only pages whose draft KV is valid, so a lazy prompt's pages are not shared; it
-        remembers the first of them instead (PrefixCache.seen_before), and a prompt that repeats it is extended
-        eagerly, so that its pages enter the cache: a shared system prompt is computed twice, then cached. (Had
+        The prefix cache takes a lazy prompt's pages with their target KV alone, which serve only requests that
+        join detached (memory/prefix_cache.py); for a request that may run rounds, a prompt whose next page the cache
+        holds so (PrefixCache.seen_before) is extended eagerly, so that its pages get their draft KV: a shared system
+        prompt is computed twice for such requests, then cached whole (once for detached ones, as in a plain
+        engine, since 2026-11-27; before, the cache took only pages with their draft KV, for every request). (Had
         every lazy prompt stayed out, an adaptive server that decoded plainly from its start would have computed
         its shared system prompt for every request; had every prompt with a full page been extended eagerly, as
         until 2026-11-23, every request would have paid the draft's extend over its own unique prompt: on the
@@ -293,7 +295,7 @@ class AdaptiveDecoding(DecodeStrategy):
         longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
 
-        def repeats(c: PrefillChunk) -> bool:  # its first page the cache lacks was left out of it before
+        def repeats(c: PrefillChunk) -> bool:  # its first page past its path is cached without draft KV
             return cache is not None and cache.seen_before(c.request.cached_path, c.request.token_ids)
 
         lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None and i not in forced
