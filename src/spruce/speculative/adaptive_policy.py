@@ -7,7 +7,7 @@ Rule: pick the candidate with the most expected committed tokens per second for 
 - E[tokens | plain] = 1. E[tokens | speculative] = the mean over the batch's requests of 1 + a_i, where a_i is
   the engine-wide mean of accepted drafts per round over the last ACCEPT_WINDOW request-rounds, every round but a
   collapsed request's retries (the population's mean: see `accepted_round`; before any round at all, the tree
-  depth S: optimistic, so the first rounds measure it; while the window fills, shrunk towards S, see
+  depth S: optimistic, so the first rounds measure it; over the first PRIOR_DECAY ones, shrunk towards S, see
   `prior_accept`), except for a request whose own EMA
   collapsed (below COLLAPSE_FRACTION, a tenth, of the engine-wide one): its own. Such a request thus counts ~1
   token in both candidates: it neither forces the batch to plain nor makes speculation look better than it is for
@@ -231,7 +231,8 @@ RETRY_FIRST, RETRY_MAX = 16, 1024  # plain positions before a collapsed request 
 ACCEPT_WINDOW = 512  # request-rounds behind the engine-wide acceptance (the prior of requests without rounds)
 ACCEPT_STALE_STEPS = 4096  # plain steps after which a request-round no longer prices rounds (`accepted_rounds`) ...
 ACCEPT_FRESH_MIN = 64  # ... once this many request-rounds have come since (the window never thins below it)
-PRIOR_ROUNDS = 32  # pseudo-rounds at S the prior holds beside an empty window, fewer as it fills (none when full)
+PRIOR_ROUNDS = 32  # pseudo-rounds at S the prior holds beside an empty window, fewer as rounds are counted ...
+PRIOR_DECAY = 128  # ... none from this many request-rounds on (`prior_accept`)
 COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the catch-up fits' forgetting
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
@@ -593,8 +594,8 @@ class AdaptivePolicy:
 
     def prior_accept(self) -> float:
         """Expected accepted drafts per round of a request without rounds (or with a collapse being retried): the
-        engine-wide acceptance, shrunk towards S while the window holds n < ACCEPT_WINDOW request-rounds, as if it
-        also held PRIOR_ROUNDS * (1 - n / ACCEPT_WINDOW) rounds that accepted S. The first rounds come from a
+        engine-wide acceptance, shrunk towards S while n < PRIOR_DECAY request-rounds have been counted, as if the
+        window also held PRIOR_ROUNDS * (1 - n / PRIOR_DECAY) rounds that accepted S. The first rounds come from a
         request or two, and a low mean of theirs would stand (plain steps measure nothing; only probes add rounds):
         on the H100 (2026-11-25, 128-token prompts, concurrency 1) the first 34 rounds accepted 2.0 drafts where the
         workload's rounds accept ~3.4, the policy chose plain steps for the rest of the level and the level ran
@@ -607,12 +608,23 @@ class AdaptivePolicy:
         concurrency 1 with the 1k shared prefix (~200 request-rounds at 0.22 drafts, then 8192 plain steps) left a
         window thinned to ACCEPT_FRESH_MIN = 64 whose prior was back at 1.67 drafts, 7.6x the acceptance measured, and
         the next level's first decisions at load 8 switched to rounds over 8 lagging drafts (H100 x2, session 39,
-        -194247); weighed by the count (~195), 0.66."""
+        -194247); weighed by the count (~195), 0.66.
+
+        The pseudo-rounds faded over ACCEPT_WINDOW (512) request-rounds until session 46: with the 1k shared prefix
+        (rounds accepting ~0.28 drafts) the first level at concurrency 1 ran ~150 rounds on the prior before plain
+        steps took it (priced 1.28 drafts after 96 rounds: H100 x4, 4b3d27c), and the first passes at 1 ran 1.1-2.3%
+        behind the plain server. Replayed at concurrency 1 through this policy (bench/replay_adaptive.py; 0.3 ms plain
+        steps, 0.745 ms rounds, acceptance drawn with mean ~0.28): the first 64 requests -4.9% against plain decoding
+        fading over 512, -1.7% over 192, -0.9% over 128 or 96, -1.0% over 64; 256 requests -1.3/-0.7/-0.4/-0.4/-0.6%.
+        The 128-token trace (rounds lead): 64 requests -1.4% against fixed rounds over 512, -0.7% over 128; 256
+        requests -0.4% either way. Cold starts that read low at first: one request at 2.0 drafts, then the trace,
+        equal or better over 128; two at 1.0, or half a request at 0, within 0.25% either way (over 128 at 512
+        requests -0.49% and -0.08% against -0.32% and +0.14%)."""
         mean = self.engine_accept()
         n = self._accept_counted
-        if self.global_accept is None or n >= ACCEPT_WINDOW:
+        if self.global_accept is None or n >= PRIOR_DECAY:
             return mean
-        pseudo = PRIOR_ROUNDS * (1.0 - n / ACCEPT_WINDOW)
+        pseudo = PRIOR_ROUNDS * (1.0 - n / PRIOR_DECAY)
         return (mean * n + self.max_accept * pseudo) / (n + pseudo)
 
     def expected_accept(self, request, lag: int = 0) -> float:
