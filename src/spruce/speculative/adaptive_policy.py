@@ -613,13 +613,14 @@ class AdaptivePolicy:
         The pseudo-rounds faded over ACCEPT_WINDOW (512) request-rounds until session 46: with the 1k shared prefix
         (rounds accepting ~0.28 drafts) the first level at concurrency 1 ran ~150 rounds on the prior before plain
         steps took it (priced 1.28 drafts after 96 rounds: H100 x4, 4b3d27c), and the first passes at 1 ran 1.1-2.3%
-        behind the plain server. Replayed at concurrency 1 through this policy (bench/replay_adaptive.py; 0.3 ms plain
-        steps, 0.745 ms rounds, acceptance drawn with mean ~0.28): the first 64 requests -4.9% against plain decoding
-        fading over 512, -1.7% over 192, -0.9% over 128 or 96, -1.0% over 64; 256 requests -1.3/-0.7/-0.4/-0.4/-0.6%.
+        behind the plain server. Replayed at concurrency 1 through this policy (bench/replay_prior_decay.py; 0.3 ms
+        plain steps, 0.745 ms rounds, acceptance drawn with mean ~0.28): the first 64 requests -4.9% against plain
+        decoding fading over 512, -1.7% over 192, -0.9% over 128 or 96, -1.0% over 64; 256 requests
+        -1.3/-0.7/-0.4/-0.4/-0.6%.
         The 128-token trace (rounds lead): 64 requests -1.4% against fixed rounds over 512, -0.7% over 128; 256
         requests -0.4% either way. Cold starts that read low at first: one request at 2.0 drafts, then the trace,
         equal or better over 128; two at 1.0, or half a request at 0, within 0.25% either way (over 128 at 512
-        requests -0.49% and -0.08% against -0.32% and +0.14%)."""
+        requests -0.49% and -0.08% against -0.32% and +0.14%; `replay-prior-decay-cpu--x86-64-20261127-111710`)."""
         mean = self.engine_accept()
         n = self._accept_counted
         if self.global_accept is None or n >= PRIOR_DECAY:
