@@ -10,7 +10,7 @@ and the request prefills from the first unmatched position (a partial last page 
 Pages in the tree are held by the allocator like any other. A request that matched a path holds a reference
 on each node (`lock`) until its row is released; unreferenced leaves are evicted least recently used first
 when the allocator runs short. Requests only ever write positions past their matched prefix, so a shared page
-is never written after it enters the tree.
+is never written after it enters the tree, but for the draft's KV given once to a page cached without it (below).
 
 A page's draft KV may be missing: adaptive speculation's plain steps and lazy prefills leave the draft behind,
 and a detached request's draft never runs (speculative/adaptive.py). Such a page still enters the tree with its
@@ -20,9 +20,8 @@ only the path's pages with draft KV (`drafted`) and computes the rest, target an
 row back, its draft KV is copied into the tree's page (`copy_draft`) and the page counts as whole. Until
 2026-11-27 such pages were left out and only their first page remembered, so an adaptive server that decoded
 plainly computed each prompt twice (its first sight, then its second with the draft's extend so that it entered
-the tree) where a plain server computed it once: on the H100 the first concurrency-8 level's prefills took
-0.44-0.50 s against 0.24-0.28. A page past the path whose draft KV is missing is what `seen_before` reports: the
-content repeats, so a request that may run rounds computes it with its draft this time.
+the tree) where a plain server computed it once. A page past the path whose draft KV is missing is what
+`seen_before` reports: the content repeats, so a request that may run rounds computes it with its draft this time.
 """
 
 from __future__ import annotations
