@@ -26,8 +26,7 @@ from spruce.bench.common import write_result  # noqa: E402
 from spruce.speculative import adaptive_policy  # noqa: E402
 
 TRACE = Path(__file__).resolve().parent / "results" / "accept-trace-cpu-20261123-121800.json"
-COST = {"plain": 0.275e-3, "round": 0.72e-3, "prefill": 13.5e-3, "extend": 3e-3, "catch_up_fixed": 2.8e-3,
-        "catch_up_per_position": 10e-6}
+COST = replay_adaptive.DEFAULT_COST
 SHARED_PREFIX_COST = COST | {"plain": 0.30e-3, "round": 0.745e-3}
 SHARED_PREFIX_DRAWS = ((0, 0.82), (1, 0.11), (2, 0.04), (3, 0.02), (5, 0.01))  # (drafts, probability): mean 0.28
 

@@ -369,10 +369,10 @@ class Engine:
         sampling = self._sampling(finals)
         if sampling.penalties is not None:
             self._start_penalties(finals)
-        held = len(self.scheduler.running) + len(self.scheduler.waiting)  # (as for a decode step's choice)
         launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals), held)
+            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals),
+                                           self.scheduler.held)
         launch_s = time.perf_counter() - launch_start
         self.scheduler.batching.launched(launch_s, len(chunks))
         if sampling.penalties is not None:
@@ -391,8 +391,7 @@ class Engine:
         ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
-        held = len(self.scheduler.running) + len(self.scheduler.waiting)  # arrivals count in the load at once
-        strategy = self.strategy.choose(reqs, held)  # adaptive speculation: a round or a plain step
+        strategy = self.strategy.choose(reqs, self.scheduler.held)  # adaptive speculation: a round or a plain step
         spec = strategy.speculative
         logprobs = decode_plan(reqs, self.limits.step_advance if spec else 1)
         sampling = self._sampling(reqs, strategy.tree_width)  # one row per tree node

@@ -100,6 +100,12 @@ class Scheduler:
             req.cached_path = []
 
     @property
+    def held(self) -> int:
+        """The requests the engine holds: running (prefilling or decoding) and queued; arrivals count in the load at
+        once (the adaptive strategy's choices and detaching read it)."""
+        return len(self.running) + len(self.waiting)
+
+    @property
     def has_work(self) -> bool:
         """Anything queued, running, or waiting for its last step to complete."""
         return bool(self.waiting or self.running or self.retiring)
@@ -143,7 +149,7 @@ class Scheduler:
             drafted = cache.drafted(path) if path else 0
             if drafted < len(path):  # pages without the draft's KV: only a request that never drafts takes them
                 if without_draft is None:
-                    without_draft = self.joins_without_draft(len(self.running) + len(self.waiting))
+                    without_draft = self.joins_without_draft(self.held)
                 if not without_draft:
                     path = path[:drafted]
             if cache is not None:

@@ -284,8 +284,7 @@ class AdaptiveDecoding(DecodeStrategy):
         finals -= sum(chunks[i].final for i in forced)  # (the forced ones are counted as detached requests)
         if not finals:  # no prompt to judge: the steady choice is not asked (~50-60 us a prefill on the H100)
             return forced, False, forced
-        last = self.last_decision
-        if last is not None and last.choice == SPECULATIVE and last.reason == "model":
+        if self._rounds_chosen():
             self.attached_requests["rounds"] += finals
             return forced, False, forced
         size = min(max(self._batch_size, finals), self._policy.buckets[-1])  # the running batch, or these alone
@@ -307,6 +306,12 @@ class AdaptiveDecoding(DecodeStrategy):
             self.attached_requests[blocker] += len(lazy)
         return lazy | forced, True, (lazy if blocker is None else frozenset()) | forced
 
+    def _rounds_chosen(self) -> bool:
+        """The last decision is rounds as the model's choice (not a probe's): arrivals are expected to run rounds,
+        so their drafts are extended now."""
+        last = self.last_decision
+        return last is not None and last.choice == SPECULATIVE and last.reason == "model"
+
     def _steady_choice(self, size: int) -> str:
         """The policy's steady choice for a batch of `size` whose drafts are current (AdaptivePolicy.steady_choice),
         asked once a ticket of standing plain steps (`_Ticket.steady`)."""
@@ -324,10 +329,7 @@ class AdaptiveDecoding(DecodeStrategy):
         choice for the running batch is plain steps and nothing holds detaching back (`_lazy_chunks`'s rule for a
         lazy chunk, asked before the request's prefill: the scheduler then gives it cached pages without the draft's
         KV, and its prefill detaches it). No: while rounds are the model's choice."""
-        if self._policy is None:
-            return False
-        last = self.last_decision
-        if last is not None and last.choice == SPECULATIVE and last.reason == "model":
+        if self._policy is None or self._rounds_chosen():
             return False
         size = min(max(self._batch_size, 1), self._policy.buckets[-1])
         return self._steady_choice(size) == PLAIN and self._detach_blocker(size, held) is None
