@@ -191,8 +191,9 @@ def test_start_up_catch_ups_seed_the_catch_up_fits(draft):
 
 
 def lazy_prefills(monkeypatch) -> None:
-    """The policy prefers plain steps at every batch size: every prefill that may be lazy is."""
+    """The policy prefers plain steps at every batch size: every prefill that may be lazy is (and none detaches)."""
     monkeypatch.setattr(AdaptivePolicy, "steady_choice", lambda self, batch_size: PLAIN)
+    monkeypatch.setattr(AdaptivePolicy, "detach_blocker", lambda self, batch_size: "unsettled")
 
 
 @pytest.mark.parametrize("page,overlap", [(16, True), (4, False)])
@@ -504,10 +505,11 @@ def test_the_lag_bound_lets_no_plain_step_run_over_a_full_ring(monkeypatch, draf
 def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window):
     """The model chooses plain (rounds priced at 100 plain steps): the draft runs only for the prompt when it is too
     long to leave to a catch-up (window 3: the ring holds less) and for the catch-ups a full feature ring forces,
-    never in a plain step; with a ring of 256 the prompt's extend waits too and the draft never runs; the lag
-    grows by one per plain step; the plain fast path serves every step that no catch-up interrupts (one decision
-    per catch-up, plus the first); a plain step's result rows are a plain engine's two columns (accept length 0,
-    the token: no round's padding to read back); the tokens are plain decoding's."""
+    never in a plain step, and the lag grows by one per plain step; with a ring of 256 the prompt's extend could
+    wait, and with rounds that far out of reach the request detaches (`AdaptivePolicy.detach_blocker`, no model
+    choice yet): the draft never runs and no lag is kept; the plain fast path serves every step that no catch-up
+    interrupts (one decision per catch-up, plus the first); a plain step's result rows are a plain engine's two
+    columns (accept length 0, the token: no round's padding to read back); the tokens are plain decoding's."""
     fixed_costs(monkeypatch, plain=1.0, spec=100.0)
     monkeypatch.setattr(limits, "DRAFT_LAG_WINDOW", window)
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
@@ -529,9 +531,9 @@ def test_plain_steps_run_no_draft_forward(monkeypatch, draft, reference, window)
     got = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert got.token_ids == reference(GREEDY)[0].token_ids
     prompt = len(got.prompt_token_ids)
-    if prompt <= llm.engine.limits.lazy_prefill_tokens:  # plain preferred from the start: a lazy prefill
-        want_lags = [prompt + i + 1 for i in range(MAX_NEW - 1)]  # the prefill gave the first token
-        assert lags == want_lags and calls == [] and len(decisions) == 1  # the draft never ran
+    if prompt <= llm.engine.limits.lazy_prefill_tokens:  # plain preferred from the start: a detached prefill
+        assert lags == [0] * (MAX_NEW - 1) and calls == [] and len(decisions) == 1  # the draft never ran
+        assert llm.engine.strategy.detached_requests == 1
     else:
         want_lags = [i % window + 1 for i in range(MAX_NEW - 1)]
         catch_ups = sum(lag == 1 for lag in want_lags[1:])
@@ -553,6 +555,7 @@ def test_an_eager_prefill_ends_standing_plain_steps_only_where_rounds_would_pay(
     llm = adaptive_llm(draft, page=4, disable_overlap_schedule=True)  # (the short prompt fills pages of 4)
     engine, strategy = llm.engine, llm.engine.strategy
     policy = strategy.policy
+    monkeypatch.setattr(policy, "detach_blocker", lambda batch_size: "unsettled")  # requests that may run rounds
     decisions, extends = [], []
     decide, extend = policy.decide, strategy.worker.extend_draft
     monkeypatch.setattr(policy, "decide", lambda *a, **kw: decisions.append(1) or decide(*a, **kw))
@@ -838,10 +841,13 @@ def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch):
     leave every prompt's draft behind, and the prefix cache takes only pages whose draft KV is valid. It remembers
     the first page it left out, so a prompt that repeats it is extended eagerly: the second request computes the
     prompt with its draft (no hit), the third finds it cached. A prompt never seen before stays lazy (no draft
-    extend): the fourth, another prompt."""
+    extend): the fourth, another prompt. (Requests that may run rounds: detaching held back, as where rounds are
+    within reach; a detached one takes the pages without draft KV at once:
+    test_detached_requests_take_pages_without_draft_kv)"""
     fixed_costs(monkeypatch, plain=1.0, spec=50.0)
     llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
               max_running_requests=2)
+    monkeypatch.setattr(llm.engine.strategy.policy, "detach_blocker", lambda batch_size: "unsettled")
     extends = []
     worker = llm.engine.strategy.worker
     real_extend = worker.extend_draft

@@ -801,6 +801,35 @@ def test_detached_requests_hold_back_rounds_and_their_probes():
     assert rounds.decide(batch).choice == SPECULATIVE
 
 
+def test_requests_detach_at_an_unsettled_load_where_rounds_are_out_of_reach():
+    """Where rounds are priced more than PROBED_MARGIN behind plain steps' tokens/s, a request detaches at a load
+    with no model choice yet or whose plain steps are not settled: no decision there would take rounds unless their
+    price moved by about half. On the H100 x4 (c5ed8ad, 2026-11-27, 1k shared prefix, rounds at ~0.45x plain steps'
+    tokens/s) each run's first concurrency-8 level held ~50 requests with their drafts (unsettled there), which
+    recomputed their cached prompts and extended their drafts: its mean prefill launch 2.0-2.3 ms against the
+    plain servers' 1.1, 10.7% behind them (the later passes 1.5% behind). Not at start-up (the prior acceptance, S,
+    puts rounds ahead), not where rounds are within reach, not where rounds are the load's model choice, not while
+    a probe is owed. Fails if the settling rule holds regardless, or if it is dropped for rounds within reach."""
+    p = policy(plain=1e-3, spec=3e-3)
+    reqs = [Req()]
+    assert p.detach_blocker(1) == "model_choice"  # the prior (S accepted drafts) puts rounds ahead
+    settle(p, reqs, 0)  # rounds commit one token: a third of plain steps' tokens/s
+    assert p.detach_blocker(1) is None  # no model choice yet, rounds out of reach
+    assert p.decide(reqs).choice == PLAIN
+    state = p._state[p.epochs.current.bucket]
+    assert p.epochs.count(PLAIN, 1, probes=False) < SETTLED_EPOCHS and p.detach_blocker(1) is None
+    state.check = True
+    assert p.detach_blocker(1) == "probe"
+    state.check = False
+    close = policy(plain=1e-3, spec=1e-3 / (1 - PROBED_MARGIN) * 0.95)  # rounds within PROBED_MARGIN
+    settle(close, reqs, 0)
+    assert close.detach_blocker(1) == "model_choice"
+    assert close.decide(reqs).choice == PLAIN
+    assert close.detach_blocker(1) == "unsettled"
+    rounds = rounds_held()
+    assert rounds.detach_blocker(1) == "model_choice"
+
+
 def test_a_probe_of_rounds_far_behind_waits_without_holding_requests():
     """A due probe of rounds held back by detached requests makes arriving requests join with their drafts only
     where rounds are priced within PROBED_MARGIN of plain steps' tokens/s (the probe may give them the load);
@@ -833,7 +862,9 @@ def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
     reads, if standing steps' batches are not counted, if the carried load outlives the next gap, if a long gap
     carries it, or if a load that fell without an idle gap is remembered past the load window and two epochs."""
     clock = Clock()
-    p = policy(spec=1.1e-3, clock=clock)
+    table = {(c, b): b * (1e-3 if c == PLAIN else 1.1e-3) for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
+    p = AdaptivePolicy(BUCKETS, table, overlapped=True, max_accept=4, clock=clock)  # (a request-step costs
+    # alike at every load: rounds stay within reach at load 1, which plain steps' figure at the full batch prices)
     settle(p, [Req()], 0)
     big = max(BUCKETS)
     full = [Req() for _ in range(big)]

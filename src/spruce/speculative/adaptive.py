@@ -33,7 +33,8 @@ Pieces:
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
   the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
 - detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (at the
-  load it lives at the settled model choice is plain steps and no probe of rounds waits), a lazy chunk is
+  load it lives at the model choice is plain steps, settled or with rounds far behind, and no probe of rounds
+  waits), a lazy chunk is
   detached instead: no feature goes to the ring, no lag is counted, and the request decodes plainly to its end
   (`Request.detached_at`; the prefix cache takes its pages from there with the target's KV alone, and such pages
   serve only a request that joins detached: `joins_without_draft`, which the scheduler asks where a cached path

@@ -447,6 +447,16 @@ class AdaptivePolicy:
         plain steps had each new request's prefill extend its draft eagerly for nothing (offline on the H100 with
         the 1k shared prefix, 2026-11-23: TTFT +1.1 ms a request, every step plain)."""
         load = self._load_bucket(batch_size)
+        spec_tokens, price = self._steady_prices(load, batch_size)
+        win = self._rounds_win(load, spec_tokens, {c: price(c, True) for c in CHOICES},
+                               lambda: {c: price(c, False) for c in CHOICES})
+        return SPECULATIVE if win else PLAIN
+
+    def _steady_prices(self, load: int, batch_size: int) -> tuple[float, Callable[[str, bool], float]]:
+        """A batch of `batch_size` requests at load bucket `load` whose drafts are current, as `decide` prices it:
+        the tokens a round commits per request at the engine-wide acceptance, and each choice's step seconds
+        (`price(choice, realized)`; realized False: by its parts alone), the draft's work on arriving prompts in
+        rounds' (the last decision's request and prompt lengths)."""
         spec_tokens = 1.0 + self.prior_accept()
         request_tokens, new_positions = self._arrivals
 
@@ -456,15 +466,23 @@ class AdaptivePolicy:
             return self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens, request_tokens,
                                 new_positions, realized)
 
-        win = self._rounds_win(load, spec_tokens, {c: price(c, True) for c in CHOICES},
-                               lambda: {c: price(c, False) for c in CHOICES})
-        return SPECULATIVE if win else PLAIN
+        return spec_tokens, price
+
+    def _rounds_out_of_reach(self, load: int, batch_size: int) -> bool:
+        """Rounds over a steady batch at load bucket `load` are priced (realized figures, as `decide` prices them)
+        more than PROBED_MARGIN behind plain steps' tokens/s: no decision there takes them unless their price
+        moves by about half (to SWITCH_MARGIN ahead), so plain steps need not be settled there before a request is
+        detached (`detach_blocker`)."""
+        spec_tokens, price = self._steady_prices(load, batch_size)
+        return not _ahead(spec_tokens, {c: price(c, True) for c in CHOICES}, -PROBED_MARGIN)
 
     def detachable(self, batch_size: int) -> bool:
         """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no draft
         state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own step). Only
         where no round is expected over its life: at the load it joins (`_detach_load`) the model choice is plain steps,
-        settled (SETTLED_EPOCHS epochs of its own), no probe under way or owed (`check`), and no probe of rounds waiting
+        settled (SETTLED_EPOCHS epochs of its own), or not rounds where rounds are priced more than PROBED_MARGIN
+        behind plain steps (`_rounds_out_of_reach`: settling could not give them the load), no probe under way or
+        owed (`check`), and no probe of rounds waiting
         for detached requests to end (`probe_waiting`, set by `_explore`: one was due, affordable, over a steady batch,
         and a detached request held it back (`decide`'s rounds_blocked); until it starts, arriving requests join with
         their drafts, so that it waits at most one request's life). Only where rounds are priced within PROBED_MARGIN of
@@ -489,17 +507,23 @@ class AdaptivePolicy:
 
     def detach_blocker(self, batch_size: int) -> str | None:
         """The first condition of `detachable` that the load a request joining a batch of `batch_size` lives at
-        fails: "model_choice" (not plain steps), "probe" (one under way or owed), "unsettled" (fewer than
-        SETTLED_EPOCHS epochs of plain steps), "probe_waiting" (a due probe of rounds waits for detached requests
-        to end); None when it fails none."""
+        fails: "model_choice" (rounds, or none yet with rounds within reach), "probe" (one under way or owed),
+        "unsettled" (fewer than SETTLED_EPOCHS epochs of plain steps, rounds within reach), "probe_waiting" (a due
+        probe of rounds waits for detached requests to end); None when it fails none. Rounds out of reach
+        (`_rounds_out_of_reach`) need no settled plain steps: with the 1k shared prefix on the H100 x4 (c5ed8ad,
+        2026-11-27, rounds at ~0.45x plain steps' tokens/s) each run's first concurrency-8 level held ~50 requests
+        with their drafts while load 8 settled; they recomputed their cached prompts and extended their drafts
+        (mean prefill launch 2.0-2.3 ms against the plain servers' 1.1), and those levels ran 10.7% behind the plain
+        server (the later passes 1.5% behind)."""
         load = self._detach_load(batch_size)
         st = self._state[load]
-        if st.model_choice != PLAIN:
+        if st.model_choice == SPECULATIVE:
             return "model_choice"
         if st.probing or st.check:
             return "probe"
-        if self.epochs.count(PLAIN, load, probes=False) < SETTLED_EPOCHS:
-            return "unsettled"
+        settled = st.model_choice == PLAIN and self.epochs.count(PLAIN, load, probes=False) >= SETTLED_EPOCHS
+        if not settled and not self._rounds_out_of_reach(load, batch_size):
+            return "model_choice" if st.model_choice is None else "unsettled"
         if st.probe_waiting:
             return "probe_waiting"
         return None
