@@ -556,6 +556,7 @@ def test_an_eager_prefill_ends_standing_plain_steps_only_where_rounds_would_pay(
     engine, strategy = llm.engine, llm.engine.strategy
     policy = strategy.policy
     monkeypatch.setattr(policy, "detach_blocker", lambda batch_size: "unsettled")  # requests that may run rounds
+    monkeypatch.setattr(policy, "rounds_out_of_reach", lambda batch_size, load=None: False)  # (a repeat: eager)
     decisions, extends = [], []
     decide, extend = policy.decide, strategy.worker.extend_draft
     monkeypatch.setattr(policy, "decide", lambda *a, **kw: decisions.append(1) or decide(*a, **kw))
@@ -836,18 +837,24 @@ def test_prefix_cache_takes_only_pages_with_a_current_draft(monkeypatch, pattern
     assert_no_leaks(llm)
 
 
-def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch):
+@pytest.mark.parametrize("within_reach", [True, False])
+def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch, within_reach):
     """Rounds priced far above plain steps: the engine decodes plainly from its start, so prefills are lazy and
-    leave every prompt's draft behind, and the prefix cache takes only pages whose draft KV is valid. It remembers
-    the first page it left out, so a prompt that repeats it is extended eagerly: the second request computes the
-    prompt with its draft (no hit), the third finds it cached. A prompt never seen before stays lazy (no draft
-    extend): the fourth, another prompt. (Requests that may run rounds: detaching held back, as where rounds are
-    within reach; a detached one takes the pages without draft KV at once:
-    test_detached_requests_take_pages_without_draft_kv)"""
+    leave every prompt's draft behind, and the prefix cache takes their pages with the target's KV alone, which a
+    request that may run rounds does not take (detaching held back here, as while a probe of rounds is owed; a
+    detached one takes them at once: test_detached_requests_take_pages_without_draft_kv). The cache remembers that
+    such a page exists, so where rounds are within reach a prompt that repeats it is extended eagerly: the second
+    request computes the prompt with its draft (no hit), the third finds it cached; a prompt never seen before
+    stays lazy (no draft extend): the fourth, another prompt. Where rounds are out of reach
+    (AdaptivePolicy.rounds_out_of_reach) the repeated prompt stays lazy too: no draft extend at all, and each
+    request computes the prompt (fails if the repeat is extended there, or not extended where rounds are within
+    reach)."""
     fixed_costs(monkeypatch, plain=1.0, spec=50.0)
     llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
               max_running_requests=2)
-    monkeypatch.setattr(llm.engine.strategy.policy, "detach_blocker", lambda batch_size: "unsettled")
+    policy = llm.engine.strategy.policy
+    monkeypatch.setattr(policy, "detach_blocker", lambda batch_size: "probe_waiting")
+    monkeypatch.setattr(policy, "rounds_out_of_reach", lambda batch_size, load=None: not within_reach)
     extends = []
     worker = llm.engine.strategy.worker
     real_extend = worker.extend_draft
@@ -859,8 +866,11 @@ def test_a_plain_server_still_caches_its_shared_prompt(monkeypatch):
     assert llm.engine.stats()["adaptive"]["chosen"][SPECULATIVE] == 0
     assert outs[1].token_ids == outs[2].token_ids == outs[0].token_ids
     assert [o.num_cached_tokens for o in outs[:2]] == [0, 0]
-    assert outs[2].num_cached_tokens >= len(prompt_ids := outs[0].prompt_token_ids) // 4 * 4 - 4 > 0, prompt_ids
-    assert extends == [1], extends  # only the second request's prefill extended the draft
+    if within_reach:
+        assert outs[2].num_cached_tokens >= len(prompt_ids := outs[0].prompt_token_ids) // 4 * 4 - 4 > 0, prompt_ids
+        assert extends == [1], extends  # only the second request's prefill extended the draft
+    else:
+        assert outs[2].num_cached_tokens == 0 and extends == [], extends
     assert_no_leaks(llm)
 
 

@@ -270,7 +270,14 @@ class AdaptiveDecoding(DecodeStrategy):
         until 2026-11-23, every request would have paid the draft's extend over its own unique prompt: on the
         H100 with a 1k-token shared prefix, TTFT 32.6 ms against a plain server's 20.9 at concurrency 8, with
         every step plain.) A draft that would catch up at once anyway, or whose rounds are expected, is extended
-        now.
+        now. Not a repeated prompt where rounds are priced out of reach (AdaptivePolicy.rounds_out_of_reach): there
+        a request joins with its draft only while a probe of rounds is under way, owed or waiting, and its draft's
+        work waits for the probe's catch-up (batched, ~1 ms + 1.2 us a position on the H100) or for nothing if the
+        probe ends first. Extended eagerly, each such prompt's launch took ~5 ms of the batch's time (H100 x4,
+        c5ed8ad, 1k shared prefix: the first concurrency-8 levels' ~40 eager prefills a run lengthened their mean
+        prefill launch from ~1.3 to 2.0-2.3 ms), and once most requests detached (fce3728) such prompts rarely got
+        their draft KV, so every request a probe held with its draft paid it (39 at concurrency 32, 50 at 8, over
+        four runs' later passes).
 
         While rounds are the standing model choice (the last decision's, not a probe's), the steady choice is not
         asked: the decision already priced rounds over the batch with its catch-ups and arrivals, which only weigh
@@ -295,8 +302,15 @@ class AdaptiveDecoding(DecodeStrategy):
         longest = self.runner.limits.lazy_prefill_tokens
         cache = self.prefix_cache
 
-        def repeats(c: PrefillChunk) -> bool:  # its first page past its path is cached without draft KV
-            return cache is not None and cache.seen_before(c.request.cached_path, c.request.token_ids)
+        within_reach = None  # rounds within reach of plain steps (asked once, if a prompt repeats)
+
+        def repeats(c: PrefillChunk) -> bool:  # its first page past its path is cached without draft KV, and its
+            nonlocal within_reach  # draft's KV may serve rounds
+            if cache is None or not cache.seen_before(c.request.cached_path, c.request.token_ids):
+                return False
+            if within_reach is None:
+                within_reach = not self._policy.rounds_out_of_reach(size)
+            return within_reach
 
         lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None and i not in forced
                          and c.request.draft_lag == 0 and len(c.tokens) <= longest and not repeats(c))

@@ -468,11 +468,14 @@ class AdaptivePolicy:
 
         return spec_tokens, price
 
-    def _rounds_out_of_reach(self, load: int, batch_size: int) -> bool:
-        """Rounds over a steady batch at load bucket `load` are priced (realized figures, as `decide` prices them)
-        more than PROBED_MARGIN behind plain steps' tokens/s: no decision there takes them unless their price
-        moves by about half (to SWITCH_MARGIN ahead), so plain steps need not be settled there before a request is
-        detached (`detach_blocker`)."""
+    def rounds_out_of_reach(self, batch_size: int, load: int | None = None) -> bool:
+        """Rounds over a steady batch of `batch_size` requests whose drafts are current, at load bucket `load` (None:
+        `_load_bucket`'s), are priced (realized figures, as `decide` prices them) more than PROBED_MARGIN behind
+        plain steps' tokens/s: no decision there takes them unless their price moves by about half (to SWITCH_MARGIN
+        ahead). So plain steps need not be settled there before a request is detached (`detach_blocker`), and a
+        request that joins with its draft there leaves its draft's work to a probe's catch-up
+        (speculative/adaptive.py, `_lazy_chunks`)."""
+        load = self._load_bucket(batch_size) if load is None else load
         spec_tokens, price = self._steady_prices(load, batch_size)
         return not _ahead(spec_tokens, {c: price(c, True) for c in CHOICES}, -PROBED_MARGIN)
 
@@ -481,7 +484,7 @@ class AdaptivePolicy:
         state at all (speculative/adaptive.py: no draft extend, no features kept, the plain engine's own step). Only
         where no round is expected over its life: at the load it joins (`_detach_load`) the model choice is plain steps,
         settled (SETTLED_EPOCHS epochs of its own), or not rounds where rounds are priced more than PROBED_MARGIN
-        behind plain steps (`_rounds_out_of_reach`: settling could not give them the load), no probe under way or
+        behind plain steps (`rounds_out_of_reach`: settling could not give them the load), no probe under way or
         owed (`check`), and no probe of rounds waiting
         for detached requests to end (`probe_waiting`, set by `_explore`: one was due, affordable, over a steady batch,
         and a detached request held it back (`decide`'s rounds_blocked); until it starts, arriving requests join with
@@ -510,7 +513,7 @@ class AdaptivePolicy:
         fails: "model_choice" (rounds, or none yet with rounds within reach), "probe" (one under way or owed),
         "unsettled" (fewer than SETTLED_EPOCHS epochs of plain steps, rounds within reach), "probe_waiting" (a due
         probe of rounds waits for detached requests to end); None when it fails none. Rounds out of reach
-        (`_rounds_out_of_reach`) need no settled plain steps: with the 1k shared prefix on the H100 x4 (c5ed8ad,
+        (`rounds_out_of_reach`) need no settled plain steps: with the 1k shared prefix on the H100 x4 (c5ed8ad,
         2026-11-27, rounds at ~0.45x plain steps' tokens/s) each run's first concurrency-8 level held ~50 requests
         with their drafts while load 8 settled; they recomputed their cached prompts and extended their drafts
         (mean prefill launch 2.0-2.3 ms against the plain servers' 1.1), and those levels ran 10.7% behind the plain
@@ -522,7 +525,7 @@ class AdaptivePolicy:
         if st.probing or st.check:
             return "probe"
         settled = st.model_choice == PLAIN and self.epochs.count(PLAIN, load, probes=False) >= SETTLED_EPOCHS
-        if not settled and not self._rounds_out_of_reach(load, batch_size):
+        if not settled and not self.rounds_out_of_reach(batch_size, load):
             return "model_choice" if st.model_choice is None else "unsettled"
         if st.probe_waiting:
             return "probe_waiting"
