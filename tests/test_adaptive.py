@@ -68,7 +68,7 @@ def fixed_costs(monkeypatch, plain: float = 1.0, spec: float = 2.0) -> None:
 def force(llm, pattern: list[int]) -> list[str]:
     """Override the policy's choice with `pattern` (1: speculate), cycled; returns the log of choices made. An
     entry may be served by the fast path (`AdaptivePolicy.repeat`) where the last decision stands and is the same
-    choice."""
+    choice. No request detaches (a forced round may come at any step)."""
     policy = llm.engine.strategy.policy
     decide, repeat, log = policy.decide, policy.repeat, []
 
@@ -86,6 +86,7 @@ def force(llm, pattern: list[int]) -> list[str]:
         return True
 
     policy.decide, policy.repeat = forced, forced_repeat
+    policy.detach_blocker = lambda batch_size: "model_choice"
     policy.stand_ahead = lambda batch_size: (0, 0, 0)  # every step asks (no standing steps taken ahead)
     return log
 
@@ -743,10 +744,10 @@ def test_prefix_cache_pages_a_detached_request_wrote_lack_draft_kv(monkeypatch):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     llm = LLM(TARGET, **kw)
     monkeypatch.setattr(llm.engine.strategy.policy, "steady_choice", lambda batch_size: PLAIN)
+    force(llm, [0])
     detach = [True]
     monkeypatch.setattr(llm.engine.strategy.policy, "detach_blocker",
                         lambda batch_size: None if detach[0] else "probe_waiting")
-    force(llm, [0])
     a = llm.generate([PROMPTS[1]], params)[0]
     cache = llm.engine.scheduler.prefix_cache
     assert llm.engine.stats()["adaptive"]["detached_requests"] == 1
