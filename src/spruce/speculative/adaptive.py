@@ -33,18 +33,17 @@ Pieces:
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
   the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
 - detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (at the
-  load it lives at the model choice is plain steps, settled or with rounds far behind, and no probe of rounds
-  waits), a lazy chunk is
-  detached instead: no feature goes to the ring, no lag is counted, and the request decodes plainly to its end
-  (`Request.detached_at`; the prefix cache takes its pages from there with the target's KV alone, and such pages
-  serve only a request that joins detached: `joins_without_draft`, which the scheduler asks where a cached path
-  holds one; that request is then detached whatever its prefill finds). A batch of detached requests runs
-  `detached_plain`, a plain engine's own step (its graphs keep no draft features); a batch holding one runs no
-  round (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they
-  have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server whose engine
-  did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that computed
-  the target's draft features and dropped them) was within the control's spread of the plain server at 8-64,
-  where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
+  load it lives at, rounds are not the model choice, plain steps are settled or rounds priced far behind them, and
+  no probe of rounds waits), a lazy chunk is detached instead: no feature goes to the ring, no lag is counted, and
+  the request decodes plainly to its end (`Request.detached_at`; the prefix cache takes its pages from there with
+  the target's KV alone, and such pages serve only a request that joins detached: `joins_without_draft`, which the
+  scheduler asks where a cached path holds one; that request is then detached whatever its prefill finds). A batch
+  of detached requests runs `detached_plain`, a plain engine's own step (its graphs keep no draft features); a batch
+  holding one runs no round (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe,
+  wait until they have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server
+  whose engine did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that
+  computed the target's draft features and dropped them) was within the control's spread of the plain server at
+  8-64, where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
 - the verify width (`speculative_adaptive_widths`): rounds run the tree of the width `WidthChooser` picks for the
   batch's cost bucket (speculative/tree_width.py), fed with each round's per-width acceptance (its result row) when
   the policy reads the rounds; a decided round takes the width then, standing rounds the one chosen at the last
