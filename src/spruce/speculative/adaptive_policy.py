@@ -447,16 +447,15 @@ class AdaptivePolicy:
         plain steps had each new request's prefill extend its draft eagerly for nothing (offline on the H100 with
         the 1k shared prefix, 2026-11-23: TTFT +1.1 ms a request, every step plain)."""
         load = self._load_bucket(batch_size)
-        spec_tokens, price = self._steady_prices(load, batch_size)
-        win = self._rounds_win(load, spec_tokens, {c: price(c, True) for c in CHOICES},
-                               lambda: {c: price(c, False) for c in CHOICES})
-        return SPECULATIVE if win else PLAIN
+        spec_tokens, realized, parts = self._steady_prices(load, batch_size)
+        return SPECULATIVE if self._rounds_win(load, spec_tokens, realized, parts) else PLAIN
 
-    def _steady_prices(self, load: int, batch_size: int) -> tuple[float, Callable[[str, bool], float]]:
+    def _steady_prices(self, load: int, batch_size: int) -> tuple[float, dict[str, float],
+                                                                  Callable[[], dict[str, float]]]:
         """A batch of `batch_size` requests at load bucket `load` whose drafts are current, as `decide` prices it:
-        the tokens a round commits per request at the engine-wide acceptance, and each choice's step seconds
-        (`price(choice, realized)`; realized False: by its parts alone), the draft's work on arriving prompts in
-        rounds' (the last decision's request and prompt lengths)."""
+        the tokens a round commits per request at the engine-wide acceptance, each choice's step seconds (realized
+        figures), and a thunk of them by their parts alone; rounds' with the draft's work on arriving prompts (the
+        last decision's request and prompt lengths)."""
         spec_tokens = 1.0 + self.prior_accept()
         request_tokens, new_positions = self._arrivals
 
@@ -466,7 +465,7 @@ class AdaptivePolicy:
             return self._priced(SPECULATIVE, load, batch_size, 0, 1.0, batch_size * spec_tokens, request_tokens,
                                 new_positions, realized)
 
-        return spec_tokens, price
+        return spec_tokens, {c: price(c, True) for c in CHOICES}, lambda: {c: price(c, False) for c in CHOICES}
 
     def rounds_out_of_reach(self, batch_size: int, load: int | None = None) -> bool:
         """Rounds over a steady batch of `batch_size` requests whose drafts are current, at load bucket `load` (None:
@@ -476,8 +475,8 @@ class AdaptivePolicy:
         request that joins with its draft there leaves its draft's work to a probe's catch-up
         (speculative/adaptive.py, `_lazy_chunks`)."""
         load = self._load_bucket(batch_size) if load is None else load
-        spec_tokens, price = self._steady_prices(load, batch_size)
-        return not _ahead(spec_tokens, {c: price(c, True) for c in CHOICES}, -PROBED_MARGIN)
+        spec_tokens, realized, _ = self._steady_prices(load, batch_size)
+        return not _ahead(spec_tokens, realized, -PROBED_MARGIN)
 
     def detachable(self, batch_size: int) -> bool:
         """Whether a request joining a batch of `batch_size` may be detached: decode plainly to its end with no draft
