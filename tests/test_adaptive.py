@@ -624,7 +624,9 @@ def test_detached_requests_decode_plainly_with_no_draft_state(monkeypatch, draft
     """Requests that join while the policy lets them detach (`AdaptivePolicy.detachable`) decode as a plain engine
     would, token for token (greedy, logprobs, seeded sampling), with no draft state at all: no draft extend, no
     feature kept in the ring (no store, and every decode step is the detached plain step, whose target keeps no
-    features), no catch-up, no round. Fails if a detached batch runs the feature-keeping plain step."""
+    features), no catch-up, no round, and their prefills' target forwards keep no draft features either. Fails if
+    a detached batch runs the feature-keeping plain step, or a prefill of detached requests keeps EAGLE-3's aux
+    features."""
     fixed_costs(monkeypatch, plain=1.0, spec=100.0)
     params = mixed_params()
     want = reference(params)
@@ -643,7 +645,7 @@ def test_detached_requests_decode_plainly_with_no_draft_state(monkeypatch, draft
     counted(strategy.ring, "store", "ring_store")
     counted(strategy.plain, "decode", "plain")
     counted(strategy.detached_plain, "decode", "detached")
-    forwards, target_forward = [], strategy.runner.target_forward  # (eager on the CPU: one a step)
+    forwards, target_forward = [], strategy.runner.target_forward  # (eager on the CPU: one a step or prefill)
     monkeypatch.setattr(strategy.runner, "target_forward", lambda batch, **kw: forwards.append(kw.get("aux", True))
                         or target_forward(batch, **kw))
     got = llm.generate(PROMPTS, params)
@@ -651,7 +653,8 @@ def test_detached_requests_decode_plainly_with_no_draft_state(monkeypatch, draft
     for a, b in zip(got[1].logprobs, want[1].logprobs):
         assert a.keys() == b.keys() and all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     assert calls["detached"] > 0 and set(calls) == {"detached"}, calls
-    assert forwards.count(False) == calls["detached"], forwards  # the decode steps' forwards keep no features
+    prefills = llm.engine.stats()["steps"]["prefills"]
+    assert len(forwards) == calls["detached"] + prefills and set(forwards) == {False}, forwards  # none keeps any
     adaptive_stats = llm.engine.stats()["adaptive"]
     assert adaptive_stats["detached_requests"] == len(PROMPTS) and adaptive_stats["attached_requests"] == {}
     assert_no_leaks(llm)

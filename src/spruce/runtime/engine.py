@@ -625,7 +625,7 @@ class Engine:
                 with torch.no_grad():
                     for start in range(0, len(token_ids), lim.chunked_prefill_size):
                         chunk = token_ids[start:start + lim.chunked_prefill_size]
-                        h, _ = runner.prefill_forward([row], [start], [chunk])  # [n, H]
+                        h, _ = runner.prefill_forward([row], [start], [chunk], aux=False)  # [n, H]
                         hidden.append(h[max(first - start, 0):].clone())
                     return runner.target.compute_logits(torch.cat(hidden)).float()  # [len - first, V]
             finally:

@@ -179,9 +179,11 @@ class ModelRunner:
         self.page_table.check_written("a target forward")
         return self.target(batch, self.target_kv, self.page_table.table, feature_ring=feature_ring, aux=aux)
 
-    def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]]) -> tuple[torch.Tensor, object]:
+    def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]],
+                        aux: bool = True) -> tuple[torch.Tensor, object]:
         """The target over prompt chunks (EXTEND): tokens[i] at positions starts[i].. of page-table row rows[i].
-        Returns hidden [n, H] and aux [n, A] or None for the n tokens, in order.
+        Returns hidden [n, H] and aux [n, A] or None for the n tokens, in order (`aux` False: None, and an eager
+        forward keeps no aux features).
 
         A batch of at most the largest prefill bucket's tokens replays that bucket's graph (`capture_prefill_graphs`)
         over the batch padded up to it (its outputs are views of the graph's static buffers, valid until the next
@@ -191,10 +193,10 @@ class ModelRunner:
         self._prefilled = num_tokens
         bucket = graphs.bucket(num_tokens)
         if bucket is None or not graphs.captured("prefill", bucket):
-            return self.target_forward(self.builder.extend(rows, starts, tokens))
+            return self.target_forward(self.builder.extend(rows, starts, tokens), aux=aux)
         self.builder.extend(rows, starts, tokens, pad_to=bucket)
-        hidden, aux = graphs.run("prefill", self.prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
-        return hidden[:num_tokens], (aux[:num_tokens] if aux is not None else None)
+        hidden, kept = graphs.run("prefill", self.prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
+        return hidden[:num_tokens], (kept[:num_tokens] if aux and kept is not None else None)
 
     def prefilled_tokens(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The page-table row and the position [num_tokens] each (device) of the last `prefill_forward`'s tokens, in

@@ -357,10 +357,15 @@ class AdaptiveDecoding(DecodeStrategy):
         unsettled 333 requests over 11 later passes) and its batches kept the feature-keeping step."""
         return self._policy.detach_blocker(min(max(size, held), self._policy.buckets[-1]))
 
-    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
-                     new_tokens: torch.Tensor) -> None:
+    def wants_prefill_features(self, chunks: list[PrefillChunk]) -> bool:
+        """A prefill whose every chunk is detached (`_lazy_chunks`) keeps no feature: none is stored or extended."""
+        return len(self._detach) < len(chunks)
+
+    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor | None, ends: list[int],
+                     finals: list[int], new_tokens: torch.Tensor) -> None:
         """The draft extend over the prefill's eager chunks; each lazy chunk's features [its tokens, F] go to the
-        ring at its positions, and its request's draft lags by its length from this launch on.
+        ring at its positions, and its request's draft lags by its length from this launch on (`features`: None
+        where every chunk is detached, `wants_prefill_features`).
 
         The ring takes every chunk's features in one indexed store at the rows and positions the prefill's batch
         already holds on the device (`ModelRunner.prefilled_tokens`): no index is built on the host. The eager
@@ -373,6 +378,8 @@ class AdaptiveDecoding(DecodeStrategy):
         again (`Request.detached_at`), so no lag is counted and no feature stored; they hold back standing rounds
         (the bound of the lags is raised to one) until a decided step, which keeps their batches plain."""
         detach = self._detach
+        if features is None and len(detach) < len(chunks):  # always on: a chunk that keeps a draft needs them
+            raise InvariantError(f"a prefill of {len(chunks)} chunks, {len(detach)} detached, kept no draft features")
         if any(c.final and i not in detach for i, c in enumerate(chunks)):
             self._all_detached = False  # a request with a draft joins the decode batch
         if not self._lazy:

@@ -146,6 +146,9 @@ class EagleWorker(DecodeStrategy):
         self.topk_ids[rows] = self.to_target[ids]
         self.hidden[rows] = last_hidden.to(self.hidden.dtype)
 
+    def wants_prefill_features(self, chunks: list[PrefillChunk]) -> bool:
+        return True  # every prefill extends the draft
+
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
                      new_tokens: torch.Tensor) -> None:
         """Draft extend over prefill chunks: pairs (target feature at p, token at p+1) for the chunks' p.

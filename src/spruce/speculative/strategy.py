@@ -100,7 +100,9 @@ class DecodeStrategy:
         length, last = token).
         `logprobs`: score the sampled tokens of its final chunks and its prompt rows."""
         r = self.runner
-        hidden, aux = r.prefill_forward([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks])
+        keep = self.wants_prefill_features(chunks)
+        hidden, aux = r.prefill_forward([c.row for c in chunks], [c.start for c in chunks], [c.tokens for c in chunks],
+                                        aux=keep)
         ends = [n - 1 for n in itertools.accumulate(len(c.tokens) for c in chunks)]  # each chunk's last token
         finals = [i for i, c in enumerate(chunks) if c.final]
         result = torch.zeros(len(finals), r.limits.step_result_width, dtype=torch.int64, device=r.device)
@@ -116,12 +118,20 @@ class DecodeStrategy:
             r.row_state.set(rows, positions, new_tokens)
         if logprobs is not None:
             logprobs.pack = pack_prefill(logprobs, logits, new_tokens, hidden, r.target.compute_logits)
-        self.extend_draft(chunks, r.target_features(hidden, aux), ends, finals, new_tokens)
+        self.extend_draft(chunks, r.target_features(hidden, aux) if keep else None, ends, finals, new_tokens)
         return result
 
-    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor, ends: list[int], finals: list[int],
-                     new_tokens: torch.Tensor) -> None:
-        """Bring a draft's KV up to the prefilled chunks (features [T, F] of the chunk tokens); none here."""
+    def wants_prefill_features(self, chunks: list[PrefillChunk]) -> bool:
+        """Whether `extend_draft` reads the target's draft features of these prefill chunks: only then does the
+        target's eager prefill keep them (EAGLE-3's aux concatenation: three adds and a concat launched per eager
+        prefill, ~0.06 ms of a served adaptive engine's prefill launch at concurrency 32-64 on the H100, py-spy at
+        01c011b, DESIGN §16). Here: no draft."""
+        return False
+
+    def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor | None, ends: list[int],
+                     finals: list[int], new_tokens: torch.Tensor) -> None:
+        """Bring a draft's KV up to the prefilled chunks (features [T, F] of the chunk tokens, None where
+        `wants_prefill_features` said no); none here."""
 
     def warm_eager(self) -> None:
         """Run the eager prefill path (the target, then the draft's extend) over the dummy row at `warm_spans`,
