@@ -1078,6 +1078,41 @@ def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypa
     assert [o.token_ids for o in outputs] == [w.token_ids for w in reference(GREEDY)]
 
 
+def test_the_idle_gap_is_told_to_the_policy_at_its_next_use(monkeypatch, draft, reference):
+    """Plain steps standing, requests served one after another: the engine meets each idle gap while the step
+    holding the request's last token is in flight, and the strategy then tells the policy nothing (no ticket
+    replay, no gap: both wait for the policy's next use, here the stats the engine process takes once idle, or the
+    next arrival); the policy hears the ticket's steps, then the gap, stamped when the engine met it, once a gap.
+    Tokens are plain decoding's."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft)
+    strategy = llm.engine.strategy
+    policy = strategy.policy
+    heard, met = [], []
+    stood, idle, strategy_idle = policy.stood, policy.idle, strategy.idle
+    monkeypatch.setattr(policy, "stood", lambda *a, **kw: heard.append("stood") or stood(*a, **kw))
+    monkeypatch.setattr(policy, "idle", lambda *since: heard.append(("idle", *since, None)[:2]) or idle(*since))
+
+    def engine_idle():
+        before, told = policy.clock(), len(heard)
+        strategy_idle()
+        met.append((before, policy.clock(), len(heard) - told))
+
+    monkeypatch.setattr(strategy, "idle", engine_idle)
+    outputs = []
+    for prompt in PROMPTS:
+        outputs += llm.generate([prompt], GREEDY)
+        gaps = len(met)
+        llm.engine.stats()  # (the engine process's, once idle)
+        assert heard and heard[-1][0] == "idle" and sum(h[0] == "idle" for h in heard) == gaps
+        assert "stood" in heard[-2:], heard[-3:]  # the ticket's steps before the gap
+    assert len(met) >= len(PROMPTS) and all(told == 0 for _, _, told in met), met
+    sinces = [h[1] for h in heard if h[0] == "idle"]  # each stamped within the engine's call that met its gap
+    assert all(any(before <= since <= after for before, after, _ in met) for since in sinces), (sinces, met)
+    assert policy.chosen[SPECULATIVE] == 0
+    assert [o.token_ids for o in outputs] == [w.token_ids for w in reference(GREEDY)]
+
+
 # --- the verify width (speculative/tree_width.py) -------------------------------------------------------------------
 def cycle_widths(monkeypatch, llm, widths: list[int]) -> list[int]:
     """The width chooser's pick replaced by `widths`, cycled by the rounds run so far (the pick comes at every

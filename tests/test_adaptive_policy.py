@@ -851,6 +851,45 @@ def test_a_probe_of_rounds_far_behind_waits_without_holding_requests():
         assert p.decide(reqs).reason == "probe"  # over a batch without one it starts either way
 
 
+def test_a_probe_is_budgeted_at_its_price_over_the_loads_full_batch():
+    """The budget judges a due probe at its price over its load's full batch, whatever the batch of the epoch's end
+    that found it due (a steady batch may be half the load): a probe of rounds held back by detached requests is
+    then started by `probe_waiting` over whatever batch comes, and in the H100 x4 bars (1k shared prefix) 11 of 12
+    probes of rounds at load 8 started over batches of 6-8 priced past what the budget held. Fails if the price the
+    budget judges follows the batch at hand, or if a probe that it affords only over half the load waits (holding
+    arriving requests with their drafts) or is charged less than its full batch's price."""
+    asked = {}
+    for batch in (4, 8):
+        p = policy(spec=1.1e-3)  # rounds that commit one token, within PROBED_MARGIN of plain steps by their parts
+        reqs = [Req() for _ in range(batch)]
+        settle(p, reqs, 0)
+        affordable = p._probe_affordable
+        p._probe_affordable = lambda cost, batch=batch: asked.setdefault(batch, cost) and affordable(cost)
+        assert p.decide(reqs, held=8).choice == PLAIN  # load 8 (the requests held), no probe due yet
+        p.probe_seconds = 1e3  # nothing affordable: the price is only asked
+        assert all(p.repeat(PLAIN, batch) for _ in range(p.epochs.current.target - 1))
+        assert p.decide(reqs, held=8, rounds_blocked=True).reason == "model"
+    assert asked[4] == pytest.approx(asked[8]) and asked[8] > 0
+    p = policy(spec=1.1e-3)
+    reqs = [Req() for _ in range(4)]
+    settle(p, reqs, 0)
+    assert p.decide(reqs, held=8).choice == PLAIN
+    state = p._state[8]
+    budget = PROBE_BUDGET * p.epochs.busy_total + PROBE_ALLOWANCE
+    p.probe_seconds = budget - 0.75 * asked[8]  # affords the probe over 4 requests, not over 8
+    assert all(p.repeat(PLAIN, 4) for _ in range(p.epochs.current.target - 1))
+    d = p.decide(reqs, held=8, rounds_blocked=True)
+    assert (d.reason, state.probe_waiting, state.probing) == ("model", False, False)
+    p.probe_seconds = budget - 1.25 * asked[8]  # affords it over the full batch: it waits for the detached ones
+    assert all(p.repeat(PLAIN, 4) for _ in range(p.epochs.current.target - 1))
+    d = p.decide(reqs, held=8, rounds_blocked=True)
+    assert (d.reason, state.probe_waiting) == ("model", True)
+    assert all(p.repeat(PLAIN, 4) for _ in range(p.epochs.current.target - 1))
+    charged = p.probe_seconds
+    assert p.decide(reqs, held=8).reason == "probe"  # over 4 requests, charged as over 8
+    assert p.probe_seconds - charged == pytest.approx(asked[8])
+
+
 def test_a_request_after_a_round_trip_gap_is_judged_at_the_load_before_it():
     """`detach_blocker` judges a joining request at the load it lives at: after an idle gap shorter than DETACH_GAP
     (a served level's requests ended together and their clients' next ones are on their way) the load before the

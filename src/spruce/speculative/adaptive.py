@@ -157,6 +157,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.detached_plain = PlainDecoding(r, None, phase="decode_detached")  # a plain engine's step (no features)
         self._policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture): `policy`
         self._ticket: _Ticket | None = None  # standing steps taken ahead, not yet replayed to the policy
+        self._idle_since: float | None = None  # when the idle gap the policy has not been told of began (`idle`)
         self.last_decision: Decision | None = None
         self.cuda = r.device.type == "cuda"
         self._stream = torch.cuda.current_stream(r.device) if self.cuda else None  # the engine's: where marks go
@@ -185,16 +186,25 @@ class AdaptiveDecoding(DecodeStrategy):
 
     @property
     def policy(self) -> AdaptivePolicy | None:
-        """The policy, told first of the standing steps taken ahead since it last heard (`_Ticket`): whatever reads
-        or feeds it through here sees every step as if each had asked it (`AdaptivePolicy.repeat`)."""
+        """The policy, told first of the standing steps taken ahead since it last heard (`_Ticket`), then of an
+        idle gap that began after them (`idle`): whatever reads or feeds it through here sees every step as if each
+        had asked it (`AdaptivePolicy.repeat`), and the gap where the engine met it."""
+        return self._told()
+
+    def _told(self) -> AdaptivePolicy | None:
+        """The policy, once told what is pending (`policy`)."""
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
             self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.prefills)
+        if self._idle_since is not None:
+            since, self._idle_since = self._idle_since, None
+            self._policy.idle(since)
         return self._policy
 
     @policy.setter
     def policy(self, policy: AdaptivePolicy | None) -> None:
         self._ticket = None
+        self._idle_since = None
         self._policy = policy
 
     # --- the interface ---------------------------------------------------------------------------------------
@@ -218,6 +228,8 @@ class AdaptiveDecoding(DecodeStrategy):
         fewer prefills per request, TTFT p50 +11%); joining the ticket did not shorten it there (2.25 ms against
         1.71, four runs at 6fd5dbb). The lazy chunks' ring stores built on the host were half the difference
         (`extend_draft`): 1.98 ms against 1.66-1.77 without them (four runs at 3a56c35; DESIGN §16, session 41)."""
+        if self._idle_since is not None:  # the arrivals come after the gap
+            self._told()
         ticket = self._ticket
         finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None:
@@ -343,6 +355,8 @@ class AdaptiveDecoding(DecodeStrategy):
         choice for the running batch is plain steps and nothing holds detaching back (`_lazy_chunks`'s rule for a
         lazy chunk, asked before the request's prefill: the scheduler then gives it cached pages without the draft's
         KV, and its prefill detaches it). No: while rounds are the model's choice."""
+        if self._idle_since is not None:  # judged after the gap
+            self._told()
         if self._policy is None or self._rounds_chosen():
             return False
         size = min(max(self._batch_size, 1), self._policy.buckets[-1])
@@ -625,7 +639,7 @@ class AdaptiveDecoding(DecodeStrategy):
         if not unread:
             return
         self._unread_rounds = []
-        ticket = self._ticket
+        ticket = self._ticket if self._idle_since is None else None  # (none granted anew across a gap: `idle`)
         policy = self.policy  # replays the ticket
         policy.accepted_rounds(unread)
         if self.widths is not None:
@@ -646,8 +660,20 @@ class AdaptiveDecoding(DecodeStrategy):
         self._choose_width(self._width_bucket)
 
     def idle(self) -> None:
-        if self.policy is not None:
-            self.policy.idle()
+        """The engine has nothing to launch: the policy is told at its next use (`policy`), with the time the gap
+        began, after the ticket's steps; no step is taken ahead across the gap (the ticket's grant ends: the next
+        step asks `AdaptivePolicy.repeat`, which judges a batch after a gap). The engine meets the gap while the
+        step that ends the last request is in flight, before it reads that step's tokens: told at once, the ticket's
+        replay and the gap took ~70 us of the host's time there at every request's end at concurrency 1 (H100, in
+        process, session 49), where a plain engine's host has ~60 us to spare within a step. Served, the engine
+        process takes the idle engine's stats after sending those tokens (`AdaptiveDecoding.stats` reads the policy),
+        so the gap is told while the client's next request is on its way."""
+        if self._policy is None:
+            return
+        if self._idle_since is None:  # (the engine may call again before anything launches: the gap began first)
+            self._idle_since = self._policy.clock()
+        if self._ticket is not None:
+            self._ticket.left = 0
 
     def capture_graphs(self, show_progress: bool) -> None:
         """The plain steps' graphs first (the detached one's, a plain engine's step, then the one keeping the draft's

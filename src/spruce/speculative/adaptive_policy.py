@@ -979,7 +979,16 @@ class AdaptivePolicy:
         batch never lost its last detached request and the probe never started: on the H100 x4 (647a8e4,
         2026-11-27, 1k shared prefix) one concurrency-8 pass held 95 requests with their drafts (recomputing their
         cached prompts: 53.5 uncached prompt tokens a request against the plain server's 14.7) beside 417 detached
-        ones, ran no round and ended 17.5% behind the plain server."""
+        ones, ran no round and ended 17.5% behind the plain server.
+
+        The budget judges a probe at its price over the load's full batch (`load` requests: its excess, like the
+        model's epoch it is spaced against, grows with the batch), and charges that: it may start over any batch up
+        to the full one, and a probe of rounds held back is started by `probe_waiting` whatever the batch then.
+        Judged at the batch of the epoch's end that found it due, probes of rounds at load 8 came once or twice in
+        each run's concurrency-8 levels (H100 x4, eleven runs at d62dc39 and 66b8a92, 1k shared prefix, rounds at
+        ~0.42x plain steps' tokens/s), 11 of 12 over batches of 6-8 at prices past what the budget held (0.27-0.71 s
+        where it held 0.18-0.42): the passes that held one ran 6.7 +- 4.5% behind the plain server, those that did
+        not 2.5 +- 2.0%."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
@@ -1017,7 +1026,8 @@ class AdaptivePolicy:
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
             # a waiting probe stays due until it starts (no spacing, budget or reach judged again while it waits)
-            due = st.probe_waiting or (st.epochs_since_probe >= spacing and (st.check or self._probe_affordable(cost)))
+            full = cost * load / d.batch_size  # over the load's full batch: what it may start over
+            due = st.probe_waiting or (st.epochs_since_probe >= spacing and (st.check or self._probe_affordable(full)))
             # (a due probe's end over an unsteady batch, a wave's last requests, leaves probe_waiting as it was)
             if not due:
                 st.probe_waiting = False
@@ -1032,11 +1042,11 @@ class AdaptivePolicy:
                 st.check = False
                 st.measure = self._probe_measure(d, model, other, load, steps, priced)
                 self.probes += 1
-                self.probe_seconds += cost
+                self.probe_seconds += full
                 if log.isEnabledFor(logging.INFO):
                     log.info("adaptive probe %s", json.dumps({
                         "choice": other, "load": load, "batch_size": d.batch_size, "steps": steps,
-                        "spacing": spacing, "other_seconds": other_seconds, "cost": cost,
+                        "spacing": spacing, "other_seconds": other_seconds, "cost": full,
                         "cost_factor": self._probe_factor(other, load),
                         "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
@@ -1425,13 +1435,14 @@ class AdaptivePolicy:
             self._reuse_left = 0
             self._epochs_stood = STANDING_EPOCHS  # (and the next epoch is decided: `_epoch_stands`)
 
-    def idle(self) -> None:
-        """The engine has nothing to launch: the gap until its next launch is neither an interval nor busy time, and
-        the load is gone: the next batch starts a new load window and decides afresh. The window counts decisions,
-        which a standing one spaces up to REUSE_STEPS steps apart (plain steps: an epoch), so it spans ~1000 steps or
-        more; kept across an idle gap, it priced a new level's batches as the previous level's drain: on the H200
-        (2026-11-23, 1k shared prefix) the first requests at concurrency 1 after a concurrency-64 level ran 99-136
-        rounds a pass at twice a plain step's cost per token, with no switch at load 1.
+    def idle(self, since: float | None = None) -> None:
+        """The engine has nothing to launch (since `since` on the clock; None: now): the gap until its next launch is
+        neither an interval nor busy time, and the load is gone: the next batch starts a new load window and decides
+        afresh. The window counts decisions, which a standing one spaces up to REUSE_STEPS steps apart (plain steps:
+        an epoch), so it spans ~1000 steps or more; kept across an idle gap, it priced a new level's batches as the
+        previous level's drain: on the H200 (2026-11-23, 1k shared prefix) the first requests at concurrency 1 after
+        a concurrency-64 level ran 99-136 rounds a pass at twice a plain step's cost per token, with no switch at
+        load 1.
 
         A standing choice survives the gap for a batch of its own cost bucket or a larger one whose model choice is
         the same (`repeat`; the epoch goes on, and one that grows into a larger bucket is dropped as outgrown, as a
@@ -1446,7 +1457,7 @@ class AdaptivePolicy:
         self.epochs.idle()
         peak = max(self._peak_load, self._peak_before)
         if peak:  # the gap's first call (the engine may call again before anything launches)
-            self._gap, self._peak_load, self._peak_before = (peak, self.clock()), 0, 0
+            self._gap, self._peak_load, self._peak_before = (peak, self.clock() if since is None else since), 0, 0
         self._last_launch = None
         self._previous_choice = None
         self._not_host = 0.0
