@@ -1078,6 +1078,25 @@ def test_standing_rounds_go_on_from_request_to_request_at_concurrency_1(monkeypa
     assert [o.token_ids for o in outputs] == [w.token_ids for w in reference(GREEDY)]
 
 
+def test_outputs_share_a_requests_statistics_until_its_next_round(draft):
+    """Every output of a speculative engine carries its request's statistics: the one dict built after its last
+    round (`SpecStats.built`), shared by its outputs until the next round (the engine process sends statistics
+    only when the object changed, server/output_deltas.py), then a new one with the round counted."""
+    llm = adaptive_llm(draft)
+    pattern = force(llm, [1, 0, 0, 1, 0])
+    engine = llm.engine
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    seen = []  # (rounds so far, the output's statistics)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                seen.append((out.spec_stats["rounds"], out.spec_stats))
+    assert SPECULATIVE in pattern and PLAIN in pattern
+    for (rounds, stats), (next_rounds, next_stats) in zip(seen, seen[1:]):
+        assert (stats is next_stats) == (rounds == next_rounds), (rounds, next_rounds)
+    assert seen[-1][1]["rounds"] == pattern.count(SPECULATIVE) > 1
+
+
 def test_the_idle_gap_is_told_to_the_policy_at_its_next_use(monkeypatch, draft, reference):
     """Plain steps standing, requests served one after another: the engine meets each idle gap while the step
     holding the request's last token is in flight, and the strategy then tells the policy nothing (no ticket

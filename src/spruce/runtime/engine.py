@@ -593,7 +593,7 @@ class Engine:
         out = RequestOutput(
             request_id=q.request_id, prompt_token_ids=q.prompt_ids, token_ids=copy(q.output_ids), text=q.text,
             new_token_ids=q.output_ids[len(q.output_ids) - n:] if n else [], finished=q.finished,
-            finish_reason=q.finish_reason, spec_stats=q.spec.as_dict() if self.speculative else {},
+            finish_reason=q.finish_reason, spec_stats=(q.spec.built or q.spec.as_dict()) if self.speculative else {},
             logprobs=None if q.logprobs is None else copy(q.logprobs),
             prompt_logprobs=None if q.prompt_logprobs is None else copy(q.prompt_logprobs),
             num_cached_tokens=q.cached_tokens,
