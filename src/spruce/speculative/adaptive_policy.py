@@ -987,8 +987,8 @@ class AdaptivePolicy:
         Judged at the batch of the epoch's end that found it due, probes of rounds at load 8 came once or twice in
         each run's concurrency-8 levels (H100 x4, eleven runs at d62dc39 and 66b8a92, 1k shared prefix, rounds at
         ~0.42x plain steps' tokens/s), 11 of 12 over batches of 6-8 at prices past what the budget held (0.27-0.71 s
-        where it held 0.18-0.42): the passes that held one ran 6.7 +- 4.5% behind the plain server, those that did
-        not 2.5 +- 2.0%."""
+        where it held 0.18-0.42); in d62dc39's eight runs the passes that held one ran 6.7 +- 4.5% behind the plain
+        server, those that did not 2.5 +- 2.0%. Budgeted so, none came there in eleven runs (4037e6d, 10ffd04)."""
         model, other = st.model_choice, _other(st.model_choice)
         cur = self.epochs.current
         done = cur is not None and cur.bucket == load and cur.full
