@@ -463,20 +463,7 @@ class AdaptiveDecoding(DecodeStrategy):
         (the lags then read exactly: a catch-up only where one is due). With the loop `choose` took 4.1-4.7 us
         a standing plain step at a batch of 32 and 5.2-5.5 at 64 (CPU, in process, bench/adaptive_plain_overhead.py;
         a plain engine's 0.8-1.1), without it 3.8-4.0 and 4.4-4.5 (the lag increments stay); served at 32-64 the
-        adaptive engine took ~1 us a token more than a plain one (2.5-3%, eight H100 x4 runs, 2026-11-27).
-
-        A batch of detached requests under a ticket of plain steps is taken first, reading only the ticket: on the
-        H100's host (in process, bench/adaptive_hooks.py, 2c715b8) `choose` took 4.7-6.3 us a decode step with every
-        request detached against a plain engine's 0.7-1.1, decisions' 1.5 included; on the CPU this path took 0.4-0.5
-        us of its ~5.3 off (two runs each)."""
-        ticket = self._ticket
-        if ticket is not None and self._all_detached and ticket.choice == PLAIN:  # a plain engine's step, taken on
-            batch_size = len(requests)  # the ticket: no draft lags, so nothing else is read (see below)
-            if ticket.left and ticket.lo <= batch_size <= ticket.hi:
-                ticket.left -= 1
-                ticket.times.append(ticket.clock())
-                ticket.batches.append(batch_size)
-                return self.detached_plain
+        adaptive engine took ~1 us a token more than a plain one (2.5-3%, eight H100 x4 runs, 2026-11-27)."""
         window = self.lag_window
         last = self.last_decision
         if last is not None:  # the last decision may stand: plain steps while no lag fills the ring, rounds while
