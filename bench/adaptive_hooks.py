@@ -22,14 +22,13 @@ Usage (repo root): python bench/adaptive_hooks.py --model DIR --draft DIR [--con
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 import adaptive_inprocess as inprocess
+from adaptive_prefill_parts import PartTimer
 from spruce.bench.common import write_result
 from spruce.bench.serving import load_prompts
 
@@ -39,33 +38,7 @@ POLICY_CALLS = ("decide", "repeat", "stood", "steady_choice", "detach_blocker", 
 ENGINE_PARTS = ("launch", "resolve", "outputs")
 
 
-class HookClock:
-    """Seconds and calls of wrapped callables, by name."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-        self.calls: collections.Counter = collections.Counter()
-
-    def wrap(self, owner, name: str, label: str) -> None:
-        """Time `owner.name` (an instance's method: the instance attribute shadows it) as `label`."""
-        fn = getattr(owner, name)
-
-        def timed(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-
-def instrument(llm, clock: HookClock) -> None:
+def instrument(llm, clock: PartTimer) -> None:
     """Wrap the engine's strategy hooks (both engines') and, for an adaptive engine, its policy's calls. The
     scheduler holds its own reference to joins_without_draft (Engine.__init__): it is pointed at the wrapper."""
     engine = llm.engine
@@ -79,11 +52,11 @@ def instrument(llm, clock: HookClock) -> None:
             clock.wrap(policy, name, "policy." + name)
 
 
-def run_once(llm, clock: HookClock, prompts: list, first: int, concurrency: int, num_requests: int) -> dict:
+def run_once(llm, clock: PartTimer, prompts: list, first: int, concurrency: int, num_requests: int) -> dict:
     """One closed-loop run: its figures, each hook's microseconds a decode step and a call, and the engine's host
     parts per decode step."""
     before = llm.engine.stats()["steps"]["seconds"]
-    clock.reset()
+    clock.clear()
     figures = inprocess.closed_loop(llm, prompts, first, concurrency, num_requests)
     after = llm.engine.stats()["steps"]["seconds"]
     decodes = figures["steps"]["decodes"]
@@ -112,7 +85,7 @@ def main() -> None:
     build_args = argparse.Namespace(device=args.device, scheduler_delay_factor=4.0, model=args.model, draft=args.draft,
                                     shapes=[])
     llms = {kind: inprocess.build(kind, build_args) for kind in ("plain", "forced")}
-    clocks = {kind: HookClock() for kind in llms}
+    clocks = {kind: PartTimer() for kind in llms}
     for kind, llm in llms.items():
         instrument(llm, clocks[kind])
     prompts = load_prompts(Path(args.model) / "heldout_prompts.jsonl", 256, llms["plain"].engine.tokenizer, 1024)
