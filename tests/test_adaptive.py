@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -398,12 +399,14 @@ def test_standing_rounds_are_read_in_order_a_few_at_a_time(monkeypatch, draft, o
 def test_standing_steps_are_taken_ahead_and_each_counted(monkeypatch, draft, reference, spec):
     """Rounds (spec=1: plain steps priced at 100 rounds) or plain steps (spec=100): after a standing step asks the
     policy (`repeat`), the steps that stand after it are taken without asking (a ticket); the policy still counts
-    every decode step once (decided or standing), and the tokens are plain decoding's."""
+    every decode step once (decided or standing), and the tokens are plain decoding's. (Parks off: plain steps over
+    detached requests would run parked, test_parked_steps_*.)"""
     fixed_costs(monkeypatch, plain=100.0 if spec == 1.0 else 1.0, spec=spec)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     llm = LLM(TARGET, page_size=16, max_running_requests=8, draft_model=draft, speculative_num_steps=3,
               speculative_eagle_topk=2, speculative_num_draft_tokens=4, speculative_adaptive=True)
     policy = llm.engine.strategy.policy
+    monkeypatch.setattr(policy, "park", lambda d: 0)
     asked, repeat = [], policy.repeat
     monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: asked.append(choice) or repeat(choice,
                                                                                                  batch_size))
@@ -592,6 +595,7 @@ def test_lazy_prefills_join_standing_plain_steps(monkeypatch, draft):
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
     engine, strategy = llm.engine, llm.engine.strategy
     policy = strategy.policy
+    monkeypatch.setattr(policy, "park", lambda d: 0)  # (the ticket's steps, not a park's)
     replays, steady, asked = [], [], []
     stood, steady_choice, repeat = policy.stood, policy.steady_choice, policy.repeat
     monkeypatch.setattr(policy, "stood", lambda *a: replays.append(len(a[1])) or stood(*a))
@@ -709,6 +713,7 @@ def test_a_request_with_a_draft_ends_the_detached_plain_steps(monkeypatch, draft
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
     engine, strategy = llm.engine, llm.engine.strategy
     detach = [True]
+    monkeypatch.setattr(strategy.policy, "park", lambda d: 0)  # (standing steps, not a park's)
     monkeypatch.setattr(strategy.policy, "detach_blocker",
                         lambda batch_size: None if detach[0] else "probe_waiting")
     ran = []
@@ -1108,6 +1113,7 @@ def test_the_idle_gap_is_told_to_the_policy_at_its_next_use(monkeypatch, draft, 
     strategy = llm.engine.strategy
     policy = strategy.policy
     heard, met = [], []
+    monkeypatch.setattr(policy, "park", lambda d: 0)  # (a ticket's steps; a park's gaps: test_parked_steps_*)
     stood, idle, strategy_idle = policy.stood, policy.idle, strategy.idle
     monkeypatch.setattr(policy, "stood", lambda *a, **kw: heard.append("stood") or stood(*a, **kw))
     monkeypatch.setattr(policy, "idle", lambda *since: heard.append(("idle", *since, None)[:2]) or idle(*since))
@@ -1274,3 +1280,90 @@ def test_adaptive_widths_are_checked():
         make_speculative_config("EAGLE3", "d", adaptive=True, adaptive_widths=0)  # refused, not taken as none
     args = build_parser().parse_args(["serve", "--speculative-adaptive", "--speculative-adaptive-widths", "4", "6"])
     assert engine_kwargs(args)["speculative_adaptive_widths"] == (4, 6)
+
+
+def test_parked_steps_are_counted_and_their_tokens_are_plain_decodings(monkeypatch, draft, reference):
+    """Rounds priced at 100 plain steps: every request joins detached, and once plain steps measured an epoch at the
+    load a decided step over the all-detached batch parks (AdaptivePolicy.park): the steps after it are a plain
+    engine's, the policy told nothing, across the idle gaps between requests served one after another (a client's
+    round trip). Its steps show in the stats while it goes on, and the policy counts every one once it ends (read
+    through `policy`); far fewer decisions than requests. Fails if parked steps are lost from the counts, if the park
+    ends at each request, or if the tokens are not plain decoding's."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft)
+    strategy = llm.engine.strategy
+    policy = strategy.policy
+    decided, decide = [], policy.decide
+    monkeypatch.setattr(policy, "decide", lambda *a, **kw: decided.append(1) or decide(*a, **kw))
+    outputs = []
+    for _ in range(3):
+        for prompt in PROMPTS:
+            outputs += llm.generate([prompt], GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference(GREEDY)] * 3
+    park = strategy._park
+    stats = llm.engine.stats()
+    assert park is not None and strategy._park is park and park.steps > 0  # the stats left it going
+    decodes = stats["steps"]["decodes"]
+    assert sum(stats["adaptive"]["chosen"].values()) == decodes
+    assert stats["adaptive"]["detached_requests"] == 3 * len(PROMPTS)
+    chosen = strategy.policy.chosen  # read through `policy`: the park ends, its steps told
+    assert strategy._park is None and sum(chosen.values()) == decodes == chosen[PLAIN]
+    assert policy.parks >= 1 and policy.parked_steps > decodes / 2
+    assert len(decided) < len(PROMPTS)  # (one a request without parks)
+
+
+def test_a_park_ends_when_a_request_joins_with_its_draft(monkeypatch, draft):
+    """Parked over detached requests, a prompt longer than Limits.lazy_prefill_tokens arrives: its draft is extended
+    eagerly (it joins with its draft), so its prefill ends the park first (the policy told of its steps, then of the
+    prefill) and the batch runs the feature-keeping plain step from there on. Fails if a park goes on over a
+    request with a draft (the extend's invariant raises) or if the detached plain step runs over it."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft, disable_overlap_schedule=True)
+    engine, strategy = llm.engine, llm.engine.strategy
+    for prompt in PROMPTS:  # an epoch measured, then a park
+        llm.generate([prompt], GREEDY)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    engine.add_request(PROMPTS[0], params)
+    while strategy._park is None or not engine.scheduler.running:
+        engine.step()
+    parked = strategy._park.steps
+    ran = []
+    for name in ("plain", "detached_plain"):
+        plain = getattr(strategy, name)
+        real = plain.decode
+        monkeypatch.setattr(plain, "decode", lambda *a, name=name, real=real, **kw: ran.append(name) or real(*a, **kw))
+    long_prompt = " ".join(["def f(x):\n    return x"] * (engine.runner.limits.lazy_prefill_tokens // 4))
+    assert len(engine.tokenizer.encode(long_prompt)) > engine.runner.limits.lazy_prefill_tokens
+    engine.add_request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # its prefill: the park ends
+    assert strategy._park is None and strategy.policy.parked_steps >= parked
+    while engine.has_unfinished():
+        engine.step()
+    first = ran.index("plain")  # (a step over the detached request alone may come before the new one is in)
+    assert ran[first:first + 3] == ["plain"] * 3 and set(ran[:first]) <= {"detached_plain"} and first <= 1
+
+
+def test_a_park_survives_a_round_trip_gap_and_ends_at_a_longer_one(monkeypatch, draft):
+    """Requests served one after another while parked: an idle gap up to DETACH_GAP (a client's round trip) leaves
+    the park going, its time left out of the park's busy seconds; a longer one (a change of level) ends it at the
+    next arrival, and the policy hears the gap from when the engine met it. Fails if every gap ends the park or if
+    a long one is carried over."""
+    fixed_costs(monkeypatch, plain=1.0, spec=100.0)
+    llm = adaptive_llm(draft)
+    strategy = llm.engine.strategy
+    policy = strategy.policy
+    offset = [0.0]
+    monkeypatch.setattr(policy, "clock", lambda: time.perf_counter() + offset[0])
+    for prompt in PROMPTS:
+        llm.generate([prompt], GREEDY)
+    park = strategy._park
+    assert park is not None
+    offset[0] += adaptive.DETACH_GAP / 2
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert strategy._park is park and park.idle_seconds >= adaptive.DETACH_GAP / 2
+    heard, idle = [], policy.idle
+    monkeypatch.setattr(policy, "idle", lambda *since: heard.append(since) or idle(*since))
+    met = park.idle_since
+    offset[0] += 2 * adaptive.DETACH_GAP
+    llm.generate([PROMPTS[1]], GREEDY)
+    assert strategy._park is not park and park.steps > 0 and heard == [(met,)]

@@ -20,8 +20,8 @@ from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_S
                                                  PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX, PRIOR_DECAY,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
-                                                 PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
-                                                 COST_ALPHA, AdaptivePolicy,
+                                                 PARK_EPOCHS, PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
+                                                 COST_ALPHA, AdaptivePolicy, Decision,
                                                  _RequestAcceptance)
 
 BUCKETS = (1, 2, 4, 8)
@@ -2343,3 +2343,47 @@ def test_a_probe_at_a_load_new_to_its_choice_is_priced_at_its_unscaled_figure_if
     d = low.decide([Req() for _ in range(8)], held=8)
     assert d.step_seconds[SPECULATIVE] == pytest.approx(8 * 41.7e-6 * 80 / 36.2)
     assert low._probe_price(d, SPECULATIVE, 8) == d.step_seconds[SPECULATIVE]
+
+
+def test_a_park_is_granted_where_arrivals_would_detach_and_its_steps_are_told_at_its_end():
+    """`park`: after a decision of plain steps as the model's choice, at a load where a joining request would be
+    detached, PARK_EPOCHS epochs' steps run untold; not for a probe's decision, not while a probe is owed, not twice
+    at once, and not again before an epoch has been measured since the last park ended. `unparked` counts its steps
+    as chosen plain steps and its busy seconds in the total (the probe budget's base), credits its whole epochs to
+    the load's probe spacing, ends the epoch under way unmeasured, and has the next step decided. Fails if a park's
+    steps are lost, if it starts where a request would join with its draft, or if parks follow one another with no
+    epoch measured between them."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=3e-3, clock=clock)
+    reqs = [Req()]
+    settle(p, reqs, 0)  # rounds commit one token: out of reach, a joining request detaches
+    d = p.decide(reqs, rounds_blocked=True)
+    target = p.epochs.current.target
+    state = p._state[p.epochs.current.bucket]
+    state.check = True  # a probe owed: no park
+    assert p.park(d) == 0
+    state.check = False
+    assert p.park(Decision(d.bucket, 1, PLAIN, "probe", d.tokens_per_step, d.step_seconds)) == 0
+    assert p.park(d) == PARK_EPOCHS * target and p.parked_load == 1 and p.parks == 1
+    assert p.park(d) == 0  # one at a time
+    chosen, busy, since_probe = p.chosen[PLAIN], p.epochs.busy_total, state.epochs_since_probe
+    p.unparked(3 * target + 5, 2.0)
+    assert p.chosen[PLAIN] == chosen + 3 * target + 5 and p.parked_steps == 3 * target + 5
+    assert p.epochs.busy_total == pytest.approx(busy + 2.0) and state.epochs_since_probe == since_probe + 3
+    assert p.epochs.current is None and p.parked_load == 0
+    with pytest.raises(InvariantError):
+        p.unparked(1, 0.0)
+    assert not p.repeat(PLAIN, 1)  # the next step is decided
+    d = p.decide(reqs, rounds_blocked=True)
+    assert p.park(d) == 0  # no epoch measured since the park ended
+    epochs = p.epochs.epochs
+    for _ in range(p.epochs.current.target - 1):
+        clock.now += 1e-3
+        assert p.repeat(PLAIN, 1)
+    clock.now += 1e-3
+    d = p.decide(reqs, rounds_blocked=True)
+    assert p.epochs.epochs == epochs + 1 and p.park(d) == PARK_EPOCHS * p.epochs.current.target
+    close = policy(plain=1e-3, spec=1e-3 / (1 - PROBED_MARGIN) * 0.95)  # rounds within reach, plain steps unsettled
+    settle(close, reqs, 0)
+    d = close.decide(reqs, rounds_blocked=True)
+    assert close.detach_blocker(1) == "unsettled" and close.park(d) == 0

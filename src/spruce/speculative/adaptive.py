@@ -44,6 +44,13 @@ Pieces:
   whose engine did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that
   computed the target's draft features and dropped them) was within the control's spread of the plain server at
   8-64, where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
+- parks (`AdaptivePolicy.park`): once plain steps have measured an epoch, a decided plain step over a batch whose
+  every request is detached, at a load where a joining request would be detached too, parks: for up to PARK_EPOCHS
+  epochs' steps `choose` returns the plain engine's step after one count, the policy told nothing (no ticket, no
+  epoch, no decided step at a client's round-trip gap), and the answers arrivals need (steady choice, detach
+  blocker) are asked once per key; a request that joins with its draft, a batch or load above the park's, an idle
+  gap longer than DETACH_GAP, or any read of `policy` ends it, and the policy counts its steps then
+  (`AdaptivePolicy.unparked`);
 - the verify width (`speculative_adaptive_widths`): rounds run the tree of the width `WidthChooser` picks for the
   batch's cost bucket (speculative/tree_width.py), fed with each round's per-width acceptance (its result row) when
   the policy reads the rounds; a decided round takes the width then, standing rounds the one chosen at the last
@@ -71,7 +78,7 @@ from spruce.ops import compile_watch
 from spruce.runtime.grammar import GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan
 from spruce.runtime.sampler import SamplingTensors
-from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE, AdaptivePolicy, Decision
+from spruce.speculative.adaptive_policy import DETACH_GAP, PLAIN, SPECULATIVE, AdaptivePolicy, Decision
 from spruce.speculative.eagle_worker import EagleWorker, LaggingDraft, NarrowRound
 from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.strategy import DecodeStrategy, PlainDecoding, PrefillChunk, warm_spans
@@ -140,6 +147,32 @@ class _Ticket:
     steady: dict[int, str] = field(default_factory=dict)  # batch size -> AdaptivePolicy.steady_choice
 
 
+@dataclass(slots=True)
+class _Park:
+    """Plain steps over an all-detached batch that run untold (`AdaptivePolicy.park`): up to `left` more steps over
+    batches of at most `load` requests while the engine holds at most `load`; `steps` taken so far; the policy's
+    answers that arrivals meanwhile need (its steady choice, the detach blocker, rounds' reach), asked once per key:
+    nothing reaches it while parked, so they cannot change; the idle gaps met (`idle`), left out of its busy time,
+    and one longer than DETACH_GAP (a change of level, not a client's round trip) ends it."""
+
+    load: int
+    left: int
+    since: float
+    clock: Callable[[], float]
+    steps: int = 0
+    idle_since: float | None = None
+    idle_seconds: float = 0.0
+    answers: dict = field(default_factory=dict)
+
+    def ask(self, key: tuple, compute: Callable[[], object]):
+        """The answer kept under `key`, computed once."""
+        try:
+            return self.answers[key]
+        except KeyError:
+            answer = self.answers[key] = compute()
+            return answer
+
+
 class AdaptiveDecoding(DecodeStrategy):
     """Runs the worker's rounds or plain steps, as `AdaptivePolicy` decides per step, and catches the draft up."""
 
@@ -157,6 +190,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.detached_plain = PlainDecoding(r, None, phase="decode_detached")  # a plain engine's step (no features)
         self._policy: AdaptivePolicy | None = None  # made by measure_costs (after graph capture): `policy`
         self._ticket: _Ticket | None = None  # standing steps taken ahead, not yet replayed to the policy
+        self._park: _Park | None = None  # plain steps over an all-detached batch that run untold (`_park_here`)
         self._idle_since: float | None = None  # when the idle gap the policy has not been told of began (`idle`)
         self.last_decision: Decision | None = None
         self.cuda = r.device.type == "cuda"
@@ -192,7 +226,9 @@ class AdaptiveDecoding(DecodeStrategy):
         return self._told()
 
     def _told(self) -> AdaptivePolicy | None:
-        """The policy, once told what is pending (`policy`)."""
+        """The policy, once told what is pending (`policy`): a park under way ends (`_unpark`)."""
+        if self._park is not None:
+            self._unpark()
         if self._ticket is not None:
             ticket, self._ticket = self._ticket, None
             self._policy.stood(ticket.choice, ticket.times, ticket.batches, ticket.prefills)
@@ -204,8 +240,41 @@ class AdaptiveDecoding(DecodeStrategy):
     @policy.setter
     def policy(self, policy: AdaptivePolicy | None) -> None:
         self._ticket = None
+        self._park = None
         self._idle_since = None
         self._policy = policy
+
+    def _park_here(self, d: Decision) -> None:
+        """After decision `d` over a batch whose every request is detached: park if the policy grants it
+        (AdaptivePolicy.park): the next steps are a plain engine's, each taken by `choose` with one count, until the
+        grant is spent, a batch or the engine's load outgrows the park's load, a request joins with its draft
+        (`prefill`), or an idle gap outlasts DETACH_GAP (`_resume`); then the policy is told (`_unpark`)."""
+        steps = self._policy.park(d)
+        if steps > 0:
+            self._park = _Park(self._policy.parked_load, steps, self._policy.clock(), self._policy.clock)
+
+    def _unpark(self) -> None:
+        """The park ends: the policy counts its steps and busy time (AdaptivePolicy.unparked); an idle gap under way
+        is told to it at its next use (`policy`)."""
+        park, self._park = self._park, None
+        now = park.clock()
+        gap = now - park.idle_since if park.idle_since is not None else 0.0
+        self._policy.unparked(park.steps, now - park.since - park.idle_seconds - gap)
+        if park.idle_since is not None:
+            self._idle_since = park.idle_since
+
+    def _resume(self) -> None:
+        """Something arrives while parked: the idle gap before it, if any, is left out of the park's busy time, or
+        ends the park where it outlasted DETACH_GAP (a change of level: the load it was granted for is gone)."""
+        park = self._park
+        if park is None or park.idle_since is None:
+            return
+        gap = park.clock() - park.idle_since
+        if gap > DETACH_GAP:
+            self._unpark()
+        else:
+            park.idle_seconds += gap
+            park.idle_since = None
 
     # --- the interface ---------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
@@ -228,13 +297,21 @@ class AdaptiveDecoding(DecodeStrategy):
         fewer prefills per request, TTFT p50 +11%); joining the ticket did not shorten it there (2.25 ms against
         1.71, four runs at 6fd5dbb). The lazy chunks' ring stores built on the host were half the difference
         (`extend_draft`): 1.98 ms against 1.66-1.77 without them (four runs at 3a56c35; DESIGN §16, session 41)."""
+        self._resume()
         if self._idle_since is not None:  # the arrivals come after the gap
             self._told()
         ticket = self._ticket
         finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None:
             ticket.prefills.append((ticket.clock(), finals))
-        if self._policy is not None and (ticket is None or ticket.choice == PLAIN):
+        if self._park is not None:  # every chunk detached (answers kept by the park), or the park ends here
+            self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals, held)
+            if len(self._detach) < len(chunks):
+                self._unpark()
+                self._policy.break_chain(finals)
+                if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
+                    self.policy.drafts_joined()
+        elif self._policy is not None and (ticket is None or ticket.choice == PLAIN):
             if ticket is None:
                 self._policy.break_chain(finals)  # the time until the next decode launch is not a decode step's;
                 # the prompts it completes arrive in the epoch under way
@@ -320,7 +397,7 @@ class AdaptiveDecoding(DecodeStrategy):
             if cache is None or not cache.seen_before(c.request.cached_path, c.request.token_ids):
                 return False
             if within_reach is None:
-                within_reach = not self._policy.rounds_out_of_reach(size)
+                within_reach = not self._ask(("out_of_reach", size), lambda: self._policy.rounds_out_of_reach(size))
             return within_reach
 
         lazy = frozenset(i for i, c in enumerate(chunks) if c.final and c.request is not None and i not in forced
@@ -344,17 +421,23 @@ class AdaptiveDecoding(DecodeStrategy):
         self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
         ticket = self._ticket
         if ticket is None:
-            return self._policy.steady_choice(size)
+            return self._ask(("steady", size), lambda: self._policy.steady_choice(size))
         steady = ticket.steady.get(size)
         if steady is None:
             steady = ticket.steady[size] = self._policy.steady_choice(size)
         return steady
+
+    def _ask(self, key: tuple, compute: Callable[[], object]):
+        """The policy's answer `compute()`, kept by the park under way for its life (`_Park.ask`), else asked now."""
+        park = self._park
+        return compute() if park is None else park.ask(key, compute)
 
     def joins_without_draft(self, held: int = 0) -> bool:
         """Whether a request admitted now would join detached (DecodeStrategy.joins_without_draft): the steady
         choice for the running batch is plain steps and nothing holds detaching back (`_lazy_chunks`'s rule for a
         lazy chunk, asked before the request's prefill: the scheduler then gives it cached pages without the draft's
         KV, and its prefill detaches it). No: while rounds are the model's choice."""
+        self._resume()
         if self._idle_since is not None:  # judged after the gap
             self._told()
         if self._policy is None or self._rounds_chosen():
@@ -369,7 +452,8 @@ class AdaptiveDecoding(DecodeStrategy):
         emptied: judged at those small loads (plain steps unsettled there, or no model choice), the first wave of
         each concurrency-64 level joined with its drafts (H100 x4, 251813a, 2026-11-27: model_choice 262 and
         unsettled 333 requests over 11 later passes) and its batches kept the feature-keeping step."""
-        return self._policy.detach_blocker(min(max(size, held), self._policy.buckets[-1]))
+        load = min(max(size, held), self._policy.buckets[-1])
+        return self._ask(("blocker", load), lambda: self._policy.detach_blocker(load))
 
     def wants_prefill_features(self, chunks: list[PrefillChunk]) -> bool:
         """A prefill whose every chunk is detached (`_lazy_chunks`) keeps no feature: none is stored or extended."""
@@ -396,6 +480,9 @@ class AdaptiveDecoding(DecodeStrategy):
             raise InvariantError(f"a prefill of {len(chunks)} chunks, {len(detach)} detached, kept no draft features")
         if any(c.final and i not in detach for i, c in enumerate(chunks)):
             self._all_detached = False  # a request with a draft joins the decode batch
+        if self._park is not None and len(detach) < len(chunks):  # always on: `prefill` ends the park first
+            raise InvariantError(f"a prefill of {len(chunks)} chunks, {len(detach)} detached, extends drafts while "
+                                 f"parked")
         if not self._lazy:
             self._timed_extend(chunks, features, ends, finals, new_tokens)
             return
@@ -464,6 +551,13 @@ class AdaptiveDecoding(DecodeStrategy):
         a standing plain step at a batch of 32 and 5.2-5.5 at 64 (CPU, in process, bench/adaptive_plain_overhead.py;
         a plain engine's 0.8-1.1), without it 3.8-4.0 and 4.4-4.5 (the lag increments stay); served at 32-64 the
         adaptive engine took ~1 us a token more than a plain one (2.5-3%, eight H100 x4 runs, 2026-11-27)."""
+        park = self._park
+        if park is not None:  # plain steps over an all-detached batch, untold (`_park_here`)
+            if park.left and len(requests) <= park.load and held <= park.load:
+                park.left -= 1
+                park.steps += 1
+                return self.detached_plain
+            self._unpark()
         window = self.lag_window
         last = self.last_decision
         if last is not None:  # the last decision may stand: plain steps while no lag fills the ring, rounds while
@@ -509,6 +603,8 @@ class AdaptiveDecoding(DecodeStrategy):
         self._all_detached = all(detached)
         if spec:
             self._choose_width(d.bucket)
+        elif self._all_detached:
+            self._park_here(d)
         return AdaptiveStep(self, d, lagging, self.standing_round if spec else None, detached=self._all_detached)
 
     def add_lag(self, req, positions: int) -> None:
@@ -558,18 +654,19 @@ class AdaptiveDecoding(DecodeStrategy):
                 self.worker.catch_up(step.lagging, self.ring)
                 step.marks["catch_up_end"] = self._mark()
             catch_up_s = time.perf_counter() - t0
-            self.policy.catch_up_launched(catch_up_s)
+            self._policy.catch_up_launched(catch_up_s)
             if self.cuda:  # its launch is host time of the catch-up, not of the step
                 step.catch_up_host_s = catch_up_s
-                self.policy.waited(step.catch_up_host_s)
+                self._policy.waited(step.catch_up_host_s)
         strategy = step.round if step.speculative else self.detached_plain if step.detached else self.plain
         t1 = time.perf_counter()
         out = strategy.decode(rows, max_kv, sampling, logprobs, grammar)
         step.marks["end"] = self._mark()
+        # (straight to the policy: nothing is pending at a decided step, and a park it began goes on)
         if self.cuda:  # the launch's host time (E)
-            self.policy.launched_host(step.decision.choice, step.decision.bucket, time.perf_counter() - t1)
+            self._policy.launched_host(step.decision.choice, step.decision.bucket, time.perf_counter() - t1)
         else:  # the device work ran on the host: in D, not host overhead
-            self.policy.waited(time.perf_counter() - t0)
+            self._policy.waited(time.perf_counter() - t0)
         return out
 
     def resolved(self, step, requests: list, results: list[list[int]], waited_s: float,
@@ -577,8 +674,8 @@ class AdaptiveDecoding(DecodeStrategy):
         """A step's results were read after waiting `waited_s` on the device and applied in `resolve_s` host
         seconds: feed the policy (a decided step's device time from its marks, which completed before its result,
         and its resolve time; a round's acceptance)."""
-        if self._ticket is None:  # (under standing steps no decided step's interval is open: AdaptivePolicy.stood)
-            self.policy.waited(waited_s + resolve_s)
+        if self._ticket is None and self._park is None:  # (under standing or parked steps no decided step's
+            self.policy.waited(waited_s + resolve_s)  # interval is open: AdaptivePolicy.stood, unparked)
         if step is None:  # a prefill: its lazy requests' positions are all committed now
             for q in requests:
                 left = self._lazy_in_flight.pop(q, 0) - 1
@@ -670,6 +767,11 @@ class AdaptiveDecoding(DecodeStrategy):
         so the gap is told while the client's next request is on its way."""
         if self._policy is None:
             return
+        park = self._park
+        if park is not None:  # told at the park's end, if it outlasts DETACH_GAP (`_resume`)
+            if park.idle_since is None:
+                park.idle_since = park.clock()
+            return
         if self._idle_since is None:  # (the engine may call again before anything launches: the gap began first)
             self._idle_since = self._policy.clock()
         if self._ticket is not None:
@@ -746,11 +848,16 @@ class AdaptiveDecoding(DecodeStrategy):
         return prior
 
     def stats(self) -> dict | None:
-        if self.policy is None:
+        if self._policy is None:
             return None
         self._read_rounds()
-        snapshot = {**self.policy.snapshot(), "detached_requests": self.detached_requests,
+        policy = self._policy if self._park is not None else self.policy  # (a park goes on: its steps added below)
+        snapshot = {**policy.snapshot(), "detached_requests": self.detached_requests,
                     "attached_requests": dict(self.attached_requests)}
+        if self._park is not None:  # the steps of the park under way, counted as the policy will count them
+            steps = self._park.steps
+            snapshot["chosen"][PLAIN] = snapshot["chosen"].get(PLAIN, 0) + steps
+            snapshot["parked_steps"] += steps
         return snapshot if self.widths is None else {**snapshot, "tree_width": self.widths.snapshot()}
 
     # --- timing marks -----------------------------------------------------------------------------------------

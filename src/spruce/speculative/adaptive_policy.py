@@ -249,6 +249,7 @@ PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (
 PROBE_COST_FACTOR_LOAD_MAX = 64.0  # ... or, at a load where probes of that choice were measured, to this much
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
+PARK_EPOCHS = 8  # epochs' steps an all-detached batch's plain steps may run parked, untold (`park`)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
 PROBED_MARGIN = 0.25  # ... or this much, while the other's figure there is mostly probes' epochs (`_margin`)
@@ -421,6 +422,11 @@ class AdaptivePolicy:
         # and when the gap began
         self._carried_load = 0  # the load before the last idle gap, if that gap was a round trip (`_detach_load`)
         self._decisions: collections.Counter = collections.Counter()  # decide() calls per (batch) bucket
+        self._parked: tuple[int, int] | None = None  # while the strategy runs parked steps (`park`): the load
+        # bucket and the epoch target they were granted at
+        self._epochs_at_unpark = -1  # epochs measured when the last park ended: the next waits for one more
+        self.parks = 0  # parks granted (/metrics) ...
+        self.parked_steps = 0  # ... and the plain steps they ran
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
         self._counts: dict[str, dict] = {"other_host": {}, "wall": {}}  # samples behind those tables' entries
         self._windows: dict[str, dict] = {"device": {}, "launch": {}, "resolve": {}, "own_host": {}}  # their
@@ -1374,6 +1380,53 @@ class AdaptivePolicy:
         if prefills:  # (break_chain's)
             self._previous_choice = None
 
+    def park(self, d: Decision) -> int:
+        """Right after decision `d` (the step's launch marked): how many plain steps the strategy may run parked, the
+        policy told nothing until they end (`unparked`); 0: none. Only where every request of the batch is detached
+        (the caller's condition) and `d` is plain steps as the model's choice at a load where a request joining
+        would be detached too (`detach_blocker`: settled or rounds out of reach, no probe under way, owed or
+        waiting), no probe's cost still to be measured, and an epoch measured since the last park ended (so plain
+        steps' realized figure is refreshed between parks). While parked no round can run (rounds are blocked over
+        detached requests) and a request that joins with its draft ends the park, so what the policy would learn
+        from those steps is plain steps' figure at a load where they are settled; taken step by step (tickets,
+        epochs, a decided step at each idle gap and each epoch's end), that bookkeeping was ~6-8 us of host work a
+        decode step on the H100 against a plain engine's (bench/adaptive_hooks.py, session 51), 1-2.5% of a
+        host-bound step. At most PARK_EPOCHS epochs' steps of the load: `unparked` credits the epochs to the probe
+        spacing, so a probe of rounds comes due at most that many epochs late."""
+        cur = self.epochs.current
+        if (d.choice != PLAIN or d.reason != "model" or cur is None or cur.choice != PLAIN
+                or self.epochs.epochs <= self._epochs_at_unpark or self._parked is not None):
+            return 0
+        if self._state[cur.bucket].measure is not None or self.detach_blocker(cur.bucket) is not None:
+            return 0
+        self._parked = (cur.bucket, cur.target)
+        self.parks += 1
+        return PARK_EPOCHS * cur.target
+
+    @property
+    def parked_load(self) -> int:
+        """The load bucket of the park under way (0: none): a batch or a load above it ends the park."""
+        return self._parked[0] if self._parked is not None else 0
+
+    def unparked(self, steps: int, busy: float) -> None:
+        """The park granted by `park` ended after `steps` plain steps over `busy` seconds (its idle gaps left out):
+        counted as chosen plain steps and as busy time (what the probe budget is a fraction of), their epochs
+        credited to the load's probe spacing; the epoch under way ends unmeasured (most of its steps were not told)
+        and the next step is decided."""
+        if self._parked is None:
+            raise InvariantError("a park ended that AdaptivePolicy.park never granted")
+        load, target = self._parked
+        self._parked = None
+        self.chosen[PLAIN] += steps
+        self.parked_steps += steps
+        self._state[load].epochs_since_probe += steps // target
+        self.epochs.skip(busy)
+        self._epochs_at_unpark = self.epochs.epochs
+        self._reuse_left = 0
+        self._last_launch = None
+        self._previous_choice = None
+        self._not_host = 0.0
+
     # --- what the strategy reports back ----------------------------------------------------------------------------
     def _launched(self, choice: str, bucket: int, now: float) -> None:
         """A decode step is being launched at `now`: closes the interval the previous decode launch opened (if no
@@ -1625,6 +1678,7 @@ class AdaptivePolicy:
                                               for c in CHOICES},
                 "global_accept": self.global_accept, "catch_ups": self.catch_ups,
                 "catch_up_positions": self.catch_up_positions, "retries": self.retries,
+                "parks": self.parks, "parked_steps": self.parked_steps,
                 "epochs": self.epochs.epochs, "epochs_dropped": self.epochs.dropped,
                 "epochs_drained": self.epochs.drained, "epochs_outgrown": self.epochs.outgrown}
 

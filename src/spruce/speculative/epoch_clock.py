@@ -262,6 +262,16 @@ class EpochClock:
         """The engine has nothing to launch: the time until the next launch is not busy time."""
         self._last = None
 
+    def skip(self, busy: float) -> None:
+        """Steps this clock was not told of ran for `busy` seconds (AdaptivePolicy.unparked): busy time of no epoch
+        but of the total; the epoch under way (and one held as drained) ends unmeasured, its steps not all counted,
+        and the next launch starts afresh."""
+        self.busy_total += max(busy, 0.0)
+        self.current = None
+        self._pending = None
+        self._last = None
+        self._excluded = 0.0
+
     def step(self, choice: str, bucket: int, target: int, step_bucket: int, batch_size: int,
              probe: bool = False) -> None:
         """A decode step of `choice` at load `bucket`, over a batch of `batch_size` requests (cost bucket
