@@ -150,19 +150,24 @@ class _Ticket:
 @dataclass(slots=True)
 class _Park:
     """Plain steps over an all-detached batch that run untold (`AdaptivePolicy.park`): up to `left` more steps over
-    batches of at most `load` requests while the engine holds at most `load`; `steps` taken so far; the policy's
+    batches of at most `load` requests while the engine holds at most `load` (of `granted`); the policy's
     answers that arrivals meanwhile need (its steady choice, the detach blocker, rounds' reach), asked once per key:
     nothing reaches it while parked, so they cannot change; the idle gaps met (`idle`), left out of its busy time,
     and one longer than DETACH_GAP (a change of level, not a client's round trip) ends it."""
 
     load: int
+    granted: int
     left: int
     since: float
     clock: Callable[[], float]
-    steps: int = 0
     idle_since: float | None = None
     idle_seconds: float = 0.0
     answers: dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        """The steps it took."""
+        return self.granted - self.left
 
     def ask(self, key: tuple, compute: Callable[[], object]):
         """The answer kept under `key`, computed once."""
@@ -251,7 +256,7 @@ class AdaptiveDecoding(DecodeStrategy):
         (`prefill`), or an idle gap outlasts DETACH_GAP (`_resume`); then the policy is told (`_unpark`)."""
         steps = self._policy.park(d)
         if steps > 0:
-            self._park = _Park(self._policy.parked_load, steps, self._policy.clock(), self._policy.clock)
+            self._park = _Park(self._policy.parked_load, steps, steps, self._policy.clock(), self._policy.clock)
 
     def _unpark(self) -> None:
         """The park ends: the policy counts its steps and busy time (AdaptivePolicy.unparked); an idle gap under way
@@ -555,7 +560,6 @@ class AdaptiveDecoding(DecodeStrategy):
         if park is not None:  # plain steps over an all-detached batch, untold (`_park_here`)
             if park.left and len(requests) <= park.load and held <= park.load:
                 park.left -= 1
-                park.steps += 1
                 return self.detached_plain
             self._unpark()
         window = self.lag_window
@@ -674,6 +678,8 @@ class AdaptiveDecoding(DecodeStrategy):
         """A step's results were read after waiting `waited_s` on the device and applied in `resolve_s` host
         seconds: feed the policy (a decided step's device time from its marks, which completed before its result,
         and its resolve time; a round's acceptance)."""
+        if step is self.detached_plain and self._park is not None:  # a parked step: nothing to tell
+            return
         if self._ticket is None and self._park is None:  # (under standing or parked steps no decided step's
             self.policy.waited(waited_s + resolve_s)  # interval is open: AdaptivePolicy.stood, unparked)
         if step is None:  # a prefill: its lazy requests' positions are all committed now
