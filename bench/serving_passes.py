@@ -18,6 +18,18 @@ passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the me
 the share of the adaptive server's requests that joined detached (mean over its passes) and why the others joined
 with their drafts (`adaptive_steps.attached`, summed), where the server reports them.
 
+And over every pass, each ratio adjusted for the host's speed in its level: the engines are host-bound from
+concurrency 8 up, and the host's speed moves between the levels of one run (on the H100 x4, four runs at once, one
+server's launch took 373-865 us a decode step at 64 from level to level, its resolve and outputs alike), which is
+most of the passes' spread. The speed is read from the engine's output processing (`step.outputs` per request-step:
+the same code in every server), and a pass's ratio is taken as if both servers had had one speed (tokens/s times the
+ratio of their outputs seconds per request-step). Over the eight runs at c29a592 (2026-11-27) that part's ratio and
+the tokens/s ratio correlated at -0.95 to -0.98 at 8-64, for the control copies as for the adaptive server, and the
+adjustment took the control's standard error from 1.6-1.9% to 0.4-0.7%. It flatters a server whose own work slows
+the output processing too (its caches colder): the outputs ratio is printed beside it (`outputs`), against the
+control's, to judge that by. Printed where it narrows the control's spread (not at concurrency 1, where a step is
+the device's and the adjustment only adds the outputs part's noise); every level's figures go to the result.
+
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 (results rebuilt from a journal by bench/serving_journal.py too)
 """
@@ -62,6 +74,23 @@ def admission(level: dict, figure: str) -> float | None:
     if figure == "ttft_p50":
         return (level.get("ttft_s") or {}).get("p50")
     return mean_prefill_launch(engine)
+
+
+def outputs_per_row(level: dict) -> float | None:
+    """A level's output processing seconds per request-step (`step.outputs` over decode steps times their mean
+    batch): the host's speed in that level, for `run_passes`' adjustment (None: no counters)."""
+    engine = level.get("engine") or {}
+    rows = (engine.get("steps") or {}).get("decode", 0) * (engine.get("mean_decode_batch") or 0)
+    seconds = (engine.get("seconds") or {}).get("step.outputs")
+    return seconds / rows if rows and seconds else None
+
+
+def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_outputs: float | None) -> dict | None:
+    """One server's tokens/s over another's, less 1, as if both had had one host speed (tokens/s times the ratio of
+    their output processing seconds per request-step), and that ratio less 1 (`outputs`); None without counters."""
+    if outputs is None or other_outputs is None:
+        return None
+    return {"adjusted": tps * (outputs / other_outputs) / other_tps - 1.0, "outputs": outputs / other_outputs - 1.0}
 
 
 def runs_of(result: dict) -> list[dict]:
@@ -114,6 +143,14 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                     record["counters"][counter] = mine - statistics.fmean(theirs)
                     if len(theirs) == 2:
                         record["control"][counter] = theirs[1] - theirs[0]
+            theirs = [outputs_per_row(levels[name][k]) for name in copies]
+            record["host"] = host_adjusted(adaptive["output_throughput_tok_s"], better_tps, outputs_per_row(adaptive),
+                                           None if None in theirs else statistics.fmean(theirs))
+            record["host_control"] = None if len(copies) != 2 else host_adjusted(  # the second copy over the first
+                *(levels[name][k]["output_throughput_tok_s"] for name in copies[::-1]), *theirs[::-1])
+            if record["host_control"] is not None:
+                record["host_control"]["unadjusted"] = (levels[copies[1]][k]["output_throughput_tok_s"]
+                                                        / levels[copies[0]][k]["output_throughput_tok_s"] - 1.0)
             record["admission"], record["admission_control"] = {}, {}
             for figure in ADMISSION:
                 theirs = [admission(levels[name][k], figure) for name in copies]
@@ -176,11 +213,27 @@ def main() -> None:
                         reasons[reason] = reasons.get(reason, 0) + n
                 if shares:
                     joined[key] = {"detached": statistics.fmean(shares), "attached": dict(sorted(reasons.items()))}
+            adjusted = [r for r in records if r.get("host") is not None]
+            controls = [r["host_control"] for r in records if r.get("host_control") is not None]
+            speed = {"adaptive": {"unadjusted": mean_se([r["versus_better"] for r in adjusted]),
+                                  "adjusted": mean_se([r["host"]["adjusted"] for r in adjusted]),
+                                  "outputs": mean_se([r["host"]["outputs"] for r in adjusted])},
+                     "control": {figure: mean_se([c[figure] for c in controls])
+                                 for figure in ("unadjusted", "adjusted", "outputs")}} \
+                if len(adjusted) > 1 and len(controls) > 1 else None
             summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
-                                                                   "admission": admitted, "requests": joined}
+                                                                   "admission": admitted, "requests": joined,
+                                                                   "host_speed_adjusted": speed}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
                 + f" ({fig['n']})" for key, fig in cell.items()))
+            if speed is not None and speed["control"]["adjusted"]["se"] < speed["control"]["unadjusted"]["se"]:
+                # (shown where the host's speed explains the control's spread: host-bound levels)
+                print("      every pass, host speed adjusted: " + "; ".join(
+                    f"{who} {fig['adjusted']['mean']:+.1%} +- {fig['adjusted']['se']:.1%} (unadjusted "
+                    f"{fig['unadjusted']['mean']:+.1%} +- {fig['unadjusted']['se']:.1%}, outputs "
+                    f"{fig['outputs']['mean']:+.1%} +- {fig['outputs']['se']:.1%}; {fig['adjusted']['n']})"
+                    for who, fig in speed.items()))
             for key, fig in joined.items():
                 print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
                       + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none"))

@@ -254,6 +254,38 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     assert passes.run_passes(result) is None
 
 
+def test_serving_passes_adjusts_each_pass_for_the_hosts_speed():
+    """bench/serving_passes.py: each pass's ratio as if both servers had had one host speed, read from their output
+    processing seconds per request-step (`step.outputs` over decode steps times the mean batch), beside that part's
+    ratio; the control copies likewise: a copy whose host ran 10% faster, and 10% more tokens/s, reads even once
+    adjusted. Without counters, no adjustment."""
+    import bench_scripts
+
+    passes = bench_scripts.load("serving_passes")
+    fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
+
+    def level(tps: float, outputs_s: float | None, batch: float = 8.0) -> dict:
+        seconds = {} if outputs_s is None else {"step.outputs": outputs_s}
+        return {"concurrency": 8, "output_throughput_tok_s": tps, "ttft_s": {"p50": 0.04},
+                "engine": {"steps": {"decode": 1000, "prefill": 100}, "mean_decode_batch": batch,
+                           "seconds": seconds}}
+
+    runs = [{"name": "plain", "levels": [level(100.0, 0.8)]}, {"name": "fixed", "levels": [level(50.0, 0.8)]},
+            {"name": "adaptive", "levels": [level(90.0, 0.99, 9.0)]},
+            {"name": "plain-again", "levels": [level(110.0, 0.8 / 1.1)]}]
+    result = {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
+                                    "plain-again="], "prompt_tokens": 128, "concurrency": [8]},
+              "figures": {"runs": runs}}
+    (record,) = passes.run_passes(result)[1]
+    copies = (0.8 / 8000 + 0.8 / 1.1 / 8000) / 2  # their outputs seconds per request-step, averaged
+    assert record["host"]["outputs"] == pytest.approx(0.99 / 9000 / copies - 1)
+    assert record["host"]["adjusted"] == pytest.approx(90 * (0.99 / 9000 / copies) / 105 - 1)
+    assert record["host_control"] == pytest.approx({"adjusted": 0.0, "outputs": 1 / 1.1 - 1, "unadjusted": 0.1})
+    runs[2]["levels"][0] = level(90.0, None)
+    (record,) = passes.run_passes(result)[1]
+    assert record["host"] is None and record["versus_better"] == pytest.approx(90 / 105 - 1)
+
+
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
                                   ["--pin-cpus"], ["--rotation", "1"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):
