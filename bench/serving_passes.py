@@ -25,9 +25,14 @@ most of the passes' spread. The speed is read from the engine's output processin
 the same code in every server), and a pass's ratio is taken as if both servers had had one speed (tokens/s times the
 ratio of their outputs seconds per request-step). Over the eight runs at c29a592 (2026-11-27) that part's ratio and
 the tokens/s ratio correlated at -0.95 to -0.98 at 8-64, for the control copies as for the adaptive server, and the
-adjustment took the control's standard error from 1.6-1.9% to 0.4-0.7%. It flatters a server whose own work slows
-the output processing too (its caches colder): the outputs ratio is printed beside it (`outputs`), against the
-control's, to judge that by. Printed where it narrows the control's spread (not at concurrency 1, where a step is
+adjustment took the control's standard error from 1.6-1.9% to 0.4-0.7%. It flatters a server whose process slows
+its output processing more than the rest of its step: the outputs ratio is printed beside it (`outputs`), against
+the control's, to judge that by. Every speculative process measured so far does: the skeleton experiment's server
+(a plain engine's work in an adaptive process with the draft loaded, e64eb1c, four runs) ran that part 1.6-4.2%
+slower than the plain servers at 8-64 while its tokens/s were 0.1-2.0% lower, so adjusted it read +0.9 to +1.7%
+ahead of them; the adaptive servers' part ran 2-3.5% slower (19 runs at 4037e6d, 10ffd04, c29a592) against the
+controls' 0 +- 1.5%. Read adjusted figures as the adaptive server's side of a band whose other side is the
+unadjusted one, not as a verdict. Printed where it narrows the control's spread (not at concurrency 1, where a step is
 the device's and the adjustment only adds the outputs part's noise); every level's figures go to the result.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
