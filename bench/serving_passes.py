@@ -31,8 +31,8 @@ the control's, to judge that by. Every speculative process measured so far does:
 (a plain engine's work in an adaptive process with the draft loaded, e64eb1c, four runs) ran that part 1.6-4.2%
 slower than the plain servers at 8-64 while its tokens/s were 0.1-2.0% lower, so adjusted it read +0.9 to +1.7%
 ahead of them; the adaptive servers' part ran 2-3.5% slower (19 runs at 4037e6d, 10ffd04, c29a592) against the
-controls' 0 +- 1.5%. Read adjusted figures as the adaptive server's side of a band whose other side is the
-unadjusted one, not as a verdict. Printed where it narrows the control's spread (not at concurrency 1, where a step is
+controls' 0 +- 1.5% (not their CPUs: --pin-cpus rotates the sets between passes). Read adjusted figures as the
+adaptive server's side of a band whose other side is the unadjusted one, not as a verdict. Printed where it narrows the control's spread (not at concurrency 1, where a step is
 the device's and the adjustment only adds the outputs part's noise); every level's figures go to the result.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
