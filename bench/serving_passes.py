@@ -25,15 +25,16 @@ most of the passes' spread. The speed is read from the engine's output processin
 the same code in every server), and a pass's ratio is taken as if both servers had had one speed (tokens/s times the
 ratio of their outputs seconds per request-step). Over the eight runs at c29a592 (2026-11-27) that part's ratio and
 the tokens/s ratio correlated at -0.95 to -0.98 at 8-64, for the control copies as for the adaptive server, and the
-adjustment took the control's standard error from 1.6-1.9% to 0.4-0.7%. It flatters a server whose process slows
-its output processing more than the rest of its step: the outputs ratio is printed beside it (`outputs`), against
-the control's, to judge that by. Every speculative process measured so far does: the skeleton experiment's server
-(a plain engine's work in an adaptive process with the draft loaded, e64eb1c, four runs) ran that part 1.6-4.2%
-slower than the plain servers at 8-64 while its tokens/s were 0.1-2.0% lower, so adjusted it read +0.9 to +1.7%
-ahead of them; the adaptive servers' part ran 2-3.5% slower (19 runs at 4037e6d, 10ffd04, c29a592) against the
-controls' 0 +- 1.5% (not their CPUs: --pin-cpus rotates the sets between passes). Read adjusted figures as the
-adaptive server's side of a band whose other side is the unadjusted one, not as a verdict. Printed where it narrows the control's spread (not at concurrency 1, where a step is
-the device's and the adjustment only adds the outputs part's noise); every level's figures go to the result.
+adjustment took the control's standard error from 1.6-1.9% to 0.4-0.7%. It flatters a server whose process slows its
+output processing more than the rest of its step: the outputs ratio is printed beside it (`outputs`), against the
+control's, to judge that by. Every speculative process measured so far does: the skeleton experiment's server (a
+plain engine's work in an adaptive process with the draft loaded, e64eb1c, four runs) ran that part 1.6-4.2% slower
+than the plain servers at 8-64 while its tokens/s were 0.1-2.0% lower, so adjusted it read +0.9 to +1.7% ahead of
+them; the adaptive servers' part ran 2-3.5% slower (19 runs at 4037e6d, 10ffd04, c29a592) against the controls' 0 +-
+1.5% (not their CPUs: --pin-cpus rotates the sets between passes). Read adjusted figures as the adaptive server's
+side of a band whose other side is the unadjusted one, not as a verdict. Printed where it narrows the control's
+spread (not at concurrency 1, where a step is the device's and the adjustment only adds the outputs part's noise);
+every level's figures go to the result.
 
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 (results rebuilt from a journal by bench/serving_journal.py too)
@@ -91,11 +92,13 @@ def outputs_per_row(level: dict) -> float | None:
 
 
 def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_outputs: float | None) -> dict | None:
-    """One server's tokens/s over another's, less 1, as if both had had one host speed (tokens/s times the ratio of
-    their output processing seconds per request-step), and that ratio less 1 (`outputs`); None without counters."""
+    """One server's tokens/s over another's, less 1, as measured (`unadjusted`) and as if both had had one host
+    speed (tokens/s times the ratio of their output processing seconds per request-step), and that ratio less 1
+    (`outputs`); None without counters."""
     if outputs is None or other_outputs is None:
         return None
-    return {"adjusted": tps * (outputs / other_outputs) / other_tps - 1.0, "outputs": outputs / other_outputs - 1.0}
+    return {"unadjusted": tps / other_tps - 1.0, "adjusted": tps * (outputs / other_outputs) / other_tps - 1.0,
+            "outputs": outputs / other_outputs - 1.0}
 
 
 def runs_of(result: dict) -> list[dict]:
@@ -153,9 +156,6 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                                            None if None in theirs else statistics.fmean(theirs))
             record["host_control"] = None if len(copies) != 2 else host_adjusted(  # the second copy over the first
                 *(levels[name][k]["output_throughput_tok_s"] for name in copies[::-1]), *theirs[::-1])
-            if record["host_control"] is not None:
-                record["host_control"]["unadjusted"] = (levels[copies[1]][k]["output_throughput_tok_s"]
-                                                        / levels[copies[0]][k]["output_throughput_tok_s"] - 1.0)
             record["admission"], record["admission_control"] = {}, {}
             for figure in ADMISSION:
                 theirs = [admission(levels[name][k], figure) for name in copies]
@@ -220,11 +220,9 @@ def main() -> None:
                     joined[key] = {"detached": statistics.fmean(shares), "attached": dict(sorted(reasons.items()))}
             adjusted = [r for r in records if r.get("host") is not None]
             controls = [r["host_control"] for r in records if r.get("host_control") is not None]
-            speed = {"adaptive": {"unadjusted": mean_se([r["versus_better"] for r in adjusted]),
-                                  "adjusted": mean_se([r["host"]["adjusted"] for r in adjusted]),
-                                  "outputs": mean_se([r["host"]["outputs"] for r in adjusted])},
-                     "control": {figure: mean_se([c[figure] for c in controls])
-                                 for figure in ("unadjusted", "adjusted", "outputs")}} \
+            speed = {who: {figure: mean_se([pair[figure] for pair in pairs])
+                           for figure in ("unadjusted", "adjusted", "outputs")}
+                     for who, pairs in (("adaptive", [r["host"] for r in adjusted]), ("control", controls))} \
                 if len(adjusted) > 1 and len(controls) > 1 else None
             summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
                                                                    "admission": admitted, "requests": joined,

@@ -159,7 +159,6 @@ class _Park:
     granted: int
     left: int
     since: float
-    clock: Callable[[], float]
     idle_since: float | None = None
     idle_seconds: float = 0.0
     answers: dict = field(default_factory=dict)
@@ -256,13 +255,13 @@ class AdaptiveDecoding(DecodeStrategy):
         (`prefill`), or an idle gap outlasts DETACH_GAP (`_resume`); then the policy is told (`_unpark`)."""
         steps = self._policy.park(d)
         if steps > 0:
-            self._park = _Park(self._policy.parked_load, steps, steps, self._policy.clock(), self._policy.clock)
+            self._park = _Park(self._policy.parked_load, steps, steps, self._policy.clock())
 
     def _unpark(self) -> None:
         """The park ends: the policy counts its steps and busy time (AdaptivePolicy.unparked); an idle gap under way
         is told to it at its next use (`policy`)."""
         park, self._park = self._park, None
-        now = park.clock()
+        now = self._policy.clock()
         gap = now - park.idle_since if park.idle_since is not None else 0.0
         self._policy.unparked(park.steps, now - park.since - park.idle_seconds - gap)
         if park.idle_since is not None:
@@ -274,7 +273,7 @@ class AdaptiveDecoding(DecodeStrategy):
         park = self._park
         if park is None or park.idle_since is None:
             return
-        gap = park.clock() - park.idle_since
+        gap = self._policy.clock() - park.idle_since
         if gap > DETACH_GAP:
             self._unpark()
         else:
@@ -309,18 +308,15 @@ class AdaptiveDecoding(DecodeStrategy):
         finals = sum(c.final for c in chunks)  # the prompts this prefill completes
         if ticket is not None:
             ticket.prefills.append((ticket.clock(), finals))
-        if self._park is not None:  # every chunk detached (answers kept by the park), or the park ends here
-            self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals, held)
-            if len(self._detach) < len(chunks):
-                self._unpark()
-                self._policy.break_chain(finals)
-                if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
-                    self.policy.drafts_joined()
-        elif self._policy is not None and (ticket is None or ticket.choice == PLAIN):
-            if ticket is None:
+        if self._policy is not None and (ticket is None or ticket.choice == PLAIN):
+            parked = self._park is not None  # (no ticket then): the park's answers judge the chunks, and it ends
+            if ticket is None and not parked:  # here unless every chunk is detached
                 self._policy.break_chain(finals)  # the time until the next decode launch is not a decode step's;
                 # the prompts it completes arrive in the epoch under way
             self._lazy, steady_plain, self._detach = self._lazy_chunks(chunks, finals, held)
+            if parked and len(self._detach) < len(chunks):
+                self._unpark()
+                self._policy.break_chain(finals)
             if not steady_plain and any(c.final and i not in self._lazy for i, c in enumerate(chunks)):
                 self.policy.drafts_joined()  # arrivals with current drafts, for which rounds may pay: a standing
                 # plain choice is decided again (not where the steady choice is plain even with every draft current)
@@ -776,7 +772,7 @@ class AdaptiveDecoding(DecodeStrategy):
         park = self._park
         if park is not None:  # told at the park's end, if it outlasts DETACH_GAP (`_resume`)
             if park.idle_since is None:
-                park.idle_since = park.clock()
+                park.idle_since = self._policy.clock()
             return
         if self._idle_since is None:  # (the engine may call again before anything launches: the gap began first)
             self._idle_since = self._policy.clock()
