@@ -17,7 +17,8 @@ from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.adaptive_policy import (ACCEPT_FRESH_MIN, ACCEPT_STALE_STEPS, ACCEPT_WINDOW, CHOICES,
                                                  COLLAPSE_ROUNDS, DETACH_GAP, LOAD_WINDOW, PLAIN,
                                                  PROBE_ALLOWANCE, PROBE_BUDGET, PROBE_CUT_LEAD,
-                                                 PROBE_CUT_REQUEST_ROUNDS, PROBE_FIRST, PROBE_SHARE_MIN,
+                                                 PROBE_CUT_MIN_ROUNDS, PROBE_CUT_REQUEST_ROUNDS, PROBE_CUT_Z,
+                                                 PROBE_FIRST, PROBE_SHARE_MIN,
                                                  RETRY_FIRST, RETRY_MAX, PRIOR_DECAY,
                                                  PROBED_MARGIN, REUSE_STEPS, SETTLED_EPOCHS, SPECULATIVE, SWITCH_MARGIN,
                                                  PARK_EPOCHS, PROBE_MAX, STANDING_EPOCHS, STEADY_WAIT, WALL_TTL, PRIOR_ROUNDS,
@@ -274,12 +275,13 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
 
 
-def probe_runs(batch: int, accepted: int, steps: int,
+def probe_runs(batch: int, accepted: int | list[int], steps: int,
                spec: float = 1.6e-3) -> tuple[AdaptivePolicy, list[int], list]:
     """1 ms plain steps against `spec` seconds a round (1.6 ms), rounds accepting nothing so far (plain steps the
     model's choice), a batch of `batch` requests of 128 tokens decided `steps` times, each round's requests accepting
-    `accepted` drafts (each step takes the time it was priced at): the policy, the length of each run of rounds, and the
-    decisions."""
+    `accepted` drafts (a list: the i-th round's requests accept its i-th entry, cyclically; each step takes the time
+    it was priced at): the policy, the length of each run of rounds, and the decisions."""
+    pattern = accepted if isinstance(accepted, list) else [accepted]
     clock = Clock()
     p = policy(plain=1e-3, spec=spec, clock=clock)
     reqs = [Req() for _ in range(batch)]
@@ -294,16 +296,18 @@ def probe_runs(batch: int, accepted: int, steps: int,
                 runs[-1] += 1
             else:
                 runs.append(1)
-            p.accepted_round(reqs, [accepted] * batch)
+            p.accepted_round(reqs, [pattern[(sum(runs) - 1) % len(pattern)]] * batch)
     return p, runs, decisions
 
 
-def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut():
+def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut(monkeypatch):
     """At load 8, a probe of rounds whose rounds accept nothing ends at its first decision after
     PROBE_CUT_REQUEST_ROUNDS request-rounds (32 rounds of 8): plain steps, priced at that acceptance, still commit
-    1.6x what rounds do. Its epoch would have run 128 rounds (a request's 128 tokens at 1 token a round): the
-    rounds that leave the load's choice as it was, four times over. The load's next probe comes twice as far on,
-    and no sooner than the budget allows for a whole epoch's price (charged in full when the probe began)."""
+    1.6x what rounds do. (The bound of its own rounds' acceptance would end it sooner: turned off here, tested
+    below.) Its epoch would have run 128 rounds (a request's 128 tokens at 1 token a round): the rounds that leave
+    the load's choice as it was, four times over. The load's next probe comes twice as far on, and no sooner than the
+    budget allows for a whole epoch's price (charged in full when the probe began)."""
+    monkeypatch.setattr(adaptive_policy, "PROBE_CUT_MIN_ROUNDS", 10**9)
     p, runs, decisions = probe_runs(8, 0, 1500)
     assert PROBE_CUT_REQUEST_ROUNDS == 256 and 1.6 >= 1 + PROBE_CUT_LEAD
     assert runs == [32] and p.probes_cut == p.probes == 1 and p.snapshot()["probes_cut"] == 1
@@ -311,6 +315,24 @@ def test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut():
     st = p._state[8]
     assert st.model_choice == PLAIN and st.probe_after == 2 and not st.probing
     assert st.spacing == math.ceil(p.probe_seconds / (PROBE_BUDGET * 128 * 1e-3))  # a full 128-round probe's price
+
+
+def test_a_probe_of_rounds_is_cut_once_its_own_rounds_bound_the_acceptance():
+    """At concurrency 1, where an epoch of rounds counts fewer request-rounds than PROBE_CUT_REQUEST_ROUNDS: a probe
+    whose rounds accept nothing ends at its first decision after PROBE_CUT_MIN_ROUNDS of them (its rounds' mean plus
+    PROBE_CUT_Z standard errors: 0 drafts); at load 8 after EPOCH_MIN rounds (128 request-rounds), not at the 4th
+    (32 request-rounds: too few steps to re-measure rounds' cost). One whose rounds accept a quarter of a draft (one in
+    four accepts one) runs whole at 1: the bound, 0.25 + 3 x 0.44 / sqrt(32) = 0.48 drafts, leaves rounds within
+    PROBE_CUT_LEAD of plain steps (1.48 tokens a 1.6 ms round against 1 a 1 ms step), and stays above 0.28 to its
+    128th round.
+    Fails if the bound is left out (probes at 1 run whole), taken without its standard errors, or over fewer steps."""
+    assert (PROBE_CUT_MIN_ROUNDS, EPOCH_MIN, PROBE_CUT_Z) == (32, 16, 3.0)
+    p, runs, _ = probe_runs(1, 0, 400)
+    assert runs[0] == PROBE_CUT_MIN_ROUNDS and p.probes_cut == 1
+    p, runs, _ = probe_runs(8, 0, 400)
+    assert runs[0] == EPOCH_MIN and p.probes_cut == 1
+    p, runs, _ = probe_runs(1, [0, 0, 0, 1], 400)
+    assert runs[0] == 128 and p.probes_cut == 0
 
 
 @pytest.mark.parametrize("fresh", [False, True])
@@ -342,14 +364,11 @@ def test_a_probe_of_rounds_is_spaced_by_plain_steps_lead_where_other_loads_measu
                             if fresh else whole), (spacings[-1], whole)
 
 
-def test_a_probe_is_not_cut_below_its_request_rounds_or_lead_nor_when_rounds_come_to_pay():
-    """At concurrency 1 a probe's epoch of rounds counts 128 request-rounds, below PROBE_CUT_REQUEST_ROUNDS: it runs
-    whole. At load 8 with plain steps leading by 20% (1.2 ms rounds), below PROBE_CUT_LEAD, it runs whole too: the
-    rest of its epoch may still find rounds' cost. A probe whose rounds accept 4 drafts turns the model's choice to
-    rounds (5 tokens a 1.6 ms round against 1 a 1 ms step): nothing is cut, and rounds go on as the model's
+def test_a_probe_is_not_cut_below_its_lead_nor_when_rounds_come_to_pay():
+    """At load 8 with plain steps leading by 20% (1.2 ms rounds accepting nothing), below PROBE_CUT_LEAD, a probe runs
+    whole: the rest of its epoch may still find rounds' cost. A probe whose rounds accept 4 drafts turns the model's
+    choice to rounds (5 tokens a 1.6 ms round against 1 a 1 ms step): nothing is cut, and rounds go on as the model's
     choice."""
-    p, runs, _ = probe_runs(1, 0, 400)
-    assert runs[0] == 128 and p.probes_cut == 0
     p, runs, _ = probe_runs(8, 0, 400, spec=1.2e-3)
     assert 1.2 < 1 + PROBE_CUT_LEAD and runs[0] == 128 and p.probes_cut == 0
     p, runs, decisions = probe_runs(8, 4, 300)

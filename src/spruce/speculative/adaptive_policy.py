@@ -118,7 +118,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   last ran at this load (session 46; else the whole budget: only rounds measure the acceptance).
   A probe of rounds under plain steps ends early once its request-rounds have settled the acceptance and plain
   steps still lead by PROBE_CUT_LEAD at it (`_cut`, session 37): from 8 requests up a probe's first 32-40 rounds
-  measure what its ~110 would.
+  measure what its ~110 would; at any load once they lead rounds priced at its own rounds' acceptance plus
+  PROBE_CUT_Z standard errors (session 53: at concurrency 1 a probe's ~100 rounds cut to ~32).
   Those prices are scaled by what probes of that choice were measured to cost over their price (`_probe_factor`,
   1 to PROBE_COST_FACTOR_MAX; `_measured_probe`, 2026-11-26: on the H100 a pass with a probe trailed those without
   by several times the probe's price), at a load where such probes were measured by that load's own figure (1 to
@@ -211,6 +212,7 @@ import json
 import logging
 import math
 import itertools
+import operator
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -218,7 +220,7 @@ from typing import Callable
 
 from spruce.errors import InvariantError
 from spruce.runtime.linear_cost import LinearCost
-from spruce.speculative.epoch_clock import SETTLED_EPOCHS, Epoch, EpochClock, epoch_steps
+from spruce.speculative.epoch_clock import EPOCH_MIN, SETTLED_EPOCHS, Epoch, EpochClock, epoch_steps
 
 log = logging.getLogger("spruce.adaptive")
 
@@ -243,7 +245,9 @@ PROBE_SHARE_MIN = 0.05  # plain probes under rounds get PROBE_BUDGET times (SWIT
 # down to this share of it (`_probe_share`)
 PROBE_STEPS_FACTOR = 2  # a probe ends after this many times its epoch's steps even if no epoch completed
 PROBE_CUT_REQUEST_ROUNDS = 256  # a probe of rounds under plain steps ends once it counted this many request-rounds
-# (and plain steps still lead by PROBE_CUT_LEAD, below)
+# (and plain steps still lead by PROBE_CUT_LEAD, below) ...
+PROBE_CUT_MIN_ROUNDS = 32  # ... or once it counted this many and plain steps lead by it even at its own rounds'
+PROBE_CUT_Z = 3.0  # acceptance plus this many standard errors (`_cut`)
 PROBE_COST_ALPHA = 0.25  # the EMA of probes' measured over priced cost, per probed choice (`_measured_probe`) ...
 PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (`_probe_factor`) ...
 PROBE_COST_FACTOR_LOAD_MAX = 64.0  # ... or, at a load where probes of that choice were measured, to this much
@@ -319,7 +323,9 @@ class _BucketState:
     # held back by detached requests: requests join with their drafts until it starts (`detach_blocker`)
     probing: bool = False  # steps run the other choice until its epoch is complete ...
     probe_left: int = 0  # ... or until this many more of its decisions at this load came without one completing
-    probe_counted: int = 0  # the request-rounds the policy had counted when the probe began (`_cut`)
+    probe_counted: int = 0  # the request-rounds the policy had counted when the probe began (`_cut`) ...
+    probe_drafts: float = 0.0  # ... the drafts they had accepted ...
+    probe_squares: float = 0.0  # ... and the sum of those drafts' squares
     rounds_counted: int = 0  # ... and when rounds last ran here (a probe of rounds ended, or rounds stopped being the
     # model's choice): request-rounds counted since came from other loads (`_probe_share`'s fresh acceptance)
     model_choice: str | None = None
@@ -412,6 +418,7 @@ class AdaptivePolicy:
         self._accept_stamps: collections.deque = collections.deque(maxlen=ACCEPT_WINDOW)  # plain steps before each
         self._accept_counted = 0  # request-rounds counted since the start (the prior's shrinkage ends at a window's)
         self._accept_drafts = 0.0  # ... and the drafts they accepted (a probe's own acceptance: `_ProbeMeasure`)
+        self._accept_squares = 0.0  # ... and the sum of their squares (its spread: `_cut`)
         self.epochs = EpochClock(self._parts_seconds, self.stalls)  # realized over modelled seconds (prefills in)
         # (speculative/epoch_clock.py)
         self._recent_loads: collections.deque = collections.deque(maxlen=LOAD_WINDOW)  # loads decided
@@ -1012,6 +1019,7 @@ class AdaptivePolicy:
                     log.info("adaptive probe cut %s", json.dumps({
                         "load": load, "batch_size": d.batch_size, "request_rounds": self._accept_counted
                         - st.probe_counted, "tokens_per_step": d.tokens_per_step[other],
+                        "tokens_per_step_bound": 1.0 + self._probe_bound(st),
                         "tokens_per_second": {c: d.tokens_per_second(c) for c in CHOICES}}))
         elif done and cur.choice == model:
             if st.measure is not None and st.measure.excess is not None:  # the first model epoch after the probe
@@ -1043,7 +1051,8 @@ class AdaptivePolicy:
             elif steady:
                 st.probe_waiting = False
                 st.probing, st.epochs_since_probe, st.probe_left = True, 0, PROBE_STEPS_FACTOR * steps
-                st.probe_counted = self._accept_counted
+                st.probe_counted, st.probe_drafts = self._accept_counted, self._accept_drafts
+                st.probe_squares = self._accept_squares
                 self._probe_load = load
                 st.check = False
                 st.measure = self._probe_measure(d, model, other, load, steps, priced)
@@ -1058,26 +1067,53 @@ class AdaptivePolicy:
         return other if st.probing else model
 
     def _cut(self, st: _BucketState, d: Decision, model: str, other: str) -> bool:
-        """Whether a probe of rounds under plain steps has settled what it was for: it counted
-        PROBE_CUT_REQUEST_ROUNDS request-rounds or more, and this step's decision, priced at the acceptance they give,
-        still has plain steps commit PROBE_CUT_LEAD more per second than rounds. Its epoch would have run on to about
-        a request's lifetime in rounds (~110 at the 1k shared prefix's 1.2 tokens a round) at every load, the
-        batch's own rounds giving the load's acceptance many times over from 8 requests up: in process on the H100
-        (2026-11-26, c0d4c6f) an adaptive engine whose probes ran 108 rounds (and 6 catch-ups) at concurrency 64
-        over six repetitions was 4.4% behind the plain engine there, where one never probing was 1.4% ahead of it.
-        The lead asked is the margin rounds would have to win by to take the load from a figure of probes' epochs
-        (PROBED_MARGIN): with their acceptance settled, the rest of the epoch would only re-measure their cost,
-        which the cut epoch measures too. Half (session 37's first H100 x4 runs, d26fce3) cut 9 of 35 probes, none
-        of the ~110-round ones at 64 over a full batch and 3 at 32: there plain steps' priced lead was below half
-        at each of their decisions. A cut probe's rounds are a short epoch (kept for rounds' realized figure if
-        EPOCH_MIN steps or more), its cost is not measured (`_measured_probe` needs its whole epoch), it was
-        charged its whole price against the budget when it began, and the load's next probe comes twice as far
-        on, as after any probe that changes nothing: probes come no more often than before, each a fraction of the
-        cost. At concurrency 1 an epoch of rounds counts fewer request-rounds than
-        the threshold, so its probes run whole; a probe under rounds (of plain steps) is never cut: plain steps
-        measure no acceptance."""
-        return (other == SPECULATIVE and self._accept_counted - st.probe_counted >= PROBE_CUT_REQUEST_ROUNDS
-                and d.tokens_per_second(model) >= (1.0 + PROBE_CUT_LEAD) * d.tokens_per_second(other))
+        """Whether a probe of rounds under plain steps has settled what it was for, at this step's decision: plain
+        steps commit PROBE_CUT_LEAD more per second than rounds priced at the acceptance its request-rounds give,
+        once it counted PROBE_CUT_REQUEST_ROUNDS or more; or, once it counted PROBE_CUT_MIN_ROUNDS over EPOCH_MIN
+        steps or more, than rounds priced at its own rounds' mean acceptance plus PROBE_CUT_Z standard errors
+        (`_probe_bound`). Its epoch would have run on to about a request's lifetime in rounds (~110 at the 1k shared
+        prefix's 1.2 tokens a round) at every load, the batch's own rounds giving the load's acceptance many times
+        over from 8 requests up: in process on the H100 (2026-11-26, c0d4c6f) an adaptive engine whose probes ran 108
+        rounds (and 6 catch-ups) at concurrency 64 over six repetitions was 4.4% behind the plain engine there, where
+        one never probing was 1.4% ahead of it. The lead asked is the margin rounds would have to win by to take the
+        load from a figure of probes' epochs (PROBED_MARGIN): with their acceptance settled, the rest of the epoch
+        would only re-measure their cost, which the cut epoch measures too. Half (session 37's first H100 x4 runs,
+        d26fce3) cut 9 of 35 probes, none of the ~110-round ones at 64 over a full batch and 3 at 32: there plain
+        steps' priced lead was below half at each of their decisions.
+
+        The bound (session 53) is for concurrency 1, where an epoch of rounds counts fewer request-rounds than
+        PROBE_CUT_REQUEST_ROUNDS and probes ran whole: in eight H100 x4 runs at c29a592 (1k shared prefix) a
+        concurrency-1 pass that held a probe of rounds (62-104 rounds at ~0.27 drafts each, 0.70 ms against plain
+        steps' 0.27) read -1.66% per 100 rounds against the plain server beside the passes without one. Rounds must
+        accept ~1.06 drafts there for plain steps to lead them by less than PROBE_CUT_LEAD; after 32 rounds at 0.27
+        (standard deviation ~0.8) the bound is ~0.7, while rounds that do win (the 128-token prompts: ~3.4 drafts a
+        round, spread ~1.8) sit several standard errors above it. A request's rounds are not independent (a probe
+        at 1 sees one or two requests), so the bound is three standard errors, not two.
+
+        A cut probe's rounds are a short epoch (kept for rounds' realized figure if EPOCH_MIN steps or more), its
+        cost is not measured (`_measured_probe` needs its whole epoch), it was charged its whole price against the
+        budget when it began, and the load's next probe comes twice as far on, as after any probe that changes
+        nothing: probes come no more often than before, each a fraction of the cost. A probe under rounds (of plain
+        steps) is never cut: plain steps measure no acceptance."""
+        if other != SPECULATIVE:
+            return False
+        counted = self._accept_counted - st.probe_counted
+        lead = (1.0 + PROBE_CUT_LEAD) * d.batch_size
+        plain = d.tokens_per_second(model)
+        if counted >= PROBE_CUT_REQUEST_ROUNDS and plain >= lead * _rate(d.tokens_per_step[other],
+                                                                         d.step_seconds[other]):
+            return True
+        cur = self.epochs.current  # (the probe's epoch: its rounds re-measure their cost too)
+        return (counted >= PROBE_CUT_MIN_ROUNDS and cur is not None and cur.choice == other and cur.steps >= EPOCH_MIN
+                and plain >= lead * _rate(1.0 + self._probe_bound(st), d.step_seconds[other]))
+
+    def _probe_bound(self, st: _BucketState) -> float:
+        """The probe under way at `st`'s load: its request-rounds' mean accepted drafts plus PROBE_CUT_Z standard
+        errors (`_cut`)."""
+        n = self._accept_counted - st.probe_counted
+        mean = (self._accept_drafts - st.probe_drafts) / n
+        variance = max((self._accept_squares - st.probe_squares) / n - mean * mean, 0.0) * n / (n - 1)
+        return mean + PROBE_CUT_Z * math.sqrt(variance / n)
 
     def _leave_probe(self, st: _BucketState, keep_measure: bool = False) -> None:
         """The probe under way at `st`'s load ends: its epoch measured (`keep_measure`: the first epoch of the
@@ -1645,6 +1681,7 @@ class AdaptivePolicy:
             stamps.extend(itertools.repeat(plain_steps, min(len(counted), ACCEPT_WINDOW)))
             self._accept_counted += len(counted)
             self._accept_drafts += total
+            self._accept_squares += sum(map(operator.mul, counted, counted))
         if len(counted) >= window.maxlen:
             window.clear()
             window.extend(counted[-window.maxlen:])
