@@ -155,6 +155,11 @@ def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
         assert lv["output_throughput_tok_s"] > 0 and lv["mean_output_tokens"] == 8
         assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p99"] <= lv["ttft_s"]["max"]
         assert lv["e2e_s"]["p90"] > 0 and lv["itl_s"]["p50"] > 0
+        # a request's e2e is its TTFT, its ITLs and its stream's tail after the last text: so are their means
+        chunks, tail = lv["text_chunks_per_request"], lv["stream_tail_s"]["mean"]
+        assert 1 <= chunks <= 8 and 0 < tail < lv["e2e_s"]["mean"]
+        assert lv["e2e_s"]["mean"] == pytest.approx(
+            lv["ttft_s"]["mean"] + lv["itl_s"]["mean"] * (chunks - 1) + tail, rel=1e-9)
         assert 0.5 * lv["concurrency"] < lv["mean_in_flight"] <= lv["concurrency"] + 1e-9
         assert lv["mean_accept_length"] >= 1.0
     assert "concurrency   4" in capsys.readouterr().out

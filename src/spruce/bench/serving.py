@@ -276,6 +276,9 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         "prompt_tokens": sum(r.prompt_tokens for r in ok), "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "ttft_s": percentiles([r.ttft for r in ok]), "itl_s": percentiles([x for r in ok for x in r.itls]),
         "tpot_s": percentiles(tpot), "e2e_s": percentiles([r.e2e for r in ok]),
+        "text_chunks_per_request": sum(len(r.itls) + 1 for r in ok) / len(ok) if ok else None,  # (TTFT + ITLs +
+        # stream tail = e2e per request: where an e2e difference between servers sits)
+        "stream_tail_s": percentiles([r.tail for r in ok]),  # last chunk with text to the stream's end
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
         "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
         "engine": engine,  # the server's engine during the level: launches by kind, its mean decode batch, and the

@@ -47,6 +47,7 @@ class RequestResult:
     ttft: float = 0.0
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    tail: float = 0.0  # from the last chunk with text to the stream's end (the finish and usage chunks, [DONE])
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.prompt_tokens_details)
@@ -285,5 +286,7 @@ async def _stream_into(res: RequestResult, client: httpx.AsyncClient, model: str
                 else:
                     res.itls.append(now - last)
                 last = now
-    res.e2e = time.perf_counter() - t0
+    end = time.perf_counter()
+    res.e2e = end - t0
+    res.tail = end - last if last is not None else 0.0
     res.ok = True
