@@ -1082,13 +1082,15 @@ class AdaptivePolicy:
         steps' priced lead was below half at each of their decisions.
 
         The bound (session 53) is for concurrency 1, where an epoch of rounds counts fewer request-rounds than
-        PROBE_CUT_REQUEST_ROUNDS and probes ran whole: in eight H100 x4 runs at c29a592 (1k shared prefix) a
-        concurrency-1 pass that held a probe of rounds (62-104 rounds at ~0.27 drafts each, 0.70 ms against plain
-        steps' 0.27) read -1.66% per 100 rounds against the plain server beside the passes without one. Rounds must
-        accept ~1.06 drafts there for plain steps to lead them by less than PROBE_CUT_LEAD; after 32 rounds at 0.27
-        (standard deviation ~0.8) the bound is ~0.7, while rounds that do win (the 128-token prompts: ~3.4 drafts a
-        round, spread ~1.8) sit several standard errors above it. A request's rounds are not independent (a probe
-        at 1 sees one or two requests), so the bound is three standard errors, not two.
+        PROBE_CUT_REQUEST_ROUNDS and probes ran whole: over the concurrency-1 passes of nineteen H100 x4 bar runs
+        (4037e6d, 10ffd04, c29a592; 1k shared prefix) the adaptive server read 0.8% behind the plain one in passes
+        without a round and 1.7% more per 100 probe rounds (61-105 a probe at ~0.27 drafts each, 0.70 ms against
+        plain steps' 0.27). Rounds must accept ~1.06 drafts there for plain steps to lead them by less than
+        PROBE_CUT_LEAD; after 32 rounds at 0.27 (standard deviation ~0.8) the bound is ~0.7, while rounds that do win
+        (the 128-token prompts: ~3.4 drafts a round, spread ~1.8) sit several standard errors above it. A request's
+        rounds are not independent (a probe at 1 sees one or two requests), so the bound is three standard errors,
+        not two. In eight runs at ae7007a six of seven such probes were cut at 34-47 rounds (the passes that held
+        one: 35-60 rounds).
 
         A cut probe's rounds are a short epoch (kept for rounds' realized figure if EPOCH_MIN steps or more), its
         cost is not measured (`_measured_probe` needs its whole epoch), it was charged its whole price against the
