@@ -406,7 +406,7 @@ def test_standing_steps_are_taken_ahead_and_each_counted(monkeypatch, draft, ref
     llm = LLM(TARGET, page_size=16, max_running_requests=8, draft_model=draft, speculative_num_steps=3,
               speculative_eagle_topk=2, speculative_num_draft_tokens=4, speculative_adaptive=True)
     policy = llm.engine.strategy.policy
-    monkeypatch.setattr(policy, "park", lambda d: 0)
+    monkeypatch.setattr(policy, "park", lambda d: None)
     asked, repeat = [], policy.repeat
     monkeypatch.setattr(policy, "repeat", lambda choice, batch_size: asked.append(choice) or repeat(choice,
                                                                                                  batch_size))
@@ -595,7 +595,7 @@ def test_lazy_prefills_join_standing_plain_steps(monkeypatch, draft):
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
     engine, strategy = llm.engine, llm.engine.strategy
     policy = strategy.policy
-    monkeypatch.setattr(policy, "park", lambda d: 0)  # (the ticket's steps, not a park's)
+    monkeypatch.setattr(policy, "park", lambda d: None)  # (the ticket's steps, not a park's)
     replays, steady, asked = [], [], []
     stood, steady_choice, repeat = policy.stood, policy.steady_choice, policy.repeat
     monkeypatch.setattr(policy, "stood", lambda *a: replays.append(len(a[1])) or stood(*a))
@@ -713,7 +713,7 @@ def test_a_request_with_a_draft_ends_the_detached_plain_steps(monkeypatch, draft
     llm = adaptive_llm(draft, disable_overlap_schedule=True)
     engine, strategy = llm.engine, llm.engine.strategy
     detach = [True]
-    monkeypatch.setattr(strategy.policy, "park", lambda d: 0)  # (standing steps, not a park's)
+    monkeypatch.setattr(strategy.policy, "park", lambda d: None)  # (standing steps, not a park's)
     monkeypatch.setattr(strategy.policy, "detach_blocker",
                         lambda batch_size: None if detach[0] else "probe_waiting")
     ran = []
@@ -1113,7 +1113,7 @@ def test_the_idle_gap_is_told_to_the_policy_at_its_next_use(monkeypatch, draft, 
     strategy = llm.engine.strategy
     policy = strategy.policy
     heard, met = [], []
-    monkeypatch.setattr(policy, "park", lambda d: 0)  # (a ticket's steps; a park's gaps: test_parked_steps_*)
+    monkeypatch.setattr(policy, "park", lambda d: None)  # (a ticket's steps; a park's gaps: test_parked_steps_*)
     stood, idle, strategy_idle = policy.stood, policy.idle, strategy.idle
     monkeypatch.setattr(policy, "stood", lambda *a, **kw: heard.append("stood") or stood(*a, **kw))
     monkeypatch.setattr(policy, "idle", lambda *since: heard.append(("idle", *since, None)[:2]) or idle(*since))

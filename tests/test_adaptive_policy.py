@@ -2380,29 +2380,29 @@ def test_a_park_is_granted_where_arrivals_would_detach_and_its_steps_are_told_at
     target = p.epochs.current.target
     state = p._state[p.epochs.current.bucket]
     state.check = True  # a probe owed: no park
-    assert p.park(d) == 0
+    assert p.park(d) is None
     state.check = False
-    assert p.park(Decision(d.bucket, 1, PLAIN, "probe", d.tokens_per_step, d.step_seconds)) == 0
-    assert p.park(d) == PARK_EPOCHS * target and p.parked_load == 1 and p.parks == 1
-    assert p.park(d) == 0  # one at a time
+    assert p.park(Decision(d.bucket, 1, PLAIN, "probe", d.tokens_per_step, d.step_seconds)) is None
+    assert p.park(d) == (1, PARK_EPOCHS * target) and p.parks == 1
+    assert p.park(d) is None  # one at a time
     chosen, busy, since_probe = p.chosen[PLAIN], p.epochs.busy_total, state.epochs_since_probe
     p.unparked(3 * target + 5, 2.0)
     assert p.chosen[PLAIN] == chosen + 3 * target + 5 and p.parked_steps == 3 * target + 5
     assert p.epochs.busy_total == pytest.approx(busy + 2.0) and state.epochs_since_probe == since_probe + 3
-    assert p.epochs.current is None and p.parked_load == 0
+    assert p.epochs.current is None and p._parked is None
     with pytest.raises(InvariantError):
         p.unparked(1, 0.0)
     assert not p.repeat(PLAIN, 1)  # the next step is decided
     d = p.decide(reqs, rounds_blocked=True)
-    assert p.park(d) == 0  # no epoch measured since the park ended
+    assert p.park(d) is None  # no epoch measured since the park ended
     epochs = p.epochs.epochs
     for _ in range(p.epochs.current.target - 1):
         clock.now += 1e-3
         assert p.repeat(PLAIN, 1)
     clock.now += 1e-3
     d = p.decide(reqs, rounds_blocked=True)
-    assert p.epochs.epochs == epochs + 1 and p.park(d) == PARK_EPOCHS * p.epochs.current.target
+    assert p.epochs.epochs == epochs + 1 and p.park(d) == (1, PARK_EPOCHS * p.epochs.current.target)
     close = policy(plain=1e-3, spec=1e-3 / (1 - PROBED_MARGIN) * 0.95)  # rounds within reach, plain steps unsettled
     settle(close, reqs, 0)
     d = close.decide(reqs, rounds_blocked=True)
-    assert close.detach_blocker(1) == "unsettled" and close.park(d) == 0
+    assert close.detach_blocker(1) == "unsettled" and close.park(d) is None

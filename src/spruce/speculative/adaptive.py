@@ -133,8 +133,9 @@ class _Ticket:
     (`prefill`; one that extends the drafts of requests joining standing plain steps ends them: `drafts_joined`).
     Ended at each arrival, a ticket of rounds cost the next round a `repeat` per arrival, and one of plain steps
     was replayed inside the prefill's timed launch, whose mean sets how long prefill batching holds arrivals
-    (runtime/prefill_batching.py). `steady`: the steady choice per batch size asked under this ticket
-    (`AdaptiveDecoding._lazy_chunks`), kept for the ticket's steps (at most an epoch's) as the decision is."""
+    (runtime/prefill_batching.py). `answers`: the steady choice per batch size asked under this ticket
+    (`AdaptiveDecoding._lazy_chunks`), kept for the ticket's steps (at most an epoch's) as the decision is
+    (`_kept`)."""
 
     choice: str
     lo: int
@@ -144,7 +145,7 @@ class _Ticket:
     times: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     prefills: list[tuple[float, int]] = field(default_factory=list)  # (launch time, prompts completed)
-    steady: dict[int, str] = field(default_factory=dict)  # batch size -> AdaptivePolicy.steady_choice
+    answers: dict = field(default_factory=dict)  # ("steady", batch size) -> AdaptivePolicy.steady_choice
 
 
 @dataclass(slots=True)
@@ -168,13 +169,15 @@ class _Park:
         """The steps it took."""
         return self.granted - self.left
 
-    def ask(self, key: tuple, compute: Callable[[], object]):
-        """The answer kept under `key`, computed once."""
-        try:
-            return self.answers[key]
-        except KeyError:
-            answer = self.answers[key] = compute()
-            return answer
+
+def _kept(answers: dict, key: tuple, compute: Callable[[], object]):
+    """The answer a grant (`_Ticket`, `_Park`) keeps under `key`, computed once: the policy it came from is told
+    nothing new while the grant stands."""
+    try:
+        return answers[key]
+    except KeyError:
+        answer = answers[key] = compute()
+        return answer
 
 
 class AdaptiveDecoding(DecodeStrategy):
@@ -253,9 +256,10 @@ class AdaptiveDecoding(DecodeStrategy):
         (AdaptivePolicy.park): the next steps are a plain engine's, each taken by `choose` with one count, until the
         grant is spent, a batch or the engine's load outgrows the park's load, a request joins with its draft
         (`prefill`), or an idle gap outlasts DETACH_GAP (`_resume`); then the policy is told (`_unpark`)."""
-        steps = self._policy.park(d)
-        if steps > 0:
-            self._park = _Park(self._policy.parked_load, steps, steps, self._policy.clock())
+        grant = self._policy.park(d)
+        if grant is not None:
+            load, steps = grant
+            self._park = _Park(load, steps, steps, self._policy.clock())
 
     def _unpark(self) -> None:
         """The park ends: the policy counts its steps and busy time (AdaptivePolicy.unparked); an idle gap under way
@@ -418,20 +422,17 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def _steady_choice(self, size: int) -> str:
         """The policy's steady choice for a batch of `size` whose drafts are current (AdaptivePolicy.steady_choice),
-        asked once a ticket of standing plain steps (`_Ticket.steady`)."""
+        asked once a ticket of standing plain steps (`_kept`)."""
         self._read_rounds()  # (nothing without unread rounds; else the ticket is replayed first and granted anew)
         ticket = self._ticket
         if ticket is None:
             return self._ask(("steady", size), lambda: self._policy.steady_choice(size))
-        steady = ticket.steady.get(size)
-        if steady is None:
-            steady = ticket.steady[size] = self._policy.steady_choice(size)
-        return steady
+        return _kept(ticket.answers, ("steady", size), lambda: self._policy.steady_choice(size))
 
     def _ask(self, key: tuple, compute: Callable[[], object]):
-        """The policy's answer `compute()`, kept by the park under way for its life (`_Park.ask`), else asked now."""
+        """The policy's answer `compute()`, kept by the park under way for its life (`_kept`), else asked now."""
         park = self._park
-        return compute() if park is None else park.ask(key, compute)
+        return compute() if park is None else _kept(park.answers, key, compute)
 
     def joins_without_draft(self, held: int = 0) -> bool:
         """Whether a request admitted now would join detached (DecodeStrategy.joins_without_draft): the steady

@@ -1418,9 +1418,10 @@ class AdaptivePolicy:
         if prefills:  # (break_chain's)
             self._previous_choice = None
 
-    def park(self, d: Decision) -> int:
-        """Right after decision `d` (the step's launch marked): how many plain steps the strategy may run parked, the
-        policy told nothing until they end (`unparked`); 0: none. Only where every request of the batch is detached
+    def park(self, d: Decision) -> tuple[int, int] | None:
+        """Right after decision `d` (the step's launch marked): the load bucket and the number of plain steps the
+        strategy may run parked, over batches of at most that load while the engine holds no more, the policy told
+        nothing until they end (`unparked`); None: no park. Only where every request of the batch is detached
         (the caller's condition) and `d` is plain steps as the model's choice at a load where a request joining
         would be detached too (`detach_blocker`: settled or rounds out of reach, no probe under way, owed or
         waiting), no probe's cost still to be measured, and an epoch measured since the last park ended (so plain
@@ -1434,17 +1435,12 @@ class AdaptivePolicy:
         cur = self.epochs.current
         if (d.choice != PLAIN or d.reason != "model" or cur is None or cur.choice != PLAIN
                 or self.epochs.epochs <= self._epochs_at_unpark or self._parked is not None):
-            return 0
+            return None
         if self._state[cur.bucket].measure is not None or self.detach_blocker(cur.bucket) is not None:
-            return 0
+            return None
         self._parked = (cur.bucket, cur.target)
         self.parks += 1
-        return PARK_EPOCHS * cur.target
-
-    @property
-    def parked_load(self) -> int:
-        """The load bucket of the park under way (0: none): a batch or a load above it ends the park."""
-        return self._parked[0] if self._parked is not None else 0
+        return cur.bucket, PARK_EPOCHS * cur.target
 
     def unparked(self, steps: int, busy: float) -> None:
         """The park granted by `park` ended after `steps` plain steps over `busy` seconds (its idle gaps left out):
