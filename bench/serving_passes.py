@@ -1,22 +1,25 @@
 """Issue 16's bar pass by pass: where the adaptive server's shortfall against the better of plain and fixed comes
 from, over many `spruce bench serving --launch` results (bench/device_serving_prefix.sh with CONTROL=1).
 
-Per workload and concurrency the adaptive server's passes are grouped by whether its level ran any step of the
-losing choice (plain steps where the fixed server is the better one, rounds where the plain server is: probes and
-switches) and whether it was a run's first pass (where every load is learned). Each group: the adaptive server's
-tokens/s over the better configuration's in the same pass (the level's better one, by its mean over the passes,
-its copies averaged; bench/serving_bar.py takes the better one of each pass, the same configuration wherever the
-two differ by more than the noise, as plain and fixed do on these workloads), mean and standard error over the
-passes. For the passes that ran the better choice only, the engine's own counters per
-decode step (launch, resolve, outputs, the engine process's step, ...: `engine.seconds` of each level) of the
-adaptive server less those of the better configuration's copies, beside the same difference between the two copies
-(the control): what the adaptive machinery costs the served engine's host when it decides nothing new. And for
-those passes, how it admitted requests against the better configuration's copies (relative: prefill launches per
-request, TTFT p50, the mean prefill launch's seconds where the servers report them), beside the copies' own: in
-session 39's shared-prefix runs the adaptive server launched 15-18% fewer prefills at concurrency 32-64 in those
-passes, and prefill batching (--scheduler-delay-factor) holds arrivals by the mean prefill launch. And per group,
-the share of the adaptive server's requests that joined detached (mean over its passes) and why the others joined
-with their drafts (`adaptive_steps.attached`, summed), where the server reports them.
+Per workload and concurrency the adaptive server's passes are grouped by whether its level ran any step of the losing
+choice (plain steps where the fixed server is the better one, rounds where the plain server is: probes and switches)
+and whether it was a run's first pass (where every load is learned). Each group: the adaptive server's tokens/s over
+the better configuration's in the same pass (the level's better one, by its mean over the passes, its copies
+averaged; bench/serving_bar.py takes the better one of each pass, the same configuration wherever the two differ by
+more than the noise, as plain and fixed do on these workloads), mean and standard error over the passes. For the
+passes that ran the better choice only, the engine's own counters per decode step (launch, resolve, outputs, the
+engine process's step, ...: `engine.seconds` of each level) of the adaptive server less those of the better
+configuration's copies, beside the same difference between the two copies (the control): what the adaptive machinery
+costs the served engine's host when it decides nothing new. And for those passes, how it admitted requests against
+the better configuration's copies (relative: prefill launches per request, TTFT p50, the mean prefill launch's
+seconds where the servers report them), beside the copies' own: in session 39's shared-prefix runs the adaptive
+server launched 15-18% fewer prefills at concurrency 32-64 in those passes, and prefill batching
+(--scheduler-delay-factor) holds arrivals by the mean prefill launch. And, relative the same way, a request's decode
+phase (first to last text chunk) and its stream's tail (`phase`), where the results have them: at concurrency 1
+(eight runs at ae7007a/ff36abe) the adaptive server's decode phase was 1.5 +- 0.5% longer (control -0.1 +- 0.7%) with
+its TTFT level, where its ITL mean read level (more chunks a request). And per group, the share of the adaptive
+server's requests that joined detached (mean over its passes) and why the others joined with their drafts
+(`adaptive_steps.attached`, summed), where the server reports them.
 
 And over every pass, each ratio adjusted for the host's speed in its level: the engines are host-bound from
 concurrency 8 up, and the host's speed moves between the levels of one run (on the H100 x4, four runs at once, one
@@ -55,6 +58,7 @@ from spruce.bench.serving_launch import LaunchConfig
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
             "process.send")
 ADMISSION = ("prefills_per_request", "ttft_p50", "prefill_launch")  # `admission`'s figures
+PHASES = ("decode_phase", "stream_tail")  # `phase`'s figures
 
 
 def mean_se(values: list[float]) -> dict:
@@ -80,6 +84,35 @@ def admission(level: dict, figure: str) -> float | None:
     if figure == "ttft_p50":
         return (level.get("ttft_s") or {}).get("p50")
     return mean_prefill_launch(engine)
+
+
+def phase(level: dict, figure: str) -> float | None:
+    """A level's PHASES `figure`, per request on average (seconds): its decode phase (first to last text chunk: e2e
+    less TTFT and the stream's tail) or its stream's tail (last text chunk to the stream's end); None where the
+    result predates them (spruce bench serving, session 53). Not the ITL mean: servers chunk a request's tokens
+    differently (at concurrency 1 the adaptive server's requests came in 124.9 chunks against the plain servers'
+    123.3-123.6 at ae7007a), so a mean gap is no per-token figure."""
+    tail = (level.get("stream_tail_s") or {}).get("mean")
+    if tail is None:
+        return None
+    if figure == "stream_tail":
+        return tail
+    return level["e2e_s"]["mean"] - level["ttft_s"]["mean"] - tail
+
+
+def relative(mine: dict, copies: list[dict], figures: tuple[str, ...], read) -> tuple[dict, dict]:
+    """Per figure, `read(level, figure)` of the adaptive level `mine` over the mean of the better configuration's
+    copies' levels, less 1, and (two copies) the second copy's over the first's, less 1: figures any level lacks are
+    left out."""
+    over, control = {}, {}
+    for figure in figures:
+        theirs = [read(level, figure) for level in copies]
+        value = read(mine, figure)
+        if value is not None and None not in theirs and all(theirs):
+            over[figure] = value / statistics.fmean(theirs) - 1.0
+            if len(theirs) == 2:
+                control[figure] = theirs[1] / theirs[0] - 1.0
+    return over, control
 
 
 def outputs_per_row(level: dict) -> float | None:
@@ -156,16 +189,21 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                                            None if None in theirs else statistics.fmean(theirs))
             record["host_control"] = None if len(copies) != 2 else host_adjusted(  # the second copy over the first
                 *(levels[name][k]["output_throughput_tok_s"] for name in copies[::-1]), *theirs[::-1])
-            record["admission"], record["admission_control"] = {}, {}
-            for figure in ADMISSION:
-                theirs = [admission(levels[name][k], figure) for name in copies]
-                mine = admission(adaptive, figure)
-                if mine is not None and None not in theirs and all(theirs):
-                    record["admission"][figure] = mine / statistics.fmean(theirs) - 1.0
-                    if len(theirs) == 2:
-                        record["admission_control"][figure] = theirs[1] / theirs[0] - 1.0
+            theirs = [levels[name][k] for name in copies]
+            record["admission"], record["admission_control"] = relative(adaptive, theirs, ADMISSION, admission)
+            record["phases"], record["phases_control"] = relative(adaptive, theirs, PHASES, phase)
             records.append(record)
     return workload, records
+
+
+def pooled(records: list[dict], key: str, figures: tuple[str, ...]) -> dict:
+    """Per figure, over `records`' `key` figures (`relative`): the adaptive server's over the better one and the
+    control's, mean and standard error, where more than one pass has both."""
+    control = key + "_control"
+    return {figure: {"adaptive_over_better": mean_se([r[key][figure] for r in records if figure in r.get(key, {})]),
+                     "control": mean_se([r[control][figure] for r in records if figure in r.get(control, {})])}
+            for figure in figures if sum(figure in r.get(key, {}) and figure in r.get(control, {})
+                                         for r in records) > 1}
 
 
 def main() -> None:
@@ -203,12 +241,8 @@ def main() -> None:
                               "control_us": mean_se([r["control"][counter] for r in clean if counter in r["control"]])}
                     for counter in COUNTERS if sum(counter in r["counters"] and counter in r["control"]
                                                    for r in clean) > 1}
-            admitted = {figure: {"adaptive_over_better": mean_se([r["admission"][figure] for r in clean
-                                                                  if figure in r["admission"]]),
-                                 "control": mean_se([r["admission_control"][figure] for r in clean
-                                                     if figure in r["admission_control"]])}
-                        for figure in ADMISSION if sum(figure in r["admission"] and figure in r["admission_control"]
-                                                       for r in clean) > 1}
+            admitted, phases = (pooled(clean, key, figures) for key, figures in (("admission", ADMISSION),
+                                                                                 ("phases", PHASES)))
             joined = {}  # per group: the detached share of its requests (mean over passes) and why the others joined
             for key, group in sorted(groups.items()):
                 shares = [r["detached"] for r in group if r.get("detached") is not None]
@@ -225,7 +259,8 @@ def main() -> None:
                      for who, pairs in (("adaptive", [r["host"] for r in adjusted]), ("control", controls))} \
                 if len(adjusted) > 1 and len(controls) > 1 else None
             summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
-                                                                   "admission": admitted, "requests": joined,
+                                                                   "admission": admitted, "phases": phases,
+                                                                   "requests": joined,
                                                                    "host_speed_adjusted": speed}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
@@ -244,7 +279,7 @@ def main() -> None:
                 mine, control = fig["adaptive_less_better_us"], fig["control_us"]
                 print(f"      {counter:<17} adaptive - better {mine['mean']:+7.1f} +- {mine['se']:5.1f} us a decode"
                       f" step (control {control['mean']:+7.1f} +- {control['se']:5.1f})")
-            for figure, fig in admitted.items():
+            for figure, fig in (admitted | phases).items():
                 mine, control = fig["adaptive_over_better"], fig["control"]
                 print(f"      {figure:<21} adaptive / better {mine['mean']:+.1%} +- {mine['se']:.1%} (control "
                       f"{control['mean']:+.1%} +- {control['se']:.1%})")

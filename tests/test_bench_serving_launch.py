@@ -206,9 +206,10 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     """bench/serving_passes.py: per pass, the adaptive server against the better configuration (its copies
     averaged), with the steps of the losing choice it ran (plain steps where fixed is better), its engine
     counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
-    against the copies (prefills per request, TTFT p50, mean prefill launch: relative), the share of its requests
-    that joined detached and why the others joined with their drafts; a result rebuilt from a journal (flat levels,
-    in any order, no concurrency list) reads the same."""
+    against the copies (prefills per request, TTFT p50, mean prefill launch: relative), its requests' decode phase
+    and stream tail against theirs (relative, where the results have them), the share of its requests that joined
+    detached and why the others joined with their drafts; a result rebuilt from a journal (flat levels, in any order,
+    no concurrency list) reads the same."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
@@ -248,6 +249,20 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
                "figures": {"levels": [dict(lv, server=run["name"], **{"pass": k + 1})  # journal: flat levels
                                       for run in runs[::-1] for k, lv in reversed(list(enumerate(run["levels"])))]}}
     assert passes.run_passes(journal) == (workload, records)
+    assert records[1]["phases"] == records[1]["phases_control"] == {}  # results without chunks and tails
+    for run, e2e, tail in zip(runs, (0.5, 0.6, 0.7, 0.8), (0.001, 0.002, 0.003, 0.004)):  # (TTFT 0.04 s, but
+        for lv in run["levels"]:  # the adaptive pass's 0.05 and fixed-again's 0.06)
+            lv.update(e2e_s={"mean": e2e}, ttft_s=dict(lv["ttft_s"], mean=lv["ttft_s"]["p50"]),
+                      stream_tail_s={"mean": tail})
+    second = passes.run_passes(result)[1][1]
+    decode = {name: e2e - ttft - tail for name, e2e, ttft, tail in (("fixed", 0.6, 0.04, 0.002),
+                                                                     ("adaptive", 0.7, 0.05, 0.003),
+                                                                     ("fixed-again", 0.8, 0.06, 0.004))}
+    assert second["phases"] == pytest.approx({
+        "decode_phase": decode["adaptive"] / ((decode["fixed"] + decode["fixed-again"]) / 2) - 1,
+        "stream_tail": 0.003 / 0.003 - 1})
+    assert second["phases_control"] == pytest.approx({"decode_phase": decode["fixed-again"] / decode["fixed"] - 1,
+                                                      "stream_tail": 0.004 / 0.002 - 1})
     runs[2]["levels"][1]["engine"]["prefill_launch_seconds"] = None  # a server that does not report it
     assert "prefill_launch" not in passes.run_passes(result)[1][1]["admission"]
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
