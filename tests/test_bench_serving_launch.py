@@ -56,9 +56,17 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert 0 < lv["engine"]["prefill_launch_seconds"] <= lv["engine"]["seconds"]["step.launch"]
         assert lv["engine"]["prefill_holds"] == 0
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
-        # that repeats the warm-up's prompt finds more)
-        cached = lv["cached_prompt_tokens"]
-        assert 3 * 24 <= cached < 3 * 30 if r["prefix_cache"] else cached == 0
+        # that repeats the warm-up's prompt finds more). Not every one of the adaptive server's: its requests join
+        # detached or with their drafts as its policy decides, timed by this machine, and one that joins with its
+        # draft cannot use pages a detached one left with the target's KV alone (memory/prefix_cache.py); on a
+        # loaded CPU the two mixed, and one run's two passes found 28 and 0 tokens cached (unloaded: 72-84)
+        cached = [level["cached_prompt_tokens"] for level in r["levels"]]
+        if not r["prefix_cache"]:
+            assert cached == [0, 0]
+        elif r["name"] == "adaptive":
+            assert all(n < 3 * 30 for n in cached) and sum(cached) >= 24, cached
+        else:
+            assert all(3 * 24 <= n < 3 * 30 for n in cached), cached
         adaptive = r["name"] == "adaptive"
         assert ("adaptive" in r["server"]["speculative"]) == adaptive
         steps = lv["adaptive_steps"]
