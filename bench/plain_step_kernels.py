@@ -24,6 +24,13 @@ while the previous step runs). Not the 41 more graphs it holds (`--extra-graphs`
 (a D2D memcpy node where an engine built beside another had one; a kernel when built alone; either way the same
 span), and not the feature ring (without it the target writes its aux features out: 7 us more kernels and 279 us).
 
+The build order was it (session 53, H100, bench/graph_replays_alone.py, results graph-replays-alone-...): both
+engines in one process, their bucket-1 decode graphs replayed alone back to back read the adaptive engine's detached
+step 244-248.6 us against the plain engine's 241.1-243.5 when the plain engine was built first (the stream idle 4.8
+us longer before its kernels, spread over all 113), and 237.4-241.4 against 238.0-240.3 when the adaptive engine was
+built first (twice). This script built the plain engine first until then; it builds the adaptive one first now. A
+served adaptive process holds no plain engine.
+
 `--extra-graphs N ...`: then a fresh plain engine's replays, beside its own graphs and after N more (graphs of 201
 small kernels) were captured in the process, for each N.
 
@@ -187,8 +194,8 @@ def main() -> None:
                     help="then the plain engine's replays after this many more graphs were captured (each count)")
     args = ap.parse_args()
     figures = {}
-    for name in ("plain", "adaptive"):
-        llm = build(name == "adaptive", args)
+    for name in ("adaptive", "plain"):  # the adaptive engine first: built after a plain one in the same process, its
+        llm = build(name == "adaptive", args)  # detached step's graph replayed ~4 us slower (graph_replays_alone.py)
         prompt = load_prompts(Path(args.model) / "heldout_prompts.jsonl", 256, llm.engine.tokenizer, 1024)[0]
         per, total, span, host, host_ops, idle, sequence, replays = kernels_per_step(llm, prompt, args.steps)
         figures[name] = {"cuda_graphs": int(llm.engine.info()["cuda_graphs_captured"]),
