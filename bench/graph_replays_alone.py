@@ -18,28 +18,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from spruce import LLM, SamplingParams
-from spruce.bench.common import price_out, write_result
-from spruce.speculative.adaptive_policy import SPECULATIVE
+if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_step_kernels import build  # noqa: E402  (the two engines as plain_step_kernels.py builds them)
+from spruce import SamplingParams  # noqa: E402
+from spruce.bench.common import write_result  # noqa: E402
 
 REPLAYS = 200  # per timed repetition
 PROFILED = 30  # replays under the profiler
-
-
-def build(adaptive: bool, args) -> LLM:
-    kw = dict(page_size=16, max_running_requests=64, device="cuda", dtype="bfloat16")
-    if adaptive:
-        kw.update(draft_model=args.draft, speculative_num_steps=5, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=8, speculative_adaptive=True)
-    llm = LLM(args.model, **kw)
-    if adaptive:  # every request detaches: its plain steps replay decode_detached
-        price_out(llm, SPECULATIVE)
-    return llm
 
 
 def replay_us(graph: torch.cuda.CUDAGraph) -> float:
