@@ -10,6 +10,10 @@ On the H100 (2026-11-27, session 53) the build order decided it: plain first, th
 adaptive first, 237.4-241.4 against 238.0-240.3, twice. bench/plain_step_kernels.py and bench/adaptive_hooks.py built
 the plain engine first until then and read ~10 us a step and ~5% at concurrency 1 against the adaptive engine.
 
+`--order plain-only` / `adaptive-only`: one engine in the process, as a server holds it (run each in fresh processes,
+alternately, to compare the two graphs across processes); then also its steps over a request with a 1k-token prompt
+(`Engine.step` in a loop, CUDA events around every graph replay: bench/plain_step_kernels.py's `graph_replays`).
+
 Usage (repo root, CUDA): python bench/graph_replays_alone.py --model DIR --draft DIR [--order adaptive-first]
     [--repeats 3] [--out-dir bench/results]
 """
@@ -26,9 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_step_kernels import build  # noqa: E402  (the two engines as plain_step_kernels.py builds them)
+from plain_step_kernels import build, graph_replays  # noqa: E402  (the engines as plain_step_kernels.py builds them)
 from spruce import SamplingParams  # noqa: E402
 from spruce.bench.common import write_result  # noqa: E402
+from spruce.bench.serving import load_prompts  # noqa: E402
 
 REPLAYS = 200  # per timed repetition
 PROFILED = 30  # replays under the profiler
@@ -67,27 +72,58 @@ def profiled(graph: torch.cuda.CUDAGraph) -> dict:
             "by_name": {name: {"busy_us": round(busy[name], 2), "idle_us": round(idle[name], 2)} for name in busy}}
 
 
+def stepping(llm, args, steps: int = 96) -> dict:
+    """The engine's own decode steps at one request over a 1k-token prompt (warmed twice: its pages cached), CUDA
+    events around every graph replay (`graph_replays`), then the stream's span per step, `args.repeats` times."""
+    engine = llm.engine
+    prompt = load_prompts(Path(args.model) / "heldout_prompts.jsonl", 256, engine.tokenizer, 1024)[0]
+    params = SamplingParams(max_tokens=(args.repeats + 1) * steps + 16, ignore_eos=True, temperature=0.0)
+    for _ in range(2):
+        llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
+    rid = engine.add_request(prompt, params)
+    for _ in range(4):  # prefill and the first decode steps
+        engine.step()
+    replays = graph_replays(engine, steps)
+    spans = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            engine.step()
+        end.record()
+        end.synchronize()
+        spans.append(round(start.elapsed_time(end) * 1e3 / steps, 2))
+    engine.abort(rid)
+    engine.drain()
+    return {**replays, "span_us_per_step": spans}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--order", choices=("plain-first", "adaptive-first"), default="plain-first")
+    ap.add_argument("--order", choices=("plain-first", "adaptive-first", "plain-only", "adaptive-only"),
+                    default="plain-first")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
-    first_adaptive = args.order == "adaptive-first"
-    llms = {name: build(name == "adaptive", args) for name in
-            (("adaptive", "plain") if first_adaptive else ("plain", "adaptive"))}
+    names = {"plain-first": ("plain", "adaptive"), "adaptive-first": ("adaptive", "plain"),
+             "plain-only": ("plain",), "adaptive-only": ("adaptive",)}[args.order]
+    llms = {name: build(name == "adaptive", args) for name in names}
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
     for llm in llms.values():
         llm.generate(["def fib(n):\n    " * 20], params)
-    graphs = {"plain": llms["plain"].engine.runner.graphs.graphs[("decode", 1)][0],
-              "adaptive": llms["adaptive"].engine.runner.graphs.graphs[("decode_detached", 1)][0]}
+    phases = {"plain": "decode", "adaptive": "decode_detached"}
+    graphs = {name: llm.engine.runner.graphs.graphs[(phases[name], 1)][0] for name, llm in llms.items()}
     times = {name: [] for name in graphs}
     for _ in range(args.repeats):
         for name, graph in graphs.items():
             times[name].append(round(replay_us(graph), 2))
     figures = {"replay_us": times, "profile": {name: profiled(graph) for name, graph in graphs.items()}}
+    if len(llms) == 1:
+        figures["stepping"] = {name: stepping(llm, args) for name, llm in llms.items()}
+        print(f"stepping over a 1k-token prompt: {figures['stepping']}")
     for name in graphs:
         prof = figures["profile"][name]
         print(f"{name}: replay {times[name]} us; per replay {prof['events_per_replay']:.0f} events, busy "
