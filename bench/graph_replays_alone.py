@@ -12,10 +12,29 @@ the plain engine first until then and read ~10 us a step and ~5% at concurrency 
 
 `--order plain-only` / `adaptive-only`: one engine in the process, as a server holds it (run each in fresh processes,
 alternately, to compare the two graphs across processes); then also its steps over a request with a 1k-token prompt
-(`Engine.step` in a loop, CUDA events around every graph replay: bench/plain_step_kernels.py's `graph_replays`).
+(`Engine.step` in a loop, CUDA events around every graph replay: bench/plain_step_kernels.py's `graph_replays`), and
+its graph replayed alone again over that request's row (the long KV of a served request with the shared prefix).
+`--max-total-tokens`, `--ballast-graphs`, `--ballast-mb` and `--recapture` change where the process's memory lands
+and nothing it computes.
+
+Found with them (session 54, 2026-11-28, H100 x1, three machines; results/graph-replays-one-engine-...-20261128.json):
+the step's device time depends on where the process's memory lands, by more than the gap served at concurrency 1
+(+1.5 +- 0.5% decode phase, ~4 us a token), and the sign of the difference between the two engines' graphs follows the
+machine, not the engine. Over the short KV the two graphs replay alike (238.8-242.9 us). Over the request's 1.3k
+positions, on one machine (M2, 8 processes of each, two pool sizes) the plain graph replayed in 268.9-270.0 us and
+the adaptive one in 281.8-283.3, every time: the same 113 kernels, busy 253.5-255.6 us in both, the stream idle 34.5-39
+us before them against 44.8-50.1, spread over every kernel (+0.1-0.2 us each, GEMMs, norms and copies alike). On
+another (M3) the plain graph was the slower one, 289.9 against 286.8, and the same plain engine replayed in 278.5 us
+after 256 MiB were allocated before it was built, 281.4 after 60 small graphs were captured first; the adaptive one
+in 277.4 once its graphs were captured again after the engine was built; with CUDA_MODULE_LOADING=EAGER 291.7 (plain)
+and 282.1 (adaptive). What the kernels compute is the same; the gaps between them move with placement, and only
+under the long KV (a 38 MB model whose weights and KV come near the H100's 50 MB L2; why the gaps and not the
+kernels, not shown). A served adaptive process allocates in another order and other sizes than a plain one (the draft,
+its pool, the ring, the verify scratch in the target's pool), so its graphs land elsewhere: on the machines of the
+eight bar runs, a few microseconds worse.
 
 Usage (repo root, CUDA): python bench/graph_replays_alone.py --model DIR --draft DIR [--order adaptive-first]
-    [--repeats 3] [--out-dir bench/results]
+    [--repeats 3] [--max-total-tokens N] [--ballast-graphs N] [--ballast-mb N] [--recapture] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -30,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_step_kernels import build, graph_replays  # noqa: E402  (the engines as plain_step_kernels.py builds them)
+from plain_step_kernels import build, capture_dummy_graphs, graph_replays  # noqa: E402  (the engines as plain_step_kernels.py builds them)
 from spruce import SamplingParams  # noqa: E402
 from spruce.bench.common import write_result  # noqa: E402
 from spruce.bench.serving import load_prompts  # noqa: E402
@@ -72,9 +91,13 @@ def profiled(graph: torch.cuda.CUDAGraph) -> dict:
             "by_name": {name: {"busy_us": round(busy[name], 2), "idle_us": round(idle[name], 2)} for name in busy}}
 
 
-def stepping(llm, args, steps: int = 96) -> dict:
+def stepping(llm, graph: torch.cuda.CUDAGraph, args, steps: int = 96) -> dict:
     """The engine's own decode steps at one request over a 1k-token prompt (warmed twice: its pages cached), CUDA
-    events around every graph replay (`graph_replays`), then the stream's span per step, `args.repeats` times."""
+    events around every graph replay (`graph_replays`), then the stream's span per step, `args.repeats` times; then,
+    the request still holding its row, its graph replayed alone (`replay_us`, `profiled`) over that row: the same
+    replays as the first ones over the long KV instead of a short one, without the engine's host work between them.
+    (They advance the row's device state past what the host knows and write KV past its reserved pages, where the
+    page table points at the dummy page; the request is aborted right after.)"""
     engine = llm.engine
     prompt = load_prompts(Path(args.model) / "heldout_prompts.jsonl", 256, engine.tokenizer, 1024)[0]
     params = SamplingParams(max_tokens=(args.repeats + 1) * steps + 16, ignore_eos=True, temperature=0.0)
@@ -94,9 +117,17 @@ def stepping(llm, args, steps: int = 96) -> dict:
         end.record()
         end.synchronize()
         spans.append(round(start.elapsed_time(end) * 1e3 / steps, 2))
+    torch.cuda.synchronize()
+    pages = engine.runner.page_table.table[engine.requests[rid].row].tolist()
+    pages = pages[:engine.limits.pages_for(engine.requests[rid].committed)]
+    alone = [round(replay_us(graph), 2) for _ in range(args.repeats)]
+    profile = profiled(graph)
     engine.abort(rid)
     engine.drain()
-    return {**replays, "span_us_per_step": spans}
+    runs = 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+    return {**replays, "span_us_per_step": spans, "replay_us_alone_long_kv": alone, "profile_alone_long_kv": profile,
+            "pages": {"count": len(pages), "first": pages[:4], "last": pages[-4:], "contiguous_runs": runs,
+                      "pool_pages": engine.limits.num_pages}}
 
 
 def main() -> None:
@@ -106,11 +137,25 @@ def main() -> None:
     ap.add_argument("--order", choices=("plain-first", "adaptive-first", "plain-only", "adaptive-only"),
                     default="plain-first")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="the KV pool's tokens (default: sized from free memory, as a server's)")
+    ap.add_argument("--ballast-graphs", type=int, default=0,
+                    help="capture this many small graphs (201 kernels each) before building the engines")
+    ap.add_argument("--ballast-mb", type=int, default=0, help="allocate this many MiB before building the engines")
+    ap.add_argument("--recapture", action="store_true",
+                    help="capture the engines' bucket-1 decode graphs again once they are built (the last graphs "
+                         "instantiated in the process)")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     names = {"plain-first": ("plain", "adaptive"), "adaptive-first": ("adaptive", "plain"),
              "plain-only": ("plain",), "adaptive-only": ("adaptive",)}[args.order]
+    ballast = [torch.empty(args.ballast_mb << 20, dtype=torch.uint8, device="cuda")] if args.ballast_mb else []
+    capture_dummy_graphs(ballast, len(ballast) + args.ballast_graphs)
     llms = {name: build(name == "adaptive", args) for name in names}
+    if args.recapture:
+        for name, llm in llms.items():
+            strategy = llm.engine.strategy
+            (strategy.detached_plain if name == "adaptive" else strategy).capture_graphs(False)
     params = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
     for llm in llms.values():
         llm.generate(["def fib(n):\n    " * 20], params)
@@ -122,13 +167,19 @@ def main() -> None:
             times[name].append(round(replay_us(graph), 2))
     figures = {"replay_us": times, "profile": {name: profiled(graph) for name, graph in graphs.items()}}
     if len(llms) == 1:
-        figures["stepping"] = {name: stepping(llm, args) for name, llm in llms.items()}
-        print(f"stepping over a 1k-token prompt: {figures['stepping']}")
+        figures["stepping"] = {name: stepping(llm, graphs[name], args) for name, llm in llms.items()}
+        for name, fig in figures["stepping"].items():
+            prof = fig["profile_alone_long_kv"]
+            print(f"{name} stepping over a 1k-token prompt: replay (median) {fig['replay_us_median']} us, between "
+                  f"{fig['between_replays_us_median']}, span a step {fig['span_us_per_step']}; then alone "
+                  f"{fig['replay_us_alone_long_kv']} us, busy {prof['busy_us']}, idle {prof['idle_us']}; pages {fig['pages']}")
     for name in graphs:
         prof = figures["profile"][name]
         print(f"{name}: replay {times[name]} us; per replay {prof['events_per_replay']:.0f} events, busy "
               f"{prof['busy_us']} us, idle before them {prof['idle_us']} us")
     config = {"model": args.model, "draft": args.draft, "order": args.order, "repeats": args.repeats,
+              "max_total_tokens": args.max_total_tokens, "ballast_graphs": args.ballast_graphs,
+              "ballast_mb": args.ballast_mb, "recapture": args.recapture,
               "replays": REPLAYS, "profiled_replays": PROFILED}
     print(f"results: {write_result('graph-replays-alone', 'cuda', config, figures, Path(args.out_dir))}")
 
