@@ -275,21 +275,25 @@ def test_plain_runs_are_probed_with_backoff():
     assert p.decide(reqs).choice == SPECULATIVE and p._state[1].probe_after == PROBE_FIRST
 
 
-def probe_runs(batch: int, accepted: int | list[int], steps: int,
-               spec: float = 1.6e-3) -> tuple[AdaptivePolicy, list[int], list]:
+def probe_runs(batch: int, accepted: int | list[int], steps: int, spec: float = 1.6e-3,
+               round_seconds: float | None = None) -> tuple[AdaptivePolicy, list[int], list]:
     """1 ms plain steps against `spec` seconds a round (1.6 ms), rounds accepting nothing so far (plain steps the
     model's choice), a batch of `batch` requests of 128 tokens decided `steps` times, each round's requests accepting
     `accepted` drafts (a list: the i-th round's requests accept its i-th entry, cyclically; each step takes the time
-    it was priced at): the policy, the length of each run of rounds, and the decisions."""
+    it was priced at): the policy, the length of each run of rounds, and the decisions. With `round_seconds`, plain
+    steps' figure at the load is realized first (so that the first probe is measured) and a round takes that long
+    whatever its price."""
     pattern = accepted if isinstance(accepted, list) else [accepted]
     clock = Clock()
     p = policy(plain=1e-3, spec=spec, clock=clock)
     reqs = [Req() for _ in range(batch)]
     settle(p, reqs, 0)
+    if round_seconds is not None:
+        realize(p, PLAIN, p.bucket_for(batch), 1.0)
     runs, decisions = [], []
     for _ in range(steps):
         d = p.decide(reqs, tokens_left=64.0, request_tokens=128.0)
-        clock.now += d.step_seconds[d.choice]
+        clock.now += round_seconds if round_seconds and d.choice == SPECULATIVE else d.step_seconds[d.choice]
         decisions.append(d)
         if d.choice == SPECULATIVE:
             if decisions[-2:-1] and decisions[-2].choice == SPECULATIVE:
@@ -333,6 +337,25 @@ def test_a_probe_of_rounds_is_cut_once_its_own_rounds_bound_the_acceptance():
     assert runs[0] == EPOCH_MIN and p.probes_cut == 1
     p, runs, _ = probe_runs(1, [0, 0, 0, 1], 400)
     assert runs[0] == 128 and p.probes_cut == 0
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_cut_probe_is_measured_over_the_steps_it_ran(batch):
+    """A probe of rounds cut early (at 1 by its own rounds' bound after 32 rounds, at 8 after EPOCH_MIN) is measured
+    like a whole one: its epoch so far against its price scaled to the steps it ran, then the first epoch of plain
+    steps after it. Rounds that take the 1.6 ms they were priced at (0.6 ms over what their one token costs at plain
+    steps' 1 ms) leave the probes' cost factor at 1; rounds that take 4.8 ms (3.8 ms over) read 3.8 / 0.6 times their
+    price and move it by PROBE_COST_ALPHA of that, choice-wide and at the load. Fails if a cut probe goes unmeasured
+    (the factor stays 1) or is measured against its whole epoch's price (128 rounds': it reads 1.15 at 1, 0.95 at
+    8)."""
+    p, runs, _ = probe_runs(batch, 0, 600, round_seconds=1.6e-3)
+    assert p.probes_cut == p.probes == 1 and runs[0] in (PROBE_CUT_MIN_ROUNDS, EPOCH_MIN)
+    assert p.probe_cost_factor[SPECULATIVE] == pytest.approx(1.0)
+    p, runs, _ = probe_runs(batch, 0, 600, round_seconds=4.8e-3)
+    assert p.probes_cut == p.probes == 1
+    factor = 1 + adaptive_policy.PROBE_COST_ALPHA * (3.8 / 0.6 - 1)
+    assert p.probe_cost_factor[SPECULATIVE] == pytest.approx(factor)
+    assert p.probe_cost_factor_at[(SPECULATIVE, batch)] == pytest.approx(factor)
 
 
 @pytest.mark.parametrize("fresh", [False, True])
@@ -2313,7 +2336,7 @@ def test_a_probes_cost_factor_is_learned_per_load():
     after = SimpleNamespace(busy=100 * model_seconds, request_steps=100)  # the epoch after it: as the model's figure
     factors = []
     for _ in range(2):
-        m = _ProbeMeasure(SPECULATIVE, priced, 0.0, model_seconds, 1.0, 0.0, 0)
+        m = _ProbeMeasure(SPECULATIVE, priced, 128, 0.0, model_seconds, 1.0, 0.0, 0)
         m.excess = measured
         p._measured_probe(m, after, 64)
         factors.append(p._probe_factor(SPECULATIVE, 64))
