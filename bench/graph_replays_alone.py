@@ -58,16 +58,21 @@ REPLAYS = 200  # per timed repetition
 PROFILED = 30  # replays under the profiler
 
 
-def replay_us(graph: torch.cuda.CUDAGraph) -> float:
-    """Microseconds a replay of `graph`, REPLAYS of them back to back between two events."""
+def stream_us(run, count: int) -> float:
+    """The stream's microseconds per call of `run`, `count` calls back to back between two events."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
+    for _ in range(count):
+        run()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / REPLAYS
+    return start.elapsed_time(end) * 1e3 / count
+
+
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Microseconds a replay of `graph`, REPLAYS of them back to back between two events."""
+    return stream_us(graph.replay, REPLAYS)
 
 
 def profiled(graph: torch.cuda.CUDAGraph) -> dict:
@@ -107,17 +112,7 @@ def stepping(llm, graph: torch.cuda.CUDAGraph, args, steps: int = 96) -> dict:
     for _ in range(4):  # prefill and the first decode steps
         engine.step()
     replays = graph_replays(engine, steps)
-    spans = []
-    for _ in range(args.repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            engine.step()
-        end.record()
-        end.synchronize()
-        spans.append(round(start.elapsed_time(end) * 1e3 / steps, 2))
-    torch.cuda.synchronize()
+    spans = [round(stream_us(engine.step, steps), 2) for _ in range(args.repeats)]
     pages = engine.runner.page_table.table[engine.requests[rid].row].tolist()
     pages = pages[:engine.limits.pages_for(engine.requests[rid].committed)]
     alone = [round(replay_us(graph), 2) for _ in range(args.repeats)]
