@@ -17,21 +17,22 @@ its graph replayed alone again over that request's row (the long KV of a served 
 `--max-total-tokens`, `--ballast-graphs`, `--ballast-mb` and `--recapture` change where the process's memory lands
 and nothing it computes.
 
-Found with them (session 54, 2026-11-28, H100 x1, three machines; results/graph-replays-one-engine-...-20261128.json):
+Found with them (session 54, 2026-11-28, H100 x1, four machines; results/graph-replays-one-engine-...-20261128.json):
 the step's device time depends on where the process's memory lands, by more than the gap served at concurrency 1
-(+1.5 +- 0.5% decode phase, ~4 us a token), and the sign of the difference between the two engines' graphs follows the
-machine, not the engine. Over the short KV the two graphs replay alike (238.8-242.9 us). Over the request's 1.3k
-positions, on one machine (M2, 8 processes of each, two pool sizes) the plain graph replayed in 268.9-270.0 us and
-the adaptive one in 281.8-283.3, every time: the same 113 kernels, busy 253.5-255.6 us in both, the stream idle 34.5-39
-us before them against 44.8-50.1, spread over every kernel (+0.1-0.2 us each, GEMMs, norms and copies alike). On
-another (M3) the plain graph was the slower one, 289.9 against 286.8, and the same plain engine replayed in 278.5 us
-after 256 MiB were allocated before it was built, 281.4 after 60 small graphs were captured first; the adaptive one
-in 277.4 once its graphs were captured again after the engine was built; with CUDA_MODULE_LOADING=EAGER 291.7 (plain)
-and 282.1 (adaptive). What the kernels compute is the same; the gaps between them move with placement, and only
-under the long KV (a 38 MB model whose weights and KV come near the H100's 50 MB L2; why the gaps and not the
-kernels, not shown). A served adaptive process allocates in another order and other sizes than a plain one (the draft,
-its pool, the ring, the verify scratch in the target's pool), so its graphs land elsewhere: on the machines of the
-eight bar runs, a few microseconds worse.
+(+1.5 +- 0.5% decode phase, ~4 us a token), and the sign of the difference between the two engines' graphs follows
+the machine, not the engine. Over the request's 1.3k positions, on one machine (M2, 8 processes of each, two pool
+sizes) the plain graph replayed in 268.9-270.0 us and the adaptive one in 281.8-283.3, every time: the same 113
+kernels, busy 253.5-255.6 us in both, the stream idle 34.5-39 us before them against 44.8-50.1, spread over every
+kernel (+0.1-0.2 us each, GEMMs, norms and copies alike); over the short KV there the two replayed alike (238.8-242.9
+us). On another (M3) the plain graph was the slower one, 289.9 against 286.8, and the same plain engine replayed in
+278.5 us after 256 MiB were allocated before it was built, 281.4 after 60 small graphs were captured first; the
+adaptive one in 277.4 once its graphs were captured again after the engine was built; with CUDA_MODULE_LOADING=EAGER
+291.7 (plain) and 282.1 (adaptive); over the short KV 240-251 us across those variants. On a fourth (M4) the adaptive
+graph was the slower over both (291.0 against 286.6 long, 251.7 against 239.9 short). What the kernels compute is the
+same; the gaps between them move with placement (a 38 MB model whose weights and KV come near the H100's 50 MB L2;
+why the gaps and not the kernels, not shown). A served adaptive process allocates in another order and other sizes
+than a plain one (the draft, its pool, the ring, the verify scratch in the target's pool), so its graphs land
+elsewhere: on the machines of the eight H100 x4 bar runs, a few microseconds worse.
 
 Usage (repo root, CUDA): python bench/graph_replays_alone.py --model DIR --draft DIR [--order adaptive-first]
     [--repeats 3] [--max-total-tokens N] [--ballast-graphs N] [--ballast-mb N] [--recapture] [--out-dir bench/results]
