@@ -40,8 +40,8 @@ Pieces:
   scheduler asks where a cached path holds one; that request is then detached whatever its prefill finds). A batch
   of detached requests runs `detached_plain`, a plain engine's own step (its graphs keep no draft features; the same
   kernels, though where its graphs land in memory is this process's, and the launch gaps between their kernels move
-  with it by a few percent either way: bench/graph_replays_alone.py, session 54); a batch holding one runs no round (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe,
-  wait until they have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server
+  with it by a few percent either way: bench/graph_replays_alone.py, session 54); a batch holding one runs no round
+  (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server
   whose engine did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that
   computed the target's draft features and dropped them) was within the control's spread of the plain server at
   8-64, where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
