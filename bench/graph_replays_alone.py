@@ -50,7 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # its sibling
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_step_kernels import build, capture_dummy_graphs, graph_replays  # noqa: E402  (the engines as plain_step_kernels.py builds them)
+from plain_step_kernels import build, capture_dummy_graphs, graph_replays  # noqa: E402  (its engines, its helpers)
 from spruce import SamplingParams  # noqa: E402
 from spruce.bench.common import write_result  # noqa: E402
 from spruce.bench.serving import load_prompts  # noqa: E402
@@ -168,7 +168,8 @@ def main() -> None:
             prof = fig["profile_alone_long_kv"]
             print(f"{name} stepping over a 1k-token prompt: replay (median) {fig['replay_us_median']} us, between "
                   f"{fig['between_replays_us_median']}, span a step {fig['span_us_per_step']}; then alone "
-                  f"{fig['replay_us_alone_long_kv']} us, busy {prof['busy_us']}, idle {prof['idle_us']}; pages {fig['pages']}")
+                  f"{fig['replay_us_alone_long_kv']} us, busy {prof['busy_us']}, idle {prof['idle_us']}; "
+                  f"pages {fig['pages']}")
     for name in graphs:
         prof = figures["profile"][name]
         print(f"{name}: replay {times[name]} us; per replay {prof['events_per_replay']:.0f} events, busy "

@@ -33,18 +33,19 @@ Pieces:
 - the lazy prefill (`prefill`): while the policy's model prefers plain steps, a request's final prompt chunk runs
   the target alone and its features go to the ring; its draft lags by the chunk and the first round catches it up;
 - detached requests (`AdaptivePolicy.detachable`): where no round is expected over a joining request's life (at the
-  load it lives at, rounds are not the model choice, plain steps are settled or rounds priced far behind them, and
-  no probe of rounds waits), a lazy chunk is detached instead: no feature goes to the ring, no lag is counted, and
-  the request decodes plainly to its end (`Request.detached_at`; the prefix cache takes its pages from there with
-  the target's KV alone, and such pages serve only a request that joins detached: `joins_without_draft`, which the
-  scheduler asks where a cached path holds one; that request is then detached whatever its prefill finds). A batch
-  of detached requests runs `detached_plain`, a plain engine's own step (its graphs keep no draft features; the same
+  load it lives at, rounds are not the model choice, plain steps are settled or rounds priced far behind them, and no
+  probe of rounds waits), a lazy chunk is detached instead: no feature goes to the ring, no lag is counted, and the
+  request decodes plainly to its end (`Request.detached_at`; the prefix cache takes its pages from there with the
+  target's KV alone, and such pages serve only a request that joins detached: `joins_without_draft`, which the
+  scheduler asks where a cached path holds one; that request is then detached whatever its prefill finds). A batch of
+  detached requests runs `detached_plain`, a plain engine's own step (its graphs keep no draft features; the same
   kernels, though where its graphs land in memory is this process's, and the launch gaps between their kernels move
   with it by a few percent either way: bench/graph_replays_alone.py, session 54); a batch holding one runs no round
-  (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they have ended. On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server
-  whose engine did a plain engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that
-  computed the target's draft features and dropped them) was within the control's spread of the plain server at
-  8-64, where the adaptive one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
+  (`AdaptivePolicy.decide`'s rounds_blocked): rounds the model chooses, and a due probe, wait until they have ended.
+  On the H100 x4 (e64eb1c, 2026-11-27, 1k shared prefix, four runs) an adaptive server whose engine did a plain
+  engine's work (an experiment: no choice, no ring, no lazy bookkeeping, a plain step that computed the target's
+  draft features and dropped them) was within the control's spread of the plain server at 8-64, where the adaptive
+  one was 2-4% behind it: its own per-step and per-prefill work was the difference there;
 - parks (`AdaptivePolicy.park`): once plain steps have measured an epoch, a decided plain step over a batch whose
   every request is detached, at a load where a joining request would be detached too, parks: for up to PARK_EPOCHS
   epochs' steps `choose` returns the plain engine's step after one count, the policy told nothing (no ticket, no
