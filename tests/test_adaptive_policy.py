@@ -358,6 +358,21 @@ def test_a_cut_probe_is_measured_over_the_steps_it_ran(batch):
     assert p.probe_cost_factor_at[(SPECULATIVE, batch)] == pytest.approx(factor)
 
 
+def test_the_epochs_tool_reads_the_probes_the_policy_logs(caplog):
+    """bench/adaptive_epochs.py reads the probe lines `_explore` logs (began, cut, measured: the format is the
+    contract between them): the cut probe of test_a_cut_probe_is_measured_over_the_steps_it_ran at load 8, its
+    measure 3.8 / 0.6 of its price, and the factors after it."""
+    import logging
+
+    tool = bench_scripts.load("adaptive_epochs")
+    with caplog.at_level(logging.INFO, logger="spruce.adaptive"):
+        p, _, _ = probe_runs(8, 0, 600, round_seconds=4.8e-3)
+    (key, row), = tool.probes(r.getMessage() for r in caplog.records).items()
+    assert key == f"8/{SPECULATIVE}" and (row["began"], row["cut"], row["measured"]) == (1, 1, 1)
+    assert row["ratios"] == [pytest.approx(3.8 / 0.6, abs=1e-3)]
+    assert row["factor"] == row["factor_at_load"] == pytest.approx(p.probe_cost_factor[SPECULATIVE])
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_probe_of_rounds_is_spaced_by_plain_steps_lead_where_other_loads_measure_the_acceptance(fresh):
     """As test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut, then (`fresh`) ACCEPT_FRESH_MIN request-rounds
