@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 from pathlib import Path
 
@@ -118,12 +119,55 @@ def stepping(llm, graph: torch.cuda.CUDAGraph, args, steps: int = 96) -> dict:
     pages = pages[:engine.limits.pages_for(engine.requests[rid].committed)]
     alone = [round(replay_us(graph), 2) for _ in range(args.repeats)]
     profile = profiled(graph)
+    rerolled = rerolls(llm, rid, args) if args.rerolls else None
     engine.abort(rid)
     engine.drain()
     runs = 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
     return {**replays, "span_us_per_step": spans, "replay_us_alone_long_kv": alone, "profile_alone_long_kv": profile,
             "pages": {"count": len(pages), "first": pages[:4], "last": pages[-4:], "contiguous_runs": runs,
-                      "pool_pages": engine.limits.num_pages}}
+                      "pool_pages": engine.limits.num_pages}, "rerolls_long_kv": rerolled}
+
+
+def rerolls(llm, rid: str, args) -> dict:
+    """The engine's graphs captured `args.rerolls` more times (each capture in a fresh memory pool, every earlier
+    graph kept alive, so each lands elsewhere), then every bucket-1 graph so far replayed alone, in turn,
+    `args.repeats` rounds: over the dummy row (what a start-up measure could time) and over the held request's row
+    from its first 256, 640 and all its positions (the same state each time): whether a capture's replay time is a
+    draw of its placement, how far apart the draws lie, and whether the rank of the draws holds across KV lengths."""
+    engine = llm.engine
+    runner = engine.runner
+    capturer = engine.strategy.detached_plain if engine.speculative else engine.strategy
+    phase = "decode_detached" if engine.speculative else "decode"
+    graphs = [runner.graphs.graphs[(phase, 1)][0]]
+    held = []
+    for _ in range(args.rerolls):
+        held.append(dict(runner.graphs.graphs))
+        capturer.capture_graphs(False)
+        graphs.append(runner.graphs.graphs[(phase, 1)][0])
+    row = engine.requests[rid].row
+    row_t = torch.tensor([row], device=runner.device)
+    saved = [t.clone() for t in runner.row_state.gather(row_t)]
+
+    lengths = {"dummy": None, "kv_256": 256, "kv_640": 640, "long_kv": int(saved[0].item())}
+
+    def over(graph, length: int | None) -> float:
+        capturer.rows[0] = runner.limits.dummy_row if length is None else row
+        if length is not None:  # the row's first `length` positions (their KV is there): from the same state
+            runner.row_state.set(row_t, torch.full_like(saved[0], length), saved[1])
+        return round(replay_us(graph), 2)
+
+    rounds = {kind: [] for kind in lengths}
+    for k in range(args.repeats):
+        order = list(range(len(graphs)))[k % len(graphs):] + list(range(len(graphs)))[:k % len(graphs)]
+        for kind, length in lengths.items():
+            times = {i: over(graphs[i], length) for i in order}
+            rounds[kind].append([times[i] for i in range(len(graphs))])
+    capturer.rows[0] = row
+    runner.row_state.set(row_t, *saved)
+    capturer._filled_rows = None
+    medians = {kind: [statistics.median(r[i] for r in rs) for i in range(len(graphs))] for kind, rs in rounds.items()}
+    print(f"rerolls, per capture (median of {args.repeats}), us: {medians}")
+    return {"rounds_us": rounds, "median_us": medians}
 
 
 def main() -> None:
@@ -141,6 +185,12 @@ def main() -> None:
     ap.add_argument("--recapture", action="store_true",
                     help="capture the engines' bucket-1 decode graphs again once they are built (the last graphs "
                          "instantiated in the process)")
+    ap.add_argument("--cuda-graph-draws", type=int, default=6,
+                    help="the engines' cuda_graph_draws (1: each keeps its first capture of the bucket-1 graph)")
+    ap.add_argument("--rerolls", type=int, default=0,
+                    help="with plain-only / adaptive-only: capture the graphs this many more times, the earlier ones "
+                         "kept, and replay each capture's bucket-1 graph over the long KV (`rerolls`; with --cuda-graph-draws 1, "
+                         "else each capture keeps the fastest of its own draws)")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     names = {"plain-first": ("plain", "adaptive"), "adaptive-first": ("adaptive", "plain"),
@@ -176,7 +226,8 @@ def main() -> None:
               f"{prof['busy_us']} us, idle before them {prof['idle_us']} us")
     config = {"model": args.model, "draft": args.draft, "order": args.order, "repeats": args.repeats,
               "max_total_tokens": args.max_total_tokens, "ballast_graphs": args.ballast_graphs,
-              "ballast_mb": args.ballast_mb, "recapture": args.recapture,
+              "ballast_mb": args.ballast_mb, "recapture": args.recapture, "rerolls": args.rerolls,
+              "cuda_graph_draws": args.cuda_graph_draws,
               "replays": REPLAYS, "profiled_replays": PROFILED}
     print(f"results: {write_result('graph-replays-alone', 'cuda', config, figures, Path(args.out_dir))}")
 

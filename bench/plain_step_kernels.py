@@ -58,7 +58,8 @@ from spruce.speculative.adaptive_policy import SPECULATIVE
 
 def build(adaptive: bool, args) -> LLM:
     kw = dict(page_size=16, max_running_requests=64, device="cuda", dtype="bfloat16",
-              max_total_tokens=getattr(args, "max_total_tokens", None))
+              max_total_tokens=getattr(args, "max_total_tokens", None),
+              cuda_graph_draws=getattr(args, "cuda_graph_draws", 6))
     if adaptive:
         kw.update(draft_model=args.draft, speculative_num_steps=5, speculative_eagle_topk=4,
                   speculative_num_draft_tokens=8, speculative_adaptive=True)

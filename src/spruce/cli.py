@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=256,
                    help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
                         "bucket); 0: every prefill runs eagerly")
+    p.add_argument("--cuda-graph-draws", type=int, default=6,
+                   help="capture the one-request plain decode graph this many times and keep the one that replays "
+                        "fastest (where a capture lands in memory moves its replay time by a few percent); 1: the "
+                        "first capture")
     p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
                    help="NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft path needed)")
     p.add_argument("--speculative-draft-model-path", default=None)
@@ -110,7 +114,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens, cuda_graph_draws=args.cuda_graph_draws,
         draft_model=draft, speculative_algorithm=args.speculative_algorithm if spec else None,
         speculative_num_steps=args.speculative_num_steps if spec else None,
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,

@@ -128,6 +128,7 @@ class EngineConfig:
     cuda_graph: bool | None = None  # None: on for cuda
     cuda_graph_max_bs: int | None = None
     cuda_graph_max_prefill_tokens: int = 256  # prefills of at most this many tokens replay CUDA graphs; 0: eager
+    cuda_graph_draws: int = 6  # captures of the one-request plain decode graph, the fastest kept (graph_draws.py)
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     show_progress: bool = False
@@ -159,6 +160,9 @@ class EngineConfig:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"cuda_graph_max_prefill_tokens must be an integer >= 0 (0: prefills run eagerly), "
                               f"got {v!r}")
+        v = self.cuda_graph_draws
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"cuda_graph_draws must be an integer >= 1 (1: keep the first capture), got {v!r}")
         _check_tp_size(self.tp_size, self.device)
         if self.tp_size > 1 and self.speculative is not None and self.speculative.adaptive:
             # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks

@@ -42,6 +42,7 @@ class LLM:
         cuda_graph: bool | None = None,
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_prefill_tokens: int = 256,
+        cuda_graph_draws: int = 6,
         draft_model: str | Path | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_steps: int | None = None,
@@ -69,7 +70,8 @@ class LLM:
             max_running_requests=max_running_requests, context_length=context_length,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens, speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
+            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens, cuda_graph_draws=cuda_graph_draws,
+            speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )

@@ -24,6 +24,7 @@ import torch
 
 from spruce.attention.metadata import Phase
 from spruce.limits import Limits
+from spruce.runtime.graph_draws import score_draws
 from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
@@ -271,6 +272,11 @@ class PlainDecoding(DecodeStrategy):
         return logits, self.result[:P]
 
     def capture_graphs(self, show_progress: bool) -> None:
-        self.runner.graphs.capture([(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))],
-                                   lambda p: self.prepare_padding(0, p),
-                                   "capturing decode graphs", show_progress)
+        """Every bucket's decode graph, then the smallest bucket's `cuda_graph_draws` times, the fastest kept
+        (runtime/graph_draws.py)."""
+        graphs = self.runner.graphs
+        phases = [(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))]
+        graphs.capture(phases, lambda p: self.prepare_padding(0, p), "capturing decode graphs", show_progress)
+        graphs.keep_fastest(phases, lambda p: self.prepare_padding(0, p), min(graphs.buckets),
+                            self.runner.config.cuda_graph_draws, lambda replays: score_draws(self.runner, self.rows,
+                                                                                             replays))
