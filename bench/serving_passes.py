@@ -39,6 +39,13 @@ side of a band whose other side is the unadjusted one, not as a verdict. Printed
 spread (not at concurrency 1, where a step is the device's and the adjustment only adds the outputs part's noise);
 every level's figures go to the result.
 
+And at each concurrency where the better configuration is the plain one, per run the score of the bucket-1 decode
+graph each server kept of its draws (`cuda_graph_draws` in its server info, runtime/graph_draws.py: the adaptive
+server's detached plain step, the plain copies' step) as the adaptive one's over the copies' mean, beside the run's
+mean ratio there, and their correlation over the runs: whether what is left at concurrency 1 follows the placement
+of the graphs the servers kept (four H200 x4 runs at 3f471b4: -0.82, the scores within 0.8% of each other; but -0.74
+and -0.58 at 8 and 64, where no bucket-1 graph runs: there a correlation is the run's, not the graph's).
+
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 (results rebuilt from a journal by bench/serving_journal.py too)
 """
@@ -167,6 +174,7 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
         copies = [name for name in runs if launch[name] == launch[better]]
         losing_steps = "plain" if better == "fixed" else "speculative"
         passes = min(len(levels[name]) for name in ("adaptive", *copies))
+        draws = draw_ratio(runs, copies) if better == "plain" else None
         for k in range(passes):
             adaptive = levels["adaptive"][k]
             better_tps = statistics.fmean(levels[name][k]["output_throughput_tok_s"] for name in copies)
@@ -176,7 +184,7 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                       "versus_better": adaptive["output_throughput_tok_s"] / better_tps - 1.0, "counters": {},
                       "control": {}, "detached": (steps["detached"] / adaptive["completed"]
                                                   if "detached" in steps and adaptive.get("completed") else None),
-                      "attached": dict(steps.get("attached") or {})}
+                      "attached": dict(steps.get("attached") or {}), "draw_ratio": draws}
             for counter in COUNTERS:
                 theirs = [per_decode(levels[name][k], counter) for name in copies]
                 mine = per_decode(adaptive, counter)
@@ -194,6 +202,39 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
             record["phases"], record["phases_control"] = relative(adaptive, theirs, PHASES, phase)
             records.append(record)
     return workload, records
+
+
+def kept_draw(server: dict, phase: str) -> float | None:
+    """The score (us) of the draw a server kept of phase `phase`'s bucket-1 graph, from its info's
+    `cuda_graph_draws` ("decode@1 kept 2 of 865.3,861.1,...; ..."), None where it drew none."""
+    for part in (server.get("cuda_graph_draws") or "").split("; "):
+        name, _, rest = part.partition("@1 kept ")
+        if name == phase and " of " in rest:
+            kept, _, scores = rest.partition(" of ")
+            return float(scores.split(",")[int(kept) - 1])
+    return None
+
+
+def draw_ratio(runs: dict, copies: list[str]) -> float | None:
+    """The adaptive server's kept detached plain graph's score over the plain copies' kept graphs' (`kept_draw`)."""
+    mine = kept_draw(runs["adaptive"].get("server") or {}, "decode_detached")
+    theirs = [kept_draw(runs[name].get("server") or {}, "decode") for name in copies]
+    return None if mine is None or None in theirs else mine / statistics.fmean(theirs) - 1.0
+
+
+def draws_line(records: list[dict]) -> dict | None:
+    """Per run (records sharing a `run`), its `draw_ratio` and its passes' mean ratio; their correlation over the
+    runs; None where fewer than three runs have a ratio."""
+    runs: dict[str, list[dict]] = {}
+    for record in records:
+        if record.get("draw_ratio") is not None:
+            runs.setdefault(record["run"], []).append(record)
+    if len(runs) < 3:
+        return None
+    pairs = [(rs[0]["draw_ratio"], statistics.fmean(r["versus_better"] for r in rs)) for rs in runs.values()]
+    spread = len({x for x, _ in pairs}) > 1 and len({y for _, y in pairs}) > 1
+    return {"runs": [{"draw_ratio": x, "versus_better": y} for x, y in pairs],
+            "correlation": statistics.correlation(*zip(*pairs)) if spread else None}
 
 
 def host_speed(records: list[dict]) -> dict | None:
@@ -237,6 +278,7 @@ def main() -> None:
         used.append(path.name)
         devices.add(result["device"])
         for record in records:
+            record["run"] = path.name
             table.setdefault(workload, {}).setdefault(record["concurrency"], []).append(record)
     summary = {}
     for workload, per_c in table.items():
@@ -271,7 +313,8 @@ def main() -> None:
                                                                    "admission": admitted, "phases": phases,
                                                                    "requests": joined,
                                                                    "host_speed_adjusted": speed,
-                                                                   "host_speed_adjusted_first": first_speed}
+                                                                   "host_speed_adjusted_first": first_speed,
+                                                                   "graph_draws": draws_line(records)}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
                 + f" ({fig['n']})" for key, fig in cell.items()))
@@ -284,6 +327,12 @@ def main() -> None:
                             f"{fig['unadjusted']['mean']:+.1%} +- {fig['unadjusted']['se']:.1%}, outputs "
                             f"{fig['outputs']['mean']:+.1%} +- {fig['outputs']['se']:.1%}; {fig['adjusted']['n']})"
                             for who, fig in figures.items()))
+            drawn = summary[workload][str(concurrency)]["graph_draws"]
+            if drawn is not None:
+                correlation = drawn["correlation"]
+                print("      kept graph draws, adaptive over plain, per run: " + ", ".join(
+                    f"{run['draw_ratio']:+.2%} ({run['versus_better']:+.1%})" for run in drawn["runs"])
+                    + (f"; correlation {correlation:+.2f}" if correlation is not None else ""))
             for key, fig in joined.items():
                 print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
                       + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none"))

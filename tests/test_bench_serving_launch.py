@@ -312,6 +312,45 @@ def test_serving_passes_adjusts_each_pass_for_the_hosts_speed():
     assert record["host"] is None and record["versus_better"] == pytest.approx(90 / 105 - 1)
 
 
+def test_serving_passes_reads_the_graph_draws_each_server_kept():
+    """bench/serving_passes.py: the score of the bucket-1 graph each server kept of its draws (its info's
+    `cuda_graph_draws`), the adaptive server's detached plain step over the plain copies' step, per run beside the
+    run's mean ratio, and the correlation over three runs or more; none where the fixed server is the better one or
+    a server drew nothing."""
+    import bench_scripts
+
+    passes = bench_scripts.load("serving_passes")
+    fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
+    assert passes.kept_draw({"cuda_graph_draws": "decode_detached@1 kept 2 of 700.0,690.0; decode@1 kept 1 of 680.0"},
+                            "decode_detached") == 690.0
+    assert passes.kept_draw({"cuda_graph_draws": "off"}, "decode") is None
+
+    def result(adaptive_draw: float, tps: float, fixed_tps: float = 50.0) -> dict:
+        def run(name: str, draws: str, tokens: float) -> dict:
+            return {"name": name, "server": {"cuda_graph_draws": draws},
+                    "levels": [{"concurrency": 1, "output_throughput_tok_s": tokens, "ttft_s": {"p50": 0.04}}]}
+
+        return {"config": {"launch": ["plain=", f"fixed={fixed}", f"adaptive={fixed} --speculative-adaptive",
+                                      "plain-again="], "prompt_tokens": 128, "concurrency": [1]},
+                "figures": {"runs": [run("plain", "decode@1 kept 2 of 700.0,600.0", 100.0),
+                                     run("fixed", "off", fixed_tps),
+                                     run("adaptive", f"decode@1 kept 1 of 1.0; decode_detached@1 kept 1 of "
+                                                     f"{adaptive_draw}", tps),
+                                     run("plain-again", "decode@1 kept 1 of 610.0", 100.0)]}}
+
+    (record,) = passes.run_passes(result(666.6, 99.0))[1]
+    assert record["draw_ratio"] == pytest.approx(666.6 / 605.0 - 1)
+    assert passes.run_passes(result(666.6, 99.0, fixed_tps=200.0))[1][0]["draw_ratio"] is None
+    records = []
+    for i, (draw, tps) in enumerate([(605.0, 100.0), (611.05, 99.0), (617.1, 98.0)]):
+        (record,) = passes.run_passes(result(draw, tps))[1]
+        records.append({**record, "run": f"run{i}"})
+    line = passes.draws_line(records)
+    assert [run["draw_ratio"] for run in line["runs"]] == pytest.approx([0.0, 0.01, 0.02])
+    assert line["correlation"] == pytest.approx(-1.0)
+    assert passes.draws_line(records[:2]) is None
+
+
 @pytest.mark.parametrize("flag", [["--server-args", "--page-size 4"], ["--compare-prefix-cache"], ["--interleave"],
                                   ["--pin-cpus"], ["--rotation", "1"]])
 def test_launch_only_flags_are_refused_without_launch(capsys, flag):

@@ -74,8 +74,19 @@ def test_a_draw_is_timed_over_a_borrowed_row_that_goes_back_as_it_was():
 
 
 def test_the_lengths_a_small_pool_or_context_can_time(monkeypatch):
-    """Lengths a row cannot hold (with the replays after them) are left out; the dummy row's always stays."""
+    """Lengths a row cannot hold (with the replays and the lookahead after them) or the free pages cannot are left
+    out; the dummy row's always stays; the pages of the longest kept are there to borrow."""
     llm = LLM(TARGET, max_running_requests=2, context_length=512)
-    assert draw_lengths(llm.engine.runner) == [1, 256]
-    monkeypatch.setattr(graph_draws, "DRAW_KV_LENGTHS", (1, 300, 2048))
-    assert draw_lengths(llm.engine.runner) == [1, 300]
+    runner = llm.engine.runner
+    lim = runner.limits
+    assert draw_lengths(runner) == [1, 256]
+    assert lim.lookahead >= 1 and (302 + DRAW_REPLAYS) % lim.page_size == 0  # the lookahead needs a page more
+    monkeypatch.setattr(graph_draws, "DRAW_KV_LENGTHS", (1, 302, 2048))
+    assert draw_lengths(runner) == [1, 302]
+    needed = lim.pages_for(302 + DRAW_REPLAYS + lim.lookahead)
+    for free in (needed, needed - 1):
+        held = runner.allocator.alloc(runner.allocator.num_free - free)
+        lengths = draw_lengths(runner)
+        assert lengths == ([1, 302] if free == needed else [1])
+        assert lim.pages_for(max(lengths) + DRAW_REPLAYS + lim.lookahead) <= runner.allocator.num_free
+        runner.allocator.free(held)

@@ -36,9 +36,10 @@ DRAW_ROUNDS = 3  # timings per draw and length (in turn over the draws), their m
 
 
 def draw_lengths(runner: ModelRunner) -> list[int]:
-    """DRAW_KV_LENGTHS that one request's row can hold with DRAW_REPLAYS more positions after them."""
+    """DRAW_KV_LENGTHS that one request's row can hold with DRAW_REPLAYS more positions after them (and the
+    lookahead's pages), in the pages the pool has free."""
     lim = runner.limits
-    room = min(lim.kv_capacity - lim.lookahead, lim.page_size * runner.allocator.num_free) - DRAW_REPLAYS
+    room = min(lim.kv_capacity, lim.page_size * runner.allocator.num_free) - lim.lookahead - DRAW_REPLAYS
     return [length for length in DRAW_KV_LENGTHS if length == 1 or length <= room]
 
 

@@ -277,6 +277,6 @@ class PlainDecoding(DecodeStrategy):
         graphs = self.runner.graphs
         phases = [(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))]
         graphs.capture(phases, lambda p: self.prepare_padding(0, p), "capturing decode graphs", show_progress)
-        graphs.keep_fastest(phases, lambda p: self.prepare_padding(0, p), min(graphs.buckets),
+        graphs.keep_fastest(phases, lambda p: self.prepare_padding(0, p), min(graphs.buckets, default=0),
                             self.runner.config.cuda_graph_draws, lambda replays: score_draws(self.runner, self.rows,
                                                                                              replays))
