@@ -35,7 +35,8 @@ than a plain one (the draft, its pool, the ring, the verify scratch in the targe
 elsewhere: on the machines of the eight H100 x4 bar runs, a few microseconds worse.
 
 Usage (repo root, CUDA): python bench/graph_replays_alone.py --model DIR --draft DIR [--order adaptive-first]
-    [--repeats 3] [--max-total-tokens N] [--ballast-graphs N] [--ballast-mb N] [--recapture] [--out-dir bench/results]
+    [--repeats 3] [--max-total-tokens N] [--ballast-graphs N] [--ballast-mb N] [--recapture] [--cuda-graph-draws N]
+    [--rerolls N] [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from plain_step_kernels import build, capture_dummy_graphs, graph_replays  # noq
 from spruce import SamplingParams  # noqa: E402
 from spruce.bench.common import write_result  # noqa: E402
 from spruce.bench.serving import load_prompts  # noqa: E402
+from spruce.runtime.graph_draws import stream_seconds  # noqa: E402
 
 REPLAYS = 200  # per timed repetition
 PROFILED = 30  # replays under the profiler
@@ -63,13 +65,7 @@ PROFILED = 30  # replays under the profiler
 def stream_us(run, count: int) -> float:
     """The stream's microseconds per call of `run`, `count` calls back to back between two events."""
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(count):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / count
+    return stream_seconds(run, count, torch.device("cuda")) * 1e6
 
 
 def replay_us(graph: torch.cuda.CUDAGraph) -> float:
@@ -189,8 +185,8 @@ def main() -> None:
                     help="the engines' cuda_graph_draws (1: each keeps its first capture of the bucket-1 graph)")
     ap.add_argument("--rerolls", type=int, default=0,
                     help="with plain-only / adaptive-only: capture the graphs this many more times, the earlier ones "
-                         "kept, and replay each capture's bucket-1 graph over the long KV (`rerolls`; with --cuda-graph-draws 1, "
-                         "else each capture keeps the fastest of its own draws)")
+                         "kept, and replay each capture's bucket-1 graph over the long KV (`rerolls`; with "
+                         "--cuda-graph-draws 1, else each capture keeps the fastest of its own draws)")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
     names = {"plain-first": ("plain", "adaptive"), "adaptive-first": ("adaptive", "plain"),

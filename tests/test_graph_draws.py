@@ -64,7 +64,8 @@ def test_a_draw_is_timed_over_a_borrowed_row_that_goes_back_as_it_was():
         assert len(calls) == DRAW_ROUNDS * len(DRAW_KV_LENGTHS) * DRAW_REPLAYS
         starts = calls[::DRAW_REPLAYS]
         dummy = runner.limits.dummy_row
-        assert [committed for row, committed in starts if row != dummy] == [n for _ in range(DRAW_ROUNDS) for n in DRAW_KV_LENGTHS[1:]]
+        timed = [committed for row, committed in starts if row != dummy]
+        assert timed == [length for _ in range(DRAW_ROUNDS) for length in DRAW_KV_LENGTHS[1:]]
         assert sum(row == dummy for row, _ in starts) == DRAW_ROUNDS
     after = (list(runner.allocator._free), list(runner.page_table._free_rows), runner.page_table.table,
              runner.row_state.committed, runner.row_state.last_token, rows)

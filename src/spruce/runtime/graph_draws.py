@@ -63,7 +63,7 @@ def score_draws(runner: ModelRunner, rows: torch.Tensor, replays: list[Callable[
                 for i, replay in enumerate(replays):
                     if length > 1:
                         runner.row_state.set(row_t, torch.full_like(row_t, length), torch.zeros_like(row_t))
-                    timings.setdefault((i, length), []).append(_stream_seconds(replay, runner.device))
+                    timings.setdefault((i, length), []).append(stream_seconds(replay, DRAW_REPLAYS, runner.device))
     finally:
         rows[0] = lim.dummy_row
         if row is not None:
@@ -72,19 +72,19 @@ def score_draws(runner: ModelRunner, rows: torch.Tensor, replays: list[Callable[
     return [sum(statistics.median(timings[(i, length)]) for length in lengths) for i in range(len(replays))]
 
 
-def _stream_seconds(replay: Callable[[], None], device: torch.device) -> float:
-    """The stream's seconds per call of `replay`, DRAW_REPLAYS calls back to back between two events (on the CPU,
-    where the calls are the work, their wall time)."""
+def stream_seconds(run: Callable[[], None], count: int, device: torch.device) -> float:
+    """The stream's seconds per call of `run`, `count` calls back to back between two events (on the CPU, where
+    the calls are the work, their wall time)."""
     if device.type != "cuda":
         t0 = time.perf_counter()
-        for _ in range(DRAW_REPLAYS):
-            replay()
-        return (time.perf_counter() - t0) / DRAW_REPLAYS
+        for _ in range(count):
+            run()
+        return (time.perf_counter() - t0) / count
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.current_stream().synchronize()
     start.record()
-    for _ in range(DRAW_REPLAYS):
-        replay()
+    for _ in range(count):
+        run()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3 / DRAW_REPLAYS
+    return start.elapsed_time(end) / 1e3 / count

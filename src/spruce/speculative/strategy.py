@@ -276,7 +276,10 @@ class PlainDecoding(DecodeStrategy):
         (runtime/graph_draws.py)."""
         graphs = self.runner.graphs
         phases = [(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))]
-        graphs.capture(phases, lambda p: self.prepare_padding(0, p), "capturing decode graphs", show_progress)
-        graphs.keep_fastest(phases, lambda p: self.prepare_padding(0, p), min(graphs.buckets, default=0),
-                            self.runner.config.cuda_graph_draws, lambda replays: score_draws(self.runner, self.rows,
-                                                                                             replays))
+
+        def prepare(padded: int) -> None:
+            self.prepare_padding(0, padded)
+
+        graphs.capture(phases, prepare, "capturing decode graphs", show_progress)
+        graphs.keep_fastest(phases, prepare, min(graphs.buckets, default=0), self.runner.config.cuda_graph_draws,
+                            lambda replays: score_draws(self.runner, self.rows, replays))
