@@ -29,7 +29,8 @@ prefills than the plain ones at concurrency 32-64 (H100 x2, session 39).
 Per repetition and engine: output tokens/s, median TTFT (launch to first token), TPOT, and the engine's own step
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
 choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
-the summary. `--profile`: each engine's last repetition at each concurrency runs under cProfile, whose top
+the summary, and beside them each repetition's ratio to the base of that repetition, as measured and host speed
+adjusted (`paired`; a profiled repetition left out). `--profile`: each engine's last repetition at each concurrency runs under cProfile, whose top
 functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all of them, pstats' dump, to .prof).
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
@@ -51,7 +52,7 @@ from pathlib import Path
 import torch
 
 from spruce import LLM, SamplingParams
-from spruce.bench.common import price_out, write_result
+from spruce.bench.common import mean_se, price_out, write_result
 from spruce.bench.serving import load_prompts
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
@@ -159,6 +160,30 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
     }
 
 
+def paired(rows: list[dict], base: list[dict]) -> dict | None:
+    """Per repetition, a kind's tokens/s (`rows`, one per repetition) over the base kind's of the same repetition
+    (`base`), less 1, mean +- standard error over the repetitions: as measured (`unadjusted`), and as if both had
+    run on one host speed (`host_adjusted`: tokens/s times the ratio of their output processing seconds per decode
+    row, which is the same code in every engine and so reads the host's speed; meaningful between kinds that run
+    the same steps, e.g. plain against an adaptive engine choosing plain, at loads where the step is host-bound: at
+    concurrency 1 it is the device's and the adjustment only adds the outputs' noise). On the H200 (2026-11-28, concurrency 64,
+    1k shared prefix) the host's speed moved by up to 25% between repetitions ~2 s apart, every host part of the
+    step with it, so that the kinds' medians were 1-4% apart either way while each repetition's pair, adjusted, was
+    within a few percent. None without two repetitions of each."""
+    pairs = list(zip(rows, base))
+    if len(pairs) < 2:
+        return None
+
+    def outputs_per_row(figures: dict) -> float:
+        return figures["step_host_ms"]["outputs"] / max(figures["steps"]["decode_rows"], 1)
+
+    ratios = [mine["tokens_per_s"] / theirs["tokens_per_s"] for mine, theirs in pairs]
+    speeds = [outputs_per_row(mine) / outputs_per_row(theirs) for mine, theirs in pairs]
+    return {"unadjusted": mean_se([r - 1.0 for r in ratios]),
+            "host_adjusted": mean_se([r * s - 1.0 for r, s in zip(ratios, speeds)]),
+            "outputs": mean_se([s - 1.0 for s in speeds])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -217,10 +242,13 @@ def main() -> None:
         medians = {kind: {f: statistics.median(r[f] for r in rows)
                           for f in ("tokens_per_s", "ttft_ms_median", "tpot_us_median")}
                    for kind, rows in per_kind.items()}
+        timed = {kind: rows[:-1] if args.profile else rows for kind, rows in per_kind.items()}  # (not profiled)
         for kind, med in medians.items():
             for base in ("plain", "fixed"):
                 if base in medians:
                     med[f"vs_{base}"] = round(med["tokens_per_s"] / medians[base]["tokens_per_s"] - 1, 4)
+                    if kind != base:
+                        med[f"paired_vs_{base}"] = paired(timed[kind], timed[base])
             print(f"concurrency {concurrency} {kind}: {med}", flush=True)
         summary[str(concurrency)] = medians
     config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": shared_prefix_tokens,

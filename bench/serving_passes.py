@@ -58,7 +58,7 @@ import shlex
 import statistics
 from pathlib import Path
 
-from spruce.bench.common import write_result
+from spruce.bench.common import mean_se, write_result
 from spruce.bench.serving import mean_prefill_launch, workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
@@ -66,12 +66,6 @@ COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "
             "process.send")
 ADMISSION = ("prefills_per_request", "ttft_p50", "prefill_launch")  # `admission`'s figures
 PHASES = ("decode_phase", "stream_tail")  # `phase`'s figures
-
-
-def mean_se(values: list[float]) -> dict:
-    """Mean, its standard error (None for one value) and the count."""
-    return {"n": len(values), "mean": statistics.fmean(values),
-            "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
 
 
 def per_decode(level: dict, counter: str) -> float | None:

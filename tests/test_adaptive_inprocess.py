@@ -55,3 +55,22 @@ def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
     assert "vs_fixed" in result["figures"]["summary"]["1"]["rounds"]
     for kind in ("fixed", "rounds"):
         assert "function calls" in (out / f"adaptive-inprocess-profile-{kind}-1.txt").read_text()
+
+
+def test_paired_ratios_per_repetition_and_host_speed_adjusted():
+    """Each repetition's tokens/s over the base's of that repetition, and the same scaled by their output processing
+    seconds per decode row (the host's speed): a repetition on a host 20% slower whose engine did the same work per
+    host second reads -20% measured and 0% adjusted."""
+    bench = bench_scripts.load("adaptive_inprocess")
+
+    def rep(tokens_per_s, outputs_ms, rows=1000):
+        return {"tokens_per_s": tokens_per_s, "step_host_ms": {"outputs": outputs_ms}, "steps": {"decode_rows": rows}}
+
+    base = [rep(100.0, 10.0), rep(100.0, 10.0)]
+    mine = [rep(80.0, 12.5), rep(110.0, 10.0)]  # a slower host, then the same host and 10% faster
+    figures = bench.paired(mine, base)
+    assert figures["unadjusted"]["n"] == 2
+    assert abs(figures["unadjusted"]["mean"] - (-0.2 + 0.1) / 2) < 1e-12
+    assert abs(figures["host_adjusted"]["mean"] - (0.0 + 0.1) / 2) < 1e-12
+    assert abs(figures["outputs"]["mean"] - 0.125) < 1e-12
+    assert bench.paired(mine[:1], base[:1]) is None  # one repetition: no spread to judge

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +42,12 @@ def write_result(kind: str, device: str, config: dict, figures: dict, out_dir: P
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, "figures": figures}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def mean_se(values: list[float]) -> dict:
+    """Mean, its standard error (None for one value) and the count."""
+    return {"n": len(values), "mean": statistics.fmean(values),
+            "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
 
 
 PRICED_OUT_SECONDS = 1e3  # a step of the choice `price_out` prices out
