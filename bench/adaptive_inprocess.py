@@ -30,8 +30,9 @@ Per repetition and engine: output tokens/s, median TTFT (launch to first token),
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
 choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
 the summary, and beside them each repetition's ratio to the base of that repetition, as measured and host speed
-adjusted (`paired`; a profiled repetition left out). `--profile`: each engine's last repetition at each concurrency runs under cProfile, whose top
-functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all of them, pstats' dump, to .prof).
+adjusted (`paired`; a profiled repetition left out). `--profile`: each engine's last repetition at each concurrency
+runs under cProfile, whose top functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all of
+them, pstats' dump, to .prof).
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
     [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--widths N,N' ...]
@@ -163,13 +164,14 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
 def paired(rows: list[dict], base: list[dict]) -> dict | None:
     """Per repetition, a kind's tokens/s (`rows`, one per repetition) over the base kind's of the same repetition
     (`base`), less 1, mean +- standard error over the repetitions: as measured (`unadjusted`), and as if both had
-    run on one host speed (`host_adjusted`: tokens/s times the ratio of their output processing seconds per decode
-    row, which is the same code in every engine and so reads the host's speed; meaningful between kinds that run
-    the same steps, e.g. plain against an adaptive engine choosing plain, at loads where the step is host-bound: at
-    concurrency 1 it is the device's and the adjustment only adds the outputs' noise). On the H200 (2026-11-28, concurrency 64,
-    1k shared prefix) the host's speed moved by up to 25% between repetitions ~2 s apart, every host part of the
-    step with it, so that the kinds' medians were 1-4% apart either way while each repetition's pair, adjusted, was
-    within a few percent. None without two repetitions of each."""
+    run on one host speed (`host_adjusted`: tokens/s times the ratio of their output processing seconds per
+    decode row, which is the same code in every engine and so reads the host's speed; meaningful between kinds
+    that run the same steps, e.g. plain against an adaptive engine choosing plain, at loads where the step is
+    host-bound: at concurrency 1 it is the device's and the adjustment only adds the outputs' noise). On the H200
+    (2026-11-28, concurrency 64, 1k shared prefix) the host's speed moved by up to 25% between repetitions ~2 s
+    apart, every host part of the step with it, so that the adaptive engine's median came out 1-7% behind
+    plain's, its pairs -2.4 +- 5.5% and -2.6 +- 5.8% as measured, +2.1 +- 1.2% and +2.4 +- 1.3% adjusted (two
+    runs). None without two repetitions of each."""
     pairs = list(zip(rows, base))
     if len(pairs) < 2:
         return None
