@@ -174,7 +174,9 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     assert bar.run_figures(result) is None
     pooled = bar.pooled([-0.02, 0.0, 0.02, 0.04])  # runs' figures: the mean's standard error is stdev / 2
     assert pooled["mean"] == pytest.approx(0.01) and pooled["stderr"] == pytest.approx(pooled["stdev"] / 2)
-    assert bar.pooled([0.03])["stderr"] is None
+    assert pooled["lower_95"] == pytest.approx(0.01 - 2.353 * pooled["stderr"])  # Student's t, 3 degrees of freedom
+    assert bar.one_sided_95(31) == 1.697 and bar.one_sided_95(32) == 1.645
+    assert bar.pooled([0.03])["stderr"] is None and bar.pooled([0.03])["lower_95"] is None
 
 
 def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
