@@ -20,12 +20,15 @@ repetition runs each engine once, in a rotating order, so that the machine's dri
   the headroom a per-load choice of the shape would have over the (5, 4, 8) round;
 - adaptive-N-N'... (`--widths N,N' ...`): adaptive speculation over (5, 4, N) rounds that may also verify the
   narrower trees N' (`speculative_adaptive_widths`; speculative/tree_width.py chooses per batch size).
-`--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256
-tokens); `short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring,
-so the prefix cache holds them as in a serving run's later passes. `--scheduler-delay-factor F`: prefill batching as the
-servers of the serving bar run it (4; runtime/prefill_batching.py), which holds arrivals back by the mean prefill
-launch: the in-process runs until session 39 admitted at once, and served, the adaptive server launched 15-18% fewer
-prefills than the plain ones at concurrency 32-64 (H100 x2, session 39).
+`--workload prefix` (default): every request is one 1024-token shared prefix + its own held-out prompt (256 tokens);
+`short`: its own 128-token prompt; 128 output tokens, greedy. The prompts are sent twice before measuring, so the
+prefix cache holds them as in a serving run's later passes; `--warm-runs N`: before a concurrency's timed repetitions
+every engine runs N closed loops of it unrecorded, so that the adaptive policy has settled the load (its first
+requests at a load it never met run while it learns it; session 56 timed 64 twice for that, keeping the second).
+`--scheduler-delay-factor F`: prefill batching as the servers of the serving bar run it (4;
+runtime/prefill_batching.py), which holds arrivals back by the mean prefill launch: the in-process runs until session
+39 admitted at once, and served, the adaptive server launched 15-18% fewer prefills than the plain ones at
+concurrency 32-64 (H100 x2, session 39).
 Per repetition and engine: output tokens/s, median TTFT (launch to first token), TPOT, and the engine's own step
 counters over the repetition (prefill and decode steps, rounds, host seconds per part), the adaptive policy's
 choices, probes and catch-ups. Medians over repetitions and their ratio to plain (and to fixed, if it ran) go into
@@ -35,9 +38,9 @@ runs under cProfile, whose top functions go to OUT_DIR/adaptive-inprocess-profil
 them, pstats' dump, to .prof).
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
-    [--repeats 6] [--requests 48] [--forced] [--kinds KIND ...] [--shapes S,K,N ...] [--widths N,N' ...]
-    [--workload prefix|short]
-    [--idle-gaps] [--scheduler-delay-factor F] [--profile] [--out-dir bench/results]
+    [--repeats 6] [--requests 48] [--warm-runs N] [--forced] [--kinds KIND ...] [--shapes S,K,N ...]
+    [--widths N,N' ...] [--workload prefix|short] [--idle-gaps] [--scheduler-delay-factor F] [--profile]
+    [--out-dir bench/results]
 """
 
 from __future__ import annotations
@@ -194,6 +197,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--requests", type=int, default=48,
                     help="requests per repetition at concurrency 1 (16 x concurrency when that is more)")
+    ap.add_argument("--warm-runs", type=int, default=0,
+                    help="closed loops each engine runs at a concurrency, unrecorded, before its timed repetitions "
+                         "(the adaptive policy learns a new load meanwhile)")
     ap.add_argument("--forced", action="store_true", help="also the adaptive engine with rounds priced out")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=["plain", "adaptive"],
                     help="the engines to alternate (--forced adds forced)")
@@ -224,6 +230,10 @@ def main() -> None:
     for concurrency in args.concurrency:
         num_requests = max(args.requests, 16 * concurrency)
         per_kind = {kind: [] for kind in kinds}
+        for warm in range(args.warm_runs):  # (offsets past the timed ones: other prompts first)
+            for kind in kinds:
+                closed_loop(llms[kind], prompts, (args.repeats + warm) * num_requests, concurrency, num_requests,
+                            args.idle_gaps)
         for rep in range(args.repeats):
             for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
                 profile = cProfile.Profile() if args.profile and rep == args.repeats - 1 else None

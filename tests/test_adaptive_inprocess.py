@@ -74,3 +74,27 @@ def test_paired_ratios_per_repetition_and_host_speed_adjusted():
     assert abs(figures["host_adjusted"]["mean"] - (0.0 + 0.1) / 2) < 1e-12
     assert abs(figures["outputs"]["mean"] - 0.125) < 1e-12
     assert bench.paired(mine[:1], base[:1]) is None  # one repetition: no spread to judge
+
+
+def test_warm_runs_go_unrecorded_before_the_timed_repetitions(tmp_path, monkeypatch):
+    """--warm-runs N: at each concurrency every engine runs N closed loops of it before the timed repetitions (on
+    prompts past the timed ones), and only the timed ones reach the result."""
+    bench = bench_scripts.load("adaptive_inprocess")
+    model, draft = bundled_model_with_draft(tmp_path, 2)
+    out = tmp_path / "out"
+    monkeypatch.setattr(bench, "MAX_TOKENS", 2)
+    monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
+                                      "--device", "cpu", "--kinds", "plain", "--concurrency", "2", "--repeats", "1",
+                                      "--requests", "2", "--warm-runs", "2", "--out-dir", str(out)])
+    calls = []
+
+    def closed_loop(llm, prompts, first, concurrency, num_requests, idle_gaps=False, original=bench.closed_loop):
+        calls.append((first, concurrency, num_requests))
+        return original(llm, prompts, first, concurrency, num_requests, idle_gaps)
+
+    monkeypatch.setattr(bench, "closed_loop", closed_loop)
+    bench.main()
+    level = [call for call in calls if call[1] == 2 and call[2] == 32]  # 16 x concurrency requests a loop
+    assert level == [(32, 2, 32), (64, 2, 32), (0, 2, 32)]  # two warm loops past the timed prompts, then the timed
+    result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
+    assert len(result["figures"]["runs"]["2"]["plain"]) == 1 and result["config"]["warm_runs"] == 2
