@@ -200,12 +200,13 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
 
 def kept_draw(server: dict, phase: str) -> float | None:
     """The score (us) of the draw a server kept of phase `phase`'s bucket-1 graph, from its info's
-    `cuda_graph_draws` ("decode@1 kept 2 of 865.3,861.1,...; ..."), None where it drew none."""
+    `cuda_graph_draws` ("decode@1 kept 2 of 865.3,861.1,... in 0.41 s; ...", the seconds since session 56), None
+    where it drew none."""
     for part in (server.get("cuda_graph_draws") or "").split("; "):
         name, _, rest = part.partition("@1 kept ")
         if name == phase and " of " in rest:
             kept, _, scores = rest.partition(" of ")
-            return float(scores.split(",")[int(kept) - 1])
+            return float(scores.partition(" in ")[0].split(",")[int(kept) - 1])
     return None
 
 

@@ -325,6 +325,9 @@ def test_serving_passes_reads_the_graph_draws_each_server_kept():
     fixed = "--speculative-algorithm EAGLE3 --speculative-num-steps 5"
     assert passes.kept_draw({"cuda_graph_draws": "decode_detached@1 kept 2 of 700.0,690.0; decode@1 kept 1 of 680.0"},
                             "decode_detached") == 690.0
+    assert passes.kept_draw({"cuda_graph_draws": "decode_detached@1 kept 2 of 700.0,690.0 in 0.41 s; "
+                                                  "decode@1 kept 1 of 680.0,685.0 in 0.38 s"}, "decode") == 680.0
+    assert passes.kept_draw({"cuda_graph_draws": "decode@1 kept 2 of 700.0,690.0 in 0.41 s"}, "decode") == 690.0
     assert passes.kept_draw({"cuda_graph_draws": "off"}, "decode") is None
 
     def result(adaptive_draw: float, tps: float, fixed_tps: float = 50.0) -> dict:

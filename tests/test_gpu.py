@@ -205,8 +205,11 @@ def test_graph_draws_keep_the_lowest_score_and_change_no_token(pycode19m, draft1
             assert set(graphs.draws) == {(name, 1) for name in drawn}
             for key, d in graphs.draws.items():
                 assert len(d["figures"]) == 4 and d["kept"] == d["figures"].index(min(d["figures"]))
+                assert d["seconds"] > 0  # the draws' start-up cost, also in info(): "... in 0.41 s"
+            assert all(part.endswith(" s") for part in llm.engine.info()["cuda_graph_draws"].split("; "))
             write_report({f"graph_draws_us,adaptive={adaptive}": {
-                f"{name}@{b}": {"scores": [round(f * 1e6, 1) for f in d["figures"]], "kept": d["kept"]}
+                f"{name}@{b}": {"scores": [round(f * 1e6, 1) for f in d["figures"]], "kept": d["kept"],
+                                "seconds": d["seconds"]}
                 for (name, b), d in graphs.draws.items()}})
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         outs[draws] = [o.token_ids for batch in ([prompts19m[0]], prompts19m[1:9]) for o in llm.generate(batch, params)]

@@ -19,6 +19,7 @@ forwards to be planned (model_runner.py).
 from __future__ import annotations
 
 import gc
+import time
 
 from contextlib import contextmanager
 from typing import Any, Callable
@@ -177,10 +178,12 @@ class BucketGraphs:
         and keep the draw that `score` finds fastest (`graph_draws.py`): each draw in a memory pool of its own,
         every earlier one alive while the next is captured, so each lands elsewhere. `score(replays)` gets one
         callable a draw (it plans and replays that draw's chain once) and returns one figure a draw, lower
-        better. The draws' figures and the one kept are in `draws[(first phase, bucket)]`. The others are freed."""
+        better. The draws' figures, the one kept and the seconds the draws took (captures and timing, the first
+        capture's aside: what they add to start-up) are in `draws[(first phase, bucket)]`. The others are freed."""
         names = [name for name, _, _ in phases]
         if not self.enabled or draws < 2 or not all(self.captured(name, bucket) for name in names):
             return
+        started = time.perf_counter()
         candidates = [{name: self.graphs[(name, bucket)] for name in names}]
         stream = torch.cuda.Stream(self.device)
         with _no_gc_during_capture():
@@ -205,7 +208,8 @@ class BucketGraphs:
                     graph.reset()
         self.graphs.update({(name, bucket): entry for name, entry in candidates[kept].items()})
         torch.cuda.synchronize(self.device)
-        self.draws[(names[0], bucket)] = {"figures": [round(f, 9) for f in figures], "kept": kept}
+        self.draws[(names[0], bucket)] = {"figures": [round(f, 9) for f in figures], "kept": kept,
+                                          "seconds": round(time.perf_counter() - started, 3)}
 
 
 @contextmanager

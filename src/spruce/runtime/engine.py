@@ -685,8 +685,9 @@ class Engine:
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled
                                      else "off"),
             "cuda_graphs_captured": str(self.runner.graphs.count + self.runner.prefill_graphs.count),
-            "cuda_graph_draws": "; ".join(  # per drawn graph: the one kept of the draws, each's score (us)
-                f"{phase}@{bucket} kept {d['kept'] + 1} of {','.join(f'{f * 1e6:.1f}' for f in d['figures'])}"
+            "cuda_graph_draws": "; ".join(  # per drawn graph: the one kept of the draws, each's score (us), the
+                f"{phase}@{bucket} kept {d['kept'] + 1} of {','.join(f'{f * 1e6:.1f}' for f in d['figures'])} "
+                f"in {d['seconds']:.2f} s"  # seconds the draws added to start-up
                 for (phase, bucket), d in self.runner.graphs.draws.items()) or "off",
         }
 
