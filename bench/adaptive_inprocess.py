@@ -171,7 +171,7 @@ def paired(rows: list[dict], base: list[dict]) -> dict | None:
     decode row, which is the same code in every engine and so reads the host's speed; meaningful between kinds
     that run the same steps, e.g. plain against an adaptive engine choosing plain, at loads where the step is
     host-bound: at concurrency 1 it is the device's and the adjustment only adds the outputs' noise). On the H200
-    (2026-11-28, concurrency 64, 1k shared prefix) the host's speed moved by up to 25% between repetitions ~2 s
+    (2026-11-28, concurrency 64, 1k shared prefix) the host's speed moved by up to half between repetitions ~2 s
     apart, every host part of the step with it, so that the adaptive engine's median came out 1-7% behind
     plain's, its pairs -2.4 +- 5.5% and -2.6 +- 5.8% as measured, +2.1 +- 1.2% and +2.4 +- 1.3% adjusted (two
     runs). None without two repetitions of each."""
