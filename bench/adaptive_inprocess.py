@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from spruce import LLM, SamplingParams
-from spruce.bench.common import mean_se, price_out, write_result
+from spruce.bench.common import host_adjusted, mean_se, price_out, write_result
 from spruce.bench.serving import load_prompts
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
@@ -182,11 +182,11 @@ def paired(rows: list[dict], base: list[dict]) -> dict | None:
     def outputs_per_row(figures: dict) -> float:
         return figures["step_host_ms"]["outputs"] / max(figures["steps"]["decode_rows"], 1)
 
-    ratios = [mine["tokens_per_s"] / theirs["tokens_per_s"] for mine, theirs in pairs]
-    speeds = [outputs_per_row(mine) / outputs_per_row(theirs) for mine, theirs in pairs]
-    return {"unadjusted": mean_se([r - 1.0 for r in ratios]),
-            "host_adjusted": mean_se([r * s - 1.0 for r, s in zip(ratios, speeds)]),
-            "outputs": mean_se([s - 1.0 for s in speeds])}
+    each = [host_adjusted(mine["tokens_per_s"], theirs["tokens_per_s"], outputs_per_row(mine),
+                          outputs_per_row(theirs)) for mine, theirs in pairs]
+    return {"unadjusted": mean_se([pair["unadjusted"] for pair in each]),
+            "host_adjusted": mean_se([pair["adjusted"] for pair in each]),
+            "outputs": mean_se([pair["outputs"] for pair in each])}
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ import shlex
 import statistics
 from pathlib import Path
 
-from spruce.bench.common import mean_se, write_result
+from spruce.bench.common import host_adjusted, mean_se, write_result
 from spruce.bench.serving import mean_prefill_launch, workload_name
 from spruce.bench.serving_launch import LaunchConfig
 
@@ -123,16 +123,6 @@ def outputs_per_row(level: dict) -> float | None:
     rows = (engine.get("steps") or {}).get("decode", 0) * (engine.get("mean_decode_batch") or 0)
     seconds = (engine.get("seconds") or {}).get("step.outputs")
     return seconds / rows if rows and seconds else None
-
-
-def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_outputs: float | None) -> dict | None:
-    """One server's tokens/s over another's, less 1, as measured (`unadjusted`) and as if both had had one host
-    speed (tokens/s times the ratio of their output processing seconds per request-step), and that ratio less 1
-    (`outputs`); None without counters."""
-    if outputs is None or other_outputs is None:
-        return None
-    return {"unadjusted": tps / other_tps - 1.0, "adjusted": tps * (outputs / other_outputs) / other_tps - 1.0,
-            "outputs": outputs / other_outputs - 1.0}
 
 
 def runs_of(result: dict) -> list[dict]:

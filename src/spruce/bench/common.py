@@ -50,6 +50,16 @@ def mean_se(values: list[float]) -> dict:
             "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
 
 
+def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_outputs: float | None) -> dict | None:
+    """One engine's tokens/s over another's, less 1, as measured (`unadjusted`) and as if both had had one host
+    speed (tokens/s times the ratio of their output processing seconds per request-step, the same code in every
+    engine), and that ratio less 1 (`outputs`); None without counters."""
+    if outputs is None or other_outputs is None:
+        return None
+    return {"unadjusted": tps / other_tps - 1.0, "adjusted": tps * (outputs / other_outputs) / other_tps - 1.0,
+            "outputs": outputs / other_outputs - 1.0}
+
+
 PRICED_OUT_SECONDS = 1e3  # a step of the choice `price_out` prices out
 
 
