@@ -35,11 +35,15 @@ choices, probes and catch-ups. Medians over repetitions and their ratio to plain
 the summary, and beside them each repetition's ratio to the base of that repetition, as measured and host speed
 adjusted (`paired`; a profiled repetition left out). `--profile`: each engine's last repetition at each concurrency
 runs under cProfile, whose top functions go to OUT_DIR/adaptive-inprocess-profile-KIND-CONCURRENCY.txt (and all of
-them, pstats' dump, to .prof).
+them, pstats' dump, to .prof). `--per-request`: every request's end-to-end time, TTFT and the rounds run while it
+was in flight, and per kind its excess over plain split by requests that saw rounds (a probe), the AFTER_ROUNDS
+requests after them and the others (`per_request_excess`; at concurrency 1 the parts sum to the wall time's excess):
+what a probe costs in all against what the policy priced and measured it at.
 
 Usage (repo root): python bench/adaptive_inprocess.py --model DIR --draft DIR [--concurrency 1 8 32 64]
     [--repeats 6] [--requests 48] [--warm-runs N] [--forced] [--kinds KIND ...] [--shapes S,K,N ...]
     [--widths N,N' ...] [--workload prefix|short] [--idle-gaps] [--scheduler-delay-factor F] [--profile]
+    [--per-request]
     [--out-dir bench/results]
 """
 
@@ -104,20 +108,26 @@ def build(kind: str, args) -> LLM:
 
 
 def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_requests: int,
-                idle_gaps: bool = False) -> dict:
+                idle_gaps: bool = False, per_request: bool = False) -> dict:
     """Send `num_requests` requests (prompts[first:], wrapping) with `concurrency` in flight; the figures of the
     run and the engine's counters over it. `idle_gaps`: whenever none is in flight, one idle step before the next
-    request is added (else only after the last)."""
+    request is added (else only after the last). `per_request`: also each request's [end-to-end ms, TTFT ms,
+    rounds while it was in flight] in the order sent ("requests"; rounds None for an engine without an adaptive
+    policy), read from the engine's stats after every step in which a request finished, as a server takes them
+    when its engine goes idle."""
     engine = llm.engine
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
     before = engine.stats()
-    live: dict[str, list] = {}  # request id -> [added at, first token at]
+    live: dict[str, list] = {}  # request id -> [added at, first token at, its index, rounds chosen when added]
     e2e, ttft, tokens, sent, idle_steps = [], [], 0, 0, 0
+    records: list[list | None] = []  # per request sent: [e2e ms, TTFT ms, rounds in flight] once it finished
+    rounds_chosen = _rounds_chosen(before)
 
     def submit() -> None:
         nonlocal sent
         rid = engine.add_request(prompts[(first + sent) % len(prompts)], params)
-        live[rid] = [time.perf_counter(), None]
+        live[rid] = [time.perf_counter(), None, sent, rounds_chosen]
+        records.append(None)
         sent += 1
 
     start = time.perf_counter()
@@ -126,7 +136,7 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
     while live:
         outputs = engine.step()
         now = time.perf_counter()
-        finished = 0
+        finished, done = 0, []
         for out in outputs:
             clock = live.get(out.request_id)
             if clock is None:
@@ -139,6 +149,12 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
                 tokens += len(out.token_ids)
                 del live[out.request_id]
                 finished += 1
+                done.append(clock)
+        if per_request and done:  # the rounds each finished request saw: the count now less the one it met
+            rounds_chosen = _rounds_chosen(engine.stats())
+            for added, first_token, index, met in done:
+                records[index] = [round((now - added) * 1e3, 3), round((first_token - added) * 1e3, 3),
+                                  None if met is None else rounds_chosen - met]
         if not live and (idle_gaps or sent == num_requests):
             engine.step()  # nothing to launch: the engine goes idle, as between a server's requests
             idle_steps += 1
@@ -161,7 +177,13 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
         "adaptive_total": None if adaptive is None else {k: adaptive[k] for k in ("chosen", "probes", "catch_ups",
                                                                                   "tree_width") if k in adaptive},
         "idle_steps": idle_steps,
-    }
+    } | ({"requests": records} if per_request else {})
+
+
+def _rounds_chosen(stats: dict) -> int | None:
+    """The rounds an engine's adaptive policy has chosen so far (None: no policy)."""
+    adaptive = stats.get("adaptive")
+    return None if adaptive is None else adaptive["chosen"].get(SPECULATIVE, 0)
 
 
 def paired(rows: list[dict], base: list[dict]) -> dict | None:
@@ -189,6 +211,37 @@ def paired(rows: list[dict], base: list[dict]) -> dict | None:
             "outputs": mean_se([pair["outputs"] for pair in each])}
 
 
+AFTER_ROUNDS = 3  # requests sent after one that saw rounds that `per_request_excess` counts as its aftermath
+
+
+def per_request_excess(rows: list[dict], base: list[dict]) -> dict | None:
+    """Where a kind's time went against the base kind's, request by request (`--per-request`; at concurrency 1,
+    where a repetition's wall time is the sum of its requests' and both kinds ran the same prompts in the same
+    order): each request's end-to-end time less the base's request of the same index, summed over the
+    repetitions per class of request: "rounds" (rounds ran while it was in flight: a probe, or the cold start),
+    "after" (one of the AFTER_ROUNDS requests sent after such a request, which may pay what the rounds left: a
+    catch-up, a prompt recomputed with its draft, a park not yet regained) and "other"; milliseconds in all and
+    microseconds a request. None without per-request records of both."""
+    classes = {name: {"requests": 0, "excess_ms": 0.0} for name in ("rounds", "after", "other")}
+    for mine, theirs in zip(rows, base):
+        records, base_records = mine.get("requests"), theirs.get("requests")
+        if not records or not base_records or records[0][2] is None:
+            return None
+        since_rounds = AFTER_ROUNDS + 1
+        for record, base_record in zip(records, base_records):
+            if record[2]:
+                name, since_rounds = "rounds", 0
+            else:
+                since_rounds += 1
+                name = "after" if since_rounds <= AFTER_ROUNDS else "other"
+            classes[name]["requests"] += 1
+            classes[name]["excess_ms"] += record[0] - base_record[0]
+    for figures in classes.values():
+        figures["excess_ms"] = round(figures["excess_ms"], 3)
+        figures["us_a_request"] = round(1e3 * figures["excess_ms"] / max(figures["requests"], 1), 1)
+    return classes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -214,6 +267,9 @@ def main() -> None:
     ap.add_argument("--idle-gaps", action="store_true",
                     help="an idle step before each request added while none is in flight (a server at concurrency 1)")
     ap.add_argument("--profile", action="store_true", help="each engine's last repetition under cProfile")
+    ap.add_argument("--per-request", action="store_true",
+                    help="record every request's times and rounds, and split each kind's excess over plain by "
+                         "requests that saw rounds, the few after them, and the others (per_request_excess)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
@@ -240,7 +296,7 @@ def main() -> None:
                 if profile is not None:
                     profile.enable()
                 figures = closed_loop(llms[kind], prompts, rep * num_requests, concurrency, num_requests,
-                                      args.idle_gaps)
+                                      args.idle_gaps, args.per_request)
                 if profile is not None:
                     profile.disable()
                     report = io.StringIO()
@@ -249,7 +305,8 @@ def main() -> None:
                     stem.with_suffix(".txt").write_text(report.getvalue())
                     profile.dump_stats(stem.with_suffix(".prof"))  # every function, for a diff between kinds
                 per_kind[kind].append(figures)
-                print(f"concurrency {concurrency} rep {rep} {kind}: {figures}", flush=True)
+                shown = {k: v for k, v in figures.items() if k != "requests"}
+                print(f"concurrency {concurrency} rep {rep} {kind}: {shown}", flush=True)
         runs[str(concurrency)] = per_kind
         medians = {kind: {f: statistics.median(r[f] for r in rows)
                           for f in ("tokens_per_s", "ttft_ms_median", "tpot_us_median")}
@@ -261,6 +318,8 @@ def main() -> None:
                     med[f"vs_{base}"] = round(med["tokens_per_s"] / medians[base]["tokens_per_s"] - 1, 4)
                     if kind != base:
                         med[f"paired_vs_{base}"] = paired(timed[kind], timed[base])
+                        if args.per_request:
+                            med[f"per_request_vs_{base}"] = per_request_excess(timed[kind], timed[base])
             print(f"concurrency {concurrency} {kind}: {med}", flush=True)
         summary[str(concurrency)] = medians
     config = vars(args) | {"kinds": kinds, "max_tokens": MAX_TOKENS, "shared_prefix_tokens": shared_prefix_tokens,

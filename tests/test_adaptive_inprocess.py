@@ -88,9 +88,9 @@ def test_warm_runs_go_unrecorded_before_the_timed_repetitions(tmp_path, monkeypa
                                       "--requests", "2", "--warm-runs", "2", "--out-dir", str(out)])
     calls = []
 
-    def closed_loop(llm, prompts, first, concurrency, num_requests, idle_gaps=False, original=bench.closed_loop):
+    def closed_loop(llm, prompts, first, concurrency, num_requests, *flags, original=bench.closed_loop):
         calls.append((first, concurrency, num_requests))
-        return original(llm, prompts, first, concurrency, num_requests, idle_gaps)
+        return original(llm, prompts, first, concurrency, num_requests, *flags)
 
     monkeypatch.setattr(bench, "closed_loop", closed_loop)
     bench.main()
@@ -98,3 +98,37 @@ def test_warm_runs_go_unrecorded_before_the_timed_repetitions(tmp_path, monkeypa
     assert level == [(32, 2, 32), (64, 2, 32), (0, 2, 32)]  # two warm loops past the timed prompts, then the timed
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
     assert len(result["figures"]["runs"]["2"]["plain"]) == 1 and result["config"]["warm_runs"] == 2
+
+
+def test_per_request_records_and_excess_by_class(tmp_path, monkeypatch):
+    """--per-request: every request's [e2e ms, TTFT ms, rounds in flight] in the order sent (rounds None without an
+    adaptive policy; an adaptive engine priced into rounds counts rounds in every request), and per_request_excess
+    splits a kind's excess over the base by requests that saw rounds, the AFTER_ROUNDS after them, and the others."""
+    bench = bench_scripts.load("adaptive_inprocess")
+    model, draft = bundled_model_with_draft(tmp_path, 2)
+    out = tmp_path / "out"
+    monkeypatch.setattr(bench, "MAX_TOKENS", 4)
+    monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
+                                      "--device", "cpu", "--kinds", "plain", "rounds", "--workload", "short",
+                                      "--idle-gaps", "--concurrency", "1", "--repeats", "2", "--requests", "16",
+                                      "--per-request", "--out-dir", str(out)])
+    bench.main()
+    result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
+    runs = result["figures"]["runs"]["1"]
+    for plain, rounds in zip(runs["plain"], runs["rounds"]):
+        assert len(plain["requests"]) == len(rounds["requests"]) == 16
+        assert all(record[2] is None and record[0] >= record[1] > 0 for record in plain["requests"])
+        assert all(record[2] > 0 for record in rounds["requests"])  # (4 tokens: at least one round each)
+    excess = result["figures"]["summary"]["1"]["rounds"]["per_request_vs_plain"]
+    assert excess["rounds"]["requests"] == 32 and excess["after"]["requests"] == excess["other"]["requests"] == 0
+
+    def rep(*records):
+        return {"requests": [[e2e, 1.0, rounds] for e2e, rounds in records]}
+
+    base = [rep(*[(10.0, None)] * 7)]
+    mine = [rep((10.0, 0), (14.0, 3), (11.0, 0), (12.0, 0), (10.5, 0), (9.0, 0), (10.0, 0))]
+    classes = bench.per_request_excess(mine, base)
+    assert classes["rounds"] == {"requests": 1, "excess_ms": 4.0, "us_a_request": 4000.0}
+    assert classes["after"]["requests"] == 3 and abs(classes["after"]["excess_ms"] - 3.5) < 1e-9
+    assert classes["other"]["requests"] == 3 and abs(classes["other"]["excess_ms"] - (-1.0)) < 1e-9
+    assert bench.per_request_excess(base, base) is None  # no rounds counted: not an adaptive engine
