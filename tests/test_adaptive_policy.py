@@ -2444,3 +2444,40 @@ def test_a_park_is_granted_where_arrivals_would_detach_and_its_steps_are_told_at
     settle(close, reqs, 0)
     d = close.decide(reqs, rounds_blocked=True)
     assert close.detach_blocker(1) == "unsettled" and close.park(d) is None
+
+
+@pytest.mark.parametrize("measured_only", [True, False])
+def test_a_probe_of_rounds_is_priced_at_the_measured_acceptance_not_the_prior(measured_only, monkeypatch):
+    """Load 1 after a cold start (the serving bar's 1k shared prefix on the H200, session 56): 72 request-rounds at
+    ~0.31 drafts, so the prior (`prior_accept`, shrunk towards S=4 by ~14 pseudo-rounds) reads ~0.9 while the window's
+    mean is 0.31; 1 ms plain steps, 3 ms rounds, both realized there, plain steps the model's choice either way. The
+    next probe of rounds is spaced and budgeted at what it would find (`_at_measured_acceptance`: 1.31 tokens a round,
+    its epoch ~98 rounds at 0.44x plain steps' tokens/s), as a full window of the same mean prices it, not at the
+    prior (1.9 tokens, 68 rounds at 0.63x: under half the price, and the probe twice as often). Fails if the probe
+    is priced at the prior (`measured_only` False: the helper made the identity, as before session 57)."""
+    if not measured_only:
+        monkeypatch.setattr(AdaptivePolicy, "_at_measured_acceptance", lambda self, d: d)
+
+    def spacing(thin: bool) -> int:
+        clock = Clock()
+        p = policy(plain=1e-3, spec=3e-3, clock=clock)
+        reqs = [Req()]
+        if thin:  # (the cold start's request, gone)
+            settle(p, [Req()], 1, rounds=22)
+            settle(p, [Req()], 0, rounds=50)
+        else:
+            set_accept(p, 22 / 72)
+        realize(p, PLAIN, 1, 1.0)
+        realize(p, SPECULATIVE, 1, 1.0)
+        for _ in range(128 + 1):  # an epoch of plain steps (a 128-token request's life), then its end's decision
+            d = p.decide(reqs, request_tokens=128.0)
+            assert d.choice == PLAIN and d.reason == "model"
+            clock.now += 1e-3
+        assert p._state[1].epochs_since_probe == 1 and p.probes == 0
+        assert p.global_accept == pytest.approx(22 / 72)
+        assert (p.prior_accept() > 0.85) == thin
+        return p._state[1].spacing
+
+    thin, full = spacing(True), spacing(False)
+    assert (thin == full) == measured_only
+    assert measured_only or thin < full / 2

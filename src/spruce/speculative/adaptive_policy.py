@@ -125,7 +125,9 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   by several times the probe's price), at a load where such probes were measured by that load's own figure (1 to
   PROBE_COST_FACTOR_LOAD_MAX; session 38: at 64 with the 1k shared prefix a probe of rounds cost ~58 times its price);
   at a load where the probed choice has no epoch, the price takes its figure from the nearest load unscaled where
-  that is dearer than the figure carried as the model choice's scale (`_probe_price`, session 39).
+  that is dearer than the figure carried as the model choice's scale (`_probe_price`, session 39). A probe of rounds
+  is priced at the acceptance measured (the window's mean), not the cold start's prior, which is optimism for
+  decisions, not a forecast of what the probe will cost (`_at_measured_acceptance`, session 57).
   PROBE_BUDGET was 1% until 2026-11-25: the H200's bar runs with the 1k shared prefix had adaptive 2-4% behind a
   plain server at concurrency 1 in every run, the passes with a probe epoch of rounds (~110 rounds of 1.2 tokens,
   0.74 ms each against 0.27 ms plain steps: ~48 ms more on a 2.6 s level) 3-6% behind and those without 1-3%;
@@ -208,6 +210,7 @@ Pure Python and torch-free: the unit tests feed it numbers.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -1030,13 +1033,14 @@ class AdaptivePolicy:
             st.epochs_since_probe += 1
             spacing = st.probe_after
             other_seconds = self._probe_price(d, other, load)
-            steps = self._epoch_steps(d, other, request_tokens)
-            priced = self._probe_cost(d, model, other, steps, other_seconds)
+            probe_d = self._at_measured_acceptance(d) if other == SPECULATIVE else d  # (what the probe would find)
+            steps = self._epoch_steps(probe_d, other, request_tokens)
+            priced = self._probe_cost(probe_d, model, other, steps, other_seconds)
             cost = priced * self._probe_factor(other, load)
             model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]  # (seconds)
             if self.epochs.ratio(other, load) is not None and not st.check:
                 fresh = self._accept_counted - st.rounds_counted >= ACCEPT_FRESH_MIN  # (rounds at other loads)
-                budget = PROBE_BUDGET * self._probe_share(d, model, other, other_seconds, fresh)
+                budget = PROBE_BUDGET * self._probe_share(probe_d, model, other, other_seconds, fresh)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
@@ -1066,6 +1070,23 @@ class AdaptivePolicy:
                         "cost_factor": self._probe_factor(other, load),
                         "probe_seconds": self.probe_seconds, "busy": self.epochs.busy_total}))
         return other if st.probing else model
+
+    def _at_measured_acceptance(self, d: Decision) -> Decision:
+        """`d` with rounds committing 1 + the engine-wide acceptance as measured (`engine_accept`'s mean of the
+        window) per request-step: what a probe of rounds is priced, spaced and budgeted at once any round was counted.
+        The cold start's prior (`prior_accept`: the window shrunk towards S over the first PRIOR_DECAY request-rounds)
+        is optimism for decisions, so that rounds run and measure the acceptance; a probe's expected excess is a
+        forecast of what it will cost, which the prior put low: with the 1k shared prefix on the H200 x4 (twelve bar
+        runs, session 56) every run switched load 1 to plain steps after ~72 cold-start request-rounds at 0.28-0.37
+        drafts, whose prior still read 1.05-1.14: rounds were priced at ~0.8x plain steps' tokens/s instead of ~0.5x,
+        and the one probe of rounds each run made at load 1 at ~0.011 s (61 rounds of 2.1 tokens; at 1.4 tokens, 93
+        rounds and ~0.03 s), so it came after 55-148 epochs of plain steps, within the run's 256 requests at
+        concurrency 1, and its pass read ~1.8 points (later passes) to ~4.5 (first passes) below those without one.
+        `_measured_probe` already measured a probe at the acceptance its own rounds had. Once PRIOR_DECAY
+        request-rounds have been counted the two agree: this moves a run's first probes or two."""
+        if self.global_accept is None:
+            return d
+        return dataclasses.replace(d, tokens_per_step={**d.tokens_per_step, SPECULATIVE: 1.0 + self.global_accept})
 
     def _cut(self, st: _BucketState, d: Decision, model: str, other: str) -> bool:
         """Whether a probe of rounds under plain steps has settled what it was for, at this step's decision: plain
