@@ -62,6 +62,7 @@ import torch
 from spruce import LLM, SamplingParams
 from spruce.bench.common import host_adjusted, mean_se, price_out, write_result
 from spruce.bench.serving import load_prompts
+from spruce.server.heap import freeze_startup_objects
 from spruce.speculative.adaptive_policy import PLAIN, SPECULATIVE
 
 MAX_TOKENS = 128
@@ -117,6 +118,8 @@ def closed_loop(llm: LLM, prompts: list, first: int, concurrency: int, num_reque
     when its engine goes idle."""
     engine = llm.engine
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    freeze_startup_objects()  # the engines, torch and earlier runs out of the collector's reach (a full collection
+    # walking them is ~0.1 s inside whichever step it lands in: spruce/bench/serving_client.py)
     before = engine.stats()
     live: dict[str, list] = {}  # request id -> [added at, first token at, its index, rounds chosen when added]
     e2e, ttft, tokens, sent, idle_steps = [], [], 0, 0, 0

@@ -102,6 +102,17 @@ def assert_no_leaks(llm) -> None:
     assert eng.runner.page_table.num_free_rows == eng.limits.max_running_requests, "request rows leaked"
 
 
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """Every test ends with the collector's permanent generation empty: the benchmarks freeze their heap before they
+    time (spruce.server.heap.freeze_startup_objects), and a frozen engine's reference cycles would otherwise outlive
+    its test."""
+    yield
+    import gc
+
+    gc.unfreeze()
+
+
 @pytest.fixture
 def make_llm():
     """Factory for LLM(...) instances; each is leak-checked at teardown."""

@@ -130,8 +130,9 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     server.engine.check_no_leaks()
 
 
-def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
-    """`spruce bench serving` end to end: JSON result with every level's figures (the plot needs matplotlib)."""
+def test_serving_benchmark_against_the_server(server, tmp_path, capsys, monkeypatch):
+    """`spruce bench serving` end to end: JSON result with every level's figures (the plot needs matplotlib); a
+    level's client freezes its heap before the level's clock starts (serving_client)."""
     from spruce.bench.serving import add_serving_parser
 
     prompts = tmp_path / "prompts.jsonl"
@@ -142,7 +143,17 @@ def test_serving_benchmark_against_the_server(server, tmp_path, capsys):
         "--base-url", server.base_url, "--concurrency", "1", "4", "--num-requests", "6", "8", "--max-tokens", "8",
         "--prompt-tokens", "32", "--prompts", str(prompts), "--out-dir", str(tmp_path / "results"), "--warmup", "1",
         "--client-processes", "2"])
+    from spruce.bench import serving_client
+
+    freezes = []
+
+    def freeze(original=serving_client.freeze_startup_objects):  # (the client processes' own calls are not seen)
+        freezes.append(original())
+        return freezes[-1]
+
+    monkeypatch.setattr(serving_client, "freeze_startup_objects", freeze)
     assert args.func(args) == 0
+    assert len(freezes) == 1 and freezes[0] > 1000  # the level sent from this process froze the heap before its clock
     result = json.loads(next((tmp_path / "results").glob("serving-*.json")).read_text())
     levels = result["figures"]["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 4] and [lv["completed"] for lv in levels] == [6, 8]

@@ -18,6 +18,14 @@ requests of one or two processes reach the server ~1-2 s after the others' (the 
 flight, then the late processes' shares alone), so the level held 14-19 streams on average and its throughput read
 40-50% low. Whatever delayed them (a late start or a slow connect) now falls before the clock starts, and a process
 that still lags takes fewer requests.
+
+And before a level's clock starts, every process collects and freezes its heap (gc.freeze): the client imports torch
+(~190k objects the collector tracks), and a full collection, which the results of earlier levels set off now and then,
+walked them all: ~0.1 s with no chunk read. On the H200 x4 (56ecd76, session 57) one adaptive server's first
+concurrency-1 pass read a 108.6 ms gap between two tokens of one request (its tokens/s 4-5% low) while the server's log
+had every request of that level served in 35 ms or less and 102 ms between one request's end and the next one's start;
+in the eight such runs of sessions 56-57, four first passes at concurrency 1 (of the 24 by the plain, adaptive and
+plain-again servers) read such a gap (108-132 ms), plain servers' too, and no later pass did.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from spruce.server.heap import freeze_startup_objects
 
 ENGINE_FAILED = "engine_failed"  # the error code of a server whose engine failed (spruce.server.engine_loop)
 READY_TIMEOUT_S = 60.0  # the longest a level waits for its client processes to open their connections
@@ -211,6 +221,8 @@ async def _send(base_url: str, headers: dict, model: str, prompts: list, take, c
                         stop.value = 1
 
         await asyncio.gather(*(_connect(client) for _ in range(concurrency)))
+        freeze_startup_objects()  # everything alive now (torch, earlier levels' results) out of the collector's reach
+        # before the clock starts: a full collection inside the level walked it all, ~0.1 s in one request's stream
         if ready is not None:
             await ready()
         started, cpu = time.monotonic(), time.process_time()
