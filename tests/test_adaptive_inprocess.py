@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import bench_scripts
 from checkpoints import bundled_model_with_draft
 
 
-def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
-    bench = bench_scripts.load("adaptive_inprocess")
+def set_argv(monkeypatch, bench, tmp_path, max_tokens: int, *flags: str) -> Path:
+    """bench/adaptive_inprocess.py's command line over the bundled model and a random EAGLE-3 head on the CPU, its
+    requests `max_tokens` long, with `flags`; the directory its result goes to."""
     model, draft = bundled_model_with_draft(tmp_path, 2)
     out = tmp_path / "out"
-    monkeypatch.setattr(bench, "MAX_TOKENS", 4)
+    monkeypatch.setattr(bench, "MAX_TOKENS", max_tokens)
     monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
-                                      "--device", "cpu", "--kinds", "fixed", "rounds", "--shapes", "2,2,3",
-                                      "--widths", "16,8", "--workload", "short", "--idle-gaps",
-                                      "--concurrency", "1", "--repeats", "1", "--requests", "2", "--profile",
-                                      "--scheduler-delay-factor", "4", "--out-dir", str(out)])
+                                      "--device", "cpu", *flags, "--out-dir", str(out)])
+    return out
+
+
+def test_kinds_workload_and_profile_are_honoured(tmp_path, monkeypatch):
+    bench = bench_scripts.load("adaptive_inprocess")
+    out = set_argv(monkeypatch, bench, tmp_path, 4, "--kinds", "fixed", "rounds", "--shapes", "2,2,3", "--widths",
+                   "16,8", "--workload", "short", "--idle-gaps", "--concurrency", "1", "--repeats", "1", "--requests",
+                   "2", "--profile", "--scheduler-delay-factor", "4")
     built = []
 
     def build(kind, args, original=bench.build):  # the engines main() builds, kept for their config
@@ -80,12 +87,8 @@ def test_warm_runs_go_unrecorded_before_the_timed_repetitions(tmp_path, monkeypa
     """--warm-runs N: at each concurrency every engine runs N closed loops of it before the timed repetitions (on
     prompts past the timed ones), and only the timed ones reach the result."""
     bench = bench_scripts.load("adaptive_inprocess")
-    model, draft = bundled_model_with_draft(tmp_path, 2)
-    out = tmp_path / "out"
-    monkeypatch.setattr(bench, "MAX_TOKENS", 2)
-    monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
-                                      "--device", "cpu", "--kinds", "plain", "--concurrency", "2", "--repeats", "1",
-                                      "--requests", "2", "--warm-runs", "2", "--out-dir", str(out)])
+    out = set_argv(monkeypatch, bench, tmp_path, 2, "--kinds", "plain", "--concurrency", "2", "--repeats", "1",
+                   "--requests", "2", "--warm-runs", "2")
     calls = []
 
     def closed_loop(llm, prompts, first, concurrency, num_requests, *flags, original=bench.closed_loop):
@@ -105,13 +108,8 @@ def test_per_request_records_and_excess_by_class(tmp_path, monkeypatch):
     adaptive policy; an adaptive engine priced into rounds counts rounds in every request), and per_request_excess
     splits a kind's excess over the base by requests that saw rounds, the AFTER_ROUNDS after them, and the others."""
     bench = bench_scripts.load("adaptive_inprocess")
-    model, draft = bundled_model_with_draft(tmp_path, 2)
-    out = tmp_path / "out"
-    monkeypatch.setattr(bench, "MAX_TOKENS", 4)
-    monkeypatch.setattr(sys, "argv", ["adaptive_inprocess.py", "--model", str(model), "--draft", str(draft),
-                                      "--device", "cpu", "--kinds", "plain", "rounds", "--workload", "short",
-                                      "--idle-gaps", "--concurrency", "1", "--repeats", "2", "--requests", "16",
-                                      "--per-request", "--out-dir", str(out)])
+    out = set_argv(monkeypatch, bench, tmp_path, 4, "--kinds", "plain", "rounds", "--workload", "short",
+                   "--idle-gaps", "--concurrency", "1", "--repeats", "2", "--requests", "16", "--per-request")
     bench.main()
     result = json.loads(next(out.glob("adaptive-inprocess-cpu*.json")).read_text())
     runs = result["figures"]["runs"]["1"]
