@@ -1282,6 +1282,32 @@ def test_adaptive_widths_are_checked():
     assert engine_kwargs(args)["speculative_adaptive_widths"] == (4, 6)
 
 
+def test_the_probe_budget_is_checked_and_reaches_the_policy():
+    """speculative_adaptive_probe_budget: a number in [0, MAX_PROBE_BUDGET], only with speculative_adaptive (bad
+    values are refused, naming the value); the flag, the LLM argument and the engine's policy carry it (the engine's
+    info names a budget other than the default), and None is the default."""
+    from spruce.cli import build_parser, engine_kwargs
+    from spruce.config import ADAPTIVE_PROBE_BUDGET, MAX_PROBE_BUDGET, SpeculativeConfig, make_speculative_config
+
+    for bad in (-0.001, MAX_PROBE_BUDGET + 0.01, float("nan"), True, "0.01"):
+        with pytest.raises(ConfigError, match=r"speculative_adaptive_probe_budget must be a number in \[0, 0.2\]"):
+            SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive=True, adaptive_probe_budget=bad)
+    with pytest.raises(ConfigError, match="speculative_adaptive_probe_budget=0.001 needs speculative_adaptive"):
+        make_speculative_config("EAGLE3", "d", adaptive_probe_budget=0.001)
+    with pytest.raises(ConfigError, match="speculative_adaptive_probe_budget need a draft model"):
+        LLM(TARGET, speculative_adaptive_probe_budget=0.001)
+    assert make_speculative_config("EAGLE3", "d", adaptive=True).adaptive_probe_budget == ADAPTIVE_PROBE_BUDGET
+    args = build_parser().parse_args(["serve", "--speculative-adaptive", "--speculative-adaptive-probe-budget", "0"])
+    assert engine_kwargs(args)["speculative_adaptive_probe_budget"] == 0.0
+    llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True,
+              speculative_adaptive_probe_budget=0.001, max_running_requests=4)
+    assert llm.engine.strategy.policy.probe_budget == 0.001
+    assert llm.engine.info()["speculative"].endswith("adaptive probe_budget=0.001")
+    default = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, max_running_requests=4)
+    assert default.engine.strategy.policy.probe_budget == ADAPTIVE_PROBE_BUDGET
+    assert "probe_budget" not in default.engine.info()["speculative"]
+
+
 def test_parked_steps_are_counted_and_their_tokens_are_plain_decodings(monkeypatch, draft, reference):
     """Rounds priced at 100 plain steps: every request joins detached, and once plain steps measured an epoch at the
     load a decided step over the all-detached batch parks (AdaptivePolicy.park): the steps after it are a plain

@@ -2481,3 +2481,23 @@ def test_a_probe_of_rounds_is_priced_at_the_measured_acceptance_not_the_prior(me
     thin, full = spacing(True), spacing(False)
     assert (thin == full) == measured_only
     assert measured_only or thin < full / 2
+
+
+@pytest.mark.parametrize("budget", [PROBE_BUDGET, PROBE_BUDGET / 5])
+def test_the_probe_budget_spaces_probes(budget):
+    """As test_a_probe_of_rounds_that_settles_plain_steps_lead_is_cut, with the policy's probe budget set
+    (speculative_adaptive_probe_budget): the next probe is spaced at the probe's price over that fraction of a
+    plain epoch, five times as far at a fifth of the default. Fails if the budget given is ignored."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=1.6e-3, clock=clock)
+    p.probe_budget = budget
+    reqs = [Req() for _ in range(8)]
+    settle(p, reqs, 0)
+    for _ in range(1500):
+        d = p.decide(reqs, tokens_left=64.0, request_tokens=128.0)
+        clock.now += d.step_seconds[d.choice]
+        if d.choice == SPECULATIVE:
+            p.accepted_round(reqs, [0] * 8)
+    st = p._state[8]
+    assert p.probes == 1 and st.model_choice == PLAIN
+    assert st.spacing == math.ceil(p.probe_seconds / (budget * 128 * 1e-3))

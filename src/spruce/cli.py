@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-adaptive-widths", type=int, nargs="+", default=None, metavar="N'",
                    help="with --speculative-adaptive: narrower verify trees (each below --speculative-num-draft-tokens)"
                         " its rounds may run; per batch size the width with the most expected tokens per second")
+    p.add_argument("--speculative-adaptive-probe-budget", type=float, default=None, metavar="FRACTION",
+                   help="with --speculative-adaptive: the fraction of decode time its probes (steps of the choice "
+                        "not taken, which re-measure it) may spend (default 0.005, at most 0.2); lower costs less "
+                        "where one choice wins by far and notices a change of workload later")
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
     p.add_argument("--random-seed", type=int, default=0)
@@ -67,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
                      "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_adaptive",
-                     "speculative_adaptive_widths")
+                     "speculative_adaptive_widths", "speculative_adaptive_probe_budget")
 
 
 def _flag(dest: str) -> str:
@@ -121,6 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
+        speculative_adaptive_probe_budget=args.speculative_adaptive_probe_budget if spec else None,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
         scheduler_delay_factor=args.scheduler_delay_factor,

@@ -40,6 +40,11 @@ def check_delay_factor(delay_factor) -> None:
         raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
 
 
+ADAPTIVE_PROBE_BUDGET = 0.005  # adaptive speculation's probes: at most this fraction of decode time (their modelled
+# excess cost) by default (speculative/adaptive_policy.py's PROBE_BUDGET, `speculative_adaptive_probe_budget`) ...
+MAX_PROBE_BUDGET = 0.2  # ... and at most this fraction as set
+
+
 def draft_candidates(num_steps: int, eagle_topk: int) -> int:
     """M: the draft candidates one EAGLE round produces, K at step 0 and K*K at each later step (the one formula:
     `SpeculativeConfig` checks N against it, `Limits.num_candidates` sizes the round's buffers by it)."""
@@ -57,11 +62,13 @@ class SpeculativeConfig:
     num_draft_tokens: int
     adaptive: bool = False  # per decode step: this (S, K, N) round or a plain step (speculative/adaptive.py)
     adaptive_widths: tuple[int, ...] = ()  # narrower verify trees (N' < N) adaptive rounds may run instead of N
+    adaptive_probe_budget: float = ADAPTIVE_PROBE_BUDGET  # the fraction of decode time adaptive probes may spend
 
     def __post_init__(self):
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_adaptive must be True or False, got {self.adaptive!r}")
         self._check_widths()
+        self._check_probe_budget()
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
                 f"speculative_algorithm={self.algorithm!r} is not supported; expected one of {SPECULATIVE_ALGORITHMS}"
@@ -96,6 +103,15 @@ class SpeculativeConfig:
     def tree_widths(self) -> tuple[int, ...]:
         """The verify widths a round may run, ascending: the narrower adaptive ones, then N."""
         return (*sorted(self.adaptive_widths), self.num_draft_tokens)
+
+    def _check_probe_budget(self) -> None:
+        budget = self.adaptive_probe_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= MAX_PROBE_BUDGET:
+            raise ConfigError(f"speculative_adaptive_probe_budget must be a number in [0, {MAX_PROBE_BUDGET}] (the "
+                              f"fraction of decode time probes may spend), got {budget!r}")
+        if budget != ADAPTIVE_PROBE_BUDGET and not self.adaptive:
+            raise ConfigError(f"speculative_adaptive_probe_budget={budget} needs speculative_adaptive (only the "
+                              f"adaptive policy probes)")
 
     def _check_widths(self) -> None:
         widths = self.adaptive_widths
@@ -230,18 +246,22 @@ def make_speculative_config(
     model: str | None = None,
     adaptive: bool = False,
     adaptive_widths: tuple[int, ...] | list[int] | None = None,
+    adaptive_probe_budget: float | None = None,
 ) -> SpeculativeConfig | None:
     """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
 
     NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
     choose per decode step between these rounds and plain steps; `adaptive_widths`: narrower verify trees (N' < N)
-    it may also run."""
+    it may also run; `adaptive_probe_budget`: the fraction of decode time its probes may spend (None: the default,
+    ADAPTIVE_PROBE_BUDGET)."""
     if algorithm is None and draft_model is None:
-        if any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens)) or adaptive or adaptive_widths:
+        if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, adaptive_probe_budget))
+                or adaptive or adaptive_widths):
             given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
                                     ("speculative_num_draft_tokens", num_draft_tokens),
                                     ("speculative_adaptive", adaptive or None),
-                                    ("speculative_adaptive_widths", adaptive_widths or None)) if v is not None]
+                                    ("speculative_adaptive_widths", adaptive_widths or None),
+                                    ("speculative_adaptive_probe_budget", adaptive_probe_budget)) if v is not None]
             raise ConfigError(f"{'/'.join(given)} need a draft model (draft_model=PATH) or "
                               f"speculative_algorithm='NEXTN' (the target's own MTP layers)")
         return None
@@ -264,7 +284,8 @@ def make_speculative_config(
     else:
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths)
+    budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget)
 
 
 def _guess_algorithm(draft_model: str) -> str:

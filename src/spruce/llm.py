@@ -18,9 +18,12 @@ class LLM:
     `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
     to SGLang's (5, 4, 8) when omitted. `speculative_adaptive=True` chooses per decode step between such a
     round and a plain step, by expected tokens per second (speculative/adaptive.py), and with
-    `speculative_adaptive_widths` also between verify trees of those widths and N. `tp_size=N` runs the model
-    tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r, or gloo on the CPU):
-    call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at interpreter exit.
+    `speculative_adaptive_widths` also between verify trees of those widths and N; `speculative_adaptive_probe_budget`
+    is the fraction of decode time its probes (runs of the choice not taken, which re-measure it) may spend
+    (default 0.005; lower: cheaper where one choice wins by far, slower to notice a change of workload).
+    `tp_size=N` runs the model tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r,
+    or gloo on the CPU): call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at
+    interpreter exit.
     Spawning re-imports the main module, so a script that builds one needs the usual
     `if __name__ == "__main__":` guard.
     """
@@ -50,6 +53,7 @@ class LLM:
         speculative_num_draft_tokens: int | None = None,
         speculative_adaptive: bool = False,
         speculative_adaptive_widths: tuple[int, ...] | list[int] = (),
+        speculative_adaptive_probe_budget: float | None = None,
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
@@ -63,6 +67,7 @@ class LLM:
             speculative_algorithm, None if draft_model is None else str(draft_model),
             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
             adaptive=speculative_adaptive, adaptive_widths=speculative_adaptive_widths,
+            adaptive_probe_budget=speculative_adaptive_probe_budget,
         )
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, device=device,

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from spruce.config import EngineConfig
+from spruce.config import ADAPTIVE_PROBE_BUDGET, EngineConfig
 from spruce.errors import InvalidRequestError
 from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.memory.prefix_cache import PrefixCache
@@ -679,6 +679,8 @@ class Engine:
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
                             + (" adaptive" if spec.adaptive else "")
                             + (f" widths={','.join(map(str, spec.tree_widths))}" if spec.adaptive_widths else "")
+                            + (f" probe_budget={spec.adaptive_probe_budget:g}"
+                               if spec.adaptive_probe_budget != ADAPTIVE_PROBE_BUDGET else "")
                             if spec is not None else "off"),
             "overlap_schedule": "on" if lim.overlap else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",

@@ -121,6 +121,7 @@ class _Tools:
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
             "speculative_adaptive": spec.adaptive if spec else False,
             "speculative_adaptive_widths": list(spec.adaptive_widths) if spec else [],
+            "speculative_adaptive_probe_budget": spec.adaptive_probe_budget if spec and spec.adaptive else None,
             "avg_spec_accept_length": accept,
             "internal_states": [state],
             "version": spruce.__version__,

@@ -825,7 +825,8 @@ class AdaptiveDecoding(DecodeStrategy):
                     strategy, [lim.dummy_row] * b, lim.page_size, self.cuda)
         self.policy = AdaptivePolicy(lim.cost_buckets, device_seconds, overlapped=self.cuda and lim.overlap,
                                      max_accept=lim.num_steps, launch_prior=launch_seconds if self.cuda else {},
-                                     stalls=_compilations, catch_up_prior=self._time_catch_ups())
+                                     stalls=_compilations, catch_up_prior=self._time_catch_ups(),
+                                     probe_budget=self.runner.config.speculative.adaptive_probe_budget)
         if lim.narrower_widths:
             width_seconds = {(w, b): (device_seconds[(SPECULATIVE, b)] if w == lim.num_draft_tokens else _time_step(
                 self.worker.narrow(w), [lim.dummy_row] * b, lim.page_size, self.cuda)[0])

@@ -221,6 +221,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from spruce.config import ADAPTIVE_PROBE_BUDGET
 from spruce.errors import InvariantError
 from spruce.runtime.linear_cost import LinearCost
 from spruce.speculative.epoch_clock import EPOCH_MIN, SETTLED_EPOCHS, Epoch, EpochClock, epoch_steps
@@ -242,7 +243,8 @@ COST_ALPHA = 0.1  # the EMAs of X and W (after their first samples), and the cat
 OUTLIER_FACTOR = 8.0  # an X or W sample this many times its value is an idle gap or a stall: ignored
 PROBE_FIRST, PROBE_MAX = 1, 64  # epochs of the model's choice between probe epochs (doubling while nothing changes)
 OWN_HOST_SAMPLES = 3  # steady host samples (X) of a choice at a bucket before they price it instead of the pool
-PROBE_BUDGET = 0.005  # at most this fraction of decode time goes to probes (their modelled excess cost) ...
+PROBE_BUDGET = ADAPTIVE_PROBE_BUDGET  # at most this fraction of decode time goes to probes (their modelled excess
+# cost; `AdaptivePolicy.probe_budget`, speculative_adaptive_probe_budget, is the engine's) ...
 PROBE_ALLOWANCE = 0.15  # ... plus these seconds, so that the first probes (learning a load) need not wait
 PROBE_SHARE_MIN = 0.05  # plain probes under rounds get PROBE_BUDGET times (SWITCH_MARGIN over rounds' lead) squared,
 # down to this share of it (`_probe_share`)
@@ -392,8 +394,11 @@ class AdaptivePolicy:
     retries: int = 0  # requests retried in a round (collapsed: EMA below a tenth of the engine-wide one)
     draft_prompt_seconds: float | None = None  # EMA of the eager draft extends' seconds per prefill launch
     draft_prompt_requests: float | None = None  # EMA of the requests each of those prefills completed
+    probe_budget: float | None = None  # the fraction of decode time probes may spend (None: PROBE_BUDGET)
 
     def __post_init__(self):
+        if self.probe_budget is None:
+            self.probe_budget = PROBE_BUDGET
         missing = [(c, b) for c in CHOICES for b in self.buckets if (c, b) not in self.device_seconds]
         if missing:
             raise ValueError(f"device_seconds lacks {missing} (buckets {self.buckets})")
@@ -1040,7 +1045,7 @@ class AdaptivePolicy:
             model_epoch = self._epoch_steps(d, model, request_tokens) * d.step_seconds[model]  # (seconds)
             if self.epochs.ratio(other, load) is not None and not st.check:
                 fresh = self._accept_counted - st.rounds_counted >= ACCEPT_FRESH_MIN  # (rounds at other loads)
-                budget = PROBE_BUDGET * self._probe_share(probe_d, model, other, other_seconds, fresh)
+                budget = self.probe_budget * self._probe_share(probe_d, model, other, other_seconds, fresh)
                 spacing = max(spacing, math.ceil(cost / max(budget * model_epoch, 1e-12) - 1e-9))
             st.spacing = spacing
             steady = _steady(d.batch_size, load) or (not drain and st.epochs_since_probe >= spacing + STEADY_WAIT)
@@ -1338,7 +1343,7 @@ class AdaptivePolicy:
     def _probe_affordable(self, cost: float) -> bool:
         """All probes' expected excess so far plus `cost` stay within PROBE_BUDGET of the busy time plus
         PROBE_ALLOWANCE."""
-        return self.probe_seconds + cost <= PROBE_BUDGET * self.epochs.busy_total + PROBE_ALLOWANCE
+        return self.probe_seconds + cost <= self.probe_budget * self.epochs.busy_total + PROBE_ALLOWANCE
 
     def _arrival_seconds(self, round_tokens: float, request_tokens: float, new_positions: float) -> float:
         """Per round, the draft's share of work on new requests' prompts: while rounds go on, every request that
