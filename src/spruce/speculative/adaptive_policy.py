@@ -110,7 +110,8 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   candidate has a realized figure, probes are also spaced so they cost at most PROBE_BUDGET of the time: a probe
   epoch commits about an epoch's tokens at the other's price, (ratio - 1) epochs of the model's choice more. Over
   every load bucket together, probes' expected excess stays within PROBE_BUDGET of the busy time plus
-  PROBE_ALLOWANCE seconds (a probe that would exceed it waits); under rounds a load's own spacing takes only
+  PROBE_ALLOWANCE seconds (a probe that would exceed it waits; the engine's budget is `probe_budget`, set by
+  speculative_adaptive_probe_budget, PROBE_BUDGET by default); under rounds a load's own spacing takes only
   (SWITCH_MARGIN over rounds' lead) squared of the budget, a twentieth at least (`_probe_share`; linear and a
   quarter at least from 2026-11-26, replaying the 128-token trace at concurrency 1: 400 plain steps against 640 and
   0.5% behind fixed rounds against 0.9%; squared, session 34: 0.39% behind), and under plain steps so do its probes
