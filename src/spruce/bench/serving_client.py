@@ -20,11 +20,12 @@ flight, then the late processes' shares alone), so the level held 14-19 streams 
 that still lags takes fewer requests.
 
 And before a level's clock starts, every process collects and freezes its heap (gc.freeze): the client imports torch
-(~190k objects the collector tracks), and a full collection, which the results of earlier levels set off now and then,
-walked them all: ~0.1 s with no chunk read. On the H200 x4 (56ecd76, session 57) one adaptive server's first
-concurrency-1 pass read a 108.6 ms gap between two tokens of one request (its tokens/s 4-5% low) while the server's log
-had every request of that level served in 35 ms or less and 102 ms between one request's end and the next one's start;
-in the eight such runs of sessions 56-57, four first passes at concurrency 1 (of the 24 by the plain, adaptive and
+(~190k objects the collector tracks), and a full collection, which the results of earlier levels set off now and
+then, walks them all (~90 ms on the development machine's CPU) with no chunk read. On the H200 x4 (56ecd76, session
+57) one adaptive server's first concurrency-1 pass read a 108.6 ms gap between two tokens of one request (its
+tokens/s 4-5% low) while the server's log had every request of that level served in 35 ms or less and 102 ms between
+one request's end and the next one's start (the client had stalled: such a collection is the likely cause); in the
+eight such runs of sessions 56-57, four first passes at concurrency 1 (of the 24 by the plain, adaptive and
 plain-again servers) read such a gap (108-132 ms), plain servers' too, and no later pass did.
 """
 
