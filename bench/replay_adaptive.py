@@ -48,13 +48,17 @@ class Request:
         self.accept_state = None  # the policy's record of its acceptance
 
 
-def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, mode: str, cost: dict) -> dict:
-    """Replay `num_requests` requests (the traces in turn) one at a time under `mode` (plain, fixed, adaptive)."""
+def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, mode: str, cost: dict,
+           probe_budget: float | None = None) -> dict:
+    """Replay `num_requests` requests (the traces in turn) one at a time under `mode` (plain, fixed, adaptive), the
+    adaptive policy's probes given `probe_budget` of the time (None: its default). Also each request's rounds, in
+    order ("rounds_per_request")."""
     clock = Clock()
     table = {(c, b): cost["plain"] if c == PLAIN else cost["round"] for c in (PLAIN, SPECULATIVE) for b in BUCKETS}
-    policy = AdaptivePolicy(BUCKETS, table, overlapped=False, max_accept=5, clock=clock)
+    policy = AdaptivePolicy(BUCKETS, table, overlapped=False, max_accept=5, clock=clock, probe_budget=probe_budget)
     last = None  # the choice of the decision that may stand
     counts = {"plain": 0, "rounds": 0, "catch_ups": 0, "tokens": 0}
+    rounds_per_request = []
     for r in range(num_requests):
         i = r % len(accept)
         req = Request(accept[i], prompt_lens[i])
@@ -72,6 +76,7 @@ def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, m
                 policy.drafted_prompts(1, cost["extend"], 0.0)
         req.lag = req.prompt_len if lazy else 0
         counts["tokens"] += 1
+        rounds_before = counts["rounds"]
         while req.pos < out_len - 1:
             lagging, decided = 0, None
             if mode != "adaptive":
@@ -105,7 +110,9 @@ def replay(accept: list[list[int]], prompt_lens: list[int], num_requests: int, m
                 policy.measured(choice, decided.bucket, seconds)
             if mode == "adaptive" and choice == SPECULATIVE:
                 policy.accepted_round([req], [accepted])
-    return counts | {"seconds": clock.now, "tokens_per_second": counts["tokens"] / clock.now}
+        rounds_per_request.append(counts["rounds"] - rounds_before)
+    return counts | {"seconds": clock.now, "tokens_per_second": counts["tokens"] / clock.now,
+                     "rounds_per_request": rounds_per_request}
 
 
 def main() -> None:
@@ -122,6 +129,8 @@ def main() -> None:
     lens = [len(p) for p in trace["prompts"]]
     results = {mode: replay(trace["accept"], lens, args.requests, mode, cost)
                for mode in ("plain", "fixed", "adaptive")}
+    for figures in results.values():
+        del figures["rounds_per_request"]
     best = max(results["plain"]["tokens_per_second"], results["fixed"]["tokens_per_second"])
     print(json.dumps({"cost": cost, "collapse_fraction": args.collapse_fraction, "results": results,
                       "adaptive_vs_better": results["adaptive"]["tokens_per_second"] / best - 1}, indent=1))
