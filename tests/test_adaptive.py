@@ -1292,8 +1292,9 @@ def test_the_probe_budget_is_checked_and_reaches_the_policy():
     for bad in (-0.001, MAX_PROBE_BUDGET + 0.01, float("nan"), True, "0.01"):
         with pytest.raises(ConfigError, match=r"speculative_adaptive_probe_budget must be a number in \[0, 0.2\]"):
             SpeculativeConfig("EAGLE3", "d", 3, 4, 8, adaptive=True, adaptive_probe_budget=bad)
-    with pytest.raises(ConfigError, match="speculative_adaptive_probe_budget=0.001 needs speculative_adaptive"):
-        make_speculative_config("EAGLE3", "d", adaptive_probe_budget=0.001)
+    for given in (0.001, ADAPTIVE_PROBE_BUDGET):  # (the default too: a setting given is never ignored)
+        with pytest.raises(ConfigError, match=f"speculative_adaptive_probe_budget={given} needs speculative_adaptive"):
+            make_speculative_config("EAGLE3", "d", adaptive_probe_budget=given)
     with pytest.raises(ConfigError, match="speculative_adaptive_probe_budget need a draft model"):
         LLM(TARGET, speculative_adaptive_probe_budget=0.001)
     assert make_speculative_config("EAGLE3", "d", adaptive=True).adaptive_probe_budget == ADAPTIVE_PROBE_BUDGET

@@ -284,6 +284,9 @@ def make_speculative_config(
     else:
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
+    if adaptive_probe_budget is not None and not adaptive:  # (even at the default: a setting given is never ignored)
+        raise ConfigError(f"speculative_adaptive_probe_budget={adaptive_probe_budget} needs speculative_adaptive "
+                          f"(only the adaptive policy probes)")
     budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
     return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget)
 
