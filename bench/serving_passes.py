@@ -46,6 +46,13 @@ mean ratio there, and their correlation over the runs: whether what is left at c
 of the graphs the servers kept (four H200 x4 runs at 3f471b4: -0.82, the scores within 0.8% of each other; but -0.74
 and -0.58 at 8 and 64, where no bucket-1 graph runs: there a correlation is the run's, not the graph's).
 
+And per concurrency, the passes whose largest gap between two tokens of one request reached STALL_GAP_S, the
+adaptive server's and the better configuration's copies': a stall is the client's or a server's, and it weighs on
+whichever level it lands in (session 57, sixteen H200 x4 runs since ee99357: at concurrency 1, 2 of the adaptive
+server's 64 passes and 2 of its rivals' 128 levels read 109-132 ms, the one whose server log was kept a client's
+stall (every request served in 35 ms or less); at 32, 4 and 8 read 113-130 ms; at 8 and 64 none, the largest
+ordinary gaps at 64 50-71 ms; bench serving's clients freeze their heaps before each level since).
+
 Usage (repo root): python bench/serving_passes.py bench/results/serving-nvidia-h100-*.json [--out-dir DIR]
 (results rebuilt from a journal by bench/serving_journal.py too)
 """
@@ -66,6 +73,8 @@ COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "
             "process.send")
 ADMISSION = ("prefills_per_request", "ttft_p50", "prefill_launch")  # `admission`'s figures
 PHASES = ("decode_phase", "stream_tail")  # `phase`'s figures
+STALL_GAP_S = 0.1  # a gap between two tokens of one request this long is a stall (the client's or a server's): at
+# concurrency 64 on the H200 x4 the largest gaps of ordinary levels read 50-71 ms
 
 
 def per_decode(level: dict, counter: str) -> float | None:
@@ -184,8 +193,25 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
             theirs = [levels[name][k] for name in copies]
             record["admission"], record["admission_control"] = relative(adaptive, theirs, ADMISSION, admission)
             record["phases"], record["phases_control"] = relative(adaptive, theirs, PHASES, phase)
+            record["gaps"] = {"adaptive": largest_gap(adaptive), "copies": [largest_gap(level) for level in theirs]}
             records.append(record)
     return workload, records
+
+
+def largest_gap(level: dict) -> float | None:
+    """A level's largest gap between two tokens of one request (seconds; None where the result has no ITLs)."""
+    return (level.get("itl_s") or {}).get("max")
+
+
+def stalls(records: list[dict]) -> dict | None:
+    """The passes whose largest token gap reached STALL_GAP_S: the adaptive server's (and their gaps, seconds), and
+    the better configuration's copies' over as many of their levels; None where no level reports its gaps."""
+    mine = [r["gaps"]["adaptive"] for r in records if r.get("gaps") and r["gaps"]["adaptive"] is not None]
+    theirs = [gap for r in records if r.get("gaps") for gap in r["gaps"]["copies"] if gap is not None]
+    if not mine and not theirs:
+        return None
+    return {"adaptive": {"passes": len(mine), "stalled": sorted(g for g in mine if g >= STALL_GAP_S)},
+            "copies": {"levels": len(theirs), "stalled": sorted(g for g in theirs if g >= STALL_GAP_S)}}
 
 
 def kept_draw(server: dict, phase: str) -> float | None:
@@ -299,7 +325,8 @@ def main() -> None:
                                                                    "requests": joined,
                                                                    "host_speed_adjusted": speed,
                                                                    "host_speed_adjusted_first": first_speed,
-                                                                   "graph_draws": draws_line(records)}
+                                                                   "graph_draws": draws_line(records),
+                                                                   "stalls": stalls(records)}
             print(f"   concurrency {concurrency:>3}: " + "; ".join(
                 f"{key} {fig['mean']:+.1%}" + (f" +- {fig['se']:.1%}" if fig["se"] is not None else "")
                 + f" ({fig['n']})" for key, fig in cell.items()))
@@ -318,6 +345,13 @@ def main() -> None:
                 print("      kept graph draws, adaptive over plain, per run: " + ", ".join(
                     f"{run['draw_ratio']:+.2%} ({run['versus_better']:+.1%})" for run in drawn["runs"])
                     + (f"; correlation {correlation:+.2f}" if correlation is not None else ""))
+            stalled = summary[workload][str(concurrency)]["stalls"]
+            if stalled is not None:
+                print(f"      token gaps of {STALL_GAP_S * 1e3:.0f} ms or more: adaptive "
+                      + f"{len(stalled['adaptive']['stalled'])} of {stalled['adaptive']['passes']} passes, better "
+                      + f"copies {len(stalled['copies']['stalled'])} of {stalled['copies']['levels']} levels"
+                      + "".join(f" ({who}: {', '.join(f'{g * 1e3:.0f}' for g in fig['stalled'])} ms)"
+                                for who, fig in stalled.items() if fig["stalled"]))
             for key, fig in joined.items():
                 print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
                       + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none"))

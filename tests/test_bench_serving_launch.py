@@ -221,8 +221,9 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
     against the copies (prefills per request, TTFT p50, mean prefill launch: relative), its requests' decode phase
     and stream tail against theirs (relative, where the results have them), the share of its requests that joined
-    detached and why the others joined with their drafts; a result rebuilt from a journal (flat levels, in any order,
-    no concurrency list) reads the same."""
+    detached and why the others joined with their drafts, and the passes whose largest token gap reached STALL_GAP_S
+    (its own and the copies'); a result rebuilt from a journal (flat levels, in any order, no concurrency list) reads
+    the same."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
@@ -278,6 +279,12 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
                                                       "stream_tail": 0.004 / 0.002 - 1})
     runs[2]["levels"][1]["engine"]["prefill_launch_seconds"] = None  # a server that does not report it
     assert "prefill_launch" not in passes.run_passes(result)[1][1]["admission"]
+    assert passes.stalls(records) is None  # (no ITLs in these levels)
+    for run, gaps in zip(runs, ((0.004, 0.005), (0.006, 0.12), (0.11, 0.004), (0.005, 0.006))):
+        for lv, gap in zip(run["levels"], gaps):
+            lv["itl_s"] = {"max": gap}
+    assert passes.stalls(passes.run_passes(result)[1]) == {  # fixed's second level and the adaptive first stalled
+        "adaptive": {"passes": 2, "stalled": [0.11]}, "copies": {"levels": 4, "stalled": [0.12]}}
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert passes.run_passes(result) is None
 
