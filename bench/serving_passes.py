@@ -206,8 +206,8 @@ def largest_gap(level: dict) -> float | None:
 def stalls(records: list[dict]) -> dict | None:
     """The passes whose largest token gap reached STALL_GAP_S: the adaptive server's (and their gaps, seconds), and
     the better configuration's copies' over as many of their levels; None where no level reports its gaps."""
-    mine = [r["gaps"]["adaptive"] for r in records if r.get("gaps") and r["gaps"]["adaptive"] is not None]
-    theirs = [gap for r in records if r.get("gaps") for gap in r["gaps"]["copies"] if gap is not None]
+    mine = [r["gaps"]["adaptive"] for r in records if r["gaps"]["adaptive"] is not None]
+    theirs = [gap for r in records for gap in r["gaps"]["copies"] if gap is not None]
     if not mine and not theirs:
         return None
     return {"adaptive": {"passes": len(mine), "stalled": sorted(g for g in mine if g >= STALL_GAP_S)},

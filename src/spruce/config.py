@@ -45,6 +45,12 @@ ADAPTIVE_PROBE_BUDGET = 0.005  # adaptive speculation's probes: at most this fra
 MAX_PROBE_BUDGET = 0.2  # ... and at most this fraction as set
 
 
+def _probe_budget_without_adaptive(budget) -> ConfigError:
+    """The error for a probe budget given to an engine that does not speculate adaptively (nothing would spend it)."""
+    return ConfigError(f"speculative_adaptive_probe_budget={budget} needs speculative_adaptive (only the adaptive "
+                       f"policy probes)")
+
+
 def draft_candidates(num_steps: int, eagle_topk: int) -> int:
     """M: the draft candidates one EAGLE round produces, K at step 0 and K*K at each later step (the one formula:
     `SpeculativeConfig` checks N against it, `Limits.num_candidates` sizes the round's buffers by it)."""
@@ -110,8 +116,7 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_adaptive_probe_budget must be a number in [0, {MAX_PROBE_BUDGET}] (the "
                               f"fraction of decode time probes may spend), got {budget!r}")
         if budget != ADAPTIVE_PROBE_BUDGET and not self.adaptive:
-            raise ConfigError(f"speculative_adaptive_probe_budget={budget} needs speculative_adaptive (only the "
-                              f"adaptive policy probes)")
+            raise _probe_budget_without_adaptive(budget)
 
     def _check_widths(self) -> None:
         widths = self.adaptive_widths
@@ -285,8 +290,7 @@ def make_speculative_config(
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
     if adaptive_probe_budget is not None and not adaptive:  # (even at the default: a setting given is never ignored)
-        raise ConfigError(f"speculative_adaptive_probe_budget={adaptive_probe_budget} needs speculative_adaptive "
-                          f"(only the adaptive policy probes)")
+        raise _probe_budget_without_adaptive(adaptive_probe_budget)
     budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
     return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget)
 
