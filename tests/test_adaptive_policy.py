@@ -1447,13 +1447,14 @@ def test_probes_that_cost_more_than_their_price_are_spaced_by_what_they_cost(mon
     grows towards the measured ratio: the next probe comes later than the price alone would space it."""
     clock = Clock()
     p = policy(plain=0.3e-3, spec=0.7e-3, clock=clock)
+    p.probe_budget = 0.005  # (the default until session 58: three probes within the replay's 120k steps)
     q = Req()
     settle(p, [q], 3.35)
     p.caught_up(128, 3.5e-3, 0.0)
     rounds_epoch = math.ceil(128 / 4.35)
     priced = 128 * 0.3e-3 * (1 - (1 / 0.3e-3) / (4.35 / 0.7e-3)) + 3.5e-3
     monkeypatch.setattr(adaptive_policy, "PROBE_SHARE_MIN", 0.25)  # as test_a_plain_probe_amid_rounds_is_spaced_...
-    spacing = math.ceil(priced / (PROBE_BUDGET * 0.25 * rounds_epoch * 0.7e-3))  # by the price: 812
+    spacing = math.ceil(priced / (p.probe_budget * 0.25 * rounds_epoch * 0.7e-3))  # by the price: 812
     measured = priced + rounds_epoch * 2e-3  # what each probe really costs (~4x its price)
     catch_up_due, aftermath, decisions = False, 0, []
     for _ in range(120_000):
@@ -2444,6 +2445,42 @@ def test_a_park_is_granted_where_arrivals_would_detach_and_its_steps_are_told_at
     settle(close, reqs, 0)
     d = close.decide(reqs, rounds_blocked=True)
     assert close.detach_blocker(1) == "unsettled" and close.park(d) is None
+
+
+@pytest.mark.parametrize("all_detached", [True, False])
+def test_the_epoch_that_lets_a_park_begin_is_decided_over_detached_requests_only(all_detached):
+    """After a park ends, the next one waits for an epoch measured (`park`). Over a batch of detached requests only
+    (`decide`'s all_detached) that epoch's end is decided, not stood, and the park begins there; over a batch with its
+    drafts it stands as before (`_epoch_stands`). Served at concurrency 1 (session 57's H200 x4 bar), the
+    STANDING_EPOCHS epochs stood after it ran told: 5 requests of every 13-14. Fails if the end stands over detached
+    requests only or if a batch with its drafts stops standing there."""
+    clock = Clock()
+    p = policy(plain=1e-3, spec=3e-3, clock=clock)
+    reqs = [Req()]
+    settle(p, reqs, 0)  # rounds out of reach: a joining request detaches
+    d = p.decide(reqs, rounds_blocked=True, all_detached=True)
+    target = p.epochs.current.target
+    assert p.park(d) == (1, PARK_EPOCHS * target)
+    p._state[1].probe_after = PROBE_MAX  # no probe due for a while: plain epochs may stand
+    p.unparked(PARK_EPOCHS * target, 1.0)
+    d = p.decide(reqs, rounds_blocked=all_detached, all_detached=all_detached)
+    assert d.choice == PLAIN and d.reason == "model" and p.park(d) is None  # no epoch measured since the park
+    for _ in range(p.epochs.current.target - 1):
+        clock.now += 1e-3
+        assert p.repeat(PLAIN, 1)
+    clock.now += 1e-3
+    epochs = p.epochs.epochs
+    assert p.repeat(PLAIN, 1) is not all_detached  # the epoch is full: decided only where a park may begin
+    if all_detached:
+        d = p.decide(reqs, rounds_blocked=True, all_detached=True)
+        assert p.epochs.epochs == epochs + 1 and p.park(d) == (1, PARK_EPOCHS * p.epochs.current.target)
+    from spruce.server.metrics import Metrics
+
+    metrics = Metrics(5)
+    metrics.on_engine_stats({"adaptive": p.snapshot()})
+    text = metrics.render()  # (/metrics: the parks granted and their steps)
+    assert f"spruce_adaptive_parks_total {1 + all_detached}" in text
+    assert f"spruce_adaptive_parked_steps_total {PARK_EPOCHS * target}" in text
 
 
 @pytest.mark.parametrize("measured_only", [True, False])

@@ -78,9 +78,10 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
             assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
                                                                  "realized_ratio", "realized_request_seconds",
                                                                  "tree_width", "width_accept_length"}
-            assert set(steps) == {"plain", "speculative", "decided", "probes", "probes_cut", "catch_ups",
-                                  "catch_up_positions", "retries", "detached", "epochs_dropped", "epochs_drained",
-                                  "epochs_outgrown", "width_rounds", "attached"}
+            assert set(steps) == {"plain", "speculative", "decided", "parks", "parked_steps", "probes", "probes_cut",
+                                  "catch_ups", "catch_up_positions", "retries", "detached", "epochs_dropped",
+                                  "epochs_drained", "epochs_outgrown", "width_rounds", "attached"}
+            assert 0 <= steps["parked_steps"] <= steps["plain"]  # (parked steps are plain steps)
             assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
             # decisions are among its steps; a level may take none: the rounds decided before it (the warm-up's, a
             # level's 4-5 rounds) stand up to REUSE_STEPS steps, across idle gaps (a clean CI run: 0 in a first pass)

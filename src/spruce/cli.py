@@ -10,6 +10,7 @@ import time
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (SGLang's names)."""
     from spruce.attention import registry as attention_registry  # names and capabilities only: no torch
+    from spruce.config import ADAPTIVE_PROBE_BUDGET, MAX_PROBE_BUDGET  # (no torch either)
 
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory (default: the bundled pycode-6m demo model)")
@@ -50,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         " its rounds may run; per batch size the width with the most expected tokens per second")
     p.add_argument("--speculative-adaptive-probe-budget", type=float, default=None, metavar="FRACTION",
                    help="with --speculative-adaptive: the fraction of decode time its probes (steps of the choice "
-                        "not taken, which re-measure it) may spend (default 0.005, at most 0.2); lower costs less "
+                        f"not taken, which re-measure it) may spend (default {ADAPTIVE_PROBE_BUDGET}, at most "
+                        f"{MAX_PROBE_BUDGET}); lower costs less "
                         "where one choice wins by far and notices a change of workload later")
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")

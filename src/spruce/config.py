@@ -40,8 +40,9 @@ def check_delay_factor(delay_factor) -> None:
         raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
 
 
-ADAPTIVE_PROBE_BUDGET = 0.005  # adaptive speculation's probes: at most this fraction of decode time (their modelled
-# excess cost) by default (speculative/adaptive_policy.py's PROBE_BUDGET, `speculative_adaptive_probe_budget`) ...
+ADAPTIVE_PROBE_BUDGET = 0.002  # adaptive speculation's probes: at most this fraction of decode time (their modelled
+# excess cost) by default (speculative/adaptive_policy.py's PROBE_BUDGET, `speculative_adaptive_probe_budget`; 0.005
+# until session 58, adaptive_policy's module docstring says why) ...
 MAX_PROBE_BUDGET = 0.2  # ... and at most this fraction as set
 
 

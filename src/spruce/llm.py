@@ -20,7 +20,8 @@ class LLM:
     round and a plain step, by expected tokens per second (speculative/adaptive.py), and with
     `speculative_adaptive_widths` also between verify trees of those widths and N; `speculative_adaptive_probe_budget`
     is the fraction of decode time its probes (runs of the choice not taken, which re-measure it) may spend
-    (default 0.005; lower: cheaper where one choice wins by far, slower to notice a change of workload).
+    (default config.ADAPTIVE_PROBE_BUDGET; lower: cheaper where one choice wins by far, slower to notice a change of
+    workload).
     `tp_size=N` runs the model tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r,
     or gloo on the CPU): call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at
     interpreter exit.

@@ -166,7 +166,8 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 
 
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
-ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "probes": "spruce_adaptive_probes_total",
+ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "parks": "spruce_adaptive_parks_total",
+                     "parked_steps": "spruce_adaptive_parked_steps_total", "probes": "spruce_adaptive_probes_total",
                      "probes_cut": "spruce_adaptive_probes_cut_total",
                      "catch_ups": "spruce_adaptive_catch_ups_total",
                      "catch_up_positions": "spruce_adaptive_catch_up_positions_total",

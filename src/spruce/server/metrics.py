@@ -352,6 +352,11 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
     series("spruce_adaptive_decided_steps_total", "counter", "Decode steps that asked the policy (a decision, "
            "~0.26 ms of host work on the H100); the others stood on an earlier one.", [("", a.get("decided", 0))])
+    series("spruce_adaptive_parks_total", "counter", "Parks: runs of plain steps over batches of detached requests "
+           "only that the policy granted ahead and heard of at their end (a plain engine's steps, no bookkeeping "
+           "each).", [("", a.get("parks", 0))])
+    series("spruce_adaptive_parked_steps_total", "counter", "Plain steps run parked (counted in "
+           "spruce_adaptive_steps_total too).", [("", a.get("parked_steps", 0))])
     series("spruce_adaptive_probes_total", "counter", "Probe epochs (the candidate the model did not choose, run "
            "for an epoch to re-measure it).", [("", a.get("probes", 0))])
     series("spruce_adaptive_probes_cut_total", "counter", "Probes of rounds ended before their epoch: their "

@@ -592,7 +592,7 @@ class AdaptiveDecoding(DecodeStrategy):
         lags = [0 if gone else q.draft_lag for q, gone in zip(requests, detached)]  # (a detached draft: none)
         self._read_rounds()
         d = self.policy.decide(requests, lags, tokens_left, request_tokens, new_positions, held,
-                               rounds_blocked=any(detached))
+                               rounds_blocked=any(detached), all_detached=all(detached))
         self.last_decision = d
         spec = d.choice == SPECULATIVE
         if spec and any(detached):  # always on: its draft KV is missing and no catch-up has its features

@@ -136,7 +136,14 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   acceptance (0.19 drafts a round) at concurrency 1 with those costs (bench/replay_adaptive.py's replay, 1024
   requests), probes cost 0.96% of plain's tokens/s at 1%, 0.45% at 0.5% (387 rounds against 819), 0.21% at 0.25%.
   Half the budget doubles the time a change of workload waits for its probe (the run's spacing at concurrency 1
-  was 139 epochs of one 40 ms request each: ~6 s, now ~11 s). While the other's realized figure rests on fewer
+  was 139 epochs of one 40 ms request each: ~6 s, now ~11 s). 0.5% until session 58 (2026-11-28), 0.2% since: with
+  probes of rounds priced at the measured acceptance (session 57), every H200 x4 bar run with the 1k shared prefix
+  still made one at load 1 within its 256 concurrency-1 requests (~40 ms served: its request's rounds, the catch-up,
+  the arrivals that joined with their drafts while it waited), its pass ~1.7 points below the others and the level
+  ~0.4 below plain, which "never slower" cannot absorb; at 0.2% the spacing there is ~600 requests (bench/
+  replay_probe_budget.py at the bar's step costs: -0.13% against plain over 1024 requests, -0.23% at 0.5%; after a
+  change of workload to rounds winning 2:1, rounds back within a mean of 286 requests, 562 at most, against 124 and
+  225 at 0.5%). While the other's realized figure rests on fewer
   than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
   caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
   steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
@@ -442,6 +449,7 @@ class AdaptivePolicy:
         self._parked: tuple[int, int] | None = None  # while the strategy runs parked steps (`park`): the load
         # bucket and the epoch target they were granted at
         self._epochs_at_unpark = -1  # epochs measured when the last park ended: the next waits for one more
+        self._all_detached = False  # the last decided batch held detached requests only (`decide`): a park may follow
         self.parks = 0  # parks granted (/metrics) ...
         self.parked_steps = 0  # ... and the plain steps they ran
         self._tables: dict | None = None  # snapshot's cost tables and decisions, rebuilt after they change
@@ -745,7 +753,7 @@ class AdaptivePolicy:
 
     def decide(self, requests: list, lags: list[int] | None = None, tokens_left: float = 0.0,
                request_tokens: float = 0.0, new_positions: float = 0.0, held: int = 0,
-               rounds_blocked: bool = False) -> Decision:
+               rounds_blocked: bool = False, all_detached: bool = False) -> Decision:
         """The choice for a decode step over `requests`, whose drafts miss `lags` positions each (none: 0) and
         which may each still generate `tokens_left` tokens on average, of `request_tokens` in all (0: unknown);
         `new_positions`: a new request's uncached prompt positions; `held`: the requests the engine holds (this
@@ -754,8 +762,10 @@ class AdaptivePolicy:
         A catch-up is shared by the rounds it opens: as many as the batch's requests have tokens left for (at
         least one). `rounds_blocked`: the batch holds a detached request (`detachable`), so the step is plain
         (reason "detached") whatever the model would choose, and no probe of rounds starts (one due starts at the
-        first epoch's end after the detached requests have ended)."""
+        first epoch's end after the detached requests have ended); `all_detached`: every request of it is, so a
+        park may follow (`park`, `_epoch_stands`)."""
         now = self.clock()
+        self._all_detached = all_detached
         self.epochs.event(now)
         if self._probe_stood is not None:  # a probe lasts PROBE_STEPS_FACTOR epochs' steps, standing ones included
             probed, probe_choice, counted = self._probe_stood
@@ -1418,7 +1428,14 @@ class AdaptivePolicy:
         last decision (which prices the choice again: realized figures move at each epoch's end). While plain steps
         run, nothing else that prices rounds moves (the module docstring). An epoch is about a request's life, so
         at concurrency 1 every request paid a decided step (the H100, 2026-11-25, served with the 1k shared prefix:
-        ITL p99 659-711 us against a plain server's 433-468, one decided step a request)."""
+        ITL p99 659-711 us against a plain server's 433-468, one decided step a request).
+
+        Not where that decision would begin a park (`_parks_at_end`): over a batch of detached requests only, the
+        first epoch measured after a park ended is decided, so that the next park begins at its end. Stood, the
+        STANDING_EPOCHS epochs after it ran told, a step at a time: on the H200 x4 (56ecd76, session 57, 1k shared
+        prefix) every concurrency-1 level ran cycles of 8-9 requests parked and 5 told (the measured epochs in its
+        debug log: ~36% of its requests), each told step ~6-8 us of host bookkeeping more than a parked one
+        (`park`)."""
         cur = self.epochs.current
         if (choice != PLAIN or self._reuse_choice != PLAIN or self._probe_stood is not None or cur is None
                 or cur.choice != PLAIN or not cur.full or bucket != self._reuse_bucket
@@ -1426,7 +1443,19 @@ class AdaptivePolicy:
             return False
         st = self._state[cur.bucket]
         return (st.model_choice == PLAIN and not st.probing
-                and st.epochs_since_probe + 1 < max(st.probe_after, st.spacing))
+                and st.epochs_since_probe + 1 < max(st.probe_after, st.spacing) and not self._parks_at_end(cur))
+
+    def _parks_at_end(self, cur: Epoch) -> bool:
+        """Whether the decision that ends `cur` (a full epoch of plain steps, the model's choice, its load's last
+        decided batch of detached requests only: `decide`'s all_detached) would begin a park (`park`): none under
+        way and nothing at its load holding one back (`_park_held`); `cur` itself, which the decision counts, is the
+        epoch measured since the last park ended that a park waits for."""
+        return self._all_detached and self._parked is None and not self._park_held(cur.bucket)
+
+    def _park_held(self, load: int) -> bool:
+        """A probe's cost still to be measured at `load`, or a joining request that would not detach there
+        (`detach_blocker`): no park (`park`)."""
+        return self._state[load].measure is not None or self.detach_blocker(load) is not None
 
     def stand_ahead(self, batch_size: int) -> tuple[int, int, int]:
         """Right after `repeat` let a step over `batch_size` requests stand: (n, lo, hi), where the next n steps
@@ -1482,7 +1511,7 @@ class AdaptivePolicy:
         if (d.choice != PLAIN or d.reason != "model" or cur is None or cur.choice != PLAIN
                 or self.epochs.epochs <= self._epochs_at_unpark or self._parked is not None):
             return None
-        if self._state[cur.bucket].measure is not None or self.detach_blocker(cur.bucket) is not None:
+        if self._park_held(cur.bucket):
             return None
         self._parked = (cur.bucket, cur.target)
         self.parks += 1
