@@ -19,7 +19,8 @@ phase (first to last text chunk) and its stream's tail (`phase`), where the resu
 (eight runs at ae7007a/ff36abe) the adaptive server's decode phase was 1.5 +- 0.5% longer (control -0.1 +- 0.7%) with
 its TTFT level, where its ITL mean read level (more chunks a request). And per group, the share of the adaptive
 server's requests that joined detached (mean over its passes) and why the others joined with their drafts
-(`adaptive_steps.attached`, summed), where the server reports them.
+(`adaptive_steps.attached`, summed), and the share of its plain steps that ran parked (`adaptive_steps.parked_steps`,
+session 58: told steps cost the host bookkeeping), where the server reports them.
 
 And over every pass, each ratio adjusted for the host's speed in its level: the engines are host-bound from
 concurrency 8 up, and the host's speed moves between the levels of one run (on the H100 x4, four runs at once, one
@@ -177,7 +178,9 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                       "versus_better": adaptive["output_throughput_tok_s"] / better_tps - 1.0, "counters": {},
                       "control": {}, "detached": (steps["detached"] / adaptive["completed"]
                                                   if "detached" in steps and adaptive.get("completed") else None),
-                      "attached": dict(steps.get("attached") or {}), "draw_ratio": draws}
+                      "attached": dict(steps.get("attached") or {}), "draw_ratio": draws,
+                      "parked": (steps["parked_steps"] / steps["plain"] if steps.get("plain") and "parked_steps" in steps
+                                 else None)}
             for counter in COUNTERS:
                 theirs = [per_decode(levels[name][k], counter) for name in copies]
                 mine = per_decode(adaptive, counter)
@@ -316,8 +319,10 @@ def main() -> None:
                 for r in group:
                     for reason, n in r.get("attached", {}).items():
                         reasons[reason] = reasons.get(reason, 0) + n
+                parked = [r["parked"] for r in group if r.get("parked") is not None]
                 if shares:
-                    joined[key] = {"detached": statistics.fmean(shares), "attached": dict(sorted(reasons.items()))}
+                    joined[key] = {"detached": statistics.fmean(shares), "attached": dict(sorted(reasons.items())),
+                                   "parked": statistics.fmean(parked) if parked else None}
             speed = host_speed(records)
             first_speed = host_speed([r for r in records if r["pass"] == 0])
             summary.setdefault(workload, {})[str(concurrency)] = {"passes": cell, "host_per_decode": host,
@@ -354,7 +359,8 @@ def main() -> None:
                                 for who, fig in stalled.items() if fig["stalled"]))
             for key, fig in joined.items():
                 print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
-                      + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none"))
+                      + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none")
+                      + ("" if fig["parked"] is None else f"; plain steps parked {fig['parked']:.0%}"))
             for counter, fig in host.items():
                 mine, control = fig["adaptive_less_better_us"], fig["control_us"]
                 print(f"      {counter:<17} adaptive - better {mine['mean']:+7.1f} +- {mine['se']:5.1f} us a decode"

@@ -222,9 +222,9 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
     counters per decode step less the copies' mean, beside the copies' own difference, and how it admitted requests
     against the copies (prefills per request, TTFT p50, mean prefill launch: relative), its requests' decode phase
     and stream tail against theirs (relative, where the results have them), the share of its requests that joined
-    detached and why the others joined with their drafts, and the passes whose largest token gap reached STALL_GAP_S
-    (its own and the copies'); a result rebuilt from a journal (flat levels, in any order, no concurrency list) reads
-    the same."""
+    detached and why the others joined with their drafts (and the share of plain steps parked), and the passes whose
+    largest token gap reached STALL_GAP_S (its own and the copies'); a result rebuilt from a journal (flat levels, in
+    any order, no concurrency list) reads the same."""
     import bench_scripts
 
     passes = bench_scripts.load("serving_passes")
@@ -278,6 +278,10 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
         "stream_tail": 0.003 / 0.003 - 1})
     assert second["phases_control"] == pytest.approx({"decode_phase": decode["fixed-again"] / decode["fixed"] - 1,
                                                       "stream_tail": 0.004 / 0.002 - 1})
+    assert records[1]["parked"] is None  # (no plain step)
+    runs[2]["levels"][1]["adaptive_steps"].update(plain=400, parked_steps=300)  # the share of plain steps parked
+    assert passes.run_passes(result)[1][1]["parked"] == 0.75
+    runs[2]["levels"][1]["adaptive_steps"].update(plain=0, parked_steps=0)
     runs[2]["levels"][1]["engine"]["prefill_launch_seconds"] = None  # a server that does not report it
     assert "prefill_launch" not in passes.run_passes(result)[1][1]["admission"]
     assert passes.stalls(records) is None  # (no ITLs in these levels)
