@@ -179,8 +179,8 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
                       "control": {}, "detached": (steps["detached"] / adaptive["completed"]
                                                   if "detached" in steps and adaptive.get("completed") else None),
                       "attached": dict(steps.get("attached") or {}), "draw_ratio": draws,
-                      "parked": (steps["parked_steps"] / steps["plain"] if steps.get("plain") and "parked_steps" in steps
-                                 else None)}
+                      "parked": (steps["parked_steps"] / steps["plain"]
+                                 if steps.get("plain") and "parked_steps" in steps else None)}
             for counter in COUNTERS:
                 theirs = [per_decode(levels[name][k], counter) for name in copies]
                 mine = per_decode(adaptive, counter)
