@@ -140,12 +140,12 @@ Rule: pick the candidate with the most expected committed tokens per second for 
   probes of rounds priced at the measured acceptance (session 57), every H200 x4 bar run with the 1k shared prefix
   still made one at load 1 within its 256 concurrency-1 requests (~40 ms served: its request's rounds, the catch-up,
   the arrivals that joined with their drafts while it waited), its pass ~1.7 points below the others and the level
-  ~0.4 below plain, which "never slower" cannot absorb; at 0.2% the spacing there is ~600 requests (bench/
-  replay_probe_budget.py at the bar's step costs: -0.13% against plain over 1024 requests, -0.23% at 0.5%; after a
-  change of workload to rounds winning 2:1, rounds back within a mean of 286 requests, 562 at most, against 124 and
-  225 at 0.5%). While the other's realized figure rests on fewer
-  than three epochs and prices it above its parts, both take it at its parts (`_probe_price`): a lone epoch that
-  caught a stall must not keep its choice from the probe that re-measures it. The catch-up a probe epoch of plain
+  ~0.4 below plain, which "never slower" cannot absorb; at 0.2% the spacing there is ~600 requests
+  (bench/replay_probe_budget.py at the bar's step costs: -0.13% against plain over 1024 requests, -0.23% at 0.5%;
+  after a change of workload to rounds winning 2:1, rounds back within a mean of 286 requests, 562 at most, against
+  124 and 225 at 0.5%). While the other's realized figure rests on fewer than three epochs and prices it above its
+  parts, both take it at its parts (`_probe_price`): a lone epoch that caught a stall must not keep its choice from
+  the probe that re-measures it. The catch-up a probe epoch of plain
   steps leaves to the next round lands in that round's epoch, which the low median over its window keeps out of
   the rounds' figure (it is the probe's cost), and it is counted in the probe's expected cost (`_probe_cost`): on
   the H200 (2026-11-23, 128-token prompts) the first decision after a probe at concurrency 1 weighed a catch-up of
