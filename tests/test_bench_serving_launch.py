@@ -563,3 +563,75 @@ def test_pin_cpus_with_interleave_moves_the_servers_between_passes(monkeypatch, 
     result = json.loads(next(tmp_path.glob("serving-*.json")).read_text())
     runs = {run["name"]: run for run in result["figures"]["runs"]}
     assert [lv["cpus"] for lv in runs["a"]["levels"]] == [[0, 1], [2, 3], [0, 1]]
+
+
+def _source_copy(tmp_path):
+    """A copy of this checkout's spruce package (its assets left out) whose import says so on stderr."""
+    import shutil
+    import spruce
+
+    src = tmp_path / "other-src"
+    shutil.copytree(Path(spruce.__file__).parent, src / "spruce",
+                    ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    init = src / "spruce" / "__init__.py"
+    marker = "\nimport sys as _sys\nprint('spruce imported from the copy', file=_sys.stderr)\n"
+    init.write_text(init.read_text() + marker)
+    return src
+
+
+def test_launch_src_runs_a_server_from_another_source_tree(tmp_path):
+    """`--launch-src NAME=DIR` (LaunchedServer's `src`): the server, its engine process included, imports spruce
+    from DIR (two versions side by side in one run); fails if it runs this checkout's instead."""
+    from spruce.bench.serving_launch import LaunchedServer, source_env
+    from spruce.config import builtin_model_path
+
+    src = _source_copy(tmp_path)
+    env = source_env(str(src))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(src.resolve()) and source_env(None) is None
+    log = tmp_path / "server.log"
+    with LaunchedServer(["--device", "cpu", "--model", str(builtin_model_path()), "--disable-speculative"], log, 300,
+                        src=str(src)) as base_url:
+        assert base_url.startswith("http://127.0.0.1:")
+    assert log.read_text().count("spruce imported from the copy") >= 2  # the HTTP process and the engine process
+
+
+def test_launch_src_entries_are_checked_and_keep_their_servers_apart(monkeypatch, tmp_path, capsys):
+    """--launch-src: an entry naming no --launch configuration, one given twice, one whose directory holds no spruce
+    package, or one without --launch is refused with the value named; a server given another source records it and
+    is no copy of a server of the same flags (no twin figure), which without it it is."""
+    import spruce.bench.serving as serving
+    import spruce.bench.serving_launch as launch
+
+    src = str(_source_copy(tmp_path))
+    for entry, message in ((f"c={src}", "'c' is no --launch configuration"), (f"b={tmp_path}", "holds no spruce"),
+                           ("b", "expected NAME=DIR")):
+        assert main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--launch-src", entry]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--launch-src", f"b={src}",
+                 "--launch-src", f"b={src}"]) == 2
+    assert "was given a source already" in capsys.readouterr().err
+    assert main(["bench", "serving", "--launch-src", f"b={src}"]) == 2
+    assert "--launch-src configure --launch servers" in capsys.readouterr().err
+    sources = []
+    monkeypatch.setattr(launch.LaunchedServer, "__enter__", lambda self: sources.append(self.src) or "http://h:9")
+    monkeypatch.setattr(launch.LaunchedServer, "__exit__", lambda self, *exc: None)
+    monkeypatch.setattr(serving, "_served_model", lambda args, base_url: "m")
+    monkeypatch.setattr(serving, "_prompts_for", lambda args, model: (tmp_path / "p.jsonl", ["x"]))
+    monkeypatch.setattr(serving, "server_info", lambda base_url, headers: {"device": "cpu"})
+    monkeypatch.setattr(serving, "_plot_and_print", lambda series, path: None)
+
+    async def bench(args, targets, prompts, on_level=None, before_pass=None):
+        return [([{"concurrency": 1, "pass": 1, "output_throughput_tok_s": tps, "completed": 1, "failed": 0}], None)
+                for tps in (1.0, 1.1)]
+
+    monkeypatch.setattr(serving, "_bench", bench)
+    for given, out in (([], tmp_path / "same"), (["--launch-src", f"b={src}"], tmp_path / "other")):
+        assert main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--interleave", "--concurrency", "1",
+                     *given, "--out-dir", str(out)]) == 0
+        result = json.loads(next(out.glob("serving-*.json")).read_text())
+        runs = {run["name"]: run for run in result["figures"]["runs"]}
+        twins = result["figures"]["paired_versus_twin"]["prefix_cache"]["1"]
+        if given:
+            assert runs["b"]["src"] == src and "src" not in runs["a"] and sources[-2:] == [None, src] and twins == {}
+        else:
+            assert set(twins) == {"a", "b"}  # one configuration's two copies

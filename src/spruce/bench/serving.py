@@ -14,6 +14,8 @@ HTTP API like any server, and writes all of them into one result: figures.runs[i
 server, levels}, plus figures.summary (output tokens/s per prefix-cache mode, concurrency and run: one figure per
 pass). `--passes N` runs the levels N times over on each server; every pass is reported. `--interleave` starts
 every configuration at once and runs each level on each server in turn, so a comparison is side by side in time.
+`--launch-src NAME=DIR` runs configuration NAME's server with spruce imported from the source tree DIR (e.g. another
+commit's src/ from `git archive`): two versions of the code side by side in one run, each server otherwise alike.
 A level's requests go out from `--client-processes` processes (default: one per 4 streams in flight), so that the
 client's own parsing does not limit the levels of high concurrency (bench/serving_client.py).
 
@@ -86,6 +88,10 @@ def add_serving_parser(sub) -> None:
                    help="start `spruce serve --server-args FLAGS` for this configuration and benchmark it "
                         "(repeatable; one result for all); without it, the server at --base-url is measured")
     p.add_argument("--server-args", default="", help="engine/server flags every --launch configuration gets")
+    p.add_argument("--launch-src", action="append", default=[], metavar="NAME=DIR",
+                   help="run --launch configuration NAME's server with spruce imported from the source tree DIR "
+                        "(holding spruce/, e.g. another commit's src/ from `git archive`): two versions side by side "
+                        "in one run (repeatable; a configuration of other flags or another source is no copy)")
     p.add_argument("--compare-prefix-cache", action="store_true",
                    help="with --launch: run every configuration with the prefix cache and again without it")
     p.add_argument("--launch-timeout", type=float, default=900.0,
@@ -588,10 +594,11 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         return 2
     if args.launch:
         return _run_launched(args)
-    if args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus or args.rotation:
-        print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave, --pin-cpus and --rotation "
-              "configure --launch servers; add --launch NAME=FLAGS (or drop them to measure the server at "
-              "--base-url)", file=sys.stderr)
+    if (args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus or args.rotation
+            or args.launch_src):
+        print("spruce bench serving: --server-args, --compare-prefix-cache, --interleave, --pin-cpus, --rotation and "
+              "--launch-src configure --launch servers; add --launch NAME=FLAGS (or drop them to measure the server "
+              "at --base-url)", file=sys.stderr)
         return 2
     try:
         model = _served_model(args, args.base_url)
@@ -610,6 +617,25 @@ def run_serving_bench(args: argparse.Namespace) -> int:
     return 0 if stopped is None and all(lv["failed"] == 0 for lv in levels) else 1
 
 
+def launch_sources(texts: list[str], names: list[str]) -> dict[str, str]:
+    """`--launch-src` NAME=DIR entries as {name: dir}: ValueError naming the entry where NAME is no --launch
+    configuration (of `names`), is given twice, or DIR holds no spruce package (serving_launch.check_source)."""
+    from spruce.bench.serving_launch import check_source
+
+    sources: dict[str, str] = {}
+    for text in texts:
+        name, sep, src = text.partition("=")
+        if not sep or not src:
+            raise ValueError(f"--launch-src {text!r}: expected NAME=DIR")
+        if name not in names:
+            raise ValueError(f"--launch-src {text!r}: {name!r} is no --launch configuration (they are {names})")
+        if name in sources:
+            raise ValueError(f"--launch-src {text!r}: {name!r} was given a source already ({sources[name]!r})")
+        check_source(src)
+        sources[name] = src
+    return sources
+
+
 def _run_launched(args: argparse.Namespace) -> int:
     """Start, measure and stop one server per configuration (x prefix cache on/off); one result for all."""
     from spruce.bench.common import write_result
@@ -622,6 +648,11 @@ def _run_launched(args: argparse.Namespace) -> int:
         return 2
     if len({c.name for c in configs}) != len(configs):
         print(f"spruce bench serving: --launch names must differ, got {[c.name for c in configs]}", file=sys.stderr)
+        return 2
+    try:
+        sources = launch_sources(args.launch_src, [c.name for c in configs])
+    except ValueError as e:
+        print(f"spruce bench serving: {e}", file=sys.stderr)
         return 2
     common = shlex.split(args.server_args)
     modes = (True, False) if args.compare_prefix_cache else (True,)
@@ -651,10 +682,11 @@ def _run_launched(args: argparse.Namespace) -> int:
                 (cfg, cache), cpus = group[i], server_cpus[i]
                 flags = [*common, *cfg.flags] + ([] if cache else ["--disable-radix-cache"])
                 label = f"{cfg.name}{'' if cache else ', no prefix cache'}"
-                print(f"== {label}: spruce serve {shlex.join(flags)}")
+                src = sources.get(cfg.name)
+                print(f"== {label}: spruce serve {shlex.join(flags)}" + (f" (spruce from {src})" if src else ""))
                 log = out_dir / "server-logs" / f"{cfg.name}{'' if cache else '-no-cache'}.log"
                 try:
-                    launched[i] = LaunchedServer(flags, log, args.launch_timeout, cpus)
+                    launched[i] = LaunchedServer(flags, log, args.launch_timeout, cpus, src)
                     base_url = stack.enter_context(launched[i])
                     model = _served_model(args, base_url)
                 except (RuntimeError, SystemExit) as e:
@@ -664,7 +696,7 @@ def _run_launched(args: argparse.Namespace) -> int:
                     prompts_path, prompts = _prompts_for(args, model)
                 targets[i] = (base_url, model)
                 started[i] = {"name": cfg.name, "prefix_cache": cache, "server_flags": flags, "log": str(log),
-                              "cpus": cpus, "started": start}
+                              "cpus": cpus, "started": start} | ({"src": src} if src else {})
             runs.extend(started)
             keys = [{"server": run["name"], "prefix_cache": run["prefix_cache"]} for run in runs[-len(group):]]
 
@@ -693,7 +725,8 @@ def _run_launched(args: argparse.Namespace) -> int:
     summary = {("prefix_cache" if cache else "no_prefix_cache"): {
         str(c): {r["name"]: [lv["output_throughput_tok_s"] for lv in r["levels"] if lv["concurrency"] == c]
                  for r in runs if r["prefix_cache"] == cache} for c in args.concurrency} for cache in modes}
-    config_of = {cfg.name: shlex.join(cfg.flags) for cfg in configs}  # servers of equal flags are copies
+    config_of = {cfg.name: shlex.join(cfg.flags) + (f" @{sources[cfg.name]}" if cfg.name in sources else "")
+                 for cfg in configs}  # servers of equal flags and source are copies
     versus = {mode: {c: versus_best_other(per_run, config_of) for c, per_run in per_level.items()}
               for mode, per_level in summary.items()}
     paired = {mode: {c: paired_versus_best_other(per_run, config_of) for c, per_run in per_level.items()}

@@ -92,10 +92,31 @@ def pin_tree(pid: int, cpus: list[int]) -> int:
     return moved
 
 
-def start_process(cmd: list[str], log, cpus: list[int] | None = None) -> subprocess.Popen:
-    """`cmd` in a new session, its output to `log`; with `cpus`, it and every process it starts run only there."""
+def start_process(cmd: list[str], log, cpus: list[int] | None = None,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`cmd` in a new session, its output to `log`; with `cpus`, it and every process it starts run only there;
+    `env`: its environment (None: this process's)."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pin,
+                            env=env)
+
+
+def source_env(src: str | None) -> dict[str, str] | None:
+    """The environment of a server that imports spruce from the source tree `src` (a directory holding spruce/,
+    e.g. another commit's src/ from `git archive`) instead of this one's: this process's environment with `src`
+    first on PYTHONPATH, which the server's engine process inherits (None: `src` None, this process's own)."""
+    if src is None:
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def check_source(src: str) -> None:
+    """ValueError naming `src` unless it is a source tree holding the spruce package (spruce/__init__.py)."""
+    if not (Path(src) / "spruce" / "__init__.py").is_file():
+        raise ValueError(f"--launch-src: {src!r} holds no spruce package (expected {src}/spruce/__init__.py, e.g. "
+                         f"another commit's src/ from `git archive`)")
 
 
 def free_port() -> int:
@@ -106,10 +127,11 @@ def free_port() -> int:
 
 class LaunchedServer:
     """`with LaunchedServer(flags, log_path, timeout) as base_url:` a `spruce serve` child answering /health (with
-    `cpus`: running only on those CPUs)."""
+    `cpus`: running only on those CPUs; with `src`: importing spruce from that source tree, `source_env`)."""
 
-    def __init__(self, flags: list[str], log_path: Path, timeout: float, cpus: list[int] | None = None):
-        self.flags, self.log_path, self.timeout, self.cpus = flags, log_path, timeout, cpus
+    def __init__(self, flags: list[str], log_path: Path, timeout: float, cpus: list[int] | None = None,
+                 src: str | None = None):
+        self.flags, self.log_path, self.timeout, self.cpus, self.src = flags, log_path, timeout, cpus, src
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> str:
@@ -117,7 +139,7 @@ class LaunchedServer:
         cmd = [sys.executable, "-m", "spruce.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *self.flags]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("w")
-        self.proc = start_process(cmd, self._log, self.cpus)
+        self.proc = start_process(cmd, self._log, self.cpus, source_env(self.src))
         base_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
