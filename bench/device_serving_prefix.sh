@@ -25,6 +25,9 @@
 #   PIN_CPUS=0:            servers and client share every CPU (default: --pin-cpus, each server's processes on CPUs of
 #                          their own and the client on the rest, so that no placement favours one server; pinned,
 #                          2026-11-25, adaptive still trailed plain at concurrency 1 by ~8%, as unpinned).
+#   CPUS_PER_SERVER=N:     with pinning, N CPUs for each server and the client the rest (bench serving
+#                          --cpus-per-server; default a quarter of the CPUs per two servers: 2 of 16 for four servers,
+#                          where a server's HTTP and engine processes share two CPUs).
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
@@ -46,7 +49,7 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive ${ADAPTIVE_EXTRA:-}" \
     ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
-    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ) ${ROTATION:+--rotation $ROTATION} --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ${CPUS_PER_SERVER:+--cpus-per-server $CPUS_PER_SERVER} ) ${ROTATION:+--rotation $ROTATION} --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/bench.log" | grep -v "^pass" | tail -40
   grep -h "spruce.adaptive" "$OUT/$name/server-logs/adaptive.log" > "$OUT/$name/adaptive-policy.log"
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done

@@ -413,6 +413,35 @@ def test_cpu_sets_give_each_server_cpus_of_its_own():
         cpu_sets(4, list(range(7)))
 
 
+def test_cpu_sets_with_cpus_per_server_give_the_client_the_rest():
+    """--cpus-per-server N: N CPUs a server (whole cores first), the client the rest; servers that would leave the
+    client no CPU, or a negative count, are errors naming the counts."""
+    from spruce.bench.serving_launch import cpu_sets
+
+    client, servers = cpu_sets(4, list(range(16)), per_server=3)
+    assert servers == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]] and client == [12, 13, 14, 15]
+    client, servers = cpu_sets(2, list(range(16)), core=lambda cpu: (0, cpu % 8), per_server=4)  # two cores each
+    assert servers == [[0, 1, 8, 9], [2, 3, 10, 11]] and client == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert cpu_sets(4, list(range(16)), per_server=0) == cpu_sets(4, list(range(16)))
+    with pytest.raises(ValueError, match=r"at least 17 CPUs for 4 servers of 4 CPUs.*on 16"):
+        cpu_sets(4, list(range(16)), per_server=4)
+    with pytest.raises(ValueError, match=r"must be >= 0.*-1"):
+        cpu_sets(4, list(range(16)), per_server=-1)
+
+
+@pytest.mark.parametrize("flags, message", [(["--cpus-per-server", "3"], "add --pin-cpus"),
+                                            (["--pin-cpus", "--cpus-per-server", "-2"], "must be >= 0"),
+                                            (["--pin-cpus", "--cpus-per-server", "5"], "at least 11 CPUs")])
+def test_cpus_per_server_is_refused_where_it_cannot_apply(flags, message, monkeypatch, capsys, tmp_path):
+    import spruce.bench.serving_launch as launch
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(launch.LaunchedServer, "__enter__", lambda self: pytest.fail("a server was started"))
+    rc = main(["bench", "serving", "--launch", "a=", "--launch", "b=", "--interleave", *flags,
+               "--out-dir", str(tmp_path)])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
 def test_cpu_sets_keep_the_threads_of_a_core_together():
     """Two hardware threads per core, numbered as Linux does (core k holds CPUs k and k + 8): each server gets both
     threads of one core, and the client only cores no server has a thread of."""

@@ -113,6 +113,10 @@ def add_serving_parser(sub) -> None:
                         "the client or another server; with --interleave the servers trade sets between passes "
                         "(each pass one further), so that a slower set is every server's in turn; each level "
                         "records its server's set")
+    p.add_argument("--cpus-per-server", type=int, default=0, metavar="N",
+                   help="with --pin-cpus: N CPUs for each server, the client the rest (0, the default: a quarter "
+                        "of the CPUs per two servers, the client at least half): two CPUs for a server's HTTP and "
+                        "engine processes leave its engine loop's host work on the critical path at concurrency 1")
     p.add_argument("--rotation", type=int, default=0,
                    help="with --launch: this run's place in a set of runs of the same servers (0, 1, ...): the "
                         "servers start from the K-th (mod their number), and pass p takes the server order "
@@ -592,6 +596,14 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"spruce bench serving: --client-processes must be >= 0 (0: automatic), got {args.client_processes}",
               file=sys.stderr)
         return 2
+    if args.cpus_per_server < 0:
+        print(f"spruce bench serving: --cpus-per-server must be >= 0 (0: automatic), got {args.cpus_per_server}",
+              file=sys.stderr)
+        return 2
+    if args.cpus_per_server and not args.pin_cpus:
+        print(f"spruce bench serving: --cpus-per-server {args.cpus_per_server} deals the CPUs of --pin-cpus; add "
+              f"--pin-cpus (or drop it)", file=sys.stderr)
+        return 2
     if args.launch:
         return _run_launched(args)
     if (args.server_args or args.compare_prefix_cache or args.interleave or args.pin_cpus or args.rotation
@@ -670,7 +682,7 @@ def _run_launched(args: argparse.Namespace) -> int:
         server_cpus = [None] * len(group)
         if args.pin_cpus:
             try:
-                client_cpus, server_cpus = cpu_sets(len(group), all_cpus)
+                client_cpus, server_cpus = cpu_sets(len(group), all_cpus, per_server=args.cpus_per_server)
             except ValueError as e:
                 print(f"spruce bench serving: {e}", file=sys.stderr)
                 return 2

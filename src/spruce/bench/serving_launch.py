@@ -45,18 +45,27 @@ def cpu_core(cpu: int) -> tuple[int, int]:
         return 0, cpu
 
 
-def cpu_sets(servers: int, cpus: list[int], core=cpu_core) -> tuple[list[int], list[list[int]]]:
+def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) -> tuple[list[int], list[list[int]]]:
     """Split `cpus` (this process's affinity) into the client's CPUs and one disjoint set per server: each server
-    len(cpus) // (2 x servers) CPUs (a server is two busy processes, HTTP and engine), the client the rest (its
-    processes parse every streamed chunk; at least half of `cpus`). The CPUs are dealt in the order of their
-    physical cores (`core(cpu)`), so the hardware threads of one core go to one server or to the client: dealt in
-    number order on a machine whose core k holds CPUs k and k + n/2, as Linux numbers them, every server's CPUs
-    shared cores with the client's, whose load then took the server's cycles. ValueError when there are fewer
-    than two CPUs per server plus one."""
-    per = len(cpus) // (2 * servers) if servers > 0 else 0
-    if per < 1:
-        raise ValueError(f"--pin-cpus needs at least {2 * servers + 1} CPUs for {servers} servers and the client, "
-                         f"this process may run on {len(cpus)} ({cpus})")
+    `per_server` CPUs, or with 0 len(cpus) // (2 x servers) (a server is two busy processes, HTTP and engine), the
+    client the rest (its processes parse every streamed chunk; with 0 at least half of `cpus`). The CPUs are dealt in
+    the order of their physical cores (`core(cpu)`), so the hardware threads of one core go to one server or to the
+    client: dealt in number order on a machine whose core k holds CPUs k and k + n/2, as Linux numbers them, every
+    server's CPUs shared cores with the client's, whose load then took the server's cycles.
+
+    The default starves a server of a 16-CPU machine shared by four (the serving bar's H200 runs) to two CPUs for
+    its two processes: there an adaptive server's engine loop took 9.4 +- 2.2 us more host time a decode step than
+    a plain one's at concurrency 1 (27 run pairs, 2026-11-28), while with four CPUs a server (two servers on that
+    machine) their host parts read alike (`--cpus-per-server`, bench serving; DESIGN §16, session 59).
+    ValueError when the servers' CPUs leave the client none (or, by default, fewer than two CPUs a server)."""
+    if per_server < 0:
+        raise ValueError(f"--cpus-per-server must be >= 0 (0: automatic), got {per_server}")
+    per = per_server or (len(cpus) // (2 * servers) if servers > 0 else 0)
+    if per < 1 or per * servers >= len(cpus):
+        need = per_server * servers + 1 if per_server else 2 * servers + 1
+        raise ValueError(f"--pin-cpus needs at least {need} CPUs for {servers} servers"
+                         + (f" of {per_server} CPUs" if per_server else "")
+                         + f" and the client, this process may run on {len(cpus)} ({cpus})")
     cpus = sorted(cpus, key=lambda cpu: (core(cpu), cpu))
     return sorted(cpus[per * servers:]), [sorted(cpus[i * per:(i + 1) * per]) for i in range(servers)]
 
