@@ -5,7 +5,8 @@ the spread of the control copy (CONTROL=1: a second copy of the workload's bette
 
 One run's four to six passes cannot tell 5% apart on the H200 (identical servers move 10-40% between passes): the
 pooled figures over runs of similar code are what the bar can be judged on. Only results that ran plain, fixed and
-adaptive side by side count; their prefix-cache levels only. bench/serving_passes.py splits the same passes by
+adaptive side by side count; their prefix-cache levels only; runs whose servers had different CPU budgets
+(--pin-cpus, --cpus-per-server) are pooled apart (`bar_setting`). bench/serving_passes.py splits the same passes by
 whether the adaptive server ran the losing choice in them (probes, switches) and by first and later passes.
 
 Usage (repo root): python bench/serving_bar.py bench/results/serving-nvidia-h200-2026112*.json [--out-dir DIR]
@@ -20,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import write_result
-from spruce.bench.serving import paired_versus_best_other, paired_versus_twin, workload_name
+from spruce.bench.serving import bar_setting, paired_versus_best_other, paired_versus_twin
 from spruce.bench.serving_launch import LaunchConfig
 
 BAR = ("plain", "fixed", "adaptive")
@@ -84,7 +85,7 @@ def main() -> None:
         figures = run_figures(result)
         if figures:
             runs.append({"file": path.name, "git_commit": result["git_commit"],
-                         "workload": workload_name(result["config"]), "levels": figures})
+                         "workload": bar_setting(result), "levels": figures})
             devices.add(result["device"])
     table = {}
     for run in runs:

@@ -67,7 +67,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import host_adjusted, mean_se, write_result
-from spruce.bench.serving import mean_prefill_launch, workload_name
+from spruce.bench.serving import bar_setting, mean_prefill_launch
 from spruce.bench.serving_launch import LaunchConfig
 
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
@@ -153,7 +153,7 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
     """One result's adaptive passes: (workload, one record per pass and concurrency), None without plain, fixed and
     adaptive servers and a copy of the better one."""
     config = result["config"]
-    workload = workload_name(config)
+    workload = bar_setting(result)  # (pinned servers' CPU budgets apart)
     launch = {cfg.name: shlex.join(cfg.flags) for cfg in map(LaunchConfig.parse, config.get("launch") or [])}
     runs = {run["name"]: run for run in runs_of(result) if run.get("prefix_cache", True)}
     if not {"plain", "fixed", "adaptive"} <= set(runs) <= set(launch):

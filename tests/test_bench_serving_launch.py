@@ -170,7 +170,7 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     got = bar.run_figures(result)["8"]
     assert got["adaptive_vs_better"] == pytest.approx(statistics.median([95 / 105 - 1, 99 / 91 - 1]))
     assert got["control_vs_twin"] == pytest.approx(statistics.median([110 / 100 - 1, 92 / 90 - 1]))
-    assert got["passes"] == 2 and bar.workload_name(result["config"]) == "prefix1024+256"
+    assert got["passes"] == 2 and bar.bar_setting(result) == "prefix1024+256"
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert bar.run_figures(result) is None
     pooled = bar.pooled([-0.02, 0.0, 0.02, 0.04])  # runs' figures: the mean's standard error is stdev / 2
@@ -178,6 +178,25 @@ def test_serving_bar_pools_the_adaptive_server_against_the_better_configuration(
     assert pooled["lower_95"] == pytest.approx(0.01 - 2.353 * pooled["stderr"])  # Student's t, 3 degrees of freedom
     assert bar.one_sided_95(31) == 1.697 and bar.one_sided_95(32) == 1.645
     assert bar.pooled([0.03])["stderr"] is None and bar.pooled([0.03])["lower_95"] is None
+
+
+def test_runs_on_different_cpu_budgets_are_pooled_apart():
+    """`bar_setting`: a result's workload, and for pinned servers how many CPUs each had (from its levels, or a
+    journal's), so that bench/serving_bar.py and serving_passes.py pool runs of one CPU budget only."""
+    from spruce.bench.serving import bar_setting, server_cpus
+
+    config = {"shared_prefix_tokens": 1024, "prompt_tokens": 256}
+
+    def result(*cpu_sets):
+        return {"config": config, "figures": {"runs": [{"name": f"s{i}", "levels": [{"cpus": cpus}]}
+                                                       for i, cpus in enumerate(cpu_sets)]}}
+
+    assert bar_setting(result([0, 1], [2, 3])) == "prefix1024+256, 2 CPUs a server"
+    assert bar_setting(result([0, 1, 2], [3, 4, 5])) == "prefix1024+256, 3 CPUs a server"
+    assert bar_setting(result(None, None)) == "prefix1024+256"  # not pinned
+    assert server_cpus(result([0], [1, 2])) == [1, 2] and bar_setting(result([0], [1])).endswith(", 1 CPU a server")
+    assert bar_setting({"config": {"prompt_tokens": 128}, "figures": {"levels": [{"cpus": [4, 5, 6, 7]}]}}) == \
+        "prompt128, 4 CPUs a server"  # a journal's levels
 
 
 def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
@@ -210,7 +229,7 @@ def test_serving_journal_rebuilds_a_cut_run_for_the_bar(tmp_path):
                    check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent,
                    env=os.environ | {"SPRUCE_GIT_COMMIT": "abc"})
     result = json.loads(next(out.glob("serving-*.json")).read_text())
-    assert result["git_commit"] == "abc" and bar.workload_name(result["config"]) == "prefix1024+256"
+    assert result["git_commit"] == "abc" and bar.bar_setting(result) == "prefix1024+256"
     got = bar.run_figures(result)["8"]
     assert got["adaptive_vs_better"] == pytest.approx(statistics.median([95 / 105 - 1, 99 / 91 - 1]))
     assert got["passes"] == 2

@@ -818,6 +818,23 @@ def workload_name(config: dict) -> str:
     return f"prefix{prefix}+{config['prompt_tokens']}" if prefix else f"prompt{config['prompt_tokens']}"
 
 
+def server_cpus(result: dict) -> list[int]:
+    """How many CPUs each pinned server of a `bench serving` result had (--pin-cpus; sorted, distinct), from its
+    levels (a journal's too); empty where the servers were not pinned."""
+    figures = result["figures"]
+    levels = [lv for run in figures.get("runs", []) for lv in run.get("levels", [])] + figures.get("levels", [])
+    return sorted({len(lv["cpus"]) for lv in levels if lv.get("cpus")})
+
+
+def bar_setting(result: dict) -> str:
+    """What a bar result's figures may be pooled under: its workload (`workload_name`) and, for pinned servers, their
+    CPUs each: at two CPUs a server the adaptive server's host time reached its tokens, at four it did not (DESIGN
+    §16, session 59), so runs on different CPU budgets are not one population."""
+    name = workload_name(result["config"])
+    cpus = server_cpus(result)
+    return name + (f", {'/'.join(map(str, cpus))} CPU{'' if cpus == [1] else 's'} a server" if cpus else "")
+
+
 def paired_versus_twin(per_run: dict[str, list[float]], configs: dict[str, str]) -> dict[str, float]:
     """Each run that has copies (runs of its configuration): its output tokens/s over the mean of its copies' in the
     same pass, less 1, the median over the passes they all have. How far one server's figure moves with nothing
