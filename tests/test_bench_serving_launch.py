@@ -51,6 +51,7 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert lv["triton_compiles"] is None  # the CPU interpreter compiles nothing: the server counts nothing
         # the engine runs in its own process (the default), which reports its CPU seconds
         assert 0 < lv["engine"]["cpu_seconds"] and 0 <= lv["machine_steal_fraction"] < 1
+        assert 0 < lv["engine"]["server_cpu_seconds"]  # and the HTTP process, its own
         # its prefills' launch seconds (part of the launch part) and the admission rounds prefill batching held
         # (none: no --scheduler-delay-factor)
         assert 0 < lv["engine"]["prefill_launch_seconds"] <= lv["engine"]["seconds"]["step.launch"]
@@ -446,6 +447,18 @@ def test_cpu_sets_with_cpus_per_server_give_the_client_the_rest():
         cpu_sets(4, list(range(16)), per_server=4)
     with pytest.raises(ValueError, match=r"must be >= 0.*-1"):
         cpu_sets(4, list(range(16)), per_server=-1)
+
+
+def test_server_load_is_the_servers_cpu_seconds_over_the_level_against_its_cpus():
+    """A pinned level's line reads how many of its server's CPUs its two processes kept busy; nothing where the
+    server was not pinned or a process's CPU seconds were not reported."""
+    from spruce.bench.serving import server_load
+
+    level = {"cpus": [0, 1], "duration_s": 2.0, "engine": {"cpu_seconds": 1.9, "server_cpu_seconds": 1.4}}
+    assert server_load(level) == ", server CPUs busy 1.65 of 2"
+    assert server_load(level | {"cpus": None}) == ""
+    assert server_load(level | {"engine": {"cpu_seconds": 1.9, "server_cpu_seconds": None}}) == ""
+    assert server_load(level | {"engine": None}) == ""
 
 
 @pytest.mark.parametrize("flags, message", [(["--cpus-per-server", "3"], "add --pin-cpus"),

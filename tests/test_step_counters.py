@@ -57,6 +57,9 @@ def test_metrics_expose_the_counters(make_llm):
     assert 'spruce_engine_step_seconds_total{part="launch"}' in text
     assert 'spruce_engine_process_seconds_total{part="send"} 0.25' in text
     assert "spruce_engine_process_cpu_seconds_total 0.625" in text
+    served = float(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("spruce_server_process_cpu_seconds_total ")))
+    assert 0 < served <= time.process_time()  # this process's own CPU seconds when rendered
 
 
 def test_stats_cadence():

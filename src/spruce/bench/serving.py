@@ -191,10 +191,11 @@ ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in 
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
                   for family, parts in (("step", STEP_PARTS), ("process", PROCESS_PARTS)) for part in parts}
 ENGINE_CPU = "spruce_engine_process_cpu_seconds_total"
+SERVER_CPU = "spruce_server_process_cpu_seconds_total"  # the HTTP process's
 PREFILL_LAUNCH, PREFILL_HOLDS = "spruce_engine_prefill_launch_seconds_total", "spruce_prefill_holds_total"
 COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", *ADAPTIVE_STEPS,
             *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES, *ENGINE_STEPS.values(), "spruce_engine_decode_rows_total",
-            *ENGINE_SECONDS.values(), ENGINE_CPU, PREFILL_LAUNCH, PREFILL_HOLDS)
+            *ENGINE_SECONDS.values(), ENGINE_CPU, SERVER_CPU, PREFILL_LAUNCH, PREFILL_HOLDS)
 HELD_FRACTION = 0.9  # a level whose client held fewer than this fraction of its streams in flight is flagged
 ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
                    "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
@@ -273,6 +274,7 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
                   "prefills_per_request": steps["prefill"] / len(ok) if ok else None,
                   "seconds": {key: delta[name] for key, name in ENGINE_SECONDS.items() if name in delta},
                   "cpu_seconds": delta.get(ENGINE_CPU),  # the engine process's CPU seconds (None: not reported)
+                  "server_cpu_seconds": delta.get(SERVER_CPU),  # the HTTP process's (None: not reported)
                   # the prefill launches' seconds, whose mean prices how long --scheduler-delay-factor holds arrivals
                   # back, and the admission rounds it held them (None: not reported)
                   "prefill_launch_seconds": delta.get(PREFILL_LAUNCH),
@@ -451,6 +453,17 @@ def last_pass(levels: list[dict]) -> list[dict]:
     return [lv for lv in levels if lv.get("pass", 1) == last]
 
 
+def server_load(lv: dict) -> str:
+    """A pinned level's server CPUs kept busy (its engine and HTTP processes' CPU seconds over the level's wall time)
+    against the CPUs it had: near them, a server's host work queues for a CPU and reaches its tokens (two CPUs a
+    server at concurrency 1 on the H200: 1.65-1.7 busy, 2026-11-28). Empty where not pinned or not reported."""
+    eng = lv.get("engine") or {}
+    cpus, engine_cpu, server_cpu = lv.get("cpus"), eng.get("cpu_seconds"), eng.get("server_cpu_seconds")
+    if not cpus or engine_cpu is None or server_cpu is None or lv["duration_s"] <= 0:
+        return ""
+    return f", server CPUs busy {(engine_cpu + server_cpu) / lv['duration_s']:.2f} of {len(cpus)}"
+
+
 def _print_level(lv: dict) -> None:
     def ms(d, k):
         return "-" if d[k] is None else f"{1e3 * d[k]:.1f}"
@@ -482,7 +495,7 @@ def _print_level(lv: dict) -> None:
                    else f", prefill launch {1e3 * mean_prefill:.2f} ms ({eng.get('prefill_holds')} holds)")
         engine = (f" | engine: {eng['steps']['decode']} decodes (batch {eng['mean_decode_batch']:.1f}), "
                   + ("" if per_request is None else f"{per_request:.2f} prefills/request, ") + "ms per launch "
-                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + prefill + cpu)
+                  + " ".join(f"{part} {v:.3f}" for part, v in per.items()) + prefill + cpu + server_load(lv))
     cached = lv["cached_prompt_tokens"] / lv["prompt_tokens"] if lv["prompt_tokens"] else 0.0
     print(f"pass {lv['pass']} concurrency {lv['concurrency']:>3}: {lv['completed']}/{lv['num_requests']} ok, "
           f"{lv['output_throughput_tok_s']:.1f} tok/s, {lv['request_throughput']:.2f} req/s | "

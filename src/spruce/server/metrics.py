@@ -262,6 +262,8 @@ class Metrics:
                 counter("spruce_engine_process_cpu_seconds_total", "CPU seconds of the engine process, all its "
                         "threads (against its busy wall seconds: below them, it waited for a CPU).",
                         s["process_cpu_seconds"])
+            counter("spruce_server_process_cpu_seconds_total", "CPU seconds of this (HTTP) server process, all its "
+                    "threads (with the engine in this process, its too).", time.process_time())
             counter("spruce_requests_finished_total", "Finished engine requests by finish reason.",
                     {("finish_reason", k): v for k, v in sorted(self.finished.items())})
             counter("spruce_request_errors_total", "Requests answered with an error, by HTTP status.",
