@@ -20,7 +20,10 @@ phase (first to last text chunk) and its stream's tail (`phase`), where the resu
 its TTFT level, where its ITL mean read level (more chunks a request). And per group, the share of the adaptive
 server's requests that joined detached (mean over its passes) and why the others joined with their drafts
 (`adaptive_steps.attached`, summed), and the share of its plain steps that ran parked (`adaptive_steps.parked_steps`,
-session 58: told steps cost the host bookkeeping), where the server reports them.
+session 58: told steps cost the host bookkeeping), where the server reports them. And over the later passes that ran
+the better choice only, the CPUs the adaptive server and the better one's copies kept busy (their engine and HTTP
+processes' CPU seconds over the level, spruce.bench.serving.server_busy) against the CPUs each had: two CPUs a
+server at concurrency 1 ran 1.65-1.7 busy on the H200 (session 59, /proc), where a little more host work queues.
 
 And over every pass, each ratio adjusted for the host's speed in its level: the engines are host-bound from
 concurrency 8 up, and the host's speed moves between the levels of one run (on the H100 x4, four runs at once, one
@@ -67,7 +70,7 @@ import statistics
 from pathlib import Path
 
 from spruce.bench.common import host_adjusted, mean_se, write_result
-from spruce.bench.serving import bar_setting, mean_prefill_launch
+from spruce.bench.serving import bar_setting, mean_prefill_launch, server_busy
 from spruce.bench.serving_launch import LaunchConfig
 
 COUNTERS = ("step.launch", "step.resolve", "step.outputs", "process.messages", "process.step", "process.encode",
@@ -197,8 +200,21 @@ def run_passes(result: dict) -> tuple[str, list[dict]] | None:
             record["admission"], record["admission_control"] = relative(adaptive, theirs, ADMISSION, admission)
             record["phases"], record["phases_control"] = relative(adaptive, theirs, PHASES, phase)
             record["gaps"] = {"adaptive": largest_gap(adaptive), "copies": [largest_gap(level) for level in theirs]}
+            record["cpus_busy"] = {"adaptive": server_busy(adaptive), "copies": [server_busy(lv) for lv in theirs],
+                                   "cpus": len(adaptive.get("cpus") or [])}
             records.append(record)
     return workload, records
+
+
+def cpus_busy(records: list[dict]) -> dict | None:
+    """Over `records`, the mean CPUs the adaptive server and the better configuration's copies kept busy
+    (spruce.bench.serving.server_busy) and the CPUs each had (0: not pinned); None where no pass reports them."""
+    adaptive = [r["cpus_busy"]["adaptive"] for r in records if r["cpus_busy"]["adaptive"] is not None]
+    copies = [busy for r in records for busy in r["cpus_busy"]["copies"] if busy is not None]
+    if not adaptive or not copies:
+        return None
+    return {"adaptive": statistics.fmean(adaptive), "copies": statistics.fmean(copies),
+            "cpus": max(r["cpus_busy"]["cpus"] for r in records)}
 
 
 def largest_gap(level: dict) -> float | None:
@@ -357,6 +373,11 @@ def main() -> None:
                       + f"copies {len(stalled['copies']['stalled'])} of {stalled['copies']['levels']} levels"
                       + "".join(f" ({who}: {', '.join(f'{g * 1e3:.0f}' for g in fig['stalled'])} ms)"
                                 for who, fig in stalled.items() if fig["stalled"]))
+            busy = cpus_busy(clean)
+            summary[workload][str(concurrency)]["cpus_busy"] = busy
+            if busy is not None:
+                print(f"      server CPUs busy (later, better choice only): adaptive {busy['adaptive']:.2f}, better "
+                      f"copies {busy['copies']:.2f}" + (f" of {busy['cpus']}" if busy["cpus"] else ""))
             for key, fig in joined.items():
                 print(f"      {key}: {fig['detached']:.0%} of the requests detached; joined with their drafts: "
                       + (", ".join(f"{reason} {n}" for reason, n in fig["attached"].items()) or "none")

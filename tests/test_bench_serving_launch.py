@@ -310,6 +310,13 @@ def test_serving_passes_splits_the_adaptive_passes_by_the_losing_choice():
             lv["itl_s"] = {"max": gap}
     assert passes.stalls(passes.run_passes(result)[1]) == {  # fixed's second level and the adaptive first stalled
         "adaptive": {"passes": 2, "stalled": [0.11]}, "copies": {"levels": 4, "stalled": [0.12]}}
+    assert passes.cpus_busy(passes.run_passes(result)[1]) is None  # (no CPU seconds in these levels)
+    for run, busy in zip(runs, (1.2, 1.4, 1.8, 1.6)):  # each server's CPUs busy: engine + HTTP seconds / duration
+        for lv in run["levels"]:
+            lv.update(duration_s=2.0, cpus=[0, 1])
+            lv["engine"].update(cpu_seconds=busy, server_cpu_seconds=busy)
+    assert passes.cpus_busy(passes.run_passes(result)[1]) == pytest.approx(
+        {"adaptive": 1.8, "copies": 1.5, "cpus": 2})  # fixed and fixed-again are the better one's copies
     result["config"]["launch"] = ["plain=", "adaptive=--speculative-adaptive"]
     assert passes.run_passes(result) is None
 

@@ -453,15 +453,25 @@ def last_pass(levels: list[dict]) -> list[dict]:
     return [lv for lv in levels if lv.get("pass", 1) == last]
 
 
-def server_load(lv: dict) -> str:
-    """A pinned level's server CPUs kept busy (its engine and HTTP processes' CPU seconds over the level's wall time)
-    against the CPUs it had: near them, a server's host work queues for a CPU and reaches its tokens (two CPUs a
-    server at concurrency 1 on the H200: 1.65-1.7 busy, 2026-11-28). Empty where not pinned or not reported."""
+def server_busy(lv: dict) -> float | None:
+    """The CPUs a level's server kept busy: its engine and HTTP processes' CPU seconds over the level's wall time
+    (None where either is not reported)."""
     eng = lv.get("engine") or {}
-    cpus, engine_cpu, server_cpu = lv.get("cpus"), eng.get("cpu_seconds"), eng.get("server_cpu_seconds")
-    if not cpus or engine_cpu is None or server_cpu is None or lv["duration_s"] <= 0:
+    engine_cpu, server_cpu = eng.get("cpu_seconds"), eng.get("server_cpu_seconds")
+    duration = lv.get("duration_s") or 0.0
+    if engine_cpu is None or server_cpu is None or duration <= 0:
+        return None
+    return (engine_cpu + server_cpu) / duration
+
+
+def server_load(lv: dict) -> str:
+    """A pinned level's server CPUs kept busy (`server_busy`) against the CPUs it had: near them, a server's host work
+    queues for a CPU and reaches its tokens (two CPUs a server at concurrency 1 on the H200: 1.65-1.7 busy,
+    2026-11-28). Empty where not pinned or not reported."""
+    busy = server_busy(lv)
+    if not lv.get("cpus") or busy is None:
         return ""
-    return f", server CPUs busy {(engine_cpu + server_cpu) / lv['duration_s']:.2f} of {len(cpus)}"
+    return f", server CPUs busy {busy:.2f} of {len(lv['cpus'])}"
 
 
 def _print_level(lv: dict) -> None:
