@@ -123,7 +123,7 @@ def main() -> None:
                "steps": {label: {"per_request": len(v) / n, "mean_us": 1e6 * statistics.mean(v),
                                  "p50_us": 1e6 * statistics.median(v), "us_per_request": 1e6 * sum(v) / n}
                          for label, v in sorted(by_label.items())}}
-    stats = llm.engine.strategy.stats() if hasattr(llm.engine.strategy, "stats") else None
+    stats = llm.engine.stats()["adaptive"]  # the adaptive policy's counters (None: a plain engine)
     if stats is not None:
         figures["adaptive"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
     config = dict(vars(args))

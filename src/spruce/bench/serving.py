@@ -619,9 +619,12 @@ def run_serving_bench(args: argparse.Namespace) -> int:
         print(f"spruce bench serving: --client-processes must be >= 0 (0: automatic), got {args.client_processes}",
               file=sys.stderr)
         return 2
-    if args.cpus_per_server < 0:
-        print(f"spruce bench serving: --cpus-per-server must be >= 0 (0: automatic), got {args.cpus_per_server}",
-              file=sys.stderr)
+    from spruce.bench.serving_launch import check_cpus_per_server
+
+    try:
+        check_cpus_per_server(args.cpus_per_server)
+    except ValueError as e:
+        print(f"spruce bench serving: {e}", file=sys.stderr)
         return 2
     if args.cpus_per_server and not args.pin_cpus:
         print(f"spruce bench serving: --cpus-per-server {args.cpus_per_server} deals the CPUs of --pin-cpus; add "

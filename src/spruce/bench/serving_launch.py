@@ -45,6 +45,12 @@ def cpu_core(cpu: int) -> tuple[int, int]:
         return 0, cpu
 
 
+def check_cpus_per_server(per_server: int) -> None:
+    """ValueError naming `per_server` unless it is a CPU count `cpu_sets` takes (>= 0; 0: automatic)."""
+    if per_server < 0:
+        raise ValueError(f"--cpus-per-server must be >= 0 (0: automatic), got {per_server}")
+
+
 def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) -> tuple[list[int], list[list[int]]]:
     """Split `cpus` (this process's affinity) into the client's CPUs and one disjoint set per server: each server
     `per_server` CPUs, or with 0 len(cpus) // (2 x servers) (a server is two busy processes, HTTP and engine), the
@@ -58,8 +64,7 @@ def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) 
     a plain one's at concurrency 1 (27 run pairs, 2026-11-28), while with four CPUs a server (two servers on that
     machine) their host parts read alike (`--cpus-per-server`, bench serving; DESIGN §16, session 59).
     ValueError when the servers' CPUs leave the client none (or, by default, fewer than two CPUs a server)."""
-    if per_server < 0:
-        raise ValueError(f"--cpus-per-server must be >= 0 (0: automatic), got {per_server}")
+    check_cpus_per_server(per_server)
     per = per_server or (len(cpus) // (2 * servers) if servers > 0 else 0)
     if per < 1 or per * servers >= len(cpus):
         need = per_server * servers + 1 if per_server else 2 * servers + 1
