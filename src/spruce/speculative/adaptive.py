@@ -52,7 +52,9 @@ Pieces:
   epoch, no decided step at a client's round-trip gap), and the answers arrivals need (steady choice, detach
   blocker) are asked once per key; a request that joins with its draft, a batch or load above the park's, an idle
   gap longer than DETACH_GAP, or any read of `policy` ends it, and the policy counts its steps then
-  (`AdaptivePolicy.unparked`);
+  (`AdaptivePolicy.unparked`). Between parks one epoch runs told, so PARK_EPOCHS sets the told share: with 8 it was
+  12-23% of the plain steps, and at concurrency 8-64, where the served engine's host work is as long as the device's
+  step, each told step's bookkeeping showed in throughput (session 60);
 - the verify width (`speculative_adaptive_widths`): rounds run the tree of the width `WidthChooser` picks for the
   batch's cost bucket (speculative/tree_width.py), fed with each round's per-width acceptance (its result row) when
   the policy reads the rounds; a decided round takes the width then, standing rounds the one chosen at the last

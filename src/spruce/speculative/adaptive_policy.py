@@ -266,7 +266,11 @@ PROBE_COST_FACTOR_MAX = 16.0  # ... which scales their price by 1 to this much (
 PROBE_COST_FACTOR_LOAD_MAX = 64.0  # ... or, at a load where probes of that choice were measured, to this much
 REUSE_STEPS = 32  # a model choice of rounds stands for at most this many more steps in its cost bucket
 STANDING_EPOCHS = 4  # epochs of plain steps after a decided one that may open without a decision (`repeat`)
-PARK_EPOCHS = 8  # epochs' steps an all-detached batch's plain steps may run parked, untold (`park`)
+PARK_EPOCHS = 64  # epochs' steps an all-detached batch's plain steps may run parked, untold (`park`): with 8, one
+# epoch of every nine ran told (tickets, epoch ends, decisions); 12-23% of the plain steps at concurrency 1-64 on the
+# H200 x4 (38205a6, 1k shared prefix), and an adaptive server on 64 beside it in the same runs led it by +3.1 +- 1.8%,
+# +3.2 +- 3.6% and +3.9 +- 3.8% at 8/32/64 (-0.7 +- 0.7% at 1; four runs, session 60). A probe of rounds comes due
+# at most that many epochs late (64 epochs of 128 plain steps: ~2 s at concurrency 1 there)
 REUSE_ACCEPT_DRIFT = 0.2  # ... while the engine-wide acceptance stays within this fraction of what it was priced at
 SWITCH_MARGIN = 0.1  # a load's model choice changes when the other is expected to commit this much more per second
 PROBED_MARGIN = 0.25  # ... or this much, while the other's figure there is mostly probes' epochs (`_margin`)
