@@ -18,7 +18,7 @@
 #   BENCH_TIMEOUT: each run's time limit (seconds, device_serving_prefix.sh's); REQUESTS: requests per level
 #   (default "64 512 1024 1024"); EXTRA_0, EXTRA_1, ...: one more server for that GPU's run only
 #   (device_serving_prefix.sh's EXTRA="NAME=FLAGS"; EXTRA: for every run).
-#   CPUS_PER_SERVER=N: each run's servers get N of its CPUs each (device_serving_prefix.sh's; default 2 of its 16).
+#   CPUS_PER_SERVER=N: each run's servers get N of its CPUs each (device_serving_prefix.sh's; default 3 of its 16).
 # Run i is given `bench serving --rotation i`: it starts its servers from the i-th and runs its passes at the server
 # orders and CPU sets of passes i, i+1, ...; until 2026-11-27 every run started the plain server first and ran it
 # first in its first level, where its identical copy trailed it by 3.5 +- 0.4% (eight H100 x4 runs at concurrency 1;

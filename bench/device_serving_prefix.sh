@@ -26,8 +26,11 @@
 #                          their own and the client on the rest, so that no placement favours one server; pinned,
 #                          2026-11-25, adaptive still trailed plain at concurrency 1 by ~8%, as unpinned).
 #   CPUS_PER_SERVER=N:     with pinning, N CPUs for each server and the client the rest (bench serving
-#                          --cpus-per-server; default a quarter of the CPUs per two servers: 2 of 16 for four servers,
-#                          where a server's HTTP and engine processes share two CPUs).
+#                          --cpus-per-server; default 3: 12 of 16 for four servers, 4 to the client, which used at most
+#                          ~2.4 at 32-64; give 2 with EXTRA, or "" for bench serving's own split, a quarter of the CPUs
+#                          per two servers). Until session 60 the default was that split, 2 CPUs for a server's HTTP
+#                          and engine processes, which kept 1.65-1.7 of them busy: a few percent more host work
+#                          lengthened every step there (session 59); with 3 they kept 1.3-2.0 busy.
 #   REQUESTS="A B C D":    requests per level instead of 128 1024 2048 2048 (short) or 128 512 1024 2048 (prefix): levels
 #                          of 5-17 s on the H100 (2026-11-23); 256-1024 requests made levels of 2-5 s at concurrency
 #                          8-64, too short for the adaptive policy to settle or for a figure to mean much.
@@ -42,6 +45,7 @@ M19=$PWD/.carry/models/pycode-19m
 D19=$PWD/bench/assets/pycode-19m-eagle3
 FIXED="--speculative-algorithm EAGLE3 --speculative-draft-model-path $D19 --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
 SERVER="--model $M19 --max-running-requests 64 --cuda-graph-max-bs 64 ${SERVER_EXTRA---scheduler-delay-factor 4}"
+CPS=${CPUS_PER_SERVER-3}  # (set but empty: bench serving's own split)
 bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's flags; control-flags: the better
   # server's, for CONTROL=1)
   local name=$1 control=$2; shift 2
@@ -49,7 +53,7 @@ bench() {  # workload-name control-flags bench-flags... ($SERVER: every server's
   timeout ${BENCH_TIMEOUT:-540} python3 -m spruce.cli bench serving --server-args "$SERVER" \
     --launch "plain=" --launch "fixed=$FIXED" --launch "adaptive=$FIXED --speculative-adaptive ${ADAPTIVE_EXTRA:-}" \
     ${EXTRA:+--launch "$EXTRA"} ${CONTROL:+--launch "$control"} \
-    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ${CPUS_PER_SERVER:+--cpus-per-server $CPUS_PER_SERVER} ) ${ROTATION:+--rotation $ROTATION} --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
+    $( [ "${PIN_CPUS:-1}" = 1 ] && echo --pin-cpus ${CPS:+--cpus-per-server $CPS} ) ${ROTATION:+--rotation $ROTATION} --max-tokens 128 ${MAX_TOKENS_MIN:+--max-tokens-min $MAX_TOKENS_MIN} --concurrency 1 8 32 64 --interleave --prompts "$M19/heldout_prompts.jsonl" --tokenizer "$M19" \
     --out-dir "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name/bench.log" | grep -v "^pass" | tail -40
   grep -h "spruce.adaptive" "$OUT/$name/server-logs/adaptive.log" > "$OUT/$name/adaptive-policy.log"
   for f in "$OUT/$name"/server-logs/*.log; do echo "== $f"; grep -iE "error|traceback" "$f" | head -5; done
