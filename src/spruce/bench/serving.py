@@ -115,8 +115,8 @@ def add_serving_parser(sub) -> None:
                         "records its server's set")
     p.add_argument("--cpus-per-server", type=int, default=0, metavar="N",
                    help="with --pin-cpus: N CPUs for each server, the client the rest (0, the default: a quarter "
-                        "of the CPUs per two servers, the client at least half): two CPUs for a server's HTTP and "
-                        "engine processes leave its engine loop's host work on the critical path at concurrency 1")
+                        "of the CPUs per two servers, the client at least half): with two, a server's HTTP and "
+                        "engine processes kept ~1.7 of them busy on the H200 (the serving bar's scripts give three)")
     p.add_argument("--rotation", type=int, default=0,
                    help="with --launch: this run's place in a set of runs of the same servers (0, 1, ...): the "
                         "servers start from the K-th (mod their number), and pass p takes the server order "

@@ -59,10 +59,10 @@ def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) 
     client: dealt in number order on a machine whose core k holds CPUs k and k + n/2, as Linux numbers them, every
     server's CPUs shared cores with the client's, whose load then took the server's cycles.
 
-    The default starves a server of a 16-CPU machine shared by four (the serving bar's H200 runs) to two CPUs for
-    its two processes: there an adaptive server's engine loop took 9.4 +- 2.2 us more host time a decode step than
-    a plain one's at concurrency 1 (27 run pairs, 2026-11-28), while with four CPUs a server (two servers on that
-    machine) their host parts read alike (`--cpus-per-server`, bench serving; DESIGN §16, session 59).
+    The default gives a server of a 16-CPU machine shared by four (the serving bar's H200 runs) two CPUs for its two
+    processes, which kept ~1.7 of them busy (session 59). More CPUs alone did not level the adaptive server with plain
+    (three a server: still -1.5/-6.0% at concurrency 1/8, session 60; its own told steps were the gap), but they keep
+    the servers off a CPU queue: the serving bar's device scripts give three (`--cpus-per-server`; DESIGN §16).
     ValueError when the servers' CPUs leave the client none (or, by default, fewer than two CPUs a server)."""
     check_cpus_per_server(per_server)
     per = per_server or (len(cpus) // (2 * servers) if servers > 0 else 0)
