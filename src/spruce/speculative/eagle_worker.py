@@ -329,7 +329,8 @@ class EagleWorker(DecodeStrategy):
                                         tree.masks, 0, r.target_kv.scratch_start, lim.target_scratch_width, max_kv)
         hidden, aux = r.target_forward(batch)
         logits = r.target.compute_logits(hidden)  # [P*N, V]
-        self._accept(P, tree, logits.argmax(dim=-1).view(P, -1))  # greedy rows' acceptance, inside the graph
+        greedy = logits.argmax(dim=-1).view(P, tree.tokens.shape[1])  # [P, N] (explicit: P may be 0)
+        self._accept(P, tree, greedy)  # greedy rows' acceptance, inside the graph
         return Verified(tree, logits, r.target_features(hidden, aux))
 
     def _extend_phase(self, P: int, max_kv: int, verified: Verified) -> torch.Tensor:
@@ -349,14 +350,14 @@ class EagleWorker(DecodeStrategy):
         r.target_kv.copy_slots(src.reshape(-1), dst.reshape(-1))
 
         width = tree.tokens.shape[1]
-        feats = verified.features.view(P, width, -1)
+        feats = verified.features.view(P, width, verified.features.shape[-1])
         path_feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [P, S+1, F]
         path_tokens = tree.tokens.gather(1, path)  # [P, S+1]
         next_tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)  # token at p+1 for each p
         next_tokens = torch.where(steps == accept_lens[:, None], bonus[:, None], next_tokens)
         ext = r.builder.draft_extend(rows, committed, accept_lens + 1, next_tokens, max_kv)
-        h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), -1))  # [P*(S+1), Hd]
-        last = h.view(P, self.S + 1, -1).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
+        h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), feats.shape[-1]))  # [P*(S+1), Hd]
+        last = h.view(P, self.S + 1, h.shape[-1]).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
         self.store_step0(rows, last[:, 0])
         r.row_state.set(rows, committed + accept_lens + 1, bonus)
         columns = [accept_lens[:, None], next_tokens]
@@ -398,7 +399,8 @@ class EagleWorker(DecodeStrategy):
             nxt = expand_frontier(p, ids, self.to_target, f_tokens, f_scores, f_cand, cand_tokens, cand_scores,
                                   cand_parents, offset=K + (j - 1) * K * K, write_roots=j == 1)
             f_tokens, f_scores, f_cand = nxt.tokens, nxt.scores, nxt.cand
-            f_hidden = h.view(P, K, -1).gather(1, nxt.slot[:, :, None].expand(-1, -1, h.shape[-1])).view(P * K, -1)
+            hd = h.shape[-1]  # explicit widths: an empty batch (P = 0) has no -1 to infer
+            f_hidden = h.view(P, K, hd).gather(1, nxt.slot[:, :, None].expand(-1, -1, hd)).view(P * K, hd)
             f_masks = masks.gather(1, nxt.slot[:, :, None].expand(-1, -1, words))
         return DraftCandidates(tokens=cand_tokens, parents=cand_parents, scores=cand_scores,
                                depths=self.cand_depths[:P])
