@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ from checkpoints import write_eagle3_checkpoint
 from conftest import PYCODE_MLA
 
 TARGET = builtin_model_path()
+TESTS = Path(__file__).parent
 MLA_TARGET = PYCODE_MLA  # DeepSeek-V3 architecture: the seeds' MLA bug classes
 
 
@@ -36,11 +40,69 @@ def spec_llm(draft, target=TARGET, **kw):
     return LLM(target, draft_model=draft, speculative_algorithm="EAGLE3", **kw)
 
 
+def _string_constants(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def _reverted_names(test: ast.FunctionDef) -> set[str]:
+    """The fix names a test function reverts: the value of `setenv(ENV_VAR, ...)` (or of the variable's literal
+    name), and the strings of every `reverted_fixes=...` keyword."""
+    names: set[str] = set()
+    for node in ast.walk(test):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "setenv" and len(node.args) == 2:
+            var = node.args[0]
+            if (isinstance(var, ast.Name) and var.id == "ENV_VAR") or (
+                    isinstance(var, ast.Constant) and var.value == ENV_VAR):
+                names |= _string_constants(node.args[1])
+        names |= {s for kw in node.keywords if kw.arg == "reverted_fixes" for s in _string_constants(kw.value)}
+    return names
+
+
+def _expects_invariant_error(test: ast.FunctionDef) -> bool:
+    """Whether the test requires an InvariantError (`pytest.raises(InvariantError, ...)`): a revert test shows the
+    reverted fix failing loudly."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "raises"
+               and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "InvariantError"
+               for n in ast.walk(test))
+
+
+def revert_tests(test_dir: Path) -> dict[str, list[str]]:
+    """fix name -> the tests (module::function) under `test_dir` that revert it and require an InvariantError."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(test_dir.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and _expects_invariant_error(node):
+                for name in _reverted_names(node):
+                    found.setdefault(name, []).append(f"{path.name}::{node.name}")
+    return found
+
+
 def test_every_fix_has_a_revert_test():
-    tested = {"draft_scratch_width", "draft_extend_stride", "spec_page_lookahead", "graph_bucket_holds_batch",
-              "eager_reads_eager_outputs",
-              "overlap_page_lookahead", "release_after_inflight"}  # the last two: tests/test_overlap.py
-    assert set(FIXES) == tested
+    """Found by reading the test modules: each registered fix is reverted (SPRUCE_REVERT_FIXES or Limits'
+    reverted_fixes) by a test that requires an InvariantError, and every name a test reverts is registered."""
+    found = revert_tests(TESTS)
+    assert sorted(set(FIXES) - found.keys()) == [], f"fixes without a revert test; found: {found}"
+    assert sorted(found.keys() - set(FIXES)) == []
+
+
+def test_a_fix_without_a_revert_test_is_found(tmp_path):
+    """The discovery itself: a registered name no test reverts is missing; a revert without pytest.raises does not
+    count; setenv of the variable and a reverted_fixes keyword both do."""
+    (tmp_path / "test_x.py").write_text(
+        "def test_a(monkeypatch):\n"
+        "    monkeypatch.setenv(ENV_VAR, 'fix_a')\n"
+        "    with pytest.raises(InvariantError):\n"
+        "        run()\n"
+        "def test_b():\n"
+        "    with pytest.raises(InvariantError):\n"
+        "        Limits(reverted_fixes=frozenset({'fix_b'} if x else ()))\n"
+        "def test_c(monkeypatch):\n"
+        "    monkeypatch.setenv(ENV_VAR, 'fix_c')\n"
+        "    run()\n")
+    assert revert_tests(tmp_path) == {"fix_a": ["test_x.py::test_a"], "fix_b": ["test_x.py::test_b"]}
 
 
 def test_unknown_fix_name_is_refused(monkeypatch):
