@@ -1,5 +1,6 @@
-"""Model configuration read from a Hugging Face `config.json`: Llama-family (Llama, Mistral, Qwen2, Qwen3) and
-DeepSeek-V2/V3 (MLA attention over a latent KV cache, MoE feed-forward).
+"""Model configuration read from a Hugging Face `config.json`: Llama-family (Llama, Mistral, Qwen2, Qwen3; with
+routed experts Qwen2-MoE, Qwen3-MoE, Mixtral) and DeepSeek-V2/V3 (MLA attention over a latent KV cache, MoE
+feed-forward).
 
 Both rope styles are read: the older `rope_theta` + `rope_scaling` and the newer `rope_parameters`
 (transformers >= 5). Rope types default, linear, llama3 and yarn are supported; anything else is refused.
@@ -20,6 +21,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    # with routed experts (moe_config_qwen); Qwen2-MoE reads its q/k/v bias from `qkv_bias`
+    "Qwen2MoeForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -105,7 +110,10 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek MoE: routed experts chosen per token by a gate, plus always-on shared experts."""
+    """Mixture of experts: routed experts chosen per token by a router, plus optional always-on shared experts.
+
+    DeepSeek-V2/V3 (groups, sigmoid scoring, bias correction) and the plain softmax top-k routers of Qwen2-MoE,
+    Qwen3-MoE and Mixtral (`moe_config_qwen`)."""
 
     num_experts: int  # E (n_routed_experts)
     top_k: int  # num_experts_per_tok
@@ -120,9 +128,25 @@ class MoEConfig:
     routed_scaling_factor: float
     first_k_dense_replace: int  # layers [0, first_k_dense_replace) use the dense MLP
     layer_freq: int  # moe_layer_freq: MoE every layer_freq-th layer past first_k_dense_replace
+    # Qwen's rule instead (when set): MoE where (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: tuple[int, ...] = ()
+    # shared experts' total intermediate (None: intermediate_size * num_shared_experts, DeepSeek's layout)
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x @ shared_expert_gate.T)
+    norm_single: bool = False  # norm_topk_prob also at top_k 1 (its weight becomes 1: Qwen, Mixtral)
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.decoder_sparse_step is not None:
+            return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         return i >= self.first_k_dense_replace and i % self.layer_freq == 0
+
+    @property
+    def shared_size(self) -> int:
+        """The shared experts' total intermediate (0: none)."""
+        if self.shared_intermediate_size is not None:
+            return self.shared_intermediate_size
+        return self.intermediate_size * self.num_shared_experts
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -144,6 +168,31 @@ def _mla_config(cfg: dict, arch: str, scaling: dict | None) -> MLAConfig:
 
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+def moe_config_qwen(cfg: dict, arch: str, file: Path) -> MoEConfig | None:
+    """Qwen2-MoE / Qwen3-MoE / Mixtral routing: softmax over the experts, greedy top-k, the chosen weights
+    renormalized when norm_topk_prob (Mixtral: always). Qwen places MoE layers by decoder_sparse_step and
+    mlp_only_layers (the others use the dense MLP of intermediate_size); Qwen2-MoE adds one shared expert of
+    shared_expert_intermediate_size, gated by sigmoid(shared_expert_gate). None for a dense config."""
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return None
+    mixtral = arch == "MixtralForCausalLM"
+    # published Qwen configs say num_experts; transformers 5 writes num_local_experts for every one of them
+    experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+    top_k = int(cfg["num_experts_per_tok"])
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok={top_k} in {file} must be in [1, number of experts={experts}]")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    step = 1 if mixtral else int(cfg.get("decoder_sparse_step") or 1)
+    only = () if mixtral else tuple(int(i) for i in cfg.get("mlp_only_layers") or ())
+    return MoEConfig(
+        num_experts=experts, top_k=top_k,
+        intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+        num_shared_experts=1 if shared else 0, scoring="softmax", num_groups=1, topk_groups=1, topk_method="greedy",
+        norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)), routed_scaling_factor=1.0,
+        first_k_dense_replace=0, layer_freq=1, decoder_sparse_step=step, mlp_only_layers=only,
+        shared_intermediate_size=shared, shared_expert_gate=bool(shared), norm_single=True)
 
 
 def _moe_config(cfg: dict, arch: str, file: Path) -> MoEConfig | None:
@@ -196,7 +245,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json's eos merged with generation_config.json's
     mla: MLAConfig | None = None  # DeepSeek: latent attention (num_kv_heads / head_dim then describe its rope)
-    moe: MoEConfig | None = None  # DeepSeek: routed + shared experts (intermediate_size is the dense layers')
+    moe: MoEConfig | None = None  # routed (+ shared) experts (intermediate_size is the dense layers')
     num_nextn_predict_layers: int = 0  # DeepSeek MTP layers stored after the main layers
 
     @property
@@ -226,15 +275,16 @@ class ModelConfig:
         if act != "silu":
             raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
         try:
-            attention_bias = bool(cfg.get("attention_bias", bias))
+            bias_key = "qkv_bias" if arch == "Qwen2MoeForCausalLM" else "attention_bias"
+            attention_bias = bool(cfg.get(bias_key, bias))
             return ModelConfig(
                 architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
                 **decoder_shape(cfg), max_position_embeddings=_max_positions(cfg),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2's q/k/v bias leaves o_proj bare
-                o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
-                qk_norm=qk_norm,
+                o_proj_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and attention_bias,
+                qk_norm=qk_norm, moe=moe_config_qwen(cfg, arch, file),
                 bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
                 num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )

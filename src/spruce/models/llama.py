@@ -10,14 +10,15 @@ from spruce.models.rope import Rotary
 
 
 class DecoderLayer(PreNormLayer):
-    """Llama's layer: multi-head (grouped-query) attention and a gated MLP."""
+    """Llama's layer: multi-head (grouped-query) attention and a gated MLP (or the given `mlp`: routed experts)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int, tp=None):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, layer_id: int, tp=None,
+                 mlp=None):
         h = cfg.hidden_size
         attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
                          bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
                          tp=tp)
-        super().__init__(h, cfg.rms_norm_eps, attn, GatedMLP(h, cfg.intermediate_size, tp))
+        super().__init__(h, cfg.rms_norm_eps, attn, mlp if mlp is not None else GatedMLP(h, cfg.intermediate_size, tp))
 
 
 class LlamaForCausalLM(DecoderLM):

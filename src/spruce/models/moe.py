@@ -1,5 +1,6 @@
-"""DeepSeek mixture of experts: the router (softmax or sigmoid scores, group-limited top-k, bias correction)
-and the routed experts' stacked weights, run by the fused MoE op.
+"""Mixture of experts: the router (softmax or sigmoid scores, group-limited top-k, bias correction), the routed
+experts' stacked weights, run by the fused MoE op, and shared experts (DeepSeek's plain ones; Qwen2-MoE's one
+shared expert behind a sigmoid gate).
 
 Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter step by step in float32:
     V2 (softmax):  scores = softmax(logits); greedy top-k, or ("group_limited_greedy") top-k inside the
@@ -7,7 +8,8 @@ Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter step b
     V3 (sigmoid):  scores = sigmoid(logits); choice = scores + e_score_correction_bias; groups ranked by the sum
                    of their two best choices; top-k of choice inside the best topk_groups groups; weights are
                    the unbiased scores of the chosen experts
-    then weights /= sum (norm_topk_prob), weights *= routed_scaling_factor.
+    Qwen2-MoE / Qwen3-MoE / Mixtral: V2's softmax and greedy top-k
+    then weights /= sum (norm_topk_prob; at top_k 1 only with norm_single), weights *= routed_scaling_factor.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
         choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
     ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]  # [T, k]
     weights = scores.gather(1, ids)  # [T, k]
-    if cfg.norm_topk_prob and cfg.top_k > 1:
+    if cfg.norm_topk_prob and (cfg.top_k > 1 or cfg.norm_single):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
@@ -88,10 +90,12 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (top-k per token) plus shared experts (every token).
+    """Routed experts (top-k per token) plus shared experts (every token), the shared output optionally scaled
+    per token by sigmoid(x @ shared_expert_gate.T) (Qwen2-MoE).
 
-    Tensor-parallel (`tp`): the router is replicated (every rank routes every token alike), routed and shared
-    experts hold I / tp of their intermediate, and their partial sums are all-reduced once."""
+    Tensor-parallel (`tp`): the router and the shared gate are replicated (every rank routes every token
+    alike), routed and shared experts hold I / tp of their intermediate, and their partial sums are all-reduced
+    once (the gate scales each rank's partial shared output alike, so the sum is scaled too)."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, tp=None):
         super().__init__()
@@ -105,13 +109,18 @@ class MoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
-        shared = cfg.intermediate_size * cfg.num_shared_experts
+        shared = cfg.shared_size
         self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if cfg.shared_expert_gate and shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
         logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         out = self.experts(x, weights, ids)
-        out = out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)  # [T, H]
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared  # [T, 1] * [T, H]
+            out = out + shared
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -14,6 +14,9 @@ TARGET_CLASSES = {
     "MistralForCausalLM": "spruce.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "spruce.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "spruce.models.llama:LlamaForCausalLM",
+    "Qwen2MoeForCausalLM": "spruce.models.qwen_moe:MoEDecoderLM",
+    "Qwen3MoeForCausalLM": "spruce.models.qwen_moe:MoEDecoderLM",
+    "MixtralForCausalLM": "spruce.models.qwen_moe:MoEDecoderLM",
     "DeepseekV2ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
 }

@@ -1,0 +1,54 @@
+"""Tiny random MoE targets written by transformers' own save_pretrained (the published layouts by
+construction): Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+}
+
+
+def moe_config_kwargs(variant: str, experts: int, top_k: int) -> dict:
+    """The expert fields each architecture names its own way."""
+    if variant in ("mixtral", "gpt_oss"):
+        return dict(num_local_experts=experts, num_experts_per_tok=top_k)
+    kw = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32, norm_topk_prob=True)
+    if variant == "qwen2_moe":
+        kw["shared_expert_intermediate_size"] = 48
+    return kw
+
+
+def write_moe_checkpoint(path, variant: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
+                         kv_heads: int = 2, vocab: int = 256, experts: int = 8, top_k: int = 2,
+                         intermediate: int = 64, init_std: float = 0.2, max_pos: int = 512, **extra) -> Path:
+    """A random `variant` model (CONFIGS) saved by transformers; `extra` goes to its config (decoder_sparse_step,
+    mlp_only_layers, norm_topk_prob, sliding_window, layer_types, rope_parameters...). Every 1-d parameter
+    (norms, biases, attention sinks) is perturbed away from its init so that a mis-loaded one shows."""
+    import transformers
+
+    path = Path(path)
+    cfg_name, model_name = CONFIGS[variant]
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+              max_position_embeddings=max_pos, initializer_range=init_std, rms_norm_eps=1e-5, bos_token_id=0,
+              eos_token_id=1, tie_word_embeddings=False, **moe_config_kwargs(variant, experts, top_k))
+    kw.update(extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw)).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif p.dim() == 3 and variant == "gpt_oss":  # fused expert banks start at zero in its init
+                p.normal_(0.0, init_std)
+            elif p.dim() == 2 and variant == "gpt_oss" and p.shape[-1] == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,105 @@
+"""Qwen3-MoE, Qwen2-MoE (shared expert behind its sigmoid gate) and Mixtral targets equal transformers on tiny
+random checkpoints saved by transformers itself (float32):
+- logits on the hand-driven paged cache (chunked prefill, then a decode step; every row compared), for the
+  routing variants: norm_topk_prob on and off, top_k 1, decoder_sparse_step 2 and mlp_only_layers (dense
+  layers between MoE ones), Mixtral's published block_sparse_moe names;
+- greedy tokens through the whole engine (paged cache, overlap schedule on and off, page 1 and 16);
+- EAGLE-3 tree speculation (a random head steered by the oracle so every accept length runs) equal to plain
+  greedy for K in {1, 4} x page in {1, 16}."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spruce import SamplingParams
+from spruce.errors import ModelLoadError
+from spruce.models.hf_config import ModelConfig
+from checkpoints import write_eagle3_checkpoint
+from moe_checkpoints import write_moe_checkpoint
+from oracle_draft import install_oracle
+from test_models_vs_hf import logit_diff_vs_hf
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+MAX_NEW = 10
+PROMPT_LENGTHS = (7, 23, 40)
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+LOGIT_VARIANTS = [
+    ("qwen3_moe", dict()),
+    ("qwen3_moe", dict(top_k=1, mlp_only_layers=[0], attention_bias=True)),
+    ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2, layers=3)),
+    ("qwen2_moe", dict()),
+    ("qwen2_moe", dict(norm_topk_prob=False, decoder_sparse_step=2, layers=3, mlp_only_layers=[1])),
+    ("mixtral", dict(top_k=1)),
+]
+
+
+@pytest.mark.parametrize("variant,extra", LOGIT_VARIANTS, ids=lambda v: str(v)[:50])
+def test_logits_equal_transformers(tmp_path, variant, extra):
+    worst = logit_diff_vs_hf(write_moe_checkpoint(tmp_path / "m", variant, **extra))
+    print(f"{variant} {extra}: max abs logit diff {worst:.2e}")
+    assert worst < TOL
+
+
+def test_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers(tmp_path):
+    cfg = ModelConfig.from_dir(write_moe_checkpoint(tmp_path / "m", "qwen2_moe", layers=5, decoder_sparse_step=2,
+                                                    mlp_only_layers=[3]))
+    assert [cfg.moe.is_moe_layer(i) for i in range(5)] == [False, True, False, False, False]
+    assert cfg.moe.shared_size == 48 and cfg.moe.shared_expert_gate
+
+
+def test_top_k_beyond_the_experts_is_refused(tmp_path):
+    path = write_moe_checkpoint(tmp_path / "m", "mixtral", experts=4, top_k=2)
+    text = (path / "config.json").read_text().replace('"num_experts_per_tok": 2', '"num_experts_per_tok": 5')
+    (path / "config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=r"num_experts_per_tok=5 .* must be in \[1, number of experts=4\]"):
+        ModelConfig.from_dir(path)
+
+
+# --- the whole engine --------------------------------------------------------------------------------------------
+ENGINE_VARIANTS = {"qwen3_moe": dict(), "qwen2_moe": dict(decoder_sparse_step=2, layers=3), "mixtral": dict()}
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_VARIANTS))
+def case(request, tmp_path_factory):
+    """(target dir, EAGLE-3 draft dir, prompts, transformers' greedy continuations) for one architecture."""
+    variant = request.param
+    root = tmp_path_factory.mktemp(variant)
+    target = write_moe_checkpoint(root / "target", variant, **ENGINE_VARIANTS[variant])
+    draft = write_eagle3_checkpoint(root / "draft", target, draft_vocab_size=128, seed=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                              eos_token_id=None, pad_token_id=None)
+            want.append(out[0, len(p):].tolist())
+    return str(target), str(draft), prompts, want
+
+
+@pytest.mark.parametrize("page,overlap", [(1, False), (16, True)])
+def test_greedy_equals_transformers(make_llm, case, page, overlap):
+    target, _, prompts, want = case
+    llm = make_llm(target, page_size=page, max_running_requests=4, chunked_prefill_size=32,
+                   disable_overlap_schedule=not overlap)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+
+
+@pytest.mark.parametrize("k,page", [(1, 1), (4, 16), (4, 1), (1, 16)])
+def test_spec_greedy_equals_plain(make_llm, case, k, page):
+    target, draft, prompts, want = case
+    s, n = {1: (3, 4), 4: (3, 8)}[k]
+    llm = make_llm(target, page_size=page, max_running_requests=4, draft_model=draft,
+                   speculative_algorithm="EAGLE3", speculative_num_steps=s, speculative_eagle_topk=k,
+                   speculative_num_draft_tokens=n)
+    oracle = install_oracle(llm, 0.6)
+    for p, w in zip(prompts, want):
+        oracle.add_reference(p, w)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
