@@ -18,7 +18,7 @@ import torch
 
 from spruce import LLM, SamplingParams
 from spruce.config import EngineConfig, make_speculative_config
-from spruce.distributed.launch import create_engine
+from spruce.runtime.launch import create_engine
 from spruce.errors import ConfigError, InvariantError, WorkerFailedError
 from checkpoints import python_source_prompts, write_eagle3_checkpoint
 import tp_hooks

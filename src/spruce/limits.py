@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
+from spruce.attention.metadata import MASK_WORD_BITS
 from spruce.config import EngineConfig, draft_candidates
 from spruce.errors import ConfigError, InvariantError
 
-MASK_WORD_BITS = 64
 DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
 DRAFT_LAG_WINDOW = 1024  # adaptive speculation's feature ring per row (DESIGN §16 gives the cost either way)
 

@@ -84,13 +84,13 @@ class LLM:
         if tp_size == 1:
             self.engine = Engine(self.config)
         else:
-            from spruce.distributed.launch import create_engine
+            from spruce.runtime.launch import create_engine
 
             self.engine = create_engine(self.config)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "LLM":
-        """An LLM around an engine built elsewhere (e.g. spruce.distributed.launch.create_engine)."""
+        """An LLM around an engine built elsewhere (e.g. spruce.runtime.launch.create_engine)."""
         llm = cls.__new__(cls)
         llm.config, llm.engine = engine.config, engine
         return llm

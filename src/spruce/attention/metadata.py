@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+MASK_WORD_BITS = 64  # tree_mask words are int64: bit j of word j // MASK_WORD_BITS
+
 
 class Phase(enum.Enum):
     EXTEND = "extend"  # prefill (chunked) of the target

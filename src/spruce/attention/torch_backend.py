@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spruce.attention.backend import AttentionBackend
-from spruce.attention.metadata import ForwardBatch
-from spruce.limits import MASK_WORD_BITS
+from spruce.attention.metadata import MASK_WORD_BITS, ForwardBatch
 
 SCORE_ELEMENTS = 1 << 25  # bounds a query block's [bs, Hq, block, L] scores (and its [bs, block, L] mask)
 

@@ -20,7 +20,7 @@ BENCHMARKS = (
 
 def add_parser(sub, add_engine_args) -> None:
     """Register `spruce bench` and list its benchmarks; their flags are registered once one is chosen."""
-    from spruce.cli import LazySubcommands
+    from spruce.cli_args import LazySubcommands
 
     p = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bench_sub = p.add_subparsers(dest="bench", required=True, action=LazySubcommands)

@@ -3,6 +3,7 @@
 group.py              the process groups and the collectives (device: NCCL / gloo; control: gloo)
 layers.py             column-, row- and vocab-parallel layers; which dimensions a tp_size must divide
 checkpoint.py         reading only a rank's part of a safetensors tensor
-replicated_engine.py  one plan per step: rank 0 drives, every rank runs the same engine, digests compared
-launch.py             spawned workers or torchrun, and failure handling (reports, watchdog, timeouts)
+
+The engine that drives the ranks (runtime/replicated_engine.py) and starts them (runtime/launch.py) sit above
+these, in runtime: this package imports nothing of spruce but its errors.
 """

@@ -5,9 +5,9 @@ Two torch.distributed groups over the same ranks:
                    graphs on GPU), with a timeout (`SPRUCE_TP_TIMEOUT_S`, default 600 s) so a stuck peer
                    fails the collective instead of hanging it
     control group  gloo, on host memory: the engine's per-step exchange of commands and state digests
-                   (distributed/replicated_engine.py). Workers wait here while the driver idles, so its timeout
+                   (runtime/replicated_engine.py). Workers wait here while the driver idles, so its timeout
                    is long; a dead peer closes its socket and the exchange fails at once (gloo), and the
-                   liveness watchdogs (distributed/launch.py) cover the rest.
+                   liveness watchdogs (runtime/launch.py) cover the rest.
 Nothing here runs when tp_size is 1: a single-process engine never initialises torch.distributed.
 """
 

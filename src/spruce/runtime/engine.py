@@ -76,7 +76,7 @@ def _shared(items: list) -> list:
 
 class Engine:
     """One engine. With a tensor-parallel group `tp` this is one rank's replica: every rank runs the same
-    deterministic engine on the same inputs (distributed/replicated_engine.py feeds them; DESIGN §18)."""
+    deterministic engine on the same inputs (runtime/replicated_engine.py feeds them; DESIGN §18)."""
 
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config
@@ -186,7 +186,7 @@ class Engine:
 
     def _enqueue(self, rid: str, ids: list[int], params: SamplingParams, seed: int, grammar=None) -> None:
         """Queue a validated request (the caller holds the lock). A tensor-parallel driver also records it for
-        its workers, which queue it through here too (distributed/replicated_engine.py) and compile its grammar
+        its workers, which queue it through here too (runtime/replicated_engine.py) and compile its grammar
         themselves (`grammar` None while the request asks for structured output)."""
         if grammar is None and params.structured_output is not None:
             grammar = self._request_grammar(params)

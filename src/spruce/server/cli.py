@@ -36,7 +36,7 @@ def _seconds(text: str) -> float:
 
 
 def add_parser(sub, add_engine_args) -> None:
-    """Register the `serve` subcommand (engine flags come from spruce.cli.add_engine_args)."""
+    """Register the `serve` subcommand (engine flags come from spruce.cli_args.add_engine_args)."""
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -75,7 +75,7 @@ def served_name(args: argparse.Namespace) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from spruce.cli import engine_kwargs
+    from spruce.cli_args import engine_kwargs
     from spruce.server.app import create_app
     from spruce.server.graceful import GracefulServer
 
@@ -112,7 +112,7 @@ def _engine_thread(args: argparse.Namespace, kwargs: dict):
 
     engine = LLM(**kwargs).engine
     if args.tp_size > 1:  # the server cannot serve without every rank: a dead worker ends it with its error
-        from spruce.distributed.launch import exit_on_worker_failure
+        from spruce.runtime.launch import exit_on_worker_failure
 
         exit_on_worker_failure(engine)
     compile_watch.serving()  # from here on a Triton compilation is a mid-serving stall (ops/compile_watch.py)

@@ -95,7 +95,7 @@ def engine_process_main(engine_kwargs: dict, conn, log_level: str) -> None:
     try:
         engine = LLM(**engine_kwargs).engine
         if engine_kwargs.get("tp_size", 1) > 1:  # a dead worker ends this process; the server then fails
-            from spruce.distributed.launch import exit_on_worker_failure
+            from spruce.runtime.launch import exit_on_worker_failure
 
             exit_on_worker_failure(engine)
     except BaseException as e:

@@ -111,7 +111,7 @@ def serve_commands(engine: Engine, tp: TPGroup) -> None:
 
 class DriverEngine(Engine):
     """Rank 0 of a tensor-parallel engine: the Engine the API uses, forwarding every state change to the
-    workers (see the module docstring). `workers` (distributed/launch.py) watches spawned workers; None when
+    workers (see the module docstring). `workers` (runtime/launch.py) watches spawned workers; None when
     torchrun started the ranks."""
 
     def __init__(self, config, tp: TPGroup, workers=None):

@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 def _spawn(config, rank_setup):
     from spruce.distributed.group import init_tp_group
-    from spruce.distributed.replicated_engine import DriverEngine, leave_group
+    from spruce.runtime.replicated_engine import DriverEngine, leave_group
 
     if config.device != "cpu":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # the workers inherit it (NVLink multicast off)
@@ -129,7 +129,7 @@ def _shutdown_at_exit(engine) -> None:
 def _worker_main(rank: int, config, init_method: str, messages, rank_setup, parent_pid: int) -> None:
     """A spawned worker: join the group, build the engine replica, serve the driver until it shuts down."""
     from spruce.distributed.group import init_tp_group
-    from spruce.distributed.replicated_engine import leave_group, serve_commands
+    from spruce.runtime.replicated_engine import leave_group, serve_commands
     from spruce.runtime.engine import Engine
 
     _watch_parent(parent_pid)
@@ -277,7 +277,7 @@ class WorkerSet:
 # --- torchrun -----------------------------------------------------------------------------------------------------
 def _join_torchrun(config, rank_setup):
     from spruce.distributed.group import init_tp_group
-    from spruce.distributed.replicated_engine import DriverEngine, leave_group, serve_commands
+    from spruce.runtime.replicated_engine import DriverEngine, leave_group, serve_commands
     from spruce.runtime.engine import Engine
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
