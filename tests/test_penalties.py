@@ -121,7 +121,9 @@ def test_penalty_semantics_by_hand():
 def test_bad_values_refused():
     for kw, field, says in [(dict(presence_penalty=2.5), "presence_penalty", "[-2.0, 2.0], got 2.5"),
                             (dict(frequency_penalty=-3), "frequency_penalty", "[-2.0, 2.0], got -3"),
-                            (dict(repetition_penalty=0.0), "repetition_penalty", "> 0 (1 = no penalty), got 0.0"),
+                            (dict(repetition_penalty=0.0), "repetition_penalty", "[0.01, 2.0] (1 = no penalty"),
+                            (dict(repetition_penalty=1e-300), "repetition_penalty", "got 1e-300"),
+                            (dict(repetition_penalty=2.5), "repetition_penalty", "got 2.5"),
                             (dict(repetition_penalty=float("nan")), "repetition_penalty", "finite number"),
                             (dict(presence_penalty="1"), "presence_penalty", "number")]:
         with pytest.raises(InvalidRequestError) as e:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError
+from spruce.models.tokenizer import check_text
 from spruce.structured_output import StructuredOutput, structured_output_of
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -13,6 +14,10 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # most top alternatives per position (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's limit)
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+# repetition_penalty lies in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]: SGLang's (0, 2] (vLLM: > 0), cut
+# at 0.01 below, since a logit divided by a penalty near 0 (1e-300 is 0.0 in float32) is infinite
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class SamplingParams:
     eos where the grammar may end; `min_tokens` cannot be combined with it (the grammar decides the end).
 
     Penalties (vLLM's semantics, after logit_bias and min_tokens, before temperature; runtime/penalties.py):
-    `repetition_penalty` > 0 (1 = off) divides the positive logits and multiplies the negative ones of every
+    `repetition_penalty` in [0.01, 2] (1 = off; SGLang's range, vLLM takes any value > 0) divides the positive logits and multiplies the negative ones of every
     token in the prompt or generated so far; `frequency_penalty` in [-2, 2] times a token's count among the
     generated tokens and `presence_penalty` in [-2, 2] (once, if it was generated) are subtracted.
     """
@@ -100,6 +105,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", field="stop")
+            check_text(s, "stop")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
                                       f"{len(self.stop_token_ids)}", field="stop_token_ids")
@@ -149,9 +155,11 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}", field=name)
             object.__setattr__(self, name, float(value))
         _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = no penalty), got "
-                                      f"{self.repetition_penalty}", field="repetition_penalty")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 = no penalty, "
+                f"above 1 discourages repeats; SGLang's range, cut at {MIN_REPETITION_PENALTY}: a logit divided by a "
+                f"penalty near 0 is infinite), got {self.repetition_penalty}", field="repetition_penalty")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
         self._check_structured_output()
 
@@ -165,6 +173,17 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens={self.min_tokens} cannot be combined with {spec.kind}: the "
                                       f"grammar decides where the output ends", field="min_tokens")
         object.__setattr__(self, "_structured_output", spec)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequestError unless every token id the parameters name (stop_token_ids, logit_bias keys) lies in
+        the model's vocabulary [0, vocab_size) (construction checks them >= 0 only: it does not know the model)."""
+        named = (("stop_token_ids", "stop_token_ids", self.stop_token_ids),
+                 ("logit_bias", "logit_bias keys", [t for t, _ in self.logit_bias]))
+        for field, what, ids in named:
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise InvalidRequestError(f"{what} must be token ids in [0, {vocab_size}), got {outside[:5]}",
+                                          field=field)
 
     @property
     def structured_output(self) -> StructuredOutput | None:

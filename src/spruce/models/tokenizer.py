@@ -7,6 +7,7 @@ transformers 4's Llama tokenizers did; transformers 5 drops the flag).
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +38,8 @@ class Tokenizer:
         self._prepend_bos = bool(config.get("add_bos_token")) and self.bos_token_id is not None and not adds_bos
         self._cleanup = bool(config.get("clean_up_tokenization_spaces")) and type(tok.model).__name__ != "BPE"
         self._token_texts: dict[int, str] = {}  # token_text's cache
+        # ids decode takes: the tokenizer's and the model's vocabulary (which may pad the tokenizer's)
+        self.id_limit = max(self.vocab_size, model_config.vocab_size)
 
     @staticmethod
     def from_dir(path, model_config: ModelConfig) -> "Tokenizer | None":
@@ -72,11 +75,40 @@ class Tokenizer:
         return self._tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; InvalidRequestError (field "prompt") for what is not text the tokenizer can take:
+        a non-str, or a lone UTF-16 surrogate (e.g. "\\ud800" without its pair)."""
+        check_text(text, "prompt")
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return [self.bos_token_id] + ids if add_special_tokens and self._prepend_bos else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._clean(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        """The text of `ids`; InvalidRequestError (field "tokens") for an id outside [0, id_limit) (the library
+        raises OverflowError for a negative or huge id; an id it does not know, such as a padded vocabulary row
+        of the model, decodes as "")."""
+        ids = list(ids)
+        limit = self.id_limit
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limit]
+        if bad:
+            raise InvalidRequestError(f"tokens must be token ids in [0, {limit}), got {bad[:5]}", field="tokens")
+        return self._clean(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def text_widths(self, ids: list[int], context_ids: list[int] = ()) -> list[int]:
+        """How many characters of `decode(context_ids + ids)` past the context's text each of `ids` adds, so
+        that they sum to the length of the text `ids` decode to after the context: a special token that decode
+        skips adds 0, and a character whose UTF-8 bytes span tokens is counted at the token that completes it.
+        E.g. [<|begin_of_text|>, "def", " f"] -> [0, 3, 2]; "é" as two byte tokens -> [0, 1]."""
+        detok = IncrementalDetokenizer(self, list(context_ids))
+        widths = [len(detok.add([t])) for t in ids]
+        if widths:
+            widths[-1] += len(detok.flush())
+        return widths
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its longest vocabulary entry (a byte-level
+        entry's characters are bytes, a Metaspace one's are the text's, "<0x0A>" stands for one byte), so a
+        text of more than `n * max_token_chars` characters encodes to more than n tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens included: how vLLM names tokens in logprobs (a byte-level
@@ -129,6 +161,18 @@ class Tokenizer:
                                    **{**special, **kwargs})
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template error: {e}", field="messages") from e
+
+
+def check_text(text, field: str) -> None:
+    """InvalidRequestError naming `field` unless `text` is a str the tokenizer can encode (valid Unicode: no lone
+    UTF-16 surrogate, which a JSON escape such as "\\ud800" without its pair or a Python literal gives)."""
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{field} must be text (str), got {type(text).__name__}", field=field)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field} contains a lone surrogate (U+{ord(text[e.start]):04X}) at character "
+                                  f"{e.start}: text must be valid Unicode", field=field) from None
 
 
 def _find_chat_template(path: Path, config: dict) -> str | None:

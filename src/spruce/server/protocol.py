@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, ClassVar, Literal
@@ -26,6 +27,7 @@ MAX_N = 64  # choices per request
 MAX_CHOICES = 256  # prompts x n per request
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
+TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key: a token id in ASCII digits (a bound on its length)
 UNION_MESSAGES = {
     "prompt": "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
     "stop": "stop must be a string or a list of strings",
@@ -278,8 +280,9 @@ class _GenerationRequest(_Strict):
             top_k = -1  # no cut; also keeps huge values out of the device tensors
         bias = {}
         for key, value in (self.logit_bias or {}).items():  # JSON object keys are strings: token ids in text
-            if not key.lstrip("-").isdigit():
-                raise OpenAIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise OpenAIError(400, f"logit_bias keys must be token ids written in ASCII decimal digits (e.g. "
+                                  f'"50256"), got {_show(key)}', param="logit_bias")
             bias[int(key)] = value
         outside = [t for t in bias if not 0 <= t < vocab_size]
         if outside:
@@ -295,10 +298,7 @@ class _GenerationRequest(_Strict):
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
                 min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0, **structured))
-        outside = [t for t in out[0].stop_token_ids if t >= vocab_size]
-        if outside:
-            raise OpenAIError(400, f"stop_token_ids must be token ids in [0, {vocab_size}), got {outside[:5]}",
-                              param="stop_token_ids")
+        out[0].check_vocab(vocab_size)
         return out
 
 
@@ -334,6 +334,22 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(p, str) or not p or isinstance(p[0], int):
             return [p]
         return list(p)
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> list[SamplingParams]:
+        """As the base class's, after checking the token ids of token-id prompts (before anything decodes them:
+        echo does)."""
+        self.check_prompt_ids(vocab_size)
+        return super().sampling_params(max_tokens, vocab_size)
+
+    def check_prompt_ids(self, vocab_size: int) -> None:
+        """OpenAIError naming the prompt unless every token id of a token-id prompt lies in [0, vocab_size)."""
+        prompts = self.prompts()
+        for i, prompt in enumerate(prompts):
+            outside = [t for t in prompt if not 0 <= t < vocab_size] if isinstance(prompt, list) else []
+            if outside:
+                where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+                raise OpenAIError(400, f"{where} must be token ids in [0, {vocab_size}), got {outside[:5]}",
+                                  param="prompt", code="invalid_value")
 
 
 class TextPart(_Strict):
@@ -492,13 +508,18 @@ def _token_name(token_id: int, logprob, token_text: Callable[[int], str | None])
 
 
 def completion_logprobs(token_ids: list[int], entries: list, token_text: Callable[[int], str | None],
-                        text_offset: int = 0) -> dict:
+                        text_offset: int = 0, widths: list[int] | None = None) -> dict:
     """The legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset} from RequestOutput-style
     entries ({token_id: Logprob} per token, the chosen first; None for a prompt's first token: null logprob).
     top_logprobs maps token text to logprob: the chosen token and its n alternatives (OpenAI: up to n + 1).
-    Offsets count characters of the token texts from `text_offset` (a stream's text sent before)."""
+    text_offset: where each token's text starts in the choice's text, counted from `text_offset` (a stream's
+    text sent before): `widths` are the characters each token adds to that text (Tokenizer.text_widths: 0 for
+    a special token the text leaves out, such as an echoed prompt's <|begin_of_text|>, which vLLM counts); without
+    them, the length of each token's name."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(token_ids, entries):
+    if widths is None:
+        widths = [None] * len(token_ids)
+    for token_id, entry, width in zip(token_ids, entries, widths):
         if entry is None:
             name = _token_name(token_id, None, token_text)
             token_logprobs.append(None)
@@ -509,7 +530,7 @@ def completion_logprobs(token_ids: list[int], entries: list, token_text: Callabl
             top_logprobs.append({_token_name(t, lp, token_text): _lp(lp.logprob) for t, lp in entry.items()})
         tokens.append(name)
         offsets.append(text_offset)
-        text_offset += len(name)
+        text_offset += len(name) if width is None else width
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
