@@ -70,6 +70,10 @@ class SpeculativeConfig:
     adaptive: bool = False  # per decode step: this (S, K, N) round or a plain step (speculative/adaptive.py)
     adaptive_widths: tuple[int, ...] = ()  # narrower verify trees (N' < N) adaptive rounds may run instead of N
     adaptive_probe_budget: float = ADAPTIVE_PROBE_BUDGET  # the fraction of decode time adaptive probes may spend
+    # a benchmark setting, never on by default: drafts accepted at these unconditional per-depth rates instead of
+    # verified (speculative/synthetic.py); the mean length a user asked for, if that is how they were given
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+    synthetic_acceptance_length: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.adaptive, bool):
@@ -100,6 +104,7 @@ class SpeculativeConfig:
                 f"speculative_num_draft_tokens={n} needs {n - 1} draft candidates, but topk={k} and steps={s} "
                 f"produce only K + (S-1)*K*K = {self.num_candidates}; lower num_draft_tokens or raise steps/topk"
             )
+        self._check_synthetic()
 
     @property
     def num_candidates(self) -> int:
@@ -110,6 +115,17 @@ class SpeculativeConfig:
     def tree_widths(self) -> tuple[int, ...]:
         """The verify widths a round may run, ascending: the narrower adaptive ones, then N."""
         return (*sorted(self.adaptive_widths), self.num_draft_tokens)
+
+    def _check_synthetic(self) -> None:
+        from spruce.speculative import synthetic
+
+        if self.synthetic_acceptance_rates is not None:
+            synthetic.check_rates(self.synthetic_acceptance_rates, self.num_steps)
+        if self.synthetic_acceptance_length is not None:
+            if self.synthetic_acceptance_rates != synthetic.rates_for_length(self.synthetic_acceptance_length,
+                                                                               self.num_steps):
+                raise ConfigError(f"synthetic_acceptance_length={self.synthetic_acceptance_length} names the rates "
+                                  f"it resolves to, got rates {self.synthetic_acceptance_rates}")
 
     def _check_probe_budget(self) -> None:
         budget = self.adaptive_probe_budget
@@ -253,21 +269,29 @@ def make_speculative_config(
     adaptive: bool = False,
     adaptive_widths: tuple[int, ...] | list[int] | None = None,
     adaptive_probe_budget: float | None = None,
+    synthetic_acceptance_length: float | None = None,
+    synthetic_acceptance_rates: tuple[float, ...] | list[float] | None = None,
 ) -> SpeculativeConfig | None:
     """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
 
     NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
     choose per decode step between these rounds and plain steps; `adaptive_widths`: narrower verify trees (N' < N)
     it may also run; `adaptive_probe_budget`: the fraction of decode time its probes may spend (None: the default,
-    ADAPTIVE_PROBE_BUDGET)."""
+    ADAPTIVE_PROBE_BUDGET). `synthetic_acceptance_length` or `synthetic_acceptance_rates` (at most one; a benchmark
+    setting): accept drafts at those rates instead of verifying them (speculative/synthetic.py)."""
     if algorithm is None and draft_model is None:
-        if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, adaptive_probe_budget))
+        synthetic_given = (synthetic_acceptance_length, synthetic_acceptance_rates)
+        if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, adaptive_probe_budget,
+                                        *synthetic_given))
                 or adaptive or adaptive_widths):
             given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
                                     ("speculative_num_draft_tokens", num_draft_tokens),
                                     ("speculative_adaptive", adaptive or None),
                                     ("speculative_adaptive_widths", adaptive_widths or None),
-                                    ("speculative_adaptive_probe_budget", adaptive_probe_budget)) if v is not None]
+                                    ("speculative_adaptive_probe_budget", adaptive_probe_budget),
+                                    ("speculative_synthetic_acceptance_length", synthetic_acceptance_length),
+                                    ("speculative_synthetic_acceptance_rates", synthetic_acceptance_rates))
+                     if v is not None]
             raise ConfigError(f"{'/'.join(given)} need a draft model (draft_model=PATH) or "
                               f"speculative_algorithm='NEXTN' (the target's own MTP layers)")
         return None
@@ -293,7 +317,11 @@ def make_speculative_config(
     if adaptive_probe_budget is not None and not adaptive:  # (even at the default: a setting given is never ignored)
         raise _probe_budget_without_adaptive(adaptive_probe_budget)
     budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget)
+    from spruce.speculative.synthetic import resolve_rates
+
+    rates = resolve_rates(s, synthetic_acceptance_rates, synthetic_acceptance_length)
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget,
+                             synthetic_acceptance_rates=rates, synthetic_acceptance_length=synthetic_acceptance_length)
 
 
 def _guess_algorithm(draft_model: str) -> str:

@@ -22,6 +22,9 @@ class LLM:
     is the fraction of decode time its probes (runs of the choice not taken, which re-measure it) may spend
     (default config.ADAPTIVE_PROBE_BUDGET; lower: cheaper where one choice wins by far, slower to notice a change of
     workload).
+    `speculative_synthetic_acceptance_length=L` (or per-depth `speculative_synthetic_acceptance_rates`), a benchmark
+    setting: drafts are accepted at those rates instead of verified, so outputs are NOT the target's
+    (speculative/synthetic.py).
     `tp_size=N` runs the model tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r,
     or gloo on the CPU): call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at
     interpreter exit.
@@ -55,6 +58,8 @@ class LLM:
         speculative_adaptive: bool = False,
         speculative_adaptive_widths: tuple[int, ...] | list[int] = (),
         speculative_adaptive_probe_budget: float | None = None,
+        speculative_synthetic_acceptance_length: float | None = None,
+        speculative_synthetic_acceptance_rates: Sequence[float] | None = None,
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
@@ -69,6 +74,8 @@ class LLM:
             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
             adaptive=speculative_adaptive, adaptive_widths=speculative_adaptive_widths,
             adaptive_probe_budget=speculative_adaptive_probe_budget,
+            synthetic_acceptance_length=speculative_synthetic_acceptance_length,
+            synthetic_acceptance_rates=speculative_synthetic_acceptance_rates,
         )
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, device=device,

@@ -47,6 +47,7 @@ from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.scheduler import Scheduler
 from spruce.runtime.step_counters import StepCounters
 from spruce.sampling_params import SamplingParams
+from spruce.speculative import synthetic
 from spruce.speculative.registry import make_strategy
 from spruce.speculative.strategy import PrefillChunk
 
@@ -682,6 +683,7 @@ class Engine:
                             + (f" probe_budget={spec.adaptive_probe_budget:g}"
                                if spec.adaptive_probe_budget != ADAPTIVE_PROBE_BUDGET else "")
                             if spec is not None else "off"),
+            "synthetic_acceptance": synthetic.describe(spec.synthetic_acceptance_rates if spec is not None else None),
             "overlap_schedule": "on" if lim.overlap else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled

@@ -39,6 +39,7 @@ from spruce.runtime.sampler import SamplingTensors, select_tokens
 from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
+from spruce.speculative.synthetic import synthetic_acceptance
 from spruce.speculative.tree import DraftCandidates, Tree, accepted_within, build_tree, own_bits
 from spruce.speculative.verify import accept
 
@@ -109,6 +110,7 @@ class EagleWorker(DecodeStrategy):
         lim = runner.limits
         self.K, self.S, self.N = lim.eagle_topk, lim.num_steps, lim.num_draft_tokens
         self.tree_width = self.N
+        self.synthetic = synthetic_acceptance(runner.config, runner.device)  # None: verify (the default)
         # per verify width: its phases (name, fn, plan); N's keep the plain names (a fixed engine's graphs)
         self._phases = {width: self._make_phases(width) for width in lim.tree_widths}
         draft = runner.draft
@@ -299,7 +301,9 @@ class EagleWorker(DecodeStrategy):
 
     def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor) -> None:
         """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing)."""
-        acc = accept(_slice_tree(tree, P), target_tokens, self.S)
+        tree = _slice_tree(tree, P)
+        acc = (accept(tree, target_tokens, self.S) if self.synthetic is None
+               else self.synthetic.accept(tree, self.rows[:P], self.S, target_tokens))
         real = self.rows[:P] != self.runner.limits.dummy_row
         self.accept_lens[:P] = torch.where(real, acc.accept_lens, 0)
         self.path[:P] = acc.path

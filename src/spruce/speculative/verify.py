@@ -32,10 +32,17 @@ class Acceptance:
 
 def accept(tree: Tree, target_tokens: torch.Tensor, num_steps: int) -> Acceptance:
     """Longest root path whose every node equals the target token of its parent. target_tokens [bs, N]."""
+    matches = tree.tokens == target_tokens.gather(1, tree.parents.clamp(min=0))  # agrees with its parent's choice
+    return accept_matching(tree, matches, target_tokens, num_steps)
+
+
+def accept_matching(tree: Tree, matches: torch.Tensor, target_tokens: torch.Tensor, num_steps: int) -> Acceptance:
+    """Longest root path of nodes whose `matches` [bs, N] holds (at most one child of a node may match); the bonus
+    is target_tokens [bs, N] at its last node. `accept` matches the target's choices; synthetic acceptance
+    (speculative/synthetic.py) its drawn ones."""
     parents = tree.parents.clamp(min=0)  # [bs, N]
-    matches = tree.tokens == target_tokens.gather(1, parents)  # node agrees with its parent's target choice
-    matches[:, 0] = True  # the root is always kept
     on_path = matches.clone()
+    on_path[:, 0] = True  # the root is always kept
     for _ in range(num_steps):  # depth <= S: each pass propagates one level of "all ancestors matched"
         on_path = matches & on_path.gather(1, parents)
         on_path[:, 0] = True
