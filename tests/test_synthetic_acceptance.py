@@ -155,16 +155,49 @@ def run_engine(caplog, **spec):
     return llm, counts, caplog.text
 
 
-def test_engine_chain_and_tree_accept_at_the_configured_length_and_say_so(caplog):
-    # chain of 5 at mean length 3.5: rounds accept 2 or 3 drafts, half the time each
-    llm, counts, log = run_engine(caplog, speculative_num_steps=5, speculative_eagle_topk=1,
-                                  speculative_num_draft_tokens=6, speculative_synthetic_acceptance_length=3.5)
+@pytest.fixture(scope="module")
+def chain_run():
+    """A chain of 5 at mean length 3.5 (rounds accept 2 or 3 drafts, half the time each): (llm, counts, log)."""
+    records = []  # the start-up warning (a module-scoped fixture cannot use caplog)
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("spruce.speculative.synthetic")
+    log.addHandler(handler)
+    try:
+        from spruce import LLM
+
+        llm = LLM(builtin_model_path(), draft_model=builtin_draft_path(), max_running_requests=8,
+                  speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=6,
+                  speculative_synthetic_acceptance_length=3.5)
+    finally:
+        log.removeHandler(handler)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    counts = [sum(c) for c in zip(*(o.spec_stats["accept_length_counts"] for o in outs))]
+    return llm, counts, "\n".join(records)
+
+
+def test_engine_chain_accepts_at_the_configured_length_and_says_so(chain_run):
+    llm, counts, log = chain_run
     assert counts[0] == counts[1] == counts[4] == counts[5] == 0 and counts[2] > 0 and counts[3] > 0
     assert matches_distribution(counts, length_distribution(rates_for_length(3.5, 5))), counts
     info = llm.engine.info()["synthetic_acceptance"]
     assert "rates=1,1,0.5,0,0" in info and "not the target's" in info
     assert "synthetic acceptance rates=1,1,0.5,0,0" in log and "not the target's" in log
-    caplog.clear()
+
+
+def test_server_info_and_metrics_name_it(chain_run):
+    import httpx
+    from server_util import ServerThread
+
+    with ServerThread(chain_run[0].engine) as srv:
+        info = httpx.get(f"{srv.base_url}/server_info", timeout=30).json()
+        metrics = httpx.get(f"{srv.base_url}/metrics", timeout=30).text
+    assert info["speculative_synthetic_acceptance_rates"] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert info["speculative_synthetic_acceptance_length"] == 3.5
+    assert 'synthetic_acceptance="synthetic acceptance rates=1,1,0.5,0,0' in metrics
+
+
+def test_engine_tree_accepts_along_its_best_branch(caplog):
     # a tree (K=4, N=8) at per-depth rates (1, 0.5, 0, ...): every round accepts 1 or 2 drafts, half the time each
     llm, counts, log = run_engine(caplog, speculative_num_steps=5, speculative_eagle_topk=4,
                                   speculative_num_draft_tokens=8,
@@ -172,3 +205,24 @@ def test_engine_chain_and_tree_accept_at_the_configured_length_and_say_so(caplog
     assert counts[0] == 0 and sum(counts[3:]) == 0
     assert matches_distribution(counts, length_distribution((1.0, 0.5, 0.0, 0.0, 0.0))), counts
     assert "rates=1,0.5,0,0,0" in llm.engine.info()["synthetic_acceptance"] and "rates=1,0.5,0,0,0" in log
+
+
+def test_command_line_flags_reach_the_engine_and_need_a_draft():
+    from spruce.cli import build_parser
+    from spruce.cli_args import draft_path, engine_kwargs
+
+    parser = build_parser()
+    base = ["generate", "--prompt", "x", "--speculative-draft-model-path", str(builtin_draft_path())]
+    kw = engine_kwargs(parser.parse_args(base + ["--speculative-synthetic-acceptance-rates", "1,0.5,0,0,0",
+                                                 "--load-format", "dummy"]))
+    assert kw["speculative_synthetic_acceptance_rates"] == (1.0, 0.5, 0.0, 0.0, 0.0)
+    assert kw["speculative_synthetic_acceptance_length"] is None and kw["load_format"] == "dummy"
+    kw = engine_kwargs(parser.parse_args(base + ["--speculative-synthetic-acceptance-length", "3"]))
+    assert kw["speculative_synthetic_acceptance_length"] == 3.0
+    assert engine_kwargs(parser.parse_args(base))["speculative_synthetic_acceptance_length"] is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--speculative-synthetic-acceptance-rates", "1,half"])
+    no_draft = parser.parse_args(["generate", "--prompt", "x", "--model", str(builtin_model_path()),
+                                  "--speculative-synthetic-acceptance-length", "3"])
+    with pytest.raises(ConfigError, match="--speculative-synthetic-acceptance-length"):
+        draft_path(no_draft)

@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory (default: the bundled pycode-6m demo model)")
     p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights built from config.json alone, no safetensors read (vLLM's flag; for "
+                        "benchmarks at real shapes: speed does not depend on the values)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -42,6 +45,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculative-synthetic-acceptance-length", type=float, default=None, metavar="L",
+                   help="BENCHMARK SETTING, outputs are not the target's: accept drafts instead of verifying them, at "
+                        "mean acceptance length L (tokens a round commits, bonus included; 1 to steps+1), as vLLM's "
+                        "rejection_sample_method='synthetic' (for random-weight models at a real acceptance)")
+    p.add_argument("--speculative-synthetic-acceptance-rates", type=_rates, default=None, metavar="R1,R2,...",
+                   help="BENCHMARK SETTING, as --speculative-synthetic-acceptance-length but per draft depth: "
+                        "R_d is the probability a round accepts depths 1..d (one per step, non-increasing)")
     p.add_argument("--speculative-adaptive", action="store_true", default=None,
                    help="per decode step, run a speculative round or a plain step, whichever a cost model measured "
                         "at start-up and the running acceptance expect to commit more tokens per second")
@@ -70,8 +80,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "cpu), or the processes torchrun started (WORLD_SIZE must equal N)")
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated numbers, e.g. '0.9,0.7,0.5' (their range is checked with the config)."""
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 0.9,0.7,0.5, got {text!r}")
+
+
 SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
-                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_adaptive",
+                     "speculative_eagle_topk", "speculative_num_draft_tokens",
+                     "speculative_synthetic_acceptance_length", "speculative_synthetic_acceptance_rates",
+                     "speculative_adaptive",
                      "speculative_adaptive_widths", "speculative_adaptive_probe_budget")
 
 
@@ -124,9 +144,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_num_steps=args.speculative_num_steps if spec else None,
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,
         speculative_num_draft_tokens=args.speculative_num_draft_tokens if spec else None,
+        speculative_synthetic_acceptance_length=args.speculative_synthetic_acceptance_length if spec else None,
+        speculative_synthetic_acceptance_rates=args.speculative_synthetic_acceptance_rates if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
         speculative_adaptive_probe_budget=args.speculative_adaptive_probe_budget if spec else None,
+        load_format=args.load_format,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
         scheduler_delay_factor=args.scheduler_delay_factor,

@@ -93,6 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      shutdown_grace_period=args.shutdown_grace_period, **limits)
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
+    synthetic = engine.info().get("synthetic_acceptance", "off")
+    if synthetic != "off":  # a benchmark setting: say so where the server's log starts
+        logging.getLogger("spruce.server").warning("speculative rounds use %s", synthetic)
     freeze_startup_objects()  # the server process's heap (the engine process freezes its own)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)

@@ -121,6 +121,11 @@ class _Tools:
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
             "speculative_adaptive": spec.adaptive if spec else False,
             "speculative_adaptive_widths": list(spec.adaptive_widths) if spec else [],
+            # a benchmark setting: drafts accepted at these rates, not verified (speculative/synthetic.py)
+            "speculative_synthetic_acceptance_rates": (list(spec.synthetic_acceptance_rates)
+                                                       if spec and spec.synthetic_acceptance_rates else None),
+            "speculative_synthetic_acceptance_length": spec.synthetic_acceptance_length if spec else None,
+            "load_format": cfg.load_format,
             "speculative_adaptive_probe_budget": spec.adaptive_probe_budget if spec and spec.adaptive else None,
             "avg_spec_accept_length": accept,
             "internal_states": [state],
