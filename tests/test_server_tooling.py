@@ -28,7 +28,7 @@ def server(tmp_path_factory):
     llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=128, disable_radix_cache=False))
     ref = llm.generate([PROMPT], SamplingParams(max_tokens=24))[0]
     install_oracle(llm, 0.7).add_reference(ref.prompt_token_ids, ref.token_ids)
-    srv = ServerThread(llm.engine, api_key=KEY).start()
+    srv = ServerThread(llm.engine, api_key=KEY, metrics_no_auth=True).start()  # scraped without the key
     # one speculative run for the metrics and /server_info tests
     r = httpx.post(f"{srv.base_url}/v1/completions", headers=AUTH, timeout=60,
                    json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0})

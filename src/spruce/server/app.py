@@ -3,7 +3,10 @@
 /server_info). Every error is answered as `{"error": {"message", "type", "param", "code"}}`.
 
 Generation requests must be `application/json` (415 otherwise: a web page cannot send that cross-origin
-without a CORS preflight). `app.state.drain()` is the graceful shutdown (see `spruce.server.graceful`).
+without a CORS preflight). Before any endpoint, `spruce.server.security` refuses a Host header the server does not
+answer to (400) and a state-changing request from a browser origin not allowed (403); CORS is off unless origins
+are allowed. With an API key, /metrics needs it too unless opened for scrapers. `app.state.drain()` is the
+graceful shutdown (see `spruce.server.graceful`).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from spruce.errors import InvalidRequestError
@@ -27,6 +32,7 @@ from spruce.server.protocol import (
     MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
     chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, usage,
 )
+from spruce.server.security import LOOPBACK_HOSTS, HostCheck, OriginCheck
 from spruce.server.settings import (
     MAX_BODY_BYTES, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S, ServingLimits,
 )
@@ -39,10 +45,20 @@ COMPLETION_MAX_TOKENS_DEFAULT = 16  # OpenAI's default for /v1/completions; chat
 def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queued_requests: int = MAX_QUEUED_REQUESTS,
                request_timeout: float | None = REQUEST_TIMEOUT_S,
-               shutdown_grace_period: float = SHUTDOWN_GRACE_PERIOD_S) -> FastAPI:
+               shutdown_grace_period: float = SHUTDOWN_GRACE_PERIOD_S,
+               allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allowed_origins: tuple[str, ...] = (),
+               metrics_no_auth: bool = False, hide_model_path: bool = False) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown; `app.state.drain` is the
-    graceful shutdown to run before that (refuse new requests, let running ones finish, end the rest)."""
+    graceful shutdown to run before that (refuse new requests, let running ones finish, end the rest).
+
+    `allowed_hosts`: Host header names answered (`*`: any; see security.HostCheck); `allowed_origins`: browser
+    origins allowed cross-origin (CORS headers and state-changing requests; `*`: any); `metrics_no_auth`: /metrics
+    answers without the API key; `hide_model_path`: no response or metric names the model's files (the served
+    name stands for the model's path, a draft model's directory name for its path)."""
     limits = ServingLimits(max_body_bytes, max_queued_requests, request_timeout, shutdown_grace_period)
+    metrics = engine_loop.metrics
+    if hide_model_path:
+        metrics.info["model"] = model_name  # the spruce_server_info label
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -51,10 +67,9 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(engine_loop, model_name, api_key, limits)
+    api = _Api(engine_loop, model_name, api_key, limits, hide_model_path)
     app.state.drain = api.drain
     app.state.engine_failure = lambda: engine_loop.failure  # why the engine failed, or None (server exits on it)
-    metrics = engine_loop.metrics
     metrics.model_name = model_name  # the model_name label of the vllm:* metric aliases
 
     @app.exception_handler(OpenAIError)
@@ -91,7 +106,9 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def prometheus_metrics():
+    async def prometheus_metrics(request: Request):
+        if not metrics_no_auth:
+            api.authorize(request)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -108,13 +125,26 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     add_tooling_routes(app, api)
+    add_request_checks(app, allowed_hosts, allowed_origins, metrics.on_error)
     return app
+
+
+def add_request_checks(app: FastAPI, allowed_hosts: tuple[str, ...], allowed_origins: tuple[str, ...],
+                       on_refused) -> None:
+    """The middleware, outermost first: the Host check, the Origin check of state-changing requests, then CORS
+    (only with allowed origins)."""
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(OriginCheck, allowed_origins=allowed_origins, on_refused=on_refused)
+    app.add_middleware(HostCheck, allowed=allowed_hosts, on_refused=on_refused)
 
 
 class _Api:
     """The generation endpoints and their request plumbing."""
 
-    def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, limits: ServingLimits):
+    def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, limits: ServingLimits,
+                 hide_model_path: bool = False):
         self.loop = engine_loop
         self.engine = engine_loop.engine
         self.model_name = model_name
@@ -122,6 +152,7 @@ class _Api:
         self.limits = limits
         self.max_request_tokens = self.engine.max_request_tokens
         self.created = int(time.time())
+        self.hide_model_path = hide_model_path
         self.model_root = engine_loop.metrics.info.get("model", model_name)  # what the served name is
 
     # --- request plumbing ----------------------------------------------------------------------------------
@@ -137,6 +168,23 @@ class _Api:
         if name is not None and name != self.model_name:
             raise OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
+
+    def shown_path(self, path) -> str | None:
+        """A model file path as responses show it: as given, or with `hide_model_path` the served name for the
+        model's own path and the last component of any other (a draft model's directory)."""
+        if path is None or not self.hide_model_path:
+            return None if path is None else str(path)
+        return self.model_name if str(path) == str(self.engine.config.model) else Path(str(path)).name
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """413 before encoding a text too long for any request: more characters than `max_request_tokens` tokens
+        of the tokenizer's longest entry can stand for (encoding megabytes costs seconds and gigabytes)."""
+        limit = self.max_request_tokens * self.engine.tokenizer.max_token_chars
+        if len(text) > limit:
+            raise OpenAIError(413, f"the {param} has {len(text)} characters, more than any request on this server "
+                              f"can hold: at most {self.max_request_tokens} tokens of at most "
+                              f"{self.engine.tokenizer.max_token_chars} characters each ({limit} characters)",
+                              param=param, code="context_length_exceeded")
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "spruce",
@@ -204,6 +252,7 @@ class _Api:
             raise OpenAIError(400, "prompt is empty; expected at least one token", param="prompt")
         if self.engine.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer.json: send token ids", param="prompt")
+        self.check_prompt_chars(prompt, "prompt")
         return self.engine.tokenizer.encode(prompt)
 
     # --- endpoints -------------------------------------------------------------------------------------------
@@ -248,6 +297,7 @@ class _Api:
             raise OpenAIError.from_invalid_request(e) from None
         except Exception as e:  # a template may raise on messages it does not accept
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        self.check_prompt_chars(text, "messages")
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     async def generate(self, request: Request, req, jobs, chat: bool, echo: list[str] | None = None):
@@ -281,6 +331,9 @@ class _Api:
             gone.cancel()
             gen.abort()
         body = stream.response(outs)
+        failed = grammar_failure(outs, jobs, req.param_names)
+        if failed is not None:
+            raise failed
         log.info("%s: done, usage %s", base_id, body["usage"])
         return body
 
@@ -315,6 +368,16 @@ def check_content_type(content_type: str | None) -> None:
 
 
 def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
+def grammar_failure(outs, jobs, param_names: dict[str, str]) -> OpenAIError | None:
+    """The 400 answering a non-streamed request one of whose choices ended with finish_reason "error" (its
+    grammar failed mid-generation: runtime/grammar.py), naming the constraint's request parameter; else None."""
+    for o, (_, sp) in zip(outs, jobs):
+        if o.finish_reason == "error":
+            field = sp.structured_output.field if sp.structured_output is not None else None
+            return OpenAIError(400, o.error or "the request failed", param=param_names.get(field, field))
+    return None
+
+
     """The HTTP error answering an EngineFailure (with Retry-After when the server is overloaded)."""
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     message = f"{request_id}: {e}" if request_id else str(e)
@@ -417,6 +480,8 @@ class _Stream:
             if include_usage:
                 yield self.chunk([], usage=self.usage(finals))
             log.info("%s: done", self.id)
+                if out.finished and out.finish_reason == "error":  # its grammar failed: say why
+                    yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
         except EngineFailure as e:
             log.info("%s: ended with error %d: %s", self.id, e.status, e)
             gen.engine_loop.metrics.on_error(e.status)

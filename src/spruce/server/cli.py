@@ -13,7 +13,10 @@ import logging
 import os
 
 from spruce.server.heap import freeze_startup_objects
-from spruce.server.settings import MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S
+from spruce.server.settings import (
+    HTTP_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S,
+    SHUTDOWN_GRACE_PERIOD_S,
+)
 
 API_KEY_ENV = "SPRUCE_API_KEY"
 UVICORN_SHUTDOWN_TIMEOUT_S = 5  # after the drain, for responses to finish writing
@@ -25,6 +28,24 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    """argparse type: a comma-separated list of names, at least one ("a,b" -> ("a", "b"))."""
+    from spruce.server.security import parse_list
+
+    names = parse_list(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}")
+    return names
 
 
 def _seconds(text: str) -> float:
@@ -44,8 +65,33 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--served-model-name", default=None,
-                   help="model name clients must send (default: the --model path, or the demo model's name)")
-    p.add_argument("--max-request-bytes", type=int, default=None, help="larger bodies get 413 (default 4 MiB)")
+                   help="model name clients must send (default: the --model path as given, or the demo model's "
+                        "name); when set, no response or metric shows the model's filesystem path")
+    p.add_argument("--max-request-bytes", "--max-request-body-bytes", type=_positive_int, default=MAX_BODY_BYTES,
+                   help="request bodies (JSON endpoints, /tokenize and /detokenize included) larger than this get "
+                        f"413, judged by Content-Length and while reading (default {MAX_BODY_BYTES} = 4 MiB)")
+    p.add_argument("--allowed-hosts", type=_name_list, default=None,
+                   help="comma-separated host names the Host header may carry (any port; '*.example.com' for "
+                        "subdomains; '*' for any); others get 400. Default: when bound to loopback, only "
+                        "localhost, 127.0.0.1 and [::1] (so that a web page cannot reach the server through DNS "
+                        "rebinding); when bound to another address, any host")
+    p.add_argument("--allowed-origins", type=_name_list, default=(),
+                   help="comma-separated browser origins (e.g. https://app.example.com; '*' for any) allowed to "
+                        "call the API cross-origin: CORS headers for them, and their POSTs are served. Default: "
+                        "none (CORS off; a POST carrying another Origin gets 403)")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="serve /metrics without the API key (for Prometheus scrapers); by default, with "
+                        "--api-key, /metrics needs the key like /v1")
+    p.add_argument("--http-timeout", type=_seconds, default=HTTP_TIMEOUT_S,
+                   help="seconds a client has to send a whole request (request line, headers and body) once it "
+                        "starts; slower ones get 408 and the connection is closed (default "
+                        f"{HTTP_TIMEOUT_S:g}; 0: no limit)")
+    p.add_argument("--keep-alive-timeout", type=_seconds, default=KEEP_ALIVE_TIMEOUT_S,
+                   help="seconds an idle kept-alive connection stays open after a response (default "
+                        f"{KEEP_ALIVE_TIMEOUT_S:g})")
+    p.add_argument("--max-connections", type=_positive_int, default=MAX_CONNECTIONS,
+                   help="open connections served at once; a request arriving on one more gets 503 (default "
+                        f"{MAX_CONNECTIONS})")
     p.add_argument("--max-queued-requests", type=_non_negative_int, default=MAX_QUEUED_REQUESTS,
                    help="engine requests (each choice of n counts) that may wait beyond the running batch; more "
                         f"get 503 with Retry-After (default {MAX_QUEUED_REQUESTS})")
@@ -87,10 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         engine_loop = ProcessEngineLoop(EngineProcess(engine_kwargs(args), args.log_level))
     engine = engine_loop.engine
-    limits = {} if args.max_request_bytes is None else {"max_body_bytes": args.max_request_bytes}
-    app = create_app(engine_loop, model_name=served_name(args), api_key=args.api_key,
-                     max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
-                     shutdown_grace_period=args.shutdown_grace_period, **limits)
+    app = create_app(engine_loop, **app_options(args))
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
     synthetic = engine.info().get("synthetic_acceptance", "off")
@@ -98,13 +141,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("spruce.server").warning("speculative rounds use %s", synthetic)
     freeze_startup_objects()  # the server process's heap (the engine process freezes its own)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S)
+                            timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S, **connection_options(args))
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
     server = GracefulServer(config, app.state.drain, failure)
     server.run()
     gc.unfreeze()  # the start-up objects are freed at exit as usual (frozen, native extensions report leaks)
     engine.shutdown()  # the engine process, or a tensor-parallel engine's workers, stop with the server
     return server.exit_code if server.started else 1
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """create_app's keyword arguments from the flags."""
+    from spruce.server.security import default_allowed_hosts
+
+    return dict(model_name=served_name(args), api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+                max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
+                shutdown_grace_period=args.shutdown_grace_period,
+                allowed_hosts=args.allowed_hosts or default_allowed_hosts(args.host),
+                allowed_origins=args.allowed_origins, metrics_no_auth=args.metrics_no_auth,
+                hide_model_path=args.served_model_name is not None)
+
+
+def connection_options(args: argparse.Namespace) -> dict:
+    """uvicorn.Config options for the connection limits: how a request may arrive (its HTTP protocol: the header
+    size and the --http-timeout deadline), the idle keep-alive timeout and the number of connections served."""
+    from spruce.server.security import bounded_http_protocol
+
+    return {"http": bounded_http_protocol(args.http_timeout or None), "timeout_keep_alive": args.keep_alive_timeout,
+            # uvicorn answers 503 once len(connections) >= limit_concurrency, counting the new one itself
+            "limit_concurrency": args.max_connections + 1}
 
 
 def _engine_thread(args: argparse.Namespace, kwargs: dict):

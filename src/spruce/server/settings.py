@@ -9,6 +9,10 @@ MAX_BODY_BYTES = 4 << 20
 MAX_QUEUED_REQUESTS = 256
 REQUEST_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_PERIOD_S = 30.0
+HTTP_TIMEOUT_S = 30.0  # a request's line, headers and body must arrive within this; longer: 408, connection closed
+KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle kept-alive connection is closed after this (uvicorn's default)
+MAX_CONNECTIONS = 1000  # open connections served at once; a request on one more gets 503 (below the common
+# 1024-descriptor soft limit, beyond which accept() fails and the server stops taking connections)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ class _Tools:
                                           req.add_special_tokens)
         else:
             tok = self.tokenizer("prompt")
+            api.check_prompt_chars(req.prompt, "prompt")
             ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": api.max_request_tokens, "tokens": ids, "token_strs": None}
 
@@ -104,7 +105,7 @@ class _Tools:
         state = {"avg_spec_accept_length": accept, "last_gen_throughput": snap.get("tokens_per_second", 0.0),
                  "num_running_reqs": snap.get("running", 0), "num_waiting_reqs": snap.get("waiting", 0)}
         return {
-            "model_path": str(cfg.model), "tokenizer_path": str(cfg.tokenizer or cfg.model),
+            "model_path": api.shown_path(cfg.model), "tokenizer_path": api.shown_path(cfg.tokenizer or cfg.model),
             "served_model_name": api.model_name, "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "device": cfg.device, "dtype": cfg.dtype,
             "attention_backend": api.loop.metrics.info.get("attention_backend"),
@@ -115,7 +116,7 @@ class _Tools:
             "disable_radix_cache": cfg.disable_radix_cache,
             "scheduler_delay_factor": cfg.scheduler_delay_factor,
             "speculative_algorithm": spec.algorithm if spec else None,
-            "speculative_draft_model_path": spec.draft_model if spec else None,
+            "speculative_draft_model_path": api.shown_path(spec.draft_model) if spec else None,
             "speculative_num_steps": spec.num_steps if spec else None,
             "speculative_eagle_topk": spec.eagle_topk if spec else None,
             "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
