@@ -331,9 +331,6 @@ class _Api:
             gone.cancel()
             gen.abort()
         body = stream.response(outs)
-        failed = grammar_failure(outs, jobs, req.param_names)
-        if failed is not None:
-            raise failed
         log.info("%s: done, usage %s", base_id, body["usage"])
         return body
 
@@ -368,16 +365,6 @@ def check_content_type(content_type: str | None) -> None:
 
 
 def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
-def grammar_failure(outs, jobs, param_names: dict[str, str]) -> OpenAIError | None:
-    """The 400 answering a non-streamed request one of whose choices ended with finish_reason "error" (its
-    grammar failed mid-generation: runtime/grammar.py), naming the constraint's request parameter; else None."""
-    for o, (_, sp) in zip(outs, jobs):
-        if o.finish_reason == "error":
-            field = sp.structured_output.field if sp.structured_output is not None else None
-            return OpenAIError(400, o.error or "the request failed", param=param_names.get(field, field))
-    return None
-
-
     """The HTTP error answering an EngineFailure (with Retry-After when the server is overloaded)."""
     headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
     message = f"{request_id}: {e}" if request_id else str(e)
@@ -480,8 +467,6 @@ class _Stream:
             if include_usage:
                 yield self.chunk([], usage=self.usage(finals))
             log.info("%s: done", self.id)
-                if out.finished and out.finish_reason == "error":  # its grammar failed: say why
-                    yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
         except EngineFailure as e:
             log.info("%s: ended with error %d: %s", self.id, e.status, e)
             gen.engine_loop.metrics.on_error(e.status)
