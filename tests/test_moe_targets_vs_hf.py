@@ -63,13 +63,22 @@ def test_top_k_beyond_the_experts_is_refused(tmp_path):
 ENGINE_VARIANTS = {"qwen3_moe": dict(), "qwen2_moe": dict(decoder_sparse_step=2, layers=3), "mixtral": dict()}
 
 
-@pytest.fixture(scope="module", params=list(ENGINE_VARIANTS))
-def case(request, tmp_path_factory):
-    """(target dir, EAGLE-3 draft dir, prompts, transformers' greedy continuations) for one architecture."""
-    variant = request.param
-    root = tmp_path_factory.mktemp(variant)
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """variant -> (target dir, EAGLE-3 draft dir, prompts, transformers' greedy continuations), built once."""
+    built = {}
+
+    def case(variant):
+        if variant not in built:
+            built[variant] = build_case(tmp_path_factory.mktemp(variant), variant)
+        return built[variant]
+
+    return case
+
+
+def build_case(root, variant):
     target = write_moe_checkpoint(root / "target", variant, **ENGINE_VARIANTS[variant])
-    draft = write_eagle3_checkpoint(root / "draft", target, draft_vocab_size=128, seed=3)
+    draft = write_eagle3_checkpoint(root / "draft", target, draft_vocab_size=128, seed=3, aux_layer_ids=[0, 0, 1])
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
@@ -83,23 +92,31 @@ def case(request, tmp_path_factory):
     return str(target), str(draft), prompts, want
 
 
-@pytest.mark.parametrize("page,overlap", [(1, False), (16, True)])
-def test_greedy_equals_transformers(make_llm, case, page, overlap):
-    target, _, prompts, want = case
+@pytest.mark.parametrize("variant,page,overlap", [("qwen3_moe", 1, False), ("qwen3_moe", 16, True),
+                                                  ("qwen2_moe", 16, True), ("mixtral", 1, True)])
+def test_greedy_equals_transformers(make_llm, cases, variant, page, overlap):
+    target, _, prompts, want = cases(variant)
     llm = make_llm(target, page_size=page, max_running_requests=4, chunked_prefill_size=32,
                    disable_overlap_schedule=not overlap)
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
 
 
-@pytest.mark.parametrize("k,page", [(1, 1), (4, 16), (4, 1), (1, 16)])
-def test_spec_greedy_equals_plain(make_llm, case, k, page):
+def spec_llm(make_llm, case, k, page, **kw):
+    """An EAGLE-3 engine on `case` whose random head an oracle steers (60% of its proposals right)."""
     target, draft, prompts, want = case
     s, n = {1: (3, 4), 4: (3, 8)}[k]
-    llm = make_llm(target, page_size=page, max_running_requests=4, draft_model=draft,
-                   speculative_algorithm="EAGLE3", speculative_num_steps=s, speculative_eagle_topk=k,
-                   speculative_num_draft_tokens=n)
+    llm = make_llm(target, page_size=page, max_running_requests=4, draft_model=draft, speculative_algorithm="EAGLE3",
+                   speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n, **kw)
     oracle = install_oracle(llm, 0.6)
     for p, w in zip(prompts, want):
         oracle.add_reference(p, w)
-    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+    return llm
+
+
+@pytest.mark.parametrize("variant,k,page", [("qwen3_moe", 1, 1), ("qwen3_moe", 4, 16), ("qwen3_moe", 4, 1),
+                                            ("qwen3_moe", 1, 16), ("qwen2_moe", 4, 1), ("mixtral", 4, 16)])
+def test_spec_greedy_equals_plain(make_llm, cases, variant, k, page):
+    case = cases(variant)
+    llm = spec_llm(make_llm, case, k, page)
+    assert [o.token_ids for o in llm.generate(case[2], PARAMS)] == case[3]
     assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2

@@ -49,18 +49,19 @@ class PerPhaseAttention(AttentionBackend):
         """The fallback's record: the one the config was checked against (`registry.resolve`)."""
         return registry.get_info(self.fallback)
 
-    def check_model(self, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> None:
+    def check_model(self, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
+                    what: str = "the model") -> None:
         """Send every phase whose backend cannot serve this model to the fallback (which must serve it)."""
         if self._by_phase:
             raise InvariantError("per-phase attention: check_model after allocate (the choice is fixed by then)")
         for phase, choice in self.choices.items():
-            why = registry.model_refusal(choice.backend, head_dim=head_dim, mla=mla, what=what)
+            why = registry.model_refusal(choice.backend, head_dim=head_dim, mla=mla, window=window, what=what)
             if why is None and mla and choice.backend != self.fallback:
                 why = f"was timed on MHA/GQA only: the kernel table has no MLA (latent) rows for {what}"
             if why is not None:
                 self.choices[phase] = PhaseChoice(self.fallback, f"{choice.backend} (measured faster) {why}",
                                                   fell_back=True)
-        registry.check_model(self.fallback, head_dim=head_dim, mla=mla, what=what)
+        registry.check_model(self.fallback, head_dim=head_dim, mla=mla, window=window, what=what)
 
     def allocate(self, limits, device) -> None:
         super().allocate(limits, device)
@@ -98,9 +99,10 @@ class PerPhaseAttention(AttentionBackend):
     def plan(self, batch: ForwardBatch, page_table) -> None:
         self.backend_for(batch.phase).plan(batch, page_table)
 
-    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale, **extra):
+        """`extra`: window / sinks, passed only for models check_model was told need them."""
         return self.backend_for(batch.phase).forward(q, k, v, k_cache, v_cache, scratch_start, batch, page_table,
-                                                     scale)
+                                                     scale, **extra)
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         return self.backend_for(batch.phase).forward_latent(q, latent, cache, value_dim, scratch_start, batch,

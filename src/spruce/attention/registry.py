@@ -36,6 +36,7 @@ class BackendInfo:
     mla: bool = True  # serves MLA (latent) attention: `forward_latent`
     dtypes: tuple[str, ...] = ALL_DTYPES  # model / KV-pool dtypes
     head_dims: tuple[int, ...] | None = None  # MHA/GQA head dims it serves; None: any
+    windows: bool = False  # serves sliding-window attention and attention sinks (gpt-oss): forward(window, sinks)
     needs_cuda: bool = False  # refuses device='cpu' (the triton backend accepts it under Triton's interpreter)
     requires: str | None = None  # optional package it imports; its install hint is the spruce extra of that name
     cpu_probe: Callable[[], str | None] | None = None  # needs_cuda backends: None when it may run on CPU anyway
@@ -149,9 +150,14 @@ def config_refusal(name: str, device: str, dtype: str, cuda_graph: bool) -> str 
     return None
 
 
-def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> str | None:
-    """Why backend `name` cannot serve a model's attention (MHA head dim, or MLA), or None."""
+def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
+                  what: str = "the model") -> str | None:
+    """Why backend `name` cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks), or None."""
     info = get_info(name)
+    if window and not info.windows:
+        served = [n for n, i in _REGISTRY.items() if i.windows]
+        return (f"has no sliding-window attention or attention sinks, which {what} needs; backends with them: "
+                f"{_quoted(served)}")
     if mla and not info.mla:
         served = [n for n, i in _REGISTRY.items() if i.mla]
         return f"has no MLA (latent) attention, which {what} needs; backends with MLA: {_quoted(served)}"
@@ -160,9 +166,10 @@ def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, 
     return None
 
 
-def check_model(name: str, *, head_dim: int | None = None, mla: bool = False, what: str = "the model") -> None:
-    """Refuse a backend that cannot serve a model's attention (MHA head dim, or MLA)."""
-    why = model_refusal(name, head_dim=head_dim, mla=mla, what=what)
+def check_model(name: str, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
+                what: str = "the model") -> None:
+    """Refuse a backend that cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks)."""
+    why = model_refusal(name, head_dim=head_dim, mla=mla, window=window, what=what)
     if why is not None:
         raise ConfigError(f"attention_backend={name!r} {why}")
 
@@ -207,6 +214,7 @@ def _triton_on_cpu() -> str | None:
 register(BackendInfo(
     "torch", "spruce.attention.torch_backend:TorchAttention",
     "reference: one masked float32 attention per query block; CPU and GPU, eager only",
+    windows=True,
 ))
 register(BackendInfo(
     "triton", "spruce.attention.triton_backend:TritonAttention",

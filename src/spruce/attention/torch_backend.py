@@ -56,11 +56,17 @@ def request_key_slots(batch: ForwardBatch, page_table: torch.Tensor, scratch_sta
     return torch.cat([slots, scratch], dim=1)
 
 
-def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor) -> torch.Tensor:
-    """[bs, mb, L] bool: query token tok[b, i] sees paged position p < kv_lens[tok] and scratch j with bit j set."""
+def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[bs, mb, L] bool: query token tok[b, i] sees paged position p < kv_lens[tok] and scratch j with bit j set.
+
+    `window` W (sliding-window attention): of the paged positions only those in (positions[tok] - W, ...]
+    too, e.g. W = 4 at position 9: paged 6..9. Scratch entries (a tree's ancestors, all within the last
+    speculative_num_steps + 1 positions) are not cut: the runner refuses trees as deep as the window."""
     pos = torch.arange(batch.max_kv_len, device=tok.device)
     kv_lens = batch.kv_lens[tok].long().masked_fill(~exists, 0)  # [bs, mb]
     mask = pos[None, None, :] < kv_lens[:, :, None]  # [bs, mb, Lp]
+    if window is not None:
+        mask &= pos[None, None, :] > (batch.positions[tok] - window)[:, :, None]
     if batch.scratch_width == 0:
         return mask
     bits = scratch_bits(batch.tree_mask[tok], batch.scratch_width) & exists[:, :, None]  # [bs, mb, W]
@@ -70,17 +76,21 @@ def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor) -> to
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
+                window: int | None = None, sinks: torch.Tensor | None = None):
+        """`window` (sliding-window attention, key_mask) and `sinks` [Hq] (gpt-oss: one extra logit per head
+        in every softmax's denominator, attending to nothing) are optional (BackendInfo.windows)."""
         k_cache[batch.out_slots] = k.to(k_cache.dtype)
         v_cache[batch.out_slots] = v.to(v_cache.dtype)
-        return self._attend_all(q, k_cache, v_cache, scratch_start, batch, page_table, scale)
+        return self._attend_all(q, k_cache, v_cache, scratch_start, batch, page_table, scale, window, sinks)
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         cache[batch.out_slots] = latent.to(cache.dtype)
         keys = cache[:, None, :]  # [slots, 1, Dk]: one KV head
         return self._attend_all(q, keys, keys[..., :value_dim], scratch_start, batch, page_table, scale)
 
-    def _attend_all(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+    def _attend_all(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
+                    window: int | None = None, sinks: torch.Tensor | None = None):
         """Every query token of the batch over its keys in the (already written) caches: [T, Hq, Dv]."""
         num_keys = batch.max_kv_len + batch.scratch_width
         out_shape = (*q.shape[:2], v_cache.shape[-1])
@@ -94,19 +104,28 @@ class TorchAttention(AttentionBackend):
         block = max(1, SCORE_ELEMENTS // (batch.batch_size * q.shape[1] * num_keys))
         for i0 in range(0, batch.max_q_len, block):
             blk_tok, blk_exists = tok[:, i0:i0 + block], exists[:, i0:i0 + block]  # [bs, mb]
-            att = self._attend(q, keys, vals, key_mask(batch, blk_tok, blk_exists), blk_tok, scale)  # [bs, mb, Hq, D]
+            mask = key_mask(batch, blk_tok, blk_exists, window)  # [bs, mb, L]
+            att = self._attend(q, keys, vals, mask, blk_tok, scale, sinks)  # [bs, mb, Hq, D]
             dest = blk_tok.masked_fill(~blk_exists, batch.num_tokens)  # missing query tokens land in row T
             out[dest.reshape(-1)] = att.reshape(-1, *out_shape[1:]).to(q.dtype)
         return out[: batch.num_tokens]
 
     @staticmethod
-    def _attend(q, keys, vals, mask, tok, scale) -> torch.Tensor:
+    def _attend(q, keys, vals, mask, tok, scale, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Masked float32 attention of query tokens `tok` [bs, mb] over their request's keys: [bs, mb, Hq, Dv].
 
-        A query token whose mask row is empty (padding) gets zeros.
+        A query token whose mask row is empty (padding) gets zeros. With `sinks` [Hq] each head's softmax has
+        one more logit s in its denominator: out = sum_j e^x_j v_j / (sum_j e^x_j + e^s), i.e. the plain
+        attention times sigmoid(lse - s), lse = log sum_j e^x_j.
         """
         queries = q[tok].float().transpose(1, 2)  # [bs, Hq, mb, D]
+        gqa = queries.shape[1] != keys.shape[1]
         att = F.scaled_dot_product_attention(queries, keys, vals, attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=queries.shape[1] != keys.shape[1])  # [bs, Hq, mb, D]
+                                             enable_gqa=gqa)  # [bs, Hq, mb, D]
+        if sinks is not None:
+            rep = queries.shape[1] // keys.shape[1]
+            scores = queries @ keys.repeat_interleave(rep, dim=1).transpose(2, 3) * scale  # [bs, Hq, mb, L]
+            lse = scores.masked_fill(~mask[:, None], float("-inf")).logsumexp(dim=-1)  # [bs, Hq, mb]
+            att = att * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]
         seen = mask.any(dim=2)  # [bs, mb]
         return torch.where(seen[:, :, None, None], att.transpose(1, 2), 0.0)

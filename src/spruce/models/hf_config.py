@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": (False, False),
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # keys each rope type needs (llama3's original_max_position_embeddings falls back to max_position_embeddings)
 _ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
@@ -135,6 +137,12 @@ class MoEConfig:
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x @ shared_expert_gate.T)
     norm_single: bool = False  # norm_topk_prob also at top_k 1 (its weight becomes 1: Qwen, Mixtral)
+    # gpt-oss: a router bias, softmax over the top-k logits only ("topk_softmax" scoring), biased experts whose
+    # gate/up pass through the clamped SwiGLU: (min(up, L).clamp(-L) + 1) * g * sigmoid(alpha * g), g = min(gate, L)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.702
 
     def is_moe_layer(self, i: int) -> bool:
         if self.decoder_sparse_step is not None:
@@ -247,6 +255,22 @@ class ModelConfig:
     mla: MLAConfig | None = None  # DeepSeek: latent attention (num_kv_heads / head_dim then describe its rope)
     moe: MoEConfig | None = None  # routed (+ shared) experts (intermediate_size is the dense layers')
     num_nextn_predict_layers: int = 0  # DeepSeek MTP layers stored after the main layers
+    # gpt-oss: the layers whose layer_types entry is "sliding_attention" see the last sliding_window positions
+    # only ((p - W, p] at position p); attention_sinks: a learned per-head logit in every softmax
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    attention_sinks: bool = False
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: full attention)."""
+        if self.layer_types is None or self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def needs_windows(self) -> bool:
+        """Whether some layer has a sliding window or attention sinks (attention backends must serve them)."""
+        return self.attention_sinks or any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
     def model_family(self) -> str:
@@ -262,12 +286,14 @@ class ModelConfig:
         file = path / "config.json"
         cfg = read_json(file, "model config")
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES or a in DEEPSEEK_ARCHITECTURES), None)
+        known = (*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, *GPT_OSS_ARCHITECTURES)
+        arch = next((a for a in archs if a in known), None)
         if arch is None:
-            raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; "
-                                 f"supported: {sorted([*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES])}")
+            raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; supported: {sorted(known)}")
         if arch in DEEPSEEK_ARCHITECTURES:
             return _deepseek_config(cfg, arch, path, file)
+        if arch in GPT_OSS_ARCHITECTURES:
+            return _gpt_oss_config(cfg, arch, path, file)
         bias, qk_norm = ARCHITECTURES[arch]
         if cfg.get("mlp_bias"):
             raise ModelLoadError(f"mlp_bias=true in {file} is not supported")
@@ -314,6 +340,48 @@ def _deepseek_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfi
             bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
             mla=_mla_config(cfg, arch, scaling), moe=_moe_config(cfg, arch, file),
             num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{file} has a malformed field: {e}") from e
+
+
+def _gpt_oss_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
+    """gpt-oss: biased q/k/v/o, attention sinks, layer_types alternating sliding-window / full attention (the
+    window does not cap the context), YaRN rope, every layer MoE with biased experts and the clamped SwiGLU."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        raise ModelLoadError(f"{file} has quantization_config {quant.get('quant_method', quant)!r}: quantized "
+                             f"(MXFP4) expert weights are not supported yet; load a checkpoint dequantized to "
+                             f"bf16 (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        types = tuple(cfg.get("layer_types") or ("sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                 for i in range(layers)))
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad or len(types) != layers:
+            raise ModelLoadError(f"layer_types in {file} must list {layers} entries of {LAYER_TYPES}, got {list(types)}")
+        window = int(cfg.get("sliding_window") or 0)
+        if "sliding_attention" in types and window < 1:
+            raise ModelLoadError(f"sliding_window={cfg.get('sliding_window')!r} in {file} must be >= 1 for its "
+                                 f"sliding_attention layers")
+        experts, top_k = int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"])
+        if not 1 <= top_k <= experts:
+            raise ModelLoadError(f"num_experts_per_tok={top_k} in {file} must be in [1, number of experts={experts}]")
+        moe = MoEConfig(
+            num_experts=experts, top_k=top_k, intermediate_size=int(cfg["intermediate_size"]), num_shared_experts=0,
+            scoring="topk_softmax", num_groups=1, topk_groups=1, topk_method="greedy", norm_topk_prob=False,
+            routed_scaling_factor=1.0, first_k_dense_replace=0, layer_freq=1, router_bias=True, expert_bias=True,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+        attention_bias = bool(cfg.get("attention_bias", True))
+        return ModelConfig(
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=layers, **decoder_shape(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), attention_bias=attention_bias,
+            o_proj_bias=attention_bias, qk_norm=False, bos_token_id=_first_int(cfg.get("bos_token_id")),
+            eos_token_ids=_eos_ids(cfg, path), moe=moe, sliding_window=window or None, layer_types=types,
+            attention_sinks=True,
         )
     except KeyError as e:
         raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e

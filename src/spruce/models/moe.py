@@ -9,6 +9,7 @@ Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter step b
                    of their two best choices; top-k of choice inside the best topk_groups groups; weights are
                    the unbiased scores of the chosen experts
     Qwen2-MoE / Qwen3-MoE / Mixtral: V2's softmax and greedy top-k
+    gpt-oss ("topk_softmax"): top-k of the (biased) logits, weights = softmax over those k logits
     then weights /= sum (norm_topk_prob; at top_k 1 only with norm_single), weights *= routed_scaling_factor.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from spruce.distributed.layers import mark_shard
+from spruce.errors import ModelLoadError
 from spruce.models.hf_config import MoEConfig
 from spruce.models.layers import GatedMLP
 from spruce.ops.moe import fused_moe
@@ -26,6 +28,9 @@ from spruce.ops.moe import fused_moe
 def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64)."""
     t, e = logits.shape
+    if cfg.scoring == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over those k only
+        top, ids = logits.topk(cfg.top_k, dim=-1)  # [T, k] each
+        return top.softmax(dim=-1), ids
     if cfg.scoring == "sigmoid":
         scores = logits.sigmoid()
     else:
@@ -64,13 +69,20 @@ class RoutedExperts(nn.Module):
     I / tp of its intermediate (gate/up rows, down columns: `intermediate` is then this rank's share), and the
     output is a partial sum the caller all-reduces (DESIGN §18: why not experts split across ranks)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp=None):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp=None, bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
         super().__init__()
         if tp is not None:
+            if bias:
+                raise ModelLoadError("tensor parallelism is not supported for experts with biases (gpt-oss) yet")
             intermediate = tp.shard(intermediate, "moe_intermediate_size")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+        # gpt-oss: b13 [E, 2I] (gate, then up) and b2 [E, H]
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         if tp is not None:  # rows of each expert's gate / up, columns of its down
             mark_shard(self.w13, 0, tp)
             mark_shard(self.w2, 1, tp)
@@ -86,7 +98,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights / ids [T, k] -> [T, H]."""
-        return fused_moe(x, self.w13, self.w2, ids, weights)
+        return fused_moe(x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
+                         self.swiglu_alpha)
 
 
 class MoE(nn.Module):
@@ -102,20 +115,21 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.tp = tp
         # float32 like the router's math (transformers casts it every call): loaded once, never cast again
-        self.gate = nn.Linear(hidden, cfg.num_experts, bias=False, dtype=torch.float32)
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=cfg.router_bias, dtype=torch.float32)
         if cfg.scoring == "sigmoid":
             # kept in float32 whatever the model dtype (transformers keeps it so)
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
-        self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp)
+        self.experts = RoutedExperts(cfg.num_experts, hidden, cfg.intermediate_size, tp, cfg.expert_bias,
+                                     cfg.swiglu_limit, cfg.swiglu_alpha)
         shared = cfg.shared_size
         self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if cfg.shared_expert_gate and shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        logits = nn.functional.linear(x.float(), self.gate.weight)  # [T, E]
+        logits = nn.functional.linear(x.float(), self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:

@@ -19,6 +19,7 @@ TARGET_CLASSES = {
     "MixtralForCausalLM": "spruce.models.qwen_moe:MoEDecoderLM",
     "DeepseekV2ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
+    "GptOssForCausalLM": "spruce.models.gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -5,6 +5,7 @@ HF name                                   spruce parameter (rows)
 <m>.{gate,up}_proj.weight                 <m>.gate_up.weight (first / second half), <m> a GatedMLP
 <m>.down_proj.weight                      <m>.down.weight
 <x>.{i}.{gate,up,down}_proj.weight        <x>.w13 / <x>.w2 (expert i's rows), <x> a RoutedExperts
+<x>.b13, <x>.b2                           the same name (a RoutedExperts' biases, written whole)
 anything else                             the same name
 Every parameter (and every fused row range) must be written exactly once.
 """
@@ -73,6 +74,8 @@ def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[s
             out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.weight", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.weight"}
         elif owner_path.endswith(".down") and isinstance(owner, GatedMLP):
             out[pname] = f"{owner_path.removesuffix('.down')}.down_proj.weight"
+        elif isinstance(_submodule(module, owner_path), RoutedExperts) and kind in ("b13", "b2"):
+            out[pname] = pname  # gpt-oss's expert biases: written whole
         elif isinstance(_submodule(module, owner_path), RoutedExperts):
             experts = _submodule(module, owner_path)
             for e in range(experts.num_experts):

@@ -42,14 +42,24 @@ from spruce.ops.fused import _use_triton
 from spruce.ops.triton_support import tl, triton
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation: g = min(gate, limit), u = up clamped to [-limit, limit], (u + 1) * g * sigmoid(alpha g)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor) -> torch.Tensor:
-    """The expert loop of transformers' DeepseekV3Experts (reads which experts are hit back to the host)."""
+                        topk_weights: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                        swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
+    """The expert loop of transformers' DeepseekV3Experts (reads which experts are hit back to the host); with
+    biases b13 [E, 2I] / b2 [E, H] and the clamped SwiGLU (swiglu_limit set), GptOssExperts'."""
     out = torch.zeros_like(x)  # [T, H]
     for e in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == e)  # [n] each
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)  # [n, I] each
-        h = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        gate, up = F.linear(x[token], w13[e], None if b13 is None else b13[e]).chunk(2, dim=-1)  # [n, I] each
+        act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
+        h = F.linear(act, w2[e], None if b2 is None else b2[e])  # [n, H]
         out.index_add_(0, token, (h * topk_weights[token, slot, None]).to(x.dtype))
     return out
 
@@ -250,9 +260,14 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config) -> torch
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
     """Routed experts: x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_ids [T, k]
-    (int32/int64), topk_weights [T, k] float32 -> [T, H] in x's dtype."""
-    if _use_triton(x) and w13.dtype == x.dtype and w2.dtype == x.dtype:
+    (int32/int64), topk_weights [T, k] float32 -> [T, H] in x's dtype.
+
+    Optional (gpt-oss): biases b13 [E, 2I] / b2 [E, H] and the clamped SwiGLU (`clamped_swiglu`, when
+    swiglu_limit is set); these run the reference loop (the Triton kernels have neither yet)."""
+    plain = b13 is None and b2 is None and swiglu_limit is None
+    if plain and _use_triton(x) and w13.dtype == x.dtype and w2.dtype == x.dtype:
         return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, _config(topk_ids.numel(), w13.shape[0]))
-    return fused_moe_reference(x, w13, w2, topk_ids, topk_weights)
+    return fused_moe_reference(x, w13, w2, topk_ids, topk_weights, b13, b2, swiglu_limit, swiglu_alpha)

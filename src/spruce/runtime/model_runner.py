@@ -22,7 +22,7 @@ from spruce.attention import registry as attention_registry
 from spruce.attention.backend import create_backend
 from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.config import EngineConfig
-from spruce.errors import InvariantError
+from spruce.errors import ConfigError, InvariantError
 from spruce.limits import Limits
 from spruce.memory.kv_pool import make_pool, pool_bytes_per_token, target_pool_bytes_per_token
 from spruce.memory.page_allocator import PageAllocator
@@ -42,6 +42,16 @@ logger = logging.getLogger("spruce")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_tree_fits_window(spec, cfg: ModelConfig) -> None:
+    """A tree node at depth d (<= speculative_num_steps) sees its ancestors, the d positions before it, whole
+    (attention/torch_backend.key_mask): exact only if they all lie in every sliding window, so S < window."""
+    window = cfg.sliding_window
+    if spec is None or window is None or not cfg.needs_windows or spec.num_steps < window:
+        return
+    raise ConfigError(f"speculative_num_steps={spec.num_steps} must be below the target's sliding_window={window} "
+                      f"(a draft tree's ancestors must lie inside every window)")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp=None):
         self.config = config
@@ -51,8 +61,9 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.backend = self._build_backend(config)  # allocated once the Limits exist
         self.backend.check_model(head_dim=self.model_config.head_dim, mla=self.model_config.mla is not None,
-                                 what="the target")
+                                 window=self.model_config.needs_windows, what="the target")
         spec = config.speculative
+        check_tree_fits_window(spec, self.model_config)
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
                                   show_progress=config.show_progress, load_format=config.load_format, tp=tp)
