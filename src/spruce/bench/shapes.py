@@ -56,13 +56,55 @@ def eagle3_shape(target: dict, draft_vocab_size: int = 32000) -> dict:
     )
 
 
-def write_shape_dirs(name: str, root: Path) -> tuple[Path, Path]:
-    """config.json-only directories for the target shape and its EAGLE-3 draft (load_format='dummy')."""
+def write_shape_dirs(name: str, root: Path, tokenizer: bool = False) -> tuple[Path, Path]:
+    """config.json-only directories for the target shape and its EAGLE-3 draft (load_format='dummy'), no weights;
+    with `tokenizer`, the target's directory also gets a word-level tokenizer of its vocabulary
+    (`write_word_tokenizer`), so that servers take text and clients make random prompts at that vocabulary."""
     if name not in TARGET_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {sorted(TARGET_SHAPES)}")
-    target = TARGET_SHAPES[name]
+    target = dict(TARGET_SHAPES[name], torch_dtype="bfloat16")
     tdir, ddir = root / name, root / f"{name}-eagle3"
-    for d, cfg in ((tdir, target), (ddir, eagle3_shape(target))):
+    for d, cfg in ((tdir, target), (ddir, dict(eagle3_shape(target), torch_dtype="bfloat16"))):
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer:
+        write_word_tokenizer(tdir, target["vocab_size"], target["bos_token_id"], target["eos_token_id"])
     return tdir, ddir
+
+
+def word(token_id: int) -> str:
+    """The word of token `token_id` in `write_word_tokenizer`'s vocabulary: 'w<id>'."""
+    return f"w{token_id}"
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int, bos_token_id: int, eos_token_id: int) -> None:
+    """tokenizer.json + tokenizer_config.json of a word-level tokenizer: token i is the word 'w<i>', words split at
+    whitespace (any text of such words encodes to as many tokens as it has words, and decoding joins them with
+    spaces), bos/eos the model's. Vocabulary-exact and cheap: a benchmark's random token ids round-trip as text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token=word(0)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": word(bos_token_id),
+        "eos_token": word(eos_token_id), "model_max_length": 1 << 20}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m spruce.bench.shapes NAME DIR`: write the shape's config-only target (with its word tokenizer) and
+    EAGLE-3 draft directories under DIR; print their paths."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m spruce.bench.shapes", description=main.__doc__)
+    ap.add_argument("name", choices=sorted(TARGET_SHAPES))
+    ap.add_argument("root", type=Path)
+    args = ap.parse_args(argv)
+    target, draft = write_shape_dirs(args.name, args.root, tokenizer=True)
+    print(target, draft)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
