@@ -206,24 +206,46 @@ def test_uniform_phase_views_are_reused_per_shape():
     assert prefills[0].input_ids.shape[0] == 3 and prefills[0].input_ids is not prefills[1].input_ids
 
 
-def test_a_larger_verify_tree_never_accepts_less(reference):
+def _first_round_accepts(engine, jobs: list[list[int]], width: int, monkeypatch) -> list[int]:
+    """The accept length of the first round of each job (prompt ids), `width` = S + 2 tokens generated each."""
+    from spruce import SamplingParams
+    from spruce.runtime import request as request_mod
+
+    first: dict[int, int] = {}
+    add_round = request_mod.SpecStats.add_round
+
+    def recording(stats, accepted, num_steps):
+        first.setdefault(id(stats), accepted)
+        add_round(stats, accepted, num_steps)
+
+    monkeypatch.setattr(request_mod.SpecStats, "add_round", recording)
+    out = []
+    for start in range(0, len(jobs), 64):
+        rids = [engine.add_request(ids, SamplingParams(max_tokens=width, temperature=0, ignore_eos=True))
+                for ids in jobs[start:start + 64]]
+        stats = [engine.requests[rid].spec for rid in rids]  # alive until read: their ids stay theirs
+        while engine.has_unfinished():
+            engine.step(finished_only=True)
+        out += [first[id(s)] for s in stats]
+        first.clear()
+    monkeypatch.setattr(request_mod.SpecStats, "add_round", add_round)
+    return out
+
+
+def test_a_larger_verify_tree_never_accepts_less(reference, monkeypatch):
     """Same S and K, N = 4, 8 and 16 (the bundled trained EAGLE-3 head, greedy): at every position of the
     reference outputs, the first round after committing it accepts at least as many drafts with the larger tree.
     The tree is the best N-1 candidates by cumulative score, so a smaller tree is a sub-tree of a larger one and
     the target's choice at a node depends on its ancestors alone (a smaller tree's accept length is the larger
-    one's cut at its first node outside it): the premise of pricing every N from the rounds of the largest (DESIGN
-    §16, session 35). Also a guard on the tree build's stable, ancestor-closed selection."""
+    one's cut at its first node outside it): the premise of pricing every N from the rounds of the largest. Also a guard on the tree build's stable, ancestor-closed selection."""
     from spruce import LLM
     from spruce.config import builtin_draft_path
 
-    import bench_scripts
-
-    trace = bench_scripts.load("accept_trace")
     jobs = [list(ids) + out[:p] for ids, out in reference.values() for p in range(0, MAX_NEW - 1, 2)]
     accept = {}
     for n in (4, 8, 16):
         llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_num_steps=3, speculative_eagle_topk=4,
                   speculative_num_draft_tokens=n, max_running_requests=16, disable_radix_cache=True)
-        accept[n] = trace.first_rounds(llm.engine, jobs, 3 + 2)
+        accept[n] = _first_round_accepts(llm.engine, jobs, 3 + 2, monkeypatch)
     assert all(a <= b <= c for a, b, c in zip(accept[4], accept[8], accept[16])), accept
     assert sum(accept[16]) > sum(accept[4]) > 0  # the trees differ where it matters
