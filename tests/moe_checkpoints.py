@@ -52,3 +52,28 @@ def write_moe_checkpoint(path, variant: str, seed: int = 0, hidden: int = 64, la
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
     return path
+
+
+def engine_case(root, variant: str, prompt_lengths, max_new: int, **extra):
+    """(target dir, EAGLE-3 draft dir, prompts, transformers' greedy continuations) for a random `variant`
+    target under `root`: random prompts of `prompt_lengths` tokens, `max_new` tokens each (eos ignored), and a
+    random EAGLE-3 head reading the target's layer outputs 0, 0, 1."""
+    import transformers
+
+    from checkpoints import write_eagle3_checkpoint
+
+    target = write_moe_checkpoint(Path(root) / "target", variant, **extra)
+    draft = write_eagle3_checkpoint(Path(root) / "draft", target, draft_vocab_size=128, seed=3,
+                                    aux_layer_ids=[0, 0, 1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in prompt_lengths]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=None)
+            want.append(out[0, len(p):].tolist())
+    return str(target), str(draft), prompts, want

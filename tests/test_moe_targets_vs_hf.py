@@ -5,18 +5,17 @@ random checkpoints saved by transformers itself (float32):
   layers between MoE ones), Mixtral's published block_sparse_moe names;
 - greedy tokens through the whole engine (paged cache, overlap schedule on and off, page 1 and 16);
 - EAGLE-3 tree speculation (a random head steered by the oracle so every accept length runs) equal to plain
-  greedy for K in {1, 4} x page in {1, 16}."""
+  greedy for K in {1, 4} x page in {1, 16};
+- tensor parallelism (tp 2 on CPU, gloo) on Qwen2-MoE equal to transformers' greedy tokens."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from spruce import SamplingParams
+from spruce import LLM, SamplingParams
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
-from checkpoints import write_eagle3_checkpoint
-from moe_checkpoints import write_moe_checkpoint
+from moe_checkpoints import engine_case, write_moe_checkpoint
 from oracle_draft import install_oracle
 from test_models_vs_hf import logit_diff_vs_hf
 
@@ -70,26 +69,11 @@ def cases(tmp_path_factory):
 
     def case(variant):
         if variant not in built:
-            built[variant] = build_case(tmp_path_factory.mktemp(variant), variant)
+            built[variant] = engine_case(tmp_path_factory.mktemp(variant), variant, PROMPT_LENGTHS, MAX_NEW,
+                                         **ENGINE_VARIANTS[variant])
         return built[variant]
 
     return case
-
-
-def build_case(root, variant):
-    target = write_moe_checkpoint(root / "target", variant, **ENGINE_VARIANTS[variant])
-    draft = write_eagle3_checkpoint(root / "draft", target, draft_vocab_size=128, seed=3, aux_layer_ids=[0, 0, 1])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-    want = []
-    with torch.no_grad():
-        for p in prompts:
-            x = torch.tensor([p])
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=None)
-            want.append(out[0, len(p):].tolist())
-    return str(target), str(draft), prompts, want
 
 
 @pytest.mark.parametrize("variant,page,overlap", [("qwen3_moe", 1, False), ("qwen3_moe", 16, True),
@@ -120,3 +104,15 @@ def test_spec_greedy_equals_plain(make_llm, cases, variant, k, page):
     llm = spec_llm(make_llm, case, k, page)
     assert [o.token_ids for o in llm.generate(case[2], PARAMS)] == case[3]
     assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
+
+
+def test_qwen2_moe_tp2_equals_transformers(cases):
+    """Tensor parallelism (2 ranks, gloo): each rank holds half of every expert's, the shared expert's and the
+    dense MLP's intermediate; the shared-expert gate scales each rank's partial sum alike."""
+    target, _, prompts, want = cases("qwen2_moe")
+    llm = LLM(target, tp_size=2, page_size=16, max_running_requests=4)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
+        llm.engine.check_no_leaks()
+    finally:
+        llm.shutdown()

@@ -99,13 +99,19 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGrou
 
 def check_divisible(cfg, tp_size: int) -> None:
     """Refuse, before any process starts, a tp_size that does not divide every dimension the ranks split
-    (`cfg` a ModelConfig): heads (and KV heads, unless MLA), the MLP and expert intermediates, the vocabulary."""
+    (`cfg` a ModelConfig): heads (and KV heads, unless MLA), the MLP, expert and shared-expert intermediates, the
+    vocabulary; and a model whose attention sinks or expert biases (gpt-oss) the ranks cannot split yet."""
+    if cfg.attention_sinks or (cfg.moe is not None and cfg.moe.expert_bias):
+        raise ConfigError(f"tp_size={tp_size} is not supported for {cfg.architecture} yet (its attention sinks and "
+                          f"expert biases are not split across ranks); use tp_size=1")
     dims = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
             "vocab_size": cfg.vocab_size}
     if cfg.mla is None:
         dims["num_key_value_heads"] = cfg.num_kv_heads
     if cfg.moe is not None:
         dims["moe_intermediate_size"] = cfg.moe.intermediate_size
+        if cfg.moe.shared_intermediate_size:  # Qwen2-MoE's shared expert
+            dims["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
     bad = [f"{name}={value}" for name, value in dims.items() if value % tp_size]
     if bad:
         raise ConfigError(f"tp_size={tp_size} does not divide {', '.join(bad)}; choose a tp_size that divides "
