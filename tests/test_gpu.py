@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from spruce import LLM, SamplingParams
+from spruce.config import builtin_draft_path, builtin_model_path
 from checkpoints import write_eagle3_checkpoint
 from oracle_draft import install_oracle
 
@@ -33,10 +34,12 @@ def prompts19m(pycode19m, heldout_prompts):
     return [tok.encode(t)[: 40 + 13 * i] for i, t in enumerate(heldout_prompts[:16])]
 
 
-def generate(model, prompts, n, oracle_refs=None, **kw):
+def generate(model, prompts, n, oracle_refs=None, accepts=False, **kw):
     """Greedy outputs (token ids) and engine stats of a fresh CUDA engine (triton unless `kw` says otherwise),
     leak-checked. With `oracle_refs`, the draft is wrapped by the oracle, which runs on the host: such an engine
-    must run eagerly (cuda_graph=False), or its captured graphs replay the unwrapped draft."""
+    must run eagerly (cuda_graph=False), or its captured graphs replay the unwrapped draft. `accepts`: each output
+    is (token ids, the request's accept length counts): the target's verification keeps the tokens of a corrupted
+    draft right, only the accept lengths show the damage."""
     llm = LLM(model, device="cuda", **{"attention_backend": "triton", **kw})
     if oracle_refs is not None:
         o = install_oracle(llm, 0.7)
@@ -47,21 +50,34 @@ def generate(model, prompts, n, oracle_refs=None, **kw):
     llm.engine.check_no_leaks()
     del llm
     torch.cuda.empty_cache()
+    if accepts:
+        return [(o.token_ids, (o.spec_stats or {}).get("accept_length_counts")) for o in outs], stats
     return [o.token_ids for o in outs], stats
 
 
-@pytest.mark.parametrize("spec", [False, True])
-def test_cuda_graph_equals_eager_every_bucket(pycode19m, draft19m, prompts19m, spec):
-    """float32 so that a different kv split count cannot flip an argmax; every bucket incl. padded ones."""
+SPEC = dict(speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=12)
+
+
+@pytest.mark.parametrize("case", ["plain", "random-head", "trained-head"])
+def test_cuda_graph_equals_eager_every_bucket(pycode19m, draft19m, prompts19m, heldout_prompts, case):
+    """float32 so that a different kv split count cannot flip an argmax; every bucket incl. padded ones. Each
+    request's tokens and accept length counts are equal; "trained-head": the bundled model with its trained EAGLE-3
+    head, whose drafts are accepted, so draft-side damage under padding (a stale draft state for padded rows)
+    lowers the accept lengths."""
+    model, prompts = pycode19m, prompts19m
     kw = dict(dtype="float32", page_size=16, max_running_requests=16)
-    if spec:
-        kw.update(draft_model=draft19m, speculative_num_steps=4, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=12)
+    if case == "random-head":
+        kw.update(draft_model=draft19m, **SPEC)
+    if case == "trained-head":
+        model, prompts = builtin_model_path(), [t[: 120 + 40 * i] for i, t in enumerate(heldout_prompts[:16])]
+        kw.update(draft_model=str(builtin_draft_path()), **SPEC)
     for bs in [1, 2, 3, 4, 7, 8, 13, 16]:
-        ps = prompts19m[:bs]
-        eager, _ = generate(pycode19m, ps, 24, cuda_graph=False, **kw)
-        graph, _ = generate(pycode19m, ps, 24, cuda_graph=True, **kw)
+        ps = prompts[:bs]
+        eager, _ = generate(model, ps, 24, cuda_graph=False, accepts=True, **kw)
+        graph, stats = generate(model, ps, 24, cuda_graph=True, accepts=True, **kw)
         assert graph == eager, f"bs={bs}"
+        if case == "trained-head":
+            assert stats["spec"]["mean_accept_length"] > 1.5, f"bs={bs}"
 
 
 def near_tie_gap(model, prefix: list[int]) -> float:
@@ -127,21 +143,25 @@ def test_overlap_equals_synchronous_loop_with_graphs(pycode19m, draft19m, prompt
     write_report({})
 
 
-@pytest.mark.parametrize("spec", [False, True])
-def test_eager_above_largest_bucket_under_overlap(pycode19m, draft19m, prompts19m, spec):
+@pytest.mark.parametrize("case", ["plain", "random-head", "trained-head"])
+def test_eager_above_largest_bucket_under_overlap(pycode19m, draft19m, prompts19m, heldout_prompts, case):
     """12 requests with graphs captured up to 4: the full batch runs every phase eagerly (reading eager
-    outputs, never a graph's buffers), smaller batches replay graphs as requests finish; equal to no graphs."""
+    outputs, never a graph's buffers), smaller batches replay graphs as requests finish; equal to no graphs, tokens
+    and each request's accept length counts ("trained-head": the bundled model's EAGLE-3 head, whose accept lengths
+    fall when a phase reads a stale draft state, SGLang #22832's class)."""
+    model, ps = pycode19m, prompts19m[:12]
     kw = dict(dtype="float32", page_size=16, max_running_requests=12)
-    if spec:
-        kw.update(draft_model=draft19m, speculative_num_steps=4, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=12)
-    ps = prompts19m[:12]
+    if case == "random-head":
+        kw.update(draft_model=draft19m, **SPEC)
+    if case == "trained-head":
+        model, ps = builtin_model_path(), [t[: 120 + 40 * i] for i, t in enumerate(heldout_prompts[:12])]
+        kw.update(draft_model=str(builtin_draft_path()), **SPEC)
     lengths = [8 + 3 * i for i in range(12)]  # requests finish one by one: the batch shrinks through the buckets
     outs = {}
     for graphs in (False, True):
-        llm = LLM(pycode19m, device="cuda", attention_backend="triton", cuda_graph=graphs, cuda_graph_max_bs=4, **kw)
+        llm = LLM(model, device="cuda", attention_backend="triton", cuda_graph=graphs, cuda_graph_max_bs=4, **kw)
         got = llm.generate(ps, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
-        outs[graphs] = [o.token_ids for o in got]
+        outs[graphs] = [(o.token_ids, (o.spec_stats or {}).get("accept_length_counts")) for o in got]
         llm.engine.check_no_leaks()
         del llm
         torch.cuda.empty_cache()

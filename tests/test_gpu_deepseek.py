@@ -40,8 +40,8 @@ def test_mla_cuda_graph_equals_eager_every_bucket(pycodemla, draft_mla, prompts_
                   speculative_num_draft_tokens=12)
     for bs in [1, 2, 3, 7, 13, 16]:  # every bucket (1, 2, 4, 8, 16), most of them padded
         ps = prompts_mla[:bs]
-        eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, **kw)
-        graph, _ = generate(pycodemla, ps, 24, cuda_graph=True, **kw)
+        eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, accepts=True, **kw)  # (tokens, accept counts)
+        graph, _ = generate(pycodemla, ps, 24, cuda_graph=True, accepts=True, **kw)
         assert graph == eager, f"bs={bs}"
 
 
@@ -81,11 +81,13 @@ NEXTN = dict(speculative_algorithm="NEXTN", speculative_num_steps=3, speculative
 
 
 def test_nextn_cuda_graph_equals_eager_every_bucket(pycodemla, prompts_mla):
+    """The checkpoint's trained MTP layer drafts: each request's tokens and accept length counts are equal (the
+    target keeps the tokens right whatever the draft does; only the accept lengths show draft-side damage)."""
     kw = dict(dtype="float32", page_size=16, max_running_requests=16, **NEXTN)
     for bs in [1, 2, 3, 7, 13, 16]:  # every bucket (1, 2, 4, 8, 16), most of them padded
         ps = prompts_mla[:bs]
-        eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, **kw)
-        graph, stats = generate(pycodemla, ps, 24, cuda_graph=True, **kw)
+        eager, _ = generate(pycodemla, ps, 24, cuda_graph=False, accepts=True, **kw)
+        graph, stats = generate(pycodemla, ps, 24, cuda_graph=True, accepts=True, **kw)
         assert graph == eager, f"bs={bs}"
         assert stats["spec"]["mean_accept_length"] > 1.5
 
@@ -95,8 +97,8 @@ def test_nextn_eager_above_largest_bucket(pycodemla, prompts_mla):
     only (the fix toggle eager_reads_eager_outputs), and equals the graph-free run; overlap on."""
     kw = dict(dtype="float32", page_size=64, max_running_requests=12, speculative_algorithm="NEXTN",
               speculative_num_steps=5, speculative_eagle_topk=8, speculative_num_draft_tokens=16)
-    ref, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=False, **kw)
-    mixed, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=True, cuda_graph_max_bs=4, **kw)
+    ref, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=False, accepts=True, **kw)
+    mixed, _ = generate(pycodemla, prompts_mla[:12], 32, cuda_graph=True, cuda_graph_max_bs=4, accepts=True, **kw)
     assert mixed == ref
 
 
