@@ -1,0 +1,227 @@
+"""spruce.bench.peer's logic without a GPU: its commands, the JSON it assembles from the client's result files
+(with fake servers and a fake client), the ratios, the roofline, the deadline; and peer_client's level loop against a
+stand-in `vllm` package."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from spruce.bench import peer, peer_client
+from spruce.bench.peer import Hooks, Shape
+
+BASE_TOK_S = {"vllm": 100.0, "spruce": 110.0, "spruce-control": 105.0, "spruce-tree-5-4-6": 120.0}
+WEIGHTS, KV = 16e9, 131072
+
+
+def parse(*extra: str, tmp: Path) -> object:
+    args = peer.build_parser().parse_args(["--out", str(tmp / "res" / "peer.json"), "--concurrency", "1,4,16",
+                                           *extra])
+    peer.check_args(args)
+    return args
+
+
+def option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+class FakeServer:
+    started: list[str] = []
+
+    def __init__(self, name, command, port, log):
+        self.name, self.command = name, command
+        FakeServer.started.append(name)
+
+    def wait_up(self, timeout):
+        return self.name != "broken"
+
+    def facts(self):
+        return {"version": {"version": "fake"}}
+
+    def stop(self):
+        pass
+
+    def tail(self):
+        return "fake log tail"
+
+
+def fake_client(argvs, log):
+    """Writes what `vllm bench serve --save-result` would: output tok/s = BASE[engine] * concurrency."""
+    for argv in argvs:
+        prefix = option(argv, "--request-id-prefix")  # ENGINE-cC-...
+        engine = prefix[:prefix.rindex("-c")]
+        c = int(option(argv, "--max-concurrency"))
+        saved = {"output_throughput": BASE_TOK_S[engine] * c, "median_tpot_ms": 5.0 + c / 10, "mean_tpot_ms": 6.0,
+                 "median_ttft_ms": 20.0, "mean_ttft_ms": 25.0, "completed": int(option(argv, "--num-prompts"))}
+        Path(option(argv, "--result-dir"), option(argv, "--result-filename")).write_text(json.dumps(saved))
+    return 0
+
+
+def hooks(clock_step: float = 1.0) -> Hooks:
+    t = [0.0]
+
+    def clock():
+        t[0] += clock_step
+        return t[0]
+
+    return Hooks(start_server=FakeServer, run_client=fake_client, clock=clock,
+                 bandwidth=lambda: {"gpu": "Fake GPU", "copy_bandwidth_bytes_per_s": 4.0e12},
+                 model_bytes=lambda target: (lambda batch: WEIGHTS, KV))
+
+
+@pytest.fixture
+def shape(tmp_path):
+    return Shape(tmp_path / "target", tmp_path / "draft")
+
+
+def test_commands_name_dummy_weights_and_synthetic_acceptance_on_both_engines(tmp_path, shape):
+    args = parse("--mode", "eagle3", "--synthetic-length", "3.5", "--trees", "5,4,6", tmp=tmp_path)
+    vllm = peer.server_command("vllm", args, shape, 8000)
+    assert vllm[vllm.index("serve") + 1] == str(shape.target) and option(vllm, "--load-format") == "dummy"
+    assert json.loads(option(vllm, "--speculative-config")) == {
+        "method": "eagle3", "model": str(shape.draft), "num_speculative_tokens": 5,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.5}
+    assert option(vllm, "--max-num-seqs") == "16" and option(vllm, "--max-model-len") == "832"
+    chain = peer.server_command("spruce", args, shape, 8000)
+    assert option(chain, "--load-format") == "dummy" and option(chain, "--speculative-eagle-topk") == "1"
+    assert option(chain, "--speculative-num-draft-tokens") == "6"
+    assert option(chain, "--speculative-synthetic-acceptance-length") == "3.5"
+    assert peer.server_command("spruce-control", args, shape, 8000) == chain
+    tree = peer.server_command("spruce-tree-5-4-6", args, shape, 8000)
+    assert [option(tree, f"--speculative-{f}") for f in ("num-steps", "eagle-topk", "num-draft-tokens")] == \
+        ["5", "4", "6"]
+    assert peer.engine_names(args) == ["vllm", "spruce", "spruce-control", "spruce-tree-5-4-6"]
+    plain = peer.server_command("spruce", parse(tmp=tmp_path), shape, 8000)
+    assert not any(a.startswith("--speculative") for a in plain)
+    client = peer.client_argv(args, shape, "spruce", 4, 8000, tmp_path)
+    assert "--ignore-eos" in client and option(client, "--dataset-name") == "random"
+    assert (option(client, "--random-input-len"), option(client, "--random-output-len")) == ("512", "256")
+    assert option(client, "--num-prompts") == "8" and option(client, "--max-concurrency") == "4"
+    assert option(client, "--temperature") == "0.0"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--engines", "vllm,sglang"], "--engines"),
+    (["--trees", "5,4,6"], "needs --mode eagle3"),
+    (["--mode", "eagle3", "--synthetic-length", "7"], "must be in [1, steps + 1 = 6]"),
+    (["--mode", "eagle3", "--synthetic-length", "4", "--trees", "2,4,6"], "must be in [1, 3]"),
+])
+def test_bad_arguments_are_refused_naming_them(tmp_path, argv, words):
+    with pytest.raises(SystemExit, match=r".") as e:
+        parse(*argv, tmp=tmp_path)
+    assert words in str(e.value)
+
+
+def test_the_json_holds_every_engine_the_ratios_and_the_roofline(tmp_path, shape):
+    args = parse("--mode", "eagle3", "--trees", "5,4,6", tmp=tmp_path)
+    result = peer.run(args, hooks(), shape)
+    assert json.loads(args.out.read_text()) == result
+    assert result["synthetic_acceptance"]["chain_rates"] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert "not the target's" in result["synthetic_acceptance"]["note"]
+    for name, base in BASE_TOK_S.items():
+        levels = result["engines"][name]["levels"]
+        assert {c: v["output_tok_s"] for c, v in levels.items()} == {"1": base, "4": 4 * base, "16": 16 * base}
+        assert levels["4"]["tpot_p50_ms"] == 5.4 and levels["4"]["ttft_mean_ms"] == 25.0
+    r = result["ratios"]
+    assert set(r) == {"spruce/vllm", "spruce-control/vllm", "spruce-tree-5-4-6/vllm", "spruce-control/spruce",
+                      "spruce-tree-5-4-6/spruce"}
+    assert r["spruce/vllm"]["16"]["output_tok_s"] == pytest.approx(1.1)
+    assert r["spruce-control/spruce"]["1"]["output_tok_s"] == pytest.approx(105 / 110)
+    assert r["spruce/vllm"]["4"]["tpot_p50_ms"] == pytest.approx(1.0)
+    ctx = 512 + 128
+    roof = result["roofline"]["16"]
+    step = (WEIGHTS + KV * 16 * ctx) / 4.8e12
+    assert roof["step_ms_nominal"] == pytest.approx(step * 1e3) and roof["tok_s_nominal"] == pytest.approx(16 / step)
+    assert roof["step_ms_measured"] == pytest.approx((WEIGHTS + KV * 16 * ctx) / 4.0e12 * 1e3)
+    fraction = result["engines"]["spruce"]["levels"]["16"]["roofline_fraction"]
+    assert fraction == pytest.approx(roof["step_ms_measured"] / 6.6)
+    assert result["hbm"]["measured"]["gpu"] == "Fake GPU" and result["gpu"] == "Fake GPU"
+    assert result["engines"]["vllm"]["client_argv"][0][-1] == "vllm-c16-warmup.json"  # the warm-up level first
+
+
+def test_a_server_that_does_not_start_is_recorded_and_the_rest_run(tmp_path, shape):
+    args = parse("--engines", "vllm,spruce", tmp=tmp_path)
+    class Broken(FakeServer):
+        def wait_up(self, timeout):
+            return self.name != "vllm"
+
+    h = hooks()
+    h.start_server = Broken
+    result = peer.run(args, h, shape)
+    assert "did not start" in result["engines"]["vllm"]["error"] and "fake log tail" in result["engines"]["vllm"][
+        "error"]
+    assert result["engines"]["spruce"]["levels"]["1"]["output_tok_s"] == 110.0
+    assert result["ratios"] == {}
+
+
+def test_engines_past_the_deadline_are_skipped(tmp_path, shape):
+    args = parse("--deadline-s", "200", tmp=tmp_path)
+    result = peer.run(args, hooks(clock_step=30.0), shape)  # each engine spends ~150 s of the fake clock
+    assert result["engines"]["vllm"]["levels"]
+    assert "deadline" in result["engines"]["spruce"]["skipped"]
+    assert "deadline" in result["engines"]["spruce-control"]["skipped"]
+
+
+def test_acceptance_from_metrics():
+    vllm = "# HELP x\nvllm:spec_decode_num_drafts_total{model_name=\"m\"} 100.0\n" \
+           "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 200.0\n"
+    assert peer.acceptance_from_metrics(vllm)["mean_accept_length"] == 3.0
+    assert peer.acceptance_from_metrics("spruce_spec_mean_accept_length 3.5\n") == {"mean_accept_length": 3.5}
+    assert peer.acceptance_from_metrics("other 1\n") == {}
+
+
+def test_plain_decode_bytes_of_the_8b_shape(tmp_path):
+    from spruce.bench.shapes import write_shape_dirs
+
+    target, _ = write_shape_dirs("llama-3.1-8b", tmp_path)
+    weight_bytes, kv = peer.model_bytes(target)
+    assert kv == 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16
+    params = 8_030_261_248 - 128256 * 4096  # Llama-3.1-8B less its embedding table (rows gathered, not read)
+    assert weight_bytes(1) == 2 * params
+
+
+FAKE_VLLM = '''
+import json, os, sys
+def add_cli_args(parser):
+    parser.add_argument("--result-dir"); parser.add_argument("--result-filename"); parser.add_argument("--fail")
+def main(args):
+    if args.fail == "in-process" and "FAKE_VLLM_COMMAND" not in os.environ:
+        raise RuntimeError("in-process failure")
+    path = os.path.join(args.result_dir, args.result_filename)
+    open(path, "w").write(json.dumps({"how": os.environ.get("FAKE_VLLM_COMMAND", "in-process")}))
+'''
+FAKE_CLI = '''
+import argparse, os, sys
+os.environ["FAKE_VLLM_COMMAND"] = "command"
+from vllm.benchmarks.serve import add_cli_args, main
+p = argparse.ArgumentParser(); add_cli_args(p)
+assert sys.argv[1:3] == ["bench", "serve"]
+main(p.parse_args(sys.argv[3:]))
+'''
+
+
+def test_peer_client_runs_every_level_in_one_process_and_falls_back_to_the_command(tmp_path):
+    pkg = tmp_path / "site" / "vllm"
+    for sub, text in (("", ""), ("benchmarks", ""), ("entrypoints", ""), ("entrypoints/cli", "")):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+        (pkg / sub / "__init__.py").write_text(text)
+    (pkg / "benchmarks" / "serve.py").write_text(textwrap.dedent(FAKE_VLLM))
+    (pkg / "entrypoints" / "cli" / "main.py").write_text(textwrap.dedent(FAKE_CLI))
+    levels = [["--result-dir", str(tmp_path), "--result-filename", f"l{i}.json"] + (["--fail", "in-process"]
+                                                                                      if i == 1 else [])
+              for i in range(3)]
+    spec = tmp_path / "levels.json"
+    spec.write_text(json.dumps(levels))
+    src = Path(peer.__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}:{src}", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "spruce.bench.peer_client", str(spec)], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    how = [json.loads((tmp_path / f"l{i}.json").read_text())["how"] for i in range(3)]
+    assert how == ["in-process", "command", "command"]
+    assert peer_client.__doc__
