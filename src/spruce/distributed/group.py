@@ -108,10 +108,21 @@ def init_tp_group(rank: int, size: int, device: str, init_method: str, local_ran
     # NCCL bound to this rank's GPU at once (torch >= 2.3), so the first collective is not inside a graph capture
     eager = dev.type == "cuda" and "device_id" in inspect.signature(dist.init_process_group).parameters
     kwargs = {"device_id": dev} if eager else {}
+    check_no_group()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=collective_timeout(), **kwargs)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank, size, dev, dist.group.WORLD, control)
+
+
+def check_no_group() -> None:
+    """ConfigError unless this process is free to join a new group: one process belongs to one group at a time
+    (torch.distributed has one default group), so an engine still open must be shut down first."""
+    if dist.is_initialized():
+        raise ConfigError("this process already belongs to a tensor-parallel group: an LLM(tp_size > 1) or engine "
+                          "built earlier is still open. Call its shutdown() first (or build it with `with "
+                          "LLM(...) as llm:`, which shuts it down at the end of the block); an engine nothing "
+                          "refers to any more is shut down when it is collected")
 
 
 def destroy_tp_group() -> None:

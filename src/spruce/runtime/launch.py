@@ -57,10 +57,12 @@ def create_engine(config, rank_setup=None):
         if rank_setup is not None:
             rank_setup(engine, 0)
         return engine
+    from spruce.distributed.group import check_no_group
     from spruce.distributed.layers import check_divisible
     from spruce.models.hf_config import ModelConfig
 
     check_divisible(ModelConfig.from_dir(config.model), config.tp_size)
+    check_no_group()  # before spawning workers that could never join
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _join_torchrun(config, rank_setup)
     return _spawn(config, rank_setup)

@@ -193,6 +193,16 @@ class DriverEngine(Engine):
             if self._workers is not None:
                 self._workers.join(timeout)
 
+    def __del__(self):
+        """An engine nothing refers to any more (`del llm`) shuts down like shutdown(): its workers stop and this
+        process leaves the group, free to build another engine."""
+        if getattr(self, "_closed", True) or not hasattr(self, "runner"):  # closed, or its __init__ failed
+            return
+        try:
+            self.shutdown(timeout=10.0)
+        except Exception as e:  # nothing to raise to from a collection
+            logger.warning("tensor-parallel engine collected: shutdown failed: %s: %s", type(e).__name__, e)
+
     # --- the exchange and failure handling ----------------------------------------------------------------------
     def _exchange(self, op: int, arg: int = 0, args=None) -> None:
         self._check_alive()
