@@ -143,6 +143,8 @@ class LLM:
             raise InvalidRequestError(f"sampling_params entries must be SamplingParams, got {type(bad).__name__}",
                                       field="sampling_params")
         engine = self.engine
+        for sp in params:
+            sp.check_vocab(engine.vocab_size)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
@@ -162,11 +164,16 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
+    """One prompt (text or a list of token ids) or a list of them, as a list of prompts (each checked by the
+    engine's add_request)."""
     if isinstance(prompts, (bytes, bytearray)):
         raise InvalidRequestError("prompts must be text or token ids, got bytes (decode them to str first)",
                                   field="prompt")
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(f"prompts must be a string, a list of token ids, or a list of strings or of "
+                                  f"token-id lists, got {type(prompts).__name__}", field="prompt")
     prompts = list(prompts)
     if not prompts:
         return []

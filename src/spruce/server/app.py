@@ -311,8 +311,9 @@ class _Api:
         except EngineFailure as e:
             raise failure_error(e) from None
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
+        tok = self.engine.tokenizer
         stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs, echo,
-                         self.engine.tokenizer.token_text if self.engine.tokenizer is not None else _no_text)
+                         tok.token_text if tok is not None else _no_text, tok.text_widths if tok is not None else None)
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -388,9 +389,9 @@ class _Stream:
     each choice's prompt text (its prompt's tokens and, with logprobs, their logprobs come first)."""
 
     def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]],
-                 logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text):
+                 logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text, text_widths=None):
         self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
-        self.logprobs, self.echo, self.token_text = logprobs, echo, token_text
+        self.logprobs, self.echo, self.token_text, self.text_widths = logprobs, echo, token_text, text_widths
         self.created = int(time.time())
         self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
@@ -419,9 +420,11 @@ class _Stream:
         ids, entries = out.token_ids[sent_tokens:], out.logprobs[sent_tokens:]
         if self.chat:
             return chat_logprobs(ids, entries, self.logprobs, self.token_text)
+        context = [*out.prompt_token_ids[-8:], *out.token_ids[max(sent_tokens - 8, 0):sent_tokens]]
         if first and self.echo:
-            ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
-        return completion_logprobs(ids, entries, self.token_text, text_offset)
+            ids, entries, context = out.prompt_token_ids + ids, out.prompt_logprobs + entries, []
+        widths = self.text_widths(list(ids), context) if self.text_widths is not None else None
+        return completion_logprobs(ids, entries, self.token_text, text_offset, widths)
 
     def chunk(self, choices: list, **extra) -> str:
         """One SSE chunk; with include_usage set, every chunk but the final usage one carries "usage": null
