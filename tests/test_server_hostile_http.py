@@ -1,7 +1,7 @@
 """Hostile HTTP clients against a real `spruce serve` on loopback (the bundled demo model): DNS rebinding (Host
 header), cross-origin browser requests, /metrics behind the API key, the model's path kept out of responses,
 half-sent requests (slowloris), oversized headers, bodies and prompts, and the connection limit. Short timeouts
-(--http-timeout 1, --keep-alive-timeout 1) keep the file fast."""
+(--http-timeout 2, --keep-alive-timeout 1) keep the file fast; the time bounds leave room for a loaded CI machine."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ KEY = "sk-hostile-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SERVED = "demo"
 ALLOWED_ORIGIN = "https://ok.example"
-HTTP_TIMEOUT = 1.0
+HTTP_TIMEOUT = 2.0
 MAX_CONNECTIONS = 32
 
 
@@ -193,7 +193,7 @@ def test_half_sent_requests_are_dropped_and_the_server_answers(server):
         sock.sendall(sent)
         socks.append(sock)
     while open_fds(server) < before + MAX_CONNECTIONS + 4:  # accepted (each holds a descriptor)
-        assert time.monotonic() - start < HTTP_TIMEOUT / 2, "the server did not accept the connections"
+        assert time.monotonic() - start < HTTP_TIMEOUT * 0.75, "the server did not accept the connections"
         time.sleep(0.01)
     assert httpx.get(f"{server.base_url}/health").status_code == 503  # over --max-connections
     for i, sock in enumerate(socks):
@@ -202,7 +202,7 @@ def test_half_sent_requests_are_dropped_and_the_server_answers(server):
             data += chunk
         sock.close()
         assert data.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in data, (partial[i], data)
-    assert time.monotonic() - start < HTTP_TIMEOUT + 3
+    assert time.monotonic() - start < HTTP_TIMEOUT + 4
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     deadline = time.monotonic() + 5
     while open_fds(server) > before + 2 and time.monotonic() < deadline:
@@ -211,12 +211,12 @@ def test_half_sent_requests_are_dropped_and_the_server_answers(server):
 
 
 def test_idle_keep_alive_connection_is_closed(server):
-    with socket.create_connection(("127.0.0.1", port_of(server)), timeout=4) as sock:
+    with socket.create_connection(("127.0.0.1", port_of(server)), timeout=10) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
         start = time.monotonic()
-        assert sock.recv(4096) == b""  # closed by --keep-alive-timeout 1 (a socket.timeout: still open)
-        assert time.monotonic() - start < 3
+        assert sock.recv(4096) == b""  # closed by --keep-alive-timeout 1
+        assert time.monotonic() - start < 4  # uvicorn's default: 5 s
 
 
 def test_oversized_headers_get_431(server):
