@@ -8,7 +8,10 @@ time per phase, batch size and context, per backend. The package ships the table
     python -m spruce.attention.kernel_table bench/results/attention-table-<device>-<date>.json
 
 which checks it, copies it to `tables/<device slug>.json` with a "source" field naming the bench file, and
-prints the choice. A table is found by its "device" field, equal to the device's name.
+prints the choice. A table is found by its "device" field, equal to the device's name; a device with no table of
+its own takes the table of another GPU of its architecture (`ARCHITECTURES`: one SM version, the same kernels, so
+the same ranking, though not the same times), e.g. an H200 the H100's. The start-up log names the table's file and
+the device it runs on.
 
 The rule, per phase: every backend measured on every row of the phase is scored by its **summed time over
 those rows** (each batch size x context the table holds); the lowest sum ranks first, and the phase runs the
@@ -28,6 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
+# GPUs of one SM architecture, by name (torch.cuda.get_device_name): the kernels a table ranks are the same on each,
+# only memory size and bandwidth differ. e.g. "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA GH200 480GB": Hopper.
+ARCHITECTURES = (
+    ("Hopper (sm90)", re.compile(r"\bG?H(100|200|800|20)\b")),
+    ("Ampere GA100 (sm80)", re.compile(r"\bA(100|800)\b")),
+    ("Blackwell (sm100)", re.compile(r"\bG?B(100|200)\b")),
+)
 
 
 class TableError(ValueError):
@@ -79,13 +89,18 @@ def load_table(path: str | Path) -> KernelTable:
     return KernelTable(path, data["device"], tuple(data["rows"]))
 
 
+def architecture(device_name: str) -> str | None:
+    """The SM architecture `ARCHITECTURES` names for a GPU name, or None (unknown: no other GPU's table applies)."""
+    return next((arch for arch, pattern in ARCHITECTURES if pattern.search(device_name)), None)
+
+
 def find_table(device_name: str, tables_dir: Path | None = None) -> KernelTable | None:
-    """The packaged table measured on `device_name` (its "device" field), or None."""
-    for path in sorted((tables_dir or TABLES_DIR).glob("*.json")):
-        table = load_table(path)
-        if table.device == device_name:
-            return table
-    return None
+    """The packaged table measured on `device_name` (its "device" field), else one measured on a GPU of the same
+    architecture (the first by file name), else None."""
+    tables = [load_table(path) for path in sorted((tables_dir or TABLES_DIR).glob("*.json"))]
+    exact = next((t for t in tables if t.device == device_name), None)
+    arch = architecture(device_name)
+    return exact or next((t for t in tables if arch is not None and architecture(t.device) == arch), None)
 
 
 def known_devices(tables_dir: Path | None = None) -> tuple[str, ...]:
