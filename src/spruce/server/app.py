@@ -134,7 +134,8 @@ def add_request_checks(app: FastAPI, allowed_hosts: tuple[str, ...], allowed_ori
     """The middleware, outermost first: the Host check, the Origin check of state-changing requests, then CORS
     (only with allowed origins)."""
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+        origins = [o.rstrip("/") for o in allowed_origins]  # an Origin header never ends with "/"
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                            allow_headers=["*"])
     app.add_middleware(OriginCheck, allowed_origins=allowed_origins, on_refused=on_refused)
     app.add_middleware(HostCheck, allowed=allowed_hosts, on_refused=on_refused)
