@@ -226,3 +226,21 @@ def test_command_line_flags_reach_the_engine_and_need_a_draft():
                                   "--speculative-synthetic-acceptance-length", "3"])
     with pytest.raises(ConfigError, match="--speculative-synthetic-acceptance-length"):
         draft_path(no_draft)
+
+
+def test_latency_bench_runs_at_the_synthetic_length_and_records_it(tmp_path):
+    import json
+
+    from spruce.cli import main
+
+    rc = main(["bench", "latency", "--model", str(builtin_model_path()), "--draft", str(builtin_draft_path()),
+               "--device", "cpu", "--dtype", "float32", "--batch-sizes", "2", "--input-len", "8", "--output-len", "13",
+               "--num-prompts", "2", "--spec", "3,1,4", "--no-plain", "--graphs", "off", "--repeats", "1",
+               "--synthetic-acceptance-length", "3", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (path,) = tmp_path.glob("latency-*.json")
+    res = json.loads(path.read_text())
+    (run,) = res["figures"]["runs"]
+    assert res["config"]["synthetic_acceptance_length"] == 3.0
+    assert run["synthetic_acceptance"].startswith("synthetic acceptance rates=1,1,0 (mean length 3)")
+    assert run["spec"]["mean_accept_length"] == 3.0  # rates (1, 1, 0): every round accepts exactly 2 drafts

@@ -3,6 +3,7 @@ CUDA graphs, next to the HBM roofline measured in the same run (and, optionally,
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import tempfile
@@ -31,6 +32,11 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--spec", nargs="*", default=["5,4,8"], metavar="S,K,N",
                    help="speculative configs to run (steps,topk,draft_tokens); none: plain only")
     p.add_argument("--no-plain", action="store_true", help="skip the non-speculative runs")
+    p.add_argument("--synthetic-acceptance-length", type=float, default=None, metavar="L",
+                   help="BENCHMARK SETTING for every --spec run: accept drafts at mean acceptance length L instead "
+                        "of verifying them (speculative/synthetic.py; outputs are not the target's)")
+    p.add_argument("--synthetic-acceptance-rates", type=_rates, default=None, metavar="R1,R2,...",
+                   help="as --synthetic-acceptance-length, per draft depth (one per step, non-increasing)")
     p.add_argument("--graphs", nargs="+", default=["on"], choices=["on", "off"])
     p.add_argument("--overlap", nargs="+", default=["on"], choices=["on", "off"],
                    help="overlap scheduling on (default) and/or off (--disable-overlap-schedule)")
@@ -45,6 +51,14 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_latency_bench)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated numbers ('1,0.5,0.2')."""
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,0.5,0.2, got {text!r}")
 
 
 def _prompt_batches(args, tokenizer, vocab: int, bs: int) -> list[list[list[int]]]:
@@ -72,7 +86,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
     if spec is not None:
         s, k, n = spec
         kw.update(draft_model=draft, speculative_algorithm=args.speculative_algorithm, speculative_num_steps=s,
-                  speculative_eagle_topk=k, speculative_num_draft_tokens=n)
+                  speculative_eagle_topk=k, speculative_num_draft_tokens=n,
+                  speculative_synthetic_acceptance_length=args.synthetic_acceptance_length,
+                  speculative_synthetic_acceptance_rates=args.synthetic_acceptance_rates)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
@@ -103,7 +119,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
                "gpu_phase_ms": gpu_ms, "wall_over_gpu_phases": total * 1e3 / gpu_ms if gpu_ms else None,
                "tokens_per_s": out_tokens / total, "decode_tokens_per_s": (out_tokens - len(outs)) / decode_s,
                "num_prompts": len(outs),
-               "phases": phases, "spec": eng.stats()["spec"] if spec else None}
+               "phases": phases, "spec": eng.stats()["spec"] if spec else None,
+               "synthetic_acceptance": eng.info()["synthetic_acceptance"]}
         if spec:
             round_ms = sum(phases[k]["mean_ms"] for k in ("draft", "verify", "accept", "extend", "sync") if k in phases)
             run["round_ms"] = round_ms

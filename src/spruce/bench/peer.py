@@ -283,24 +283,14 @@ def model_bytes(target: Path):
     return model.weight_bytes_read, target_pool_bytes_per_token(cfg, torch.bfloat16)
 
 
-def measure_copy_bandwidth(gib: int = 4, reps: int = 20) -> dict:
-    """A device-to-device copy of `gib` GiB, `reps` times: bytes moved (read + written) per second, and the GPU."""
+def measure_bandwidth() -> dict:
+    """The GPU's name and its device-to-device copy bandwidth (bytes read + written per second, bench/common.py)."""
     import torch
 
-    n = gib << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    return {"gpu": torch.cuda.get_device_name(0), "copy_bytes": n, "reps": reps, "seconds": seconds,
-            "copy_bandwidth_bytes_per_s": 2 * n * reps / seconds}
+    from spruce.bench.common import measure_copy_bandwidth
+
+    return {"gpu": torch.cuda.get_device_name(0), "copy_bandwidth_bytes_per_s": measure_copy_bandwidth("cuda"),
+            "how": "bench.common.measure_copy_bandwidth: a 2 GiB device-to-device copy, bytes read + written"}
 
 
 # --- processes ---------------------------------------------------------------------------------------------------
@@ -413,14 +403,14 @@ class Hooks:
 
     start_server: Callable = Server  # (name, command, port, log) -> a Server
     run_client: Callable = run_client  # (argv per level, log) -> exit status
-    bandwidth: Callable | None = None  # () -> measure_copy_bandwidth's dict (measured in a process of its own)
+    bandwidth: Callable | None = None  # () -> measure_bandwidth's dict (measured in a process of its own)
     clock: Callable = time.monotonic
     model_bytes: Callable = model_bytes  # (target dir) -> (weight_bytes(batch), KV bytes a token)
 
 
 def bandwidth_in_subprocess() -> dict:
-    """measure_copy_bandwidth in a process of its own (its CUDA context gone before the servers start)."""
-    code = "import json; from spruce.bench.peer import measure_copy_bandwidth as m; print(json.dumps(m()))"
+    """measure_bandwidth in a process of its own (its CUDA context gone before the servers start)."""
+    code = "import json; from spruce.bench.peer import measure_bandwidth as m; print(json.dumps(m()))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=spruce_env(), timeout=120)
     if out.returncode != 0:
         return {"error": out.stderr[-2000:]}
