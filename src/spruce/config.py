@@ -18,6 +18,7 @@ ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_DRAFT_TOKENS = 128  # speculative_num_draft_tokens upper bound (two 64-bit ancestor mask words)
+MAX_NUM_STEPS = MAX_DRAFT_TOKENS - 1  # speculative_num_steps upper bound: the deepest tree of MAX_DRAFT_TOKENS nodes
 # SGLang's defaults when only a draft path is given: (steps, topk, draft tokens); NEXTN's are its DeepSeek ones.
 DEFAULT_SPECULATIVE = (5, 4, 8)
 DEFAULT_NEXTN = (3, 1, 4)
@@ -89,8 +90,9 @@ class SpeculativeConfig:
                         ("speculative_num_draft_tokens", n)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ConfigError(f"{name} must be an integer, got {v!r}")
-        if s < 1:
-            raise ConfigError(f"speculative_num_steps must be >= 1, got {s}")
+        if not 1 <= s <= MAX_NUM_STEPS:
+            raise ConfigError(f"speculative_num_steps={s} is outside [1, {MAX_NUM_STEPS}] (a verify tree of at most "
+                              f"{MAX_DRAFT_TOKENS} nodes is at most {MAX_NUM_STEPS} deep)")
         if k < 1:
             raise ConfigError(f"speculative_eagle_topk must be >= 1, got {k}")
         if n < 2:
@@ -333,5 +335,3 @@ def _guess_algorithm(draft_model: str) -> str:
     except (OSError, ValueError):
         return "EAGLE3"
     return "EAGLE3" if any("Eagle3" in a for a in archs) else "EAGLE"
-
-

@@ -209,6 +209,14 @@ class Limits:
         return self.max_pages_per_request * self.page_size
 
     @cached_property
+    def rope_positions(self) -> int:
+        """Rows of every rope table (models/rope.py): positions [0, kv_capacity). Every token of a forward lies below
+        its batch's max_kv_len, which BatchBuilder checks against kv_capacity before the launch: the context, then
+        the lookahead past it that a round's draft and tree tokens reach (S+1 per step ahead). E.g. context 2048,
+        S=5 under overlap, page 16: ceil((2048 + 2*6) / 16) * 16 = 2064 rows."""
+        return self.kv_capacity
+
+    @cached_property
     def prefill_graph_tokens(self) -> tuple[int, ...]:
         """Token buckets captured as prefill CUDA graphs (the target over a batch of prompt chunks, padded up to
         the bucket); always includes the largest (prefill_graph_max_tokens)."""

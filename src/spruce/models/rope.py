@@ -8,10 +8,6 @@ import torch
 
 from spruce.models.hf_config import yarn_mscale
 
-# Positions past max_position_embeddings the tables still cover: a speculative round may place draft/tree
-# tokens up to S+1 positions past the last committed one (their outputs past the context are discarded).
-POSITION_HEADROOM = 256
-
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies (transformers' ROPE_INIT_FUNCTIONS, same float ops)."""
@@ -73,19 +69,26 @@ def attention_factor(scaling: dict | None) -> float:
 
 
 class Rotary(torch.nn.Module):
-    """cos/sin tables for positions [0, max_positions + POSITION_HEADROOM), computed once in float32.
+    """cos/sin tables for positions [0, num_positions), computed in float32: the model's max_position_embeddings as
+    built, then what the engine's forwards can reach (`cover`, Limits.rope_positions: past the context, a round's
+    draft and tree tokens).
 
     The tables are plain attributes (not buffers), so casting the model to bf16 leaves them exact; they are
     created on the current default device (the loader builds models under `torch.device(device)`)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv = inv_frequencies(head_dim, theta, scaling)  # [D/2]
-        pos = torch.arange(max_positions + POSITION_HEADROOM, dtype=torch.float32)
-        freqs = torch.outer(pos, inv.to(pos.device))  # [P, D/2]
-        magnitude = attention_factor(scaling)
-        self.cos = freqs.cos() * magnitude  # [P, D/2]
-        self.sin = freqs.sin() * magnitude  # [P, D/2]
+        self.inv = inv_frequencies(head_dim, theta, scaling)  # [D/2]
+        self.magnitude = attention_factor(scaling)
+        self.cos = self.sin = torch.zeros(0, head_dim // 2, device=self.inv.device)
+        self.cover(max_positions)
+
+    def cover(self, num_positions: int) -> None:
+        """Rebuild the tables for positions [0, num_positions) (on the tables' device)."""
+        pos = torch.arange(num_positions, dtype=torch.float32, device=self.cos.device)
+        freqs = torch.outer(pos, self.inv.to(pos.device))  # [P, D/2]
+        self.cos = freqs.cos() * self.magnitude  # [P, D/2]
+        self.sin = freqs.sin() * self.magnitude  # [P, D/2]
 
     @property
     def num_positions(self) -> int:

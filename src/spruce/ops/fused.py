@@ -126,15 +126,19 @@ def rotary_reference(x, cos, sin, positions):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, num_positions, NUM_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
-    c = tl.load(cos_ptr + pos * HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * HALF + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+    in_table = (pos >= 0) & (pos < num_positions)  # a position past the table reads row 0, its row turns NaN
+    row = tl.where(in_table, pos, 0)
+    c = tl.load(cos_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    s = tl.load(sin_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    c = tl.where(in_table, c, float("nan"))[None, :]
+    s = tl.where(in_table, s, float("nan"))[None, :]
     base = x_ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -143,12 +147,14 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, NUM_HEADS: tl.con
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (rotate-half convention) at positions [T]; in place on the Triton path."""
+    """Rotate x [T, H, D] (rotate-half convention) at positions [T] of the tables cos, sin [P, D/2]; in place on the
+    Triton path. Positions lie below P (Limits.rope_positions); one that does not reads nothing: the torch path
+    raises IndexError, the kernel fills its token's row with NaN."""
     if not _use_triton(x):
         return rotary_reference(x, cos, sin, positions)
     t, h, d = x.shape
     if t and x.stride(2) == 1 and x.stride(1) == d:
-        _rotary_kernel[(t,)](x, cos, sin, positions, x.stride(0), NUM_HEADS=h, HALF=d // 2,
+        _rotary_kernel[(t,)](x, cos, sin, positions, x.stride(0), cos.shape[0], NUM_HEADS=h, HALF=d // 2,
                              BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d // 2))
         return x
     return rotary_reference(x, cos, sin, positions)

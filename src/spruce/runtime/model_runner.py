@@ -29,6 +29,7 @@ from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import draft_aux_layers, load_draft, load_target
+from spruce.models.rope import Rotary
 from spruce.runtime.batch_builder import BatchBuilder
 from spruce.runtime.cuda_graph import BucketGraphs
 from spruce.runtime.device import device_name
@@ -81,6 +82,7 @@ class ModelRunner:
         self.limits = Limits.derive(config, mc.max_position_embeddings, kv_bytes, self._kv_budget_bytes(),
                                     reverted_fixes_from_env())
         lim = self.limits
+        self._cover_positions(lim.rope_positions)
         self.page_table = PageTable(lim, self.device)
         self.allocator = PageAllocator(lim)
         self.target_kv = make_pool(self.target_pool_config, mc.num_layers, lim.target_scratch_width, lim, self.dtype,
@@ -117,6 +119,12 @@ class ModelRunner:
         if self.tp is None or cfg.mla is not None:
             return cfg
         return dataclasses.replace(cfg, num_kv_heads=self.tp.shard(cfg.num_kv_heads, "num_key_value_heads"))
+
+    def _cover_positions(self, num_positions: int) -> None:
+        """Size every rope table of the target and the draft to `num_positions` (Limits.rope_positions)."""
+        models = [self.target] + ([self.draft] if self.draft is not None else [])
+        for rotary in {id(m): m for model in models for m in model.modules() if isinstance(m, Rotary)}.values():
+            rotary.cover(num_positions)
 
     def _kv_budget_bytes(self) -> int | None:
         """Free device memory times mem_fraction_static (cuda; tensor-parallel: the smallest of any rank's, so

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spruce.models.rope import POSITION_HEADROOM, inv_frequencies
+from spruce.models.rope import inv_frequencies
 from spruce.ops.fused import rms_norm_reference
+
+TTT_POSITION_HEADROOM = 256  # positions past a window the rope tables cover: unroll step k rotates at position + k
 
 
 class Norm(nn.Module):
@@ -56,7 +58,7 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))  # [Vd]
         self.register_buffer("t2d", torch.ones(target_vocab, dtype=torch.bool))  # [V]
-        freqs = torch.outer(torch.arange(max_positions + POSITION_HEADROOM, dtype=torch.float32),
+        freqs = torch.outer(torch.arange(max_positions + TTT_POSITION_HEADROOM, dtype=torch.float32),
                             inv_frequencies(head_dim, rope_theta, rope_scaling))  # [P, D/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
