@@ -213,3 +213,20 @@ def test_align_kernel_equals_torch_align(t, e, k, block_m):
     got = moe._align_triton(ids, e, block_m)
     for w, o in zip(want, got):
         assert torch.equal(w, o)
+
+
+@pytest.mark.parametrize("t", [1, 9])
+def test_fused_moe_biases_and_clamped_swiglu_equal_reference(t):
+    """gpt-oss's experts: biases on gate/up and down, and the clamped SwiGLU (a limit the products cross)."""
+    h, inter, e, k = 48, 32, 6, 2
+    w13, w2 = make_weights(h, inter, e, seed=7)
+    g = torch.Generator(device=DEVICE).manual_seed(8)
+    b13 = torch.randn(e, 2 * inter, generator=g, device=DEVICE)
+    b2 = torch.randn(e, h, generator=g, device=DEVICE)
+    x = torch.randn(t, h, generator=g, device=DEVICE) * 3
+    ids, weights = route(t, e, k, seed=9)
+    ref = moe.fused_moe_reference(x, w13, w2, ids, weights, b13, b2, swiglu_limit=1.5, swiglu_alpha=1.702)
+    assert not torch.allclose(ref, moe.fused_moe_reference(x, w13, w2, ids, weights, b13, b2))  # the clamp bites
+    assert_close_f32(moe.fused_moe(x, w13, w2, ids, weights, b13, b2, 1.5, 1.702), ref)
+    for cfg in SMALL_BLOCKS:
+        assert_close_f32(moe._fused_moe_triton(x, w13, w2, ids, weights, cfg, b13, b2, 1.5, 1.702), ref)

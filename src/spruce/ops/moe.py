@@ -1,8 +1,10 @@
-"""Fused mixture-of-experts MLP (DeepSeek-V2/V3 routed experts): two grouped GEMM launches over tokens sorted
-by expert.
+"""Fused mixture-of-experts MLP (the routed experts of DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral, gpt-oss): two
+grouped GEMM launches over tokens sorted by expert.
 
     out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
     gate_e(x) = x @ w13[e, :I].T,  up_e(x) = x @ w13[e, I:].T,  down_e(y) = y @ w2[e].T
+gpt-oss adds biases (gate_e(x) = x @ w13[e, :I].T + b13[e, :I], ... down_e(y) = y @ w2[e].T + b2[e]) and its
+clamped SwiGLU in place of silu(gate) * up (`clamped_swiglu`).
 
 Reference (`fused_moe_reference`, the CPU path and the path without Triton): transformers' DeepseekV3Experts
 loop, one expert present at a time: gather its tokens, gate/up linear, silu(gate) * up, down linear, times the
@@ -10,7 +12,8 @@ routing weight, rounded to x's dtype, index_add into a zero output.
 
 Triton path (CUDA tensors), in three steps; every shape depends on T, k, E and the block size only, and nothing
 reads a value back to the host, so the whole op can be captured in a CUDA graph and replayed with any routing:
-  1. align (`_align`: torch ops; `_align_triton`: one program, for decode-sized M): the M = T*k assignments (token t, slot j) get the ids a = t*k + j. A stable
+  1. align (`_align`: torch ops; `_align_triton`: one program, for decode-sized M): the M = T*k assignments
+     (token t, slot j) get the ids a = t*k + j. A stable
      sort by expert puts each expert's assignments together; each expert's segment is then padded up to a
      multiple of BLOCK_M with the sentinel M, so that every block of BLOCK_M entries belongs to one expert.
      At most min(E, M) experts have assignments, so min(E, M)*(BLOCK_M - 1) pad entries suffice: the buffer
@@ -20,11 +23,13 @@ reads a value back to the host, so the whole op can be captured in a CUDA graph 
      only the k routed experts' weights are read.
   2. gate_up (`_gate_up_kernel`): one program per (block, tile of BLOCK_N intermediate columns) gathers its
      BLOCK_M rows of x by token id (a // k), multiplies them by the expert's gate and up tiles (two fp32
-     accumulators over H), and writes round(round(silu(round(g))) * round(u)) into the row of the intermediate
-     buffer [blocks*BLOCK_M, I] at the assignment's sorted position (padding rows are neither written nor read).
-  3. down (`_down_kernel`): per (block, tile of BLOCK_N hidden columns), that buffer's rows times w2[e].T,
-     rounded to x's dtype, times the routing weight of the row's assignment, rounded again, stored at row a
-     of the per-assignment output [M, H]; a torch sum over the k slots of each token gives [T, H].
+     accumulators over H, + the biases), and writes round(round(silu(round(g))) * round(u)) (or the clamped
+     SwiGLU, its glu and u + 1 each rounded) into the row of the intermediate buffer [blocks*BLOCK_M, I] at
+     the assignment's sorted position (padding rows are neither written nor read).
+  3. down (`_down_kernel`): per (block, tile of BLOCK_N hidden columns), that buffer's rows times w2[e].T
+     (+ the down bias), rounded to x's dtype, times the routing weight of the row's assignment, rounded again,
+     stored at row a of the per-assignment output [M, H]; a torch sum over the k slots of each token gives
+     [T, H].
 Matrix products accumulate in fp32: float32 inputs use IEEE fp32 products, bf16/fp16 the tensor cores. Every
 rounding of the reference is repeated, so the paths differ only by summation order (float32: ~1e-6 relative;
 bf16: ~4e-3 relative in norm, about one bf16 step, mostly because the k slots are summed in fp32 and rounded
@@ -168,8 +173,9 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
-                    stride_we, stride_wn, stride_wk, TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                    stride_we, stride_wn, stride_wk, bias_ptr, swiglu_limit, swiglu_alpha, TOP_K: tl.constexpr,
+                    H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
     pid = tl.program_id(0)
     block = pid // tl.cdiv(INTER, BLOCK_N)
     if block >= tl.load(num_blocks_ptr):
@@ -197,16 +203,28 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
     dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:  # rounded like F.linear's output: (x @ w.T + b) in x's dtype
+        b_ptrs = bias_ptr + expert * (2 * INTER) + offs_n
+        acc_g += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_ptrs + INTER, mask=mask_n, other=0.0).to(tl.float32)
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * INTER + offs_n[None, :], (s * u).to(dt), mask=valid[:, None] & mask_n[None, :])
+    if CLAMPED:  # gpt-oss: (clamp(u, -L, L) + 1) * g * sigmoid(alpha g), g = min(gate, L)
+        g = tl.minimum(g, swiglu_limit)
+        u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+        glu = (g * (1.0 / (1.0 + tl.exp(-g * swiglu_alpha)))).to(dt).to(tl.float32)
+        y = ((u + 1.0).to(dt).to(tl.float32) * glu).to(dt)
+    else:
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (s * u).to(dt)
+    tl.store(out_ptr + offs_m[:, None] * INTER + offs_n[None, :], y, mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
-                 stride_we, stride_wn, stride_wk, H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                 stride_we, stride_wn, stride_wk, bias_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     block = pid // tl.cdiv(H, BLOCK_N)
     if block >= tl.load(num_blocks_ptr):
@@ -228,12 +246,15 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     weight = tl.load(topk_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
     y = acc.to(dt).to(tl.float32) * weight[:, None]
     tl.store(out_ptr + ids.to(tl.int64)[:, None] * H + offs_n[None, :], y.to(dt), mask=valid[:, None] & mask_n[None, :])
 
 
-def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config) -> torch.Tensor:
+def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config, b13=None, b2=None,
+                      swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
     t, h = x.shape
     k = topk_ids.shape[1]
     num_experts, two_i, _ = w13.shape
@@ -249,13 +270,16 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config) -> torch
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)  # [blocks*BLOCK_M, I]
+    clamped = swiglu_limit is not None
     _gate_up_kernel[(blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_ids, block_expert, num_blocks, m, w13.stride(0), w13.stride(1), w13.stride(2),
-        TOP_K=k, H=h, INTER=inter, **launch)
+        w13 if b13 is None else b13.contiguous(), float(swiglu_limit) if clamped else 0.0, float(swiglu_alpha),
+        TOP_K=k, H=h, INTER=inter, HAS_BIAS=b13 is not None, CLAMPED=clamped, **launch)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)  # [M, H] weighted output of each assignment
     _down_kernel[(blocks * triton.cdiv(h, cfg.block_n),)](
         act, w2, out, topk_weights.contiguous(), sorted_ids, block_expert, num_blocks, m, w2.stride(0),
-        w2.stride(1), w2.stride(2), H=h, INTER=inter, **launch)
+        w2.stride(1), w2.stride(2), w2 if b2 is None else b2.contiguous(), H=h, INTER=inter,
+        HAS_BIAS=b2 is not None, **launch)
     return out.view(t, k, h).sum(dim=1)
 
 
@@ -266,8 +290,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     (int32/int64), topk_weights [T, k] float32 -> [T, H] in x's dtype.
 
     Optional (gpt-oss): biases b13 [E, 2I] / b2 [E, H] and the clamped SwiGLU (`clamped_swiglu`, when
-    swiglu_limit is set); these run the reference loop (the Triton kernels have neither yet)."""
-    plain = b13 is None and b2 is None and swiglu_limit is None
-    if plain and _use_triton(x) and w13.dtype == x.dtype and w2.dtype == x.dtype:
-        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, _config(topk_ids.numel(), w13.shape[0]))
+    swiglu_limit is set), in both paths."""
+    same = all(t is None or t.dtype == x.dtype for t in (w13, w2, b13, b2))
+    if _use_triton(x) and same:
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, _config(topk_ids.numel(), w13.shape[0]),
+                                 b13, b2, swiglu_limit, swiglu_alpha)
     return fused_moe_reference(x, w13, w2, topk_ids, topk_weights, b13, b2, swiglu_limit, swiglu_alpha)
