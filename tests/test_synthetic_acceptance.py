@@ -127,6 +127,21 @@ def test_a_tree_accepts_along_its_best_ranked_branch():
     assert bool(deepest.any()) and bool((acc.path[deepest] == torch.tensor([0, 1, 3, 5, 5, 5])).all())
 
 
+def test_a_grammar_refusing_a_node_ends_the_path_there():
+    from spruce.runtime.grammar import WORD_BITS
+
+    tree = chain_tree(4, 5)  # tokens 100..105
+    words = -(-128 // WORD_BITS)
+    masks = torch.full((4 * 6, words), -1, dtype=torch.int32)  # every token allowed after every node ...
+    token = 102  # ... but node 2's token after node 1, in rows 0 and 2
+    for row in (0, 2):
+        masks[row * 6 + 1, token // WORD_BITS] &= ~(1 << (token % WORD_BITS))
+    sampler = SyntheticAcceptance((1.0,) * 5, seed=0, device="cpu")
+    acc = sampler.accept(tree, torch.arange(4), 5, torch.zeros_like(tree.tokens), masks)
+    assert acc.accept_lens.tolist() == [1, 5, 1, 5]
+    assert sampler.accept(tree, torch.arange(4), 5, torch.zeros_like(tree.tokens)).accept_lens.tolist() == [5] * 4
+
+
 def test_draws_differ_between_rows_and_rounds_and_follow_the_seed():
     rates = (0.5,) * 5
     tree = chain_tree(64, 5)

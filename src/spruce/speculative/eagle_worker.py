@@ -241,7 +241,7 @@ class EagleWorker(DecodeStrategy):
             verified = graphs.run(verify.name, verify.fn, bs, max_kv, tree, plan=verify.plan)
         if not sampling.all_greedy or masks is not None:
             with timer.phase("accept"):  # sampled or masked rows: accept along the target's own choices instead
-                self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling, masks))
+                self._accept(bs, verified.tree, self._sampled_target_tokens(bs, verified, sampling, masks), masks)
         if logprobs is not None:
             with timer.phase("logprobs"):
                 logprobs.pack = self._path_logprobs(verified, logprobs)
@@ -299,11 +299,12 @@ class EagleWorker(DecodeStrategy):
         nodes = (idx[:, None] * verified.tree.tokens.shape[1] + path).reshape(-1)  # verify logits rows of the path
         return pack_logprobs(verified.logits[nodes], chosen.reshape(-1), plan.k)
 
-    def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor) -> None:
-        """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing)."""
+    def _accept(self, P: int, tree: Tree, target_tokens: torch.Tensor, masks: torch.Tensor | None = None) -> None:
+        """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing); `masks`
+        (grammar, [P*N, words]): synthetic acceptance takes only nodes their parent's grammar allows."""
         tree = _slice_tree(tree, P)
         acc = (accept(tree, target_tokens, self.S) if self.synthetic is None
-               else self.synthetic.accept(tree, self.rows[:P], self.S, target_tokens))
+               else self.synthetic.accept(tree, self.rows[:P], self.S, target_tokens, masks))
         real = self.rows[:P] != self.runner.limits.dummy_row
         self.accept_lens[:P] = torch.where(real, acc.accept_lens, 0)
         self.path[:P] = acc.path

@@ -21,7 +21,9 @@ the last accepted node (greedy or sampled, as the request asks). A chain is a tr
 so it accepts exactly at the rates; a tree accepts at them along its best-ranked branch, and less where that branch
 is shorter than S: at equal rates, trees and chains differ in what a round costs, not in what it accepts. Because
 the child taken is the best-ranked one, a narrower tree of the same round (its nodes of rank below N'-1) accepts
-exactly the prefix of the path that it holds (speculative/tree.py's `accepted_within` stays exact).
+exactly the prefix of the path that it holds (speculative/tree.py's `accepted_within` stays exact). A request with
+structured output takes a node only where its grammar allows the node's token after its parent (the path stops
+where it does not), so its committed tokens stay grammatical.
 
 Randomness: one uniform per (row, depth, round) from the engine's counter-based generator (runtime/rng.py), keyed
 by the engine seed and a round counter held on the device and advanced by each draw. It is all device work: no
@@ -124,9 +126,10 @@ class SyntheticAcceptance:
         logger.warning("speculative rounds use %s (a benchmark setting, vLLM's rejection_sample_method="
                        "'synthetic')", describe(rates))
 
-    def accept(self, tree, rows, num_steps: int, target_tokens):
+    def accept(self, tree, rows, num_steps: int, target_tokens, grammar_masks=None):
         """The round's Acceptance (speculative/verify.py) over `tree` ([P, N]) for page-table `rows` [P]: the path
-        drawn at the rates; bonus = target_tokens [P, N] at its last node."""
+        drawn at the rates; bonus = target_tokens [P, N] at its last node. With `grammar_masks` ([P*N, words], each
+        node's allowed next tokens, runtime/grammar.py) the path takes only nodes their parent's mask allows."""
         import torch
 
         from spruce.runtime.rng import uniform
@@ -138,6 +141,8 @@ class SyntheticAcceptance:
         draws = uniform(self.seed_base + (self.rounds & 0xFFFFFFFF), positions)  # [P, S+1]
         goes_on = draws < self.conditional[None, :]  # [P, S+1]: per depth, whether the path may go on to it
         matches = best_ranked_child(tree.parents, tree.ranks) & goes_on.gather(1, tree.depths)  # [P, N]
+        if grammar_masks is not None:
+            matches &= grammar_allowed(tree, grammar_masks)
         return accept_matching(tree, matches, target_tokens, num_steps)
 
 
@@ -153,6 +158,20 @@ def best_ranked_child(parents, ranks):
     child_rank = torch.where(parents >= 0, ranks, n)  # the root competes for no parent
     best = torch.full_like(ranks, n).scatter_reduce(1, parent_idx, child_rank, "amin", include_self=True)
     return (parents >= 0) & (ranks == best.gather(1, parent_idx))
+
+
+def grammar_allowed(tree, masks):
+    """[P, N] bool: node i's token is allowed by its parent's grammar mask (masks [P*N, words] int32, bit t of a
+    node's mask: token t may follow it; runtime/grammar.py's format). The root's entry is meaningless."""
+    import torch
+
+    from spruce.runtime.grammar import WORD_BITS
+
+    p, n = tree.tokens.shape
+    words = masks.shape[-1]
+    index = tree.parents.clamp(min=0) * words + tree.tokens // WORD_BITS  # [P, N]: the word holding the bit
+    word = masks.reshape(p, n * words).gather(1, index)  # [P, N] int32
+    return ((word >> (tree.tokens % WORD_BITS).to(torch.int32)) & 1).bool()
 
 
 def synthetic_acceptance(config, device) -> SyntheticAcceptance | None:
