@@ -33,12 +33,13 @@ def test_rope_tables_are_sized_by_limits(steps):
     assert rope_tables(llm) == {lim.rope_positions}
 
 
-def test_deepest_round_at_the_end_of_the_context():
-    """A prompt 6 tokens short of the context, rounds of the deepest chain (S = MAX_NUM_STEPS, K=1, N=2) under
-    overlap: draft and tree tokens reach 2 (S+1) positions past the context; the request ends at the context."""
-    llm = LLM(TARGET, draft_model=str(builtin_draft_path()), speculative_num_steps=MAX_NUM_STEPS,
-              speculative_eagle_topk=1, speculative_num_draft_tokens=2, page_size=16, context_length=160)
-    prompt = [(7 * i) % 500 + 5 for i in range(154)]
+def test_deep_round_at_the_end_of_the_context():
+    """A prompt 6 tokens short of the context, rounds of a deep chain (S=31, K=1, N=2) under overlap: draft and tree
+    tokens reach up to 2 (S+1) positions past the context (tables of context_length rows would not hold them); the
+    request ends at the context."""
+    llm = LLM(TARGET, draft_model=str(builtin_draft_path()), speculative_num_steps=31, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=2, page_size=16, context_length=64)
+    prompt = [(7 * i) % 500 + 5 for i in range(58)]
     out = llm.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
     llm.engine.check_no_leaks()
