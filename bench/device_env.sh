@@ -1,7 +1,7 @@
 # Sourced by the device scripts: unbuffered output, $OUT, carried wheels (if any) and spruce on PYTHONPATH.
 # SPRUCE_WHEELS_INSTALLED=1 (set by a script that sourced this and then starts several scripts at once, one a GPU):
 # the wheels are in /tmp/site already, so the scripts do not install them over each other.
-# SPRUCE_SRC: the source tree spruce is imported from (default ./src; bench/device_serving_parallel.sh's SRC_i).
+# SPRUCE_SRC: the source tree spruce is imported from (default ./src).
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
