@@ -98,6 +98,13 @@ def test_commands_name_dummy_weights_and_synthetic_acceptance_on_both_engines(tm
     assert peer.engine_names(args) == ["vllm", "spruce", "spruce-control", "spruce-tree-5-4-6"]
     plain = peer.server_command("spruce", parse(tmp=tmp_path), shape, 8000)
     assert not any(a.startswith("--speculative") for a in plain)
+    from spruce.cli import build_parser
+
+    for command in (chain, tree, plain):  # `spruce serve` takes every flag the benchmark gives it
+        assert command[1:4] == ["-m", "spruce.cli", "serve"]
+        served = build_parser().parse_args(command[3:])
+        assert served.load_format == "dummy" and served.model == str(shape.target)
+    assert build_parser().parse_args(chain[3:]).speculative_synthetic_acceptance_length == 3.5
     client = peer.client_argv(args, shape, "spruce", 4, 8000, tmp_path)
     assert "--ignore-eos" in client and option(client, "--dataset-name") == "random"
     assert (option(client, "--random-input-len"), option(client, "--random-output-len")) == ("512", "256")

@@ -347,15 +347,32 @@ class Server:
             pass
         return out
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=20)
+    def stop(self, grace_s: float = 40.0) -> None:
+        """SIGTERM to the server's process group, then wait until none of its processes is left (their GPU memory
+        freed before the next server starts); SIGKILL to what is left after `grace_s`."""
+        self._signal(signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while self._group_alive() and time.monotonic() < end:
+            time.sleep(0.5)
+        if self._group_alive():
+            self._signal(signal.SIGKILL)
+            while self._group_alive() and time.monotonic() < end + 20:
+                time.sleep(0.5)
         self._file.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _group_alive(self) -> bool:
+        self.proc.poll()  # reaps the leader once it exits
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
