@@ -176,11 +176,11 @@ class Engine:
                 f"{lim.pages_for(total + lim.lookahead)} KV pages of {lim.page_size} tokens; the cache holds only "
                 f"{self.runner.allocator.capacity} (at most {self.max_request_tokens} tokens per request)",
                 field="max_tokens", status=413)
+        grammar = self._request_grammar(params)  # compiled outside the lock: the engine steps on meanwhile
         with self._lock:
             rid = request_id or uuid.uuid4().hex
             if rid in self.requests:
                 raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
-            grammar = self._request_grammar(params)
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             self._enqueue(rid, ids, params, seed, grammar)
         return rid
@@ -203,16 +203,18 @@ class Engine:
 
     def _request_grammar(self, params: SamplingParams):
         """The request's grammar state (runtime/grammar.py) when it asks for structured output, else None;
-        InvalidRequestError naming the field when the constraint cannot be served or does not compile."""
+        InvalidRequestError naming the field when the constraint cannot be served, does not compile or fails at
+        its first mask (runtime/grammar.py compiles it within its budget)."""
         spec = params.structured_output
         if spec is None:
             return None
-        if self._grammar is None:
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"{spec.field} needs the model's tokenizer (tokenizer.json), which this "
-                                          f"model does not ship", field=spec.field)
-            self._grammar = GrammarBackend(self.tokenizer.to_json(), self.runner.model_config.vocab_size,
-                                           self.eos_token_ids, spec.field)
+        with self._lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(f"{spec.field} needs the model's tokenizer (tokenizer.json), which "
+                                              f"this model does not ship", field=spec.field)
+                self._grammar = GrammarBackend(self.tokenizer.to_json(), self.runner.model_config.vocab_size,
+                                               self.eos_token_ids, spec.field)
         return self._grammar.request_grammar(spec)
 
     def _grammar_batch(self, reqs: list[Request]) -> GrammarBatch | None:
@@ -477,9 +479,9 @@ class Engine:
             if q.grammar is not None:  # its grammar consumes the tokens, up to the one that completes it
                 tokens = tokens[:q.grammar.advance(tokens)]
             self._append(q, tokens, lps)
-            if q.grammar is not None and q.grammar.stopped and not q.finished:
-                self._final_text.append(q)
-                self.scheduler.finish(q, "stop")  # the grammar is complete: nothing but eos may follow
+            if q.grammar is not None and not q.finished and (q.grammar.error is not None or q.grammar.stopped):
+                self._final_text.append(q)  # the grammar failed (RequestGrammar.error says how), or is complete
+                self.scheduler.finish(q, "error" if q.grammar.error is not None else "stop")
             touched[q.request_id] = q
         resolve_s = time.perf_counter() - t_read
         self.strategy.resolved(step.chosen, step.result_reqs, rows, waited, resolve_s=resolve_s)
@@ -598,6 +600,7 @@ class Engine:
             logprobs=None if q.logprobs is None else copy(q.logprobs),
             prompt_logprobs=None if q.prompt_logprobs is None else copy(q.prompt_logprobs),
             num_cached_tokens=q.cached_tokens,
+            error=q.grammar.error if q.grammar is not None and q.finish_reason == "error" else None,
         )
         if q.finished:
             self.requests.pop(q.request_id, None)

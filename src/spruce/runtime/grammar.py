@@ -12,12 +12,24 @@ to the target's logits, and the masking itself.
   its subtree can be accepted; it gets its parent's mask (any mask would do).
 - Masks are llguidance's packed bitmask, int32 [rows, ceil(V / 32)], bit j of word w allowing token 32w + j.
   `apply_token_mask` sets the refused logits to -inf out of place: the raw logits stay what logprobs score.
+
+A grammar's failure is its request's, never the engine's. llguidance never raises for a grammar problem: a matcher
+that cannot go on (a compile error, a budget exceeded, a state with no continuation) enters an error state for
+good, and its mask then allows eos alone. So every matcher is checked after each mask and each consume:
+- at admission (`GrammarBackend.request_grammar`) the grammar is compiled and its first mask computed, within
+  `GRAMMAR_BUDGET` and `COMPILE_SECONDS`; a failure there is an InvalidRequestError (a 400) naming it;
+- later (any mask, a tree node's forked matcher, a committed token's consume) the request's `RequestGrammar.error`
+  is set and the engine ends the request with finish_reason "error" and that message, dropping the step's tokens.
+A refused token whose consume leaves the matcher healthy is still an engine bug (InvariantError): the mask chose it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -25,8 +37,26 @@ from spruce.errors import InvalidRequestError, InvariantError
 from spruce.structured_output import StructuredOutput
 
 INSTALL_HINT = "pip install 'spruce[grammar]' (it adds the llguidance package)"
-COMPILED_CACHE = 256  # compiled grammars kept (least recently used dropped)
+GRAMMAR_TEXT_CACHE = 256  # constraints whose llguidance grammar text is kept (least recently used dropped)
 WORD_BITS = 32
+# The grammar budget of one request, llguidance's LLParserLimits (fuel: ~100 ns a point). Each request gets a matcher
+# of its own: copies of one matcher share its lexer and so its fuel, and a grammar that exhausted it poisoned every
+# later request with the same constraint.
+GRAMMAR_BUDGET = {
+    "max_grammar_size": 500_000,  # symbols in the compiled grammar's productions
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes at compile time (~0.1 s)
+    "step_lexer_fuel": 200_000,  # lexer work of one mask (~15 ms)
+    "step_max_items": 50_000,  # Earley items of one mask (~2.5 ms)
+    "max_items_in_row": 2_000,  # Earley items in one parser row
+    "max_lexer_states": 250_000,  # lexer states over the request's life (~1-2 kB each)
+}
+COMPILE_SECONDS = 2.0  # wall-clock budget of compiling a grammar and computing its first mask at admission
+# Compiling recurses once per level of a grammar's rule nesting (~3 kB of stack a level: a chain of 3,000 rules
+# overflowed an 8 MiB stack and killed the process); grammars compile on a thread with this much (virtual) stack,
+# which holds the deepest chain a MAX_SPEC_CHARS grammar can spell.
+COMPILE_STACK_BYTES = 512 << 20
+BUDGET_WORDS = ("too many", "too big", "limit", "max is")  # llguidance's messages for an exceeded budget
+MAX_REASON_CHARS = 600  # of llguidance's error message, in a request's error
 
 
 def import_llguidance(field: str | None = None):
@@ -46,8 +76,9 @@ def mask_words(vocab_size: int) -> int:
 
 
 class GrammarBackend:
-    """One per engine: the tokenizer as llguidance sees it, compiled grammars (an LRU cache keyed by the
-    constraint), the executor that computes a batch's masks in parallel, and tree statistics."""
+    """One per engine: the tokenizer as llguidance sees it, the compile thread, the grammar texts of recent
+    constraints (an LRU cache keyed by the constraint), the executor that computes a batch's masks in parallel,
+    and tree statistics."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], field: str):
         self.llg = import_llguidance(field)
@@ -60,34 +91,56 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         self.executor = self.llg.LLExecutor()
-        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self.limits = self.llg.LLParserLimits(verbose_errors=False, **GRAMMAR_BUDGET)
+        self._texts: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._texts_lock = threading.Lock()
+        self._compiler = _compile_thread()
         self.tree_nodes = 0  # draft nodes masked so far (root excluded)
         self.dead_nodes = 0  # of those, nodes whose own token the grammar refused
         self.mask_seconds = 0.0  # host time spent building masks
 
     def request_grammar(self, spec: StructuredOutput) -> "RequestGrammar":
-        """A fresh matcher for a new request; InvalidRequestError (naming the field) when the constraint does
-        not compile."""
-        template = self._compiled.get(spec)
-        if template is None:
-            template = self._compile(spec)
-            self._compiled[spec] = template
-            if len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(spec)
-        return RequestGrammar(template.deep_copy())
-
-    def _compile(self, spec: StructuredOutput):
-        kind = {"json_schema": "json_schema", "json_object": "json_schema", "regex": "regex",
-                "grammar": "grammar", "choice": "choice"}[spec.kind]
+        """A fresh matcher for a new request, compiled and its first mask computed (on the compile thread, within
+        COMPILE_SECONDS). InvalidRequestError naming the field when the constraint does not compile, exceeds the
+        grammar budget, or fails at its first mask (an empty language, a schema that refers only to itself); a
+        503 when the compile thread is still busy with an earlier grammar after COMPILE_SECONDS."""
+        text = self._grammar_text(spec)
+        job = self._compiler.submit(self._compile, text)
         try:
-            text = self.llg.grammar_from(kind, spec.text)
+            matcher = job.result(timeout=COMPILE_SECONDS)
+        except FutureTimeout:
+            if job.cancel():  # never started: the thread is still on an earlier request's grammar
+                raise InvalidRequestError(f"{spec.field}: the grammar compiler is busy; retry later",
+                                          field=spec.field, status=503) from None
+            raise InvalidRequestError(f"{spec.field} exceeds the grammar budget: it did not compile within "
+                                      f"{COMPILE_SECONDS:g} s", field=spec.field) from None
+        if matcher.is_error():
+            raise InvalidRequestError(describe_error(spec, matcher, "cannot be used"), field=spec.field)
+        return RequestGrammar(matcher, spec)
+
+    def _grammar_text(self, spec: StructuredOutput) -> str:
+        """llguidance's grammar text for the constraint (cached); a 400 when the library refuses it outright."""
+        with self._texts_lock:
+            text = self._texts.get(spec)
+            if text is not None:
+                self._texts.move_to_end(spec)
+                return text
+        try:
+            text = grammar_text(self.llg, spec)
         except ValueError as e:
             raise InvalidRequestError(f"{spec.kind} is not valid: {e}", field=spec.field) from None
-        matcher = self.llg.LLMatcher(self.tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{spec.kind} is not valid: {matcher.get_error()}", field=spec.field)
+        with self._texts_lock:
+            self._texts[spec] = text
+            if len(self._texts) > GRAMMAR_TEXT_CACHE:
+                self._texts.popitem(last=False)
+        return text
+
+    def _compile(self, text: str):
+        """A new matcher for `text` with its first mask computed (the compile thread runs this): in error when
+        the grammar does not compile or cannot produce a first token."""
+        matcher = self.llg.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
+        if not matcher.is_error():
+            self.llg.torch.fill_next_token_bitmask(matcher, self.new_masks(1))
         return matcher
 
     def new_masks(self, rows: int) -> torch.Tensor:
@@ -95,29 +148,84 @@ class GrammarBackend:
         return torch.full((rows, self.words), -1, dtype=torch.int32)
 
 
-class RequestGrammar:
-    """A request's matcher: it has consumed the request's committed output tokens and nothing else."""
+def grammar_text(llg, spec: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint. JSON is whitespace-free unless the schema's own
+    `"x-guidance": {"whitespace_flexible": true}` asks for free whitespace: a small model otherwise spends its
+    max_tokens on whitespace the grammar allows. ValueError when the library refuses the text."""
+    if spec.kind in ("json_schema", "json_object"):
+        return llg.LLMatcher.grammar_from_json_schema(spec.text, defaults={"whitespace_flexible": False})
+    return llg.grammar_from({"regex": "regex", "grammar": "grammar", "choice": "choice"}[spec.kind], spec.text)
 
-    def __init__(self, matcher):
+
+def describe_error(spec: StructuredOutput, matcher, what: str) -> str:
+    """A client-facing message for a matcher in error: the constraint's field, `what` happened, llguidance's
+    reason, and the budget when one was exceeded."""
+    reason = matcher.get_error().replace("<non-verbose/>", "").strip() or matcher.stop_reason()
+    if len(reason) > MAX_REASON_CHARS:  # llguidance quotes the grammar's text around the error
+        reason = reason[:MAX_REASON_CHARS - 3] + "..."
+    if reason in ("NoExtension", "NoExtensionBias"):
+        return (f"{spec.field} {what}: no output can match it from here (llguidance: {reason}); a grammar whose "
+                f"language is empty, such as a schema that only refers to itself, matches nothing")
+    if any(w in reason for w in BUDGET_WORDS):
+        budget = ", ".join(f"{k}={v:_}" for k, v in GRAMMAR_BUDGET.items())
+        return f"{spec.field} {what}: it exceeds the grammar budget ({reason}; budget: {budget})"
+    return f"{spec.field} {what}: {reason}"
+
+
+def _compile_thread() -> ThreadPoolExecutor:
+    """One thread that compiles grammars, with COMPILE_STACK_BYTES of stack."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spruce-grammar")
+    with _STACK_LOCK:
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            pool.submit(lambda: None).result()  # starts the pool's one thread with that stack
+        finally:
+            threading.stack_size(before)
+    return pool
+
+
+_STACK_LOCK = threading.Lock()
+
+
+class RequestGrammar:
+    """A request's matcher: it has consumed the request's committed output tokens and nothing else. `error`: the
+    message of the grammar's failure (any of the request's matchers in error), after which the request ends with
+    finish_reason "error"; None while the grammar is healthy."""
+
+    def __init__(self, matcher, spec: StructuredOutput):
         self.matcher = matcher
+        self.spec = spec
+        self.error: str | None = None
 
     @property
     def stopped(self) -> bool:
         """The grammar is complete: it allows no token but eos (and the request ends)."""
         return self.matcher.is_stopped()
 
+    def fail(self, matcher, what: str) -> None:
+        """Record the grammar's failure (the first one stays) from `matcher`, one of this request's matchers in
+        error."""
+        if self.error is None:
+            self.error = describe_error(self.spec, matcher, what)
+
     def advance(self, tokens: list[int]) -> int:
         """Consume a step's committed tokens up to the one that completes the grammar; returns how many were
-        consumed (the rest are dropped: the request ends there). Every committed token was chosen under this
-        matcher's masks, so a refusal is an engine bug: InvariantError."""
+        consumed (the rest are dropped: the request ends there). Once the grammar has failed (`error`, at this
+        step's masks or at a token here) nothing more is consumed. Every committed token was chosen under this
+        matcher's masks, so a refusal that leaves the matcher healthy is an engine bug: InvariantError."""
         consumed = 0
         for t in tokens:
-            if self.matcher.is_stopped():
+            if self.error is not None or self.matcher.is_stopped():
                 break
             if self.matcher.try_consume_tokens([t]) != 1:
+                if self.matcher.is_error():
+                    self.fail(self.matcher, f"failed after {consumed} of this step's tokens {tokens}")
+                    break
                 raise InvariantError(f"committed token {t} is not allowed by the request's grammar after "
                                      f"{consumed} of this step's tokens {tokens}: the mask was not applied")
             consumed += 1
+        if self.error is None and self.matcher.is_error():
+            self.fail(self.matcher, "failed")
         return consumed
 
 
@@ -129,25 +237,33 @@ class GrammarBatch:
         self.grammars = grammars
 
     def row_masks(self, device) -> torch.Tensor:
-        """One mask per batch row (plain decoding, the prefill's first token): [bs, words] int32 on `device`."""
+        """One mask per batch row (plain decoding, the prefill's first token): [bs, words] int32 on `device`. A row
+        whose matcher is in error afterwards fails its request's grammar (its step's tokens are then dropped)."""
         start = time.perf_counter()
         masks = self.backend.new_masks(len(self.grammars))
         live = [(g.matcher, i) for i, g in enumerate(self.grammars) if g is not None]
         self._fill(live, masks)
+        for g in self.grammars:
+            if g is not None and g.matcher.is_error():
+                g.fail(g.matcher, "failed computing its next-token mask")
         self.backend.mask_seconds += time.perf_counter() - start
         return _to_device(masks, device)
 
     def tree_masks(self, tokens: torch.Tensor, parents: torch.Tensor, device) -> torch.Tensor:
         """One mask per tree node: [bs*N, words] int32 on `device`. tokens, parents [bs, N] (node 0 the root,
-        parents before children). Reads the tree back to the host: the round's one mid-round sync."""
+        parents before children). Reads the tree back to the host: the round's one mid-round sync. Any of a
+        request's matchers (its own, a node's fork) in error, at a draft token's consume or at a mask, fails the
+        request's grammar: a fork shares its lexer, and with it the budget, with the request's matcher."""
         tokens_h, parents_h = tokens.tolist(), parents.tolist()
         start = time.perf_counter()
         bs, n = len(tokens_h), len(tokens_h[0]) if tokens_h else 0
         masks = self.backend.new_masks(bs * n)
         live, dead = [], []  # (matcher, mask row); (dead mask row, its parent's mask row)
+        owner = {}  # mask row // n -> the request's grammar, for the rows in `live`
         for b, g in enumerate(self.grammars):
             if g is None:
                 continue
+            owner[b] = g
             states = [g.matcher] + [None] * (n - 1)
             live.append((g.matcher, b * n))
             for i in range(1, n):
@@ -158,9 +274,14 @@ class GrammarBatch:
                         states[i] = state
                         live.append((state, b * n + i))
                         continue
+                    if state.is_error():
+                        g.fail(state, f"failed at draft token {tokens_h[b][i]}")
                 dead.append((b * n + i, b * n + parents_h[b][i]))
             self.backend.tree_nodes += n - 1
         self._fill(live, masks)
+        for matcher, row in live:
+            if matcher.is_error():
+                owner[row // n].fail(matcher, "failed computing a next-token mask")
         for row, parent_row in dead:  # in node order: a dead parent's row is filled before its children's
             masks[row] = masks[parent_row]
         self.backend.dead_nodes += len(dead)

@@ -23,8 +23,9 @@ class RequestOutput:
     text: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     spec_stats: dict = field(default_factory=dict)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI usage.cached_tokens)
+    error: str | None = None  # finish_reason "error": why (the request's grammar failed mid-generation)

@@ -332,6 +332,9 @@ class _Api:
             collect.cancel()
             gone.cancel()
             gen.abort()
+        failed = grammar_failure(outs, jobs, req.param_names)
+        if failed is not None:
+            raise failed
         body = stream.response(outs)
         log.info("%s: done, usage %s", base_id, body["usage"])
         return body
@@ -364,6 +367,16 @@ def check_content_type(content_type: str | None) -> None:
         if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
             raise OpenAIError(415, f"the JSON body must be UTF-8, got Content-Type {content_type!r}",
                               code="unsupported_media_type")
+
+
+def grammar_failure(outs, jobs, param_names: dict[str, str]) -> OpenAIError | None:
+    """The 400 answering a non-streamed request one of whose choices ended with finish_reason "error" (its
+    grammar failed mid-generation: runtime/grammar.py), naming the constraint's request parameter; else None."""
+    for o, (_, sp) in zip(outs, jobs):
+        if o.finish_reason == "error":
+            field = sp.structured_output.field if sp.structured_output is not None else None
+            return OpenAIError(400, o.error or "the request failed", param=param_names.get(field, field))
+    return None
 
 
 def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
@@ -468,6 +481,8 @@ class _Stream:
                     started.add(i)
                     sent_tokens[i], sent_chars[i] = len(out.token_ids), sent_chars[i] + len(text)
                     yield self.chunk([choice])
+                if out.finished and out.finish_reason == "error":  # its grammar failed: say why
+                    yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
             if include_usage:
                 yield self.chunk([], usage=self.usage(finals))
             log.info("%s: done", self.id)

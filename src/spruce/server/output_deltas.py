@@ -53,7 +53,7 @@ class OutputEncoder:
         spec_stats = None if out.spec_stats is sent.spec_stats else out.spec_stats
         delta = (out.request_id, out.prompt_token_ids if first else None, out.prompt_logprobs if first else None,
                  out.token_ids[sent.tokens:], keep, out.text[keep:], logprobs, out.finished, out.finish_reason,
-                 spec_stats, out.num_cached_tokens)
+                 spec_stats, out.num_cached_tokens, out.error)
         sent.tokens, sent.text, sent.spec_stats = len(out.token_ids), out.text, out.spec_stats
         if out.finished:
             del self._sent[out.request_id]
@@ -121,8 +121,8 @@ class OutputAssembler:
         return [self._assemble(delta) for delta in deltas]
 
     def _assemble(self, delta: tuple) -> RequestOutput:
-        rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, finished, finish_reason, spec_stats, cached = \
-            delta
+        (rid, prompt_ids, prompt_logprobs, tokens, keep, text, logprobs, finished, finish_reason, spec_stats, cached,
+         error) = delta
         req = self._requests.get(rid)
         if req is None:
             req = self._requests[rid] = _Assembled(prompt_ids, prompt_logprobs, [])
@@ -142,4 +142,4 @@ class OutputAssembler:
             logprobs = None if req.logprobs is None else GrowingPrefix(req.logprobs)
         # every output is sent, so the ids new since the last one sent are the output's new ids
         return RequestOutput(rid, req.prompt_token_ids, token_ids, req.text, tokens, finished, finish_reason,
-                             req.spec_stats, logprobs, req.prompt_logprobs, cached)
+                             req.spec_stats, logprobs, req.prompt_logprobs, cached, error)

@@ -1,0 +1,184 @@
+"""Hostile grammars: a grammar's failure is its request's, never the engine's. A constraint that cannot compile,
+exceeds the grammar budget or matches nothing is refused at admission (InvalidRequestError offline, a 400 naming
+the parameter served); one that fails mid-generation (llguidance's matcher in error at a mask, a tree node's
+fork or a committed token) ends its request with finish_reason "error" and the reason (a 400 when not streamed),
+while the batch's other requests and the engine go on. JSON is whitespace-free by default, so the bundled demo
+model completes a README-style json_schema request."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from conftest import assert_no_leaks
+from server_util import MODEL_NAME, ServeProcess, metric, wait_idle
+from spruce import LLM, SamplingParams
+from spruce.config import builtin_draft_path
+from spruce.errors import InvalidRequestError
+
+pytest.importorskip("llguidance", reason="structured output needs spruce[grammar] (llguidance)")
+jsonschema = pytest.importorskip("jsonschema")
+
+from spruce.runtime import grammar as grammar_mod  # noqa: E402  (needs llguidance's presence checked first)
+from spruce.runtime.grammar import GrammarBackend  # noqa: E402
+from spruce.structured_output import StructuredOutput  # noqa: E402
+
+PROMPT = "def f():"
+# exhausts llguidance's per-mask lexer fuel a few tokens in (nested counted repetition): a mid-generation failure
+HOSTILE_REGEX = "(([a-z]{1,50}){1,50}){1,51}"
+HOSTILE_PATTERN = {"type": "string", "pattern": "^(([a-z]{1,50}){1,50}){1,52}$"}
+EMPTY_LANGUAGES = [  # (SamplingParams field, value): the matcher is in error at its first mask
+    ("json_schema", {"$ref": "#"}),
+    ("json_schema", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+    ("regex", "a[^\\x00-\\U0010FFFF]"),
+]
+# the README's json_schema example
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+# a chain of rules each nesting the next: compiling it recursed past an 8 MiB stack (a segfault) at ~3,000
+DEEP_CHAIN = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1} | "c"\n' for i in range(6000)) + 'r6000: "x"\n'
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain = LLM(max_running_requests=4)
+    spec = LLM(max_running_requests=4, draft_model=str(builtin_draft_path()))
+    return {"plain": plain, "spec": spec}
+
+
+@pytest.mark.parametrize("kind", ["plain", "spec"])
+def test_budget_failure_mid_generation_ends_only_its_request(engines, kind):
+    """The issue's reproductions: the hostile regex (seed 0) and the hostile pattern (seed 2) end with
+    finish_reason "error" naming the budget, beside healthy requests in the same batches that finish normally."""
+    llm = engines[kind]
+    prompts = [PROMPT] * 4
+    params = [SamplingParams(max_tokens=16, seed=0, temperature=1.0, regex=HOSTILE_REGEX),
+              SamplingParams(max_tokens=16, seed=2, temperature=1.0, json_schema=HOSTILE_PATTERN),
+              SamplingParams(max_tokens=24, temperature=0, json_schema=PERSON),
+              SamplingParams(max_tokens=8, temperature=0)]
+    outs = llm.generate(prompts, params)
+    for o, field in zip(outs[:2], ["regex", "json_schema"]):
+        assert o.finish_reason == "error", (o.text, o.finish_reason)
+        assert o.error.startswith(field) and "grammar budget" in o.error and "too many" in o.error, o.error
+    assert outs[2].finish_reason == "stop"
+    jsonschema.validate(json.loads(outs[2].text), PERSON)
+    assert outs[3].finish_reason == "length" and len(outs[3].token_ids) == 8
+    assert_no_leaks(llm)
+
+
+def test_a_failed_grammar_does_not_poison_the_next_request_with_it(engines):
+    """Each request compiles a matcher of its own: the one that exhausted its lexer's fuel shares nothing with
+    the next request of the same constraint (a cached matcher's copies shared one lexer: the next one failed at
+    its first mask and answered an empty "stop")."""
+    llm = engines["plain"]
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=16, seed=0, temperature=1.0, regex=HOSTILE_REGEX))[0]
+    assert first.finish_reason == "error"
+    again = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, regex=HOSTILE_REGEX))[0]
+    assert again.finish_reason == "length" and re.fullmatch("[a-z]+", again.text), (again.text, again.error)
+
+
+@pytest.mark.parametrize("field,value", EMPTY_LANGUAGES)
+def test_a_grammar_that_matches_nothing_is_refused_at_admission(engines, field, value):
+    for llm in engines.values():
+        with pytest.raises(InvalidRequestError, match="matches nothing") as e:
+            llm.generate([PROMPT], SamplingParams(max_tokens=8, **{field: value}))
+        assert e.value.field == field and e.value.status == 400
+        assert_no_leaks(llm)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(engines) -> str:
+    return engines["plain"].engine.tokenizer.to_json()
+
+
+def test_compile_size_budget_is_named(tokenizer_json, monkeypatch):
+    """A grammar over the budget's grammar size is refused, naming the budget (a budget small enough for a
+    choice of 200 strings to exceed it)."""
+    monkeypatch.setitem(grammar_mod.GRAMMAR_BUDGET, "max_grammar_size", 20)
+    small = GrammarBackend(tokenizer_json, 4096, (1,), "choice")
+    spec = StructuredOutput("choice", json.dumps([f"word{i}" for i in range(200)]))
+    with pytest.raises(InvalidRequestError, match="grammar budget") as e:
+        small.request_grammar(spec)
+    assert e.value.field == "choice" and "max_grammar_size=20" in str(e.value) and len(str(e.value)) < 1000
+
+
+def test_compile_time_budget_refuses_then_says_busy(tokenizer_json, monkeypatch):
+    """A grammar that takes longer than COMPILE_SECONDS to compile is refused naming the time budget; one that
+    arrives while the compile thread is still on it is answered 503 (retry), not blamed on its own grammar."""
+    monkeypatch.setattr(grammar_mod, "COMPILE_SECONDS", 0.05)
+    backend = GrammarBackend(tokenizer_json, 4096, (1,), "json_schema")  # its compile thread is this test's
+    big = StructuredOutput("json_schema", json.dumps({"enum": [f"value{i:06d}" for i in range(30000)]}))
+    with pytest.raises(InvalidRequestError, match="did not compile within 0.05 s") as e:
+        backend.request_grammar(big)
+    assert e.value.status == 400
+    with pytest.raises(InvalidRequestError, match="busy") as e:
+        backend.request_grammar(StructuredOutput("regex", "[a-z]+"))
+    assert e.value.status == 503
+
+
+# --- served: `spruce serve` (speculation on, the engine in its own process) ---------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServeProcess(tmp_path_factory.mktemp("grammar") / "serve.log", "--context-length", "256",
+                       "--max-running-requests", "4")
+    try:
+        yield srv.start()
+    finally:
+        srv.kill()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/{path}", json={"model": MODEL_NAME, **body}, timeout=60)
+
+
+def test_served_reproductions_are_400s_and_the_server_stays_healthy(server):
+    hostile = post(server, "completions", {"prompt": PROMPT, "max_tokens": 16, "seed": 0,
+                                           "structured_outputs": {"regex": HOSTILE_REGEX}})
+    assert hostile.status_code == 400, hostile.text
+    err = hostile.json()["error"]
+    assert err["param"] == "structured_outputs.regex" and "grammar budget" in err["message"], err
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": HOSTILE_PATTERN}}
+    chat = post(server, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+                                             "seed": 2, "response_format": fmt})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["param"] == "response_format.json_schema.schema", chat.text
+    for field, value in EMPTY_LANGUAGES:
+        key = "json" if field == "json_schema" else field
+        r = post(server, "completions", {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {key: value}})
+        assert r.status_code == 400 and "matches nothing" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == f"structured_outputs.{key}"
+    deep = post(server, "completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                        "structured_outputs": {"grammar": DEEP_CHAIN}})
+    assert deep.status_code == 200 and re.fullmatch("a*[cx]?", deep.json()["choices"][0]["text"]), deep.text
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    scrape = wait_idle(server.base_url)
+    assert metric(scrape, "spruce_requests_running") == 0 and metric(scrape, "spruce_kv_pages_used") == 0
+    fine = post(server, "completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    assert fine.status_code == 200 and fine.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_grammar_failure_is_an_error_finish_then_an_error_event(server):
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 16, "seed": 0, "stream": True,
+                            "structured_outputs": {"regex": HOSTILE_REGEX}}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", []) if c["finish_reason"]]
+    assert finishes == ["error"], events
+    assert "grammar budget" in events[-1]["error"]["message"], events[-1]
+
+
+def test_readme_json_schema_example_gives_valid_json(server):
+    """Whitespace-free JSON by default: the demo model completes the README's schema at any seed (with free
+    whitespace it wrote whitespace until max_tokens at most seeds)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        r = post(server, "chat/completions", {"messages": [{"role": "user", "content": "Give me a person as JSON."}],
+                                              "max_tokens": 64, "seed": seed, "response_format": fmt})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
