@@ -222,7 +222,7 @@ def test_engine_tree_accepts_along_its_best_branch(caplog):
     assert "rates=1,0.5,0,0,0" in llm.engine.info()["synthetic_acceptance"] and "rates=1,0.5,0,0,0" in log
 
 
-def test_command_line_flags_reach_the_engine_and_need_a_draft():
+def test_command_line_flags_reach_the_engine_and_need_a_draft(capsys):
     from spruce.cli import build_parser
     from spruce.cli_args import draft_path, engine_kwargs
 
@@ -237,6 +237,7 @@ def test_command_line_flags_reach_the_engine_and_need_a_draft():
     assert engine_kwargs(parser.parse_args(base))["speculative_synthetic_acceptance_length"] is None
     with pytest.raises(SystemExit):
         parser.parse_args(base + ["--speculative-synthetic-acceptance-rates", "1,half"])
+    assert "expected comma-separated numbers such as 0.9,0.7,0.5, got '1,half'" in capsys.readouterr().err
     no_draft = parser.parse_args(["generate", "--prompt", "x", "--model", str(builtin_model_path()),
                                   "--speculative-synthetic-acceptance-length", "3"])
     with pytest.raises(ConfigError, match="--speculative-synthetic-acceptance-length"):
