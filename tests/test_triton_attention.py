@@ -161,3 +161,38 @@ def test_engine_on_triton_equals_torch(tmp_path):
             llm = LLM(attention_backend=backend, page_size=4, device=DEVICE, **(spec or {}))
             outs[(backend, spec is None)] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs[("torch", True)] == outs[("triton", True)] == outs[("torch", False)] == outs[("triton", False)]
+
+
+def with_positions(case, positions):
+    """The case with batch.positions set (the window reads them)."""
+    q, k, v, kc, vc, start, batch, table = case
+    batch.positions = positions.to(torch.int64).to(batch.kv_lens.device)
+    return case
+
+
+@pytest.mark.parametrize("phase,window,splits", [(Phase.EXTEND, 3, None), (Phase.EXTEND, 40, None),
+                                                  (Phase.VERIFY, 5, None), (Phase.DECODE, 9, 4),
+                                                  (Phase.DECODE, None, 3), (Phase.VERIFY, None, None)])
+def test_sliding_window_and_sinks_equal_torch(phase, window, splits):
+    """gpt-oss's attention: a window (shorter and longer than the prefix) and per-head sink logits, with and
+    without kv splits (the sinks then applied in the merge)."""
+    q_len, width = {Phase.EXTEND: (6, 0), Phase.VERIFY: (7, 8), Phase.DECODE: (1, 0)}[phase]
+    kv = [13, 40] if phase != Phase.EXTEND else [0, 21]
+    case = make_case(phase, 2, q_len, kv, 4, width, **SMALL, seed=5)
+    batch = case[6]
+    if phase == Phase.EXTEND:
+        positions = torch.cat([torch.arange(n, n + q_len) for n in kv])
+    else:  # a tree's tokens sit past the committed prefix (decode: at it)
+        positions = batch.kv_lens.long().cpu() - (1 if phase == Phase.DECODE else 0) + torch.arange(q_len).repeat(2)
+    q, k, v, kc, vc, start, batch, table = with_positions(case, positions)
+    sinks = torch.randn(SMALL["heads"], generator=torch.Generator().manual_seed(6)).to(DEVICE) * 2
+    scale = q.shape[-1] ** -0.5
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref = TorchAttention(4).forward(q, k, v, ref_k, ref_v, start, batch, table, scale, window=window, sinks=sinks)
+    plain = TorchAttention(4).forward(q, k, v, ref_k.clone(), ref_v.clone(), start, batch, table, scale)
+    assert (ref - plain).abs().max() > 1e-3  # the sinks (and window) change the result
+    fast = TritonAttention(4)
+    if splits is not None:
+        fast.num_splits = lambda *a: splits
+    out = fast.forward(q, k, v, kc, vc, start, batch, table, scale, window=window, sinks=sinks)
+    assert (out.float() - ref.float()).abs().max().item() < 1e-4

@@ -109,15 +109,19 @@ class TritonAttention(AttentionBackend):
                    MLA_MAX_SPLITS)
         return 1 << (max(want, 1).bit_length() - 1)
 
-    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
+    def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
+                window: int | None = None, sinks: torch.Tensor | None = None):
+        """`window` / `sinks` [Hq]: sliding-window attention and attention sinks (the torch backend's contract)."""
         if batch.num_tokens == 0:
             return torch.empty_like(q)
         store_kv(k, v, k_cache, v_cache, batch.out_slots)
-        out, _ = self.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale)
+        out, _ = self.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale, window=window,
+                             sinks=sinks)
         return out
 
     def attend(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
-               kv_start: torch.Tensor | None = None, return_lse: bool = False):
+               kv_start: torch.Tensor | None = None, return_lse: bool = False, window: int | None = None,
+               sinks: torch.Tensor | None = None):
         """Attention of the batch's tokens over their keys (the caches already hold the new K/V).
 
         kv_start [bs] int32 (optional): request b's paged keys start at kv_start[b] instead of 0, for a backend
@@ -142,12 +146,15 @@ class TritonAttention(AttentionBackend):
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
             MASK_WORDS=batch.tree_mask.shape[1], SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=4,
+            DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse,
+            positions=batch.positions, window=window or 0, sinks=sinks if sinks is not None else out,
+            HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, num_warps=4,
         )
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
                                                 HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-                                                MAX_SPLITS=MAX_SPLITS)
+                                                MAX_SPLITS=MAX_SPLITS, sinks=sinks if sinks is not None else out,
+                                                HAS_SINKS=sinks is not None)
         return out, lse
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):

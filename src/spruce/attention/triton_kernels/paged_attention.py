@@ -9,8 +9,15 @@ masked per token by its ancestor bitmask. Online softmax in the log2 domain:
     l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ V
 With one split the program writes acc / l (and, when asked, lse = m + log2(l)); with several it writes
 acc / l and lse per split and `merge_splits_kernel` combines them. With `kv_start` the paged range starts at
-the request's kv_start instead of 0 (the tail half of a split attention, DESIGN §13). A token with nothing to attend to gets zeros. Every size that
-shapes the grid is a host int fixed per CUDA-graph bucket; per-request lengths are read on the device.
+the request's kv_start instead of 0 (the tail half of a split attention, DESIGN §13). A token with nothing to
+attend to gets zeros. Every size that shapes the grid is a host int fixed per CUDA-graph bucket; per-request
+lengths are read on the device.
+
+Sliding window W (HAS_WINDOW, gpt-oss): token t also needs paged position > positions[t] - W; the paged walk
+starts at the tile's lowest such position, so a tile reads about W + BLOCK_M keys whatever the context. Scratch
+entries are not cut (a tree's ancestors; the runner refuses trees as deep as the window). Sinks (HAS_SINKS):
+a per-head logit s in the softmax's denominator only: out = acc / (l + 2^(s log2 e - m)), applied where the
+final normalisation happens (here without splits, in `merge_splits_kernel` with them).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
     SPLIT_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
+    HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False, positions=None, window=0,
+    sinks=None, HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -69,6 +77,9 @@ def paged_attention_kernel(
         kv_lo = 0
         if HAS_KV_START:
             kv_lo = tl.load(kv_start + b)
+        if HAS_WINDOW:  # [BLOCK_M] first paged position each token sees; the walk starts at the tile's lowest
+            win_lo = tl.load(positions + offs_m, mask=m_valid, other=0).to(tl.int32) - window + 1
+            kv_lo = tl.maximum(kv_lo, tl.min(tl.where(m_valid, win_lo, 2147483647), axis=0))
         chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
@@ -82,6 +93,8 @@ def paged_attention_kernel(
             k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
             allowed = (pos[None, :] < tok_kv[:, None]) & n_valid[None, :]
+            if HAS_WINDOW:
+                allowed = allowed & (pos[None, :] >= win_lo[:, None])
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
 
         # tree scratch of this row (last split only): entry j allowed where bit j of the token's mask is set
@@ -104,6 +117,10 @@ def paged_attention_kernel(
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
+        if HAS_SINKS and not SPLIT_KV:  # acc / (l + 2^(s - m)) = out / (1 + 2^(s - lse)), lse = m + log2(l)
+            sink = tl.load(sinks + head).to(tl.float32) * 1.4426950408889634
+            lse_t = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            out = out / (1.0 + tl.exp2(sink - lse_t))[:, None]
         o_off = (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :]
         o_mask = m_valid[:, None] & d_valid[None, :]
         if not SPLIT_KV:
@@ -119,9 +136,10 @@ def paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEADS: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MAX_SPLITS: tl.constexpr, sinks=None,
+                        HAS_SINKS: tl.constexpr = False):
     """out = sum_s 2^(lse_s - lse) * out_s with lse = log2 sum_s 2^lse_s over the num_splits (<= MAX_SPLITS) splits
-    (splits that saw nothing: -inf)."""
+    (splits that saw nothing: -inf); with sinks, then times 1 / (1 + 2^(s log2 e - lse))."""
     t = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, MAX_SPLITS)
@@ -138,4 +156,7 @@ def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEA
     parts = tl.load(part_o + ((offs_s[:, None] * num_tokens + t) * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :],
                     mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [S, BLOCK_D]
     out = tl.sum(parts * w[:, None], axis=0)
+    if HAS_SINKS:
+        total = tl.where(w_sum == 0.0, float("-inf"), m_safe + tl.log2(tl.where(w_sum == 0.0, 1.0, w_sum)))
+        out = out / (1.0 + tl.exp2(tl.load(sinks + head).to(tl.float32) * 1.4426950408889634 - total))
     tl.store(o_ptr + (t * NUM_HEADS + head) * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
