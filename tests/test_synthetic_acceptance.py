@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from spruce import SamplingParams
-from spruce.config import builtin_draft_path, builtin_model_path, make_speculative_config
+from spruce.config import builtin_draft_path, builtin_model_path, make_speculative_config, rates_for_length
 from spruce.errors import ConfigError
 from spruce.speculative import synthetic
-from spruce.speculative.synthetic import SyntheticAcceptance, conditional_rates, rates_for_length
+from spruce.speculative.synthetic import SyntheticAcceptance, conditional_rates
 from spruce.speculative.tree import Tree
 from stats import matches_distribution
 
@@ -157,7 +157,7 @@ def test_draws_differ_between_rows_and_rounds_and_follow_the_seed():
 
 # --- the engine -------------------------------------------------------------------------------------------------
 
-PROMPTS = ["def fib(n):\n    ", "import os\n", "class Node:\n    def __init__(self):\n", "x = ["]
+PROMPTS = ["def fib(n):\n    ", "import os\n", "class Node:\n    def __init__(self):\n"]
 
 
 def run_engine(caplog, **spec):
@@ -165,7 +165,7 @@ def run_engine(caplog, **spec):
 
     with caplog.at_level(logging.WARNING, logger="spruce.speculative.synthetic"):
         llm = LLM(builtin_model_path(), draft_model=builtin_draft_path(), max_running_requests=8, **spec)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
     counts = [sum(c) for c in zip(*(o.spec_stats["accept_length_counts"] for o in outs))]
     return llm, counts, caplog.text
 
@@ -186,7 +186,7 @@ def chain_run():
                   speculative_synthetic_acceptance_length=3.5)
     finally:
         log.removeHandler(handler)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
     counts = [sum(c) for c in zip(*(o.spec_stats["accept_length_counts"] for o in outs))]
     return llm, counts, "\n".join(records)
 

@@ -59,6 +59,57 @@ def draft_candidates(num_steps: int, eagle_topk: int) -> int:
     return eagle_topk + (num_steps - 1) * eagle_topk * eagle_topk
 
 
+# --- synthetic acceptance (a benchmark setting: speculative/synthetic.py draws by these rates) -----------------
+RATE_TOLERANCE = 1e-9  # rates may rise by rounding noise at most this much (1/3, 1/3 + 1e-17, ...)
+
+
+def rates_for_length(length: float, num_steps: int) -> tuple[float, ...]:
+    """The minimum-variance unconditional rates of mean acceptance length `length` over `num_steps` depths.
+
+    e.g. rates_for_length(3.5, 5) == (1.0, 1.0, 0.5, 0.0, 0.0); rates_for_length(6.0, 5) == (1.0,) * 5."""
+    check_length(length, num_steps)
+    drafts = float(length) - 1.0  # expected accepted drafts per round
+    full = min(int(drafts), num_steps)
+    rates = [1.0] * full + [drafts - full] + [0.0] * num_steps
+    return tuple(rates[:num_steps])
+
+
+def check_length(length, num_steps: int) -> None:
+    """A mean acceptance length: a finite number in [1, num_steps + 1] (1: nothing accepted; S+1: everything)."""
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not (
+            math.isfinite(length) and 1.0 <= length <= num_steps + 1):
+        raise ConfigError(f"speculative_synthetic_acceptance_length must be a number in [1, {num_steps + 1}] "
+                          f"(1 + speculative_num_steps={num_steps}: tokens a round commits, bonus included), "
+                          f"got {length!r}")
+
+
+def check_rates(rates, num_steps: int) -> tuple[float, ...]:
+    """Unconditional per-depth rates: `num_steps` numbers in [0, 1], non-increasing. Returns them as floats."""
+    if not isinstance(rates, (list, tuple)) or len(rates) != num_steps or any(
+            isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0.0 <= r <= 1.0)
+            for r in rates):
+        raise ConfigError(f"speculative_synthetic_acceptance_rates must be {num_steps} numbers in [0, 1] (one per "
+                          f"draft depth, speculative_num_steps={num_steps}), got {rates!r}")
+    rising = [d + 2 for d in range(num_steps - 1) if rates[d + 1] > rates[d] + RATE_TOLERANCE]
+    if rising:
+        raise ConfigError(f"speculative_synthetic_acceptance_rates={list(rates)} must be non-increasing (entry d is "
+                          f"the probability that a round accepts depths 1..d), but depth {rising[0]} exceeds the "
+                          f"one before it")
+    return tuple(float(r) for r in rates)
+
+
+def resolve_rates(num_steps: int, rates=None, length=None) -> tuple[float, ...] | None:
+    """The engine's unconditional rates from at most one of `rates` or `length` (None when neither is given)."""
+    if rates is not None and length is not None:
+        raise ConfigError("give speculative_synthetic_acceptance_rates or speculative_synthetic_acceptance_length, "
+                          "not both (a length resolves to rates)")
+    if length is not None:
+        return rates_for_length(length, num_steps)
+    if rates is not None:
+        return check_rates(tuple(rates) if isinstance(rates, list) else rates, num_steps)
+    return None
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """EAGLE tree drafting settings. S = num_steps, K = eagle_topk, N = num_draft_tokens (root included)."""
@@ -119,13 +170,10 @@ class SpeculativeConfig:
         return (*sorted(self.adaptive_widths), self.num_draft_tokens)
 
     def _check_synthetic(self) -> None:
-        from spruce.speculative import synthetic
-
         if self.synthetic_acceptance_rates is not None:
-            synthetic.check_rates(self.synthetic_acceptance_rates, self.num_steps)
+            check_rates(self.synthetic_acceptance_rates, self.num_steps)
         if self.synthetic_acceptance_length is not None:
-            if self.synthetic_acceptance_rates != synthetic.rates_for_length(self.synthetic_acceptance_length,
-                                                                               self.num_steps):
+            if self.synthetic_acceptance_rates != rates_for_length(self.synthetic_acceptance_length, self.num_steps):
                 raise ConfigError(f"synthetic_acceptance_length={self.synthetic_acceptance_length} names the rates "
                                   f"it resolves to, got rates {self.synthetic_acceptance_rates}")
 
@@ -319,8 +367,6 @@ def make_speculative_config(
     if adaptive_probe_budget is not None and not adaptive:  # (even at the default: a setting given is never ignored)
         raise _probe_budget_without_adaptive(adaptive_probe_budget)
     budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
-    from spruce.speculative.synthetic import resolve_rates
-
     rates = resolve_rates(s, synthetic_acceptance_rates, synthetic_acceptance_length)
     return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget,
                              synthetic_acceptance_rates=rates, synthetic_acceptance_length=synthetic_acceptance_length)

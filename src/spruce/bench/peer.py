@@ -444,7 +444,7 @@ def write_shapes(args: argparse.Namespace) -> Shape:
 def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | None = None) -> dict:
     """Serve and measure every engine in turn; returns the result (also written to args.out after each engine)."""
     from spruce.bench.common import git_commit
-    from spruce.speculative.synthetic import rates_for_length
+    from spruce.config import rates_for_length
 
     hooks = hooks or Hooks(bandwidth=bandwidth_in_subprocess)
     t0 = hooks.clock()

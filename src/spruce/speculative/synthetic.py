@@ -7,7 +7,7 @@ commit, draft extend), but which drafts it commits is drawn at configured rates,
 the outputs are NOT the target's. It is never on by default, the engine warns at start-up, and Engine.info,
 /server_info and every bench result name it.
 
-Rates, as vLLM has them: `rates[d-1]` is the UNCONDITIONAL probability that a round accepts depths 1..d (so the
+Rates, as vLLM has them (resolved and checked with the config, config.py's `resolve_rates`): `rates[d-1]` is the UNCONDITIONAL probability that a round accepts depths 1..d (so the
 list is non-increasing, one entry per draft depth, S = speculative_num_steps of them), and the mean acceptance
 length (tokens a round commits, bonus included) is 1 + sum(rates). A mean length L alone resolves to the
 minimum-variance schedule: floor(L-1) ones, then the fraction, then zeros. Worked example, S=5, L=3.5:
@@ -36,60 +36,8 @@ This module imports no torch at load (the config and the command line read its p
 from __future__ import annotations
 
 import logging
-import math
-
-from spruce.errors import ConfigError
 
 logger = logging.getLogger("spruce.speculative.synthetic")
-
-RATE_TOLERANCE = 1e-9  # rates may rise by rounding noise at most this much (1/3, 1/3 + 1e-17, ...)
-
-
-def rates_for_length(length: float, num_steps: int) -> tuple[float, ...]:
-    """The minimum-variance unconditional rates of mean acceptance length `length` over `num_steps` depths.
-
-    e.g. rates_for_length(3.5, 5) == (1.0, 1.0, 0.5, 0.0, 0.0); rates_for_length(6.0, 5) == (1.0,) * 5."""
-    check_length(length, num_steps)
-    drafts = float(length) - 1.0  # expected accepted drafts per round
-    full = min(int(drafts), num_steps)
-    rates = [1.0] * full + [drafts - full] + [0.0] * num_steps
-    return tuple(rates[:num_steps])
-
-
-def check_length(length, num_steps: int) -> None:
-    """A mean acceptance length: a finite number in [1, num_steps + 1] (1: nothing accepted; S+1: everything)."""
-    if isinstance(length, bool) or not isinstance(length, (int, float)) or not (
-            math.isfinite(length) and 1.0 <= length <= num_steps + 1):
-        raise ConfigError(f"speculative_synthetic_acceptance_length must be a number in [1, {num_steps + 1}] "
-                          f"(1 + speculative_num_steps={num_steps}: tokens a round commits, bonus included), "
-                          f"got {length!r}")
-
-
-def check_rates(rates, num_steps: int) -> tuple[float, ...]:
-    """Unconditional per-depth rates: `num_steps` numbers in [0, 1], non-increasing. Returns them as floats."""
-    if not isinstance(rates, (list, tuple)) or len(rates) != num_steps or any(
-            isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and 0.0 <= r <= 1.0)
-            for r in rates):
-        raise ConfigError(f"speculative_synthetic_acceptance_rates must be {num_steps} numbers in [0, 1] (one per "
-                          f"draft depth, speculative_num_steps={num_steps}), got {rates!r}")
-    rising = [d + 2 for d in range(num_steps - 1) if rates[d + 1] > rates[d] + RATE_TOLERANCE]
-    if rising:
-        raise ConfigError(f"speculative_synthetic_acceptance_rates={list(rates)} must be non-increasing (entry d is "
-                          f"the probability that a round accepts depths 1..d), but depth {rising[0]} exceeds the "
-                          f"one before it")
-    return tuple(float(r) for r in rates)
-
-
-def resolve_rates(num_steps: int, rates=None, length=None) -> tuple[float, ...] | None:
-    """The engine's unconditional rates from at most one of `rates` or `length` (None when neither is given)."""
-    if rates is not None and length is not None:
-        raise ConfigError("give speculative_synthetic_acceptance_rates or speculative_synthetic_acceptance_length, "
-                          "not both (a length resolves to rates)")
-    if length is not None:
-        return rates_for_length(length, num_steps)
-    if rates is not None:
-        return check_rates(tuple(rates) if isinstance(rates, list) else rates, num_steps)
-    return None
 
 
 def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
