@@ -16,6 +16,8 @@ from tqdm import tqdm
 
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
+from spruce.models.quantization import finish_fp8_load, fp8_scheme, quantize_model
+
 
 _READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
 
@@ -128,24 +130,49 @@ def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> N
 
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
-                show_progress: bool = False, load_format: str = "auto", tp=None):
+                show_progress: bool = False, load_format: str = "auto", tp=None, quantization: str | None = None):
     """The target (its class from the model registry) with weights from `path` (random with load_format='dummy').
 
     aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3).
-    tp: a tensor-parallel group; the model is then this rank's slice, read straight from the files."""
+    tp: a tensor-parallel group; the model is then this rank's slice, read straight from the files.
+    quantization: None, or "fp8" to quantize a bf16 checkpoint at load; an FP8 checkpoint loads as FP8 either
+    way (models/quantization.py)."""
     from spruce.models.registry import target_class
 
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
+    scheme = fp8_scheme(path, quantization)
     model_class = target_class(cfg)
     model = _build(lambda: model_class(cfg, backend, aux_layers, tp=tp), dtype, device)
     if load_format == "dummy":
         random_init_(model)
     else:
         reader = iter_tensors if tp is None else iter_tensor_slices
+        _set_checkpoint_scheme(model, scheme)
         with torch.no_grad():
             model.load_weights(reader(path, show_progress, "loading target"))
+            _finish_quantization(model, scheme, cfg, dtype)
+    if load_format == "dummy" and scheme is not None:  # random FP8 weights in the checkpoint's layout
+        with torch.no_grad():
+            quantize_model(model, scheme.group_k)
     return model.eval().requires_grad_(False)
+
+
+def _set_checkpoint_scheme(model, scheme) -> None:
+    """An FP8 checkpoint's layout, read by load_named_tensors while the tensors stream in."""
+    if scheme is not None and not scheme.at_load:
+        model.fp8_scheme = scheme
+
+
+def _finish_quantization(model, scheme, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    """After the weights load: an FP8 checkpoint's MLA fix-ups, or the load-time quantization of a bf16 one."""
+    if scheme is None:
+        return
+    if scheme.at_load:
+        quantize_model(model)
+    else:
+        finish_fp8_load(model, cfg, dtype)
+
 
 
 def draft_aux_layers(spec, target_config: ModelConfig) -> tuple[int, ...]:
@@ -176,8 +203,12 @@ def load_mtp_draft(path, target_config: ModelConfig, dtype: torch.dtype, device:
     if load_format == "dummy":
         random_init_(model, seed=1)
     else:
+        scheme = fp8_scheme(path, None)  # the draft runs as stored: FP8 MTP layers of an FP8 checkpoint
+        _set_checkpoint_scheme(model, scheme)
         with torch.no_grad():
             model.load_weights(iter_tensors(path, show_progress, "loading MTP layers"), str(path))
+            _finish_quantization(model, scheme, cfg, dtype)
+
     return model.eval().requires_grad_(False)
 
 

@@ -86,6 +86,39 @@ class RoutedExperts(nn.Module):
         if tp is not None:  # rows of each expert's gate / up, columns of its down
             mark_shard(self.w13, 0, tp)
             mark_shard(self.w2, 1, tp)
+        # FP8 banks (models/quantization.py): w13 / w2 float8_e4m3fn, their per-row scales w13_scale [E, 2I, G13]
+        # and w2_scale [E, H, G2] (ops/fp8.py's layout), optional static activation scales
+        self.group_k: int | None = None
+        self.w13_scale = self.w2_scale = None
+        self.w13_input_scale = self.w2_input_scale = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    def make_fp8(self, group_k: int | None) -> None:
+        """Replace both banks by empty FP8 ones with unit scales (a checkpoint writes them next)."""
+        from spruce.ops.fp8 import FP8_DTYPE, num_groups
+
+        self.group_k = group_k
+        for name in ("w13", "w2"):
+            bank = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty_like(bank, dtype=FP8_DTYPE), requires_grad=False))
+            rows = bank.shape[:2]
+            setattr(self, f"{name}_scale", nn.Parameter(torch.ones(*rows, num_groups(bank.shape[2], group_k),
+                                                                   device=bank.device), requires_grad=False))
+
+    def quantize_fp8(self, group_k: int | None = None) -> None:
+        """Quantize the loaded banks to FP8 in place, one scale per row of each expert and K group (None: one
+        per row; load-time quantization)."""
+        from spruce.ops.fp8 import quantize_rows
+
+        self.group_k = group_k
+        for name in ("w13", "w2"):
+            q, scale = quantize_rows(getattr(self, name).data, group_k)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
 
     def expert_rows(self, expert: int, proj: str) -> tuple[str, tuple[int, int]]:
         """(parameter, row range of its [E * rows, cols] flattening) holding expert `expert`'s `proj` weight."""
@@ -98,7 +131,14 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights / ids [T, k] -> [T, H]."""
-        return fused_moe(x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
+        if self.is_fp8:
+            from spruce.ops.fp8 import fp8_moe
+
+            return fp8_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_k, ids, weights,
+                           self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha,
+                           (self.w13_input_scale, self.w2_input_scale))
+        return fused_moe(
+x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
                          self.swiglu_alpha)
 
 

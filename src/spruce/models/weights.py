@@ -19,7 +19,9 @@ import torch
 
 from spruce.distributed.checkpoint import take_shard, whole
 from spruce.errors import ModelLoadError
+from spruce.models import quantization
 from spruce.models.layers import Attention, GatedMLP, fused_slices
+
 from spruce.models.moe import RoutedExperts
 
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv]_proj)\.(weight|bias)$")
@@ -71,18 +73,21 @@ def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[s
             out |= {f"{pname}[{a}:{b}]": f"{base}.{proj}.{kind}" for proj, (a, b) in fused_slices(owner).items()}
         elif owner_path.endswith(".gate_up") and isinstance(owner, GatedMLP):
             base, i = owner_path.removesuffix(".gate_up"), owner.intermediate
-            out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.weight", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.weight"}
+            out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.{kind}", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.{kind}"}
         elif owner_path.endswith(".down") and isinstance(owner, GatedMLP):
-            out[pname] = f"{owner_path.removesuffix('.down')}.down_proj.weight"
+            out[pname] = f"{owner_path.removesuffix('.down')}.down_proj.{kind}"
+
         elif isinstance(_submodule(module, owner_path), RoutedExperts) and kind in ("b13", "b2"):
             out[pname] = pname  # gpt-oss's expert biases: written whole
         elif isinstance(_submodule(module, owner_path), RoutedExperts):
             experts = _submodule(module, owner_path)
+            bank, scale = kind.removesuffix("_scale"), kind.endswith("_scale")  # an FP8 bank's scales: its rows
             for e in range(experts.num_experts):
                 for proj in ("gate", "up", "down"):
                     param, (a, b) = experts.expert_rows(e, proj)
-                    if param == kind:
-                        out[f"{pname}[{a}:{b}]"] = f"{owner_path}.{e}.{proj}_proj.weight"
+                    if param == bank:
+                        out[f"{pname}[{a}:{b}]"] = f"{owner_path}.{e}.{proj}_proj.weight{'_scale' * scale}"
+
         else:
             out[pname] = pname
     return out
@@ -94,6 +99,7 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
     absent; `buffers` names buffers that may be loaded too. Returns the set of names loaded."""
     params = dict(module.named_parameters())
     bufs = {n: b for n, b in module.named_buffers() if n in set(buffers)}
+    scheme = getattr(module, "fp8_scheme", None)  # set by the loader for an FP8 checkpoint (models/quantization.py)
     written, loaded = set(), set()
     for raw, tensor in tensors:
         name = rename(raw)
@@ -103,9 +109,22 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
             copy_into(bufs[name], tensor, None, raw)
             loaded.add(name)
             continue
+        if scheme is not None and quantization.is_scale_name(name):
+            key = quantization.load_scale(module, name, raw, tensor, scheme, map_name)
+            params = dict(module.named_parameters())
+            written.update(() if key is None else (key,))
+            loaded.add(name)
+            continue
         target, rows = map_name(module, name)
+        if scheme is not None and target in params and _dtype(tensor) == quantization.FP8_DTYPE:
+            quantization.make_fp8(module, target, scheme, raw)
+            params = dict(module.named_parameters())
         if target not in params:
+            if quantization.is_scale_name(name) or _dtype(tensor) == quantization.FP8_DTYPE:
+                raise ModelLoadError(f"checkpoint tensor {raw!r} is FP8 (or an FP8 scale) but config.json has no "
+                                     f"supported quantization_config (quant_method 'fp8' or 'compressed-tensors')")
             raise ModelLoadError(f"checkpoint tensor {raw!r} has no place in {type(module).__name__}")
+
         copy_into(params[target], tensor, rows, raw)
         written.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
         loaded.add(name)
@@ -118,7 +137,13 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
     return loaded
 
 
+def _dtype(tensor) -> torch.dtype | None:
+    """A tensor's dtype, or a CheckpointSlice's when it says (None otherwise)."""
+    return getattr(tensor, "dtype", None)
+
+
 def copy_into(dst: torch.Tensor, tensor, rows: tuple[int, int] | None, name: str) -> None:
+
     """dst[rows] = tensor (rows of dst's [-1, cols] flattening), checking the shape and naming both on mismatch.
 
     `tensor` may be a CheckpointSlice (read here); a tensor-parallel parameter (`tp_shard`) takes only its

@@ -1,0 +1,180 @@
+"""FP8 (e4m3) weights: quantization, dequantization, and the one place an FP8 linear (and the FP8 experts) runs.
+
+spruce's in-memory layout, whatever the checkpoint's:
+    weight  [N, K] float8_e4m3fn
+    scale   [N, G] float32, G = ceil(K / group_k): w[n, k] = weight[n, k] * scale[n, k // group_k]
+group_k None (G == 1) is per-channel (per-tensor: every row holds the tensor's scale); group_k == 128 holds a
+128x128 block checkpoint (DeepSeek-V3, Qwen3-FP8), each block's scale on each of its 128 rows, so that fused
+parameters (q/k/v, gate/up, experts) take any row split; e.g. a [300, 200] q_proj with scale_inv [3, 2] becomes
+scale [300, 2], rows 0..127 holding scale_inv[0], rows 256..299 scale_inv[2].
+
+Which kernel runs `fp8_linear` (x [T, K] in the compute dtype):
+    CUDA, G == 1, torch._scaled_mm on an SM 8.9+ GPU, N and K multiples of 16: x quantized per token
+        (dynamic scale amax / 448), or with the checkpoint's static `input_scale`; the scaled matmul's fp32
+        accumulate, output in x's dtype
+    CUDA otherwise (block scales): the Triton group-scaled GEMM (ops/fp8_gemm.py), weight-only: x is not quantized
+    CPU, or no kernel: emulation, the weight dequantized to float32 and multiplied in float32 (x quantized first
+        when a static input scale is set, as the kernels do)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spruce.ops.triton_support import HAS_TRITON
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+BLOCK = 128  # block-scaled checkpoints: 128 x 128 weight blocks
+_FORCE_TRITON = [False]  # tests flip this to run the Triton GEMM on CPU tensors through the interpreter
+
+
+def num_groups(k: int, group_k: int | None) -> int:
+    """G: scale columns of a [N, K] weight with `group_k`-wide K groups (1 for None: per-channel)."""
+    return 1 if group_k is None else -(-k // group_k)
+
+
+def expand_groups(scale: torch.Tensor, group_k: int | None, k: int) -> torch.Tensor:
+    """scale [..., N, G] -> [..., N, K] (or [..., N, 1] per-channel): each group's scale on its columns."""
+    return scale if group_k is None else scale.repeat_interleave(group_k, dim=-1)[..., :k]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [..., N, K] fp8, scale [..., N, G] -> [..., N, K] in `dtype` (products in float32)."""
+    return (weight.float() * expand_groups(scale.float(), group_k, weight.shape[-1])).to(dtype)
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast: values beyond +-448 become +-448 (a plain cast may give NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_rows(w: torch.Tensor, group_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (fp8 [..., N, K], scale [..., N, G]): each (row, K group) scaled so its amax is 448
+    (group_k None: per-channel, one scale per row)."""
+    k = w.shape[-1]
+    g = num_groups(k, group_k)
+    group_k = k if group_k is None else group_k
+    pad = g * group_k - k
+    wf = F.pad(w.float(), (0, pad)).unflatten(-1, (g, group_k))  # [..., N, G, group_k]
+    scale = (wf.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)  # [..., N, G]
+    q = to_fp8(wf / scale[..., None]).flatten(-2)[..., :k]
+    return q.contiguous(), scale
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint layout of block-scaled FP8: w [N, K] -> (fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]),
+    w ~= fp8 * scale_inv of its block (a block's amax maps to 448)."""
+    bn, bk = block
+    n, k = w.shape
+    gn, gk = num_groups(n, bn), num_groups(k, bk)
+    wf = F.pad(w.float(), (0, gk * bk - k, 0, gn * bn - n)).view(gn, bn, gk, bk)
+    scale = (wf.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # [gn, gk]
+    q = to_fp8(wf / scale[:, None, :, None]).view(gn * bn, gk * bk)[:n, :k]
+    return q.contiguous(), scale
+
+
+def block_scale_rows(scale_inv: torch.Tensor, rows: int, block_n: int = BLOCK) -> torch.Tensor:
+    """A checkpoint's block scales [ceil(rows/bn), G] -> spruce's per-row [rows, G] (block b on rows b*bn..)."""
+    return scale_inv.float().repeat_interleave(block_n, dim=0)[:rows]
+
+
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded through fp8 with a static per-tensor scale: to_fp8(x / s) * s, in x's dtype."""
+    s = scale.float()
+    return (to_fp8(x.float() / s).float() * s).to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic activation scales: x [T, K] -> (fp8 [T, K], scale [T, 1] float32), each row's amax -> 448."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return to_fp8(x.float() / scale), scale
+
+
+def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, group_k: int | None) -> bool:
+    """Whether torch's row-wise scaled matmul runs this linear: CUDA, per-channel scales, SM 8.9+, and N, K
+    multiples of 16."""
+    if not x.is_cuda or group_k is not None or not hasattr(torch, "_scaled_mm"):
+        return False
+    n, k = weight.shape
+    return torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0
+
+
+def _scaled_mm_linear(x, weight, scale, bias, input_scale):
+    """x [T, K] -> [T, N] through torch._scaled_mm: per-token (or static per-tensor) x scales, per-row w scales."""
+    if input_scale is None:
+        xq, x_scale = quantize_per_token(x)
+    else:
+        x_scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        xq = to_fp8(x.float() / x_scale)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.float().reshape(1, -1),
+                           out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(weight, scale, group_k).T (+ bias) -> [..., N] in x's dtype (module doc: kernels).
+
+    `input_scale` (a static per-tensor activation scale from the checkpoint) quantizes x through fp8 first."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if scaled_mm_fits(x2, weight, group_k) and x2.shape[0] > 0:
+        out = _scaled_mm_linear(x2, weight, scale, bias, input_scale)
+    else:
+        if input_scale is not None:
+            x2 = fake_quantize(x2, input_scale)
+        if HAS_TRITON and (x2.is_cuda or _FORCE_TRITON[0]):
+            from spruce.ops.fp8_gemm import fp8_gemm
+
+            out = fp8_gemm(x2, weight, scale, group_k, bias)
+        else:
+            out = emulated_linear(x2, weight, scale, group_k, bias)
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: float32 x @ float32 dequantized weight (+ bias), cast to x's dtype."""
+    out = F.linear(x.float(), dequantize(weight, scale, group_k), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+            w2_scale: torch.Tensor, group_k: int | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            b13=None, b2=None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+            input_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
+    """Routed experts with FP8 banks (w13 [E, 2I, H], w2 [E, H, I], scales [E, rows, G]) -> [T, H] in x's dtype.
+
+    Few assignments (T*k <= E: decode): only the chosen experts are dequantized, one copy per assignment, and each
+    assignment runs as a batched matmul in float32 (no host synchronisation: CUDA-graph safe). Otherwise every
+    expert is dequantized to x's dtype once and the bf16 fused MoE runs. `input_scales` (static, per bank)
+    round x and the intermediate through fp8 first, as a W8A8 kernel would."""
+    from spruce.ops.moe import clamped_swiglu, fused_moe
+
+    t, k = topk_ids.shape
+    s13, s2 = input_scales
+    if s13 is not None:
+        x = fake_quantize(x, s13)
+    if t * k > w13.shape[0]:
+        if s2 is not None:
+            raise NotImplementedError("static FP8 input scales of the down projection need T*k <= E")
+        return fused_moe(x, dequantize(w13, w13_scale, group_k, x.dtype), dequantize(w2, w2_scale, group_k, x.dtype),
+                         topk_ids, topk_weights, b13, b2, swiglu_limit, swiglu_alpha)
+    ids = topk_ids.reshape(-1).long()  # [A] assignment a = t*k + j
+    xa = x.float().repeat_interleave(k, dim=0)  # [A, H]
+    g13 = dequantize(w13[ids], w13_scale[ids], group_k)  # [A, 2I, H]
+    h = torch.bmm(g13, xa[:, :, None])[:, :, 0]  # [A, 2I]
+    if b13 is not None:
+        h = h + b13[ids].float()
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
+    if s2 is not None:
+        act = fake_quantize(act, s2)
+    out = torch.bmm(dequantize(w2[ids], w2_scale[ids], group_k), act[:, :, None])[:, :, 0]  # [A, H]
+    if b2 is not None:
+        out = out + b2[ids].float()
+    out = out * topk_weights.reshape(-1, 1).float()
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)

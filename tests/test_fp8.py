@@ -1,0 +1,253 @@
+"""FP8 weights on CPU (emulated: dequantized, float32 products): every published layout loads into spruce's
+fused parameters and matches its float32 dequantized twin (tests/fp8_checkpoints.py) on a tiny Llama and a tiny
+DeepSeek-V3 (MLA with interleaved rope, MoE, shared experts); a float checkpoint quantized at load equals its
+per-channel twin; unsupported methods are refused by name; the Triton GEMM (interpreter) and the FP8 experts
+equal their references; speculation (EAGLE-3 on Llama, NEXTN on DeepSeek) equals plain greedy on FP8 targets."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from spruce import SamplingParams
+from spruce.attention.backend import create_backend
+from spruce.errors import ModelLoadError
+from spruce.models.loader import load_target
+from checkpoints import PagedCache, write_deepseek_checkpoint, write_eagle3_checkpoint, write_llama_checkpoint
+from fp8_checkpoints import LAYOUTS, write_fp8_checkpoint
+from mtp_checkpoints import add_mtp_layers
+from oracle_draft import install_oracle
+
+TOKENS = [[5, 17, 42, 8, 99, 23, 61, 7, 12, 33, 71, 2], [9, 4, 120, 66, 31]]
+MAX_NEW = 12
+BLOCKS = {"block": (24, 32), "channel": None, "tensor": None}  # 24-row blocks straddle q/k/v and rope rows
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    llama = write_llama_checkpoint(root / "llama", init_std=0.05)
+    deepseek = add_mtp_layers(write_deepseek_checkpoint(root / "ds0", first_k_dense_replace=1, init_std=0.05,
+                                                        rope_interleave=True), root / "deepseek", num_layers=1)
+    return {"llama": llama, "deepseek": deepseek, "root": root}
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(sources):
+    """(family, layout) -> (FP8 checkpoint, its dequantized twin)."""
+    out = {}
+    for fam in ("llama", "deepseek"):
+        for layout in LAYOUTS:
+            base = sources["root"] / f"{fam}-{layout}"
+            out[fam, layout] = write_fp8_checkpoint(sources[fam], base, f"{base}-twin", layout, BLOCKS[layout])
+    return out
+
+
+def prompt_logits(path, quantization=None):
+    """(model, float32 logits [T, V]) of TOKENS[0] run as one prefill on a hand-driven paged cache."""
+    model = load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4),
+                        quantization=quantization)
+    cache = PagedCache.for_model(model)
+    row = cache.add_row(32)
+    hidden, _ = model(cache.batch([row], [0], [TOKENS[0]]), cache.kv, cache.table)
+    return model, model.compute_logits(hidden)
+
+
+def fp8_modules(model) -> int:
+    from spruce.models.moe import RoutedExperts
+    from spruce.models.quantization import Fp8Linear
+
+    return sum(isinstance(m, Fp8Linear) or (isinstance(m, RoutedExperts) and m.is_fp8) for m in model.modules())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fam", ["llama", "deepseek"])
+def test_fp8_checkpoint_matches_its_dequantized_twin(fp8_dirs, fam, layout):
+    fp8, twin = fp8_dirs[fam, layout]
+    model, got = prompt_logits(fp8)
+    _, want = prompt_logits(twin)
+    # q/k/v, o, gate/up, down per layer (MLA: q_a, q_b, kv_a, o; kv_b is dequantized at load; experts banks)
+    assert fp8_modules(model) >= 4 * model.config.num_layers - 1
+    # the same float32 products in another order: far below FP8's own error (~6% per weight)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("fam", ["llama", "deepseek"])
+def test_quantized_at_load_matches_the_per_channel_checkpoint(sources, fp8_dirs, fam):
+    model, got = prompt_logits(sources[fam], quantization="fp8")
+    assert fp8_modules(model) > 0
+    _, twin = prompt_logits(fp8_dirs[fam, "channel"][1])
+    _, full = prompt_logits(sources[fam])
+    if fam == "llama":  # the same per-row amax / 448 scales as the test's own writer
+        torch.testing.assert_close(got, twin, rtol=1e-4, atol=1e-4)
+    # the format's error against the float model: a few percent of the logits' norm
+    assert ((got - full).norm() / full.norm()).item() < 0.1
+    assert (got.argmax(-1) == full.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_triton_fp8_gemm_equals_the_emulation():
+    pytest.importorskip("triton")
+    import spruce.ops.fp8 as fp8
+
+    g = torch.Generator().manual_seed(0)
+    old = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for m, n, k, group in [(1, 40, 96, 32), (20, 70, 200, 128), (3, 24, 64, None)]:
+            x = torch.randn(m, k, generator=g)
+            w, scale = fp8.quantize_rows(torch.randn(n, k, generator=g), group)
+            bias = torch.randn(n, generator=g)
+            want = fp8.emulated_linear(x, w, scale, group, bias)
+            fp8._FORCE_TRITON[0] = True
+            try:
+                got = fp8.fp8_linear(x, w, scale, group, bias)
+            finally:
+                fp8._FORCE_TRITON[0] = False
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])  # T*k <= E: per-assignment experts; above: dequantized banks
+def test_fp8_experts_equal_the_reference_on_dequantized_banks(tokens):
+    from spruce.ops.fp8 import dequantize, fp8_moe, quantize_rows
+    from spruce.ops.moe import fused_moe_reference
+
+    g = torch.Generator().manual_seed(1)
+    e, h, i, k = 8, 32, 16, 2
+    w13, s13 = quantize_rows(torch.randn(e, 2 * i, h, generator=g), 16)
+    w2, s2 = quantize_rows(torch.randn(e, h, i, generator=g))
+    x = torch.randn(tokens, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    want = fused_moe_reference(x, dequantize(w13, s13, 16), dequantize(w2, s2, None), ids, weights)
+    torch.testing.assert_close(fp8_moe(x, w13, s13, w2, s2, 16, ids, weights), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_per_channel_group_of_each_bank_is_its_own(tmp_path):
+    """Expert banks with different K (H for w13, I for w2) each get one scale per row."""
+    from spruce.models.moe import RoutedExperts
+
+    experts = RoutedExperts(4, 32, 16)
+    experts.w13.data.normal_()
+    experts.w2.data.normal_()
+    experts.quantize_fp8()
+    assert experts.w13_scale.shape == (4, 32, 1) and experts.w2_scale.shape == (4, 32, 1)
+
+
+def _with_quantization_config(src, dst, quant) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = quant
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("quant,words", [
+    ({"quant_method": "gptq", "bits": 4}, ["'gptq'", "not supported", "fp8", "compressed-tensors"]),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {}}},
+     ["'pack-quantized'", "float-quantized"]),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "channel"}}}},
+     ["8-bit float"]),
+    ({"quant_method": "fp8", "weight_block_size": [128, 100]}, ["[128, 100]", "power of two"]),
+])
+def test_unsupported_quantization_is_refused_by_name(sources, tmp_path, quant, words):
+    path = _with_quantization_config(sources["llama"], tmp_path / "q", quant)
+    with pytest.raises(ModelLoadError) as e:
+        load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(fp8_dirs, tmp_path):
+    import shutil
+
+    src = fp8_dirs["llama", "block"][0]
+    dst = tmp_path / "noconfig"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    del cfg["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="is FP8 .*no supported quantization_config"):
+        load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+
+
+def test_an_fp8_lm_head_is_refused(fp8_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = fp8_dirs["llama", "channel"][0]
+    dst = tmp_path / "head"
+    import shutil
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    head = tensors["lm_head.weight"]
+    tensors["lm_head.weight"] = head.to(torch.float8_e4m3fn)
+    tensors["lm_head.weight_scale"] = torch.ones(head.shape[0], 1)
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lm_head.weight cannot hold FP8"):
+        load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+
+
+# --- speculation on FP8 targets ----------------------------------------------------------------------------
+
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama_fp8_plain(fp8_dirs):
+    from spruce import LLM
+
+    path = fp8_dirs["llama", "block"][0]
+    return [o.token_ids for o in LLM(path, page_size=16).generate(TOKENS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def llama_draft(fp8_dirs, tmp_path_factory):
+    return str(write_eagle3_checkpoint(tmp_path_factory.mktemp("d") / "e3", fp8_dirs["llama", "block"][1], seed=2))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("page", [1, 16])
+def test_eagle3_on_an_fp8_llama_equals_plain(make_llm, fp8_dirs, llama_draft, llama_fp8_plain, k, page):
+    s, n = {1: (3, 4), 4: (3, 8)}[k]
+    llm = make_llm(fp8_dirs["llama", "block"][0], page_size=page, draft_model=llama_draft,
+                   speculative_algorithm="EAGLE3", speculative_num_steps=s, speculative_eagle_topk=k,
+                   speculative_num_draft_tokens=n)
+    oracle = install_oracle(llm, 0.6)
+    for p, w in zip(TOKENS, llama_fp8_plain):
+        oracle.add_reference(p, w)
+    assert [o.token_ids for o in llm.generate(TOKENS, PARAMS)] == llama_fp8_plain
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8_plain(fp8_dirs):
+    from spruce import LLM
+
+    path = fp8_dirs["deepseek", "block"][0]
+    return [o.token_ids for o in LLM(path, page_size=16).generate(TOKENS, PARAMS)]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("page", [1, 16])
+def test_nextn_on_an_fp8_deepseek_equals_plain(make_llm, fp8_dirs, deepseek_fp8_plain, k, page):
+    s, n = {1: (3, 4), 4: (3, 8)}[k]
+    llm = make_llm(fp8_dirs["deepseek", "block"][0], page_size=page, speculative_algorithm="NEXTN",
+                   speculative_num_steps=s, speculative_eagle_topk=k, speculative_num_draft_tokens=n)
+    draft = llm.engine.runner.draft
+    assert fp8_modules(draft) > 0  # the MTP layers run in FP8 too
+    oracle = install_oracle(llm, 0.6)
+    for p, w in zip(TOKENS, deepseek_fp8_plain):
+        oracle.add_reference(p, w)
+    assert [o.token_ids for o in llm.generate(TOKENS, PARAMS)] == deepseek_fp8_plain
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
