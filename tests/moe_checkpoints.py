@@ -1,5 +1,5 @@
 """Tiny random MoE targets written by transformers' own save_pretrained (the published layouts by
-construction): Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss."""
+construction): Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss and Llama 4 (text)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM"),
 }
 
 
@@ -19,6 +20,8 @@ def moe_config_kwargs(variant: str, experts: int, top_k: int) -> dict:
     """The expert fields each architecture names its own way."""
     if variant in ("mixtral", "gpt_oss"):
         return dict(num_local_experts=experts, num_experts_per_tok=top_k)
+    if variant == "llama4":
+        return dict(num_local_experts=experts, num_experts_per_tok=top_k, intermediate_size_mlp=96)
     kw = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=32, norm_topk_prob=True)
     if variant == "qwen2_moe":
         kw["shared_expert_intermediate_size"] = 48
@@ -46,7 +49,7 @@ def write_moe_checkpoint(path, variant: str, seed: int = 0, hidden: int = 64, la
         for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif p.dim() == 3 and variant == "gpt_oss":  # fused expert banks start at zero in its init
+            elif p.dim() == 3 and variant in ("gpt_oss", "llama4"):  # fused expert banks start at zero in its init
                 p.normal_(0.0, init_std)
             elif p.dim() == 2 and variant == "gpt_oss" and p.shape[-1] == 1:
                 p.add_(torch.randn_like(p) * 0.1)

@@ -50,18 +50,19 @@ class PerPhaseAttention(AttentionBackend):
         return registry.get_info(self.fallback)
 
     def check_model(self, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
-                    what: str = "the model") -> None:
+                    chunk: bool = False, what: str = "the model") -> None:
         """Send every phase whose backend cannot serve this model to the fallback (which must serve it)."""
         if self._by_phase:
             raise InvariantError("per-phase attention: check_model after allocate (the choice is fixed by then)")
         for phase, choice in self.choices.items():
-            why = registry.model_refusal(choice.backend, head_dim=head_dim, mla=mla, window=window, what=what)
+            why = registry.model_refusal(choice.backend, head_dim=head_dim, mla=mla, window=window, chunk=chunk,
+                                         what=what)
             if why is None and mla and choice.backend != self.fallback:
                 why = f"was timed on MHA/GQA only: the kernel table has no MLA (latent) rows for {what}"
             if why is not None:
                 self.choices[phase] = PhaseChoice(self.fallback, f"{choice.backend} (measured faster) {why}",
                                                   fell_back=True)
-        registry.check_model(self.fallback, head_dim=head_dim, mla=mla, window=window, what=what)
+        registry.check_model(self.fallback, head_dim=head_dim, mla=mla, window=window, chunk=chunk, what=what)
 
     def allocate(self, limits, device) -> None:
         super().allocate(limits, device)

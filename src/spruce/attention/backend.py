@@ -67,11 +67,12 @@ class AttentionBackend:
         return get_info(self.name)
 
     def check_model(self, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
-                    what: str = "the model") -> None:
+                    chunk: bool = False, what: str = "the model") -> None:
         """Refuse a model whose attention this backend cannot serve (ConfigError from the registry's record);
         the runner calls it for the target and the draft before `allocate`. `window`: the model has
-        sliding-window layers or attention sinks (forward's `window` / `sinks`)."""
-        check_model(self.name, head_dim=head_dim, mla=mla, window=window, what=what)
+        sliding-window layers or attention sinks (forward's `window` / `sinks`); `chunk`: chunked attention
+        layers (forward's `chunk`)."""
+        check_model(self.name, head_dim=head_dim, mla=mla, window=window, chunk=chunk, what=what)
 
     def describe(self) -> str:
         """How the engine's info (/metrics, the start-up log) names this backend: its name; a composite also

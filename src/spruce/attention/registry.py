@@ -37,6 +37,7 @@ class BackendInfo:
     dtypes: tuple[str, ...] = ALL_DTYPES  # model / KV-pool dtypes
     head_dims: tuple[int, ...] | None = None  # MHA/GQA head dims it serves; None: any
     windows: bool = False  # serves sliding-window attention and attention sinks (gpt-oss): forward(window, sinks)
+    chunks: bool = False  # serves chunked attention (Llama 4): forward(chunk)
     needs_cuda: bool = False  # refuses device='cpu' (the triton backend accepts it under Triton's interpreter)
     requires: str | None = None  # optional package it imports; its install hint is the spruce extra of that name
     cpu_probe: Callable[[], str | None] | None = None  # needs_cuda backends: None when it may run on CPU anyway
@@ -151,9 +152,13 @@ def config_refusal(name: str, device: str, dtype: str, cuda_graph: bool) -> str 
 
 
 def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
-                  what: str = "the model") -> str | None:
-    """Why backend `name` cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks), or None."""
+                  chunk: bool = False, what: str = "the model") -> str | None:
+    """Why backend `name` cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks, chunked
+    attention), or None."""
     info = get_info(name)
+    if chunk and not info.chunks:
+        served = [n for n, i in _REGISTRY.items() if i.chunks]
+        return f"has no chunked attention, which {what} needs; backends with it: {_quoted(served)}"
     if window and not info.windows:
         served = [n for n, i in _REGISTRY.items() if i.windows]
         return (f"has no sliding-window attention or attention sinks, which {what} needs; backends with them: "
@@ -167,9 +172,10 @@ def model_refusal(name: str, *, head_dim: int | None = None, mla: bool = False, 
 
 
 def check_model(name: str, *, head_dim: int | None = None, mla: bool = False, window: bool = False,
-                what: str = "the model") -> None:
-    """Refuse a backend that cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks)."""
-    why = model_refusal(name, head_dim=head_dim, mla=mla, window=window, what=what)
+                chunk: bool = False, what: str = "the model") -> None:
+    """Refuse a backend that cannot serve a model's attention (MHA head dim, MLA, sliding windows / sinks, chunked
+    attention)."""
+    why = model_refusal(name, head_dim=head_dim, mla=mla, window=window, chunk=chunk, what=what)
     if why is not None:
         raise ConfigError(f"attention_backend={name!r} {why}")
 
@@ -214,7 +220,7 @@ def _triton_on_cpu() -> str | None:
 register(BackendInfo(
     "torch", "spruce.attention.torch_backend:TorchAttention",
     "reference: one masked float32 attention per query block; CPU and GPU, eager only",
-    windows=True,
+    windows=True, chunks=True,
 ))
 register(BackendInfo(
     "triton", "spruce.attention.triton_backend:TritonAttention",

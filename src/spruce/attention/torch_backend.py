@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from spruce.attention.backend import AttentionBackend
-from spruce.attention.metadata import MASK_WORD_BITS, ForwardBatch
+from spruce.attention.metadata import MASK_WORD_BITS, ForwardBatch, Phase
+from spruce.errors import InvariantError
 
 SCORE_ELEMENTS = 1 << 25  # bounds a query block's [bs, Hq, block, L] scores (and its [bs, block, L] mask)
 
@@ -56,33 +57,53 @@ def request_key_slots(batch: ForwardBatch, page_table: torch.Tensor, scratch_sta
     return torch.cat([slots, scratch], dim=1)
 
 
-def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def key_mask(batch: ForwardBatch, tok: torch.Tensor, exists: torch.Tensor, window: int | None = None,
+             chunk: int | None = None) -> torch.Tensor:
     """[bs, mb, L] bool: query token tok[b, i] sees paged position p < kv_lens[tok] and scratch j with bit j set.
 
     `window` W (sliding-window attention): of the paged positions only those in (positions[tok] - W, ...]
     too, e.g. W = 4 at position 9: paged 6..9. Scratch entries (a tree's ancestors, all within the last
-    speculative_num_steps + 1 positions) are not cut: the runner refuses trees as deep as the window."""
+    speculative_num_steps + 1 positions) are not cut: the runner refuses trees as deep as the window.
+    `chunk` C (chunked attention): only positions from C * floor(positions[tok] / C) on, e.g. C = 8 at
+    position 9: 8..9; a tree's ancestors too (`scratch_positions`), since a chunk boundary may cut a tree."""
     pos = torch.arange(batch.max_kv_len, device=tok.device)
     kv_lens = batch.kv_lens[tok].long().masked_fill(~exists, 0)  # [bs, mb]
     mask = pos[None, None, :] < kv_lens[:, :, None]  # [bs, mb, Lp]
     if window is not None:
         mask &= pos[None, None, :] > (batch.positions[tok] - window)[:, :, None]
+    first = None if chunk is None else torch.div(batch.positions[tok], chunk, rounding_mode="floor") * chunk
+    if first is not None:
+        mask &= pos[None, None, :] >= first[:, :, None]
     if batch.scratch_width == 0:
         return mask
     bits = scratch_bits(batch.tree_mask[tok], batch.scratch_width) & exists[:, :, None]  # [bs, mb, W]
+    if first is not None:
+        bits &= scratch_positions(batch)[:, None, :] >= first[:, :, None]
     return torch.cat([mask, bits], dim=2)
+
+
+def scratch_positions(batch: ForwardBatch) -> torch.Tensor:
+    """[bs, W] position of each request's scratch entries in a VERIFY batch, whose query token j of request b
+    is scratch entry j (its tree node; the runner's verify layout); entries past the request's tokens get -1."""
+    if batch.phase != Phase.VERIFY:
+        raise InvariantError(f"chunked attention over a tree's scratch runs in VERIFY only, got {batch.phase.value}")
+    j = torch.arange(batch.scratch_width, device=batch.positions.device)
+    start, end = batch.qo_indptr[:-1].long()[:, None], batch.qo_indptr[1:].long()[:, None]  # [bs, 1]
+    tok = (start + j[None, :]).clamp(max=max(batch.num_tokens - 1, 0))  # [bs, W]
+    return torch.where(start + j[None, :] < end, batch.positions[tok], -1)
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
-                window: int | None = None, sinks: torch.Tensor | None = None):
+                window: int | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None):
         """`window` (sliding-window attention, key_mask) and `sinks` [Hq] (gpt-oss: one extra logit per head
-        in every softmax's denominator, attending to nothing) are optional (BackendInfo.windows)."""
+        in every softmax's denominator, attending to nothing) are optional (BackendInfo.windows), as is `chunk`
+        (chunked attention, Llama 4: BackendInfo.chunks)."""
         k_cache[batch.out_slots] = k.to(k_cache.dtype)
         v_cache[batch.out_slots] = v.to(v_cache.dtype)
-        return self._attend_all(q, k_cache, v_cache, scratch_start, batch, page_table, scale, window, sinks)
+        return self._attend_all(q, k_cache, v_cache, scratch_start, batch, page_table, scale, window, sinks, chunk)
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         cache[batch.out_slots] = latent.to(cache.dtype)
@@ -90,7 +111,7 @@ class TorchAttention(AttentionBackend):
         return self._attend_all(q, keys, keys[..., :value_dim], scratch_start, batch, page_table, scale)
 
     def _attend_all(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
-                    window: int | None = None, sinks: torch.Tensor | None = None):
+                    window: int | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None):
         """Every query token of the batch over its keys in the (already written) caches: [T, Hq, Dv]."""
         num_keys = batch.max_kv_len + batch.scratch_width
         out_shape = (*q.shape[:2], v_cache.shape[-1])
@@ -104,7 +125,7 @@ class TorchAttention(AttentionBackend):
         block = max(1, SCORE_ELEMENTS // (batch.batch_size * q.shape[1] * num_keys))
         for i0 in range(0, batch.max_q_len, block):
             blk_tok, blk_exists = tok[:, i0:i0 + block], exists[:, i0:i0 + block]  # [bs, mb]
-            mask = key_mask(batch, blk_tok, blk_exists, window)  # [bs, mb, L]
+            mask = key_mask(batch, blk_tok, blk_exists, window, chunk)  # [bs, mb, L]
             att = self._attend(q, keys, vals, mask, blk_tok, scale, sinks)  # [bs, mb, Hq, D]
             dest = blk_tok.masked_fill(~blk_exists, batch.num_tokens)  # missing query tokens land in row T
             out[dest.reshape(-1)] = att.reshape(-1, *out_shape[1:]).to(q.dtype)

@@ -28,7 +28,8 @@ ARCHITECTURES = {
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM",)  # the text model (Llama4TextConfig)
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # keys each rope type needs (llama3's original_max_position_embeddings falls back to max_position_embeddings)
 _ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
@@ -137,6 +138,8 @@ class MoEConfig:
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False  # Qwen2-MoE: the shared output times sigmoid(x @ shared_expert_gate.T)
     norm_single: bool = False  # norm_topk_prob also at top_k 1 (its weight becomes 1: Qwen, Mixtral)
+    moe_layer_ids: tuple[int, ...] | None = None  # Llama 4: exactly these layers are MoE (config `moe_layers`)
+    weight_input: bool = False  # Llama 4: the routing weight scales the expert's input, not its output (top-1)
     # gpt-oss: a router bias, softmax over the top-k logits only ("topk_softmax" scoring), biased experts whose
     # gate/up pass through the clamped SwiGLU: (min(up, L).clamp(-L) + 1) * g * sigmoid(alpha * g), g = min(gate, L)
     router_bias: bool = False
@@ -145,6 +148,8 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
 
     def is_moe_layer(self, i: int) -> bool:
+        if self.moe_layer_ids is not None:
+            return i in self.moe_layer_ids
         if self.decoder_sparse_step is not None:
             return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
         return i >= self.first_k_dense_replace and i % self.layer_freq == 0
@@ -260,6 +265,16 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     attention_sinks: bool = False
+    # Llama 4: "chunked_attention" layers see only their own chunk of attention_chunk_size positions
+    # ([C floor(p / C), p] at position p); rope_layers[i] False: layer i has no rope (and scales its queries by
+    # log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 when attn_temperature = (floor_scale, attn_scale));
+    # qk_l2_norm: q and k of the rope layers divided by their RMS (no weight) after rope; interleaved_rope: the
+    # checkpoint rotates pairs (x0, x1), (x2, x3)... (its q/k rows are permuted to rotate-half at load)
+    attention_chunk_size: int | None = None
+    rope_layers: tuple[bool, ...] | None = None
+    attn_temperature: tuple[float, float] | None = None
+    qk_l2_norm: bool = False
+    interleaved_rope: bool = False
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window (None: full attention)."""
@@ -267,10 +282,21 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def layer_chunk(self, i: int) -> int | None:
+        """Layer i's attention chunk size (None: not chunked)."""
+        if self.layer_types is None or self.layer_types[i] != "chunked_attention":
+            return None
+        return self.attention_chunk_size
+
     @property
     def needs_windows(self) -> bool:
         """Whether some layer has a sliding window or attention sinks (attention backends must serve them)."""
         return self.attention_sinks or any(self.layer_window(i) is not None for i in range(self.num_layers))
+
+    @property
+    def needs_chunks(self) -> bool:
+        """Whether some layer has chunked attention (attention backends must serve it)."""
+        return any(self.layer_chunk(i) is not None for i in range(self.num_layers))
 
     @property
     def model_family(self) -> str:
@@ -286,7 +312,7 @@ class ModelConfig:
         file = path / "config.json"
         cfg = read_json(file, "model config")
         archs = cfg.get("architectures") or []
-        known = (*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, *GPT_OSS_ARCHITECTURES)
+        known = (*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, *GPT_OSS_ARCHITECTURES, *LLAMA4_ARCHITECTURES)
         arch = next((a for a in archs if a in known), None)
         if arch is None:
             raise ModelLoadError(f"architecture {archs!r} in {file} is not supported; supported: {sorted(known)}")
@@ -294,6 +320,8 @@ class ModelConfig:
             return _deepseek_config(cfg, arch, path, file)
         if arch in GPT_OSS_ARCHITECTURES:
             return _gpt_oss_config(cfg, arch, path, file)
+        if arch in LLAMA4_ARCHITECTURES:
+            return _llama4_config(cfg, arch, path, file)
         bias, qk_norm = ARCHITECTURES[arch]
         if cfg.get("mlp_bias"):
             raise ModelLoadError(f"mlp_bias=true in {file} is not supported")
@@ -382,6 +410,58 @@ def _gpt_oss_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig
             o_proj_bias=attention_bias, qk_norm=False, bos_token_id=_first_int(cfg.get("bos_token_id")),
             eos_token_ids=_eos_ids(cfg, path), moe=moe, sliding_window=window or None, layer_types=types,
             attention_sinks=True,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{file} has a malformed field: {e}") from e
+
+
+def _llama4_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
+    """Llama 4 text: rope on the layers no_rope_layers marks 1 (chunked attention there when
+    attention_chunk_size is set; L2-normed q/k with use_qk_norm), no rope and full attention with temperature
+    tuning on the others; MoE on `moe_layers` (top-1, sigmoid routing weight on the expert's input, plus one
+    ungated shared expert of intermediate_size), dense MLPs of intermediate_size_mlp elsewhere."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"hidden_act={act!r} in {file} is not supported (only 'silu')")
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        rope = tuple(bool(x) for x in cfg.get("no_rope_layers") or (
+            (i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0 for i in range(layers)))
+        chunk = int(cfg.get("attention_chunk_size") or 0) or None
+        types = tuple(cfg.get("layer_types") or ("chunked_attention" if chunk and r else "full_attention"
+                                                 for r in rope))
+        if len(rope) != layers or len(types) != layers or set(types) - {"full_attention", "chunked_attention"}:
+            raise ModelLoadError(f"no_rope_layers / layer_types in {file} must give {layers} entries "
+                                 f"(layer types 'full_attention', 'chunked_attention'), got {list(rope)} / {list(types)}")
+        if "chunked_attention" in types and not chunk:
+            raise ModelLoadError(f"attention_chunk_size={cfg.get('attention_chunk_size')!r} in {file} must be >= 1 "
+                                 f"for its chunked_attention layers")
+        experts, top_k = int(cfg["num_local_experts"]), int(cfg.get("num_experts_per_tok", 1))
+        if top_k != 1:
+            raise ModelLoadError(f"num_experts_per_tok={top_k} in {file} is not supported for {arch} (only 1: the "
+                                 f"routing weight scales the expert's input)")
+        step = int(cfg.get("interleave_moe_layer_step", 1))
+        moe_ids = tuple(int(i) for i in (cfg["moe_layers"] if cfg.get("moe_layers") is not None
+                                         else range(step - 1, layers, step)))
+        inter = int(cfg["intermediate_size"])
+        moe = MoEConfig(
+            num_experts=experts, top_k=1, intermediate_size=inter, num_shared_experts=1, scoring="topk_sigmoid",
+            num_groups=1, topk_groups=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+            first_k_dense_replace=0, layer_freq=1, shared_intermediate_size=inter, moe_layer_ids=moe_ids,
+            weight_input=True)
+        shape = decoder_shape({**cfg, "intermediate_size": cfg.get("intermediate_size_mlp", inter)})
+        tuning = cfg.get("attn_temperature_tuning", True)
+        return ModelConfig(
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=layers, **shape,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)), o_proj_bias=bool(cfg.get("attention_bias", False)),
+            qk_norm=False, bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
+            moe=moe, layer_types=types, attention_chunk_size=chunk, rope_layers=rope,
+            attn_temperature=(float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1))) if tuning else None,
+            qk_l2_norm=bool(cfg.get("use_qk_norm", True)), interleaved_rope=True,
         )
     except KeyError as e:
         raise ModelLoadError(f"{file} lacks required field {e.args[0]!r}") from e

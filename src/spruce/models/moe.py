@@ -10,6 +10,7 @@ Routing follows transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter step b
                    the unbiased scores of the chosen experts
     Qwen2-MoE / Qwen3-MoE / Mixtral: V2's softmax and greedy top-k
     gpt-oss ("topk_softmax"): top-k of the (biased) logits, weights = softmax over those k logits
+    Llama 4 ("topk_sigmoid"): top-k of the logits, weights = their sigmoids (applied to the expert's input)
     then weights /= sum (norm_topk_prob; at top_k 1 only with norm_single), weights *= routed_scaling_factor.
 """
 
@@ -31,6 +32,9 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
     if cfg.scoring == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over those k only
         top, ids = logits.topk(cfg.top_k, dim=-1)  # [T, k] each
         return top.softmax(dim=-1), ids
+    if cfg.scoring == "topk_sigmoid":  # Llama 4: the top-k logits, each through a sigmoid
+        top, ids = logits.topk(cfg.top_k, dim=-1)
+        return top.sigmoid(), ids
     if cfg.scoring == "sigmoid":
         scores = logits.sigmoid()
     else:
@@ -171,7 +175,10 @@ class MoE(nn.Module):
         """[T, H] -> [T, H]."""
         logits = nn.functional.linear(x.float(), self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
-        out = self.experts(x, weights, ids)
+        if self.cfg.weight_input:  # Llama 4 (top-1): expert(x * w) instead of w * expert(x)
+            out = self.experts(x * weights.to(x.dtype), torch.ones_like(weights), ids)
+        else:
+            out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)  # [T, H]
             if self.shared_expert_gate is not None:

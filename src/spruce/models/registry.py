@@ -20,6 +20,7 @@ TARGET_CLASSES = {
     "DeepseekV2ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
     "GptOssForCausalLM": "spruce.models.gpt_oss:GptOssForCausalLM",
+    "Llama4ForCausalLM": "spruce.models.llama4:Llama4ForCausalLM",
 }
 
 

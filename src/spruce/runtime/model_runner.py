@@ -62,7 +62,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(config.model)
         self.backend = self._build_backend(config)  # allocated once the Limits exist
         self.backend.check_model(head_dim=self.model_config.head_dim, mla=self.model_config.mla is not None,
-                                 window=self.model_config.needs_windows, what="the target")
+                                 window=self.model_config.needs_windows, chunk=self.model_config.needs_chunks,
+                                 what="the target")
         spec = config.speculative
         check_tree_fits_window(spec, self.model_config)
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
