@@ -8,6 +8,7 @@ model completes a README-style json_schema request."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import httpx
@@ -17,13 +18,13 @@ from conftest import assert_no_leaks
 from server_util import MODEL_NAME, ServeProcess, metric, wait_idle
 from spruce import LLM, SamplingParams
 from spruce.config import builtin_draft_path
-from spruce.errors import InvalidRequestError
+from spruce.errors import InvalidRequestError, InvariantError
 
 pytest.importorskip("llguidance", reason="structured output needs spruce[grammar] (llguidance)")
 jsonschema = pytest.importorskip("jsonschema")
 
 from spruce.runtime import grammar as grammar_mod  # noqa: E402  (needs llguidance's presence checked first)
-from spruce.runtime.grammar import GrammarBackend  # noqa: E402
+from spruce.runtime.grammar import GrammarBackend, GrammarBatch, RequestGrammar, allowed_tokens  # noqa: E402
 from spruce.structured_output import StructuredOutput  # noqa: E402
 
 PROMPT = "def f():"
@@ -93,6 +94,62 @@ def test_a_grammar_that_matches_nothing_is_refused_at_admission(engines, field, 
 @pytest.fixture(scope="module")
 def tokenizer_json(engines) -> str:
     return engines["plain"].engine.tokenizer.to_json()
+
+
+def test_a_token_refused_because_a_fork_spent_the_lexer_fails_the_grammar(tokenizer_json):
+    """A tree node's fork shares its lexer with the request's matcher: once a fork has spent the lexer's fuel, the
+    request's matcher refuses a token its earlier mask allowed, with its own error flag clear. That is the
+    grammar's failure (it ended the engine with an InvariantError), while a token the mask refuses from a healthy
+    grammar is still an engine bug."""
+    backend = GrammarBackend(tokenizer_json, 4096, (1,), "regex")
+    g = backend.request_grammar(StructuredOutput("regex", HOSTILE_REGEX))
+    first = allowed_tokens(GrammarBatch(backend, [g]).row_masks("cpu"), 4096)[0].nonzero().flatten().tolist()
+    fork, rng = g.matcher.deep_copy(), random.Random(0)
+    while not fork.is_error():  # a few tokens in, its mask spends the shared lexer's fuel
+        fork_grammar = RequestGrammar(fork, g.spec)
+        allowed = allowed_tokens(GrammarBatch(backend, [fork_grammar]).row_masks("cpu"), 4096)[0]
+        if not fork.is_error():
+            fork.try_consume_tokens([rng.choice(allowed.nonzero().flatten().tolist())])
+    assert not g.matcher.is_error()
+    assert g.advance([first[0]]) == 0 and "grammar budget" in g.error, g.error
+    digits = backend.request_grammar(StructuredOutput("regex", "[0-9]+"))
+    letter = backend.tokenizer.tokenize_str("abc")[0]
+    with pytest.raises(InvariantError, match="the mask was not applied"):
+        digits.advance([letter])
+
+
+def test_a_failed_grammar_consumes_nothing_more(tokenizer_json):
+    """A grammar failed at this step's masks (a tree node's fork over its parser budget, say) takes none of the
+    step's tokens, though its own matcher is healthy: they were chosen under masks of matchers in error (eos
+    alone), which its own grammar may refuse."""
+    backend = GrammarBackend(tokenizer_json, 4096, (1,), "regex")
+    digits = backend.request_grammar(StructuredOutput("regex", "[0-9]+"))
+    digits.error = "regex failed computing a next-token mask: ..."
+    assert digits.advance([1]) == 0 and not digits.matcher.is_error()
+
+
+class _Inconsistent:
+    """A matcher that refuses every token its mask allows, its error flag clear (a library inconsistency)."""
+
+    def try_consume_tokens(self, tokens):
+        return 0
+
+    def is_stopped(self):
+        return False
+
+    def is_error(self):
+        return False
+
+    def deep_copy(self):
+        return self
+
+    def compute_bitmask(self):
+        return b"\xff" * 512
+
+
+def test_a_token_refused_against_its_own_mask_fails_the_grammar_not_the_engine():
+    g = RequestGrammar(_Inconsistent(), StructuredOutput("regex", "[a-z]+"))
+    assert g.advance([7, 8]) == 0 and "refused a token its own mask allows" in g.error, g.error
 
 
 def test_compile_size_budget_is_named(tokenizer_json, monkeypatch):

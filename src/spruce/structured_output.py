@@ -21,10 +21,11 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")  # the Samp
 class StructuredOutput:
     """One constraint: `kind` (a SamplingParams field name, in KINDS) and its text.
 
-    json_schema: the schema as JSON text (key order kept: it orders the generated properties); json_object:
-    '{"type": "object"}'; regex: the pattern (Rust regex syntax, matched against the whole output); grammar: a
-    Lark-style EBNF grammar (llguidance's syntax) or a GBNF one (detected by `::=`); choice: a JSON list of the
-    allowed strings. Hashable, so compiled grammars can be cached by it."""
+    json_schema: the schema as JSON text (key order kept: it orders the generated properties; the JSON is
+    whitespace-free unless the schema says `"x-guidance": {"whitespace_flexible": true}`, llguidance's own option);
+    json_object: '{"type": "object"}'; regex: the pattern (Rust regex syntax, matched against the whole output);
+    grammar: a Lark-style EBNF grammar (llguidance's syntax) or a GBNF one (detected by `::=`); choice: a JSON list
+    of the allowed strings. Hashable, so the grammar texts built from it can be cached by it."""
 
     kind: str
     text: str

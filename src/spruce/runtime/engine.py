@@ -190,7 +190,7 @@ class Engine:
         its workers, which queue it through here too (runtime/replicated_engine.py) and compile its grammar
         themselves (`grammar` None while the request asks for structured output)."""
         if grammar is None and params.structured_output is not None:
-            grammar = self._request_grammar(params)
+            grammar = self._request_grammar(params, timed=False)  # admitted by the driver: the same outcome
         req = Request(rid, ids, params, seed, next(self._arrival),
                       token_limit=min(len(ids) + params.max_tokens, self.limits.context_length),
                       stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
@@ -201,10 +201,11 @@ class Engine:
         self.requests[rid] = req
         self.scheduler.add(req)
 
-    def _request_grammar(self, params: SamplingParams):
+    def _request_grammar(self, params: SamplingParams, timed: bool = True):
         """The request's grammar state (runtime/grammar.py) when it asks for structured output, else None;
         InvalidRequestError naming the field when the constraint cannot be served, does not compile or fails at
-        its first mask (runtime/grammar.py compiles it within its budget)."""
+        its first mask (runtime/grammar.py compiles it within its budget; `timed` False: without the wall-clock
+        one, for a tensor-parallel worker, whose driver has admitted the request)."""
         spec = params.structured_output
         if spec is None:
             return None
@@ -215,7 +216,7 @@ class Engine:
                                               f"this model does not ship", field=spec.field)
                 self._grammar = GrammarBackend(self.tokenizer.to_json(), self.runner.model_config.vocab_size,
                                                self.eos_token_ids, spec.field)
-        return self._grammar.request_grammar(spec)
+        return self._grammar.request_grammar(spec, timed)
 
     def _grammar_batch(self, reqs: list[Request]) -> GrammarBatch | None:
         """The step's grammar rows (one per request), or None when no request has structured output."""

@@ -99,15 +99,16 @@ class GrammarBackend:
         self.dead_nodes = 0  # of those, nodes whose own token the grammar refused
         self.mask_seconds = 0.0  # host time spent building masks
 
-    def request_grammar(self, spec: StructuredOutput) -> "RequestGrammar":
+    def request_grammar(self, spec: StructuredOutput, timed: bool = True) -> "RequestGrammar":
         """A fresh matcher for a new request, compiled and its first mask computed (on the compile thread, within
-        COMPILE_SECONDS). InvalidRequestError naming the field when the constraint does not compile, exceeds the
-        grammar budget, or fails at its first mask (an empty language, a schema that refers only to itself); a
-        503 when the compile thread is still busy with an earlier grammar after COMPILE_SECONDS."""
+        COMPILE_SECONDS unless not `timed`). InvalidRequestError naming the field when the constraint does not
+        compile, exceeds the grammar budget, or fails at its first mask (an empty language, a schema that refers
+        only to itself); a 503 when the compile thread is still busy with an earlier grammar after
+        COMPILE_SECONDS."""
         text = self._grammar_text(spec)
         job = self._compiler.submit(self._compile, text)
         try:
-            matcher = job.result(timeout=COMPILE_SECONDS)
+            matcher = job.result(timeout=COMPILE_SECONDS if timed else None)
         except FutureTimeout:
             if job.cancel():  # never started: the thread is still on an earlier request's grammar
                 raise InvalidRequestError(f"{spec.field}: the grammar compiler is busy; retry later",
@@ -218,15 +219,27 @@ class RequestGrammar:
             if self.error is not None or self.matcher.is_stopped():
                 break
             if self.matcher.try_consume_tokens([t]) != 1:
-                if self.matcher.is_error():
-                    self.fail(self.matcher, f"failed after {consumed} of this step's tokens {tokens}")
-                    break
-                raise InvariantError(f"committed token {t} is not allowed by the request's grammar after "
-                                     f"{consumed} of this step's tokens {tokens}: the mask was not applied")
+                if not self._failed_at(t, f"failed at token {t} after {consumed} of this step's tokens {tokens}"):
+                    raise InvariantError(f"committed token {t} is not allowed by the request's grammar after "
+                                         f"{consumed} of this step's tokens {tokens}: the mask was not applied")
+                break
             consumed += 1
-        if self.error is None and self.matcher.is_error():
-            self.fail(self.matcher, "failed")
         return consumed
+
+    def _failed_at(self, token: int, what: str) -> bool:
+        """After the matcher refused `token`: whether the grammar itself failed there (recorded in `error`). It did
+        when its mask now fails (the matcher is in error, or a tree node's fork has spent the lexer, and its
+        budget, that they share: the refusal then leaves this matcher's own error flag clear), or when its mask
+        allows the token it refused. Otherwise its mask refuses the token: the mask was not applied."""
+        probe = self.matcher.deep_copy()
+        bits = probe.compute_bitmask()  # one bit per token: token t is bit t % 8 of byte t // 8
+        if probe.is_error():
+            self.fail(probe, what)
+            return True
+        if bits[token // 8] >> (token % 8) & 1:
+            self.error = f"{self.spec.field} {what}: the grammar library refused a token its own mask allows"
+            return True
+        return False
 
 
 class GrammarBatch:
@@ -252,8 +265,10 @@ class GrammarBatch:
     def tree_masks(self, tokens: torch.Tensor, parents: torch.Tensor, device) -> torch.Tensor:
         """One mask per tree node: [bs*N, words] int32 on `device`. tokens, parents [bs, N] (node 0 the root,
         parents before children). Reads the tree back to the host: the round's one mid-round sync. Any of a
-        request's matchers (its own, a node's fork) in error, at a draft token's consume or at a mask, fails the
-        request's grammar: a fork shares its lexer, and with it the budget, with the request's matcher."""
+        request's matchers (its own, a node's fork) in error after the masks fails the request's grammar: a fork
+        shares its lexer, and with it the budget, with the request's matcher. A fork that fails at its draft
+        token's consume is a dead node: should its parent's mask allow the token and the target choose it, the
+        request's own matcher fails at that token when the step is resolved."""
         tokens_h, parents_h = tokens.tolist(), parents.tolist()
         start = time.perf_counter()
         bs, n = len(tokens_h), len(tokens_h[0]) if tokens_h else 0
@@ -274,8 +289,6 @@ class GrammarBatch:
                         states[i] = state
                         live.append((state, b * n + i))
                         continue
-                    if state.is_error():
-                        g.fail(state, f"failed at draft token {tokens_h[b][i]}")
                 dead.append((b * n + i, b * n + parents_h[b][i]))
             self.backend.tree_nodes += n - 1
         self._fill(live, masks)
