@@ -170,12 +170,14 @@ def with_positions(case, positions):
     return case
 
 
-@pytest.mark.parametrize("phase,window,splits", [(Phase.EXTEND, 3, None), (Phase.EXTEND, 40, None),
-                                                  (Phase.VERIFY, 5, None), (Phase.DECODE, 9, 4),
-                                                  (Phase.DECODE, None, 3), (Phase.VERIFY, None, None)])
-def test_sliding_window_and_sinks_equal_torch(phase, window, splits):
+@pytest.mark.parametrize("phase,window,splits,chunk", [
+    (Phase.EXTEND, 3, None, None), (Phase.EXTEND, 40, None, None), (Phase.VERIFY, 5, None, None),
+    (Phase.DECODE, 9, 4, None), (Phase.DECODE, None, 3, None), (Phase.VERIFY, None, None, None),
+    (Phase.EXTEND, None, None, 8), (Phase.VERIFY, None, None, 8), (Phase.DECODE, None, 4, 16)])
+def test_sliding_window_chunks_and_sinks_equal_torch(phase, window, splits, chunk):
     """gpt-oss's attention: a window (shorter and longer than the prefix) and per-head sink logits, with and
-    without kv splits (the sinks then applied in the merge)."""
+    without kv splits (the sinks then applied in the merge); Llama 4's chunks (one inside a tree: positions
+    13..19 cross 16)."""
     q_len, width = {Phase.EXTEND: (6, 0), Phase.VERIFY: (7, 8), Phase.DECODE: (1, 0)}[phase]
     kv = [13, 40] if phase != Phase.EXTEND else [0, 21]
     case = make_case(phase, 2, q_len, kv, 4, width, **SMALL, seed=5)
@@ -188,11 +190,12 @@ def test_sliding_window_and_sinks_equal_torch(phase, window, splits):
     sinks = torch.randn(SMALL["heads"], generator=torch.Generator().manual_seed(6)).to(DEVICE) * 2
     scale = q.shape[-1] ** -0.5
     ref_k, ref_v = kc.clone(), vc.clone()
-    ref = TorchAttention(4).forward(q, k, v, ref_k, ref_v, start, batch, table, scale, window=window, sinks=sinks)
+    ref = TorchAttention(4).forward(q, k, v, ref_k, ref_v, start, batch, table, scale, window=window, sinks=sinks,
+                                    chunk=chunk)
     plain = TorchAttention(4).forward(q, k, v, ref_k.clone(), ref_v.clone(), start, batch, table, scale)
     assert (ref - plain).abs().max() > 1e-3  # the sinks (and window) change the result
     fast = TritonAttention(4)
     if splits is not None:
         fast.num_splits = lambda *a: splits
-    out = fast.forward(q, k, v, kc, vc, start, batch, table, scale, window=window, sinks=sinks)
+    out = fast.forward(q, k, v, kc, vc, start, batch, table, scale, window=window, sinks=sinks, chunk=chunk)
     assert (out.float() - ref.float()).abs().max().item() < 1e-4

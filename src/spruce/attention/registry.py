@@ -224,9 +224,9 @@ register(BackendInfo(
 ))
 register(BackendInfo(
     "triton", "spruce.attention.triton_backend:TritonAttention",
-    "spruce's kernels: paged prefix + tree scratch in one online softmax (MHA and MLA; sliding windows and "
-    "sinks); CUDA graphs",
-    cuda_graphs=True, needs_cuda=True, requires="triton", cpu_probe=_triton_on_cpu, windows=True,
+    "spruce's kernels: paged prefix + tree scratch in one online softmax (MHA and MLA; sliding windows, "
+    "sinks, chunks); CUDA graphs",
+    cuda_graphs=True, needs_cuda=True, requires="triton", cpu_probe=_triton_on_cpu, windows=True, chunks=True,
 ))
 register(BackendInfo(
     "torch-split", "spruce.attention.torch_split_backend:TorchSplitAttention",

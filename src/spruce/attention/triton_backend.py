@@ -15,11 +15,12 @@ import math
 import torch
 
 from spruce.attention.backend import AttentionBackend
-from spruce.attention.metadata import ForwardBatch
+from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.attention.triton_kernels.mla_attention import (merge_latent_splits_kernel, mla_attention_kernel,
                                                           store_latent)
 from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
 from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
+from spruce.errors import InvariantError
 from spruce.ops.triton_support import triton
 
 BLOCK_N = 32
@@ -110,18 +111,22 @@ class TritonAttention(AttentionBackend):
         return 1 << (max(want, 1).bit_length() - 1)
 
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
-                window: int | None = None, sinks: torch.Tensor | None = None):
-        """`window` / `sinks` [Hq]: sliding-window attention and attention sinks (the torch backend's contract)."""
+                window: int | None = None, sinks: torch.Tensor | None = None, chunk: int | None = None):
+        """`window` / `sinks` [Hq] / `chunk`: sliding-window attention, attention sinks, chunked attention (the
+        torch backend's contract)."""
         if batch.num_tokens == 0:
             return torch.empty_like(q)
+        if chunk is not None and batch.scratch_width and batch.phase != Phase.VERIFY:
+            raise InvariantError(f"chunked attention over a tree's scratch runs in VERIFY only, got "
+                                 f"{batch.phase.value}")
         store_kv(k, v, k_cache, v_cache, batch.out_slots)
         out, _ = self.attend(q, k_cache, v_cache, scratch_start, batch, page_table, scale, window=window,
-                             sinks=sinks)
+                             sinks=sinks, chunk=chunk)
         return out
 
     def attend(self, q, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale,
                kv_start: torch.Tensor | None = None, return_lse: bool = False, window: int | None = None,
-               sinks: torch.Tensor | None = None):
+               sinks: torch.Tensor | None = None, chunk: int | None = None):
         """Attention of the batch's tokens over their keys (the caches already hold the new K/V).
 
         kv_start [bs] int32 (optional): request b's paged keys start at kv_start[b] instead of 0, for a backend
@@ -148,7 +153,8 @@ class TritonAttention(AttentionBackend):
             MASK_WORDS=batch.tree_mask.shape[1], SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse,
             positions=batch.positions, window=window or 0, sinks=sinks if sinks is not None else out,
-            HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, num_warps=4,
+            HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, chunk=chunk or 0,
+            HAS_CHUNK=chunk is not None, num_warps=4,
         )
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,

@@ -15,7 +15,9 @@ lengths are read on the device.
 
 Sliding window W (HAS_WINDOW, gpt-oss): token t also needs paged position > positions[t] - W; the paged walk
 starts at the tile's lowest such position, so a tile reads about W + BLOCK_M keys whatever the context. Scratch
-entries are not cut (a tree's ancestors; the runner refuses trees as deep as the window). Sinks (HAS_SINKS):
+entries are not cut (a tree's ancestors; the runner refuses trees as deep as the window). Chunks of C (HAS_CHUNK,
+Llama 4): position >= C * floor(positions[t] / C), scratch entries too (VERIFY: entry j is the request's query
+token j, at its position), since a chunk boundary can cut a tree. Sinks (HAS_SINKS):
 a per-head logit s in the softmax's denominator only: out = acc / (l + 2^(s log2 e - m)), applied where the
 final normalisation happens (here without splits, in `merge_splits_kernel` with them).
 """
@@ -27,6 +29,7 @@ from spruce.ops.triton_support import tl, triton
 
 @triton.jit
 def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's tiles widened to the query's dtype (no-op otherwise)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -48,7 +51,8 @@ def paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, SCRATCH_WIDTH: tl.constexpr, MASK_WORDS: tl.constexpr,
     SPLIT_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False, positions=None, window=0,
-    sinks=None, HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False,
+    sinks=None, HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, chunk=0,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     head = tl.program_id(1)
@@ -77,9 +81,14 @@ def paged_attention_kernel(
         kv_lo = 0
         if HAS_KV_START:
             kv_lo = tl.load(kv_start + b)
-        if HAS_WINDOW:  # [BLOCK_M] first paged position each token sees; the walk starts at the tile's lowest
-            win_lo = tl.load(positions + offs_m, mask=m_valid, other=0).to(tl.int32) - window + 1
-            kv_lo = tl.maximum(kv_lo, tl.min(tl.where(m_valid, win_lo, 2147483647), axis=0))
+        first = tl.zeros([BLOCK_M], dtype=tl.int32)  # [BLOCK_M] first position each token sees (window, chunk)
+        if HAS_WINDOW or HAS_CHUNK:
+            tok_pos = tl.load(positions + offs_m, mask=m_valid, other=0).to(tl.int32)
+            if HAS_WINDOW:
+                first = tl.maximum(first, tok_pos - window + 1)
+            if HAS_CHUNK:
+                first = tl.maximum(first, tok_pos // chunk * chunk)
+            kv_lo = tl.maximum(kv_lo, tl.min(tl.where(m_valid, first, 2147483647), axis=0))  # the tile's lowest
         chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * chunk
         hi = tl.minimum(lo + chunk, kv_max)
@@ -93,8 +102,8 @@ def paged_attention_kernel(
             k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
             allowed = (pos[None, :] < tok_kv[:, None]) & n_valid[None, :]
-            if HAS_WINDOW:
-                allowed = allowed & (pos[None, :] >= win_lo[:, None])
+            if HAS_WINDOW or HAS_CHUNK:
+                allowed = allowed & (pos[None, :] >= first[:, None])
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
 
         # tree scratch of this row (last split only): entry j allowed where bit j of the token's mask is set
@@ -112,6 +121,10 @@ def paged_attention_kernel(
                                    mask=m_valid[:, None] & n_valid[None, :], other=0)
                     bit = (word >> (j[None, :] % 64).to(tl.int64)) & 1
                     allowed = (bit != 0) & n_valid[None, :]
+                    if HAS_CHUNK:  # VERIFY: scratch entry j is the request's query token j, at its position
+                        req_start = tl.load(qo_indptr + b)
+                        j_pos = tl.load(positions + req_start + j, mask=n_valid & (req_start + j < q_end), other=-1)
+                        allowed = allowed & (j_pos.to(tl.int32)[None, :] >= first[:, None])
                     m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2,
                                                          DOT_PRECISION)
 
