@@ -57,15 +57,10 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         assert 0 < lv["engine"]["prefill_launch_seconds"] <= lv["engine"]["seconds"]["step.launch"]
         assert lv["engine"]["prefill_holds"] == 0
         # the 24-token prefix is 6 full pages: every request after the warm-up one finds them cached (the one
-        # that repeats the warm-up's prompt finds more). Not every one of the adaptive server's: its requests join
-        # detached or with their drafts as its policy decides, timed by this machine, and one that joins with its
-        # draft cannot use pages a detached one left with the target's KV alone (memory/prefix_cache.py); on a
-        # loaded CPU the two mixed, and one run's two passes found 28 and 0 tokens cached (unloaded: 72-84)
+        # that repeats the warm-up's prompt finds more)
         cached = [level["cached_prompt_tokens"] for level in r["levels"]]
         if not r["prefix_cache"]:
             assert cached == [0, 0]
-        elif r["name"] == "adaptive":
-            assert all(n < 3 * 30 for n in cached) and sum(cached) >= 24, cached
         else:
             assert all(3 * 24 <= n < 3 * 30 for n in cached), cached
         adaptive = r["name"] == "adaptive"
@@ -73,21 +68,14 @@ def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_pat
         steps = lv["adaptive_steps"]
         assert (steps is not None and steps["plain"] + steps["speculative"] > 0) == adaptive
         assert (lv["adaptive_costs"] is not None) == adaptive
-        if adaptive:  # what the policy compared, after the level
-            parts = {"device_seconds", "launch_seconds", "resolve_seconds", "other_host_seconds", "catch_up_seconds"}
-            # W and the own host time: once a step was steady; realized figures: once an epoch completed
-            assert parts <= set(lv["adaptive_costs"]) <= parts | {"wall_seconds", "own_host_seconds",
-                                                                 "realized_ratio", "realized_request_seconds",
-                                                                 "tree_width", "width_accept_length"}
-            assert set(steps) == {"plain", "speculative", "decided", "parks", "parked_steps", "probes", "probes_cut",
-                                  "catch_ups", "catch_up_positions", "retries", "detached", "epochs_dropped",
-                                  "epochs_drained", "epochs_outgrown", "width_rounds", "attached"}
-            assert 0 <= steps["parked_steps"] <= steps["plain"]  # (parked steps are plain steps)
-            assert set(steps["width_rounds"]) == {"2", "3"}  # rounds per verify width (a counter per width)
-            # decisions are among its steps; a level may take none: the rounds decided before it (the warm-up's, a
-            # level's 4-5 rounds) stand up to REUSE_STEPS steps, across idle gaps (a clean CI run: 0 in a first pass)
-            assert 0 <= steps["decided"] <= steps["plain"] + steps["speculative"]
-    assert sum(lv["adaptive_steps"]["decided"] for r in runs if r["name"] == "adaptive" for lv in r["levels"]) > 0
+        if adaptive:  # what the policy compared, after the level: start-up step costs of plain and widths 2, 3
+            assert {"step_seconds", "accept_ema"} <= set(lv["adaptive_costs"]) <= {"step_seconds", "accept_ema",
+                                                                                   "choice"}
+            assert set(lv["adaptive_costs"]["step_seconds"]) == {"0", "2", "3"}
+            assert set(steps) == {"plain", "speculative", "probes", "collapsed_steps", "collapsed_requests",
+                                  "width_rounds"}
+            assert 0 <= steps["collapsed_steps"] <= steps["plain"]  # (a collapsed batch's steps are plain steps)
+            assert sum(steps["width_rounds"].values()) == steps["speculative"]
     # --interleave: all four servers ran at once, each level on each server in turn, pass after pass, in the rows
     # of a Williams design (level_order): each pass starts one server later, and no server always follows another;
     # --rotation 1: the second server started first and the passes took the design's rows 1 and 2 (rows 0 and 1:

@@ -187,33 +187,3 @@ def test_fused_draft_extend_metadata_equals_torch_fill(page_size):
     kv = out["kv"][:4 * stride].reshape(4, stride).tolist()
     assert kv[0] == [10] + [0] * (stride - 1) and kv[1] == list(range(3, 3 + stride)) and kv[3] == [0] * stride
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_stores_its_sum_in_a_feature_ring(dtype):
-    """With a StreamSink, the add-norm kernel also writes its sum x + residual to each token's ring slot (row,
-    position mod W) at the sink's columns, what the torch store writes, to the bit: positions past the ring's width
-    wrapping, a padding row, other slots and columns untouched; its outputs as without a sink."""
-    g = torch.Generator().manual_seed(3)
-    t, h, rows_n, width, parts = 5, 48, 6, 16, 3
-    x, r = (torch.randn(t, h, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    w = torch.randn(h, generator=g).to(dtype).to(DEVICE)
-    rows = torch.tensor([3, 0, 5, 1, 4], device=DEVICE)
-    positions = torch.tensor([7, 15, 16, 40, 2], device=DEVICE)  # 16 and 40 wrap (W = 16)
-    base = torch.randn(rows_n, width, parts * h, generator=g).to(dtype).to(DEVICE)
-    got, want = base.clone(), base.clone()
-    out, res = F.add_rms_norm(x, r, w, 1e-5, F.StreamSink(got, rows, positions, h))
-    plain_out, plain_res = F.add_rms_norm(x, r, w, 1e-5)
-    assert torch.equal(out, plain_out) and torch.equal(res, plain_res)
-    F._FORCE_TRITON[0] = False
-    F.StreamSink(want, rows, positions, h).store(x + r)
-    assert torch.equal(got, want)
-    assert torch.equal(got[:, :, :h], base[:, :, :h]) and not torch.equal(got, base)
-
-
-def test_a_stream_sink_refuses_what_does_not_fit():
-    ring = torch.zeros(2, 4, 96)
-    x = torch.ones(1, 64)
-    with pytest.raises(ValueError, match="columns 64..128 of ring features 96 wide"):
-        F.add_rms_norm(x, x, torch.ones(64), 1e-5, F.StreamSink(ring, torch.tensor([0]), torch.tensor([1]), 64))
-    with pytest.raises(ValueError, match="2 rows for x \\(1, 64\\)"):
-        F.add_rms_norm(x, x, torch.ones(64), 1e-5, F.StreamSink(ring, torch.tensor([0, 1]), torch.tensor([1, 2]), 0))

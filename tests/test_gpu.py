@@ -202,39 +202,3 @@ def test_prefill_graphs_equal_eager(pycode19m, draft19m, prompts19m, spec):
     assert replays[0] == [] and {16, 48} <= set(replays[64]), replays[64]  # short[1:4]: 36 tokens
     REPORT.setdefault("prefill_graph_buckets_replayed", {})[str(spec)] = sorted(set(replays[64]))
 
-
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_graph_draws_keep_the_lowest_score_and_change_no_token(pycode19m, draft19m, prompts19m, adaptive):
-    """cuda_graph_draws=4: the one-request plain decode graph (an adaptive engine: its plain step's and its
-    detached plain step's) captured four times, the draw with the lowest score kept and the others freed (as many
-    graphs as with one draw); greedy outputs at one request and at eight equal those of an engine that keeps its
-    first capture; nothing leaked."""
-    kw = dict(attention_backend="triton", max_running_requests=8)
-    if adaptive:
-        kw.update(draft_model=draft19m, speculative_num_steps=4, speculative_eagle_topk=4,
-                  speculative_num_draft_tokens=12, speculative_adaptive=True)
-    outs, counts = {}, {}
-    for draws in (1, 4):
-        llm = LLM(pycode19m, device="cuda", cuda_graph_draws=draws, **kw)
-        graphs = llm.engine.runner.graphs
-        counts[draws] = graphs.count
-        drawn = {"decode", "decode_detached"} if adaptive else {"decode"}
-        if draws == 1:
-            assert graphs.draws == {} and llm.engine.info()["cuda_graph_draws"] == "off"
-        else:
-            assert set(graphs.draws) == {(name, 1) for name in drawn}
-            for key, d in graphs.draws.items():
-                assert len(d["figures"]) == 4 and d["kept"] == d["figures"].index(min(d["figures"]))
-                assert d["seconds"] > 0  # the draws' start-up cost, also in info(): "... in 0.41 s"
-            assert all(part.endswith(" s") for part in llm.engine.info()["cuda_graph_draws"].split("; "))
-            write_report({f"graph_draws_us,adaptive={adaptive}": {
-                f"{name}@{b}": {"scores": [round(f * 1e6, 1) for f in d["figures"]], "kept": d["kept"],
-                                "seconds": d["seconds"]}
-                for (name, b), d in graphs.draws.items()}})
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
-        outs[draws] = [o.token_ids for batch in ([prompts19m[0]], prompts19m[1:9]) for o in llm.generate(batch, params)]
-        llm.engine.check_no_leaks()
-        del llm
-        torch.cuda.empty_cache()
-    assert counts[4] == counts[1]
-    assert outs[4] == outs[1]

@@ -93,17 +93,22 @@ def test_narrower_verify_trees_equal_plain_constrained(make_llm, monkeypatch):
     the sampled acceptance read one row per node of the round's own tree)."""
     if not builtin_draft_path().exists():
         pytest.skip("bundled draft head absent")
-    from spruce.speculative import adaptive
-    from test_adaptive import cycle_widths, fixed_costs, force
+    from test_adaptive import forced
 
-    fixed_costs(monkeypatch, plain=100.0, spec=1.0)
-    monkeypatch.setattr(adaptive, "READ_EVERY", 1)  # every round read, so the cycled width changes every round
     plain = make_llm(builtin_model_path(), page_size=16, max_running_requests=16)
     spec = make_llm(builtin_model_path(), page_size=16, max_running_requests=16, draft_model=str(builtin_draft_path()),
                     speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=16,
                     speculative_adaptive=True, speculative_adaptive_widths=(4, 8))
-    force(spec, [1])
-    ran = cycle_widths(monkeypatch, spec, [4, 16, 8])
+    forced(spec, [4, 16, 8])
+    strategy, ran = spec.engine.strategy, []
+    choose = strategy.choose
+
+    def recorded(requests):
+        step = choose(requests)
+        ran.append(step.tree_width)
+        return step
+
+    monkeypatch.setattr(strategy, "choose", recorded)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(CONSTRAINED))]
     want = plain.generate(prompts, CONSTRAINED)
     got = spec.generate(prompts, CONSTRAINED)

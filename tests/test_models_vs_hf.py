@@ -116,29 +116,6 @@ def test_aux_hidden_states_equal_transformers(tmp_path):
     assert (hidden - ref[-1][0]).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("aux_layers", [(0, 2, 5), (2, 2, 2)])
-def test_aux_features_written_to_a_ring_equal_the_returned_ones(tmp_path, aux_layers):
-    """forward(feature_ring=...) writes each token's aux features into its ring slot (row, position mod W) through
-    the add-norms (ops/fused.py StreamSink; layer 0's input, the embedding, and the last layer's output too),
-    equal to the aux the plain forward returns; a layer read twice (a 5-layer target's default (2, 2, 2)) fills
-    both column ranges; other slots stay as they were."""
-    path = write_llama_checkpoint(tmp_path / "m", layers=5)
-    model = load(path, aux_layers=aux_layers)
-    prompt = list(range(3, 12))
-    cache = PagedCache.for_model(model)
-    row = cache.add_row(len(prompt))
-    batch = cache.batch([row], [0], [prompt])
-    h, width = model.config.hidden_size, 16  # a slot per token (the wrap: test_fused_ops)
-    ring = torch.full((3, width, len(aux_layers) * h), 7.0)
-    rows, positions = torch.full((len(prompt),), 1), batch.positions
-    with torch.no_grad():
-        hidden, aux = model(batch, cache.kv, cache.table)
-        ring_hidden, none = model(batch, cache.kv, cache.table, feature_ring=(ring, rows, positions))
-    assert none is None and torch.equal(ring_hidden, hidden)
-    assert torch.equal(ring[1, positions % width], aux)
-    assert (ring[0] == 7.0).all() and (ring[2] == 7.0).all() and (ring[1, len(prompt):] == 7.0).all()
-
-
 def test_empty_batch(tmp_path):
     path = write_llama_checkpoint(tmp_path / "m", layers=5)
     model = load(path, aux_layers=(2, 3))

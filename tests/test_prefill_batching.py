@@ -139,3 +139,16 @@ def test_held_arrivals_join_one_prefill_and_generate_the_same_tokens(draft):
     assert delayed == base and len(base) == 4
     assert len(base_prefills) >= 3 and sum(base_prefills) == 4 and base_held == 0
     assert delayed_prefills == [1, 3] and held >= 3
+
+
+def test_linear_cost_fit():
+    """The launch cost's online fit (runtime/linear_cost.py): nothing before a sample, one size's mean, then a line."""
+    from spruce.runtime.linear_cost import LinearCost
+
+    fit = LinearCost(0.2)
+    assert fit.predict(100) == 0.0
+    fit.add(8, 1e-3)
+    assert fit.predict(100) == pytest.approx(1e-3)  # one size seen: its mean
+    for n in (8, 64, 8, 256, 32):
+        fit.add(n, 0.5e-3 + 2e-6 * n)
+    assert fit.coefficients()[1] > 0 and fit.predict(128) == pytest.approx(0.5e-3 + 2e-6 * 128, rel=0.2)

@@ -195,27 +195,3 @@ def test_padded_prefill_equals_eager_mla(pycodemla):
     got = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)]
     assert got == want and ("prefill", 16) in ran
 
-
-def test_padded_catch_ups_equal_eager(monkeypatch):
-    """Adaptive speculation with the bundled trained head, the choice forced through plain steps and rounds: its
-    catch-ups (ragged draft extends over ring features) and lazy or eager prompt extends run padded; the tokens
-    and every round's accepted drafts equal the eager engine's."""
-    from spruce.config import builtin_draft_path
-    from test_adaptive import fixed_costs, force
-
-    fixed_costs(monkeypatch)
-    prompts = ["def fib(n):\n    ", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    runs = []
-    for padded in (False, True):
-        llm = LLM(TARGET, draft_model=builtin_draft_path(), speculative_adaptive=True, page_size=4,
-                  max_running_requests=4)
-        ran = as_if_prefill_graphed(llm, max_tokens=32) if padded else []
-        force(llm, [0, 0, 1, 0, 0, 0, 1, 1])
-        outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
-        stats = llm.engine.stats()
-        runs.append(([o.token_ids for o in outs], [o.spec_stats["accept_length_counts"] for o in outs],
-                     stats["adaptive"]["catch_ups"]))
-        llm.engine.check_no_leaks()
-    assert runs[1] == runs[0] and runs[0][2] > 0
-    assert ("draft_prefill", 16) in ran

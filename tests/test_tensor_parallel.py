@@ -193,13 +193,6 @@ def test_bad_tp_size(kw, match):
         EngineConfig(model="m", **kw)
 
 
-def test_adaptive_speculation_is_refused_with_tp():
-    """Its per-step choice reads clocks, which differ between ranks: the replicated engines would diverge."""
-    spec = make_speculative_config("EAGLE3", "d", 3, 4, 8, adaptive=True)
-    with pytest.raises(ConfigError, match=r"speculative_adaptive=True cannot run with tp_size=2"):
-        EngineConfig(model="m", tp_size=2, speculative=spec)
-
-
 def _children(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of the processes whose parent is `pid`."""
     out = []

@@ -1,5 +1,5 @@
 """The eager warm-up at start-up (DecodeStrategy.warm_eager): it reaches every compiled variant of the attention
-kernels that a served prompt or a draft catch-up can meet, it changes no output, and on the GPU nothing is compiled
+kernels that a served prompt can meet, it changes no output, and on the GPU nothing is compiled
 after it while serving a mixed workload."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from spruce.ops import compile_watch
 from spruce.speculative.strategy import WARM_FAR, warm_spans
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
-from test_adaptive import DRAFT_19M, force
+from test_adaptive import DRAFT_19M, forced
 from test_overlap import PROMPTS
 
 TARGET = builtin_model_path()
@@ -114,7 +114,7 @@ def test_warm_eager_changes_no_output(draft, kind):
 
 def _live_state(engine) -> list[torch.Tensor]:
     """Copies of everything a request's decoding reads, less the dummy row's entries and the dummy page's slots:
-    row states, both KV pools, the draft's step-0 state and the feature ring (those the strategy has)."""
+    row states, both KV pools and the draft's step-0 state (those the strategy has)."""
     runner, lim = engine.runner, engine.limits
     rows = torch.arange(lim.num_rows, device=runner.device) != lim.dummy_row
     state = [runner.row_state.committed[rows], runner.row_state.last_token[rows]]
@@ -127,9 +127,7 @@ def _live_state(engine) -> list[torch.Tensor]:
         slots[dummy_scratch:dummy_scratch + pool.scratch_width] = False
         state += [t[:, slots] for t in pool.tensors]
     worker = getattr(engine.strategy, "worker", engine.strategy)
-    state += [getattr(worker, name)[rows] for name in ("topk_p", "topk_ids", "hidden") if hasattr(worker, name)]
-    ring = getattr(engine.strategy, "ring", None)
-    return state + ([ring.features[rows]] if ring is not None else [])
+    return state + [getattr(worker, name)[rows] for name in ("topk_p", "topk_ids", "hidden") if hasattr(worker, name)]
 
 
 @pytest.mark.gpu
@@ -137,7 +135,7 @@ def _live_state(engine) -> list[torch.Tensor]:
 def test_serving_compiles_nothing_after_start_up(monkeypatch, pycode19m, heldout_prompts, kind):
     """On the GPU (bf16, graphs, prefix cache): once an engine is built, a mixed workload compiles no Triton
     kernel: prompts of 1 to ~1500 tokens, a shared 1k prefix (cache hits: short chunks far into the context),
-    batches of 1 to 16, and for adaptive speculation switches forced both ways (catch-ups of many lags)."""
+    batches of 1 to 16, and for adaptive speculation switches forced both ways."""
     compiled: list[str] = []
     llm_kw = dict(device="cuda", dtype="bfloat16", max_running_requests=16)
     if kind != "plain":
@@ -147,7 +145,8 @@ def test_serving_compiles_nothing_after_start_up(monkeypatch, pycode19m, heldout
         pytest.skip("Triton's compile hook is unavailable")
     monkeypatch.setattr(compile_watch, "_record", compiled.append)
     if kind == "adaptive":
-        force(llm, [1, 0, 0, 0, 1, 0, 1, 1, 0])
+        n = llm.engine.limits.num_draft_tokens
+        forced(llm, [n if c else 0 for c in [1, 0, 0, 0, 1, 0, 1, 1, 0]])
     rng = random.Random(0)
     tokenizer = llm.engine.tokenizer
     prefix = tokenizer.encode("\n".join(heldout_prompts))[:1024]

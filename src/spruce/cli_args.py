@@ -9,7 +9,6 @@ import argparse
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (SGLang's names)."""
     from spruce.attention import registry as attention_registry  # names and capabilities only: no torch
-    from spruce.config import ADAPTIVE_PROBE_BUDGET, MAX_PROBE_BUDGET  # (no torch either)
 
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory (default: the bundled pycode-6m demo model)")
@@ -35,10 +34,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=256,
                    help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
                         "bucket); 0: every prefill runs eagerly")
-    p.add_argument("--cuda-graph-draws", type=int, default=6,
-                   help="capture the one-request plain decode graph this many times and keep the one that replays "
-                        "fastest (where a capture lands in memory moves its replay time by a few percent); 1: the "
-                        "first capture")
     p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
                    help="NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft path needed)")
     p.add_argument("--speculative-draft-model-path", default=None)
@@ -53,16 +48,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="BENCHMARK SETTING, as --speculative-synthetic-acceptance-length but per draft depth: "
                         "R_d is the probability a round accepts depths 1..d (one per step, non-increasing)")
     p.add_argument("--speculative-adaptive", action="store_true", default=None,
-                   help="per decode step, run a speculative round or a plain step, whichever a cost model measured "
+                   help="per decode step, run a speculative round or a plain step, whichever the step costs measured "
                         "at start-up and the running acceptance expect to commit more tokens per second")
     p.add_argument("--speculative-adaptive-widths", type=int, nargs="+", default=None, metavar="N'",
                    help="with --speculative-adaptive: narrower verify trees (each below --speculative-num-draft-tokens)"
                         " its rounds may run; per batch size the width with the most expected tokens per second")
-    p.add_argument("--speculative-adaptive-probe-budget", type=float, default=None, metavar="FRACTION",
-                   help="with --speculative-adaptive: the fraction of decode time its probes (steps of the choice "
-                        f"not taken, which re-measure it) may spend (default {ADAPTIVE_PROBE_BUDGET}, at most "
-                        f"{MAX_PROBE_BUDGET}); lower costs less "
-                        "where one choice wins by far and notices a change of workload later")
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
     p.add_argument("--random-seed", type=int, default=0)
@@ -92,7 +82,7 @@ SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "s
                      "speculative_eagle_topk", "speculative_num_draft_tokens",
                      "speculative_synthetic_acceptance_length", "speculative_synthetic_acceptance_rates",
                      "speculative_adaptive",
-                     "speculative_adaptive_widths", "speculative_adaptive_probe_budget")
+                     "speculative_adaptive_widths")
 
 
 def _flag(dest: str) -> str:
@@ -139,7 +129,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         chunked_prefill_size=args.chunked_prefill_size,
         cuda_graph=False if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens, cuda_graph_draws=args.cuda_graph_draws,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         draft_model=draft, speculative_algorithm=args.speculative_algorithm if spec else None,
         speculative_num_steps=args.speculative_num_steps if spec else None,
         speculative_eagle_topk=args.speculative_eagle_topk if spec else None,
@@ -148,7 +138,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_synthetic_acceptance_rates=args.speculative_synthetic_acceptance_rates if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
-        speculative_adaptive_probe_budget=args.speculative_adaptive_probe_budget if spec else None,
         load_format=args.load_format,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,

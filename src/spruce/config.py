@@ -41,18 +41,6 @@ def check_delay_factor(delay_factor) -> None:
         raise ConfigError(f"scheduler_delay_factor must be a finite number >= 0, got {delay_factor!r}")
 
 
-ADAPTIVE_PROBE_BUDGET = 0.002  # adaptive speculation's probes: at most this fraction of decode time (their modelled
-# excess cost) by default (speculative/adaptive_policy.py's PROBE_BUDGET, `speculative_adaptive_probe_budget`; 0.005
-# until session 58, adaptive_policy's module docstring says why) ...
-MAX_PROBE_BUDGET = 0.2  # ... and at most this fraction as set
-
-
-def _probe_budget_without_adaptive(budget) -> ConfigError:
-    """The error for a probe budget given to an engine that does not speculate adaptively (nothing would spend it)."""
-    return ConfigError(f"speculative_adaptive_probe_budget={budget} needs speculative_adaptive (only the adaptive "
-                       f"policy probes)")
-
-
 def draft_candidates(num_steps: int, eagle_topk: int) -> int:
     """M: the draft candidates one EAGLE round produces, K at step 0 and K*K at each later step (the one formula:
     `SpeculativeConfig` checks N against it, `Limits.num_candidates` sizes the round's buffers by it)."""
@@ -121,7 +109,6 @@ class SpeculativeConfig:
     num_draft_tokens: int
     adaptive: bool = False  # per decode step: this (S, K, N) round or a plain step (speculative/adaptive.py)
     adaptive_widths: tuple[int, ...] = ()  # narrower verify trees (N' < N) adaptive rounds may run instead of N
-    adaptive_probe_budget: float = ADAPTIVE_PROBE_BUDGET  # the fraction of decode time adaptive probes may spend
     # a benchmark setting, never on by default: drafts accepted at these unconditional per-depth rates instead of
     # verified (speculative/synthetic.py); the mean length a user asked for, if that is how they were given
     synthetic_acceptance_rates: tuple[float, ...] | None = None
@@ -131,7 +118,6 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"speculative_adaptive must be True or False, got {self.adaptive!r}")
         self._check_widths()
-        self._check_probe_budget()
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
                 f"speculative_algorithm={self.algorithm!r} is not supported; expected one of {SPECULATIVE_ALGORITHMS}"
@@ -177,14 +163,6 @@ class SpeculativeConfig:
                 raise ConfigError(f"synthetic_acceptance_length={self.synthetic_acceptance_length} names the rates "
                                   f"it resolves to, got rates {self.synthetic_acceptance_rates}")
 
-    def _check_probe_budget(self) -> None:
-        budget = self.adaptive_probe_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= MAX_PROBE_BUDGET:
-            raise ConfigError(f"speculative_adaptive_probe_budget must be a number in [0, {MAX_PROBE_BUDGET}] (the "
-                              f"fraction of decode time probes may spend), got {budget!r}")
-        if budget != ADAPTIVE_PROBE_BUDGET and not self.adaptive:
-            raise _probe_budget_without_adaptive(budget)
-
     def _check_widths(self) -> None:
         widths = self.adaptive_widths
         if not isinstance(widths, tuple) or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths):
@@ -216,7 +194,6 @@ class EngineConfig:
     cuda_graph: bool | None = None  # None: on for cuda
     cuda_graph_max_bs: int | None = None
     cuda_graph_max_prefill_tokens: int = 256  # prefills of at most this many tokens replay CUDA graphs; 0: eager
-    cuda_graph_draws: int = 6  # captures of the one-request plain decode graph, the fastest kept (graph_draws.py)
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     show_progress: bool = False
@@ -248,14 +225,7 @@ class EngineConfig:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigError(f"cuda_graph_max_prefill_tokens must be an integer >= 0 (0: prefills run eagerly), "
                               f"got {v!r}")
-        v = self.cuda_graph_draws
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"cuda_graph_draws must be an integer >= 1 (1: keep the first capture), got {v!r}")
         _check_tp_size(self.tp_size, self.device)
-        if self.tp_size > 1 and self.speculative is not None and self.speculative.adaptive:
-            # every rank runs the same deterministic engine (DESIGN §18); the adaptive choice reads clocks
-            raise ConfigError(f"speculative_adaptive=True cannot run with tp_size={self.tp_size}: its per-step choice "
-                              f"depends on measured times, which differ between ranks (use fixed speculation)")
         check_delay_factor(self.scheduler_delay_factor)
         d = self.scheduler_delay_factor
         if self.tp_size > 1 and d > 0:  # every rank must schedule alike (DESIGN §18); the delay reads a clock
@@ -318,7 +288,6 @@ def make_speculative_config(
     model: str | None = None,
     adaptive: bool = False,
     adaptive_widths: tuple[int, ...] | list[int] | None = None,
-    adaptive_probe_budget: float | None = None,
     synthetic_acceptance_length: float | None = None,
     synthetic_acceptance_rates: tuple[float, ...] | list[float] | None = None,
 ) -> SpeculativeConfig | None:
@@ -326,19 +295,16 @@ def make_speculative_config(
 
     NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
     choose per decode step between these rounds and plain steps; `adaptive_widths`: narrower verify trees (N' < N)
-    it may also run; `adaptive_probe_budget`: the fraction of decode time its probes may spend (None: the default,
-    ADAPTIVE_PROBE_BUDGET). `synthetic_acceptance_length` or `synthetic_acceptance_rates` (at most one; a benchmark
+    it may also run. `synthetic_acceptance_length` or `synthetic_acceptance_rates` (at most one; a benchmark
     setting): accept drafts at those rates instead of verifying them (speculative/synthetic.py)."""
     if algorithm is None and draft_model is None:
         synthetic_given = (synthetic_acceptance_length, synthetic_acceptance_rates)
-        if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, adaptive_probe_budget,
-                                        *synthetic_given))
+        if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, *synthetic_given))
                 or adaptive or adaptive_widths):
             given = [n for n, v in (("speculative_num_steps", num_steps), ("speculative_eagle_topk", eagle_topk),
                                     ("speculative_num_draft_tokens", num_draft_tokens),
                                     ("speculative_adaptive", adaptive or None),
                                     ("speculative_adaptive_widths", adaptive_widths or None),
-                                    ("speculative_adaptive_probe_budget", adaptive_probe_budget),
                                     ("speculative_synthetic_acceptance_length", synthetic_acceptance_length),
                                     ("speculative_synthetic_acceptance_rates", synthetic_acceptance_rates))
                      if v is not None]
@@ -364,11 +330,8 @@ def make_speculative_config(
     else:
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
-    if adaptive_probe_budget is not None and not adaptive:  # (even at the default: a setting given is never ignored)
-        raise _probe_budget_without_adaptive(adaptive_probe_budget)
-    budget = ADAPTIVE_PROBE_BUDGET if adaptive_probe_budget is None else adaptive_probe_budget
     rates = resolve_rates(s, synthetic_acceptance_rates, synthetic_acceptance_length)
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths, budget,
+    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths,
                              synthetic_acceptance_rates=rates, synthetic_acceptance_length=synthetic_acceptance_length)
 
 

@@ -16,7 +16,6 @@ from spruce.config import EngineConfig, draft_candidates
 from spruce.errors import ConfigError, InvariantError
 
 DUMMY_PAGE = 0  # page 0 is never handed out: padding rows and padding tokens read and write it
-DRAFT_LAG_WINDOW = 1024  # adaptive speculation's feature ring per row (DESIGN §16 gives the cost either way)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -63,7 +62,6 @@ class Limits:
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
     prefill_graph_max_tokens: int = 0  # largest token bucket of the prefill CUDA graphs (0: prefills run eagerly)
     overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
-    adaptive: bool = False  # adaptive speculation: plain steps may leave the draft behind (feature ring)
     reverted_fixes: frozenset = frozenset()  # fix toggles reverted for A/B debugging (spruce.runtime.fixes)
 
     def __post_init__(self):
@@ -100,19 +98,6 @@ class Limits:
         return per_step * self.steps_ahead
 
     @cached_property
-    def draft_lag_window(self) -> int:
-        """Adaptive speculation: most positions a request's draft may lag its target (plain steps since the draft
-        was last current), and so the slots per row of the feature ring that a catch-up reads (DESIGN §16); one
-        request's catch-up fits one forward. 0 without adaptive speculation."""
-        return min(DRAFT_LAG_WINDOW, self.max_tokens_per_forward) if self.adaptive else 0
-
-    @cached_property
-    def lazy_prefill_tokens(self) -> int:
-        """Adaptive speculation: the longest final prompt chunk whose draft extend may wait for a catch-up (lazy
-        prefill): half the ring, so the request still has half of it for plain steps before a catch-up is due."""
-        return self.draft_lag_window // 2
-
-    @cached_property
     def num_candidates(self) -> int:
         """M: draft candidates one round produces, K at step 0 and K*K at each later step (`draft_candidates`)."""
         return draft_candidates(self.num_steps, self.eagle_topk)
@@ -131,8 +116,7 @@ class Limits:
 
     @cached_property
     def plain_result_width(self) -> int:
-        """Columns of a plain step's result row (also an adaptive engine's plain step): the accept length 0, then
-        the token."""
+        """Columns of a plain step's result row (also beside a draft): the accept length 0, then the token."""
         return 2
 
     @cached_property
@@ -280,7 +264,7 @@ class Limits:
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=2,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
             narrower_widths=narrower, graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
-            overlap=not config.disable_overlap_schedule, adaptive=spec is not None and spec.adaptive,
+            overlap=not config.disable_overlap_schedule,
             reverted_fixes=frozenset(reverted_fixes),
         )
         needed = r * sized.kv_capacity  # every running request at its longest

@@ -18,10 +18,7 @@ class LLM:
     `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
     to SGLang's (5, 4, 8) when omitted. `speculative_adaptive=True` chooses per decode step between such a
     round and a plain step, by expected tokens per second (speculative/adaptive.py), and with
-    `speculative_adaptive_widths` also between verify trees of those widths and N; `speculative_adaptive_probe_budget`
-    is the fraction of decode time its probes (runs of the choice not taken, which re-measure it) may spend
-    (default config.ADAPTIVE_PROBE_BUDGET; lower: cheaper where one choice wins by far, slower to notice a change of
-    workload).
+    `speculative_adaptive_widths` also between verify trees of those widths and N.
     `speculative_synthetic_acceptance_length=L` (or per-depth `speculative_synthetic_acceptance_rates`), a benchmark
     setting: drafts are accepted at those rates instead of verified, so outputs are NOT the target's
     (speculative/synthetic.py).
@@ -49,7 +46,6 @@ class LLM:
         cuda_graph: bool | None = None,
         cuda_graph_max_bs: int | None = None,
         cuda_graph_max_prefill_tokens: int = 256,
-        cuda_graph_draws: int = 6,
         draft_model: str | Path | None = None,
         speculative_algorithm: str | None = None,
         speculative_num_steps: int | None = None,
@@ -57,7 +53,6 @@ class LLM:
         speculative_num_draft_tokens: int | None = None,
         speculative_adaptive: bool = False,
         speculative_adaptive_widths: tuple[int, ...] | list[int] = (),
-        speculative_adaptive_probe_budget: float | None = None,
         speculative_synthetic_acceptance_length: float | None = None,
         speculative_synthetic_acceptance_rates: Sequence[float] | None = None,
         seed: int = 0,
@@ -73,7 +68,6 @@ class LLM:
             speculative_algorithm, None if draft_model is None else str(draft_model),
             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
             adaptive=speculative_adaptive, adaptive_widths=speculative_adaptive_widths,
-            adaptive_probe_budget=speculative_adaptive_probe_budget,
             synthetic_acceptance_length=speculative_synthetic_acceptance_length,
             synthetic_acceptance_rates=speculative_synthetic_acceptance_rates,
         )
@@ -83,7 +77,7 @@ class LLM:
             max_running_requests=max_running_requests, context_length=context_length,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static,
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
-            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens, cuda_graph_draws=cuda_graph_draws,
+            cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,

@@ -60,21 +60,6 @@ def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_out
             "outputs": outputs / other_outputs - 1.0}
 
 
-PRICED_OUT_SECONDS = 1e3  # a step of the choice `price_out` prices out
-
-
-def price_out(llm, choice: str) -> None:
-    """Benchmarks of the adaptive machinery: the adaptive engine of `llm` prices `choice` (adaptive_policy's
-    PLAIN or SPECULATIVE) at PRICED_OUT_SECONDS a step in its start-up table at every cost bucket, so that its model
-    chooses the other candidate until `choice` has been measured (it never is, if never chosen). At 1 s a step,
-    the CPU test of bench/adaptive_prefill_parts.py, run beside other heavy processes on a 2-core machine
-    (2026-11-27), once saw its forced engine take rounds for its model's choice at every prefill; plain steps'
-    realized figure inflated by the process being descheduled within its epochs is the likely cause (not shown)."""
-    policy = llm.engine.strategy.policy
-    for bucket in policy.buckets:
-        policy.device_seconds[(choice, bucket)] = PRICED_OUT_SECONDS
-
-
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (GPU only)."""
     dev = torch.device(device)

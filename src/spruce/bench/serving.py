@@ -176,16 +176,9 @@ def server_info(base_url: str, headers: dict) -> dict[str, str]:
 
 
 ADAPTIVE_STEPS = tuple(f'spruce_adaptive_steps_total{{choice="{c}"}}' for c in ("plain", "speculative"))
-ADAPTIVE_COUNTERS = {"decided": "spruce_adaptive_decided_steps_total", "parks": "spruce_adaptive_parks_total",
-                     "parked_steps": "spruce_adaptive_parked_steps_total", "probes": "spruce_adaptive_probes_total",
-                     "probes_cut": "spruce_adaptive_probes_cut_total",
-                     "catch_ups": "spruce_adaptive_catch_ups_total",
-                     "catch_up_positions": "spruce_adaptive_catch_up_positions_total",
-                     "retries": "spruce_adaptive_retries_total",
-                     "detached": "spruce_adaptive_detached_requests_total",
-                     "epochs_dropped": "spruce_adaptive_epochs_dropped_total",
-                     "epochs_drained": "spruce_adaptive_epochs_drained_total",
-                     "epochs_outgrown": "spruce_adaptive_epochs_outgrown_total"}
+ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total",
+                     "collapsed_steps": "spruce_adaptive_collapsed_steps_total",
+                     "collapsed_requests": "spruce_adaptive_collapsed_requests_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
 ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
@@ -197,24 +190,15 @@ COUNTERS = ("spruce_spec_accept_length_sum", "spruce_spec_accept_length_count", 
             *ADAPTIVE_COUNTERS.values(), SERVING_COMPILES, *ENGINE_STEPS.values(), "spruce_engine_decode_rows_total",
             *ENGINE_SECONDS.values(), ENGINE_CPU, SERVER_CPU, PREFILL_LAUNCH, PREFILL_HOLDS)
 HELD_FRACTION = 0.9  # a level whose client held fewer than this fraction of its streams in flight is flagged
-ADAPTIVE_TABLES = ("spruce_adaptive_device_seconds", "spruce_adaptive_launch_seconds",
-                   "spruce_adaptive_resolve_seconds", "spruce_adaptive_wall_seconds",
-                   "spruce_adaptive_other_host_seconds", "spruce_adaptive_catch_up_seconds",
-                   "spruce_adaptive_own_host_seconds", "spruce_adaptive_realized_ratio",
-                   "spruce_adaptive_realized_request_seconds", "spruce_adaptive_tree_width",
-                   "spruce_adaptive_width_accept_length")
-WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width (adaptive widths)
-ATTACHED = "spruce_adaptive_attached_requests_total"  # {reason="R"}: requests that joined with their draft, by why
+ADAPTIVE_TABLES = ("spruce_adaptive_step_seconds", "spruce_adaptive_accept_ema", "spruce_adaptive_choice")
+WIDTH_ROUNDS = "spruce_adaptive_width_rounds_total"  # {width="N"}: rounds per verify width
 
 
 async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[str, float], dict]:
     """The server's cumulative COUNTERS that it exposes (speculation off: none; not adaptive: no steps), and
-    adaptive speculation's cost tables ({device,launch,resolve,wall,own_host}_seconds: {choice: {bucket: s}};
-    realized_ratio: {choice: {bucket: busy over modelled seconds}}; realized_request_seconds: {choice: {bucket: s}};
-    other_host_seconds: {bucket: s}; catch_up_seconds: {device|host: {fixed|per_position: s}}; tree_width: {bucket:
-    nodes} and width_accept_length: {width: drafts} with --speculative-adaptive-widths; empty when not adaptive);
-    nothing if it does not answer within `timeout` seconds. The counters include each width's rounds
-    (WIDTH_ROUNDS) and the requests that joined adaptive speculation with their draft, by why (ATTACHED)."""
+    adaptive speculation's tables (step_seconds: {candidate: {bucket: s}}; accept_ema: {width: drafts}; choice:
+    {bucket: candidate}; empty when not adaptive); nothing if it does not answer within `timeout` seconds. The
+    counters include each width's rounds (WIDTH_ROUNDS)."""
     try:
         async with httpx.AsyncClient(base_url=base_url, headers=headers) as client:
             text = (await client.get("/metrics", timeout=timeout)).text
@@ -223,17 +207,15 @@ async def _metrics(base_url: str, headers: dict, timeout: float) -> tuple[dict[s
     vals, tables = {}, {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in COUNTERS or name.startswith((WIDTH_ROUNDS + "{", ATTACHED + "{")):
+        if name in COUNTERS or name.startswith(WIDTH_ROUNDS + "{"):
             vals[name] = float(value)
         elif name.split("{")[0] in ADAPTIVE_TABLES:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
             table = tables.setdefault(name.split("{")[0].removeprefix("spruce_adaptive_"), {})
-            if "choice" in labels:
-                table.setdefault(labels["choice"], {})[labels["bucket"]] = float(value)
-            elif "bucket" in labels or "width" in labels:
-                table[labels.get("bucket", labels.get("width"))] = float(value)
+            if "candidate" in labels:
+                table.setdefault(labels["candidate"], {})[labels["bucket"]] = float(value)
             else:
-                table.setdefault(labels["part"], {})[labels["term"]] = float(value)
+                table[labels.get("bucket", labels.get("width"))] = float(value)
     return vals, tables
 
 
@@ -263,8 +245,6 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         widths = {name.split('"')[1]: int(delta[name]) for name in delta if name.startswith(WIDTH_ROUNDS + "{")}
         if widths:
             adaptive["width_rounds"] = widths  # rounds per verify width during the level
-        adaptive["attached"] = {name.split('"')[1]: int(delta[name]) for name in delta
-                                if name.startswith(ATTACHED + "{") and delta[name]}  # joined with a draft, by why
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     engine = None
     if ENGINE_STEPS["decode"] in delta:
@@ -293,7 +273,7 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
         # stream tail = e2e per request: where an e2e difference between servers sits)
         "stream_tail_s": percentiles([r.tail for r in ok]),  # last chunk with text to the stream's end
         "mean_accept_length": accept, "adaptive_steps": adaptive or None,
-        "adaptive_costs": tables or None,  # the policy's device and host seconds per step after the level
+        "adaptive_costs": tables or None,  # the policy's step costs, acceptance and choices after the level
         "engine": engine,  # the server's engine during the level: launches by kind, its mean decode batch, and the
         # wall seconds of its step's parts and of its process loop's (runtime/step_counters.py); None: not exposed
         "stopped": stopped,  # why the level stopped sending requests (None: it did not)
@@ -481,12 +461,9 @@ def _print_level(lv: dict) -> None:
     acc = "-" if lv["mean_accept_length"] is None else f"{lv['mean_accept_length']:.2f}"
     steps = lv["adaptive_steps"]
     adaptive = "" if not steps else (f" | adaptive steps plain/spec {steps.get('plain', 0)}/"
-                                     f"{steps.get('speculative', 0)}, probes {steps['probes']} "
-                                     f"({steps.get('probes_cut', 0)} cut), catch-ups "
-                                     f"{steps['catch_ups']} ({steps['catch_up_positions']} positions), retries "
-                                     f"{steps['retries']}, detached {steps['detached']}, epochs dropped "
-                                     f"{steps['epochs_dropped']}, drained {steps['epochs_drained']}, outgrown "
-                                     f"{steps['epochs_outgrown']}, attached {steps['attached']}"
+                                     f"{steps.get('speculative', 0)}, probes {steps['probes']}, collapsed "
+                                     f"requests {steps['collapsed_requests']} (their plain steps "
+                                     f"{steps['collapsed_steps']})"
                                      + (f", rounds by width {steps['width_rounds']}" if "width_rounds" in steps
                                         else ""))
     eng = lv.get("engine")

@@ -10,52 +10,37 @@ and the request prefills from the first unmatched position (a partial last page 
 Pages in the tree are held by the allocator like any other. A request that matched a path holds a reference
 on each node (`lock`) until its row is released; unreferenced leaves are evicted least recently used first
 when the allocator runs short. Requests only ever write positions past their matched prefix, so a shared page
-is never written after it enters the tree, but for the draft's KV given once to a page cached without it (below).
-
-A page's draft KV may be missing: adaptive speculation's plain steps and lazy prefills leave the draft behind,
-and a detached request's draft never runs (speculative/adaptive.py). Such a page still enters the tree with its
-target KV, marked as lacking the draft's (`_Node.draft`): a request that will decode plainly for its life takes it
-(`match`; the scheduler asks the strategy, `DecodeStrategy.joins_without_draft`), one that may run rounds takes
-only the path's pages with draft KV (`drafted`) and computes the rest, target and draft, itself; when it gives its
-row back, its draft KV is copied into the tree's page (`copy_draft`) and the page counts as whole. Until
-2026-11-27 such pages were left out and only their first page remembered, so an adaptive server that decoded
-plainly computed each prompt twice (its first sight, then its second with the draft's extend so that it entered
-the tree) where a plain server computed it once. A page past the path whose draft KV is missing is what
-`seen_before` reports: the content repeats, so a request that may run rounds computes it with its draft this time.
+is never written after it enters the tree. (Adaptive speculation's collapsed requests may cache pages with stale
+draft KV: speculative/adaptive.py says why that only lowers acceptance.)
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Callable
 
 from spruce.errors import InvariantError
 from spruce.memory.page_allocator import PageAllocator
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "refs", "last_use", "draft")
+    __slots__ = ("key", "page", "parent", "children", "refs", "last_use")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None", draft: bool):
+    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None"):
         self.key = key
         self.page = page
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.refs = 0  # running requests holding this node (and so its page)
         self.last_use = 0
-        self.draft = draft  # the page holds the draft's KV too (else the target's only)
 
 
 class PrefixCache:
-    """The tree. `copy_draft(src_pages, dst_pages)` copies the draft's KV of whole pages (None: the engine has no
-    draft, and every page holds all its KV)."""
+    """The tree."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator,
-                 copy_draft: Callable[[list[int], list[int]], None] | None = None):
+    def __init__(self, page_size: int, allocator: PageAllocator):
         self.page_size = page_size
         self.allocator = allocator
-        self.copy_draft = copy_draft
-        self.root = _Node((), -1, None, True)
+        self.root = _Node((), -1, None)
         self.num_pages = 0  # pages held by the tree
         self._clock = itertools.count(1)
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
@@ -69,22 +54,13 @@ class PrefixCache:
         return tuple(tokens[k * ps:(k + 1) * ps + 1])
 
     def match(self, tokens: list[int]) -> list[_Node]:
-        """The longest cached path of full pages for `tokens` (at least one token is always left over); its pages
-        past `drafted(path)` hold the target's KV only."""
+        """The longest cached path of full pages for `tokens` (at least one token is always left over)."""
         path, node, k = [], self.root, 0
         while (key := self._key(tokens, k)) is not None and key in node.children:
             node = node.children[key]
             path.append(node)
             k += 1
         return path
-
-    @staticmethod
-    def drafted(path: list[_Node]) -> int:
-        """How many of the path's first pages hold the draft's KV too."""
-        for k, node in enumerate(path):
-            if not node.draft:
-                return k
-        return len(path)
 
     def lock(self, path: list[_Node]) -> None:
         """A request starts using `path` (its first len(path) pages): no eviction takes them meanwhile."""
@@ -104,53 +80,33 @@ class PrefixCache:
         self.hit_tokens += hit_tokens
         self.queried_tokens += tokens
 
-    def release(self, path: list[_Node], tokens: list[int], pages: list[int], valid: int,
-                target_valid: int | None = None) -> list[int]:
+    def release(self, path: list[_Node], tokens: list[int], pages: list[int], valid: int) -> list[int]:
         """A request gives its row back: unlock its matched `path`, insert its own full pages whose KV is valid
-        (each page with its next token known): whole below position `valid`, the target's alone below
-        `target_valid` (None: `valid`); return the pages to free (those not kept by the tree). A page whose content
-        the tree holds without the draft's KV, where this request's is whole, gives the tree its draft KV
-        (`copy_draft`): the tree's page may be shared by requests that never read it."""
+        (below position `valid`, each page with its next token known); return the pages to free (those not kept
+        by the tree)."""
         self.unlock(path)
         if pages[:len(path)] != [n.page for n in path]:
             raise InvariantError(f"prefix cache: a request's first pages {pages[:len(path)]} are not its matched "
                                  f"path {[n.page for n in path]}")
-        limit = valid if target_valid is None else max(valid, target_valid)
         node, now = (path[-1] if path else self.root), next(self._clock)
         for n in path:
             n.last_use = now
-        to_free, copy_from, copy_to = [], [], []
+        to_free = []
         for k in range(len(path), len(pages)):
             key = self._key(tokens, k)
-            if key is None or (k + 1) * self.page_size > limit:
+            if key is None or (k + 1) * self.page_size > valid:
                 to_free.extend(pages[k:])
                 break
-            draft = (k + 1) * self.page_size <= valid
             child = node.children.get(key)
             if child is None:  # new content: the tree takes this page
-                child = _Node(key, pages[k], node, draft)
+                child = _Node(key, pages[k], node)
                 node.children[key] = child
                 self.num_pages += 1
             else:  # the same content is cached already (another request's page): ours is a duplicate
-                if draft and not child.draft:
-                    copy_from.append(pages[k])
-                    copy_to.append(child.page)
-                    child.draft = True
                 to_free.append(pages[k])
             child.last_use = now
             node = child
-        if copy_from:
-            if self.copy_draft is None:
-                raise InvariantError(f"prefix cache: pages {copy_to} lack the draft's KV but no copy_draft was given")
-            self.copy_draft(copy_from, copy_to)
         return to_free
-
-    def seen_before(self, path: list[_Node], tokens: list[int]) -> bool:
-        """The first page of `tokens` past its matched `path` is in the tree without the draft's KV: the content
-        repeats, so it is worth computing with the draft this time. False when `tokens` are too short for it."""
-        key = self._key(tokens, len(path))
-        child = None if key is None else (path[-1] if path else self.root).children.get(key)
-        return child is not None and not child.draft
 
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` pages of unreferenced leaves, least recently used first; returns how many."""

@@ -13,7 +13,6 @@ from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.weights import load_named_tensors
-from spruce.ops import StreamSink
 
 
 class DecoderLM(nn.Module):
@@ -61,50 +60,29 @@ class DecoderLM(nn.Module):
         """Token embeddings: ids [n] -> [n, H]."""
         return self.embed_tokens(ids)
 
-    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, feature_ring=None, aux: bool = True):
+    def forward(self, batch: ForwardBatch, kv, page_table: torch.Tensor, aux: bool = True):
         """One forward over batch.input_ids at batch.positions, writing every layer's cache entries into `kv`.
 
         Returns (hidden [T, H] after the final norm, aux [T, len(aux_layers) * H] or None). T may be 0.
         `aux` False: no aux features are kept (aux None), as for a target without aux layers (a plain step that
-        no draft will read: adaptive speculation's detached requests).
-        `feature_ring`: (ring [R, W, len(aux_layers) * H], rows [T], positions [T]): each aux layer's input goes to
-        the ring's slot of its token instead, the j-th aux layer's to columns j*H.., written by the add-norm that
-        computes it (ops/fused.py StreamSink: the adaptive plain step); aux is then None."""
+        no draft will read)."""
         x = self.embed(batch.input_ids)  # [T, H]
         residual = None
-        h = x.shape[-1]
-        sinks, repeats = {}, []  # aux layer index -> its StreamSink (feature_ring); a repeated one's (column, first's)
         aux_layers = self.aux_layers if aux else ()
-        if feature_ring is not None:
-            ring, rows, positions = feature_ring
-            for j, i in enumerate(aux_layers):
-                if i in sinks:  # a small target's default layers can repeat ((2, 2, 2) for 5 layers)
-                    repeats.append((j * h, sinks[i].column))
-                else:
-                    sinks[i] = StreamSink(ring, rows, positions, j * h)
-        inputs = {}  # aux layer index -> its residual-stream input x + residual (no feature_ring)
+        inputs = {}  # aux layer index -> its residual-stream input x + residual
 
         def stream_input(x, residual):
             return x if residual is None else x + residual
 
         for i, layer in enumerate(self.layers):
-            if i in aux_layers and not sinks:
+            if i in aux_layers:
                 inputs[i] = stream_input(x, residual)
-            x, residual = layer.forward_residual(x, residual, batch, kv, page_table, sinks.get(i))
+            x, residual = layer.forward_residual(x, residual, batch, kv, page_table)
         last = len(self.layers)
-        if last in aux_layers and not sinks:
+        if last in aux_layers:
             inputs[last] = stream_input(x, residual)
-        if residual is None:
-            hidden = self.norm(x)
-            if last in sinks:
-                sinks[last].store(x)
-        else:
-            hidden = self.norm.add_forward(x, residual, sinks.get(last))[0]
-        if repeats:
-            slots = positions % ring.shape[1]
-            for column, first in repeats:
-                ring[rows, slots, column:column + h] = ring[rows, slots, first:first + h]
-        if not aux_layers or sinks:
+        hidden = self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
+        if not aux_layers:
             return hidden, None
         return hidden, torch.cat([inputs[i] for i in aux_layers], dim=-1)
 

@@ -10,7 +10,7 @@ from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.distributed.layers import mark_shard, row_parallel_linear
 from spruce.models.rope import Rotary
-from spruce.ops import StreamSink, add_rms_norm, rms_norm, silu_and_mul
+from spruce.ops import add_rms_norm, rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -25,11 +25,9 @@ class RMSNorm(nn.Module):
         """[..., dim] -> [..., dim]."""
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
-                    sink: StreamSink | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one pass: the pre-norm residual-stream update (the sum also to
-        `sink`'s ring slots)."""
-        return add_rms_norm(x, residual, self.weight, self.eps, sink)
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one pass: the pre-norm residual-stream update."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -112,16 +110,13 @@ class PreNormLayer(nn.Module):
         out, residual = self.forward_residual(x, None, batch, kv, page_table)
         return out + residual
 
-    def forward_residual(self, x, residual, batch, kv, page_table, sink: StreamSink | None = None):
+    def forward_residual(self, x, residual, batch, kv, page_table):
         """Residual-carrying form (x, residual) -> (mlp output, residual): each add is fused into the next
-        norm, so the stream is x + residual at every layer boundary. `sink`: where this layer's input stream (x +
-        residual) also goes (an EAGLE-3 aux layer's feature, DecoderLM.forward)."""
+        norm, so the stream is x + residual at every layer boundary."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-            if sink is not None:
-                sink.store(x)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual, sink)
+            h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, batch, kv, page_table)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual

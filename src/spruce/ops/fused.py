@@ -6,16 +6,9 @@ the last bit in float32 and to bf16 rounding in bf16:
   add_rms_norm: s = round(x + r); y = round(w * round(s * rsqrt(mean(s^2) + eps)))
   rotary:       computed in float32 from the float32 cos/sin tables, rounded once
   silu_and_mul: round(round(silu(g)) * u)
-
-add_rms_norm can also store s in a feature ring (`StreamSink`): an adaptive engine's plain step keeps the EAGLE-3
-features (each aux layer's residual-stream input, the s of that layer's input add-norm) for a later catch-up
-(speculative/feature_ring.py). Until 2026-11-25 a kernel of its own re-read each aux layer's (x, residual) after the
-forward and stored their sums (1.6 us of a ~256 us plain step on the H200, plus its launch in the graph).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -37,27 +30,9 @@ def rms_norm_reference(x, weight, eps):
     return weight * h.to(x.dtype)
 
 
-@dataclass(frozen=True)
-class StreamSink:
-    """Where `add_rms_norm` also writes its sum s [T, H]: token t's row goes to ring[rows[t], positions[t] mod W,
-    column:column + H] (ring [R, W, F], contiguous; rows, positions [T]). One per EAGLE-3 aux layer of an adaptive
-    engine's plain step (speculative/feature_ring.py); a padding token writes its (dummy) row's ring."""
-
-    ring: torch.Tensor
-    rows: torch.Tensor
-    positions: torch.Tensor
-    column: int
-
-    def store(self, s: torch.Tensor) -> None:
-        """The torch store of s [T, H] (the reference; a layer whose input has no residual, layer 0's, uses it)."""
-        width = self.ring.shape[1]
-        self.ring[self.rows, self.positions % width, self.column:self.column + s.shape[-1]] = s.to(self.ring.dtype)
-
-
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, ring_ptr, rows_ptr, pos_ptr, column,
-                     stride_row, stride_slot, width, H: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, HAS_SINK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, H: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -66,11 +41,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, ring_ptr, r
         r = tl.load(r_ptr + row * H + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * H + offs, x, mask=mask)
-        if HAS_SINK:  # the sum also to this token's ring slot (StreamSink)
-            ring_row = tl.load(rows_ptr + row).to(tl.int64)
-            slot = tl.load(pos_ptr + row).to(tl.int64) % width
-            dst = ring_ptr + ring_row * stride_row + slot * stride_slot + column
-            tl.store(dst + offs, x.to(ring_ptr.dtype.element_ty), mask=mask)
     h = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     normed = (h * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -78,18 +48,15 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, eps, ring_ptr, r
     tl.store(out_ptr + row * H + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_launch(x, residual, weight, eps, sink: StreamSink | None = None):
+def _rms_launch(x, residual, weight, eps):
     h = x.shape[-1]
     x2 = x.reshape(-1, h).contiguous()
     out = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0]:
         r2 = residual.reshape(-1, h).contiguous() if residual is not None else x2
-        ring = (sink.ring, sink.rows, sink.positions, sink.column, sink.ring.stride(0), sink.ring.stride(1),
-                sink.ring.shape[1]) if sink is not None else (x2, x2, x2, 0, 0, 0, 1)  # unused without a sink
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, eps, *ring, H=h,
-                                         BLOCK=triton.next_power_of_2(h), HAS_RESIDUAL=residual is not None,
-                                         HAS_SINK=sink is not None)
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, eps, H=h, BLOCK=triton.next_power_of_2(h),
+                                         HAS_RESIDUAL=residual is not None)
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -100,20 +67,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 sink: StreamSink | None = None):
-    """(rms_norm(x + residual), x + residual): the pre-norm residual stream update in one pass; with a `sink`, the
-    sum also goes to its ring slots (StreamSink: x is [T, H], one ring slot per token)."""
-    if sink is not None and (sink.ring.stride(2) != 1 or sink.column + x.shape[-1] > sink.ring.shape[2]
-                             or x.reshape(-1, x.shape[-1]).shape[0] != sink.rows.shape[0]):
-        raise ValueError(f"a stream sink takes columns {sink.column}..{sink.column + x.shape[-1]} of ring features "
-                         f"{sink.ring.shape[2]} wide (contiguous) and one row a token: {sink.rows.shape[0]} rows for "
-                         f"x {tuple(x.shape)}")
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual): the pre-norm residual stream update in one pass."""
     if _use_triton(x) and weight.dtype == x.dtype:
-        return _rms_launch(x, residual, weight, eps, sink)
+        return _rms_launch(x, residual, weight, eps)
     s = x + residual
-    if sink is not None:
-        sink.store(s)
     return rms_norm_reference(s, weight, eps), s
 
 

@@ -19,8 +19,6 @@ forwards to be planned (model_runner.py).
 from __future__ import annotations
 
 import gc
-import time
-
 from contextlib import contextmanager
 from typing import Any, Callable
 
@@ -48,7 +46,6 @@ class BucketGraphs:
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.predecessor: dict[str, str] = {}  # phase -> the phase whose output it reads (set by capture)
         self.phase: str | None = None  # the phase whose Python code (eager run, warm-up, capture) is running
-        self.draws: dict[tuple[str, int], dict] = {}  # (first phase, bucket) -> its draws' figures, the one kept
 
     @contextmanager
     def running(self, name: str):
@@ -171,45 +168,6 @@ class BucketGraphs:
             graph.replay()
             self.graphs[(name, bucket)] = (graph, out)
             previous = (out,)
-
-    def keep_fastest(self, phases: list[tuple[str, PhaseFn, PlanFn | None]], prepare: Callable[[int], None],
-                     bucket: int, draws: int, score: Callable[[list[Callable[[], None]]], list[float]]) -> None:
-        """Capture the chain of phases for `bucket` `draws` times in all (the capture already made is the first)
-        and keep the draw that `score` finds fastest (`graph_draws.py`): each draw in a memory pool of its own,
-        every earlier one alive while the next is captured, so each lands elsewhere. `score(replays)` gets one
-        callable a draw (it plans and replays that draw's chain once) and returns one figure a draw, lower
-        better. The draws' figures, the one kept and the seconds the draws took (captures and timing, the first
-        capture's aside: what they add to start-up) are in `draws[(first phase, bucket)]`. The others are freed."""
-        names = [name for name, _, _ in phases]
-        if not self.enabled or draws < 2 or not all(self.captured(name, bucket) for name in names):
-            return
-        started = time.perf_counter()
-        candidates = [{name: self.graphs[(name, bucket)] for name in names}]
-        stream = torch.cuda.Stream(self.device)
-        with _no_gc_during_capture():
-            for _ in range(draws - 1):
-                self._capture_bucket(phases, prepare, bucket, torch.cuda.graph_pool_handle(), stream)
-                candidates.append({name: self.graphs[(name, bucket)] for name in names})
-        torch.cuda.synchronize(self.device)
-
-        def replayer(entries: dict) -> Callable[[], None]:
-            def replay() -> None:
-                for name, _, plan in phases:
-                    if plan is not None:
-                        plan(bucket, self.kv_bound)
-                    entries[name][0].replay()
-            return replay
-
-        figures = score([replayer(entries) for entries in candidates])
-        kept = min(range(len(candidates)), key=figures.__getitem__)
-        for i, entries in enumerate(candidates):
-            if i != kept:
-                for graph, _ in entries.values():
-                    graph.reset()
-        self.graphs.update({(name, bucket): entry for name, entry in candidates[kept].items()})
-        torch.cuda.synchronize(self.device)
-        self.draws[(names[0], bucket)] = {"figures": [round(f, 9) for f in figures], "kept": kept,
-                                          "seconds": round(time.perf_counter() - started, 3)}
 
 
 @contextmanager

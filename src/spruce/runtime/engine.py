@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from spruce.config import ADAPTIVE_PROBE_BUDGET, EngineConfig
+from spruce.config import EngineConfig
 from spruce.errors import InvalidRequestError
 from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.memory.prefix_cache import PrefixCache
@@ -88,15 +88,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(config.tokenizer or config.model, self.runner.model_config)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
                               else self.runner.model_config.eos_token_ids)
-        copy_draft = self.runner.copy_draft_pages if self.runner.draft_kv is not None else None
-        cache = (None if config.disable_radix_cache
-                 else PrefixCache(self.limits.page_size, self.runner.allocator, copy_draft))
+        cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
                                    PrefillBatching(config.scheduler_delay_factor))
         spec = config.speculative
-        self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive,
-                                      prefix_cache=cache)
-        self.scheduler.joins_without_draft = self.strategy.joins_without_draft
+        self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
@@ -321,7 +317,6 @@ class Engine:
         sched.admit()
         planned = sched.next_step()
         if planned is None:
-            self.strategy.idle()
             return None, previous
         kind, reqs = planned
         if kind == "prefill":
@@ -364,8 +359,7 @@ class Engine:
             self.runner.page_table.check_covers(q.row, start + take, f"prefill of request {q.request_id}")
             ids = q.token_ids
             final = start + take == q.num_tokens
-            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final,
-                                       request=q))
+            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final))
             stepped.append(q)
             budget -= take
         finals = [q for q, c in zip(stepped, chunks) if c.final]
@@ -375,8 +369,7 @@ class Engine:
             self._start_penalties(finals)
         launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
-            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals),
-                                           self.scheduler.held)
+            result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
         launch_s = time.perf_counter() - launch_start
         self.scheduler.batching.launched(launch_s, len(chunks))
         if sampling.penalties is not None:
@@ -395,7 +388,7 @@ class Engine:
         ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
-        strategy = self.strategy.choose(reqs, self.scheduler.held)  # adaptive speculation: a round or a plain step
+        strategy = self.strategy.choose(reqs)  # adaptive speculation: a round or a plain step
         spec = strategy.speculative
         logprobs = decode_plan(reqs, self.limits.step_advance if spec else 1)
         sampling = self._sampling(reqs, strategy.tree_width)  # one row per tree node
@@ -484,8 +477,8 @@ class Engine:
                 self._final_text.append(q)  # the grammar failed (RequestGrammar.error says how), or is complete
                 self.scheduler.finish(q, "error" if q.grammar.error is not None else "stop")
             touched[q.request_id] = q
-        resolve_s = time.perf_counter() - t_read
-        self.strategy.resolved(step.chosen, step.result_reqs, rows, waited, resolve_s=resolve_s)
+        if step.decode:
+            self.strategy.on_round(step.chosen, step.result_reqs, rows)
         self.counters.add("wait", waited)
         self.counters.add("resolve", time.perf_counter() - t_read)
 
@@ -684,8 +677,6 @@ class Engine:
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
                             + (" adaptive" if spec.adaptive else "")
                             + (f" widths={','.join(map(str, spec.tree_widths))}" if spec.adaptive_widths else "")
-                            + (f" probe_budget={spec.adaptive_probe_budget:g}"
-                               if spec.adaptive_probe_budget != ADAPTIVE_PROBE_BUDGET else "")
                             if spec is not None else "off"),
             "synthetic_acceptance": synthetic.describe(spec.synthetic_acceptance_rates if spec is not None else None),
             "overlap_schedule": "on" if lim.overlap else "off",
@@ -693,10 +684,6 @@ class Engine:
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled
                                      else "off"),
             "cuda_graphs_captured": str(self.runner.graphs.count + self.runner.prefill_graphs.count),
-            "cuda_graph_draws": "; ".join(  # per drawn graph: the one kept of the draws, each's score (us), the
-                f"{phase}@{bucket} kept {d['kept'] + 1} of {','.join(f'{f * 1e6:.1f}' for f in d['figures'])} "
-                f"in {d['seconds']:.2f} s"  # seconds the draws added to start-up
-                for (phase, bucket), d in self.runner.graphs.draws.items()) or "off",
         }
 
     def _prefix_cache_stats(self) -> dict | None:

@@ -191,13 +191,12 @@ class ModelRunner:
             )
 
     # --- forwards ------------------------------------------------------------------------------------------
-    def target_forward(self, batch: ForwardBatch, feature_ring=None, aux: bool = True) -> tuple[torch.Tensor, object]:
-        """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None; `feature_ring` (ring, rows,
-        positions): the aux features go to the ring's slots instead, aux None; `aux` False: none kept, aux None
-        (DecoderLM.forward)."""
+    def target_forward(self, batch: ForwardBatch, aux: bool = True) -> tuple[torch.Tensor, object]:
+        """hidden [T, H] (final-normed) and aux [T, A] (EAGLE-3 features) or None; `aux` False: none kept, aux
+        None (DecoderLM.forward)."""
         self._ensure_planned(batch)
         self.page_table.check_written("a target forward")
-        return self.target(batch, self.target_kv, self.page_table.table, feature_ring=feature_ring, aux=aux)
+        return self.target(batch, self.target_kv, self.page_table.table, aux=aux)
 
     def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]],
                         aux: bool = True) -> tuple[torch.Tensor, object]:
@@ -290,15 +289,6 @@ class ModelRunner:
         """Free every captured graph (BucketGraphs.release); later forwards run eagerly."""
         self.graphs.release()
         self.prefill_graphs.release()
-
-    def copy_draft_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy the draft's KV of pages `src` into pages `dst` (every layer, every slot of each page; the prefix
-        cache gives a page it holds with the target's KV alone the draft's KV another request computed)."""
-        ps = self.limits.page_size
-        offsets = torch.arange(ps, dtype=torch.int64)
-        slots = (torch.tensor([src, dst], dtype=torch.int64)[:, :, None] * ps + offsets).reshape(2, -1)
-        src_slots, dst_slots = slots.to(self.device, non_blocking=True).unbind(0)
-        self.draft_kv.copy_slots(src_slots, dst_slots)
 
     def target_features(self, hidden: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
         """What the draft consumes from the target: EAGLE-3's aux concatenation, else EAGLE's hidden."""

@@ -23,8 +23,7 @@ prefix at concurrency 32-64 a launch is mostly per chunk (pycode-19m, H100 x4, 4
 27: ~0.31-0.37 ms a chunk over a fixed 0.17-0.47 ms, plain and adaptive alike; a fixed EAGLE-3 server's ~2.5-3.5
 ms, its draft extend's fixed cost), so the mean priced the holds by the chunks they gathered: a batch of k chunks
 held as if batching saved (k - 1) chunks' worth more than it does, and an engine whose chunks cost more held
-longer, gathered more chunks and held longer still (adaptive speculation at 32 on the H200 x4, 8345f06: 4.6-5.4
-chunks a prefill against the plain servers' 2.8-4.2, TTFT p50 +23%, throughput -5.7%). With one chunk count seen
+longer, gathered more chunks and held longer still. With one chunk count seen
 the fit is their mean launch, as before.
 """
 

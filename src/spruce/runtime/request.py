@@ -79,11 +79,8 @@ class Request:
     token_limit: int = 0  # prompt + output tokens at which it ends ("length"): min(prompt + max_tokens, context)
     stop_ids: frozenset = frozenset()  # token ids that end it ("stop"): eos (unless ignored) and stop_token_ids
     committed: int = 0  # positions whose target KV is in the pages, as far as the host knows
-    draft_lag: int = 0  # of those, the last ones whose draft KV is missing (adaptive plain steps since a catch-up)
-    detached_at: int | None = None  # adaptive speculation's detached request: its draft KV is missing from this
-    # position on and is never caught up, so it decodes plainly to its end (None: its draft is kept)
-    accept_state: object | None = None  # adaptive speculation's record of its rounds' acceptance (AdaptivePolicy's;
-    # None before its first round)
+    accept_state: object | None = None  # adaptive speculation's record of its rounds' acceptance
+    # (speculative/adaptive.py's RequestAcceptance; None before its first decode step)
     reserved: int = 0  # positions its pages cover (0 while it holds no row)
     inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None
@@ -129,8 +126,6 @@ class Request:
         self.status = Status.WAITING
         self.row = None
         self.committed = 0
-        self.draft_lag = 0
-        self.detached_at = None
         self.reserved = 0
         self.cached_path = []
         self.num_preemptions += 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Callable
 
 from spruce.errors import InvariantError
 from spruce.limits import Limits
@@ -39,9 +38,6 @@ class Scheduler:
         self.page_table = page_table
         self.allocator = allocator
         self.prefix_cache = prefix_cache
-        self.joins_without_draft: Callable[[int], bool] = lambda held: False  # whether a request admitted now (the
-        # requests held) decodes plainly for its life, so that cached pages without the draft's KV serve it
-        # (DecodeStrategy.joins_without_draft)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, with a launched step still holding their row
@@ -86,24 +82,13 @@ class Scheduler:
         if req.row is not None:
             pages = self.page_table.release_row(req.row)
             if self.prefix_cache is not None:
-                # positions whose target and draft KV match the host's tokens (tokens past a stop are dropped;
-                # a lagging draft (adaptive speculation) holds no KV for its last draft_lag positions, a detached
-                # one none from detached_at on: those pages enter the tree with their target KV alone)
-                target_valid = min(req.committed, req.num_tokens - 1)
-                valid = min(req.committed - req.draft_lag, target_valid)
-                if req.detached_at is not None:
-                    valid = min(valid, req.detached_at)
-                pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid, target_valid)
+                # positions whose KV matches the host's tokens (tokens past a stop are dropped)
+                valid = min(req.committed, req.num_tokens - 1)
+                pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid)
             self.allocator.free(pages)
             req.row = None
             req.reserved = 0
             req.cached_path = []
-
-    @property
-    def held(self) -> int:
-        """The requests the engine holds: running (prefilling or decoding) and queued; arrivals count in the load at
-        once (the adaptive strategy's choices and detaching read it)."""
-        return len(self.running) + len(self.waiting)
 
     @property
     def has_work(self) -> bool:
@@ -139,19 +124,12 @@ class Scheduler:
         cache = self.prefix_cache
         if self.waiting and self._hold():
             return
-        without_draft = None  # whether requests admitted now decode plainly for life (asked once, if needed)
         while self.waiting:
             req = self.waiting[0]
             if len(self.running) >= self.limits.max_running_requests or self.page_table.num_free_rows == 0:
                 return
             # a request that wants prompt logprobs computes its whole prompt (vLLM's rule too): no cache hit
             path = cache.match(req.token_ids) if cache is not None and not req.prompt_logprobs_pending else []
-            drafted = cache.drafted(path) if path else 0
-            if drafted < len(path):  # pages without the draft's KV: only a request that never drafts takes them
-                if without_draft is None:
-                    without_draft = self.joins_without_draft(self.held)
-                if not without_draft:
-                    path = path[:drafted]
             if cache is not None:
                 cache.lock(path)  # before any eviction, so the path stays
             need = self.limits.pages_for(req.num_tokens + self.limits.lookahead) - len(path)
@@ -170,8 +148,6 @@ class Scheduler:
                 self.page_table.append_pages(row, [node.page for node in path])
                 req.cached_path = path
                 req.committed = req.reserved = req.cached_tokens
-                if drafted < len(path):  # its draft has no KV from there: it must join detached
-                    req.detached_at = drafted * self.limits.page_size
             if cache is not None:
                 cache.count_lookup(req.cached_tokens, req.num_tokens)
             if not self._reserve(req, req.num_tokens + self.limits.lookahead):

@@ -28,9 +28,8 @@ STATS_WAIT_S = 1.0  # how long a reader waits for stats that follow the outputs 
 class StatsCadence:
     """Whether the serving loop takes `Engine.stats()` after a step: always once the engine is idle (a scrape after
     the requests end sees them whole; the engine process takes them after that step's outputs are sent), else at
-    most every `interval` seconds. Taken and sent after every step, an
-    adaptive engine's stats (its cost tables) cost the H100's engine process ~25 us a step to build and pickle,
-    8% of a plain step at concurrency 1 (py-spy, 2026-11-23), and the server process as much to unpickle."""
+    most every `interval` seconds: building, pickling and unpickling them after every step costs host time that
+    a short step cannot spare."""
 
     def __init__(self, interval: float = STATS_INTERVAL_S, clock=time.monotonic):
         self.interval = interval
@@ -300,115 +299,33 @@ class Metrics:
 
 
 def _render_adaptive(out: list[str], a: dict) -> None:
-    """Adaptive speculation (speculative/adaptive_policy.py): per cost bucket the current choice with its reason,
-    and the figures it compared (each candidate's expected tokens per step, seconds per step and tokens/s);
-    the cost table (device and host seconds, measured online); steps per choice, probes and draft catch-ups."""
+    """Adaptive speculation (speculative/adaptive.py): per batch-size bucket the current candidate (0: a plain step,
+    else a verify width), the acceptance EMA per width, the start-up step costs, steps per candidate, probes and
+    collapsed requests."""
     def series(name: str, kind: str, help: str, rows: list[tuple[str, float]]) -> None:
         out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
         out.extend(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}" for labels, v in rows)
 
-    buckets = sorted(a.get("buckets", {}).items())
-    series("spruce_adaptive_choice", "gauge", "Current choice per batch-size bucket (one series, value 1, "
-           "labelled with the choice and its reason: model = higher expected tokens/s, probe = re-measuring "
-           "the other candidate after a run of one).",
-           [(f'bucket="{b}",choice="{d["choice"]}",reason="{d["reason"]}"', 1) for b, d in buckets])
-    for key, name, help in (
-            ("tokens_per_second", "spruce_adaptive_expected_tokens_per_second",
-             "Expected committed tokens/s of each candidate for the bucket's last batch (the choice's reason)."),
-            ("tokens_per_step", "spruce_adaptive_expected_tokens_per_step",
-             "Expected tokens per request per step of each candidate (plain: 1; speculative: 1 + accept EMA)."),
-            ("step_seconds", "spruce_adaptive_step_seconds", "Modelled seconds per step of each candidate.")):
-        series(name, "gauge", help, [(f'bucket="{b}",choice="{c}"', v) for b, d in buckets
-                                     for c, v in sorted(d[key].items())])
-    for key, help in (("device_seconds", "Device seconds per step, measured online (median of recent steps; until "
-                                         "a choice has run at a bucket: measured at start-up over padding rows)."),
-                      ("launch_seconds", "Host seconds launching a step, measured online (median of recent steps; "
-                                         "until a choice has run at a bucket: measured at start-up; 0 on the CPU, "
-                                         "where it is device work)."),
-                      ("resolve_seconds", "Host seconds reading and applying a step's own results, measured online "
-                                          "(median of recent steps); a step costs device (+) (launch + resolve + "
-                                          "other host)."),
-                      ("wall_seconds", "Seconds from a steady step's launch to the next launch (EMA): a floor of "
-                                       "its cost."),
-                      ("own_host_seconds", "Other host seconds of a choice's own steady steps (median of recent "
-                                           "ones): they price it instead of the pooled figure once there are a few."),
-                      ("realized_ratio", "Busy wall seconds over the seconds the parts give the same steps, "
-                                         "over epochs of a choice at a load (about one request's life each; "
-                                         "prefills included, catch-ups not; low median of the last five)."),
-                      ("realized_request_seconds", "What one request's step of a choice at a load really costs, "
-                                                   "prefills included: busy seconds over the request-steps of its "
-                                                   "epochs (low median of the last five; drains dropped); once "
-                                                   "measured, a step over n requests at that load is priced at n "
-                                                   "times it.")):
-        series(f"spruce_adaptive_{key}", "gauge", help, [(f'bucket="{b}",choice="{c}"', v)
-                                                         for c, per in sorted(a.get(key, {}).items())
-                                                         for b, v in sorted(per.items())])
-    series("spruce_adaptive_other_host_seconds", "gauge", "Host seconds per decode step outside its launch and "
-           "resolve (scheduling, serving), measured online per bucket over both choices (EMA).",
-           [(f'bucket="{b}"', v) for b, v in sorted(a.get("other_host_seconds", {}).items())])
-    if a.get("prompt_draft_seconds") is not None:
-        series("spruce_adaptive_prompt_draft_seconds", "gauge", "Seconds of draft work on one new request's prompt "
-               "(eager extends per request they completed, EMA): rounds pay it for the requests that replace "
-               "finished ones.", [("", a["prompt_draft_seconds"])])
-    series("spruce_adaptive_steps_total", "counter", "Decode steps per choice.",
-           [(f'choice="{c}"', n) for c, n in sorted(a.get("chosen", {}).items())])
-    series("spruce_adaptive_decided_steps_total", "counter", "Decode steps that asked the policy (a decision, "
-           "~0.26 ms of host work on the H100); the others stood on an earlier one.", [("", a.get("decided", 0))])
-    series("spruce_adaptive_parks_total", "counter", "Parks: runs of plain steps over batches of detached requests "
-           "only that the policy granted ahead and heard of at their end (a plain engine's steps, no bookkeeping "
-           "each).", [("", a.get("parks", 0))])
-    series("spruce_adaptive_parked_steps_total", "counter", "Plain steps run parked (counted in "
-           "spruce_adaptive_steps_total too).", [("", a.get("parked_steps", 0))])
-    series("spruce_adaptive_probes_total", "counter", "Probe epochs (the candidate the model did not choose, run "
-           "for an epoch to re-measure it).", [("", a.get("probes", 0))])
-    series("spruce_adaptive_probes_cut_total", "counter", "Probes of rounds ended before their epoch: their "
-           "rounds had settled the acceptance and plain steps still led by the cut margin.",
-           [("", a.get("probes_cut", 0))])
-    series("spruce_adaptive_probe_cost_factor", "gauge", "What probes of each candidate are taken to cost over "
-           "their modelled price (measured: the probe's epoch and the next one of the model's choice).",
-           [(f'choice="{c}"', v) for c, v in sorted(a.get("probe_cost_factor", {}).items())])
-    series("spruce_adaptive_probe_cost_factor_at_load", "gauge", "The same, at a load (cost bucket) where probes of "
-           "that candidate were measured: it prices that load's probes.",
-           [(f'choice="{c}",load="{load}"', v) for c, per in sorted(a.get("probe_cost_factor_at_load", {}).items())
-            for load, v in sorted(per.items())])
-    series("spruce_adaptive_epochs_total", "counter", "Epochs measured (runs of decode steps of one choice at one "
-           "bucket).", [("", a.get("epochs", 0))])
-    series("spruce_adaptive_epochs_dropped_total", "counter", "Epochs dropped because the process stalled in them "
-           "(a Triton compilation): their time is the stall's, not their choice's.",
-           [("", a.get("epochs_dropped", 0))])
-    series("spruce_adaptive_epochs_drained_total", "counter", "Epochs dropped as a drain (fewer requests arrived in "
-           "them than half of those that ended): a level's end, not a load's steady cost.",
-           [("", a.get("epochs_drained", 0))])
-    series("spruce_adaptive_epochs_outgrown_total", "counter", "Epochs dropped because the load grew under them "
-           "(steps over batches of a larger cost bucket than the epoch's load): a level's ramp, not a load's "
-           "steady cost.", [("", a.get("epochs_outgrown", 0))])
-    series("spruce_adaptive_retries_total", "counter", "Request retries in rounds: a request whose acceptance "
-           "collapsed, priced at the engine-wide acceptance again after its backoff of plain steps.",
-           [("", a.get("retries", 0))])
-    series("spruce_adaptive_detached_requests_total", "counter", "Requests that joined detached: decoded plainly to "
-           "their end with no draft state, where no round was expected over their lives.",
-           [("", a.get("detached_requests", 0))])
-    series("spruce_adaptive_attached_requests_total", "counter", "Requests that joined with their draft, by why: "
-           "rounds expected, extended eagerly (a repeated or long prompt), or what kept a lazy one from detaching "
-           "(model_choice, probe, unsettled, probe_waiting).",
-           [(f'reason="{r}"', n) for r, n in sorted(a.get("attached_requests", {}).items())])
-    series("spruce_adaptive_catch_ups_total", "counter", "Draft catch-ups (before a round, or when a request's draft "
-           "lagged by Limits.draft_lag_window positions).", [("", a.get("catch_ups", 0))])
-    series("spruce_adaptive_catch_up_positions_total", "counter", "Positions the draft caught up.",
-           [("", a.get("catch_up_positions", 0))])
-    series("spruce_adaptive_catch_up_seconds", "gauge", "A catch-up's fitted cost: device or host seconds, fixed and "
-           "per missing position.", [(f'part="{k.split("_", 1)[0]}",term="{k.split("_", 1)[1]}"', v)
-                                     for k, v in sorted(a.get("catch_up_seconds", {}).items())])
-    widths = a.get("tree_width")
-    if widths is not None:  # --speculative-adaptive-widths (speculative/tree_width.py)
-        series("spruce_adaptive_tree_width", "gauge", "Verify tree width (nodes, root included) the last round over "
-               "a batch of each bucket was given: the width with the most expected tokens/s.",
-               [(f'bucket="{b}"', w) for b, w in sorted(widths["chosen"].items())])
-        series("spruce_adaptive_width_accept_length", "gauge", "Mean drafts a round at each verify width accepts "
-               "(measured in rounds of that width or wider: a narrower tree is a sub-tree).",
-               [(f'width="{w}"', v) for w, v in sorted(widths["accept"].items())])
-        series("spruce_adaptive_width_rounds_total", "counter", "Rounds run at each verify width.",
-               [(f'width="{w}"', n) for w, n in sorted(widths["rounds"].items())])
+    series("spruce_adaptive_choice", "gauge", "Current candidate per batch-size bucket (0: plain, else the verify "
+           "width) once the bucket left the configured N.", [(f'bucket="{b}"', c) for b, c in a["choice"].items()])
+    series("spruce_adaptive_accept_ema", "gauge", "Drafts a round accepts per request at each verify width (EMA).",
+           [(f'width="{w}"', v) for w, v in a["accept_ema"].items()])
+    series("spruce_adaptive_step_seconds", "gauge", "Seconds per step of each candidate at each bucket, measured at "
+           "start-up.", [(f'candidate="{k.split("@")[0]}",bucket="{k.split("@")[1]}"', v)
+                         for k, v in a["step_seconds"].items()])
+    chosen = a["chosen"]
+    series("spruce_adaptive_steps_total", "counter", "Decode steps per choice: plain (with or without draft work) "
+           "or speculative (a round at any verify width).",
+           [('choice="plain"', chosen.get(0, 0) + a["collapsed_steps"]),
+            ('choice="speculative"', sum(n for c, n in chosen.items() if c))])
+    series("spruce_adaptive_width_rounds_total", "counter", "Rounds run at each verify width.",
+           [(f'width="{c}"', n) for c, n in sorted(chosen.items()) if c])
+    series("spruce_adaptive_collapsed_steps_total", "counter", "Plain steps without draft work: batches whose every "
+           "request collapsed (counted in spruce_adaptive_steps_total too).", [("", a["collapsed_steps"])])
+    series("spruce_adaptive_probes_total", "counter", "Rounds at N run by the probe schedule.",
+           [("", a["probes"])])
+    series("spruce_adaptive_collapsed_requests_total", "counter", "Requests whose acceptance collapsed (they run "
+           "plainly to their end).", [("", a["collapsed_requests"])])
 
 
 @dataclass(frozen=True)

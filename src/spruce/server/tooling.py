@@ -127,7 +127,6 @@ class _Tools:
                                                        if spec and spec.synthetic_acceptance_rates else None),
             "speculative_synthetic_acceptance_length": spec.synthetic_acceptance_length if spec else None,
             "load_format": cfg.load_format,
-            "speculative_adaptive_probe_budget": spec.adaptive_probe_budget if spec and spec.adaptive else None,
             "avg_spec_accept_length": accept,
             "internal_states": [state],
             "version": spruce.__version__,

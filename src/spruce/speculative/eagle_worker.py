@@ -12,15 +12,14 @@ selection and acceptance run eagerly on the masked verify logits. Nothing in a r
 [bs, S+2] read-back (accept lengths and tokens) at its end. The same phase functions run eagerly or under
 CUDA graphs (runtime/cuda_graph.py).
 
-Adaptive speculation may also run the round over a narrower verify tree (N' < N, Limits.narrower_widths): the same
-draft, the tree of its best N'-1 candidates (`NarrowRound`); its phases are graphs of their own. Every round's
-result row then ends with, per narrower width, the drafts a round at that width would have accepted
-(speculative/tree.py's `accepted_within`), which is what the policy chooses the width by.
+Adaptive speculation (speculative/adaptive.py) may also run the round over a narrower verify tree (N' < N,
+Limits.narrower_widths): the same draft, the tree of its best N'-1 candidates (`NarrowRound`); its phases are graphs
+of their own. Every round's result row then ends with, per narrower width, the drafts a round at that width would
+have accepted (speculative/tree.py's `accepted_within`), which is what the policy chooses the width by.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,34 +35,11 @@ from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.penalties import node_paths
 from spruce.runtime.sampler import SamplingTensors, select_tokens
-from spruce.speculative.feature_ring import FeatureRing
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.synthetic import synthetic_acceptance
 from spruce.speculative.tree import DraftCandidates, Tree, accepted_within, build_tree, own_bits
 from spruce.speculative.verify import accept
-
-
-@dataclass(frozen=True)
-class LaggingDraft:
-    """A request whose draft misses the pairs at positions [start, end) (its target has committed up to `end`).
-    `next_tokens` are the tokens at positions start+1 .. end-1 (the host knows them); the token at `end` is read
-    from the device."""
-
-    row: int
-    start: int
-    end: int
-    next_tokens: list[int]
-
-    @property
-    def pairs(self) -> int:
-        """Positions the draft misses: end - start."""
-        return self.end - self.start
-
-    def __post_init__(self):
-        if not 0 <= self.start < self.end or len(self.next_tokens) != self.pairs - 1:
-            raise InvariantError(f"lagging draft of row {self.row}: pairs [{self.start}, {self.end}) with "
-                                 f"{len(self.next_tokens)} next tokens (need start < end and end - start - 1 tokens)")
 
 
 class RoundPhase(NamedTuple):
@@ -167,42 +143,6 @@ class EagleWorker(DecodeStrategy):
         if finals:
             rows = torch.tensor([chunks[i].row for i in finals], dtype=torch.int64).to(r.device, non_blocking=True)
             self.store_step0(rows, h[last])
-
-    def catch_up(self, lagging: list[LaggingDraft], ring: FeatureRing) -> None:
-        """Draft extend over the pairs a lagging draft misses (adaptive speculation, DESIGN §16): for each entry,
-        (target feature at p, token at p+1) for p in [start, end), features from `ring`. Ragged EXTEND batches,
-        eager, like the extend after a prefill chunk, each within Limits.max_tokens_per_forward (a request's lag
-        never exceeds Limits.draft_lag_window, which fits one); each request then gets its step-0 top-K, so a
-        round runs exactly as after a fresh prefill."""
-        budget = self.runner.limits.max_tokens_per_forward
-        group: list[LaggingDraft] = []
-        size = 0  # pairs in `group`
-        for entry in lagging:
-            if entry.pairs > budget:
-                raise InvariantError(f"row {entry.row}: its draft lags {entry.pairs} positions, more than one "
-                                     f"forward holds ({budget}); Limits.draft_lag_window bounds the lag")
-            if size + entry.pairs > budget:
-                self._catch_up_batch(group, ring)
-                group, size = [], 0
-            group.append(entry)
-            size += entry.pairs
-        if group:
-            self._catch_up_batch(group, ring)
-
-    def _catch_up_batch(self, lagging: list[LaggingDraft], ring: FeatureRing) -> None:
-        """One ragged draft extend over `lagging` (at most max_tokens_per_forward pairs). The token at `end` (after
-        the last pair) is the row's last token on the device: under overlap the host may not know it yet."""
-        r = self.runner
-        rows = [g.row for g in lagging]
-        ends = list(itertools.accumulate(g.pairs for g in lagging))
-        host = torch.tensor([[e - 1 for e in ends], rows], dtype=torch.int64)
-        last, rows_t = host.to(r.device, non_blocking=True).unbind(0)  # [n] index of each last pair, its row
-        pairs = torch.tensor([[g.row for g in lagging for _ in range(g.pairs)],
-                              [p for g in lagging for p in range(g.start, g.start + g.pairs)]], dtype=torch.int64)
-        pair_rows, pair_positions = pairs.to(r.device, non_blocking=True).unbind(0)  # [T] each
-        h = r.draft_extend_forward(rows, [g.start for g in lagging], [g.next_tokens + [0] for g in lagging],
-                                   ring.gather(pair_rows, pair_positions), (last, r.row_state.last_token[rows_t]))
-        self.store_step0(rows_t, h[last])  # h: [T, Hd]
 
     # --- the round -------------------------------------------------------------------------------------------
     def _make_phases(self, width: int) -> list[RoundPhase]:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from spruce.memory.prefix_cache import PrefixCache
 from spruce.runtime.model_runner import ModelRunner
 from spruce.speculative.strategy import DecodeStrategy, PlainDecoding
 
 
-def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False,
-                  prefix_cache: PrefixCache | None = None) -> DecodeStrategy:
-    """EAGLE (EAGLE, EAGLE-3, NEXTN) when a draft is loaded, else plain decoding; `adaptive`: the EAGLE worker
-    or a plain step per decode step, whichever is expected to commit more tokens per second (it asks the engine's
-    `prefix_cache` which prompts repeat)."""
+def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy:
+    """EAGLE (EAGLE, EAGLE-3, NEXTN) when a draft is loaded, else plain decoding; `adaptive`: per decode step the
+    EAGLE worker's round or a plain step, whichever is expected to commit more tokens per second
+    (speculative/adaptive.py)."""
     if runner.draft is None:
         return PlainDecoding(runner)
     from spruce.speculative.eagle_worker import EagleWorker
@@ -21,4 +19,4 @@ def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = Fal
         return worker
     from spruce.speculative.adaptive import AdaptiveDecoding
 
-    return AdaptiveDecoding(worker, prefix_cache)
+    return AdaptiveDecoding(worker)

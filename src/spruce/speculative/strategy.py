@@ -6,8 +6,11 @@ EAGLE worker (EAGLE, EAGLE-3) a tree-verified run of draft tokens plus the targe
 
 Every step returns a device tensor [n, W], W at most Limits.step_result_width: each row's accept length a (0 for
 plain decoding and prefill), then its committed tokens (a + 1 of them, then padding). A plain step's is [n, 2] even
-beside a draft (adaptive speculation), so that its read-back holds no padding. Nothing inside a strategy
-reads device memory back to the host, so a step can be queued while the previous one still runs.
+beside a draft, so that its read-back holds no padding. Nothing inside a strategy reads device memory back to the
+host, so a step can be queued while the previous one still runs.
+
+Two hooks let a strategy choose per step (adaptive speculation, speculative/adaptive.py): `choose(requests)` before a
+decode step returns what runs it, and `on_round(step, requests, results)` after the step's results are read.
 
 A step given a `LogprobPlan` (some request wants logprobs) also scores the plan's rows, eagerly after its
 token selection, and leaves the pack in `plan.pack` (runtime/logprobs.py); without one nothing extra runs.
@@ -24,13 +27,11 @@ import torch
 
 from spruce.attention.metadata import Phase
 from spruce.limits import Limits
-from spruce.runtime.graph_draws import score_draws
 from spruce.runtime.grammar import GrammarBatch, apply_token_mask
 from spruce.runtime.logprobs import LogprobPlan, pack_logprobs, pack_prefill
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.penalties import TokenHistory
 from spruce.runtime.sampler import SamplingTensors, select_tokens
-from spruce.speculative.feature_ring import FeatureRing
 
 
 WARM_LENGTHS = (1, 16, 17, 64)  # tokens per request of the eager warm-up's batches (`warm_spans`)
@@ -73,7 +74,6 @@ class PrefillChunk:
     tokens: list[int]
     next_tokens: list[int]
     final: bool
-    request: object | None = None  # the engine's Request (adaptive speculation records a draft it leaves behind)
 
 
 class DecodeStrategy:
@@ -91,10 +91,8 @@ class DecodeStrategy:
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk], sampling: SamplingTensors,
-                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None,
-                held: int = 0) -> torch.Tensor:
-        """Run prompt chunks through the target; sample after every final chunk (`held`: the requests the engine
-        holds, running and queued, as for `choose`; 0: unknown).
+                logprobs: LogprobPlan | None = None, grammar: GrammarBatch | None = None) -> torch.Tensor:
+        """Run prompt chunks through the target; sample after every final chunk.
 
         `sampling` (and `grammar`, if any) has one row per final chunk. Returns [finals, step_result_width]
         (accept length 0, the sampled token) and sets each finished prompt's row state (committed = prompt
@@ -124,9 +122,7 @@ class DecodeStrategy:
 
     def wants_prefill_features(self, chunks: list[PrefillChunk]) -> bool:
         """Whether `extend_draft` reads the target's draft features of these prefill chunks: only then does the
-        target's eager prefill keep them (EAGLE-3's aux concatenation: three adds and a concat launched per eager
-        prefill, ~0.06 ms of a served adaptive engine's prefill launch at concurrency 32-64 on the H100, py-spy at
-        01c011b, DESIGN §16). Here: no draft."""
+        target's eager prefill keep them (EAGLE-3's aux concatenation). Here: no draft."""
         return False
 
     def extend_draft(self, chunks: list[PrefillChunk], features: torch.Tensor | None, ends: list[int],
@@ -137,8 +133,7 @@ class DecodeStrategy:
     def warm_eager(self) -> None:
         """Run the eager prefill path (the target, then the draft's extend) over the dummy row at `warm_spans`,
         before serving: every kernel variant a served prompt can meet is compiled now, not in the middle of serving
-        (a compilation stalls the step that launched it for 0.1-1 s on a GPU: ops/compile_watch.py; on the H200,
-        2026-11-23, one in an adaptive server's first concurrency-8 pass left that pass 32% behind plain). The
+        (a compilation stalls the step that launched it for 0.1-1 s on a GPU: ops/compile_watch.py). The
         chunks are not final: no token is sampled and no row's state changes; their K/V go to the dummy page,
         which padding rows write anyway."""
         row = self.runner.limits.dummy_row
@@ -160,27 +155,14 @@ class DecodeStrategy:
         """Capture this strategy's decode-time phases for every graph bucket."""
         raise NotImplementedError
 
-    # --- per-step choice (adaptive speculation: speculative/adaptive.py; a fixed strategy is its own choice) ---
-    def choose(self, requests: list, held: int = 0):
-        """What runs the next decode step over `requests`, called right before its launch, while the engine holds
-        `held` requests in all (running, prefilling and queued; 0: unknown): an object with `speculative` and this
-        class's `decode` (a fixed strategy: itself; adaptive speculation: one step)."""
+    # --- per-step choice (speculative/adaptive.py; a fixed strategy is its own choice) --------------------------
+    def choose(self, requests: list):
+        """What runs the next decode step over `requests`, called right before its launch: an object with
+        `speculative`, `tree_width` and this class's `decode` (a fixed strategy: itself)."""
         return self
 
-    def resolved(self, step, requests: list, results: list[list[int]], waited_s: float,
-                 resolve_s: float = 0.0) -> None:
-        """A step's result rows were read (after the host waited `waited_s` on the device) and applied (in
-        `resolve_s` host seconds); `step` is what `choose` returned for it (None: a prefill step)."""
-
-    def idle(self) -> None:
-        """The engine has nothing to launch (its clocks must not count the wait for work)."""
-
-    def joins_without_draft(self, held: int = 0) -> bool:
-        """Whether a request admitted now, while the engine holds `held` requests (running and queued), will decode
-        plainly for its whole life (adaptive speculation: it would join detached), so that cached pages holding the
-        target's KV alone may serve it (memory/prefix_cache.py). A fixed strategy's requests always run its steps:
-        False."""
-        return False
+    def on_round(self, step, requests: list, results: list[list[int]]) -> None:
+        """A decode step's result rows (one per request) were read; `step` is what `choose` returned for it."""
 
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""
@@ -216,17 +198,11 @@ class DecodeStrategy:
 
 class PlainDecoding(DecodeStrategy):
     """One target token per step. The DECODE phase (graph-capturable) runs the target, takes the greedy token
-    and advances the rows' state; a batch with sampled requests then re-selects their tokens eagerly.
+    and advances the rows' state; a batch with sampled requests then re-selects their tokens eagerly. `phase`: its
+    graphs' name (adaptive speculation also captures a plain step that keeps the draft current)."""
 
-    `features` (adaptive speculation's plain step, speculative/adaptive.py): the phase also keeps the target's
-    draft features at each row's position in this ring, for the draft's later catch-up; the draft itself does
-    not run. Without it the target keeps no draft features at all (a plain engine's target has none; an adaptive
-    engine's plain step over detached requests, whose drafts never run again, skips them). `phase`: its graphs'
-    name (an adaptive engine captures both kinds)."""
-
-    def __init__(self, runner: ModelRunner, features: FeatureRing | None = None, phase: str = "decode"):
+    def __init__(self, runner: ModelRunner, phase: str = "decode"):
         super().__init__(runner)
-        self.features = features
         self.phase = phase
         lim = runner.limits
         self.result = torch.zeros(lim.max_running_requests, lim.plain_result_width, dtype=torch.int64,
@@ -261,25 +237,20 @@ class PlainDecoding(DecodeStrategy):
         rows = self.rows[:P]
         positions, tokens = r.row_state.gather(rows)
         batch = r.builder.decode(rows, positions, tokens, max_kv)
-        if self.features is None:
-            hidden, _ = r.target_forward(batch, aux=False)
-        else:
-            hidden = self.features.keep_forward(r.target_forward, batch, rows, positions)
+        hidden = self.target_hidden(batch, P)
         logits = r.target.compute_logits(hidden)  # [P, V]
         greedy = logits.argmax(dim=-1)  # [P]
         r.row_state.set(rows, positions + 1, greedy)
         self.result[:P, 1] = greedy
         return logits, self.result[:P]
 
+    def target_hidden(self, batch, P: int) -> torch.Tensor:
+        """The target's hidden [P, H] over the step's batch (inside the DECODE phase); no draft features kept."""
+        hidden, _ = self.runner.target_forward(batch, aux=False)
+        return hidden
+
     def capture_graphs(self, show_progress: bool) -> None:
-        """Every bucket's decode graph, then the smallest bucket's `cuda_graph_draws` times, the fastest kept
-        (runtime/graph_draws.py)."""
-        graphs = self.runner.graphs
+        """Every bucket's decode graph."""
         phases = [(self.phase, self._decode_phase, self.runner.planner(Phase.DECODE))]
-
-        def prepare(padded: int) -> None:
-            self.prepare_padding(0, padded)
-
-        graphs.capture(phases, prepare, "capturing decode graphs", show_progress)
-        graphs.keep_fastest(phases, prepare, min(graphs.buckets, default=0), self.runner.config.cuda_graph_draws,
-                            lambda replays: score_draws(self.runner, self.rows, replays))
+        self.runner.graphs.capture(phases, lambda padded: self.prepare_padding(0, padded), "capturing decode graphs",
+                                   show_progress)
