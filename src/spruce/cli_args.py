@@ -16,6 +16,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights built from config.json alone, no safetensors read (vLLM's flag; for "
                         "benchmarks at real shapes: speed does not depend on the values)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize a bf16 checkpoint's linear weights to FP8 at load, one scale per output channel "
+                        "(vLLM's flag); FP8 checkpoints (block-wise, per-channel, per-tensor) load as FP8 without it")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model dtype; fp8 / fp8_e4m3: the target's KV cache in float8_e4m3fn with the "
+                        "checkpoint's per-layer k_scale / v_scale (else 1.0); torch and triton attention backends")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -138,7 +144,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_synthetic_acceptance_rates=args.speculative_synthetic_acceptance_rates if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
-        load_format=args.load_format,
+        load_format=args.load_format, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
         scheduler_delay_factor=args.scheduler_delay_factor,

@@ -17,6 +17,9 @@ SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # NEXTN: the checkpoint's
 ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("fp8",)  # `quantization`: weights quantized at load (an FP8 checkpoint loads as FP8 without it)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model dtype; "fp8" is "fp8_e4m3" (vLLM's names)
+FP8_KV_BACKENDS = ("torch", "triton")  # attention backends that read an FP8 KV cache
 MAX_DRAFT_TOKENS = 128  # speculative_num_draft_tokens upper bound (two 64-bit ancestor mask words)
 MAX_NUM_STEPS = MAX_DRAFT_TOKENS - 1  # speculative_num_steps upper bound: the deepest tree of MAX_DRAFT_TOKENS nodes
 # SGLang's defaults when only a draft path is given: (steps, topk, draft tokens); NEXTN's are its DeepSeek ones.
@@ -198,6 +201,8 @@ class EngineConfig:
     seed: int = 0
     show_progress: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json alone (benchmarks at real shapes)
+    quantization: str | None = None  # "fp8": quantize a bf16 checkpoint's weights at load (models/quantization.py)
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): the target's KV cache in FP8 (ops/fp8.py)
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
     disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
     tp_size: int = 1  # tensor-parallel ranks (processes); 1: one process, torch.distributed untouched
@@ -233,8 +238,32 @@ class EngineConfig:
                               f"waits on measured times, which differ between ranks (use 0)")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format={self.load_format!r} is not supported; expected one of {LOAD_FORMATS}")
+        self._check_fp8_options()
         if not (0.0 < self.mem_fraction_static < 1.0):
             raise ConfigError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+
+    def _check_fp8_options(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization={self.quantization!r} is not supported; expected None or one of "
+                              f"{QUANTIZATIONS} (FP8 checkpoints load as FP8 without it)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; expected one of "
+                              f"{KV_CACHE_DTYPES}")
+        if self.kv_cache_dtype == "auto":
+            return
+        if attention_registry.is_auto(self.attention_backend, self.device):
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs an attention backend that reads an FP8 "
+                              f"cache: set attention_backend to one of {FP8_KV_BACKENDS} (auto may pick one that "
+                              f"does not)")
+        backend = self.resolved_attention_backend
+        if backend not in FP8_KV_BACKENDS:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend="
+                              f"{backend!r}; backends with an FP8 KV cache: {FP8_KV_BACKENDS}")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        """Whether the target's KV cache is float8_e4m3fn."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def resolved_attention_backend(self) -> str:

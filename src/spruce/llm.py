@@ -22,6 +22,9 @@ class LLM:
     `speculative_synthetic_acceptance_length=L` (or per-depth `speculative_synthetic_acceptance_rates`), a benchmark
     setting: drafts are accepted at those rates instead of verified, so outputs are NOT the target's
     (speculative/synthetic.py).
+    `quantization="fp8"` quantizes a bf16 checkpoint's linear weights to FP8 at load (per output channel); FP8
+    checkpoints load as FP8 without it (models/quantization.py). `kv_cache_dtype="fp8_e4m3"` keeps the target's
+    KV cache in FP8 with the checkpoint's per-layer k_scale / v_scale, else 1.0 (torch and triton backends).
     `tp_size=N` runs the model tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r,
     or gloo on the CPU): call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at
     interpreter exit.
@@ -58,6 +61,8 @@ class LLM:
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         disable_overlap_schedule: bool = False,
         disable_radix_cache: bool = False,
         tp_size: int = 1,
@@ -79,6 +84,7 @@ class LLM:
             chunked_prefill_size=chunked_prefill_size, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
             cuda_graph_max_prefill_tokens=cuda_graph_max_prefill_tokens,
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
+            quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )

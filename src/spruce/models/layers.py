@@ -10,6 +10,7 @@ from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.distributed.layers import mark_shard, row_parallel_linear
 from spruce.models.rope import Rotary
+from spruce.ops.fp8 import FP8_DTYPE, fp8_cache_inputs, fp8_cache_output
 from spruce.ops import add_rms_norm, rms_norm, silu_and_mul
 
 
@@ -59,6 +60,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.layer_id = layer_id
         self.scale = head_dim ** -0.5
+        self.k_scale = self.v_scale = 1.0  # an FP8 KV cache's scales (the checkpoint's k_scale / v_scale)
 
     def project_qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, in_features] -> q [T, Hq, D], k [T, Hkv, D] (q/k-normed if configured, rotated), v [T, Hkv, D]."""
@@ -76,7 +78,12 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.project_qkv(x, batch.positions)
         k_cache, v_cache = kv.layer(self.layer_id)
+        fp8_cache = k_cache.dtype == FP8_DTYPE  # holds k / k_scale, v / v_scale (ops/fp8.py)
+        if fp8_cache:
+            q, k, v = fp8_cache_inputs(q, k, v, self.k_scale, self.v_scale)
         o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale)
+        if fp8_cache:
+            o = fp8_cache_output(o, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
     def dense_causal(self, x: torch.Tensor, positions: torch.Tensor, batch: int, length: int) -> torch.Tensor:

@@ -18,7 +18,6 @@ from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.quantization import finish_fp8_load, fp8_scheme, quantize_model
 
-
 _READ_ERRORS = (SafetensorError, OSError, ValueError, RuntimeError)
 
 
@@ -208,7 +207,6 @@ def load_mtp_draft(path, target_config: ModelConfig, dtype: torch.dtype, device:
         with torch.no_grad():
             model.load_weights(iter_tensors(path, show_progress, "loading MTP layers"), str(path))
             _finish_quantization(model, scheme, cfg, dtype)
-
     return model.eval().requires_grad_(False)
 
 

@@ -26,6 +26,7 @@ from spruce.distributed.layers import column_parallel_linear, row_parallel_linea
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
 from spruce.models.rope import Rotary
+from spruce.ops.fp8 import FP8_DTYPE, fp8_cache_inputs, fp8_cache_output
 
 LORA_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -88,6 +89,7 @@ class MLAttention(nn.Module):
         self.backend = backend
         self.layer_id = layer_id
         self.scale = mla.softmax_scale
+        self.k_scale = 1.0  # an FP8 latent cache's scale (the checkpoint's k_scale)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H] -> q_nope [T, Hq, nope], q_pe [T, Hq, R] (rotated), latent [T, C + R] (k_pe rotated)."""
@@ -111,8 +113,14 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self.kv_b_heads()
         q_absorbed = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, Hq, C]
         query = torch.cat([q_absorbed, q_pe], dim=-1)  # [T, Hq, C + R]
-        out = self.backend.forward_latent(query, latent, kv.layer(self.layer_id), self.kv_rank, kv.scratch_start,
+        cache = kv.layer(self.layer_id)
+        fp8_cache = cache.dtype == FP8_DTYPE  # holds latent / k_scale (ops/fp8.py); the value shares the scale
+        if fp8_cache:
+            query, latent, _ = fp8_cache_inputs(query, latent, None, self.k_scale, self.k_scale)
+        out = self.backend.forward_latent(query, latent, cache, self.kv_rank, kv.scratch_start,
                                           batch, page_table, self.scale)  # [T, Hq, C]
+        if fp8_cache:
+            out = fp8_cache_output(out, self.k_scale)
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hq, v]
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim))
 

@@ -317,3 +317,42 @@ def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
             setattr(parent, child, layer)
             count += 1
     return count
+
+
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")  # an attention layer's FP8 KV cache scales
+
+
+def load_kv_scale(module: nn.Module, name: str, raw: str, tensor) -> None:
+    """A checkpoint's per-layer KV cache scale (`<layer>.self_attn.k_scale`, `.v_scale`, or one `.kv_scale` for
+    both) onto its attention module; it scales the cache only when the cache is FP8 (kv_cache_dtype)."""
+    from spruce.distributed.checkpoint import whole
+
+    path, _, kind = name.rpartition(".")
+    try:
+        owner = module.get_submodule(path)
+    except AttributeError:
+        owner = None
+    if owner is None or not hasattr(owner, "k_scale"):
+        raise ModelLoadError(f"checkpoint tensor {raw!r} has no place in {type(module).__name__}")
+    t = whole(tensor).float()
+    if t.numel() != 1 or not (t.item() > 0 and t.isfinite().item()):
+        raise ModelLoadError(f"KV cache scale {raw!r} must be one positive finite value, got shape "
+                             f"{tuple(t.shape)} {t.flatten()[:4].tolist()}")
+    for attr in (("k_scale", "v_scale") if kind == "kv_scale" else (kind,)):
+        setattr(owner, attr, t.item())
+
+
+def check_fp8_kv_cache(model: nn.Module, kv_cache_dtype: str) -> None:
+    """Refuse an FP8 KV cache for a model whose attention does not scale what it stores (ConfigError naming it):
+    spruce's Attention and MLAttention do (ops/fp8.py); attention layers with their own forward do not yet."""
+    from spruce.errors import ConfigError
+    from spruce.models.layers import Attention
+    from spruce.models.mla import MLAttention
+
+    for path, m in model.named_modules():
+        if not hasattr(m, "backend") or not hasattr(m, "layer_id"):
+            continue
+        base = MLAttention if isinstance(m, MLAttention) else Attention
+        if not isinstance(m, base) or type(m).forward is not base.forward:
+            raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for this model's attention "
+                              f"({type(m).__name__} at {path}); use kv_cache_dtype='auto'")

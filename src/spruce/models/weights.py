@@ -21,7 +21,6 @@ from spruce.distributed.checkpoint import take_shard, whole
 from spruce.errors import ModelLoadError
 from spruce.models import quantization
 from spruce.models.layers import Attention, GatedMLP, fused_slices
-
 from spruce.models.moe import RoutedExperts
 
 _QKV = re.compile(r"(.*)\.self_attn\.([qkv]_proj)\.(weight|bias)$")
@@ -76,7 +75,6 @@ def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[s
             out |= {f"{pname}[0:{i}]": f"{base}.gate_proj.{kind}", f"{pname}[{i}:{2 * i}]": f"{base}.up_proj.{kind}"}
         elif owner_path.endswith(".down") and isinstance(owner, GatedMLP):
             out[pname] = f"{owner_path.removesuffix('.down')}.down_proj.{kind}"
-
         elif isinstance(_submodule(module, owner_path), RoutedExperts) and kind in ("b13", "b2"):
             out[pname] = pname  # gpt-oss's expert biases: written whole
         elif isinstance(_submodule(module, owner_path), RoutedExperts):
@@ -87,7 +85,6 @@ def expected_writes(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[s
                     param, (a, b) = experts.expert_rows(e, proj)
                     if param == bank:
                         out[f"{pname}[{a}:{b}]"] = f"{owner_path}.{e}.{proj}_proj.weight{'_scale' * scale}"
-
         else:
             out[pname] = pname
     return out
@@ -109,6 +106,10 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
             copy_into(bufs[name], tensor, None, raw)
             loaded.add(name)
             continue
+        if name.endswith(quantization.KV_SCALE_SUFFIXES):
+            quantization.load_kv_scale(module, name, raw, tensor)
+            loaded.add(name)
+            continue
         if scheme is not None and quantization.is_scale_name(name):
             key = quantization.load_scale(module, name, raw, tensor, scheme, map_name)
             params = dict(module.named_parameters())
@@ -124,7 +125,6 @@ def load_named_tensors(module: torch.nn.Module, tensors: Iterable[tuple[str, tor
                 raise ModelLoadError(f"checkpoint tensor {raw!r} is FP8 (or an FP8 scale) but config.json has no "
                                      f"supported quantization_config (quant_method 'fp8' or 'compressed-tensors')")
             raise ModelLoadError(f"checkpoint tensor {raw!r} has no place in {type(module).__name__}")
-
         copy_into(params[target], tensor, rows, raw)
         written.add(target if rows is None else f"{target}[{rows[0]}:{rows[1]}]")
         loaded.add(name)
@@ -143,7 +143,6 @@ def _dtype(tensor) -> torch.dtype | None:
 
 
 def copy_into(dst: torch.Tensor, tensor, rows: tuple[int, int] | None, name: str) -> None:
-
     """dst[rows] = tensor (rows of dst's [-1, cols] flattening), checking the shape and naming both on mismatch.
 
     `tensor` may be a CheckpointSlice (read here); a tensor-parallel parameter (`tp_shard`) takes only its

@@ -178,3 +178,26 @@ def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
         out = out + b2[ids].float()
     out = out * topk_weights.reshape(-1, 1).float()
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+# --- FP8 KV cache -----------------------------------------------------------------------------------------
+# A cache in float8_e4m3fn holds k / k_scale and v / v_scale (saturated), so the attention kernels only widen what
+# they read: scores q . k = (q * k_scale) . (k / k_scale), and the output sum_j p_j v_j = v_scale * sum_j p_j (v_j /
+# v_scale). The layer scales q before and the output after the backend runs (`fp8_cache_inputs` / `fp8_cache_output`);
+# with the default scales of 1.0 both are the identity and only the saturating cast remains.
+
+
+def fp8_cache_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, k_scale: float, v_scale: float):
+    """(q * k_scale, k / k_scale, v / v_scale) with k and v saturated to the FP8 range, in their dtypes (v None:
+    MLA's latent, whose value is part of its key and shares k_scale)."""
+    if k_scale != 1.0:
+        q, k = q * k_scale, k / k_scale
+    k = k.clamp(-FP8_MAX, FP8_MAX)
+    if v is not None:
+        v = (v if v_scale == 1.0 else v / v_scale).clamp(-FP8_MAX, FP8_MAX)
+    return q, k, v
+
+
+def fp8_cache_output(out: torch.Tensor, v_scale: float) -> torch.Tensor:
+    """The attention output over an FP8 cache, rescaled by the values' scale."""
+    return out if v_scale == 1.0 else out * v_scale

@@ -660,7 +660,7 @@ class Engine:
         """Bytes a plain decode step of `batch_size` requests at `context_len` cached tokens each must read at
         least once: the weights it touches (routed experts by their expected share) plus the cached KV
         (tensor-parallel: what one rank reads, its slices and its KV heads)."""
-        kv = target_pool_bytes_per_token(self.runner.target_pool_config, self.runner.dtype) * batch_size * context_len
+        kv = target_pool_bytes_per_token(self.runner.target_pool_config, self.runner.kv_dtype) * batch_size * context_len
         return self.runner.target.weight_bytes_read(batch_size) + kv
 
     def check_no_leaks(self) -> None:

@@ -25,6 +25,8 @@ from spruce.config import EngineConfig
 from spruce.errors import ConfigError, InvariantError
 from spruce.limits import Limits
 from spruce.memory.kv_pool import make_pool, pool_bytes_per_token, target_pool_bytes_per_token
+from spruce.models.quantization import check_fp8_kv_cache
+from spruce.ops.fp8 import FP8_DTYPE
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.models.hf_config import ModelConfig
@@ -68,7 +70,8 @@ class ModelRunner:
         check_tree_fits_window(spec, self.model_config)
         aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
-                                  show_progress=config.show_progress, load_format=config.load_format, tp=tp)
+                                  show_progress=config.show_progress, load_format=config.load_format, tp=tp,
+                                  quantization=config.quantization)
         self.draft = None
         if spec is not None:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
@@ -77,7 +80,11 @@ class ModelRunner:
             self.backend.check_model(head_dim=dc.head_dim, mla=dc.mla is not None, what="the draft")
         mc = self.model_config
         self.target_pool_config = self._rank_attention_config(mc)
-        kv_bytes = target_pool_bytes_per_token(self.target_pool_config, self.dtype)
+        # the target's KV cache dtype: the model's, or FP8 (models scale what they store, ops/fp8.py)
+        self.kv_dtype = FP8_DTYPE if config.fp8_kv_cache else self.dtype
+        if config.fp8_kv_cache:
+            check_fp8_kv_cache(self.target, config.kv_cache_dtype)
+        kv_bytes = target_pool_bytes_per_token(self.target_pool_config, self.kv_dtype)
         if self.draft is not None:
             kv_bytes += pool_bytes_per_token(self.draft.attention_config, self.draft.num_layers, self.dtype)
         self.limits = Limits.derive(config, mc.max_position_embeddings, kv_bytes, self._kv_budget_bytes(),
@@ -86,7 +93,7 @@ class ModelRunner:
         self._cover_positions(lim.rope_positions)
         self.page_table = PageTable(lim, self.device)
         self.allocator = PageAllocator(lim)
-        self.target_kv = make_pool(self.target_pool_config, mc.num_layers, lim.target_scratch_width, lim, self.dtype,
+        self.target_kv = make_pool(self.target_pool_config, mc.num_layers, lim.target_scratch_width, lim, self.kv_dtype,
                                    self.device)
         self.draft_kv = None
         if self.draft is not None:

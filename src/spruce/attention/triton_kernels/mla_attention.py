@@ -72,6 +72,7 @@ def _load_latents(cache, slot, n_valid, cache_stride, offs_dv, offs_dr, VALUE_DI
 @triton.jit
 def _latent_step(q_v, q_r, kv, kr, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
     """One online-softmax step of a row block over one key tile (value = the key's first part `kv`)."""
+    kv, kr = kv.to(q_v.dtype), kr.to(q_r.dtype)  # an FP8 cache's tiles widened to the query's dtype
     s = tl.dot(q_v, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     s = tl.dot(q_r, tl.trans(kr), acc=s, input_precision=DOT_PRECISION) * sm_scale_log2
     s = tl.where(allowed, s, float("-inf"))

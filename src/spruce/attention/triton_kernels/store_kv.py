@@ -31,6 +31,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     t = k.shape[0]
     if t == 0:
         return
+    if k_cache.dtype != k.dtype:  # an FP8 cache: torch's round-to-nearest cast, the same as the torch backend's
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k, v = token_rows_contiguous(k), token_rows_contiguous(v)
     width = k.shape[1] * k.shape[2]
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), WIDTH=width,

@@ -1,0 +1,158 @@
+"""FP8 KV cache (kv_cache_dtype="fp8_e4m3"): the cache holds k / k_scale and v / v_scale in float8_e4m3fn
+(MLA: latent / k_scale), on the torch backend and the triton backend (its kernels widen the FP8 tiles; CPU:
+Triton's interpreter, against the torch backend on the same FP8 cache); logits within FP8's error of the float32
+cache; checkpoint scales loaded and applied; speculation == plain with the FP8 cache; unsupported settings
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spruce import SamplingParams
+from spruce.attention.backend import create_backend
+from spruce.attention.metadata import Phase
+from spruce.errors import ConfigError
+from spruce.models.loader import load_target
+from spruce.ops.fp8 import FP8_DTYPE
+from checkpoints import PagedCache, write_deepseek_checkpoint, write_eagle3_checkpoint, write_llama_checkpoint
+from oracle_draft import install_oracle
+
+TOKENS = [[5, 17, 42, 8, 99, 23, 61, 7, 12, 33, 71, 2], [9, 4, 120, 66, 31]]
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kv8")
+    return {"llama": write_llama_checkpoint(root / "llama", init_std=0.05),
+            "deepseek": write_deepseek_checkpoint(root / "ds", first_k_dense_replace=1, init_std=0.05,
+                                                  rope_interleave=True)}
+
+
+def run_logits(path, kv_dtype, page_size=4):
+    """(model, cache, logits [T, V]) of a prefill of TOKENS[0] then two decode steps reading the cache."""
+    model = load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", page_size))
+    cache = PagedCache.for_model(model, page_size=page_size)
+    cache.kv = type(cache.kv)(*_pool_args(cache, model), kv_dtype, torch.device("cpu"))
+    row = cache.add_row(32)
+    outs = []
+    tokens = TOKENS[0]
+    hidden, _ = model(cache.batch([row], [0], [tokens[:-2]]), cache.kv, cache.table)
+    outs.append(model.compute_logits(hidden))
+    for i in (len(tokens) - 2, len(tokens) - 1):  # decode: one token each, over the cached prefix
+        hidden, _ = model(cache.batch([row], [i], [[tokens[i]]]), cache.kv, cache.table)
+        outs.append(model.compute_logits(hidden))
+    return model, cache, torch.cat(outs)
+
+
+def _pool_args(cache, model):
+    c = model.config
+    if c.mla is not None:
+        return cache.limits, c.num_layers, c.mla.latent_dim, 0
+    return cache.limits, c.num_layers, c.num_kv_heads, c.head_dim, 0
+
+
+@pytest.mark.parametrize("fam", ["llama", "deepseek"])
+def test_fp8_cache_is_within_fp8_error_of_the_float_cache(targets, fam):
+    _, cache, got = run_logits(targets[fam], FP8_DTYPE)
+    assert cache.kv.tensors[0].dtype == FP8_DTYPE
+    _, _, want = run_logits(targets[fam], torch.float32)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.05, rel  # e4m3 rounds each cached value by at most 2^-4 relative
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+
+
+def _with_kv_scales(src, dst, scale: float, mla: bool) -> str:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    layers = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scale)
+        if not mla:
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2 * scale)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("fam", ["llama", "deepseek"])
+def test_checkpoint_kv_scales_divide_what_the_cache_holds(targets, tmp_path, fam):
+    scaled = _with_kv_scales(targets[fam], tmp_path / "s", 0.03, fam == "deepseek")
+    model, cache, got = run_logits(scaled, FP8_DTYPE)
+    attn = model.layers[0].self_attn
+    assert attn.k_scale == pytest.approx(0.03)
+    _, plain, want = run_logits(targets[fam], FP8_DTYPE)
+    # the scaled cache holds the unit-scale cache's values / k_scale (up to FP8 rounding of each)
+    scaled_k = cache.kv.tensors[0].float() * 0.03
+    unit_k = plain.kv.tensors[0].float()
+    used = unit_k.abs().sum(dim=tuple(range(2, unit_k.dim()))) > 0  # [L, slots] written slots
+    rel = ((scaled_k - unit_k)[used].norm() / unit_k[used].norm()).item()
+    assert rel < 0.08, rel
+    assert scaled_k[used].abs().max() != unit_k[used].abs().max()  # really stored at another scale
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1 * want.abs().max().item())
+
+
+def test_triton_kernels_read_the_fp8_cache_like_torch():
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from test_triton_attention import SMALL, make_case
+    from test_triton_mla import SMALL as MLA_SMALL
+    from test_triton_mla import uniform_case
+
+    from spruce.attention.torch_backend import TorchAttention
+    from spruce.attention.triton_backend import TritonAttention
+
+    def fp8(t):
+        return t.clamp(-448, 448).to(FP8_DTYPE)
+
+    for phase, q_len, width, kv in [(Phase.EXTEND, 5, 0, [0, 7]), (Phase.VERIFY, 6, 8, [9, 30]),
+                                    (Phase.DECODE, 1, 0, [40, 75])]:
+        q, k, v, kc, vc, start, batch, table = make_case(phase, 2, q_len, kv, 4, width, **SMALL, seed=5)
+        kc, vc = fp8(kc * 3), fp8(vc * 3)
+        rk, rv = kc.clone(), vc.clone()
+        want = TorchAttention(4).forward(q, k, v, rk, rv, start, batch, table, 0.25)
+        got = TritonAttention(4).forward(q, k, v, kc, vc, start, batch, table, 0.25)
+        assert torch.equal(kc.float(), rk.float()) and torch.equal(vc.float(), rv.float())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        q, latent, cache, value_dim, start, batch, table = uniform_case(phase, 2, q_len, kv, 4, width, **MLA_SMALL,
+                                                                        seed=6)
+        cache = fp8(cache)
+        ref = cache.clone()
+        want = TorchAttention(4).forward_latent(q, latent, ref, value_dim, start, batch, table, 0.25)
+        got = TritonAttention(4).forward_latent(q, latent, cache, value_dim, start, batch, table, 0.25)
+        assert torch.equal(cache.float(), ref.float())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("fam", ["llama", "deepseek"])
+def test_eagle3_with_an_fp8_cache_equals_plain(make_llm, targets, tmp_path, fam, k):
+    target = targets[fam]
+    plain = [o.token_ids for o in make_llm(target, page_size=16, kv_cache_dtype="fp8_e4m3").generate(TOKENS, PARAMS)]
+    draft = write_eagle3_checkpoint(tmp_path / "e3", target, seed=2)
+    s, n = {1: (3, 4), 4: (3, 8)}[k]
+    llm = make_llm(target, page_size=16 if k == 4 else 1, kv_cache_dtype="fp8_e4m3", draft_model=str(draft),
+                   speculative_algorithm="EAGLE3", speculative_num_steps=s, speculative_eagle_topk=k,
+                   speculative_num_draft_tokens=n)
+    oracle = install_oracle(llm, 0.6)
+    for p, w in zip(TOKENS, plain):
+        oracle.add_reference(p, w)
+    assert [o.token_ids for o in llm.generate(TOKENS, PARAMS)] == plain
+    assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
+
+
+def test_kv_cache_dtype_is_checked(targets):
+    from spruce import LLM
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype='int8' is not supported; expected one of"):
+        LLM(targets["llama"], kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="quantization='awq' is not supported"):
+        LLM(targets["llama"], quantization="awq")
+    with pytest.raises(ConfigError, match="not supported by attention_backend='torch-split'"):
+        LLM(targets["llama"], kv_cache_dtype="fp8", attention_backend="torch-split")
