@@ -28,7 +28,8 @@ ARCHITECTURES = {
 }
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
-LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM",)  # the text model (Llama4TextConfig)
+# the text model (Llama4TextConfig), or its language model inside the published image-text checkpoints
+LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # keys each rope type needs (llama3's original_max_position_embeddings falls back to max_position_embeddings)
@@ -321,6 +322,11 @@ class ModelConfig:
         if arch in GPT_OSS_ARCHITECTURES:
             return _gpt_oss_config(cfg, arch, path, file)
         if arch in LLAMA4_ARCHITECTURES:
+            if arch == "Llama4ForConditionalGeneration":  # the text side only (vision tensors are skipped)
+                text = cfg.get("text_config")
+                if not isinstance(text, dict):
+                    raise ModelLoadError(f"{file} ({arch}) has no text_config object")
+                cfg = {**{k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}, **text}
             return _llama4_config(cfg, arch, path, file)
         bias, qk_norm = ARCHITECTURES[arch]
         if cfg.get("mlp_bias"):

@@ -1,4 +1,5 @@
-"""Llama 4 text targets (`Llama4ForCausalLM`): rope layers with chunked local attention and L2-normed q/k,
+"""Llama 4 text targets (`Llama4ForCausalLM`, and the language model of the published image-text checkpoints,
+`Llama4ForConditionalGeneration`, whose vision tower is not loaded): rope layers with chunked local attention and L2-normed q/k,
 every no_rope_layer_interval-th layer without rope and with full attention (its queries temperature-tuned by
 position), MoE layers (`moe_layers`: top-1 routing whose sigmoid weight scales the expert's input, plus one
 shared expert) interleaved with dense MLPs of intermediate_size_mlp.
@@ -32,6 +33,7 @@ from spruce.models.weights import load_named_tensors
 
 _EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _QK = re.compile(r".*\.self_attn\.[qk]_proj\.(weight|bias)$")
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 
 
 class Llama4Attention(Attention):
@@ -123,7 +125,11 @@ class Llama4ForCausalLM(DecoderLM):
         return PreNormLayer(h, cfg.rms_norm_eps, attn, mlp)
 
     def checkpoint_name(self, name: str) -> str | None:
-        name = super().checkpoint_name(name)
+        """Published names (the image-text checkpoints' `language_model.` prefix dropped, their vision tower and
+        projector skipped) in this module."""
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        name = super().checkpoint_name(name.removeprefix("language_model."))
         if name is None:
             return None
         name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")

@@ -21,6 +21,7 @@ TARGET_CLASSES = {
     "DeepseekV3ForCausalLM": "spruce.models.deepseek:DeepseekForCausalLM",
     "GptOssForCausalLM": "spruce.models.gpt_oss:GptOssForCausalLM",
     "Llama4ForCausalLM": "spruce.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "spruce.models.llama4:Llama4ForCausalLM",
 }
 
 
