@@ -71,7 +71,7 @@ def test_bad_json(model_copy):
 @pytest.mark.parametrize("change, match", [
     (dict(architectures=["GPT2LMHeadModel"]),
      r"\['GPT2LMHeadModel'\].*supported: \['DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM', 'GptOssForCausalLM', "
-     r"'Llama4ForCausalLM', 'LlamaForCausalLM'"),
+     r"'Llama4ForCausalLM', 'Llama4ForConditionalGeneration', 'LlamaForCausalLM'"),
     (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}), "rope_type='longrope'"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "low_freq_factor"),
     (dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type='dynamic'"),
