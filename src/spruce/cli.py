@@ -1,4 +1,5 @@
-"""The `spruce` command line: generate, serve, bench, train-draft. Flag names follow SGLang's."""
+"""The `spruce` command line (also `python -m spruce`): generate, serve, bench, train-draft. Flag names follow
+SGLang's, with vLLM's beside them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 import time
 
-from spruce.cli_args import add_engine_args, engine_kwargs
+from spruce.cli_args import ArgumentParser, add_engine_args, engine_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -40,12 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole `spruce` parser. Building it imports no torch: `--help` and `--version` answer at once."""
     import spruce
 
-    parser = argparse.ArgumentParser(prog="spruce", description=__doc__)
+    parser = ArgumentParser(prog="spruce", description=__doc__)  # its subcommands' parsers are ArgumentParsers too
     parser.add_argument("--version", action="version", version=f"spruce {spruce.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    add_engine_args(g)
+    add_engine_args(g, engine_seed_alias=False)  # --seed: this request's sampling seed
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)

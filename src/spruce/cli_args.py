@@ -1,18 +1,34 @@
 """The engine flags every model-loading subcommand shares, and the lazy subcommand action: the argument helpers
-that `spruce.cli`, `spruce.server.cli` and `spruce.bench.cli` import (they import nothing of those)."""
+that `spruce.cli`, `spruce.server.cli` and `spruce.bench.cli` import (they import nothing of those).
+
+Flag names are SGLang's, with vLLM's beside them meaning the same (`--max-model-len` = `--context-length`, ...),
+vLLM's `--speculative-config '{json}'`, `--config FILE.yaml` and a positional model. Flags are matched exactly
+(no prefixes: `--max-q 3` is an error, not `--max-queued-requests 3`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand that loads a model (SGLang's names)."""
+def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) -> None:
+    """Engine flags shared by every subcommand that loads a model (SGLang's names, vLLM's beside them).
+
+    `engine_seed_alias`: register vLLM's `--seed` for `--random-seed` (`spruce generate` keeps `--seed` for its
+    request's sampling seed)."""
     from spruce.attention import registry as attention_registry  # names and capabilities only: no torch
 
+    p.set_defaults(_engine_args=True)  # ArgumentParser.parse_known_args finishes these (finish_engine_args)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory, as vLLM's `vllm serve MODEL` (same as --model)")
     p.add_argument("--model", "--model-path", dest="model", default=None,
                    help="HF model directory (default: the bundled pycode-6m demo model)")
-    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="vLLM's config file: a YAML mapping of flag names (without --) to values, e.g. "
+                        "'max-model-len: 4096'; flags on the command line win over it")
+    p.add_argument("--tokenizer-path", "--tokenizer", dest="tokenizer_path", default=None)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights built from config.json alone, no safetensors read (vLLM's flag; for "
                         "benchmarks at real shapes: speed does not depend on the values)")
@@ -23,25 +39,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model dtype; fp8 / fp8_e4m3: the target's KV cache in float8_e4m3fn with the "
                         "checkpoint's per-layer k_scale / v_scale (else 1.0); torch and triton attention backends")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", default="auto", type=_dtype, metavar="{" + ",".join(DTYPE_CHOICES) + "}",
+                   help="auto (default): the checkpoint's torch_dtype on cuda (bfloat16 for a float32 checkpoint, "
+                        "as vLLM), float32 on cpu; half = float16, float = float32")
     p.add_argument("--attention-backend", default=None, choices=attention_registry.choices(),
                    help=f"default: {attention_registry.AUTO} on cuda (per phase, the backend this GPU's kernel table "
                         f"measured faster; else {attention_registry.AUTO_FALLBACK}), "
                         f"{attention_registry.AUTO_CPU_BACKEND} on cpu")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-running-requests", type=int, default=16)
-    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int, default=None,
+                   help="requests decoded together (vLLM's --max-num-seqs). Default: on cuda vLLM's, by the GPU's "
+                        "memory (1024 with 70 GiB or more, except an A100; else 256); on cpu 16")
+    p.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                   help="most tokens (prompt + output) of one request (default: the model's max_position_embeddings)")
     p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float,
+                   default=0.85, help="fraction of the GPU's memory for the weights and the KV cache")
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
-    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=256,
                    help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
                         "bucket); 0: every prefill runs eagerly")
-    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
-                   help="NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft path needed)")
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper,
+                   choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
+                   help="any case; NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft "
+                        "path needed)")
+    p.add_argument("--speculative-config", default=None, type=_json_object, metavar="JSON",
+                   help="vLLM's speculative settings as JSON: method (eagle, eagle3, mtp, deepseek_mtp), model, "
+                        "num_speculative_tokens (a chain of that many drafts unless eagle_topk / num_draft_tokens "
+                        "make a tree), draft_tensor_parallel_size (the target's), rejection_sample_method "
+                        "(standard, or synthetic with synthetic_acceptance_length or synthetic_acceptance_rates)")
     p.add_argument("--speculative-draft-model-path", default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
@@ -61,9 +89,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         " its rounds may run; per batch size the width with the most expected tokens per second")
     p.add_argument("--disable-speculative", action="store_true",
                    help="run the bundled demo model without its bundled draft head")
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--disable-radix-cache", action="store_true",
-                   help="no prefix cache: every prompt is computed in full (SGLang's flag)")
+    seed_flags = ("--random-seed", "--seed") if engine_seed_alias else ("--random-seed",)
+    p.add_argument(*seed_flags, dest="random_seed", type=int, default=0)
+    p.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
+                   action="store_true", help="no prefix cache: every prompt is computed in full (SGLang's flag; "
+                                             "vLLM's --no-enable-prefix-caching)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="resolve each step before planning the next (overlap scheduling is on by default)")
     p.add_argument("--scheduler-delay-factor", type=float, default=0.0,
@@ -71,9 +101,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "add up to the stall a prefill would cost the decoding requests, at most this many times "
                         "the recent prefill launch time; fewer prefill launches for more TTFT (default 0: admit at "
                         "once)")
-    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+    p.add_argument("--tp-size", "--tensor-parallel-size", "-tp", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks: this process and N-1 spawned workers (rank r on cuda:r; gloo on "
                         "cpu), or the processes torchrun started (WORLD_SIZE must equal N)")
+
+
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def _dtype(text: str) -> str:
+    """argparse type: a --dtype value (vLLM's names; `half` and `float` resolve in spruce.config.resolve_dtype)."""
+    if text not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPE_CHOICES)}, got {text!r}")
+    return text
+
+
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object, e.g. '{"method": "eagle3", "num_speculative_tokens": 3}'."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -118,18 +169,155 @@ def draft_path(args: argparse.Namespace) -> str | None:
     return None
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) keyword arguments from parsed engine flags."""
-    import torch
+class ArgumentParser(argparse.ArgumentParser):
+    """spruce's parsers: exact flag names only (`allow_abbrev=False`: a prefix of a flag is refused, not taken for
+    it), `--config FILE.yaml` read where a parser has it, and the engine flags finished after parsing
+    (`finish_engine_args`). Subcommand parsers are of this class too (argparse makes them of the parent's)."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if "--config" in self._option_string_actions:
+            args = expand_config(args, self._option_string_actions, self.error)
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "_engine_args", False):
+            try:
+                finish_engine_args(ns)
+            except ValueError as e:
+                self.error(str(e))
+        return ns, rest
+
+
+def expand_config(args: list[str], flags: dict, error) -> list[str]:
+    """`args` with `--config FILE` (or `--config=FILE`) replaced by the file's flags, put first so that the command
+    line's own flags win (argparse keeps a flag's last value), as vLLM does.
+
+    The file is a YAML mapping of flag names (`max-model-len` or `max_model_len`) to values: `true` gives a switch,
+    `false` leaves it off, a list gives its items, a mapping its JSON (`speculative-config`). e.g.
+    {'max-model-len': 4096, 'enforce-eager': True} -> ['--max-model-len', '4096', '--enforce-eager']."""
+    out, from_file, i = [], [], 0
+    while i < len(args):
+        a = args[i]
+        if a == "--config" or a.startswith("--config="):
+            path = a.partition("=")[2] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
+            if path is None:
+                error("argument --config: expected one argument")
+            from_file += config_file_args(path, flags, error)
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return from_file + out
+
+
+def config_file_args(path: str, flags: dict, error) -> list[str]:
+    """The flags a --config YAML file stands for (see expand_config); an unknown key is an error naming it."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        error(f"--config {path}: cannot read it as YAML: {e}")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        error(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    out = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag not in flags or flag == "--config":
+            error(f"--config {path}: unknown key {key!r} (not a flag of this command)")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif isinstance(value, list):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+# vLLM's --speculative-config: method names, and the engine flag each key sets
+SPEC_CONFIG_METHODS = {"eagle": "EAGLE", "eagle3": "EAGLE3", "mtp": "NEXTN", "deepseek_mtp": "NEXTN",
+                       "nextn": "NEXTN"}
+SPEC_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
+                     "num_speculative_tokens": "speculative_num_steps", "eagle_topk": "speculative_eagle_topk",
+                     "num_draft_tokens": "speculative_num_draft_tokens",
+                     "synthetic_acceptance_length": "speculative_synthetic_acceptance_length",
+                     "synthetic_acceptance_rates": "speculative_synthetic_acceptance_rates"}
+SPEC_CONFIG_KEYS = (*SPEC_CONFIG_FLAGS, "draft_tensor_parallel_size", "rejection_sample_method")
+
+
+def speculative_config_flags(cfg: dict) -> dict:
+    """The engine flags (argparse dests) vLLM's --speculative-config JSON stands for. ValueError names a key or value
+    spruce does not take.
+
+    e.g. {"method": "eagle3", "model": "D", "num_speculative_tokens": 3} -> speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="D", speculative_num_steps=3, speculative_eagle_topk=1 (vLLM drafts a chain of
+    num_speculative_tokens unless eagle_topk / num_draft_tokens, spruce's own keys, make a tree)."""
+    unknown = [k for k in cfg if k not in SPEC_CONFIG_KEYS]
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; spruce takes {', '.join(SPEC_CONFIG_KEYS)}")
+    out = {SPEC_CONFIG_FLAGS[k]: v for k, v in cfg.items() if k in SPEC_CONFIG_FLAGS}
+    method = cfg.get("method")
+    if method is not None:
+        if not isinstance(method, str) or method.lower() not in SPEC_CONFIG_METHODS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported; expected one of "
+                             f"{', '.join(SPEC_CONFIG_METHODS)}")
+        out["speculative_algorithm"] = SPEC_CONFIG_METHODS[method.lower()]
+    draft_tp = cfg.get("draft_tensor_parallel_size", 1)
+    if draft_tp != 1:
+        raise ValueError(f"--speculative-config: draft_tensor_parallel_size={draft_tp!r} is not supported: spruce "
+                         f"runs the draft whole on every tensor-parallel rank (1)")
+    sample = cfg.get("rejection_sample_method", "standard")
+    synthetic = [k for k in ("synthetic_acceptance_length", "synthetic_acceptance_rates") if k in cfg]
+    if sample not in ("standard", "synthetic"):
+        raise ValueError(f"--speculative-config: rejection_sample_method={sample!r} is not supported; expected "
+                         f"'standard' (drafts verified) or 'synthetic' (a benchmark setting)")
+    if (sample == "synthetic") != bool(synthetic):
+        raise ValueError("--speculative-config: rejection_sample_method 'synthetic' goes with "
+                         "synthetic_acceptance_length or synthetic_acceptance_rates, and they with it")
+    rates = out.get("speculative_synthetic_acceptance_rates")
+    if isinstance(rates, list):
+        out["speculative_synthetic_acceptance_rates"] = tuple(rates)
+    if "num_speculative_tokens" in cfg and "eagle_topk" not in cfg and "num_draft_tokens" not in cfg:
+        out["speculative_eagle_topk"] = 1
+    return out
+
+
+def finish_engine_args(ns: argparse.Namespace) -> None:
+    """After parsing: the positional model into `model`, and --speculative-config into the speculative flags.
+    ValueError when they contradict a flag given beside them."""
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}; give one")
+        ns.model = ns.model_tag
+    if ns.speculative_config is None:
+        return
+    for dest, value in speculative_config_flags(ns.speculative_config).items():
+        given = getattr(ns, dest)
+        if given is not None and given != value and not (dest == "speculative_eagle_topk"
+                                                         and "eagle_topk" not in ns.speculative_config):
+            raise ValueError(f"--speculative-config sets {_flag(dest)} to {value!r}, but {_flag(dest)} {given!r} "
+                             f"is given too; give one")
+        if given is None:
+            setattr(ns, dest, value)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) keyword arguments from parsed engine flags (the device, `auto` dtype and running requests left to
+    LLM's defaults when not given: spruce.config.resolve_device / resolve_dtype / resolve_max_running_requests)."""
     draft = draft_path(args)
     # speculation is on with a draft path, or with NEXTN alone (the target's own MTP layers)
     spec = draft is not None or (not args.disable_speculative
                                  and (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return dict(
-        model=args.model, tokenizer=args.tokenizer_path, device=device, dtype=dtype,
+        model=args.model, tokenizer=args.tokenizer_path, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, page_size=args.page_size,
         max_running_requests=args.max_running_requests, context_length=args.context_length,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,

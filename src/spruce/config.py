@@ -37,6 +37,62 @@ def builtin_draft_path() -> Path:
     return Path(__file__).parent / "assets" / "models" / "pycode-6m-eagle3"
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype names
+BIG_GPU_BYTES = 70 << 30  # vLLM's larger batch defaults start at this much GPU memory (an A100 excepted)
+# vLLM's max_num_seqs defaults (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults): by the GPU's memory
+MAX_RUNNING_REQUESTS_BIG_GPU, MAX_RUNNING_REQUESTS_GPU, MAX_RUNNING_REQUESTS_CPU = 1024, 256, 16
+MAX_DEFAULT_GRAPH_BS = 512  # vLLM's largest default CUDA-graph capture size (min(2 * max_num_seqs, 512))
+
+
+def resolve_device(device: str | None) -> str:
+    """The device to run on: as given, else cuda when torch sees a GPU, else cpu."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str, model: str | Path) -> str:
+    """A dtype of DTYPES from vLLM's names: `half` = float16, `float` = float32; `auto` on cpu float32, on cuda the
+    checkpoint's torch_dtype (config.json), bfloat16 where that is float32 or absent (vLLM runs a float32
+    checkpoint in half precision too)."""
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    import json
+
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    text = cfg.get("torch_dtype") or cfg.get("dtype") or (cfg.get("text_config") or {}).get("torch_dtype")
+    return text if text in ("bfloat16", "float16") else "bfloat16"
+
+
+def resolve_max_running_requests(max_running_requests: int | None, device: str) -> int:
+    """Requests decoded together: as given, else vLLM's max_num_seqs default on cuda (1024 on a GPU of 70 GiB or
+    more that is not an A100, else 256), 16 on cpu."""
+    if max_running_requests is not None:
+        return max_running_requests
+    if device == "cpu":
+        return MAX_RUNNING_REQUESTS_CPU
+    import torch
+
+    _check_device_available(device)  # a device this torch cannot see: the config's one-line error, not torch's
+    props = torch.cuda.get_device_properties(torch.device(device))
+    big = props.total_memory >= BIG_GPU_BYTES and "a100" not in props.name.lower()
+    return MAX_RUNNING_REQUESTS_BIG_GPU if big else MAX_RUNNING_REQUESTS_GPU
+
+
+def default_graph_max_bs(max_running_requests: int) -> int:
+    """The largest CUDA-graph batch when running requests are left to their default: at most vLLM's largest default
+    capture size (512); batches above it run eagerly."""
+    return min(max_running_requests, MAX_DEFAULT_GRAPH_BS)
+
+
 def check_delay_factor(delay_factor) -> None:
     """`scheduler_delay_factor` must be a finite number >= 0 (EngineConfig and PrefillBatching both ask here)."""
     if isinstance(delay_factor, bool) or not isinstance(delay_factor, (int, float)) or not (
@@ -205,6 +261,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): the target's KV cache in FP8 (ops/fp8.py)
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
     disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
+    # prefill and decode steps alternate (speculative decoding always alternates)
     tp_size: int = 1  # tensor-parallel ranks (processes); 1: one process, torch.distributed untouched
     scheduler_delay_factor: float = 0.0  # prefill batching (runtime/prefill_batching.py); 0: admit at once
 
@@ -373,3 +430,5 @@ def _guess_algorithm(draft_model: str) -> str:
     except (OSError, ValueError):
         return "EAGLE3"
     return "EAGLE3" if any("Eagle3" in a for a in archs) else "EAGLE"
+
+

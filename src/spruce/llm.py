@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from spruce.config import EngineConfig, builtin_model_path, make_speculative_config
+from spruce.config import (
+    EngineConfig, builtin_model_path, default_graph_max_bs, make_speculative_config, resolve_device, resolve_dtype,
+    resolve_max_running_requests,
+)
 from spruce.errors import InvalidRequestError
 from spruce.runtime.engine import Engine
 from spruce.runtime.output import RequestOutput
@@ -15,7 +18,9 @@ from spruce.sampling_params import SamplingParams
 class LLM:
     """Load a Hugging Face Llama-family model (optionally with an EAGLE / EAGLE-3 draft) and generate.
 
-    `model=None` loads the bundled demo model. Speculation is on when `draft_model` is given; S/K/N default
+    `model=None` loads the bundled demo model. By default it runs on CUDA when there is a GPU, in the checkpoint's
+    dtype (`dtype="auto"`; float32 on the CPU), with vLLM's default number of running requests for that GPU
+    (`spruce.config.resolve_max_running_requests`). Speculation is on when `draft_model` is given; S/K/N default
     to SGLang's (5, 4, 8) when omitted. `speculative_adaptive=True` chooses per decode step between such a
     round and a plain step, by expected tokens per second (speculative/adaptive.py), and with
     `speculative_adaptive_widths` also between verify trees of those widths and N.
@@ -37,11 +42,11 @@ class LLM:
         model: str | Path | None = None,
         *,
         tokenizer: str | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
+        device: str | None = None,
+        dtype: str = "auto",
         attention_backend: str | None = None,
         page_size: int = 16,
-        max_running_requests: int = 16,
+        max_running_requests: int | None = None,
         context_length: int | None = None,
         max_total_tokens: int | None = None,
         mem_fraction_static: float = 0.85,
@@ -69,6 +74,12 @@ class LLM:
         scheduler_delay_factor: float = 0.0,
     ):
         model = str(model if model is not None else builtin_model_path())
+        device = resolve_device(device)  # None: cuda when there is a GPU
+        dtype = resolve_dtype(dtype, device, model)  # auto: the checkpoint's on cuda, float32 on cpu
+        if max_running_requests is None:  # vLLM's default, by the GPU's memory; CUDA graphs up to 512 of them
+            max_running_requests = resolve_max_running_requests(None, device)
+            if cuda_graph_max_bs is None and device != "cpu":
+                cuda_graph_max_bs = default_graph_max_bs(max_running_requests)
         spec = make_speculative_config(
             speculative_algorithm, None if draft_model is None else str(draft_model),
             speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens, model=model,
