@@ -251,3 +251,18 @@ def test_nextn_on_an_fp8_deepseek_equals_plain(make_llm, fp8_dirs, deepseek_fp8_
         oracle.add_reference(p, w)
     assert [o.token_ids for o in llm.generate(TOKENS, PARAMS)] == deepseek_fp8_plain
     assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
+
+
+def test_a_block_scale_of_the_wrong_shape_is_refused(fp8_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "badscale"
+    shutil.copytree(fp8_dirs["llama", "block"][0], dst)
+    tensors = load_file(dst / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :1].contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"scale 'model.layers.0.mlp.down_proj.weight_scale_inv' has shape"):
+        load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))

@@ -156,3 +156,25 @@ def test_kv_cache_dtype_is_checked(targets):
         LLM(targets["llama"], quantization="awq")
     with pytest.raises(ConfigError, match="not supported by attention_backend='torch-split'"):
         LLM(targets["llama"], kv_cache_dtype="fp8", attention_backend="torch-split")
+
+
+def test_an_attention_with_its_own_forward_refuses_the_fp8_cache(tmp_path):
+    from spruce import LLM
+    from moe_checkpoints import write_moe_checkpoint
+
+    path = write_moe_checkpoint(tmp_path / "gptoss", "gpt_oss", layers=1)
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8_e4m3' is not supported for this model's attention"):
+        LLM(path, kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("value", [[0.5, 0.5], -1.0])
+def test_a_kv_scale_must_be_one_positive_value(targets, tmp_path, value):
+    from spruce.errors import ModelLoadError
+
+    dst = tmp_path / "bad"
+    shutil.copytree(targets["llama"], dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(value)
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="KV cache scale .*k_scale.* must be one positive finite value"):
+        load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))

@@ -47,7 +47,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Saturating cast: values beyond +-448 become +-448 (a plain cast may give NaN)."""
+    """Saturating cast: values beyond +-448 become +-448 (whatever the cast does with overflow)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -181,20 +181,20 @@ def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
 
 
 # --- FP8 KV cache -----------------------------------------------------------------------------------------
-# A cache in float8_e4m3fn holds k / k_scale and v / v_scale (saturated), so the attention kernels only widen what
-# they read: scores q . k = (q * k_scale) . (k / k_scale), and the output sum_j p_j v_j = v_scale * sum_j p_j (v_j /
-# v_scale). The layer scales q before and the output after the backend runs (`fp8_cache_inputs` / `fp8_cache_output`);
-# with the default scales of 1.0 both are the identity and only the saturating cast remains.
+# A cache in float8_e4m3fn holds k / k_scale and v / v_scale (torch's cast saturates at +-448), so the attention
+# kernels only widen what they read: scores q . k = (q * k_scale) . (k / k_scale), and the output
+# sum_j p_j v_j = v_scale * sum_j p_j (v_j / v_scale). The layer scales q before and the output after the backend
+# runs (`fp8_cache_inputs` / `fp8_cache_output`); with the default scales of 1.0 both are the identity and only the
+# cast remains.
 
 
 def fp8_cache_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, k_scale: float, v_scale: float):
-    """(q * k_scale, k / k_scale, v / v_scale) with k and v saturated to the FP8 range, in their dtypes (v None:
-    MLA's latent, whose value is part of its key and shares k_scale)."""
+    """(q * k_scale, k / k_scale, v / v_scale) in their dtypes, the backend then casting k and v as it stores them
+    (v None: MLA's latent, whose value is part of its key and shares k_scale)."""
     if k_scale != 1.0:
         q, k = q * k_scale, k / k_scale
-    k = k.clamp(-FP8_MAX, FP8_MAX)
-    if v is not None:
-        v = (v if v_scale == 1.0 else v / v_scale).clamp(-FP8_MAX, FP8_MAX)
+    if v is not None and v_scale != 1.0:
+        v = v / v_scale
     return q, k, v
 
 
