@@ -3,8 +3,8 @@ attention sinks, layers alternating sliding-window / full attention with a windo
 YaRN rope, every layer MoE with a biased router, biased experts and the clamped SwiGLU.
 - logits on the hand-driven paged cache (chunked prefill, then a decode step; every row compared);
 - greedy tokens through the whole engine (overlap on and off, page 1 and 16);
-- EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy for K in {1, 4} x page {1, 16}:
-  tree nodes see their ancestors plus the window of committed tokens;
+- EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 16 and K 4 on
+  pages of 1: tree nodes see their ancestors plus the window of committed tokens;
 - refusals: a backend without windows / sinks, a tree as deep as the window, MXFP4 weights, tensor parallelism."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TOL = 1e-4
 WINDOW = 8  # shorter than every engine prompt and than the 17- and 70-token logit prompts
 YARN = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0,
             truncate=False, rope_theta=150000.0)
-MAX_NEW = 10
+MAX_NEW = 8
 PROMPT_LENGTHS = (5, 23, 40)
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
@@ -36,7 +36,6 @@ LOGIT_VARIANTS = [
     # the clamp at work (limit 0.5), top-1 routing, sliding layers 0 and 2 around a full one
     dict(sliding_window=WINDOW, swiglu_limit=0.5, top_k=1, layers=3,
          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    dict(sliding_window=3, layer_types=["sliding_attention", "sliding_attention"], rope_parameters=YARN),
 ]
 
 
@@ -67,7 +66,7 @@ def test_greedy_equals_transformers(make_llm, case, page, overlap):
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
 
 
-@pytest.mark.parametrize("k,page", [(1, 1), (4, 16), (4, 1), (1, 16)])
+@pytest.mark.parametrize("k,page", [(1, 16), (4, 1)])
 def test_spec_greedy_equals_plain(make_llm, case, k, page):
     llm = spec_llm(make_llm, case, k, page)
     assert [o.token_ids for o in llm.generate(case[2], PARAMS)] == case[3]

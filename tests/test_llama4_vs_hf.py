@@ -4,8 +4,8 @@ full attention and query temperature tuning, top-1 MoE (sigmoid weight on the ex
 interleaved with dense MLPs of intermediate_size_mlp.
 - logits on the hand-driven paged cache (chunked prefill, then a decode step; every row compared);
 - greedy tokens through the whole engine (overlap on and off, page 1 and 16);
-- EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy for K in {1, 4} x page {1, 16}:
-  a chunk boundary inside a tree cuts the node's ancestors before it;
+- EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 1 and K 4 on
+  pages of 16: a chunk boundary inside a tree cuts the node's ancestors before it;
 - refusals: a backend without chunked attention, top-k above 1."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TOL = 1e-4
 CHUNK = 8  # shorter than every engine prompt but the first, and than the 17- and 70-token logit prompts
 # floor_scale 4: the temperature differs from 1 from position 3 on (8192 in the published models)
 BASE = dict(layers=4, top_k=1, interleave_moe_layer_step=2, attention_chunk_size=CHUNK, floor_scale=4)
-MAX_NEW = 10
+MAX_NEW = 8
 PROMPT_LENGTHS = (5, 23, 40)
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
@@ -67,7 +67,7 @@ def test_greedy_equals_transformers(make_llm, case, page, overlap):
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == want
 
 
-@pytest.mark.parametrize("k,page", [(1, 1), (4, 16), (4, 1), (1, 16)])
+@pytest.mark.parametrize("k,page", [(1, 1), (4, 16)])
 def test_spec_greedy_equals_plain(make_llm, case, k, page):
     llm = spec_llm(make_llm, case, k, page)
     assert [o.token_ids for o in llm.generate(case[2], PARAMS)] == case[3]

@@ -5,7 +5,7 @@ random checkpoints saved by transformers itself (float32):
   layers between MoE ones), Mixtral's published block_sparse_moe names;
 - greedy tokens through the whole engine (paged cache, overlap schedule on and off, page 1 and 16);
 - EAGLE-3 tree speculation (a random head steered by the oracle so every accept length runs) equal to plain
-  greedy for K in {1, 4} x page in {1, 16};
+  greedy, K in {1, 4} x page in {1, 16} spread over the three architectures;
 - tensor parallelism (tp 2 on CPU, gloo) on Qwen2-MoE equal to transformers' greedy tokens."""
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from test_models_vs_hf import logit_diff_vs_hf
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
-MAX_NEW = 10
+MAX_NEW = 8
 PROMPT_LENGTHS = (7, 23, 40)
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 LOGIT_VARIANTS = [
-    ("qwen3_moe", dict()),
     ("qwen3_moe", dict(top_k=1, mlp_only_layers=[0], attention_bias=True)),
     ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2, layers=3)),
     ("qwen2_moe", dict()),
-    ("qwen2_moe", dict(norm_topk_prob=False, decoder_sparse_step=2, layers=3, mlp_only_layers=[1])),
     ("mixtral", dict(top_k=1)),
 ]
 
@@ -76,8 +74,8 @@ def cases(tmp_path_factory):
     return case
 
 
-@pytest.mark.parametrize("variant,page,overlap", [("qwen3_moe", 1, False), ("qwen3_moe", 16, True),
-                                                  ("qwen2_moe", 16, True), ("mixtral", 1, True)])
+@pytest.mark.parametrize("variant,page,overlap", [("qwen3_moe", 1, False), ("qwen2_moe", 16, True),
+                                                  ("mixtral", 1, True)])
 def test_greedy_equals_transformers(make_llm, cases, variant, page, overlap):
     target, _, prompts, want = cases(variant)
     llm = make_llm(target, page_size=page, max_running_requests=4, chunked_prefill_size=32,
@@ -97,8 +95,8 @@ def spec_llm(make_llm, case, k, page, **kw):
     return llm
 
 
-@pytest.mark.parametrize("variant,k,page", [("qwen3_moe", 1, 1), ("qwen3_moe", 4, 16), ("qwen3_moe", 4, 1),
-                                            ("qwen3_moe", 1, 16), ("qwen2_moe", 4, 1), ("mixtral", 4, 16)])
+@pytest.mark.parametrize("variant,k,page", [("qwen3_moe", 1, 1), ("qwen3_moe", 4, 16), ("qwen2_moe", 4, 1),
+                                            ("mixtral", 1, 16)])
 def test_spec_greedy_equals_plain(make_llm, cases, variant, k, page):
     case = cases(variant)
     llm = spec_llm(make_llm, case, k, page)
