@@ -94,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) 
     p.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
                    action="store_true", help="no prefix cache: every prompt is computed in full (SGLang's flag; "
                                              "vLLM's --no-enable-prefix-caching)")
+    p.add_argument("--disable-mixed-steps", action="store_true",
+                   help="run prompt chunks as steps of their own, alternating with decode steps (by default plain "
+                        "decoding runs them inside decode steps, the decode rows and chunks sharing "
+                        "--chunked-prefill-size tokens a step: vLLM's --max-num-batched-tokens)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="resolve each step before planning the next (overlap scheduling is on by default)")
     p.add_argument("--scheduler-delay-factor", type=float, default=0.0,
@@ -334,7 +338,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
         load_format=args.load_format, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size,
+        disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size, mixed_steps=not args.disable_mixed_steps,
         scheduler_delay_factor=args.scheduler_delay_factor,
     )
 

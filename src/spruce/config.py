@@ -261,6 +261,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): the target's KV cache in FP8 (ops/fp8.py)
     disable_overlap_schedule: bool = False  # True: resolve each step before planning the next (no overlap)
     disable_radix_cache: bool = False  # True: no prefix cache (every prompt is computed in full)
+    mixed_steps: bool = True  # plain decoding: prompt chunks run inside decode steps (runtime/mixed_step.py); False:
     # prefill and decode steps alternate (speculative decoding always alternates)
     tp_size: int = 1  # tensor-parallel ranks (processes); 1: one process, torch.distributed untouched
     scheduler_delay_factor: float = 0.0  # prefill batching (runtime/prefill_batching.py); 0: admit at once

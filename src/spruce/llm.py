@@ -70,6 +70,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         disable_overlap_schedule: bool = False,
         disable_radix_cache: bool = False,
+        mixed_steps: bool = True,
         tp_size: int = 1,
         scheduler_delay_factor: float = 0.0,
     ):
@@ -97,6 +98,7 @@ class LLM:
             speculative=spec, seed=seed, show_progress=show_progress, load_format=load_format,
             quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             disable_overlap_schedule=disable_overlap_schedule, disable_radix_cache=disable_radix_cache,
+            mixed_steps=mixed_steps,
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )
         if tp_size == 1:

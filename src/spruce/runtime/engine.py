@@ -1,9 +1,10 @@
 """The engine: requests in, tokens out, as a loop of plan -> launch -> resolve steps.
 
-One step is one prefill chunk batch or one decode step (a speculative round with a draft). `plan` picks the
-step's requests and reserves their pages (host only), `launch` queues the step's device work through the
-decode strategy without reading anything back, and `resolve` waits for a launched step's event and turns its
-result rows into tokens, stop checks and outputs. With overlap (the default), step i+1 is planned and
+One step is one prefill chunk batch, one decode step (a speculative round with a draft) or, for plain decoding,
+one mixed step: prompt chunks and every decoding request's next token in one forward (runtime/mixed_step.py).
+`plan` picks the step's requests and reserves their pages (host only), `launch` queues the step's device work
+through the decode strategy without reading anything back, and `resolve` waits for a launched step's event and
+turns its result rows into tokens, stop checks and outputs. With overlap (the default), step i+1 is planned and
 launched before step i is resolved, so the host's bookkeeping runs while the device computes. The device
 carries each row's positions and last token from step to step (runtime/row_state.py); the host learns
 accept lengths one step late and reserves pages for the worst case ahead (`Limits.lookahead`). A request
@@ -39,6 +40,7 @@ from spruce.ops import compile_watch
 from spruce.runtime.device import device_name
 from spruce.runtime.grammar import GrammarBackend, GrammarBatch
 from spruce.runtime.logprobs import LogprobPlan, PackReadback, decode_plan, make_entry, prefill_plan
+from spruce.runtime.mixed_step import check_decode_positions, decode_positions, mixed_forward
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import Request, SpecStats, Status, prompt_token_ids
@@ -68,6 +70,8 @@ class LaunchedStep:
     logprobs: LogprobPlan | None = None  # what it scored (its pack is read back with `result`); None: nothing
     grammar: bool = False  # it includes a request with structured output (resolved at once, never left in flight)
     chosen: object | None = None  # a decode step: what `strategy.choose` returned for it (None: a prefill)
+    prefill_results: int = 0  # a mixed step (`decode` True): its first result rows are final prompt chunks' (their
+    # committed length was set at launch); the decode rows follow
 
 
 def _shared(items: list) -> list:
@@ -94,6 +98,7 @@ class Engine:
         spec = config.speculative
         self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
+        self.scheduler.mixed_steps = config.mixed_steps and not self.speculative  # rounds alternate with prefills
         if self.runner.graphs.enabled:
             self.strategy.capture_graphs(config.show_progress)
         if self.runner.device.type == "cuda":  # compile the eager paths' kernels now, not while serving
@@ -325,6 +330,8 @@ class Engine:
             if not reqs:
                 return None, previous
             if sched.reserve_decode(reqs) is None:
+                if kind == "mixed":
+                    return self._launch_mixed(reqs, previous), previous
                 return self._launch_decode(reqs), previous
             if previous is not None:  # pages may come back with the step in flight: resolve it first
                 self._resolve(previous, touched)
@@ -348,20 +355,7 @@ class Engine:
 
     def _launch_prefill(self, reqs: list[Request]) -> LaunchedStep:
         """One batch of prompt chunks (oldest first, up to chunked_prefill_size tokens)."""
-        budget = self.limits.chunked_prefill_size
-        chunks: list[PrefillChunk] = []
-        stepped: list[Request] = []
-        for q in reqs:
-            start = q.committed
-            take = min(q.num_tokens - start, budget)
-            if take <= 0:
-                break
-            self.runner.page_table.check_covers(q.row, start + take, f"prefill of request {q.request_id}")
-            ids = q.token_ids
-            final = start + take == q.num_tokens
-            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final))
-            stepped.append(q)
-            budget -= take
+        stepped, chunks = self._prefill_chunks(reqs, self.limits.chunked_prefill_size)
         finals = [q for q, c in zip(stepped, chunks) if c.final]
         logprobs = prefill_plan(stepped, chunks, finals)
         sampling = self._sampling(finals)
@@ -374,12 +368,64 @@ class Engine:
         self.scheduler.batching.launched(launch_s, len(chunks))
         if sampling.penalties is not None:
             self._count_penalties(finals, result)
+        self._chunks_launched(stepped, chunks)
+        self.counters.launched(False, len(stepped), False, launch_s)
+        return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
+
+    def _prefill_chunks(self, reqs: list[Request], budget: int) -> tuple[list[Request], list[PrefillChunk]]:
+        """The prompt chunks of one step, up to `budget` tokens (Scheduler.prefill_spans), and their requests;
+        always-on: each chunk's pages cover it."""
+        stepped: list[Request] = []
+        chunks: list[PrefillChunk] = []
+        for q, start, take in self.scheduler.prefill_spans(reqs, budget):
+            self.runner.page_table.check_covers(q.row, start + take, f"prefill of request {q.request_id}")
+            ids = q.token_ids
+            final = start + take == q.num_tokens
+            chunks.append(PrefillChunk(q.row, start, ids[start:start + take], ids[start + 1:start + take + 1], final))
+            stepped.append(q)
+        return stepped, chunks
+
+    @staticmethod
+    def _chunks_launched(stepped: list[Request], chunks: list[PrefillChunk]) -> None:
+        """The host's record of launched prompt chunks: committed past each, decoding after a final one."""
         for q, c in zip(stepped, chunks):
             q.committed = c.start + len(c.tokens)
             if c.final:
                 q.status = Status.DECODE
-        self.counters.launched(False, len(stepped), False, launch_s)
-        return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
+
+    def _launch_mixed(self, decode: list[Request], previous: LaunchedStep | None) -> LaunchedStep:
+        """One mixed step (runtime/mixed_step.py): the decoding requests `decode`, whose pages cover `lookahead`
+        positions ahead, and prompt chunks of the prefilling requests in the rest of the token budget (a plain
+        decode step when none prefills any more: a preemption for `decode`'s pages took them). `previous`: the
+        step in flight (its decode rows are one token ahead on the device)."""
+        prefill = self.scheduler.prefill_requests()
+        if not prefill:
+            return self._launch_decode(decode)
+        stepped, chunks = self._prefill_chunks(prefill, self.scheduler.mixed_prefill_budget(len(decode)))
+        in_flight = previous.result_reqs[previous.prefill_results:] if previous is not None and previous.decode else ()
+        positions = decode_positions(decode, in_flight)
+        rows = [q.row for q in decode]
+        self.runner.page_table.check_covers_rows(rows, [p + 1 for p in positions], "mixed step")
+        if self.debug:
+            check_decode_positions(self.runner, rows, positions)
+        finals = [q for q, c in zip(stepped, chunks) if c.final]
+        results = finals + decode  # result rows: the final chunks', then the decode rows'
+        logprobs = prefill_plan(stepped, chunks, results)
+        sampling = self._sampling(results)
+        if sampling.penalties is not None:
+            self._start_penalties(finals)
+        with self.runner.timer.phase("mixed"):
+            result = mixed_forward(self.runner, chunks, rows, positions, sampling,
+                                   lambda rows_t: self.strategy.history(sampling, rows_t), logprobs,
+                                   self._grammar_batch(results))
+        if sampling.penalties is not None:
+            self._count_penalties(results, result)
+        self._chunks_launched(stepped, chunks)
+        self.counters.launched(True, len(decode), False, mixed=True)
+        launched = self._launched(stepped + decode, results, result, decode=True, logprobs=logprobs)
+        launched.prefill_results = len(finals)
+        launched.chosen = self.strategy
+        return launched
 
     def _launch_decode(self, reqs: list[Request]) -> LaunchedStep:
         """One decode step (speculative round) for `reqs`, whose pages cover `lookahead` positions ahead."""
@@ -463,7 +509,7 @@ class Engine:
             if q.finished:
                 continue
             accepted = row[0]
-            if step.decode:
+            if step.decode and i >= step.prefill_results:  # a decode row (a final chunk's committed at launch)
                 q.committed += accepted + 1
                 if step.speculated:
                     q.spec.add_round(accepted, self.limits.num_steps)
@@ -478,7 +524,9 @@ class Engine:
                 self.scheduler.finish(q, "error" if q.grammar.error is not None else "stop")
             touched[q.request_id] = q
         if step.decode:
-            self.strategy.on_round(step.chosen, step.result_reqs, rows)
+            first = step.prefill_results  # a mixed step's decode rows follow its final chunks'
+            self.strategy.on_round(step.chosen, step.result_reqs[first:] if first else step.result_reqs,
+                                   rows[first:] if first else rows)
         self.counters.add("wait", waited)
         self.counters.add("resolve", time.perf_counter() - t_read)
 
@@ -680,6 +728,7 @@ class Engine:
                             if spec is not None else "off"),
             "synthetic_acceptance": synthetic.describe(spec.synthetic_acceptance_rates if spec is not None else None),
             "overlap_schedule": "on" if lim.overlap else "off",
+            "mixed_steps": "on" if self.scheduler.mixed_steps else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",
             "prefill_graph_tokens": (",".join(map(str, lim.prefill_graph_tokens)) if self.runner.prefill_graphs.enabled
                                      else "off"),

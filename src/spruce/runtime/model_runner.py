@@ -206,10 +206,12 @@ class ModelRunner:
         return self.target(batch, self.target_kv, self.page_table.table, aux=aux)
 
     def prefill_forward(self, rows: list[int], starts: list[int], tokens: list[list[int]],
-                        aux: bool = True) -> tuple[torch.Tensor, object]:
+                        aux: bool = True, set_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, object]:
         """The target over prompt chunks (EXTEND): tokens[i] at positions starts[i].. of page-table row rows[i].
         Returns hidden [n, H] and aux [n, A] or None for the n tokens, in order (`aux` False: None, and an eager
-        forward keeps no aux features).
+        forward keeps no aux features). `set_ids` = (index [k], ids [k]) on the device overwrites those tokens' ids
+        first (as `draft_extend_forward`'s: a mixed step's decode rows, whose tokens the host does not know yet).
 
         A batch of at most the largest prefill bucket's tokens replays that bucket's graph (`capture_prefill_graphs`)
         over the batch padded up to it (its outputs are views of the graph's static buffers, valid until the next
@@ -219,8 +221,13 @@ class ModelRunner:
         self._prefilled = num_tokens
         bucket = graphs.bucket(num_tokens)
         if bucket is None or not graphs.captured("prefill", bucket):
-            return self.target_forward(self.builder.extend(rows, starts, tokens), aux=aux)
+            batch = self.builder.extend(rows, starts, tokens)
+            if set_ids is not None:
+                batch.input_ids[set_ids[0]] = set_ids[1]
+            return self.target_forward(batch, aux=aux)
         self.builder.extend(rows, starts, tokens, pad_to=bucket)
+        if set_ids is not None:  # the padded batch's first tokens are the batch's own, in order
+            self.builder.input_ids[set_ids[0]] = set_ids[1]
         hidden, kept = graphs.run("prefill", self.prefill_phase, bucket, graphs.kv_bound, plan=self._plan_prefill)
         return hidden[:num_tokens], (kept[:num_tokens] if aux and kept is not None else None)
 

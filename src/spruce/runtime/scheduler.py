@@ -4,8 +4,12 @@ Policy: FIFO admission while a request row and pages for its whole prompt (+ `Li
 with the prefix cache, the longest cached run of full pages is shared instead of computed (of pages cached without
 the draft's KV, only by a request that decodes plainly for its life: memory/prefix_cache.py), and unreferenced
 cached pages are evicted (least recently used) before anything waits or is preempted for memory.
-Prefill (chunked) and decode steps alternate while both have work, so a long prompt never stalls the
-running requests for more than one chunk. Decode steps reserve `lookahead` positions past each request's
+While requests decode and others prefill, a mixed step (`mixed_steps`, plain decoding) runs every decoding
+request's next token and prompt chunks together in one forward under one token budget (`chunked_prefill_size`,
+vLLM's max_num_batched_tokens: decode rows count one token each, the chunks take the rest), so the weights are
+read once for both. Otherwise (speculative decoding, mixing off, or decode rows filling the budget) prefill
+(chunked) and decode steps alternate while both have work, so a long prompt never stalls the running requests
+for more than one chunk. Decode steps reserve `lookahead` positions past each request's
 host-known committed length (under overlap, that covers the step still in flight too) and, when pages run
 out, the engine preempts the youngest running request (its cache is dropped and it is recomputed later).
 Running out of pages therefore queues work; it never crashes or corrupts. With prefill batching
@@ -42,6 +46,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.retiring: list[Request] = []  # finished, with a launched step still holding their row
         self._prefill_turn = True
+        self.mixed_steps = False  # the engine turns it on for plain decoding (EngineConfig.mixed_steps)
         self.num_preemptions = 0
 
     # --- queue -----------------------------------------------------------------------------------------------
@@ -161,9 +166,14 @@ class Scheduler:
 
     # --- what the next step runs -----------------------------------------------------------------------------
     def next_step(self) -> tuple[str, list[Request]] | None:
-        """("prefill" or "decode", its requests), or None when there is nothing to run. The kinds alternate
-        while both have work."""
+        """("prefill", the prefilling requests), ("decode" or "mixed", the decoding requests), or None when there is
+        nothing to run. While both have work: "mixed" (`mixed_steps`, and the decode rows leave some of the token
+        budget to prompt chunks: `mixed_prefill_budget`), else the kinds alternate. A mixed step's prompt chunks
+        are the engine's to pick (`prefill_requests`, `prefill_spans`) once its decode rows' pages are reserved:
+        a preemption for them may take a prefilling request."""
         prefill, decode = self.prefill_requests(), self.decode_requests()
+        if prefill and decode and self.mixed_steps and self.mixed_prefill_budget(len(decode)) > 0:
+            return "mixed", decode
         if prefill and decode:
             kind = "prefill" if self._prefill_turn else "decode"
         elif prefill or decode:
@@ -172,6 +182,24 @@ class Scheduler:
             return None
         self._prefill_turn = kind == "decode"
         return kind, prefill if kind == "prefill" else decode
+
+    def mixed_prefill_budget(self, decode_rows: int) -> int:
+        """Prompt tokens a mixed step with `decode_rows` decoding requests may add: the token budget
+        (`chunked_prefill_size`) less one token per decode row. E.g. budget 2048, 64 decode rows: 1984."""
+        return self.limits.chunked_prefill_size - decode_rows
+
+    def prefill_spans(self, reqs: list[Request], budget: int) -> list[tuple[Request, int, int]]:
+        """The prompt chunks of one step: (request, first position, tokens) for the prefilling `reqs`, oldest
+        first, each continuing from its committed length, until `budget` tokens are taken. E.g. budget 100,
+        prompts of 60 and 70 tokens: (a, 0, 60), (b, 0, 40)."""
+        spans = []
+        for q in reqs:
+            take = min(q.num_tokens - q.committed, budget)
+            if take <= 0:
+                break
+            spans.append((q, q.committed, take))
+            budget -= take
+        return spans
 
     def prefill_requests(self) -> list[Request]:
         """Requests whose prompt is not fully in the cache yet, oldest first."""
