@@ -2,7 +2,7 @@
 
 A Triton kernel is compiled for every new specialisation of its arguments (a constexpr, an integer's divisibility
 by 16 or value 1, a pointer's alignment). Each compilation stalls the step that launched it for 0.1-1 s on a GPU,
-so a server must compile everything while it starts: a kernel first met by some rare path (a draft catch-up at a
+so a server must compile everything while it starts: a kernel first met by some rare path (a draft extend at a
 new batch size, say) stalls serving instead. `install()` hooks Triton's post-compile hook (chaining any hook
 already set) once per process; `serving()` marks the start of serving, after which every compilation is logged
 as a warning with the kernel's specialisation. `compiles()` gives the counts since the process started, split
