@@ -6,7 +6,7 @@ interleaved with dense MLPs of intermediate_size_mlp.
 - greedy tokens through the whole engine (overlap on and off, page 1 and 16);
 - EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 1 and K 4 on
   pages of 16: a chunk boundary inside a tree cuts the node's ancestors before it;
-- refusals: a backend without chunked attention, top-k above 1."""
+- refusals: a backend without chunked attention, top-k above 1, tensor parallelism."""
 
 from __future__ import annotations
 
@@ -116,3 +116,8 @@ def test_image_text_checkpoint_language_model_equals_transformers(tmp_path):
         ours, nxt, dec = run_paged(model, prompts)
     # its language model (the image-text model's own forward is broken on text-only input in transformers 5.24)
     assert max_diff_vs_hf(hf.language_model, prompts, ours, nxt, dec) < TOL
+
+
+def test_tensor_parallelism_is_refused(case):
+    with pytest.raises(ConfigError, match=r"tp_size=2 is not supported for Llama4ForCausalLM yet"):
+        LLM(case[0], tp_size=2)

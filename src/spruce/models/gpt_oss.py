@@ -77,7 +77,7 @@ class GptOssForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         if tp is not None:
             raise ModelLoadError(f"tensor parallelism (tp_size={tp.size}) is not supported for {cfg.architecture} "
-                                 f"yet (its expert biases and attention sinks are not split); use tp_size=1")
+                                 f"yet ({cfg.tp_refusal}); use tp_size=1")
         super().__init__(cfg, backend, aux_layers, tp)
 
     @staticmethod
