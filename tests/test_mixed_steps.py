@@ -16,6 +16,7 @@ from spruce import LLM, SamplingParams
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.errors import InvariantError
 from spruce.runtime.mixed_step import check_decode_positions, decode_positions
+from spruce.runtime.request import Request, Status
 from conftest import assert_no_leaks
 
 TARGET = builtin_model_path()
@@ -140,7 +141,15 @@ def test_decode_rows_filling_the_token_budget_alternate(engines):
     llm = LLM(TARGET, page_size=16, max_running_requests=8, chunked_prefill_size=3)
     sched = llm.engine.scheduler
     assert sched.mixed_prefill_budget(2) == 1 and sched.mixed_prefill_budget(3) == 0
-    prompts, params = PROMPTS[:5], [SamplingParams(max_tokens=12, ignore_eos=True)] * 5
+    prefilling = Request("p", [1] * 9, SamplingParams(), 0, 0, status=Status.PREFILL, token_limit=20)
+    decoding = [Request(f"d{i}", [1] * 4, SamplingParams(), 0, i + 1, status=Status.DECODE, token_limit=20)
+                for i in range(3)]
+    sched.running = [prefilling, *decoding[:2]]  # (the engine is idle: its queues are borrowed)
+    assert [sched.next_step()[0] for _ in range(2)] == ["mixed", "mixed"]
+    sched.running = [prefilling, *decoding]
+    assert [sched.next_step()[0] for _ in range(3)] == ["prefill", "decode", "prefill"]
+    sched.running = []
+    prompts, params = PROMPTS[:3], [SamplingParams(max_tokens=8, ignore_eos=True)] * 3
     want, off = staggered(llm, False, prompts, params, every=2)
     got, on = staggered(llm, True, prompts, params, every=2)
     assert_same_outputs(got, want)
