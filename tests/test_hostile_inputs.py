@@ -32,6 +32,9 @@ def llm():
     ({"def f": 1}, {}, "prompt", "got dict"),
     ("def f", {"stop": ["a\ud800"]}, "stop", "lone surrogate"),
     ("def f", {"stop_token_ids": [2**70]}, "stop_token_ids", f"[0, {VOCAB}), got [{2**70}]"),
+    ("def f", {"stop": 7}, "stop", "a string or a list of strings, got int"),
+    ("def f", {"stop_token_ids": {5: 1}}, "stop_token_ids", "a list of token ids, got dict"),
+    ("def f", {"ignore_eos": "yes"}, "ignore_eos", "True or False"),
 ])
 def test_bad_input_raises_spruce_errors(llm, prompts, params, field, says):
     with pytest.raises(InvalidRequestError, match=re.escape(says)) as e:

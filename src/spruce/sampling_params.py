@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError
@@ -77,11 +78,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
+                           else _as_tuple("stop", self.stop, "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
+                                                             "a list of token ids"))
+        for name in ("ignore_eos", "json_object"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}", field=name)
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}", field="max_tokens")
@@ -126,9 +129,12 @@ class SamplingParams:
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
-        bias = self.logit_bias or ()
+        bias = self.logit_bias if self.logit_bias is not None else ()
         if isinstance(bias, dict):
             bias = bias.items()
+        elif not isinstance(bias, (list, tuple)):
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                                      field="logit_bias")
         try:
             pairs = tuple(sorted((int(t) if not isinstance(t, bool) else t, b) for t, b in bias))
         except (TypeError, ValueError):
@@ -203,6 +209,16 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """Whether a presence, frequency or repetition penalty applies (they count earlier tokens)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _as_tuple(name: str, value, allowed: str) -> tuple:
+    """A sequence parameter (list, tuple, range) as a tuple (None: empty); InvalidRequestError naming `allowed` for
+    anything else (a number, a dict, a set: iterating them would silently mean something else)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise InvalidRequestError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}", field=name)
+    return tuple(value)
 
 
 def _check_int(name: str, value) -> None:
