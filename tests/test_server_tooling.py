@@ -122,6 +122,7 @@ def test_server_info_as_sglang_bench_serving_reads_it(server):
         assert info["avg_spec_accept_length"] == spec["mean_accept_length"]
         lim = server.engine.limits
         assert info["speculative_algorithm"] == "EAGLE3" and info["tp_size"] == 1
+        assert info["mixed_steps"] is False  # speculative rounds alternate with prefills
         assert (info["speculative_num_steps"], info["speculative_eagle_topk"], info["speculative_num_draft_tokens"]) \
             == (lim.num_steps, lim.eagle_topk, lim.num_draft_tokens)
         assert (info["page_size"], info["max_running_requests"], info["context_length"]) \

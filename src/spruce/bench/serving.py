@@ -180,7 +180,8 @@ ADAPTIVE_COUNTERS = {"probes": "spruce_adaptive_probes_total",
                      "collapsed_steps": "spruce_adaptive_collapsed_steps_total",
                      "collapsed_requests": "spruce_adaptive_collapsed_requests_total"}
 SERVING_COMPILES = 'spruce_triton_compiles_total{phase="serving"}'
-ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}' for kind in ("prefill", "decode", "round")}
+ENGINE_STEPS = {kind: f'spruce_engine_steps_total{{kind="{kind}"}}'
+                for kind in ("prefill", "decode", "round", "mixed")}
 ENGINE_SECONDS = {f"{family}.{part}": f'spruce_engine_{family}_seconds_total{{part="{part}"}}'
                   for family, parts in (("step", STEP_PARTS), ("process", PROCESS_PARTS)) for part in parts}
 ENGINE_CPU = "spruce_engine_process_cpu_seconds_total"
@@ -248,7 +249,7 @@ async def run_level(base_url: str, headers: dict, model: str, prompts: list, con
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     engine = None
     if ENGINE_STEPS["decode"] in delta:
-        steps = {kind: int(delta[name]) for kind, name in ENGINE_STEPS.items()}
+        steps = {kind: int(delta.get(name, 0)) for kind, name in ENGINE_STEPS.items()}
         rows = delta.get("spruce_engine_decode_rows_total", 0.0)
         engine = {"steps": steps, "mean_decode_batch": rows / steps["decode"] if steps["decode"] else None,
                   "prefills_per_request": steps["prefill"] / len(ok) if ok else None,

@@ -241,9 +241,9 @@ class Metrics:
             if steps is not None:
                 counter("spruce_engine_steps_total", "Engine launches by kind (prefill: a batch of prompt chunks; "
                         "decode: a plain step or a speculative round; round: the decode launches that were "
-                        "speculative rounds).", {("kind", "prefill"): steps["prefills"],
-                                                ("kind", "decode"): steps["decodes"],
-                                                ("kind", "round"): steps["rounds"]})
+                        "speculative rounds; mixed: the decode launches that ran prompt chunks too).",
+                        {("kind", "prefill"): steps["prefills"], ("kind", "decode"): steps["decodes"],
+                         ("kind", "round"): steps["rounds"], ("kind", "mixed"): steps["mixed"]})
                 counter("spruce_engine_decode_rows_total", "Requests over all decode launches (their mean batch: "
                         "this over the decode launches).", steps["decode_rows"])
                 counter("spruce_engine_prefill_launch_seconds_total", "Wall seconds of the prefill launches (within "

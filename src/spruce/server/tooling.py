@@ -114,6 +114,7 @@ class _Tools:
             "max_total_num_tokens": snap.get("kv_pages_total", 0) * lim.page_size,
             "chunked_prefill_size": lim.chunked_prefill_size, "disable_overlap_schedule": not lim.overlap,
             "disable_radix_cache": cfg.disable_radix_cache,
+            "mixed_steps": api.loop.metrics.info.get("mixed_steps") == "on",  # prompt chunks inside decode steps
             "scheduler_delay_factor": cfg.scheduler_delay_factor,
             "speculative_algorithm": spec.algorithm if spec else None,
             "speculative_draft_model_path": api.shown_path(spec.draft_model) if spec else None,
