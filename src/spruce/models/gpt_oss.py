@@ -67,7 +67,8 @@ def expert_tensors(prefix: str, kind: str, tensor: torch.Tensor):
     for e in range(tensor.shape[0]):
         if kind == "gate_up_proj":  # [H, 2I] -> gate [I, H], up [I, H]
             w = tensor[e]
-            out += [(f"{prefix}.{e}.gate_proj.weight", w[:, 0::2].t()), (f"{prefix}.{e}.up_proj.weight", w[:, 1::2].t())]
+            out += [(f"{prefix}.{e}.gate_proj.weight", w[:, 0::2].t()),
+                    (f"{prefix}.{e}.up_proj.weight", w[:, 1::2].t())]
         else:  # down [I, H] -> [H, I]
             out.append((f"{prefix}.{e}.down_proj.weight", tensor[e].t()))
     return out

@@ -404,7 +404,8 @@ def _gpt_oss_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig
                                                  for i in range(layers)))
         bad = sorted(set(types) - set(LAYER_TYPES))
         if bad or len(types) != layers:
-            raise ModelLoadError(f"layer_types in {file} must list {layers} entries of {LAYER_TYPES}, got {list(types)}")
+            raise ModelLoadError(f"layer_types in {file} must list {layers} entries of {LAYER_TYPES}, "
+                                 f"got {list(types)}")
         window = int(cfg.get("sliding_window") or 0)
         if "sliding_attention" in types and window < 1:
             raise ModelLoadError(f"sliding_window={cfg.get('sliding_window')!r} in {file} must be >= 1 for its "
@@ -449,7 +450,8 @@ def _llama4_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
                                                  for r in rope))
         if len(rope) != layers or len(types) != layers or set(types) - {"full_attention", "chunked_attention"}:
             raise ModelLoadError(f"no_rope_layers / layer_types in {file} must give {layers} entries "
-                                 f"(layer types 'full_attention', 'chunked_attention'), got {list(rope)} / {list(types)}")
+                                 f"(layer types 'full_attention', 'chunked_attention'), got {list(rope)} / "
+                                 f"{list(types)}")
         if "chunked_attention" in types and not chunk:
             raise ModelLoadError(f"attention_chunk_size={cfg.get('attention_chunk_size')!r} in {file} must be >= 1 "
                                  f"for its chunked_attention layers")
@@ -468,6 +470,7 @@ def _llama4_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
             weight_input=True)
         shape = decoder_shape({**cfg, "intermediate_size": cfg.get("intermediate_size_mlp", inter)})
         tuning = cfg.get("attn_temperature_tuning", True)
+        temperature = (float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1))) if tuning else None
         return ModelConfig(
             architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=layers, **shape,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -475,7 +478,7 @@ def _llama4_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)), o_proj_bias=bool(cfg.get("attention_bias", False)),
             qk_norm=False, bos_token_id=_first_int(cfg.get("bos_token_id")), eos_token_ids=_eos_ids(cfg, path),
             moe=moe, layer_types=types, attention_chunk_size=chunk, rope_layers=rope,
-            attn_temperature=(float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1))) if tuning else None,
+            attn_temperature=temperature,
             qk_l2_norm=bool(cfg.get("use_qk_norm", True)), interleaved_rope=True,
         )
     except KeyError as e:

@@ -1,7 +1,7 @@
 """Llama 4 text targets (`Llama4ForCausalLM`, and the language model of the published image-text checkpoints,
-`Llama4ForConditionalGeneration`, whose vision tower is not loaded): rope layers with chunked local attention and L2-normed q/k,
-every no_rope_layer_interval-th layer without rope and with full attention (its queries temperature-tuned by
-position), MoE layers (`moe_layers`: top-1 routing whose sigmoid weight scales the expert's input, plus one
+`Llama4ForConditionalGeneration`, whose vision tower is not loaded): rope layers with chunked local attention
+and L2-normed q/k, every no_rope_layer_interval-th layer without rope and with full attention (its queries
+temperature-tuned by position), MoE layers (`moe_layers`: top-1 routing whose sigmoid weight scales the expert's input, plus one
 shared expert) interleaved with dense MLPs of intermediate_size_mlp.
 
 Published names, as loaded:
