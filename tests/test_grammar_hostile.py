@@ -40,7 +40,7 @@ EMPTY_LANGUAGES = [  # (SamplingParams field, value): the matcher is in error at
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-# a chain of rules each nesting the next: compiling it recursed past an 8 MiB stack (a segfault) at ~3,000
+# a chain of rules each nesting the next: compiling it overflows an 8 MiB stack (a segfault) from ~3,000 rules
 DEEP_CHAIN = "start: r0\n" + "".join(f'r{i}: "a" r{i + 1} | "c"\n' for i in range(6000)) + 'r6000: "x"\n'
 
 
@@ -72,9 +72,9 @@ def test_budget_failure_mid_generation_ends_only_its_request(engines, kind):
 
 
 def test_a_failed_grammar_does_not_poison_the_next_request_with_it(engines):
-    """Each request compiles a matcher of its own: the one that exhausted its lexer's fuel shares nothing with
-    the next request of the same constraint (a cached matcher's copies shared one lexer: the next one failed at
-    its first mask and answered an empty "stop")."""
+    """Each request compiles a matcher of its own: the one that spent its lexer's fuel shares nothing with the
+    next request of the same constraint (copies of one cached matcher would share one lexer: the next request
+    would fail at its first mask)."""
     llm = engines["plain"]
     first = llm.generate([PROMPT], SamplingParams(max_tokens=16, seed=0, temperature=1.0, regex=HOSTILE_REGEX))[0]
     assert first.finish_reason == "error"
@@ -99,7 +99,7 @@ def tokenizer_json(engines) -> str:
 def test_a_token_refused_because_a_fork_spent_the_lexer_fails_the_grammar(tokenizer_json):
     """A tree node's fork shares its lexer with the request's matcher: once a fork has spent the lexer's fuel, the
     request's matcher refuses a token its earlier mask allowed, with its own error flag clear. That is the
-    grammar's failure (it ended the engine with an InvariantError), while a token the mask refuses from a healthy
+    grammar's failure, not an InvariantError that ends the engine, while a token the mask refuses from a healthy
     grammar is still an engine bug."""
     backend = GrammarBackend(tokenizer_json, 4096, (1,), "regex")
     g = backend.request_grammar(StructuredOutput("regex", HOSTILE_REGEX))
@@ -230,8 +230,8 @@ def test_streamed_grammar_failure_is_an_error_finish_then_an_error_event(server)
 
 
 def test_readme_json_schema_example_gives_valid_json(server):
-    """Whitespace-free JSON by default: the demo model completes the README's schema at any seed (with free
-    whitespace it wrote whitespace until max_tokens at most seeds)."""
+    """Whitespace-free JSON by default: the demo model completes the README's schema at each seed (free
+    whitespace lets it write whitespace until max_tokens)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(3):
         r = post(server, "chat/completions", {"messages": [{"role": "user", "content": "Give me a person as JSON."}],

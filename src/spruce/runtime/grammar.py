@@ -19,8 +19,9 @@ good, and its mask then allows eos alone. So every matcher is checked after each
 - at admission (`GrammarBackend.request_grammar`) the grammar is compiled and its first mask computed, within
   `GRAMMAR_BUDGET` and `COMPILE_SECONDS`; a failure there is an InvalidRequestError (a 400) naming it;
 - later (any mask, a tree node's forked matcher, a committed token's consume) the request's `RequestGrammar.error`
-  is set and the engine ends the request with finish_reason "error" and that message, dropping the step's tokens.
-A refused token whose consume leaves the matcher healthy is still an engine bug (InvariantError): the mask chose it.
+  is set and the engine ends the request with finish_reason "error" and that message, keeping only the tokens its
+  grammar took before.
+A committed token that the matcher's own (healthy) mask refuses is still an engine bug (InvariantError).
 """
 
 from __future__ import annotations
@@ -39,21 +40,22 @@ from spruce.structured_output import StructuredOutput
 INSTALL_HINT = "pip install 'spruce[grammar]' (it adds the llguidance package)"
 GRAMMAR_TEXT_CACHE = 256  # constraints whose llguidance grammar text is kept (least recently used dropped)
 WORD_BITS = 32
-# The grammar budget of one request, llguidance's LLParserLimits (fuel: ~100 ns a point). Each request gets a matcher
-# of its own: copies of one matcher share its lexer and so its fuel, and a grammar that exhausted it poisoned every
-# later request with the same constraint.
+# The grammar budget of one request: llguidance's LLParserLimits, its defaults written out so that the budget does not
+# move with the library (llguidance documents ~50k initial fuel, ~14k step fuel and ~20k items per ms). Each request
+# gets a matcher of its own: copies of one matcher share its lexer and so its fuel, so one request that spent it
+# would fail every other request of the same constraint.
 GRAMMAR_BUDGET = {
     "max_grammar_size": 500_000,  # symbols in the compiled grammar's productions
-    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes at compile time (~0.1 s)
-    "step_lexer_fuel": 200_000,  # lexer work of one mask (~15 ms)
-    "step_max_items": 50_000,  # Earley items of one mask (~2.5 ms)
+    "initial_lexer_fuel": 1_000_000,  # building the lexer's regexes at compile time
+    "step_lexer_fuel": 200_000,  # lexer work of one mask
+    "step_max_items": 50_000,  # Earley items of one mask
     "max_items_in_row": 2_000,  # Earley items in one parser row
-    "max_lexer_states": 250_000,  # lexer states over the request's life (~1-2 kB each)
+    "max_lexer_states": 250_000,  # lexer states over the request's life
 }
 COMPILE_SECONDS = 2.0  # wall-clock budget of compiling a grammar and computing its first mask at admission
-# Compiling recurses once per level of a grammar's rule nesting (~3 kB of stack a level: a chain of 3,000 rules
-# overflowed an 8 MiB stack and killed the process); grammars compile on a thread with this much (virtual) stack,
-# which holds the deepest chain a MAX_SPEC_CHARS grammar can spell.
+# Compiling recurses once per level of a grammar's rule nesting (llguidance 1.9.1 on the CPU: a chain of 2,500 rules
+# fits an 8 MiB stack, one of 3,000 overflows it, a segfault that kills the process; a 60,000-rule chain, a 1 MiB
+# grammar, compiles within 256 MiB); grammars compile on a thread with this much (virtual) stack.
 COMPILE_STACK_BYTES = 512 << 20
 BUDGET_WORDS = ("too many", "too big", "limit", "max is")  # llguidance's messages for an exceeded budget
 MAX_REASON_CHARS = 600  # of llguidance's error message, in a request's error
