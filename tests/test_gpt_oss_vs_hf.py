@@ -5,7 +5,9 @@ YaRN rope, every layer MoE with a biased router, biased experts and the clamped 
 - greedy tokens through the whole engine (overlap on and off, page 1 and 16);
 - EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 16 and K 4 on
   pages of 1: tree nodes see their ancestors plus the window of committed tokens;
-- refusals: a backend without windows / sinks, a tree as deep as the window, MXFP4 weights, tensor parallelism."""
+- MXFP4 expert weights dequantized at load, equal to transformers' own dequantization;
+- refusals: a backend without windows / sinks, a tree as deep as the window, other quantizations, tensor
+  parallelism."""
 
 from __future__ import annotations
 
@@ -86,12 +88,49 @@ def test_tree_as_deep_as_the_window_is_refused(case):
             speculative_eagle_topk=1, speculative_num_draft_tokens=WINDOW + 1)
 
 
-def test_mxfp4_checkpoint_is_refused(tmp_path, case):
+def test_other_quantization_is_refused(tmp_path, case):
     cfg = json.loads((Path(case[0]) / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"quantization_config 'mxfp4'.*not supported yet.*dequantize"):
+    with pytest.raises(ModelLoadError, match=r"quantization_config 'bitsandbytes': not supported for "
+                                             r"GptOssForCausalLM \(only 'mxfp4', dequantized at load\)"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_mxfp4_experts_equal_transformers_dequantized(tmp_path, case):
+    """The published MXFP4 layout (expert tensors as uint8 `_blocks` / `_scales`, random here) loads dequantized:
+    logits equal transformers' model holding its own dequantizer's (convert_moe_packed_tensors) experts."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from test_models_vs_hf import load, max_diff_vs_hf, run_paged
+
+    src, dst = Path(case[0]), tmp_path / "mxfp4"
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, cols, rows = tensors.pop(name).shape  # [E, in, out]: blocks hold [E, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(122, 126, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    model = load(dst)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    with torch.no_grad():
+        ours, nxt, dec = run_paged(model, prompts)
+    assert max_diff_vs_hf(hf, prompts, ours, nxt, dec) < TOL
+    from spruce.models.quantization import fp8_scheme
+
+    with pytest.raises(ModelLoadError, match=r"quantization='fp8' cannot run on the MXFP4 checkpoint"):
+        fp8_scheme(dst, "fp8")
 
 
 def test_tensor_parallelism_is_refused(case):

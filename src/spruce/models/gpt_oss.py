@@ -9,7 +9,10 @@ Published names, as loaded (the experts fused and transposed, gate and up interl
     model.layers.N.mlp.experts.gate_up_proj_bias   [E, 2I], the same interleaving      -> b13 [E, 2I]
     model.layers.N.mlp.experts.down_proj           [E, I, H]                           -> w2 [E, H, I]
     model.layers.N.mlp.experts.down_proj_bias      [E, H]                              -> b2
-MXFP4-quantized checkpoints (the published ones) are refused by hf_config with the dequantization recipe.
+MXFP4 checkpoints (the published ones) store each fused expert tensor as `{name}_blocks` [E, rows, G, 16]
+uint8 (two FP4 values a byte, low nibble first; rows = 2I for gate_up, H for down; G * 32 = the input width) and
+`{name}_scales` [E, rows, G] uint8 (a power of two 2^(s - 127) per 32 values): they are dequantized at load
+(`dequantize_mxfp4`, exact in bf16) into the layout above, and run in the model dtype (there is no MXFP4 kernel).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from spruce.models.rope import Rotary
 from spruce.models.weights import load_named_tensors
 
 _EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+_MXFP4 = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)_(blocks|scales)$")
+# the 16 values of an FP4 (e2m1) nibble
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class SinkAttention(Attention):
@@ -74,6 +80,20 @@ def expert_tensors(prefix: str, kind: str, tensor: torch.Tensor):
     return out
 
 
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [E, rows, G, 16] uint8 and scales [E, rows, G] uint8 -> [E, G * 32, rows] bfloat16: the published
+    fused layout of the unquantized tensor (gate_up_proj [E, H, 2I], down_proj [E, I, H]); transformers'
+    convert_moe_packed_tensors."""
+    if blocks.shape[:-1] != scales.shape or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(f"MXFP4 blocks {tuple(blocks.shape)} ({blocks.dtype}) and scales {tuple(scales.shape)} "
+                             f"({scales.dtype}) do not match: expected uint8 [E, rows, G, 16] and [E, rows, G]")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.bfloat16)
+    e, rows, g, b = blocks.shape
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [E, rows, G, 16, 2]
+    values = torch.ldexp(values.reshape(e, rows, g, 2 * b), scales.to(torch.int32)[..., None] - 127)
+    return values.reshape(e, rows, g * 2 * b).transpose(1, 2).contiguous()
+
+
 class GptOssForCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         if tp is not None:
@@ -102,11 +122,24 @@ class GptOssForCausalLM(DecoderLM):
         """Published names into the model, the fused expert tensors split per expert (`expert_tensors`)."""
 
         def split(pairs):
+            packed = {}  # (prefix, tensor name) -> {"blocks" / "scales": tensor} until both arrived
             for name, tensor in pairs:
+                q = _MXFP4.match(name)
+                if q is not None:
+                    parts = packed.setdefault((q.group(1), q.group(2)), {})
+                    parts[q.group(3)] = whole(tensor)
+                    if len(parts) == 2:
+                        del packed[(q.group(1), q.group(2))]
+                        yield from expert_tensors(q.group(1), q.group(2),
+                                                  dequantize_mxfp4(parts["blocks"], parts["scales"]))
+                    continue
                 m = _EXPERTS.match(name)
                 if m is None:
                     yield name, tensor
                 else:
                     yield from expert_tensors(m.group(1), m.group(2), whole(tensor))
+            if packed:
+                raise ModelLoadError(f"MXFP4 expert tensors without their blocks or scales: "
+                                     f"{sorted(f'{p}.{n}' for p, n in packed)}")
 
         load_named_tensors(self, split(tensors), self.checkpoint_name)

@@ -394,10 +394,10 @@ def _gpt_oss_config(cfg: dict, arch: str, path: Path, file: Path) -> ModelConfig
     """gpt-oss: biased q/k/v/o, attention sinks, layer_types alternating sliding-window / full attention (the
     window does not cap the context), YaRN rope, every layer MoE with biased experts and the clamped SwiGLU."""
     quant = cfg.get("quantization_config")
-    if quant:
-        raise ModelLoadError(f"{file} has quantization_config {quant.get('quant_method', quant)!r}: quantized "
-                             f"(MXFP4) expert weights are not supported yet; load a checkpoint dequantized to "
-                             f"bf16 (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if quant and method != "mxfp4":  # MXFP4 experts are dequantized at load (models/gpt_oss.py)
+        raise ModelLoadError(f"{file} has quantization_config {method!r}: not supported for {arch} (only 'mxfp4', "
+                             f"dequantized at load)")
     try:
         layers = int(cfg["num_hidden_layers"])
         types = tuple(cfg.get("layer_types") or ("sliding_attention" if (i + 1) % 2 else "full_attention"

@@ -65,12 +65,18 @@ def fp8_scheme(model_dir, quantization: str | None) -> Fp8Scheme | None:
     from spruce.models.hf_config import read_json
 
     file = Path(model_dir) / "config.json"
-    quant = read_json(file, "model config").get("quantization_config")
+    cfg = read_json(file, "model config")
+    quant = cfg.get("quantization_config")
     if not quant:
         return Fp8Scheme("fp8", at_load=True) if quantization == "fp8" else None
     if not isinstance(quant, dict):
         raise ModelLoadError(f"{file}: quantization_config must be an object, got {quant!r}")
     method = quant.get("quant_method")
+    if method == "mxfp4" and "GptOssForCausalLM" in (cfg.get("architectures") or []):
+        if quantization == "fp8":
+            raise ModelLoadError(f"quantization='fp8' cannot run on the MXFP4 checkpoint {file.parent} (its experts "
+                                 f"are dequantized at load to the model dtype); leave quantization unset")
+        return None  # gpt-oss's MXFP4 experts are dequantized at load (models/gpt_oss.py)
     if method == "fp8":
         return _hf_fp8_scheme(quant, file)
     if method == "compressed-tensors":
