@@ -127,6 +127,10 @@ def test_triton_fp8_gemm_equals_the_emulation():
 
 @pytest.mark.parametrize("tokens", [1, 6])  # T*k <= E: per-assignment experts; above: dequantized banks
 def test_fp8_experts_equal_the_reference_on_dequantized_banks(tokens):
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import spruce.ops.fp8 as fp8
     from spruce.ops.fp8 import dequantize, fp8_moe, quantize_rows
     from spruce.ops.moe import fused_moe_reference
 
@@ -139,6 +143,20 @@ def test_fp8_experts_equal_the_reference_on_dequantized_banks(tokens):
     weights = torch.rand(tokens, k, generator=g)
     want = fused_moe_reference(x, dequantize(w13, s13, 16), dequantize(w2, s2, None), ids, weights)
     torch.testing.assert_close(fp8_moe(x, w13, s13, w2, s2, 16, ids, weights), want, rtol=1e-5, atol=1e-5)
+    # the same banks in one scale group per 16 columns through the fused Triton kernels (interpreter on CPU)
+    w2, s2 = quantize_rows(torch.randn(e, h, i, generator=g), 16)
+    want = fused_moe_reference(x, dequantize(w13, s13, 16), dequantize(w2, s2, 16), ids, weights)
+    for group, scales in ((16, (s13, s2)), (None, None)):
+        if group is None:  # per-channel banks
+            w13, s13 = quantize_rows(dequantize(w13, s13, 16))
+            w2, s2 = quantize_rows(dequantize(w2, s2, 16))
+            want = fused_moe_reference(x, dequantize(w13, s13, None), dequantize(w2, s2, None), ids, weights)
+        fp8._FORCE_TRITON[0] = True
+        try:
+            got = fp8_moe(x, w13, s13, w2, s2, group, ids, weights)
+        finally:
+            fp8._FORCE_TRITON[0] = False
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_per_channel_group_of_each_bank_is_its_own(tmp_path):

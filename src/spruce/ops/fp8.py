@@ -148,16 +148,23 @@ def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
             input_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
     """Routed experts with FP8 banks (w13 [E, 2I, H], w2 [E, H, I], scales [E, rows, G]) -> [T, H] in x's dtype.
 
-    Few assignments (T*k <= E: decode): only the chosen experts are dequantized, one copy per assignment, and each
-    assignment runs as a batched matmul in float32 (no host synchronisation: CUDA-graph safe). Otherwise every
-    expert is dequantized to x's dtype once and the bf16 fused MoE runs. `input_scales` (static, per bank)
-    round x and the intermediate through fp8 first, as a W8A8 kernel would."""
-    from spruce.ops.moe import clamped_swiglu, fused_moe
+    CUDA (Triton): the fused MoE kernels read the FP8 tiles and scale each K group's products (ops/moe.py).
+    Otherwise (CPU), few assignments (T*k <= E: decode): only the chosen experts are dequantized, one copy per
+    assignment, each assignment a batched matmul in float32 (no host synchronisation); more: every expert is
+    dequantized to x's dtype once and the fused MoE runs. `input_scales` (static, per bank) round x and the
+    intermediate through fp8 first, as a W8A8 kernel would (the Triton path takes only the first)."""
+    from spruce.ops.moe import _config, _fused_moe_triton, clamped_swiglu, fused_moe
 
     t, k = topk_ids.shape
     s13, s2 = input_scales
     if s13 is not None:
         x = fake_quantize(x, s13)
+    if HAS_TRITON and (x.is_cuda or _FORCE_TRITON[0]) and s2 is None:
+        cfg = _config(topk_ids.numel(), w13.shape[0])
+        if group_k is not None:  # a K step inside one scale group
+            cfg = cfg._replace(block_k=min(cfg.block_k, group_k))
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg, b13, b2, swiglu_limit, swiglu_alpha,
+                                 scales=(w13_scale, w2_scale, group_k))
     if t * k > w13.shape[0]:
         if s2 is not None:
             raise NotImplementedError("static FP8 input scales of the down projection need T*k <= E")

@@ -172,10 +172,22 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _mma_w(a, w, s_ptrs, k0, acc, IEEE: tl.constexpr, FP8: tl.constexpr, GROUP_K: tl.constexpr, mask_n):
+    """acc + a @ w; an FP8 tile `w` is widened to a's dtype and its product scaled per column by the scale of
+    its K group (`s_ptrs` [BLOCK_N]: the rows' scale rows; BLOCK_K divides GROUP_K, ops/fp8.py's layout)."""
+    if FP8:
+        s = tl.load(s_ptrs + k0 // GROUP_K, mask=mask_n, other=0.0)  # [BLOCK_N]
+        return acc + _mma(a, w.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE) * s[None, :]
+    return _mma(a, w, acc, IEEE)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
-                    stride_we, stride_wn, stride_wk, bias_ptr, swiglu_limit, swiglu_alpha, TOP_K: tl.constexpr,
+                    stride_we, stride_wn, stride_wk, bias_ptr, swiglu_limit, swiglu_alpha, s_ptr, stride_se,
+                    stride_sn, TOP_K: tl.constexpr,
                     H: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                    FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 1):
     pid = tl.program_id(0)
     block = pid // tl.cdiv(INTER, BLOCK_N)
     if block >= tl.load(num_blocks_ptr):
@@ -191,14 +203,16 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num
     a_ptrs = x_ptr + tokens[:, None] * H + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
     u_ptrs = g_ptrs + INTER * stride_wn
+    sg_ptrs = s_ptr + expert * stride_se + offs_n * stride_sn  # FP8: the gate rows' scales, then the up rows'
+    su_ptrs = sg_ptrs + INTER * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         mask_k = offs_k < H - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w_mask = mask_k[:, None] & mask_n[None, :]
-        acc_g = _mma(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, IEEE)
-        acc_u = _mma(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, IEEE)
+        acc_g = _mma_w(a, tl.load(g_ptrs, mask=w_mask, other=0.0), sg_ptrs, k0, acc_g, IEEE, FP8, GROUP_K, mask_n)
+        acc_u = _mma_w(a, tl.load(u_ptrs, mask=w_mask, other=0.0), su_ptrs, k0, acc_u, IEEE, FP8, GROUP_K, mask_n)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
@@ -222,9 +236,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, num
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert_ptr, num_blocks_ptr, num_assign,
-                 stride_we, stride_wn, stride_wk, bias_ptr, H: tl.constexpr, INTER: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 stride_we, stride_wn, stride_wk, bias_ptr, s_ptr, stride_se, stride_sn, H: tl.constexpr,
+                 INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, FP8: tl.constexpr = False, GROUP_K: tl.constexpr = 1):
     pid = tl.program_id(0)
     block = pid // tl.cdiv(H, BLOCK_N)
     if block >= tl.load(num_blocks_ptr):
@@ -238,11 +252,13 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + offs_m[:, None] * INTER + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+    s_ptrs = s_ptr + expert * stride_se + offs_n * stride_sn  # FP8: the rows' scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         mask_k = offs_k < INTER - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        acc = _mma(a, tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _mma_w(a, w, s_ptrs, k0, acc, IEEE, FP8, GROUP_K, mask_n)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     dt = out_ptr.dtype.element_ty
@@ -254,7 +270,8 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, block_expert
 
 
 def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config, b13=None, b2=None,
-                      swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
+                      swiglu_limit: float | None = None, swiglu_alpha: float = 1.702, scales=None) -> torch.Tensor:
+    """`scales` (FP8 banks): (w13_scale [E, 2I, G13], w2_scale [E, H, G2], group_k or None), ops/fp8.py's layout."""
     t, h = x.shape
     k = topk_ids.shape[1]
     num_experts, two_i, _ = w13.shape
@@ -271,15 +288,20 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config, b13=None
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     act = torch.empty(blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)  # [blocks*BLOCK_M, I]
     clamped = swiglu_limit is not None
+    s13, s2, group_k = scales if scales is not None else (x, x, None)
+    fp8 = scales is not None
     _gate_up_kernel[(blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_ids, block_expert, num_blocks, m, w13.stride(0), w13.stride(1), w13.stride(2),
         w13 if b13 is None else b13.contiguous(), float(swiglu_limit) if clamped else 0.0, float(swiglu_alpha),
-        TOP_K=k, H=h, INTER=inter, HAS_BIAS=b13 is not None, CLAMPED=clamped, **launch)
+        s13, s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
+        TOP_K=k, H=h, INTER=inter, HAS_BIAS=b13 is not None, CLAMPED=clamped, FP8=fp8, GROUP_K=group_k or h,
+        **launch)
     out = torch.empty(m, h, dtype=x.dtype, device=x.device)  # [M, H] weighted output of each assignment
     _down_kernel[(blocks * triton.cdiv(h, cfg.block_n),)](
         act, w2, out, topk_weights.contiguous(), sorted_ids, block_expert, num_blocks, m, w2.stride(0),
-        w2.stride(1), w2.stride(2), w2 if b2 is None else b2.contiguous(), H=h, INTER=inter,
-        HAS_BIAS=b2 is not None, **launch)
+        w2.stride(1), w2.stride(2), w2 if b2 is None else b2.contiguous(), s2, s2.stride(0) if fp8 else 0,
+        s2.stride(1) if fp8 else 0, H=h, INTER=inter, HAS_BIAS=b2 is not None, FP8=fp8, GROUP_K=group_k or inter,
+        **launch)
     return out.view(t, k, h).sum(dim=1)
 
 
