@@ -236,8 +236,9 @@ PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 def llama_fp8_plain(fp8_dirs):
     from spruce import LLM
 
-    path = fp8_dirs["llama", "block"][0]
-    return [o.token_ids for o in LLM(path, page_size=16).generate(TOKENS, PARAMS)]
+    llm = LLM(fp8_dirs["llama", "block"][0], page_size=16)
+    assert llm.engine.info()["weights"] == "fp8 (block-wise 20x32)"
+    return [o.token_ids for o in llm.generate(TOKENS, PARAMS)]
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +296,12 @@ def test_a_block_scale_of_the_wrong_shape_is_refused(fp8_dirs, tmp_path):
     save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"scale 'model.layers.0.mlp.down_proj.weight_scale_inv' has shape"):
         load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+
+
+def test_fp8_weights_with_tensor_parallelism_are_refused():
+    from spruce.models.quantization import Fp8Scheme, make_fp8
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model[0].weight.tp_shard = (0, 2, 0)  # a rank's rows (distributed/layers.mark_shard)
+    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+        make_fp8(model, "0.weight", Fp8Scheme("fp8"), "layers.0.o_proj.weight")

@@ -144,6 +144,7 @@ def fp8_cache_plain(targets):
     for fam in ("llama", "deepseek"):
         llm = LLM(targets[fam], page_size=16, kv_cache_dtype="fp8_e4m3")
         assert all(t.dtype == FP8_DTYPE for t in llm.engine.runner.target_kv.tensors)
+        assert llm.engine.info()["kv_cache_dtype"] == "float8_e4m3fn"
         out[fam] = [o.token_ids for o in llm.generate(TOKENS, PARAMS)]
     return out
 

@@ -154,6 +154,7 @@ def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_lay
     if load_format == "dummy" and scheme is not None:  # random FP8 weights in the checkpoint's layout
         with torch.no_grad():
             quantize_model(model, scheme.group_k)
+    model.weight_format = scheme.describe() if scheme is not None else str(dtype).removeprefix("torch.")
     return model.eval().requires_grad_(False)
 
 

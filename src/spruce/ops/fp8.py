@@ -9,7 +9,7 @@ parameters (q/k/v, gate/up, experts) take any row split; e.g. a [300, 200] q_pro
 scale [300, 2], rows 0..127 holding scale_inv[0], rows 256..299 scale_inv[2].
 
 Which kernel runs `fp8_linear` (x [T, K] in the compute dtype):
-    CUDA, G == 1, torch._scaled_mm on an SM 8.9+ GPU, N and K multiples of 16: x quantized per token
+    CUDA, bf16, G == 1, torch._scaled_mm on an SM 8.9+ GPU, N and K multiples of 16: x quantized per token
         (dynamic scale amax / 448), or with the checkpoint's static `input_scale`; the scaled matmul's fp32
         accumulate, output in x's dtype
     CUDA otherwise (block scales): the Triton group-scaled GEMM (ops/fp8_gemm.py), weight-only: x is not quantized
@@ -94,9 +94,9 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, group_k: int | None) -> bool:
-    """Whether torch's row-wise scaled matmul runs this linear: CUDA, per-channel scales, SM 8.9+, and N, K
-    multiples of 16."""
-    if not x.is_cuda or group_k is not None or not hasattr(torch, "_scaled_mm"):
+    """Whether torch's row-wise scaled matmul runs this linear: CUDA, bf16 activations, per-channel scales, SM 8.9+,
+    and N, K multiples of 16."""
+    if not x.is_cuda or x.dtype != torch.bfloat16 or group_k is not None or not hasattr(torch, "_scaled_mm"):
         return False
     n, k = weight.shape
     return torch.cuda.get_device_capability(x.device) >= (8, 9) and n % 16 == 0 and k % 16 == 0

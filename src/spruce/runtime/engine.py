@@ -722,6 +722,8 @@ class Engine:
         return {
             "device": device_name(str(self.runner.device)), "model": str(cfg.model), "dtype": cfg.dtype,
             "attention_backend": self.runner.backend.describe(), "page_size": str(lim.page_size),
+            "weights": getattr(self.runner.target, "weight_format", cfg.dtype),
+            "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
             "speculative": (f"{spec.algorithm} S={spec.num_steps} K={spec.eagle_topk} N={spec.num_draft_tokens}"
                             + (" adaptive" if spec.adaptive else "")
                             + (f" widths={','.join(map(str, spec.tree_widths))}" if spec.adaptive_widths else "")
