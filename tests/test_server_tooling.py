@@ -152,7 +152,7 @@ def test_vllm_spec_decode_aliases_equal_the_spruce_counters(server):
     positions = list(per_pos.values())
     assert sum(positions) == accepted and positions == sorted(positions, reverse=True) and positions[-1] > 0
     assert [round(p / rounds, 4) for p in positions] == spec["accept_rate_per_depth"]
-    labels = f'model_name="{MODEL_NAME}",engine="0"'
+    labels = f'engine="0",model_name="{MODEL_NAME}"'  # prometheus_client writes labels sorted, as vLLM's do
     for alias, value in (("vllm:spec_decode_num_drafts_total", rounds),
                          ("vllm:spec_decode_num_draft_tokens_total", S * rounds),
                          ("vllm:spec_decode_num_accepted_tokens_total", accepted)):

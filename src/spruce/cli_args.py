@@ -266,7 +266,8 @@ def speculative_config_flags(cfg: dict) -> dict:
     num_speculative_tokens unless eagle_topk / num_draft_tokens, spruce's own keys, make a tree)."""
     unknown = [k for k in cfg if k not in SPEC_CONFIG_KEYS]
     if unknown:
-        raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; spruce takes {', '.join(SPEC_CONFIG_KEYS)}")
+        raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; spruce takes "
+                         f"{', '.join(SPEC_CONFIG_KEYS)}")
     out = {SPEC_CONFIG_FLAGS[k]: v for k, v in cfg.items() if k in SPEC_CONFIG_FLAGS}
     method = cfg.get("method")
     if method is not None:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health, /ready,
 /metrics, and the vLLM/SGLang tooling endpoints of `spruce.server.tooling` (/tokenize, /detokenize, /version,
 /server_info). Every error is answered as `{"error": {"message", "type", "param", "code"}}`.
 
@@ -47,14 +47,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
                request_timeout: float | None = REQUEST_TIMEOUT_S,
                shutdown_grace_period: float = SHUTDOWN_GRACE_PERIOD_S,
                allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allowed_origins: tuple[str, ...] = (),
-               metrics_no_auth: bool = False, hide_model_path: bool = False) -> FastAPI:
+               metrics_no_auth: bool = False, hide_model_path: bool = False,
+               sampling_defaults: dict | None = None) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown; `app.state.drain` is the
     graceful shutdown to run before that (refuse new requests, let running ones finish, end the rest).
 
     `allowed_hosts`: Host header names answered (`*`: any; see security.HostCheck); `allowed_origins`: browser
     origins allowed cross-origin (CORS headers and state-changing requests; `*`: any); `metrics_no_auth`: /metrics
     answers without the API key; `hide_model_path`: no response or metric names the model's files (the served
-    name stands for the model's path, a draft model's directory name for its path)."""
+    name stands for the model's path, a draft model's directory name for its path); `sampling_defaults`: values for
+    the sampling fields a request leaves unset (spruce.sampling_defaults: the model's generation_config.json).
+
+    /health answers 200 while the engine runs (503 once it failed or while the server shuts down); /ready 200 while
+    a request would be admitted now: the engine runs, the server is not shutting down and its queue has room
+    (503 naming why not). The port opens only once the engine is loaded and warmed up (CUDA graphs captured)."""
     limits = ServingLimits(max_body_bytes, max_queued_requests, request_timeout, shutdown_grace_period)
     metrics = engine_loop.metrics
     if hide_model_path:
@@ -67,7 +73,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(engine_loop, model_name, api_key, limits, hide_model_path)
+    api = _Api(engine_loop, model_name, api_key, limits, hide_model_path, sampling_defaults)
     app.state.drain = api.drain
     app.state.engine_failure = lambda: engine_loop.failure  # why the engine failed, or None (server exits on it)
     metrics.model_name = model_name  # the model_name label of the vllm:* metric aliases
@@ -104,6 +110,13 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         if not engine_loop.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        reason = unready_reason(engine_loop, limits.max_queued_requests)
+        if reason is not None:
+            return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+        return {"status": "ready"}
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):
@@ -145,7 +158,8 @@ class _Api:
     """The generation endpoints and their request plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, limits: ServingLimits,
-                 hide_model_path: bool = False):
+                 hide_model_path: bool = False, sampling_defaults: dict | None = None):
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.loop = engine_loop
         self.engine = engine_loop.engine
         self.model_name = model_name
@@ -222,6 +236,9 @@ class _Api:
         return req
 
     def sampling_params(self, req, max_tokens: int):
+        unset = {k: v for k, v in self.sampling_defaults.items() if getattr(req, k, None) is None}
+        if unset:  # the model's defaults for what the request left unset (--sampling-defaults model)
+            req = req.model_copy(update=unset)
         try:
             return req.sampling_params(max_tokens, self.engine.vocab_size)
         except InvalidRequestError as e:
@@ -354,6 +371,20 @@ class _Api:
             log.warning("shutdown grace period (%g s) is over: ending %d engine request(s) with an error", grace,
                         self.loop.in_flight)
         await asyncio.to_thread(self.loop.stop)
+
+
+def unready_reason(engine_loop: EngineLoop, max_queued: int) -> str | None:
+    """Why a one-choice request would not be admitted now (EngineLoop's admission), or None: it would."""
+    if engine_loop.failure is not None:
+        return f"the engine failed: {engine_loop.failure}"
+    if not engine_loop.alive:
+        return "the engine is not running"
+    if not engine_loop.accepting:
+        return "the server is shutting down"
+    in_flight, running = engine_loop.in_flight, engine_loop.engine.limits.max_running_requests
+    if in_flight and in_flight + 1 - running > max_queued:
+        return f"the queue is full: {in_flight} requests in flight, {running} run at once, at most {max_queued} wait"
+    return None
 
 
 def check_content_type(content_type: str | None) -> None:

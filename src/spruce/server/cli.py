@@ -13,6 +13,7 @@ import logging
 import os
 
 from spruce.server.heap import freeze_startup_objects
+from spruce.server.logs import LOG_FORMATS, configure_logging, uvicorn_log_config
 from spruce.server.settings import (
     HTTP_TIMEOUT_S, KEEP_ALIVE_TIMEOUT_S, MAX_BODY_BYTES, MAX_CONNECTIONS, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S,
     SHUTDOWN_GRACE_PERIOD_S,
@@ -109,6 +110,13 @@ def add_parser(sub, add_engine_args) -> None:
                         "own (default: its own process, so that the engine and the event loop do not share one "
                         "GIL)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="json: one JSON object per log line (time, level, logger, message), from the server, "
+                        "uvicorn and the engine process alike")
+    p.add_argument("--sampling-defaults", default="model", choices=["model", "openai"],
+                   help="model (default, as SGLang and vLLM): a request that leaves temperature, top_p, top_k, "
+                        "min_p or repetition_penalty unset gets the model's generation_config.json value; openai: "
+                        "the API's neutral defaults (temperature 1, no cuts)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -125,15 +133,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from spruce.server.app import create_app
     from spruce.server.graceful import GracefulServer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     if args.disable_engine_process:
         engine_loop = _engine_thread(args, engine_kwargs(args))
     else:
         from spruce.server.engine_process import EngineProcess, ProcessEngineLoop
 
-        engine_loop = ProcessEngineLoop(EngineProcess(engine_kwargs(args), args.log_level))
+        engine_loop = ProcessEngineLoop(EngineProcess(engine_kwargs(args), args.log_level, args.log_format))
     engine = engine_loop.engine
-    app = create_app(engine_loop, **app_options(args))
+    app = create_app(engine_loop, **app_options(args, engine.config.model))
     logging.getLogger("spruce.server").info("serving %r (speculation: %s)", served_name(args),
                                             engine.info()["speculative"])
     synthetic = engine.info().get("synthetic_acceptance", "off")
@@ -141,6 +149,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("spruce.server").warning("speculative rounds use %s", synthetic)
     freeze_startup_objects()  # the server process's heap (the engine process freezes its own)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            log_config=uvicorn_log_config(args.log_format),
                             timeout_graceful_shutdown=UVICORN_SHUTDOWN_TIMEOUT_S, **connection_options(args))
     failure = None if args.keep_alive_on_engine_failure else app.state.engine_failure
     server = GracefulServer(config, app.state.drain, failure)
@@ -150,11 +159,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return server.exit_code if server.started else 1
 
 
-def app_options(args: argparse.Namespace) -> dict:
-    """create_app's keyword arguments from the flags."""
+def app_options(args: argparse.Namespace, model_dir: str | None = None) -> dict:
+    """create_app's keyword arguments from the flags (`model_dir`: the served model's directory, whose
+    generation_config.json gives the sampling defaults with --sampling-defaults model)."""
+    from spruce.sampling_defaults import model_sampling_defaults
     from spruce.server.security import default_allowed_hosts
 
-    return dict(model_name=served_name(args), api_key=args.api_key, max_body_bytes=args.max_request_bytes,
+    defaults = model_sampling_defaults(model_dir) if args.sampling_defaults == "model" and model_dir else {}
+    return dict(sampling_defaults=defaults,
+                model_name=served_name(args), api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                 max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
                 shutdown_grace_period=args.shutdown_grace_period,
                 allowed_hosts=args.allowed_hosts or default_allowed_hosts(args.host),

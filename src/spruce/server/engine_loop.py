@@ -304,7 +304,7 @@ class EngineLoop:
                     self.metrics.on_finished(out.finish_reason or "abort")
                 continue
             self.metrics.on_output(st.clock, len(out.new_token_ids), out.spec_stats,
-                                   out.finish_reason if out.finished else None, now)
+                                   out.finish_reason if out.finished else None, now, len(out.prompt_token_ids))
             if st.mailbox.put(st.index, out):
                 posted[id(st.mailbox)] = st.mailbox
         wake(posted.values())

@@ -83,11 +83,13 @@ class EngineDescription:
 
 
 # --- the engine process ---------------------------------------------------------------------------------------------
-def engine_process_main(engine_kwargs: dict, conn, log_level: str) -> None:
+def engine_process_main(engine_kwargs: dict, conn, log_level: str, log_format: str = "text") -> None:
     """The engine process's entry point (see the module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from spruce.server.logs import configure_logging
+
+    configure_logging(log_level, log_format)
     from spruce.llm import LLM
     from spruce.ops import compile_watch
     from spruce.server.heap import freeze_startup_objects
@@ -261,10 +263,11 @@ class EngineProcess:
     ProcessEngineLoop's thread runs. Construction starts the process and waits until its engine is ready
     (raising its load error if it could not build it)."""
 
-    def __init__(self, engine_kwargs: dict, log_level: str = "info"):
+    def __init__(self, engine_kwargs: dict, log_level: str = "info", log_format: str = "text"):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=engine_process_main, args=(engine_kwargs, child_conn, log_level),
+        self._process = ctx.Process(target=engine_process_main,
+                                    args=(engine_kwargs, child_conn, log_level, log_format),
                                     name="spruce-engine")
         self._process.start()
         child_conn.close()

@@ -1,4 +1,5 @@
-"""Server metrics in the Prometheus text exposition format (hand-written: prometheus_client is optional).
+"""Server metrics in the Prometheus text exposition format: spruce's own series (spruce_*), then vLLM's names for
+the common ones (vllm:*, through prometheus_client: server/vllm_metrics.py).
 
 Engine-side figures (running/waiting requests, KV pages, generated tokens, speculation) come from a snapshot
 of `Engine.stats()` the serving loop takes after a step (`StatsCadence`: at most every STATS_INTERVAL_S while
@@ -16,6 +17,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+
+from spruce.server.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                    5.0, 10.0, 30.0, 60.0)
@@ -81,7 +84,7 @@ class RequestClock:
     """Per-request timing and speculation counters the metrics need between outputs."""
 
     arrival: float
-    last_token: float | None = None
+    last_token: float | None = None  # when its last token came (None: none yet)
     spec_rounds: int = 0
     spec_committed: int = 0
     spec_seen: dict | None = None  # the last speculation statistics read (the same object until its next round)
@@ -111,18 +114,26 @@ class Metrics:
         self._samples: deque[tuple[float, int]] = deque()
         self._stats_current = threading.Event()  # clear while stats announced by `expect_stats` are on their way
         self._stats_current.set()
+        self.prompt_tokens = 0  # prompt tokens of the requests that produced a token
+        self.vllm = VllmMetrics(self)
 
     # --- writers (engine thread / handlers) ---------------------------------------------------------------
-    def on_output(self, clock: RequestClock, new_tokens: int, spec: dict, finished: str | None, now: float) -> None:
-        """Record one output of a request: TTFT or inter-token gaps, accept lengths, and its end."""
+    def on_output(self, clock: RequestClock, new_tokens: int, spec: dict, finished: str | None, now: float,
+                  prompt_tokens: int = 0) -> None:
+        """Record one output of a request: TTFT (and its `prompt_tokens`) or inter-token gaps, accept lengths, and
+        its end."""
         with self._lock:
             if new_tokens:
                 if clock.last_token is None:
                     self.ttft.observe(now - clock.arrival)
+                    self.vllm.observe_ttft(now - clock.arrival)
+                    self.prompt_tokens += prompt_tokens
                     if new_tokens > 1:
                         self.itl.observe(0.0, new_tokens - 1)
+                        self.vllm.observe_itl(0.0, new_tokens - 1)
                 else:
                     self.itl.observe((now - clock.last_token) / new_tokens, new_tokens)
+                    self.vllm.observe_itl((now - clock.last_token) / new_tokens, new_tokens)
                 clock.last_token = now
             if spec and spec is not clock.spec_seen:  # (an adaptive engine's plain steps repeat the last one:
                 clock.spec_seen = spec  # Request.spec.as_dict is built once a round, and so is its IPC copy)
@@ -134,6 +145,7 @@ class Metrics:
                 clock.spec_committed += committed
             if finished:
                 self.e2e.observe(now - clock.arrival)
+                self.vllm.observe_e2e(now - clock.arrival)
                 self.finished[finished] = self.finished.get(finished, 0) + 1
 
     def on_finished(self, reason: str) -> None:
@@ -183,10 +195,12 @@ class Metrics:
         with self._lock:
             return {**self.stats, "tokens_per_second": tps}
 
+    def spec_counters(self) -> "SpecCounters":
+        """The speculation counts of the latest stats snapshot (which has them: speculation is on)."""
+        return spec_counters(self.stats["spec"], self.num_spec_steps)
+
     def _render_spec_counters(self, out: list[str], c: "SpecCounters") -> None:
-        """The speculation counters under spruce's names and, with the very same values, under the names vLLM's
-        clients and dashboards read (`vllm:spec_decode_*`, each a counter exposed with `_total`, labelled
-        model_name and engine as vLLM labels them)."""
+        """The speculation counters under spruce's names (vLLM's, with the very same values: vllm_metrics)."""
         counter = _emit(out, "counter")
         per_pos = {("position", str(i)): v for i, v in enumerate(c.accepted_per_pos)}
         counter("spruce_spec_verify_rounds_total", "Speculative verify rounds (one per request per decode step).",
@@ -198,23 +212,6 @@ class Metrics:
                 "excluded).", c.accepted)
         counter("spruce_spec_accepted_tokens_per_pos_total", "Verify rounds that accepted the draft token at "
                 "0-based position i (tree depth i+1).", per_pos)
-        labels = f'model_name="{_label(self.model_name)}",engine="0"'
-        aliases = [
-            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts (spruce: verify rounds).", c.rounds, {}),
-            ("vllm:spec_decode_num_draft_tokens", f"Number of draft tokens (spruce: S={self.num_spec_steps} per "
-             f"verify round, the tree depth).", c.draft_tokens, {}),
-            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens (bonus tokens excluded).",
-             c.accepted, {}),
-            ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position (spruce: rounds "
-             "that accepted tree depth position+1).", None, dict(enumerate(c.accepted_per_pos))),
-        ]
-        for base, help, value, by_pos in aliases:
-            name = base + "_total"
-            out.extend([f"# HELP {name} {help}", f"# TYPE {name} counter"])
-            if by_pos:
-                out.extend(f'{name}{{{labels},position="{i}"}} {_num(v)}' for i, v in by_pos.items())
-            elif value is not None:
-                out.append(f"{name}{{{labels}}} {_num(value)}")
 
     def render(self) -> str:
         self._stats_current.wait(STATS_WAIT_S)
@@ -295,7 +292,8 @@ class Metrics:
                 _render_adaptive(out, s["adaptive"])
             for h in (self.ttft, self.itl, self.e2e):
                 out += h.render()
-        return "\n".join(out) + "\n"
+            vllm = self.vllm.render()
+        return "\n".join(out) + "\n" + vllm
 
 
 def _render_adaptive(out: list[str], a: dict) -> None:
