@@ -9,10 +9,11 @@ parameters (q/k/v, gate/up, experts) take any row split; e.g. a [300, 200] q_pro
 scale [300, 2], rows 0..127 holding scale_inv[0], rows 256..299 scale_inv[2].
 
 Which kernel runs `fp8_linear` (x [T, K] in the compute dtype):
-    CUDA, bf16, G == 1, torch._scaled_mm on an SM 8.9+ GPU, N and K multiples of 16: x quantized per token
-        (dynamic scale amax / 448), or with the checkpoint's static `input_scale`; the scaled matmul's fp32
-        accumulate, output in x's dtype
-    CUDA otherwise (block scales): the Triton group-scaled GEMM (ops/fp8_gemm.py), weight-only: x is not quantized
+    CUDA, bf16, G == 1, at least SCALED_MM_MIN_TOKENS tokens, torch._scaled_mm on an SM 8.9+ GPU, N and K
+        multiples of 16: x quantized per token (dynamic scale amax / 448), or with the checkpoint's static
+        `input_scale`; the scaled matmul's fp32 accumulate, output in x's dtype
+    CUDA otherwise (block scales, decode-sized batches): the Triton group-scaled GEMM (ops/fp8_gemm.py),
+        weight-only: x is not quantized
     CPU, or no kernel: emulation, the weight dequantized to float32 and multiplied in float32 (x quantized first
         when a static input scale is set, as the kernels do)
 """
@@ -28,6 +29,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 BLOCK = 128  # block-scaled checkpoints: 128 x 128 weight blocks
 _FORCE_TRITON = [False]  # tests flip this to run the Triton GEMM on CPU tensors through the interpreter
+# batches below this many tokens run the Triton GEMM even where the scaled matmul fits: one launch, no per-token
+# activation quantization (a decode step's linears are bound by their weight reads either way)
+SCALED_MM_MIN_TOKENS = 16
 
 
 def num_groups(k: int, group_k: int | None) -> int:
@@ -121,7 +125,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
     `input_scale` (a static per-tensor activation scale from the checkpoint) quantizes x through fp8 first."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if scaled_mm_fits(x2, weight, group_k) and x2.shape[0] > 0:
+    if x2.shape[0] >= SCALED_MM_MIN_TOKENS and scaled_mm_fits(x2, weight, group_k):
         out = _scaled_mm_linear(x2, weight, scale, bias, input_scale)
     else:
         if input_scale is not None:

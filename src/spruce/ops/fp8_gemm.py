@@ -63,11 +63,12 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, k_per_split, 
 
 
 def _block_sizes(m: int, group_k: int, one_group: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row tiles for decode-sized M (the weight reads dominate), wider
-    ones for prefill. BLOCK_K divides the scale group (128 for blocks) unless one scale covers the row."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row tiles and narrow columns for decode-sized M (the weight reads
+    dominate: more programs, longer K steps), wider ones for prefill. BLOCK_K divides the scale group (128 for
+    blocks) unless one scale covers the row."""
     block_k = 128 if one_group else min(128, group_k)
     if m <= 16:
-        return 16, 64, block_k, 4
+        return 16, 32, 256 if one_group else block_k, 4
     if m <= 64:
         return 64, 64, block_k, 4
     return 128, 128, min(block_k, 64), 8
