@@ -97,6 +97,22 @@ def test_vllm_series_count_the_requests_with_vllms_labels_and_buckets(server):
     assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and REQUEST_LATENCY_BUCKETS[-1] == 7680.0  # vLLM's
 
 
+def test_the_vllm_dashboards_queries_find_their_series(server):
+    """examples/grafana-vllm.json (vLLM's dashboard queries): every vllm:* series it reads is served (the
+    vllm:spec_decode_* ones by a speculative server: test_server_tooling.py)."""
+    import re
+    from pathlib import Path
+
+    complete(server, temperature=0.0)
+    text = wait_idle(server.base_url)
+    served = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    dashboard = (Path(__file__).parent.parent / "examples" / "grafana-vllm.json").read_text()
+    queried = set(re.findall(r"vllm:[a-z0-9_]+", dashboard))
+    spec = {name for name in queried if name.startswith("vllm:spec_decode_")}  # served with speculation on
+    assert len(queried - spec) >= 12 and queried - spec <= served, queried - spec - served
+    assert spec <= {"vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"}
+
+
 def test_sampling_defaults_fill_what_a_request_leaves_unset(server):
     greedy = complete(server, temperature=0.0, max_tokens=12)["choices"][0]["text"]
     assert complete(server, max_tokens=12, seed=3)["choices"][0]["text"] == greedy  # the default: temperature 0

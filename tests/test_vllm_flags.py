@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from spruce import LLM
+from spruce import LLM, SamplingParams
 from spruce.cli import build_parser
 from spruce.cli_args import engine_kwargs
 from spruce.config import (
@@ -67,6 +67,17 @@ def test_vllm_flags_take_effect_in_the_engine(monkeypatch):
             cfg.cuda_graph) == (MODEL, "cpu", "float32", 5, True, 0.5, False)
     assert (lim.max_running_requests, lim.context_length) == (3, 64)
     assert llm.engine.stats()["prefix_cache"] is None
+    llm.default_sampling_params = lambda: SamplingParams(max_tokens=2)
+    assert len(llm.generate("def f(")[0].token_ids) == 2  # no sampling params: the model's defaults
+
+
+def test_offline_sampling_defaults_come_from_generation_config(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 0}))
+    llm = LLM.__new__(LLM)
+    llm.config = SimpleNamespace(model=str(tmp_path))
+    assert llm.default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.9)
+    llm.config = SimpleNamespace(model=MODEL)  # the demo model's sets none: SamplingParams' own (greedy)
+    assert llm.default_sampling_params() == SamplingParams()
 
 
 def test_speculative_config_builds_the_engines_speculative_settings():
@@ -196,3 +207,11 @@ def test_running_requests_default_to_vllms_by_gpu_memory(monkeypatch, name, gib,
 
 def test_running_requests_default_to_16_on_cpu():
     assert resolve_max_running_requests(None, "cpu") == MAX_RUNNING_REQUESTS_CPU == 16
+
+
+def test_the_peer_benchmarks_parser_refuses_prefixes_too():
+    from spruce.bench import peer
+
+    assert peer.build_parser().parse_args(["--out", "x.json", "--concurrency", "1"]).concurrency
+    with pytest.raises(SystemExit):
+        peer.build_parser().parse_args(["--out", "x.json", "--concurr", "1"])

@@ -125,6 +125,14 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no sampling params: the model's generation_config.json settings
+        (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' defaults, as vLLM's
+        LLM.get_default_sampling_params."""
+        from spruce.sampling_defaults import model_sampling_defaults
+
+        return SamplingParams(**model_sampling_defaults(self.config.model))
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -134,13 +142,14 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids); returns finished outputs in prompt order.
+        """Generate for every prompt (text, or token ids); returns finished outputs in prompt order. No
+        `sampling_params`: `default_sampling_params()` (the model's generation_config.json settings).
 
         Every prompt is validated before any work starts: one bad prompt raises and nothing is queued.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompt_list)
+            params = [sampling_params or self.default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompt_list):

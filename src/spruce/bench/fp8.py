@@ -106,7 +106,8 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m spruce.bench.fp8", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m spruce.bench.fp8", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)
     ap.add_argument("--model-shape", default="llama-3.1-8b", help="named shape (random weights)")
     ap.add_argument("--model", default=None, help="a config.json directory instead of --model-shape")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])

@@ -82,7 +82,7 @@ def tree_spec(text: str) -> tuple[int, int, int]:
 def build_parser() -> argparse.ArgumentParser:
     from spruce.bench.shapes import TARGET_SHAPES
 
-    p = argparse.ArgumentParser(prog="python -m spruce.bench.peer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m spruce.bench.peer", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(TARGET_SHAPES), default="llama-3.1-8b",
                    help="the model shape (config-only directories written under --root)")

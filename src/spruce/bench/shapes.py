@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     EAGLE-3 draft directories under DIR; print their paths."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m spruce.bench.shapes", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m spruce.bench.shapes", description=main.__doc__, allow_abbrev=False)
     ap.add_argument("name", choices=sorted(TARGET_SHAPES))
     ap.add_argument("root", type=Path)
     args = ap.parse_args(argv)
