@@ -30,13 +30,13 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
 ]
 PARAMS = [
-    SamplingParams(max_tokens=20, ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
+    SamplingParams(max_tokens=16, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3,
                    repetition_penalty=1.2, ignore_eos=True),
-    SamplingParams(max_tokens=16, logprobs=3, prompt_logprobs=2, ignore_eos=True),
-    SamplingParams(max_tokens=20, stop=["\n    ", "):"], ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=1.0, seed=3, min_tokens=6, logit_bias={13: 4.0}),
+    SamplingParams(max_tokens=12, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=16, stop=["\n    ", "):"], ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=1.0, seed=3, min_tokens=6, logit_bias={13: 4.0}),
     SamplingParams(max_tokens=3, ignore_eos=True),
 ]
 EVERY = 4  # tokens generated (by all requests) between arrivals
@@ -93,11 +93,24 @@ def assert_same_outputs(got, want):
                                                                              abs=1e-5)
 
 
-@pytest.mark.parametrize("overlap,page", [(True, 1), (True, 16), (False, 1), (False, 16)])
-def test_mixed_steps_give_the_alternating_outputs_with_fewer_forwards(engines, overlap, page):
-    llm = engines(overlap, page)
-    want, off = staggered(llm, mixed=False)
-    got, on = staggered(llm, mixed=True)
+@pytest.fixture(scope="module")
+def alternating(engines):
+    """overlap -> (outputs, step counts) of the staggered batch with mixing off (pages of 16 tokens: the page size
+    changes no output)."""
+    made = {}
+
+    def get(overlap: bool):
+        if overlap not in made:
+            made[overlap] = staggered(engines(overlap, 16), mixed=False)
+        return made[overlap]
+
+    return get
+
+
+@pytest.mark.parametrize("overlap,page", [(True, 1), (True, 16), (False, 16)])
+def test_mixed_steps_give_the_alternating_outputs_with_fewer_forwards(engines, alternating, overlap, page):
+    want, off = alternating(overlap)
+    got, on = staggered(engines(overlap, page), mixed=True)
     assert_same_outputs(got, want)
     assert off["mixed"] == 0 and on["mixed"] >= len(PROMPTS) - 2  # (the first arrives to an idle engine)
     assert on["prefills"] < off["prefills"]
@@ -109,30 +122,31 @@ def test_preemption_and_prefix_cache_hits_inside_mixed_steps():
     """A KV cache too small for every request preempts the youngest (its prompt and output are recomputed, in
     mixed steps too), and prompts sharing a prefix take it from the prefix cache: the outputs are the same."""
     shared = "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n        "
-    prompts = [shared + tail for tail in ("return json.load(f)\n", "data = f.read()\n", "for line in f:\n")] * 2
-    params = [SamplingParams(max_tokens=28, ignore_eos=True),
-              SamplingParams(max_tokens=28, temperature=0.9, seed=21, ignore_eos=True)] * 3
-    llm = LLM(TARGET, page_size=4, max_running_requests=6, max_total_tokens=260)
-    want, _ = staggered(llm, False, prompts, params, every=3)
-    preempted = llm.engine.scheduler.num_preemptions
-    hits = llm.engine.scheduler.prefix_cache.hit_tokens
-    got, on = staggered(llm, True, prompts, params, every=3)
+    prompts = [shared + tail for tail in ("return json.load(f)\n", "data = f.read()\n", "for line in f:\n", "pass\n")]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.9, seed=21, ignore_eos=True)] * 2
+    llm = LLM(TARGET, page_size=4, max_running_requests=4, max_total_tokens=120)
+    sched = llm.engine.scheduler
+    runs = []
+    for mixed in (False, True):
+        preempted, hits = sched.num_preemptions, sched.prefix_cache.hit_tokens
+        runs.append(staggered(llm, mixed, prompts, params, every=2))
+        assert sched.num_preemptions > preempted and sched.prefix_cache.hit_tokens > hits  # each run has both
+    (want, _), (got, on) = runs
     assert_same_outputs(got, want)
     assert on["mixed"] > 0
-    assert llm.engine.scheduler.num_preemptions > preempted > 0  # both runs were preempted
-    assert llm.engine.scheduler.prefix_cache.hit_tokens > hits > 0  # both runs hit the cache
 
 
 def test_structured_output_inside_mixed_steps(engines):
     pytest.importorskip("llguidance", reason="structured output needs spruce[grammar] (llguidance)")
     params = list(PARAMS)
-    params[1] = SamplingParams(max_tokens=16, regex=r"[a-z]+( [a-z]+)*")
-    params[4] = SamplingParams(max_tokens=8, choice=["yes", "no", "maybe"])
+    params[1] = SamplingParams(max_tokens=12, regex=r"[a-z]+( [a-z]+)*")
+    params[3] = SamplingParams(max_tokens=8, choice=["yes", "no", "maybe"])
     llm = engines(True, 16)
-    want, _ = staggered(llm, False, params=params)
-    got, on = staggered(llm, True, params=params)
+    want, _ = staggered(llm, False, PROMPTS[:4], params[:4])
+    got, on = staggered(llm, True, PROMPTS[:4], params[:4])
     assert_same_outputs(got, want)
-    assert on["mixed"] > 0 and got[4].text in ("yes", "no", "maybe")
+    assert on["mixed"] > 0 and got[3].text in ("yes", "no", "maybe")
 
 
 def test_decode_rows_filling_the_token_budget_alternate(engines):
@@ -149,7 +163,7 @@ def test_decode_rows_filling_the_token_budget_alternate(engines):
     sched.running = [prefilling, *decoding]
     assert [sched.next_step()[0] for _ in range(3)] == ["prefill", "decode", "prefill"]
     sched.running = []
-    prompts, params = PROMPTS[:3], [SamplingParams(max_tokens=8, ignore_eos=True)] * 3
+    prompts, params = PROMPTS[2:5], [SamplingParams(max_tokens=6, ignore_eos=True)] * 3
     want, off = staggered(llm, False, prompts, params, every=2)
     got, on = staggered(llm, True, prompts, params, every=2)
     assert_same_outputs(got, want)
@@ -194,12 +208,23 @@ def test_debug_check_names_a_position_off_the_device(engines):
 def test_the_flag_turns_mixing_off_and_speculative_engines_alternate():
     off = LLM(TARGET, page_size=16, max_running_requests=8, mixed_steps=False)
     assert off.engine.info()["mixed_steps"] == "off"
-    _, steps = staggered(off, off.engine.scheduler.mixed_steps, PROMPTS[:3], PARAMS[:3])
+    _, steps = staggered(off, off.engine.scheduler.mixed_steps, PROMPTS[:2], PARAMS[:2])
     assert steps["mixed"] == 0
     if not builtin_draft_path().exists():
         pytest.skip("bundled draft head absent")
     spec = LLM(TARGET, page_size=16, max_running_requests=8, draft_model=str(builtin_draft_path()),
                speculative_algorithm="EAGLE3")
-    assert spec.engine.info()["mixed_steps"] == "off"
-    _, steps = staggered(spec, spec.engine.scheduler.mixed_steps, PROMPTS[:3], PARAMS[:3])
-    assert steps["mixed"] == 0 and steps["prefills"] == 3
+    assert spec.engine.info()["mixed_steps"] == "off" and not spec.engine.scheduler.mixed_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [1, 16])
+def test_gpu_mixed_steps_equal_alternating_with_graphs(page):
+    """On the GPU (float32, CUDA graphs: decode steps replay decode graphs, mixed steps prefill graphs; overlap with
+    pinned result buffers): the same tokens with mixing on and off, in fewer forwards."""
+    llm = LLM(TARGET, device="cuda", dtype="float32", page_size=page, max_running_requests=8, cuda_graph=True,
+              attention_backend="triton")
+    want, off = staggered(llm, False)
+    got, on = staggered(llm, True)
+    assert_same_outputs(got, want)
+    assert on["mixed"] >= len(PROMPTS) - 2 and on["prefills"] + on["decodes"] < off["prefills"] + off["decodes"]
