@@ -46,6 +46,7 @@ def refused(capsys, *argv: str) -> str:
     (["--tokenizer", "/t"], ["--tokenizer-path", "/t"], "tokenizer", "/t"),
     (["--dtype", "half"], ["--dtype", "float16"], "dtype", "float16"),
     (["--dtype", "float"], ["--dtype", "float32"], "dtype", "float32"),
+    (["--max-num-batched-tokens", "512"], ["--chunked-prefill-size", "512"], "chunked_prefill_size", 512),
 ])
 def test_each_vllm_flag_sets_what_its_sglang_twin_sets(vllm, sglang, key, value):
     ours, theirs = engine_kwargs(parse("--model", MODEL, *vllm)), engine_kwargs(parse("--model", MODEL, *sglang))
@@ -215,3 +216,10 @@ def test_the_peer_benchmarks_parser_refuses_prefixes_too():
     assert peer.build_parser().parse_args(["--out", "x.json", "--concurrency", "1"]).concurrency
     with pytest.raises(SystemExit):
         peer.build_parser().parse_args(["--out", "x.json", "--concurr", "1"])
+
+
+def test_generation_config_is_sampling_defaults_under_vllms_name(capsys):
+    assert parse("--generation-config", "vllm").sampling_defaults == parse("--sampling-defaults", "openai") \
+        .sampling_defaults == "openai"
+    assert parse("--generation-config", "auto").sampling_defaults == parse().sampling_defaults == "model"
+    assert "'/some/dir'" in refused(capsys, "serve", "--generation-config", "/some/dir")

@@ -55,7 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) 
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction_static", type=float,
                    default=0.85, help="fraction of the GPU's memory for the weights and the KV cache")
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size", type=int,
+                   default=2048, help="most prompt tokens one step computes (with plain decoding, decode rows and "
+                                      "prompt chunks share it: vLLM's --max-num-batched-tokens)")
     p.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None)
     p.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=256,

@@ -57,6 +57,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _generation_config(text: str) -> str:
+    """argparse type: vLLM's --generation-config value as a --sampling-defaults one (auto -> model, vllm ->
+    openai); vLLM's third form, a folder holding a generation_config.json, is not taken."""
+    values = {"auto": "model", "vllm": "openai"}
+    if text not in values:
+        raise argparse.ArgumentTypeError(f"expected auto (the model's generation_config.json) or vllm (no model "
+                                         f"defaults), got {text!r}")
+    return values[text]
+
+
 def add_parser(sub, add_engine_args) -> None:
     """Register the `serve` subcommand (engine flags come from spruce.cli_args.add_engine_args)."""
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
@@ -113,6 +123,8 @@ def add_parser(sub, add_engine_args) -> None:
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="json: one JSON object per log line (time, level, logger, message), from the server, "
                         "uvicorn and the engine process alike")
+    p.add_argument("--generation-config", dest="sampling_defaults", type=_generation_config,
+                   default=argparse.SUPPRESS, metavar="{auto,vllm}", help="vLLM's name for --sampling-defaults: auto = model, vllm = openai")
     p.add_argument("--sampling-defaults", default="model", choices=["model", "openai"],
                    help="model (default, as SGLang and vLLM): a request that leaves temperature, top_p, top_k, "
                         "min_p or repetition_penalty unset gets the model's generation_config.json value; openai: "
