@@ -13,6 +13,7 @@ import re
 
 import httpx
 import pytest
+import torch
 
 from conftest import assert_no_leaks
 from server_util import MODEL_NAME, ServeProcess, metric, wait_idle
@@ -119,6 +120,20 @@ def test_a_token_refused_because_a_fork_spent_the_lexer_fails_the_grammar(tokeni
     letter = backend.tokenizer.tokenize_str("abc")[0]
     with pytest.raises(InvariantError, match="the mask was not applied"):
         digits.advance([letter])
+
+
+def test_a_fork_over_its_parser_budget_fails_the_grammar(tokenizer_json, monkeypatch):
+    """A tree node's forked matcher whose mask exceeds the parser budget (Earley items: its own, not shared with
+    the request's matcher) fails the request's grammar, though the request's own matcher is healthy: its mask row
+    allows eos alone, which the request's grammar would refuse once the node is accepted."""
+    monkeypatch.setitem(grammar_mod.GRAMMAR_BUDGET, "step_max_items", 20)
+    backend = GrammarBackend(tokenizer_json, 4096, (1,), "grammar")
+    expressions = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUMBER | "(" expr ")"\nNUMBER: /[0-9]{1,3}/\n'
+    g = backend.request_grammar(StructuredOutput("grammar", expressions))
+    path = backend.tokenizer.tokenize_str("((((1+2)-(3+4))+5)-")  # one chain: node i + 1 holds path[i]
+    tokens, parents = torch.tensor([[0] + path]), torch.tensor([[-1] + list(range(len(path)))])
+    GrammarBatch(backend, [g]).tree_masks(tokens, parents, "cpu")
+    assert not g.matcher.is_error() and "grammar budget" in g.error and "Too many items" in g.error, g.error
 
 
 def test_a_failed_grammar_consumes_nothing_more(tokenizer_json):
