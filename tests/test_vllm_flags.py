@@ -94,6 +94,7 @@ def test_prefixes_of_flags_are_refused(capsys):
     assert "--max-q" in refused(capsys, "serve", "--max-q", "3")
     assert "--max-tok" in refused(capsys, "generate", "--prompt", "x", "--max-tok", "3")
     assert "--mem-frac" in refused(capsys, "serve", "--mem-frac", "0.5")
+    assert "--num-prom" in refused(capsys, "bench", "serving", "--num-prom", "3")  # a lazily registered parser
 
 
 def test_positional_model():
