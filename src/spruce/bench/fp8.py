@@ -1,12 +1,13 @@
-"""FP8 decode benchmark (random weights at a named shape): the plain bs-N decode step in bf16, in FP8 per-channel
-(quantized at load) and FP8 block-wise (the shape's config given DeepSeek-V3's 128x128 quantization_config), each
-against the bytes it must read (weights touched + cached KV) at the measured copy bandwidth; then the FP8 KV cache
-against the bf16 cache at a long context (same weights, same backend).
+"""FP8 decode benchmark (random weights at a named shape): the plain bs-N decode step unquantized (--dtype, bf16),
+in FP8 per-channel (quantized at load) and FP8 block-wise (the shape's config given DeepSeek-V3's 128x128
+quantization_config), each against the bytes it must read (weights touched + cached KV) at the measured copy
+bandwidth; then the FP8 KV cache against the model-dtype cache at a long context (same weights, same backend).
 
     python -m spruce.bench.fp8 --model-shape llama-3.1-8b [--batch-sizes 1] [--kv-context 32768]
+        [--kv-batch-sizes 1 8] [--kv-weights fp8]
 
 Writes bench/results/fp8-<device>-<time>.json: per run the mean decode step (ms), its read bytes, the fraction of
-the copy-bandwidth roofline, and the speed-ups (bf16 step / FP8 step; bf16-KV step / FP8-KV step).
+the copy-bandwidth roofline, and the speed-ups (unquantized step / FP8 step; model-dtype-KV step / FP8-KV step).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def block_shape_dir(target: Path, root: Path) -> Path:
 
 
 def decode_step(model: Path, *, bs: int, context: int, output_len: int, device: str, backend: str | None,
-                quantization: str | None = None, kv_cache_dtype: str = "auto", graphs: bool = True) -> dict:
+                dtype: str = "bfloat16", quantization: str | None = None, kv_cache_dtype: str = "auto",
+                graphs: bool = True) -> dict:
     """Mean plain decode step (ms) of `bs` requests at `context` prompt tokens, and the bytes that step reads."""
     from spruce import LLM, SamplingParams
 
-    llm = LLM(model, device=device, dtype="bfloat16", load_format="dummy", quantization=quantization,
+    llm = LLM(model, device=device, dtype=dtype, load_format="dummy", quantization=quantization,
               kv_cache_dtype=kv_cache_dtype, attention_backend=backend, page_size=16, max_running_requests=bs,
               cuda_graph=graphs if device.startswith("cuda") else False, cuda_graph_max_bs=bs,
               context_length=context + output_len + 64, max_total_tokens=bs * (context + output_len + 80))
@@ -83,22 +85,24 @@ def run(args) -> dict:
         target = Path(args.model) if args.model else write_shape_dirs(args.model_shape, root)[0]
         block = block_shape_dir(target, root)
         figures = {"copy_bandwidth_bytes_per_s": bandwidth, "weights": {}, "kv_cache": {}}
-        common = dict(context=args.context, output_len=args.output_len, device=args.device, backend=args.backend)
+        common = dict(context=args.context, output_len=args.output_len, device=args.device, backend=args.backend,
+                      dtype=args.dtype)
         for bs in args.batch_sizes:
-            runs = {"bf16": decode_step(target, bs=bs, **common),
+            runs = {"unquantized": decode_step(target, bs=bs, **common),
                     "fp8_per_channel": decode_step(target, bs=bs, quantization="fp8", **common),
                     "fp8_block": decode_step(block, bs=bs, **common)}
             runs = {k: with_roofline(v, bandwidth) for k, v in runs.items()}
             for k in ("fp8_per_channel", "fp8_block"):
-                runs[k]["speedup_vs_bf16"] = runs["bf16"]["decode_step_ms"] / runs[k]["decode_step_ms"]
+                runs[k]["speedup_vs_unquantized"] = runs["unquantized"]["decode_step_ms"] / runs[k]["decode_step_ms"]
             figures["weights"][f"bs{bs}"] = runs
         kv = dict(common, context=args.kv_context, backend=args.kv_backend)
         for bs in args.kv_batch_sizes:
-            runs = {"bf16_kv": decode_step(target, bs=bs, quantization=args.kv_weights, **kv),
+            runs = {"model_dtype_kv": decode_step(target, bs=bs, quantization=args.kv_weights, **kv),
                     "fp8_kv": decode_step(target, bs=bs, quantization=args.kv_weights, kv_cache_dtype="fp8_e4m3",
                                           **kv)}
             runs = {k: with_roofline(v, bandwidth) for k, v in runs.items()}
-            runs["fp8_kv"]["speedup_vs_bf16_kv"] = runs["bf16_kv"]["decode_step_ms"] / runs["fp8_kv"]["decode_step_ms"]
+            runs["fp8_kv"]["speedup_vs_model_dtype_kv"] = (runs["model_dtype_kv"]["decode_step_ms"]
+                                                           / runs["fp8_kv"]["decode_step_ms"])
             figures["kv_cache"][f"bs{bs}"] = runs
         return figures
     finally:
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                  allow_abbrev=False)
     ap.add_argument("--model-shape", default="llama-3.1-8b", help="named shape (random weights)")
     ap.add_argument("--model", default=None, help="a config.json directory instead of --model-shape")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    ap.add_argument("--batch-sizes", type=int, nargs="*", default=[1], help="none: skip the weight runs")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of the weight runs")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--backend", default=None, help="attention backend of the weight runs (default: auto)")
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-backend", default="triton", help="attention backend of the KV runs (reads FP8)")
     ap.add_argument("--kv-weights", default=None, choices=[None, "fp8"], help="weights of the KV runs")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", help="the model dtype (the unquantized runs' weights)")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     figures = run(args)
