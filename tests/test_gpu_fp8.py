@@ -77,9 +77,11 @@ def fp8_targets(tmp_path_factory):
 def test_spec_equals_plain_on_fp8_targets_with_graphs(make_llm, fp8_targets, tmp_path, kv, k):
     for fam in ("llama", "deepseek"):
         target = fp8_targets[fam]
-        common = dict(device="cuda", dtype="bfloat16", page_size=16, kv_cache_dtype=kv,
-                      attention_backend="triton" if kv != "auto" else None)
-        plain = [o.token_ids for o in make_llm(target, **common).generate(TOKENS, PARAMS)]
+        common = dict(device="cuda", dtype="bfloat16", page_size=16, kv_cache_dtype=kv)
+        plain_llm = make_llm(target, **common)
+        if kv != "auto":  # auto runs triton, which reads an FP8 cache in every phase
+            assert plain_llm.engine.info()["attention_backend"] == "triton"
+        plain = [o.token_ids for o in plain_llm.generate(TOKENS, PARAMS)]
         s, n = {1: (3, 4), 4: (3, 8)}[k]
         spec = dict(speculative_algorithm="NEXTN") if fam == "deepseek" else dict(
             speculative_algorithm="EAGLE3", draft_model=str(write_eagle3_checkpoint(tmp_path / f"e3{kv}{k}",

@@ -37,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) 
                         "(vLLM's flag); FP8 checkpoints (block-wise, per-channel, per-tensor) load as FP8 without it")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="auto: the model dtype; fp8 / fp8_e4m3: the target's KV cache in float8_e4m3fn with the "
-                        "checkpoint's per-layer k_scale / v_scale (else 1.0); torch and triton attention backends")
+                        "checkpoint's per-layer k_scale / v_scale (else 1.0); torch and triton attention backends "
+                        "(auto: triton on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", type=_dtype, metavar="{" + ",".join(DTYPE_CHOICES) + "}",
                    help="auto (default): the checkpoint's torch_dtype on cuda (bfloat16 for a float32 checkpoint, "

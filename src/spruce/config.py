@@ -309,11 +309,7 @@ class EngineConfig:
                               f"{KV_CACHE_DTYPES}")
         if self.kv_cache_dtype == "auto":
             return
-        if attention_registry.is_auto(self.attention_backend, self.device):
-            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs an attention backend that reads an FP8 "
-                              f"cache: set attention_backend to one of {FP8_KV_BACKENDS} (auto may pick one that "
-                              f"does not)")
-        backend = self.resolved_attention_backend
+        backend = self.resolved_attention_backend  # auto: triton on CUDA (the runner skips the composite), torch
         if backend not in FP8_KV_BACKENDS:
             raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported by attention_backend="
                               f"{backend!r}; backends with an FP8 KV cache: {FP8_KV_BACKENDS}")

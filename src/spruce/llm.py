@@ -29,7 +29,8 @@ class LLM:
     (speculative/synthetic.py).
     `quantization="fp8"` quantizes a bf16 checkpoint's linear weights to FP8 at load (per output channel); FP8
     checkpoints load as FP8 without it (models/quantization.py). `kv_cache_dtype="fp8_e4m3"` keeps the target's
-    KV cache in FP8 with the checkpoint's per-layer k_scale / v_scale, else 1.0 (torch and triton backends).
+    KV cache in FP8 with the checkpoint's per-layer k_scale / v_scale, else 1.0 (torch and triton backends; auto
+    runs triton on CUDA).
     `tp_size=N` runs the model tensor-parallel over N processes (this one and N-1 spawned workers; rank r on cuda:r,
     or gloo on the CPU): call `shutdown()` (or use the LLM as a context manager) to stop them, else they stop at
     interpreter exit.

@@ -114,8 +114,9 @@ class ModelRunner:
         logger.info("spruce limits: %s", lim)
 
     def _build_backend(self, config: EngineConfig):
-        """The configured attention backend; `auto` on CUDA: the per-phase composite for this device (DESIGN §13)."""
-        if attention_registry.is_auto(config.attention_backend, config.device):
+        """The configured attention backend; `auto` on CUDA: the per-phase composite for this device (DESIGN §13),
+        or with an FP8 KV cache its fallback, triton, which reads one in every phase."""
+        if attention_registry.is_auto(config.attention_backend, config.device) and not config.fp8_kv_cache:
             from spruce.attention.auto_backend import auto_attention
 
             return auto_attention(config.page_size, str(self.device), device_name(str(self.device)), config.dtype,
