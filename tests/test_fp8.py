@@ -305,3 +305,40 @@ def test_fp8_weights_with_tensor_parallelism_are_refused():
     model[0].weight.tp_shard = (0, 2, 0)  # a rank's rows (distributed/layers.mark_shard)
     with pytest.raises(ModelLoadError, match="tensor parallelism"):
         make_fp8(model, "0.weight", Fp8Scheme("fp8"), "layers.0.o_proj.weight")
+
+
+def _add_tensors(src, dst, extra: dict) -> str:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update(extra)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_static_activation_scales_quantize_the_linear_inputs(fp8_dirs, tmp_path):
+    from spruce.ops.fp8 import emulated_linear, fake_quantize
+
+    src = fp8_dirs["llama", "tensor"][0]
+    scales = {f"model.layers.0.self_attn.{p}_proj.input_scale": torch.tensor(v)
+              for p, v in (("q", 0.01), ("k", 0.03), ("v", 0.02))}
+    model, got = prompt_logits(_add_tensors(src, tmp_path / "static", scales))
+    _, dynamic = prompt_logits(src)
+    qkv = model.layers[0].self_attn.qkv
+    assert qkv.input_scale.item() == pytest.approx(0.03)  # the fused shards share the largest
+    x = torch.randn(3, qkv.in_features)
+    want = emulated_linear(fake_quantize(x, qkv.input_scale), qkv.weight, qkv.weight_scale, None)
+    torch.testing.assert_close(qkv(x), want)
+    assert not torch.equal(got, dynamic)  # the inputs of layer 0's q/k/v went through FP8
+    assert ((got - dynamic).norm() / dynamic.norm()).item() < 0.1
+
+
+def test_static_activation_scales_of_experts_are_refused(fp8_dirs, tmp_path):
+    src = fp8_dirs["deepseek", "tensor"][0]
+    path = _add_tensors(src, tmp_path / "moe", {"model.layers.1.mlp.experts.0.gate_proj.input_scale":
+                                                torch.tensor(0.1)})
+    with pytest.raises(ModelLoadError, match="routed experts with static FP8 activation scales are not supported"):
+        load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4))

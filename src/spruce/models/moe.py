@@ -91,10 +91,9 @@ class RoutedExperts(nn.Module):
             mark_shard(self.w13, 0, tp)
             mark_shard(self.w2, 1, tp)
         # FP8 banks (models/quantization.py): w13 / w2 float8_e4m3fn, their per-row scales w13_scale [E, 2I, G13]
-        # and w2_scale [E, H, G2] (ops/fp8.py's layout), optional static activation scales
+        # and w2_scale [E, H, G2] (ops/fp8.py's layout)
         self.group_k: int | None = None
         self.w13_scale = self.w2_scale = None
-        self.w13_input_scale = self.w2_input_scale = None
 
     @property
     def is_fp8(self) -> bool:
@@ -139,8 +138,7 @@ class RoutedExperts(nn.Module):
             from spruce.ops.fp8 import fp8_moe
 
             return fp8_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_k, ids, weights,
-                           self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha,
-                           (self.w13_input_scale, self.w2_input_scale))
+                           self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha)
         return fused_moe(
 x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
                          self.swiglu_alpha)

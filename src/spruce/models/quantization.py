@@ -218,14 +218,11 @@ def split_scale_name(name: str) -> tuple[str, str]:
     return f"{base}.weight", suffix
 
 
-def scale_param_name(weight_param: str, suffix: str) -> str:
-    """The module parameter a scale goes into: `qkv.weight` -> `qkv.weight_scale` (or `qkv.input_scale`);
-    `experts.w13` -> `experts.w13_scale` (or `experts.w13_input_scale`)."""
+def scale_param_name(weight_param: str) -> str:
+    """The module parameter a weight scale goes into: `qkv.weight` -> `qkv.weight_scale`; `experts.w13` ->
+    `experts.w13_scale`."""
     path, _, kind = weight_param.rpartition(".")
-    extra = "input_scale" if suffix == "input_scale" else "scale"
-    if kind == "weight":
-        return f"{path}.{'input_scale' if extra == 'input_scale' else 'weight_scale'}"
-    return f"{path}.{kind}_{extra}"
+    return f"{path}.weight_scale" if kind == "weight" else f"{path}.{kind}_scale"
 
 
 def scale_rows(tensor: torch.Tensor, rows: int, cols: int, scheme: Fp8Scheme, name: str) -> torch.Tensor:
@@ -261,22 +258,25 @@ def load_scale(module: nn.Module, name: str, raw: str, tensor, scheme: Fp8Scheme
     if suffix == "input_scale":
         _fold_input_scale(owner, kind, tensor, raw)
         return None
-    param = module.get_parameter(scale_param_name(target, suffix))
+    param = module.get_parameter(scale_param_name(target))
     flat = param.data.flatten(0, -2) if param.dim() > 2 else param.data
     a, b = rows if rows is not None else (0, flat.shape[0])
     flat[a:b].copy_(scale_rows(tensor, b - a, flat.shape[1], scheme, raw))
-    return scale_param_name(target, suffix) + ("" if rows is None else f"[{a}:{b}]")
+    return scale_param_name(target) + ("" if rows is None else f"[{a}:{b}]")
 
 
 def _fold_input_scale(owner: nn.Module, kind: str, tensor: torch.Tensor, raw: str) -> None:
-    """A static activation scale: fused shards (q/k/v, gate/up, every expert of a bank) share the largest."""
+    """A static activation scale of a linear: fused shards (q/k/v, gate/up) share the largest. Routed experts run
+    weight-only (ops/fp8.py), so their static activation scales are refused rather than ignored."""
+    if kind != "weight":
+        raise ModelLoadError(f"static activation scale {raw!r}: routed experts with static FP8 activation scales "
+                             f"are not supported (their FP8 weights run with unquantized activations); use a "
+                             f"checkpoint with dynamic activations")
     if tensor.numel() != 1:
         raise ModelLoadError(f"activation scale {raw!r} has shape {tuple(tensor.shape)}: only per-tensor static "
                              f"activation scales are supported")
-    attr = "input_scale" if kind == "weight" else f"{kind}_input_scale"
-    value = tensor.float().reshape(1).to(owner.weight_scale.device if kind == "weight" else owner.w13.device)
-    current = getattr(owner, attr)
-    setattr(owner, attr, value if current is None else torch.maximum(current, value))
+    value = tensor.float().reshape(1).to(owner.weight_scale.device)
+    owner.input_scale = value if owner.input_scale is None else torch.maximum(owner.input_scale, value)
 
 
 def finish_fp8_load(model: nn.Module, cfg, dtype: torch.dtype) -> None:

@@ -148,30 +148,23 @@ def emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
 def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
             w2_scale: torch.Tensor, group_k: int | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            b13=None, b2=None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
-            input_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
+            b13=None, b2=None, swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> torch.Tensor:
     """Routed experts with FP8 banks (w13 [E, 2I, H], w2 [E, H, I], scales [E, rows, G]) -> [T, H] in x's dtype.
 
     CUDA (Triton): the fused MoE kernels read the FP8 tiles and scale each K group's products (ops/moe.py).
     Otherwise (CPU), few assignments (T*k <= E: decode): only the chosen experts are dequantized, one copy per
     assignment, each assignment a batched matmul in float32 (no host synchronisation); more: every expert is
-    dequantized to x's dtype once and the fused MoE runs. `input_scales` (static, per bank) round x and the
-    intermediate through fp8 first, as a W8A8 kernel would (the Triton path takes only the first)."""
+    dequantized to x's dtype once and the fused MoE runs (weight-only like the dense path: x is not quantized)."""
     from spruce.ops.moe import _config, _fused_moe_triton, clamped_swiglu, fused_moe
 
     t, k = topk_ids.shape
-    s13, s2 = input_scales
-    if s13 is not None:
-        x = fake_quantize(x, s13)
-    if HAS_TRITON and (x.is_cuda or _FORCE_TRITON[0]) and s2 is None:
+    if HAS_TRITON and (x.is_cuda or _FORCE_TRITON[0]):
         cfg = _config(topk_ids.numel(), w13.shape[0])
         if group_k is not None:  # a K step inside one scale group
             cfg = cfg._replace(block_k=min(cfg.block_k, group_k))
         return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg, b13, b2, swiglu_limit, swiglu_alpha,
                                  scales=(w13_scale, w2_scale, group_k))
     if t * k > w13.shape[0]:
-        if s2 is not None:
-            raise NotImplementedError("static FP8 input scales of the down projection need T*k <= E")
         return fused_moe(x, dequantize(w13, w13_scale, group_k, x.dtype), dequantize(w2, w2_scale, group_k, x.dtype),
                          topk_ids, topk_weights, b13, b2, swiglu_limit, swiglu_alpha)
     ids = topk_ids.reshape(-1).long()  # [A] assignment a = t*k + j
@@ -182,8 +175,6 @@ def fp8_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
         h = h + b13[ids].float()
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_limit, swiglu_alpha)
-    if s2 is not None:
-        act = fake_quantize(act, s2)
     out = torch.bmm(dequantize(w2[ids], w2_scale[ids], group_k), act[:, :, None])[:, :, 0]  # [A, H]
     if b2 is not None:
         out = out + b2[ids].float()
