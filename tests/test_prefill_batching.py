@@ -106,7 +106,8 @@ def test_held_arrivals_join_one_prefill_and_generate_the_same_tokens(draft):
     and then join in one prefill launch; admitting at once takes two or three. Tokens equal either way."""
     prompts = ["def fib(n):\n    ", "import os\n", "for i in range(10):", "x = ["]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    kw = dict(max_running_requests=8, draft_model=str(builtin_draft_path()) if draft else None)
+    # prefill launches of their own: a plain engine would otherwise run the prompts inside decode steps (mixed steps)
+    kw = dict(max_running_requests=8, draft_model=str(builtin_draft_path()) if draft else None, mixed_steps=False)
     runs = {}
     for factor in (0.0, 4.0):
         llm = LLM(TARGET, scheduler_delay_factor=factor, **kw)
