@@ -4,14 +4,17 @@ Requests are validated in two layers: pydantic (strict types, shapes, server lim
 `SamplingParams` / `Engine.add_request` (ranges, prompt length). Both raise errors that name the offending
 field, and both end up as OpenAI-style `{"error": {"message", "type", "param", "code"}}` bodies.
 
-Nothing a client sends is silently dropped: unknown fields are refused, and the known fields spruce does not
-implement yet (`NOT_SUPPORTED_YET`) are accepted only at a value that changes nothing.
+Every field of vLLM's completions and chat-completions requests is accepted (and SGLang's `regex`, `ebnf`, `rid`,
+`no_stop_trim`); the ones spruce does not implement (`NOT_SUPPORTED_YET`) only at a value that changes nothing
+(else a 400 naming the field). A top-level field neither knows is ignored with a log line, as vLLM does; inside
+nested objects (messages, response_format, ...) unknown fields are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from pydantic_core import PydanticCustomError
 from spruce.errors import InvalidRequestError
 from spruce.sampling_params import MAX_LOGPROBS, SamplingParams
 
+log = logging.getLogger("spruce.server")
 MAX_N = 64  # choices per request
 MAX_CHOICES = 256  # prompts x n per request
 MAX_STOP = 16
@@ -128,6 +132,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+class _TopLevel(BaseModel):
+    """A request body: strict types; unknown fields are kept in `model_extra` and ignored (logged by
+    parse_request), as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -139,6 +150,21 @@ NOT_SUPPORTED_YET = {
     "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
                                   _unset_or(True)),
     "guided_json": NotYet('null (vLLM removed it in 0.12: send structured_outputs: {"json": ...})', _unset_or()),
+    "use_beam_search": NotYet("false (no beam search)", _unset_or(False)),
+    "length_penalty": NotYet("1.0 (it applies to beam search only)", _unset_or(1.0)),
+    "spaces_between_special_tokens": NotYet("true", _unset_or(True)),
+    "allowed_token_ids": NotYet("null", _unset_or()),
+    "bad_words": NotYet("[] or null", _unset_or([])),
+    "priority": NotYet("0 (no priority scheduling)", _unset_or(0)),
+    "logits_processors": NotYet("null (no custom logits processors)", _unset_or()),
+    "return_tokens_as_token_ids": NotYet("null or false", _unset_or(False)),
+    "cache_salt": NotYet("null", _unset_or()),
+    "kv_transfer_params": NotYet("null (no disaggregated serving)", _unset_or()),
+    "vllm_xargs": NotYet("null or {}", _unset_or({})),
+    "max_repetition_pattern_size": NotYet("0", _unset_or(0)),
+    "min_repetition_pattern_size": NotYet("0", _unset_or(0)),
+    "repetition_min_count": NotYet("0", _unset_or(0)),
+    "no_stop_trim": NotYet("null or false (stop strings are always cut from the text)", _unset_or(False)),
 }
 
 
@@ -173,8 +199,15 @@ STRUCTURED_OUTPUTS_FIELDS = {"json_": "json_schema", "regex": "regex", "choice":
                              "json_object": "json_object"}
 
 
-class _GenerationRequest(_Strict):
-    """Fields the completions and chat endpoints share."""
+class _GenerationRequest(_TopLevel):
+    """Fields the completions and chat endpoints share (vLLM's, and SGLang's `regex` / `ebnf` / `rid` /
+    `no_stop_trim`).
+
+    Honoured beyond OpenAI's: `prompt_logprobs` (not with stream, as vLLM), `truncate_prompt_tokens` (keep the
+    prompt's last k tokens; -1: as many as a request holds), `return_token_ids` (`token_ids` per choice and
+    `prompt_token_ids`), `add_special_tokens`, `request_id` (the response id is its endpoint prefix + it) and
+    SGLang's `rid` (the response id itself), `regex` and `ebnf` (structured output, as structured_outputs'
+    regex and grammar)."""
 
     not_supported_yet: ClassVar[dict[str, NotYet]] = NOT_SUPPORTED_YET
 
@@ -204,6 +237,31 @@ class _GenerationRequest(_Strict):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None
+    # vLLM's sampling and extra parameters
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
+    add_special_tokens: bool | None = None  # null: the endpoint's default (completions true, chat false)
+    priority: int = 0
+    request_id: Text | None = None
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: Text | None = None
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
+    # SGLang's
+    regex: Text | None = None
+    ebnf: Text | None = None
+    rid: Text | None = None
+    no_stop_trim: bool | None = None
 
     def check_supported(self) -> None:
         """Refuse what spruce does not implement instead of silently ignoring it, and the server's limits."""
@@ -214,6 +272,13 @@ class _GenerationRequest(_Strict):
                                   f"it out", param=name, code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError(400, "prompt_logprobs are not available with stream: true (as in vLLM)",
+                              param="prompt_logprobs")
+        if self.truncate_prompt_tokens == 0:
+            raise OpenAIError(400, "truncate_prompt_tokens must be -1 (keep as many as a request holds) or >= 1 "
+                              "(keep the prompt's last k tokens), got 0", param="truncate_prompt_tokens",
+                              code="invalid_value")
         self.check_logprobs()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         if len(stops) > MAX_STOP:
@@ -243,7 +308,32 @@ class _GenerationRequest(_Strict):
         for key, value in given.items():  # more than one: SamplingParams names the second
             field = STRUCTURED_OUTPUTS_FIELDS[key]
             kwargs[field], names[field] = value, f"structured_outputs.{key.rstrip('_')}"
+        for param, field in (("regex", "regex"), ("ebnf", "grammar")):  # SGLang's top-level constraints
+            value = getattr(self, param)
+            if value is None:
+                continue
+            if kwargs:
+                raise OpenAIError(400, f"{param} and {next(iter(names.values()))} both constrain the output; send "
+                                  f"one of them", param=param)
+            kwargs[field], names[field] = value, param
         return kwargs, names
+
+    def truncated_prompt(self, ids: list[int], max_request_tokens: int) -> list[int]:
+        """The prompt after `truncate_prompt_tokens` (vLLM's): its last k tokens; -1: the last
+        `max_request_tokens`; k above `max_request_tokens` is refused."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > max_request_tokens:
+            raise OpenAIError(400, f"truncate_prompt_tokens={k} exceeds the {max_request_tokens} tokens a request "
+                              f"holds on this server", param="truncate_prompt_tokens", code="invalid_value")
+        return ids[-(max_request_tokens if k == -1 else k):]
+
+    def response_id(self, prefix: str, generated: str) -> str:
+        """The response's id: SGLang's `rid` as given, else the prefix + vLLM's `request_id`, else `generated`."""
+        if self.rid is not None:
+            return self.rid
+        return prefix + self.request_id if self.request_id is not None else generated
 
     @property
     def param_names(self) -> dict[str, str]:
@@ -265,7 +355,7 @@ class _GenerationRequest(_Strict):
     @property
     def num_prompt_logprobs(self) -> int | None:
         """Top alternatives per prompt token (SamplingParams.prompt_logprobs); None: none."""
-        return None
+        return self.prompt_logprobs
 
     def penalties(self) -> dict[str, float]:
         """presence / frequency / repetition penalties as SamplingParams takes them (null: no penalty)."""
@@ -306,11 +396,18 @@ class CompletionRequest(_GenerationRequest):
     not_supported_yet: ClassVar[dict[str, NotYet]] = {
         **NOT_SUPPORTED_YET,
         "suffix": NotYet('null or ""', _unset_or("")),
+        "prompt_embeds": NotYet("null (send text or token ids)", _unset_or()),
     }
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: bool = False
     suffix: Text | None = None
+    prompt_embeds: Any = None
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether encoding a text prompt adds the tokenizer's special tokens (vLLM's default here: true)."""
+        return self.add_special_tokens is not False
 
     def check_logprobs(self) -> None:
         """OpenAI's legacy `logprobs`: an integer, the number of top alternatives per token (false = none)."""
@@ -325,7 +422,9 @@ class CompletionRequest(_GenerationRequest):
 
     @property
     def num_prompt_logprobs(self) -> int | None:
-        """With echo, the prompt's logprobs too (as vLLM: the same count)."""
+        """prompt_logprobs; unset, with echo, the prompt's logprobs too (as vLLM: the same count)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.num_logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
@@ -357,20 +456,54 @@ class TextPart(_Strict):
     text: Text
 
 
+class ToolCallFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """An assistant message's tool call in the history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
+    """A message of the history. Assistant `tool_calls`, a tool message's `tool_call_id` and earlier reasoning
+    (`reasoning_content`, vLLM's `reasoning`) are passed to the chat template as given."""
+
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def as_dict(self) -> dict:
-        """The message as the chat template reads it (content parts joined; `name` only when given)."""
+        """The message as the chat template reads it (content parts joined; the optional keys only when given;
+        a tool call's arguments as a dict, as Hugging Face templates read them, when they are a JSON object)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for key in ("name", "tool_call_id", "reasoning_content", "reasoning"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         return message
+
+
+def _arguments(text: str) -> dict | str:
+    """A tool call's arguments text as a dict when it is a JSON object (what templates iterate), else as is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -378,8 +511,10 @@ class ChatCompletionRequest(_GenerationRequest):
         **NOT_SUPPORTED_YET,
         "tools": NotYet("null or []", _unset_or([])),
         "tool_choice": NotYet('null or "none"', _unset_or("none")),
-        "continue_final_message": NotYet("null or false", _unset_or(False)),
-        "chat_template": NotYet("null (the model's own template is used)", _unset_or()),
+        "chat_template": NotYet("null (the server's template is used: --chat-template)", _unset_or()),
+        "echo": NotYet("false", _unset_or(False)),
+        "include_reasoning": NotYet("true", _unset_or(True)),
+        "mm_processor_kwargs": NotYet("null or {} (no multimodal inputs)", _unset_or({})),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -387,12 +522,46 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    documents: list[dict] | None = None
     chat_template: Text | None = None
+    chat_template_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None
 
     def model_post_init(self, _context) -> None:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether encoding the rendered template adds special tokens (vLLM's default here: false, the template
+        writes its own)."""
+        return bool(self.add_special_tokens)
+
+    def template_kwargs(self) -> dict:
+        """The chat template's variables beyond `messages` (vLLM's): chat_template_kwargs, then the request's
+        add_generation_prompt, documents and reasoning_effort (the unset ones left out)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true: the "
+                              "final message is either continued or followed by a new one",
+                              param="continue_final_message")
+        kwargs = dict(self.chat_template_kwargs or {})
+        if "messages" in kwargs:
+            raise OpenAIError(400, "chat_template_kwargs cannot set messages (send them as messages)",
+                              param="chat_template_kwargs")
+        generation_prompt = self.add_generation_prompt
+        if generation_prompt is None:
+            generation_prompt = kwargs.get("add_generation_prompt", not self.continue_final_message)
+        kwargs["add_generation_prompt"] = bool(generation_prompt)
+        for key in ("documents", "reasoning_effort"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        return kwargs
 
     def check_logprobs(self) -> None:
         """Chat's `logprobs` is a boolean; `top_logprobs` (0..20) needs it true."""
@@ -419,6 +588,9 @@ def parse_request(cls: type[_GenerationRequest], body: dict) -> _GenerationReque
         req = cls.model_validate(body)
     except ValidationError as e:
         raise OpenAIError.from_validation(e) from None
+    if req.model_extra:
+        log.warning("the following fields were present in the request but ignored: %s",
+                    [name[:64] for name in sorted(req.model_extra)[:20]])
     req.check_supported()
     return req
 
