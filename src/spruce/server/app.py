@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from spruce.errors import InvalidRequestError
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
 from spruce.server.protocol import (
-    MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
+    LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
     chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, usage,
 )
 from spruce.server.security import LOOPBACK_HOSTS, HostCheck, OriginCheck
@@ -261,7 +261,7 @@ class _Api:
                               f"be <= {room}", param="max_tokens", code="context_length_exceeded")
         return req.max_tokens
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids, encoded as the engine encodes text (token ids pass through: the engine checks
         them)."""
         if not isinstance(prompt, str):
@@ -271,7 +271,7 @@ class _Api:
         if self.engine.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer.json: send token ids", param="prompt")
         self.check_prompt_chars(prompt, "prompt")
-        return self.engine.tokenizer.encode(prompt)
+        return self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     # --- endpoints -------------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -279,7 +279,9 @@ class _Api:
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices", param="n")
-        prompt_ids = await asyncio.to_thread(lambda: [self.prompt_ids(p) for p in prompts])
+        prompt_ids = await asyncio.to_thread(lambda: [req.truncated_prompt(self.prompt_ids(p, req.special_tokens),
+                                                                           self.max_request_tokens)
+                                                      for p in prompts])
         jobs = []
         for ids in prompt_ids:
             max_tokens = self.max_tokens(req, len(ids), COMPLETION_MAX_TOKENS_DEFAULT, "prompt")
@@ -297,20 +299,30 @@ class _Api:
 
     async def chat_completions(self, request: Request):
         req = await self.prepare(request, ChatCompletionRequest)
-        ids = await asyncio.to_thread(self.chat_prompt, [m.as_dict() for m in req.messages])
+        ids = await asyncio.to_thread(self.chat_prompt, [m.as_dict() for m in req.messages],
+                                      add_special_tokens=req.special_tokens, template_kwargs=req.template_kwargs(),
+                                      continue_final_message=bool(req.continue_final_message))
+        ids = req.truncated_prompt(ids, self.max_request_tokens)
         max_tokens = self.max_tokens(req, len(ids), self.max_request_tokens, "messages")
         return await self.generate(request, req, [(ids, sp) for sp in self.sampling_params(req, max_tokens)],
                                    chat=True)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
-        """Token ids of the rendered chat template (which writes its own special tokens)."""
+                    add_special_tokens: bool = False, template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of the rendered chat template (which writes its own special tokens). `template_kwargs`: the
+        template's variables beyond messages (their add_generation_prompt wins); `continue_final_message`: the
+        text ends where the last message's content does (vLLM's: the model continues that message)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise OpenAIError(400, "this model has no tokenizer: use /v1/completions with token ids",
                               param="messages")
+        kwargs = dict(template_kwargs or {})
+        add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+            if continue_final_message:
+                text = continued_final_message(text, messages[-1]["content"])
         except InvalidRequestError as e:
             raise OpenAIError.from_invalid_request(e) from None
         except Exception as e:  # a template may raise on messages it does not accept
@@ -319,7 +331,9 @@ class _Api:
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     async def generate(self, request: Request, req, jobs, chat: bool, echo: list[str] | None = None):
-        base_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        base_id = prefix + uuid.uuid4().hex[:24]  # the engine's (unique); the response's may be the client's
+        response_id = req.response_id(prefix, base_id)
         try:
             gen = await Generation.start(self.loop, base_id, jobs, self.limits.max_queued_requests,
                                          self.limits.request_timeout)
@@ -330,8 +344,10 @@ class _Api:
             raise failure_error(e) from None
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
         tok = self.engine.tokenizer
-        stream = _Stream(base_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs, echo,
-                         tok.token_text if tok is not None else _no_text, tok.text_widths if tok is not None else None)
+        stream = _Stream(response_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs,
+                         echo, tok.token_text if tok is not None else _no_text,
+                         tok.text_widths if tok is not None else None, bool(req.return_token_ids),
+                         req.prompt_logprobs is not None)
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -400,6 +416,18 @@ def check_content_type(content_type: str | None) -> None:
                               code="unsupported_media_type")
 
 
+def continued_final_message(text: str, content: str) -> str:
+    """The rendered chat `text` cut right after the last message's (stripped) content, so that the model
+    continues that message (transformers' and vLLM's continue_final_message); 400 when the template does not
+    write the content verbatim."""
+    final = content.strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise OpenAIError(400, "continue_final_message: the chat template does not write the last message's "
+                          "content as given, so it cannot be continued", param="continue_final_message")
+    return text[:at + len(final)]
+
+
 def grammar_failure(outs, jobs, param_names: dict[str, str]) -> OpenAIError | None:
     """The 400 answering a non-streamed request one of whose choices ended with finish_reason "error" (its
     grammar failed mid-generation: runtime/grammar.py), naming the constraint's request parameter; else None."""
@@ -427,6 +455,15 @@ def _no_text(_token_id: int) -> None:
     return None
 
 
+def prompt_logprobs(entries: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": max(lp.logprob, LOGPROB_FLOOR), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
+
 class _Stream:
     """Formats one API call's outputs as a response object or as SSE chunks.
 
@@ -434,9 +471,11 @@ class _Stream:
     each choice's prompt text (its prompt's tokens and, with logprobs, their logprobs come first)."""
 
     def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]],
-                 logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text, text_widths=None):
+                 logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text, text_widths=None,
+                 token_ids: bool = False, prompt_logprobs: bool = False):
         self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
         self.logprobs, self.echo, self.token_text, self.text_widths = logprobs, echo, token_text, text_widths
+        self.token_ids, self.prompt_logprobs = token_ids, prompt_logprobs  # vLLM's return_token_ids, prompt_logprobs
         self.created = int(time.time())
         self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
@@ -454,8 +493,20 @@ class _Stream:
             else:
                 choice = completion_choice(i, (self.echo[i] if self.echo else "") + o.text, o.finish_reason)
             choice["logprobs"] = self.logprobs_of(i, o, 0, first=True)
+            if self.token_ids:  # vLLM's shape: chat's prompt ids once per response, completions' per choice
+                choice["token_ids"] = list(o.token_ids)
+                if not self.chat:
+                    choice["prompt_token_ids"] = list(o.prompt_token_ids)
+            if self.prompt_logprobs and not self.chat:
+                choice["prompt_logprobs"] = prompt_logprobs(o.prompt_logprobs)
             choices.append(choice)
-        return envelope(self.id, self.obj, self.model, choices, self.created, usage=self.usage(dict(enumerate(outs))))
+        extra = {}
+        if self.chat and self.token_ids and outs:
+            extra["prompt_token_ids"] = list(outs[0].prompt_token_ids)
+        if self.chat and self.prompt_logprobs and outs:
+            extra["prompt_logprobs"] = prompt_logprobs(outs[0].prompt_logprobs)
+        return envelope(self.id, self.obj, self.model, choices, self.created, usage=self.usage(dict(enumerate(outs))),
+                        **extra)
 
     def logprobs_of(self, index: int, out, sent_tokens: int, first: bool, text_offset: int = 0) -> dict | None:
         """The choice's logprobs for its tokens from `sent_tokens` on (with echo, the first time, its prompt's
@@ -492,6 +543,8 @@ class _Stream:
         deltas = [TextDelta(s) for s in self.stops]
         sent_tokens = [0] * len(deltas)  # tokens whose logprobs were sent
         sent_chars = [0] * len(deltas)  # characters of text sent (the next logprobs' text_offset)
+        sent_ids = [0] * len(deltas)  # tokens whose ids were sent (return_token_ids)
+        chat_prompt_ids_sent = False
         started: set[int] = set()
         finals: dict = {}
         try:
@@ -509,9 +562,17 @@ class _Stream:
                 if text or out.finished or new_tokens or (first and self.echo):
                     choice = self.choice(i, text, out.finish_reason if out.finished else None)
                     choice["logprobs"] = self.logprobs_of(i, out, sent_tokens[i], first, sent_chars[i])
+                    extra = {}
+                    if self.token_ids:  # each chunk: its new tokens; the prompt's once (vLLM's stream shape)
+                        choice["token_ids"] = list(out.token_ids[sent_ids[i]:])
+                        sent_ids[i] = len(out.token_ids)
+                        if self.chat and not chat_prompt_ids_sent:
+                            extra["prompt_token_ids"], chat_prompt_ids_sent = list(out.prompt_token_ids), True
+                        elif not self.chat and first:
+                            choice["prompt_token_ids"] = list(out.prompt_token_ids)
                     started.add(i)
                     sent_tokens[i], sent_chars[i] = len(out.token_ids), sent_chars[i] + len(text)
-                    yield self.chunk([choice])
+                    yield self.chunk([choice], **extra)
                 if out.finished and out.finish_reason == "error":  # its grammar failed: say why
                     yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
             if include_usage:
