@@ -382,10 +382,8 @@ def level_order(servers: int, pass_index: int, level_index: int) -> list[int]:
     passes in a row (2n for odd n) each server runs each level at each position, and right after each other server,
     equally often.
     The client process and the machine carry state from one server's level to the next. A plain rotation (0, 1, 2 /
-    1, 2, 0 / ...) put every server at every position, but always after the same one: until 2026-11-26 the adaptive
-    server always followed the fixed one (plain, fixed, adaptive, plain's copy), so any trace the fixed server left
-    (its GPU's heat, caches) weighed on the adaptive server alone. (Until 2026-11-24 the rotation advanced only per
-    level: with as many levels as servers, every pass repeated the first pass's orders.)"""
+    1, 2, 0 / ...) puts every server at every position, but always after the same one, so any trace that one left
+    (its GPU's heat, caches) would weigh on its follower alone."""
     shift = (pass_index + level_index) % servers
     base = [0]
     for k in range(1, servers):
@@ -447,8 +445,8 @@ def server_busy(lv: dict) -> float | None:
 
 def server_load(lv: dict) -> str:
     """A pinned level's server CPUs kept busy (`server_busy`) against the CPUs it had: near them, a server's host work
-    queues for a CPU and reaches its tokens (two CPUs a server at concurrency 1 on the H200: 1.65-1.7 busy,
-    2026-11-28). Empty where not pinned or not reported."""
+    queues for a CPU and reaches its tokens (two CPUs a server at concurrency 1 on an H200 host: 1.65-1.7 busy).
+    Empty where not pinned or not reported."""
     busy = server_busy(lv)
     if not lv.get("cpus") or busy is None:
         return ""
@@ -801,13 +799,11 @@ def paired_versus_best_other(per_run: dict[str, list[float]],
                              configs: dict[str, str] | None = None) -> dict[str, float]:
     """Each run's output tokens/s over the best other configuration's in the same pass (copies of one configuration
     averaged, `_over_best_other`), less 1, the median over the passes every run has (runs without figures left
-    out). Runs measured together (--interleave) share each pass's machine: on the H200 (2026-11-23) identical
-    servers moved 10-40% between passes, all of a slow pass's servers together more often than not, so a
-    pass-by-pass ratio is less noisy than the ratio of medians (`versus_best_other`), which pairs one server's
-    third-best pass with another's. Copies are averaged, not each taken as a rival: until 2026-11-25 a CONTROL=1
-    run's adaptive server met the better of two copies of plain (or fixed) in each pass, the better of two noisy
-    draws: over the 46 such runs of 2026-11-23 to 25 (H100, H200) that put its figure lower by a median 3.7 points at
-    concurrency 8-64 (up to 12.8) and 1.1 at concurrency 1."""
+    out). Runs measured together (--interleave) share each pass's machine: on an H200 host identical servers moved
+    10-40% between passes, all of a slow pass's servers together more often than not, so a pass-by-pass ratio is
+    less noisy than the ratio of medians (`versus_best_other`), which pairs one server's third-best pass with
+    another's. Copies are averaged, not each taken as a rival: the better of two noisy copies in each pass would
+    put a run's figure lower by a few points."""
     runs = {name: tps for name, tps in per_run.items() if tps}
     passes = min((len(tps) for tps in runs.values()), default=0)
     per_pass = [_over_best_other({name: tps[k] for name, tps in runs.items()}, configs) for k in range(passes)]
@@ -832,8 +828,8 @@ def server_cpus(result: dict) -> list[int]:
 
 def bar_setting(result: dict) -> str:
     """What a bar result's figures may be pooled under: its workload (`workload_name`) and, for pinned servers, their
-    CPUs each: at two CPUs a server the adaptive server's host time reached its tokens, at four it did not (DESIGN
-    §16, session 59), so runs on different CPU budgets are not one population."""
+    CPUs each: a server's host time reaches its tokens at some CPU budgets and not at others, so runs on different
+    CPU budgets are not one population."""
     name = workload_name(result["config"])
     cpus = server_cpus(result)
     return name + (f", {'/'.join(map(str, cpus))} CPU{'' if cpus == [1] else 's'} a server" if cpus else "")

@@ -11,22 +11,15 @@ requests instead of leaving its share to be sent after the others finished.
 Before a level's clock starts, every process opens its connections (one `GET /health` per stream in flight) and
 reports ready; the pool starts them all together once every one has. Each level opens fresh connections: a
 connection kept alive from an earlier level may have been closed by the server meanwhile (uvicorn closes idle ones
-after 5 s), and the first request on it failed with a ReadError. Until 2026-11-23 the requests were dealt to the
-processes in advance (request i to process i mod n) and each process started at a fixed instant 0.5 s after the
-level handed it its share, connecting on its first requests: on the H100, levels of concurrency 32 had the
-requests of one or two processes reach the server ~1-2 s after the others' (the server's log: 20-24 of 32 streams in
-flight, then the late processes' shares alone), so the level held 14-19 streams on average and its throughput read
-40-50% low. Whatever delayed them (a late start or a slow connect) now falls before the clock starts, and a process
-that still lags takes fewer requests.
+after 5 s), and the first request on it would fail with a ReadError. Requests are not dealt to the processes in
+advance: a process that starts or connects late would then send its share after the others' and the level would
+hold fewer streams than its concurrency. Whatever delays a process (a late start or a slow connect) falls before
+the clock starts, and a process that still lags takes fewer requests.
 
 And before a level's clock starts, every process collects and freezes its heap (gc.freeze): the client imports torch
 (~190k objects the collector tracks), and a full collection, which the results of earlier levels set off now and
-then, walks them all (~90 ms on the development machine's CPU) with no chunk read. On the H200 x4 (56ecd76, session
-57) one adaptive server's first concurrency-1 pass read a 108.6 ms gap between two tokens of one request (its
-tokens/s 4-5% low) while the server's log had every request of that level served in 35 ms or less and 102 ms between
-one request's end and the next one's start (the client had stalled: such a collection is the likely cause); in the
-eight such runs of sessions 56-57, four first passes at concurrency 1 (of the 24 by the plain, adaptive and
-plain-again servers) read such a gap (108-132 ms), plain servers' too, and no later pass did.
+then, walks them all (~90 ms) with no chunk read: a stall the level would read as a gap between two tokens of
+the server's.
 """
 
 from __future__ import annotations

@@ -59,10 +59,8 @@ def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) 
     client: dealt in number order on a machine whose core k holds CPUs k and k + n/2, as Linux numbers them, every
     server's CPUs shared cores with the client's, whose load then took the server's cycles.
 
-    The default gives a server of a 16-CPU machine shared by four (the serving bar's H200 runs) two CPUs for its two
-    processes, which kept ~1.7 of them busy (session 59). More CPUs alone did not level the adaptive server with plain
-    (three a server: still -1.5/-6.0% at concurrency 1/8, session 60; its own told steps were the gap), but they keep
-    the servers off a CPU queue: the serving bar's device scripts give three (`--cpus-per-server`; DESIGN §16).
+    The default gives a server of a 16-CPU machine shared by four two CPUs for its two processes, which keep ~1.7 of
+    them busy on an H200 host; `--cpus-per-server` gives more, which keeps a server off a CPU queue.
     ValueError when the servers' CPUs leave the client none (or, by default, fewer than two CPUs a server)."""
     check_cpus_per_server(per_server)
     per = per_server or (len(cpus) // (2 * servers) if servers > 0 else 0)
@@ -77,8 +75,8 @@ def cpu_sets(servers: int, cpus: list[int], core=cpu_core, per_server: int = 0) 
 
 def rotated(sets: list[list[int]], pass_index: int) -> list[list[int]]:
     """The CPU sets of servers 0, 1, ... in pass `pass_index` (from 0): server i takes set (i + pass) mod n, so over
-    any n passes in a row each server runs on every set once (`--pin-cpus`: sets of one machine's CPUs differ; on
-    the H200 machine, 2026-11-25, the server on CPUs 4-5 trailed in three runs of four whichever engine it was)."""
+    any n passes in a row each server runs on every set once (`--pin-cpus`: sets of one machine's CPUs differ, and
+    a server on a slower set would trail whichever engine it runs)."""
     n = len(sets)
     return [sets[(i + pass_index) % n] for i in range(n)]
 

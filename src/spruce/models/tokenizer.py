@@ -215,8 +215,7 @@ class IncrementalDetokenizer:
     decoded for context only; none of their text is returned.
 
     `add` runs the same window algorithm in the `tokenizers` library (its DecodeStream, `Tokenizer.decode_stream`)
-    where one decodes as `decode` does: 1.44 -> 1.09 us an add of one token, 3.21 -> 2.65 of five, on the
-    development machine's CPU (pycode-19m's tokenizer, 2026-11-25; every running request pays one a step). The
+    where one decodes as `decode` does: about a quarter faster per add (every running request pays one a step). The
     offsets here follow it, for `flush`; a stream that fails (its window's text no longer starts with its
     prefix's) hands over to the Python windows for the rest of the request."""
 

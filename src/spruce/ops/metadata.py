@@ -7,10 +7,9 @@ instead of ~12-20 small ones. Padding rows (the dummy row) get out_slot 0, kv_le
 `BatchBuilder._mask_padding` does.
 
 Why DECODE too: its torch fill copies contiguous int64 views (`req_rows[:P] = rows`, the positions, the token ids),
-which a CUDA graph captures as memcpy nodes. On the H100 (2026-11-25, pycode-19m, one request) the same nodes ran
-as a `memcpy32_post` kernel in a plain engine's decode graph and on the copy engine (`Memcpy DtoD`) in an adaptive
-engine's, whose plain step then spanned 20 us more of the stream (316 against 295 us) for the same 270 us of kernels.
-A kernel writes them on the compute engine whatever the graph's lowering.
+which a CUDA graph captures as memcpy nodes: lowered as a copy kernel in one graph and on the copy engine
+(`Memcpy DtoD`) in another, where the same step spanned more of the stream for the same kernels. A kernel writes
+them on the compute engine whatever the graph's lowering.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Prefill batching (`scheduler_delay_factor`, vLLM's option of that name): while requests decode, hold new
 arrivals back for a short while so that several join in one prefill launch.
 
-Why: part of a prefill step's cost is paid once whatever it holds, while it is launch-bound. On the H100 (pycode-19m,
-2026-11-23) one prefill of a 128-token prompt with its draft extend took ~7.7 ms of eager launches, during which
+Why: part of a prefill step's cost is paid once whatever it holds, while it is launch-bound. On the H100
+(pycode-19m) one prefill of a 128-token prompt with its draft extend took ~7.7 ms of eager launches, during which
 every running request waits. A server whose requests end at different steps (speculative rounds commit different
 numbers of tokens) gets one prefill per arrival: offline at concurrency 64 a fixed EAGLE-3 engine spent 13.1 s of
 18.5 s in 1,693 prefill launches for 4,096 requests, a plain one 1.3 s in 192, because its requests end together.
@@ -18,13 +18,12 @@ thus goes in at once after its first prefill, and arrivals that trickle in one b
 grouped. Each held request's TTFT grows by at most f * P. f = 0 (the default) admits at once.
 
 Why the fixed part: a chunk's own share (p) is paid whether it joins a batch or launches alone, so holding saves
-only P per launch avoided. Until 2026-11-27 P was the mean launch, chunks included. Served with the 1k shared
-prefix at concurrency 32-64 a launch is mostly per chunk (pycode-19m, H100 x4, 48-96 levels a server, 2026-11-26/
-27: ~0.31-0.37 ms a chunk over a fixed 0.17-0.47 ms, plain and adaptive alike; a fixed EAGLE-3 server's ~2.5-3.5
-ms, its draft extend's fixed cost), so the mean priced the holds by the chunks they gathered: a batch of k chunks
-held as if batching saved (k - 1) chunks' worth more than it does, and an engine whose chunks cost more held
-longer, gathered more chunks and held longer still. With one chunk count seen
-the fit is their mean launch, as before.
+only P per launch avoided. Served with a 1k shared prefix at concurrency 32-64 a launch is mostly per chunk
+(pycode-19m on the H100: ~0.31-0.37 ms a chunk over a fixed 0.17-0.47 ms; a fixed EAGLE-3 server's fixed part
+~2.5-3.5 ms, its draft extend's). The mean launch would price the holds by the chunks they gather: a batch of k
+chunks would hold as if batching saved (k - 1) chunks' worth more than it does, and an engine whose chunks cost
+more would hold longer, gather more chunks and hold longer still. With one chunk count seen the fit is their mean
+launch.
 """
 
 from __future__ import annotations

@@ -190,9 +190,8 @@ class _EngineServer:
     def _send_stats(self) -> bool:
         """Send the stats of the step just sent, which left the engine idle (the server's readers wait for them:
         Metrics.expect_stats); False if the engine raised. Taken before that step's outputs were sent, they held up
-        every request's last token, and at concurrency 1 the next request, which comes after it: an adaptive
-        engine's stats (its cost tables) take ~110 us of cold-cache host work, a plain engine's ~35 (CPU, 2026-11-26),
-        at every request's end."""
+        every request's last token, and at concurrency 1 the next request, which comes after it (building the stats
+        is tens of microseconds of cold-cache host work at every request's end)."""
         t0 = time.perf_counter()
         try:
             self.cadence.due(False)  # always due when idle; called so that the busy interval counts from these stats

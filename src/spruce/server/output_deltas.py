@@ -5,9 +5,8 @@ not sent yet; the prompt's ids and logprobs travel in a request's first delta on
 of the sent text kept, text added), because a stop string can cut it and the final text is decoded afresh.
 A request's speculation statistics travel only when they changed (None: as last sent): a speculative engine's
 outputs each carry them, and they change only with a round (SpecStats.as_dict hands out the same dict until then),
-so an adaptive engine's plain steps pickled and sent an unchanged dict per request per step (on the H100, 2026-11-23,
-py-spy: ~5 us more per launch in the engine process's send than a plain engine's, about 1.5% of its step at
-concurrency 1). Whole outputs would cost pickling the whole prompt and output per request per step. Every output
+so sending them every step would pickle an unchanged dict per request per step.
+Whole outputs would cost pickling the whole prompt and output per request per step. Every output
 of a request must be encoded, and assembled, in order: then the ids not sent yet are the output's
 `new_token_ids`, which therefore do not travel apart.
 """
@@ -64,8 +63,8 @@ class GrowingPrefix(Sequence):
     """The first `n` items of a list that only grows (appends, never a change to an item it holds): a snapshot of
     the list as it was, taken in O(1). The assembler's running outputs hold their token ids and logprobs so: the
     server reads a request's latest output (Mailbox) after later ones were assembled, so each needs the list as of
-    its step, and a copy per request per step cost O(output) each (CPU, 2026-11-25: 3.6 us a request-step over a
-    4096-token output, 8.5 with logprobs). Lengths, indexing, slices (O(slice)), iteration and equality with a list
+    its step, and a copy per request per step would cost O(output) each.
+    Lengths, indexing, slices (O(slice)), iteration and equality with a list
     read as the snapshot."""
 
     __slots__ = ("_items", "_n")
