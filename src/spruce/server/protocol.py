@@ -310,12 +310,8 @@ class _GenerationRequest(_TopLevel):
             kwargs[field], names[field] = value, f"structured_outputs.{key.rstrip('_')}"
         for param, field in (("regex", "regex"), ("ebnf", "grammar")):  # SGLang's top-level constraints
             value = getattr(self, param)
-            if value is None:
-                continue
-            if kwargs:
-                raise OpenAIError(400, f"{param} and {next(iter(names.values()))} both constrain the output; send "
-                                  f"one of them", param=param)
-            kwargs[field], names[field] = value, param
+            if value is not None:  # with another constraint: SamplingParams refuses the second by name
+                kwargs[field], names[field] = value, param
         return kwargs, names
 
     def truncated_prompt(self, ids: list[int], max_request_tokens: int) -> list[int]:
