@@ -13,6 +13,20 @@ next step's feature.
 EAGLE (LlamaForCausalLMEagle): `fc` (2*H -> H) over [embeds, feature], decoder `layers.*` whose first has no
 input norm, optional `lm_head` (else the target's), no final norm; its first feature is the target's final
 (normed) hidden, later ones its own output.
+
+Published variants of EAGLE-3 heads:
+- `norm_before_residual` (vLLM's llama_eagle3.py): the midlayer's residual is hidden_norm(feature), not the
+  feature itself.
+- Multi-layer heads run one of two ways, chosen by the config key `eagle3_layer_style`:
+  "sglang" (above) or "vllm": the later layers are plain pre-norm decoder layers over H named `layers.{k}` with
+  an `input_layernorm`, and the residual stream runs through them all (residual += previous mlp output; x =
+  attn(input_layernorm(residual)); ...). Without the key: speculators-format heads run vLLM's way, heads naming
+  `additional_layers.*` SGLang's way, `layers.{k}` heads by which input norm their later layers carry (both or
+  neither: refused as ambiguous).
+- Speculators format (`speculators_model_type` "eagle3", `transformer_layer_config`, `speculators_config`), read as
+  vLLM converts it: the draft's shape is `transformer_layer_config`; `draft_vocab_size`, `target_hidden_size`,
+  `norm_before_residual` (default True) and `eagle_aux_hidden_state_layer_ids` are top-level. vLLM's aux ids name
+  target layer INPUTS (id j = the input of layer j), SGLang's name outputs (the input of id + 1).
 """
 
 from __future__ import annotations
@@ -33,7 +47,10 @@ from spruce.models.weights import load_named_tensors
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 EAGLE_ARCH = "LlamaForCausalLMEagle"
-_UNSUPPORTED_EAGLE3_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+_UNSUPPORTED_EAGLE3_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_fc")
+LAYER_STYLE_KEY = "eagle3_layer_style"
+LAYER_STYLES = ("sglang", "vllm")
+SPECULATORS_TYPES = ("eagle3",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,8 @@ class DraftConfig:
     target_aux_layers: tuple[int, ...]  # EAGLE-3: INPUT indices of the target layers whose residual stream it reads
     fc_bias: bool | None  # config `bias`; None: not said, load fc.bias if the checkpoint has one
     tie_word_embeddings: bool  # EAGLE-3: lm_head is the (own or shared) embedding
+    norm_before_residual: bool = False  # EAGLE-3: the midlayer's residual is hidden_norm(feature)
+    layer_style: str = "sglang"  # EAGLE-3 layers after the midlayer: "sglang" or "vllm" (see the module doc)
 
     @property
     def fc_in_features(self) -> int:
@@ -62,6 +81,9 @@ class DraftConfig:
             raise ModelLoadError(f"draft model directory not found: {path}")
         file = path / "config.json"
         cfg = read_json(file, "draft config")
+        speculators = "speculators_model_type" in cfg
+        if speculators:
+            cfg = speculators_to_eagle3(cfg, file)
         archs = cfg.get("architectures") or []
         if EAGLE3_ARCH in archs:
             eagle3 = True
@@ -108,30 +130,105 @@ class DraftConfig:
             raise ConfigError(f"EAGLE-3 draft ties lm_head to embeddings but draft_vocab_size {draft_vocab} != "
                               f"vocab_size {layer.vocab_size}")
         bias = cfg.get("bias")
-        return DraftConfig(eagle3=eagle3, layer=layer, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
-                           target_aux_layers=_aux_layers(cfg, target) if eagle3 else (),
-                           fc_bias=None if bias is None else bool(bias), tie_word_embeddings=tie)
+        if not eagle3:
+            return DraftConfig(eagle3=False, layer=layer, draft_vocab_size=draft_vocab,
+                               target_hidden_size=target_hidden, target_aux_layers=(),
+                               fc_bias=None if bias is None else bool(bias), tie_word_embeddings=False)
+        return DraftConfig(eagle3=True, layer=layer, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
+                           target_aux_layers=_aux_layers(cfg, target, ids_name_inputs=speculators),
+                           fc_bias=None if bias is None else bool(bias), tie_word_embeddings=tie,
+                           norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+                           layer_style=_layer_style(cfg, file, layer.num_layers, speculators))
 
 
-def _aux_layers(cfg: dict, target: ModelConfig) -> tuple[int, ...]:
+def speculators_to_eagle3(cfg: dict, file: Path) -> dict:
+    """A speculators-format config as the flat LlamaForCausalLMEagle3 config vLLM converts it to: the
+    `transformer_layer_config` with the EAGLE-3 fields of the top level laid over it. Multi-layer heads run
+    vLLM's way unless the config names `eagle3_layer_style`; the aux ids keep vLLM's meaning (layer inputs)."""
+    kind = cfg.get("speculators_model_type")
+    if kind not in SPECULATORS_TYPES:
+        raise ModelLoadError(f"speculators_model_type={kind!r} in {file} is not supported; expected one of "
+                             f"{list(SPECULATORS_TYPES)}")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ModelLoadError(f"speculators config {file} needs a transformer_layer_config object, got "
+                             f"{type(layer).__name__}")
+    out = dict(layer)
+    out["architectures"] = [EAGLE3_ARCH]
+    out["draft_vocab_size"] = cfg.get("draft_vocab_size")
+    if cfg.get("target_hidden_size") is not None:
+        out["target_hidden_size"] = cfg["target_hidden_size"]
+    out["norm_before_residual"] = cfg.get("norm_before_residual", True)  # vLLM's default for this format
+    out["eagle3_layer_style"] = cfg.get(LAYER_STYLE_KEY, "vllm")
+    out["eagle_config"] = {}  # only the top-level ids count here
+    out["eagle_aux_hidden_state_layer_ids"] = cfg.get("eagle_aux_hidden_state_layer_ids") or None
+    for flag in _UNSUPPORTED_EAGLE3_FLAGS:
+        if flag in cfg:
+            out[flag] = cfg[flag]
+    return out
+
+
+_LATER_LAYER_NORM = re.compile(r"(?:model\.)?layers\.([1-9]\d*)\.(hidden_norm|input_layernorm)\.weight")
+
+
+def _layer_style(cfg: dict, file: Path, num_layers: int, speculators: bool) -> str:
+    """How an EAGLE-3 head's layers after the midlayer run: the config key, else what the format or the
+    checkpoint's tensor names leave no doubt about; ModelLoadError when they do."""
+    style = cfg.get(LAYER_STYLE_KEY)
+    if style is not None:
+        if style not in LAYER_STYLES:
+            raise ModelLoadError(f"{LAYER_STYLE_KEY}={style!r} in {file} is not supported; expected one of "
+                                 f"{list(LAYER_STYLES)}")
+        return style
+    if num_layers == 1:
+        return "sglang"  # one layer: both ways are the same forward
+    names = _checkpoint_names(file.parent)
+    if any(n.removeprefix("model.").startswith("additional_layers.") for n in names):
+        return "sglang"  # only SGLang names its later layers so
+    norms = {m.group(2) for m in map(_LATER_LAYER_NORM.fullmatch, names) if m}
+    if norms == {"hidden_norm"}:
+        return "sglang"
+    if norms == {"input_layernorm"}:
+        return "vllm"
+    found = sorted(norms) or "no later-layer norm tensors"
+    raise ModelLoadError(f"EAGLE-3 head {file} has {num_layers} layers and its later layers are ambiguous "
+                         f"({found}): SGLang runs them on `hidden_norm` with the residual dropped, vLLM on "
+                         f"`input_layernorm` with the residual carried; set {LAYER_STYLE_KEY} to 'sglang' or "
+                         f"'vllm' in its config.json")
+
+
+def _checkpoint_names(path: Path) -> set[str]:
+    """Tensor names of the checkpoint in `path` (headers only); empty when it has no weight files."""
+    from spruce.models.loader import checkpoint_names
+
+    try:
+        return checkpoint_names(path)
+    except ModelLoadError:
+        return set()
+
+
+def _aux_layers(cfg: dict, target: ModelConfig, ids_name_inputs: bool = False) -> tuple[int, ...]:
     """SGLang's rule (set_eagle3_layers_to_capture): configured ids name layer OUTPUTS, i.e. the input of
-    layer id + 1; without ids, the inputs of layers [2, L//2, L-3]."""
+    layer id + 1; without ids, the inputs of layers [2, L//2, L-3]. ids_name_inputs (vLLM's rule, kept for
+    speculators-format heads): id j is the input of layer j, so each is in [0, L-1]."""
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = ids if ids is not None else cfg.get("eagle_aux_hidden_state_layer_ids")
     n = target.num_layers
-    layers = tuple(int(i) + 1 for i in ids) if ids is not None else (2, n // 2, n - 3)
-    if not layers or any(not 0 <= i <= n for i in layers):
+    shift, top = (0, n - 1) if ids_name_inputs else (1, n)
+    layers = tuple(int(i) + shift for i in ids) if ids is not None else (2, n // 2, n - 3)
+    if not layers or any(not 0 <= i <= top for i in layers):
         raise ConfigError(f"EAGLE-3 aux hidden-state layers (inputs) {layers} do not fit a {n}-layer target "
-                          f"(need at least one, each in [0, {n}]; configured ids {ids})")
+                          f"(need at least one, each in [0, {top}]; configured ids {ids})")
     return layers
 
 
 class Eagle3MidLayer(nn.Module):
     """The EAGLE-3 head's first decoder layer: attention over [norm(embeds), norm(feature)], residual = feature."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend, norm_before_residual: bool = False):
         super().__init__()
         h = cfg.hidden_size
+        self.norm_before_residual = norm_before_residual  # residual = hidden_norm(feature) (vLLM's option)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, 0,
@@ -141,8 +238,10 @@ class Eagle3MidLayer(nn.Module):
 
     def forward(self, embeds, feature, batch, kv, page_table):
         """embeds [T, H], feature [T, H] -> (mlp output [T, H], residual [T, H]); their sum is the pre-norm hidden."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)  # [T, 2H]
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, batch, kv, page_table), feature)
+        normed = self.hidden_norm(feature)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
+        residual = normed if self.norm_before_residual else feature
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(x, batch, kv, page_table), residual)
         return self.mlp(h), residual
 
 
@@ -164,6 +263,26 @@ class Eagle3AdditionalLayer(nn.Module):
         """x [T, H] (the previous layer's mlp output) -> (mlp output [T, H], residual [T, H])."""
         h = self.self_attn(self.hidden_norm(x), batch, kv, page_table)
         h, residual = self.post_attention_layernorm.add_forward(h, x)
+        return self.mlp(h), residual
+
+
+class Eagle3StreamLayer(nn.Module):
+    """An EAGLE-3 head's layer after the midlayer as vLLM's llama_eagle3.py runs it: a pre-norm decoder layer
+    over H whose input norm is `input_layernorm`, on the residual stream the midlayer started."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend, layer_id: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
+                                   eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
+
+    def forward(self, x, residual, batch, kv, page_table):
+        """x [T, H] (the previous mlp output), residual [T, H] -> (mlp output [T, H], residual [T, H])."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, batch, kv, page_table), residual)
         return self.mlp(h), residual
 
 
@@ -198,8 +317,9 @@ class EagleDraft(nn.Module):
         if self.fc.bias is not None:
             nn.init.zeros_(self.fc.bias)  # stays zero when the checkpoint has no fc.bias (and none was promised)
         if cfg.eagle3:
-            self.midlayer = Eagle3MidLayer(lc, self.rotary, backend)
-            self.additional_layers = nn.ModuleList(Eagle3AdditionalLayer(lc, self.rotary, backend, i)
+            self.midlayer = Eagle3MidLayer(lc, self.rotary, backend, cfg.norm_before_residual)
+            later = Eagle3StreamLayer if cfg.layer_style == "vllm" else Eagle3AdditionalLayer
+            self.additional_layers = nn.ModuleList(later(lc, self.rotary, backend, i)
                                                    for i in range(1, lc.num_layers))
             self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         else:
@@ -252,8 +372,9 @@ class EagleDraft(nn.Module):
                 raise ConfigError(f"EAGLE-3 draft features have width {width}; expected {self.fc.in_features} "
                                   f"(target aux states) or {self.hidden_size} (draft hidden)")
             h, residual = self.midlayer(embeds, h, batch, kv, page_table)
-            for block in self.additional_layers:  # each reads only the previous mlp output (SGLang)
-                h, residual = block(h, batch, kv, page_table)
+            stream = self.config.layer_style == "vllm"
+            for block in self.additional_layers:  # SGLang: each reads only the previous mlp output
+                h, residual = block(h, residual, batch, kv, page_table) if stream else block(h, batch, kv, page_table)
             return h + residual
         h, residual = self.fc(torch.cat([embeds, features], dim=-1)), None  # [T, H]
         for layer in self.layers:  # layer 0 has no input norm: it reads fc's output as is
@@ -303,6 +424,11 @@ class EagleDraft(nn.Module):
         """Load (name, tensor) pairs in the published layouts; checks d2t against the vocabularies."""
         eagle3 = self.config.eagle3
         seen_d2t = False
+        vllm_layers = eagle3 and self.config.layer_style == "vllm"
+
+        def vllm_unused(name: str) -> bool:
+            """vLLM gives every layer a hidden_norm and reads only the midlayer's."""
+            return vllm_layers and name.startswith("additional_layers.") and ".hidden_norm." in name
 
         def stream():
             nonlocal seen_d2t
@@ -313,6 +439,8 @@ class EagleDraft(nn.Module):
                 if name == "d2t":
                     self._set_d2t(tensor)
                     seen_d2t = True
+                elif vllm_unused(name):
+                    continue
                 elif name != "t2d" and not name.endswith("rotary_emb.inv_freq"):
                     yield name, tensor
 
