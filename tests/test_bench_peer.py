@@ -232,3 +232,12 @@ def test_peer_client_runs_every_level_in_one_process_and_falls_back_to_the_comma
     how = [json.loads((tmp_path / f"l{i}.json").read_text())["how"] for i in range(3)]
     assert how == ["in-process", "command", "command"]
     assert peer_client.__doc__
+
+
+def test_context_leaves_room_for_prompts_that_encode_longer():
+    """A random prompt re-encoded by the server can exceed --input-len tokens: both servers get room for twice it."""
+    from spruce.bench.peer import build_parser, context_length
+
+    args = build_parser().parse_args(["--out", "x.json", "--input-len", "512", "--output-len", "256"])
+    assert context_length(args) >= 2 * 512 + 256
+    assert context_length(args) % 64 == 0

@@ -157,8 +157,10 @@ class Shape:
 
 
 def context_length(args: argparse.Namespace) -> int:
-    """Both engines' context: prompt + output + a round's drafts, rounded up to 64."""
-    need = args.input_len + args.output_len + args.steps + 2
+    """Both engines' context: twice the prompt + output + a round's drafts, rounded up to 64. The client sends
+    random token ids as text, which the server encodes again, sometimes into more tokens than were drawn: at
+    prompt + output + 64 a server refuses some of them (400), and the two engines no longer run the same load."""
+    need = 2 * args.input_len + args.output_len + args.steps + 2
     return -(-need // 64) * 64
 
 
