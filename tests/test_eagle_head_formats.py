@@ -224,3 +224,32 @@ def test_speculators_config_refusals(tmp_path, target_dir, change, error, match)
     (d / "config.json").write_text(json.dumps({**read_config(d), **change}))
     with pytest.raises(error, match=match):
         DraftConfig.from_dir(d, tcfg)
+
+
+def test_speculators_copy_of_the_bundled_head_runs_the_same(tmp_path, make_llm):
+    """The bundled EAGLE-3 head rewritten in the speculators layout (SGLang's default aux inputs [2, 3, 4] given as
+    vLLM's ids, norm_before_residual false) drafts exactly as the original in the engine: the same tokens and the
+    same accept lengths."""
+    import shutil
+
+    from spruce import SamplingParams
+    from spruce.config import builtin_draft_path, builtin_model_path
+
+    target, head = builtin_model_path(), builtin_draft_path()
+    d = tmp_path / "speculators"
+    d.mkdir()
+    shutil.copy(head / "model.safetensors", d / "model.safetensors")
+    (d / "config.json").write_text((head / "config.json").read_text())
+    to_speculators(d, aux_ids=[2, 3, 4], norm_before_residual=False, target_hidden_size=read_config(head)["hidden_size"])
+    assert ModelConfig.from_dir(target).num_layers == 7  # the default inputs [2, L//2, L-3] are [2, 3, 4]
+    prompts = ["def fib(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = []
+    for draft in (head, d):
+        llm = make_llm(target, page_size=16, max_running_requests=2, context_length=256, draft_model=str(draft),
+                       speculative_algorithm="EAGLE3", speculative_num_steps=3, speculative_eagle_topk=2,
+                       speculative_num_draft_tokens=6)
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)],
+                     llm.engine.stats()["spec"]["accept_length_counts"]))
+    assert runs[0] == runs[1]
+    assert any(runs[1][1][1:])  # some drafts were accepted: the aux inputs and the residual convention matter
