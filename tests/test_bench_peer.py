@@ -86,7 +86,7 @@ def test_commands_name_dummy_weights_and_synthetic_acceptance_on_both_engines(tm
     assert json.loads(option(vllm, "--speculative-config")) == {
         "method": "eagle3", "model": str(shape.draft), "num_speculative_tokens": 5,
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.5}
-    assert option(vllm, "--max-num-seqs") == "16" and option(vllm, "--max-model-len") == "832"
+    assert option(vllm, "--max-num-seqs") == "16" and option(vllm, "--max-model-len") == "1344"
     chain = peer.server_command("spruce", args, shape, 8000)
     assert option(chain, "--load-format") == "dummy" and option(chain, "--speculative-eagle-topk") == "1"
     assert option(chain, "--speculative-num-draft-tokens") == "6"
