@@ -40,8 +40,8 @@ def vllm_eagle3(w, cfg, embed, ids, feats, norm_before_residual):
     out = mlp(w, "layers.0.mlp", rms(residual, w["layers.0.post_attention_layernorm.weight"]))
     for i in range(1, cfg["num_hidden_layers"]):
         residual = residual + out
-        residual = residual + attention(w, f"layers.{i}.self_attn", rms(residual, w[f"layers.{i}.input_layernorm.weight"]),
-                                        pos, cfg)
+        x = rms(residual, w[f"layers.{i}.input_layernorm.weight"])
+        residual = residual + attention(w, f"layers.{i}.self_attn", x, pos, cfg)
         out = mlp(w, f"layers.{i}.mlp", rms(residual, w[f"layers.{i}.post_attention_layernorm.weight"]))
     h = out + residual
     return h, rms(h, w["norm.weight"]) @ w["lm_head.weight"].T
@@ -214,7 +214,8 @@ def test_ambiguous_multilayer_head_refused(tmp_path, target_dir):
     (dict(speculators_model_type="medusa"), ModelLoadError, r"speculators_model_type='medusa'.*\['eagle3'\]"),
     (dict(transformer_layer_config=None), ModelLoadError, "needs a transformer_layer_config object, got NoneType"),
     (dict(norm_before_fc=True), ModelLoadError, r"sets \['norm_before_fc'\]"),
-    (dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6]), ConfigError, r"\(1, 3, 6\) do not fit a 6-layer target.*\[0, 5\]"),
+    (dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6]), ConfigError,
+     r"\(1, 3, 6\) do not fit a 6-layer target.*\[0, 5\]"),
 ], ids=["layer_style", "model_type", "layer_config", "norm_before_fc", "aux_id_past_last_input"])
 def test_speculators_config_refusals(tmp_path, target_dir, change, error, match):
     d = to_speculators(write_eagle3_checkpoint(tmp_path / "d", target_dir, num_layers=2, midlayer_name="layers.0"))
@@ -240,7 +241,8 @@ def test_speculators_copy_of_the_bundled_head_runs_the_same(tmp_path, make_llm):
     d.mkdir()
     shutil.copy(head / "model.safetensors", d / "model.safetensors")
     (d / "config.json").write_text((head / "config.json").read_text())
-    to_speculators(d, aux_ids=[2, 3, 4], norm_before_residual=False, target_hidden_size=read_config(head)["hidden_size"])
+    to_speculators(d, aux_ids=[2, 3, 4], norm_before_residual=False,
+                   target_hidden_size=read_config(head)["hidden_size"])
     assert ModelConfig.from_dir(target).num_layers == 7  # the default inputs [2, L//2, L-3] are [2, 3, 4]
     prompts = ["def fib(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n"]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
