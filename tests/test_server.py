@@ -211,8 +211,6 @@ NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
     ("completions", "best_of", 2),
     ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
     ("completions", "guided_json", {"type": "object"}), ("completions", "suffix", "x"),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat/completions", "tool_choice", "auto"),
     ("chat/completions", "chat_template", "{{ 1 }}"),
 ]
 NEUTRAL = {  # values of the not-supported-yet fields that change nothing: accepted

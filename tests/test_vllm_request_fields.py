@@ -53,7 +53,9 @@ REFUSED = [
     ("completions", "min_repetition_pattern_size", 2), ("completions", "repetition_min_count", 3),
     ("completions", "no_stop_trim", True), ("completions", "prompt_embeds", "AAAA"),
     ("chat/completions", "echo", True), ("chat/completions", "mm_processor_kwargs", {"a": 1}),
-    ("chat/completions", "chat_template", "{{ 1 }}"), ("chat/completions", "include_reasoning", False),
+    ("chat/completions", "chat_template", "{{ 1 }}"),
+    # tools default to tool_choice "auto", which needs a server started with a tool-call parser
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
 ]
 
 
@@ -106,7 +108,15 @@ def test_unimplemented_fields_are_refused_by_name(server, path, field, value):
     r = post(server, path, {**body, **GREEDY, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == field and field in err["message"]
+    param = "tool_choice" if field == "tools" else field
+    assert err["param"] == param and param in err["message"]
+
+
+def test_tool_choice_none_with_tools_changes_nothing(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = ok(server, "chat/completions", {"messages": CHAT, **GREEDY})
+    body = ok(server, "chat/completions", {"messages": CHAT, **GREEDY, "tools": tools, "tool_choice": "none"})
+    assert body["choices"][0]["message"] == plain["choices"][0]["message"]
 
 
 def test_prompt_logprobs(server):

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from spruce.errors import InvalidRequestError
+from spruce.server.chat_parsers import ChatOutputParser, ChatParsing, ChatStreamDeltas
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
 from spruce.server.protocol import (
     LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
@@ -48,7 +50,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
                shutdown_grace_period: float = SHUTDOWN_GRACE_PERIOD_S,
                allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS, allowed_origins: tuple[str, ...] = (),
                metrics_no_auth: bool = False, hide_model_path: bool = False,
-               sampling_defaults: dict | None = None) -> FastAPI:
+               sampling_defaults: dict | None = None, chat_parsing: ChatParsing | None = None) -> FastAPI:
     """The ASGI app. Its lifespan starts the engine thread and stops it on shutdown; `app.state.drain` is the
     graceful shutdown to run before that (refuse new requests, let running ones finish, end the rest).
 
@@ -56,7 +58,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     origins allowed cross-origin (CORS headers and state-changing requests; `*`: any); `metrics_no_auth`: /metrics
     answers without the API key; `hide_model_path`: no response or metric names the model's files (the served
     name stands for the model's path, a draft model's directory name for its path); `sampling_defaults`: values for
-    the sampling fields a request leaves unset (spruce.sampling_defaults: the model's generation_config.json).
+    the sampling fields a request leaves unset (spruce.sampling_defaults: the model's generation_config.json);
+    `chat_parsing`: the chat template and the reasoning / tool-call parsers chat output is read with.
 
     /health answers 200 while the engine runs (503 once it failed or while the server shuts down); /ready 200 while
     a request would be admitted now: the engine runs, the server is not shutting down and its queue has room
@@ -73,7 +76,10 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="spruce", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(engine_loop, model_name, api_key, limits, hide_model_path, sampling_defaults)
+    chat_parsing = chat_parsing or ChatParsing()
+    if chat_parsing.chat_template is not None and engine_loop.engine.tokenizer is not None:
+        engine_loop.engine.tokenizer.chat_template = chat_parsing.chat_template  # --chat-template
+    api = _Api(engine_loop, model_name, api_key, limits, hide_model_path, sampling_defaults, chat_parsing)
     app.state.drain = api.drain
     app.state.engine_failure = lambda: engine_loop.failure  # why the engine failed, or None (server exits on it)
     metrics.model_name = model_name  # the model_name label of the vllm:* metric aliases
@@ -158,8 +164,10 @@ class _Api:
     """The generation endpoints and their request plumbing."""
 
     def __init__(self, engine_loop: EngineLoop, model_name: str, api_key: str | None, limits: ServingLimits,
-                 hide_model_path: bool = False, sampling_defaults: dict | None = None):
+                 hide_model_path: bool = False, sampling_defaults: dict | None = None,
+                 chat_parsing: ChatParsing | None = None):
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.chat_parsing = chat_parsing or ChatParsing()
         self.loop = engine_loop
         self.engine = engine_loop.engine
         self.model_name = model_name
@@ -304,8 +312,13 @@ class _Api:
                                       continue_final_message=bool(req.continue_final_message))
         ids = req.truncated_prompt(ids, self.max_request_tokens)
         max_tokens = self.max_tokens(req, len(ids), self.max_request_tokens, "messages")
+        parsing = self.chat_parsing
+        parser = req.output_parser(parsing.reasoning_parser, parsing.tool_call_parser, parsing.enable_auto_tool_choice)
+        if req.stream and req.return_token_ids and not parser.plain:
+            raise OpenAIError(400, "return_token_ids with stream: true is not available when reasoning or tool "
+                              "calls are read from the output", param="return_token_ids")
         return await self.generate(request, req, [(ids, sp) for sp in self.sampling_params(req, max_tokens)],
-                                   chat=True)
+                                   chat=True, chat_parser=None if parser.plain else parser)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, template_kwargs: dict | None = None,
@@ -330,7 +343,8 @@ class _Api:
         self.check_prompt_chars(text, "messages")
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    async def generate(self, request: Request, req, jobs, chat: bool, echo: list[str] | None = None):
+    async def generate(self, request: Request, req, jobs, chat: bool, echo: list[str] | None = None,
+                       chat_parser: ChatOutputParser | None = None):
         prefix = "chatcmpl-" if chat else "cmpl-"
         base_id = prefix + uuid.uuid4().hex[:24]  # the engine's (unique); the response's may be the client's
         response_id = req.response_id(prefix, base_id)
@@ -347,7 +361,7 @@ class _Api:
         stream = _Stream(response_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs,
                          echo, tok.token_text if tok is not None else _no_text,
                          tok.text_widths if tok is not None else None, bool(req.return_token_ids),
-                         req.prompt_logprobs is not None)
+                         req.prompt_logprobs is not None, chat_parser)
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -472,10 +486,13 @@ class _Stream:
 
     def __init__(self, base_id: str, model: str, chat: bool, n: int, stops: list[tuple[str, ...]],
                  logprobs: int | None = None, echo: list[str] | None = None, token_text=_no_text, text_widths=None,
-                 token_ids: bool = False, prompt_logprobs: bool = False):
+                 token_ids: bool = False, prompt_logprobs: bool = False,
+                 chat_parser: ChatOutputParser | None = None):
         self.id, self.model, self.chat, self.n, self.stops = base_id, model, chat, n, stops
         self.logprobs, self.echo, self.token_text, self.text_widths = logprobs, echo, token_text, text_widths
         self.token_ids, self.prompt_logprobs = token_ids, prompt_logprobs  # vLLM's return_token_ids, prompt_logprobs
+        # reasoning / tool calls read from each chat choice's output (None: plain content); one per choice
+        self.parsers = None if chat_parser is None else [replace(chat_parser, ids=[]) for _ in stops]
         self.created = int(time.time())
         self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
@@ -488,7 +505,11 @@ class _Stream:
     def response(self, outs) -> dict:
         choices = []
         for i, o in enumerate(outs):
-            if self.chat:
+            if self.chat and self.parsers is not None:
+                parser = self.parsers[i]
+                choice = {"index": i, "message": parser.message(o.text), "logprobs": None,
+                          "finish_reason": parser.finish_reason(o.text, o.finish_reason)}
+            elif self.chat:
                 choice = chat_choice(i, o.text, o.finish_reason)
             else:
                 choice = completion_choice(i, (self.echo[i] if self.echo else "") + o.text, o.finish_reason)
@@ -535,6 +556,19 @@ class _Stream:
             return chat_delta(index, {"content": text} if text or not finish_reason else {}, finish_reason)
         return completion_choice(index, text, finish_reason)
 
+    def parsed_chunks(self, i: int, out, stream_deltas: ChatStreamDeltas, text: str, sent_tokens: int):
+        """The chunks of a chat choice read by its parsers: one per delta (reasoning, content, a tool call), the
+        finish reason on the last; logprobs on the first."""
+        pieces = stream_deltas.feed(text, out.finished)
+        if out.finished and not pieces:
+            pieces = [{}]
+        finish = self.parsers[i].finish_reason(text, out.finish_reason) if out.finished else None
+        for k, piece in enumerate(pieces):
+            choice = chat_delta(i, piece, finish if k == len(pieces) - 1 else None)
+            if k == 0:
+                choice["logprobs"] = self.logprobs_of(i, out, sent_tokens, False)
+            yield self.chunk([choice])
+
     async def sse(self, gen: Generation, include_usage: bool):
         """SSE events: text deltas (safe to show: see TextDelta), the finish, usage if asked, then [DONE]; a
         failure (engine error, timeout, shutdown) is an error event before [DONE]. Leaving early (a client
@@ -544,6 +578,7 @@ class _Stream:
         sent_tokens = [0] * len(deltas)  # tokens whose logprobs were sent
         sent_chars = [0] * len(deltas)  # characters of text sent (the next logprobs' text_offset)
         sent_ids = [0] * len(deltas)  # tokens whose ids were sent (return_token_ids)
+        chat_deltas = None if self.parsers is None else [ChatStreamDeltas(p) for p in self.parsers]
         chat_prompt_ids_sent = False
         started: set[int] = set()
         finals: dict = {}
@@ -558,6 +593,13 @@ class _Stream:
                     text = self.echo[i] + text
                 if out.finished:
                     finals[i] = out
+                if chat_deltas is not None:
+                    for chunk in self.parsed_chunks(i, out, chat_deltas[i], deltas[i].sent, sent_tokens[i]):
+                        yield chunk
+                    sent_tokens[i] = len(out.token_ids)
+                    if out.finished and out.finish_reason == "error":
+                        yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
+                    continue
                 new_tokens = self.logprobs is not None and len(out.token_ids) > sent_tokens[i]
                 if text or out.finished or new_tokens or (first and self.echo):
                     choice = self.choice(i, text, out.finish_reason if out.finished else None)

@@ -11,6 +11,7 @@ import argparse
 import gc
 import logging
 import os
+from pathlib import Path
 
 from spruce.server.heap import freeze_startup_objects
 from spruce.server.logs import LOG_FORMATS, configure_logging, uvicorn_log_config
@@ -129,7 +130,43 @@ def add_parser(sub, add_engine_args) -> None:
                    help="model (default, as SGLang and vLLM): a request that leaves temperature, top_p, top_k, "
                         "min_p or repetition_penalty unset gets the model's generation_config.json value; openai: "
                         "the API's neutral defaults (temperature 1, no cuts)")
+    add_chat_parsing_args(p)
     p.set_defaults(func=cmd_serve)
+
+
+def add_chat_parsing_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's chat template and output parsing flags."""
+    from spruce.server.chat_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    p.add_argument("--chat-template", type=_chat_template, default=None, metavar="FILE",
+                   help="the chat template (a Jinja file, or the template itself) instead of the model's")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> out of chat output into reasoning_content (deepseek_r1: the "
+                        "output starts in reasoning; qwen3: only when it opens with <think>)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help='read tool calls from chat output for tool_choice "auto": hermes / qwen '
+                        '(<tool_call>{json}</tool_call>), llama3_json ({"name": ..., "parameters": ...})')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (needs --tool-call-parser)')
+
+
+def chat_parsing(args: argparse.Namespace):
+    """The ChatParsing of the flags; SystemExit for --enable-auto-tool-choice without a parser."""
+    from spruce.server.chat_parsers import ChatParsing
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes, qwen or llama3_json)")
+    return ChatParsing(args.chat_template, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+
+
+def _chat_template(text: str) -> str:
+    """--chat-template: a file's text, or the argument itself when it looks like a template (vLLM's rule)."""
+    path = Path(text)
+    if path.is_file():
+        return path.read_text()
+    if any(c in text for c in "{}\n"):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template")
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -146,6 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from spruce.server.graceful import GracefulServer
 
     configure_logging(args.log_level, args.log_format)
+    chat_parsing(args)  # refuse bad flags before loading the engine
     if args.disable_engine_process:
         engine_loop = _engine_thread(args, engine_kwargs(args))
     else:
@@ -178,7 +216,7 @@ def app_options(args: argparse.Namespace, model_dir: str | None = None) -> dict:
     from spruce.server.security import default_allowed_hosts
 
     defaults = model_sampling_defaults(model_dir) if args.sampling_defaults == "model" and model_dir else {}
-    return dict(sampling_defaults=defaults,
+    return dict(sampling_defaults=defaults, chat_parsing=chat_parsing(args),
                 model_name=served_name(args), api_key=args.api_key, max_body_bytes=args.max_request_bytes,
                 max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout or None,
                 shutdown_grace_period=args.shutdown_grace_period,

@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from spruce.errors import InvalidRequestError
+from spruce.server.chat_parsers import ChatOutputParser
 from spruce.sampling_params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger("spruce.server")
@@ -502,22 +503,45 @@ def _arguments(text: str) -> dict | str:
     return value if isinstance(value, dict) else text
 
 
+class FunctionDefinition(_Strict):
+    name: Text
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_GenerationRequest):
+    """A chat request. Tools (vLLM's rules): `tools` go to the chat template; `tool_choice` "auto" (the default
+    with tools) reads tool calls from the output with the server's --tool-call-parser (needs
+    --enable-auto-tool-choice), "none" reads none, "required" and a named function force them with a JSON
+    schema (structured output), so they cannot be combined with another constraint."""
+
     not_supported_yet: ClassVar[dict[str, NotYet]] = {
         **NOT_SUPPORTED_YET,
-        "tools": NotYet("null or []", _unset_or([])),
-        "tool_choice": NotYet('null or "none"', _unset_or("none")),
         "chat_template": NotYet("null (the server's template is used: --chat-template)", _unset_or()),
         "echo": NotYet("false", _unset_or(False)),
-        "include_reasoning": NotYet("true", _unset_or(True)),
         "mm_processor_kwargs": NotYet("null or {} (no multimodal inputs)", _unset_or({})),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: Text | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     include_reasoning: bool = True
@@ -557,7 +581,63 @@ class ChatCompletionRequest(_GenerationRequest):
         for key in ("documents", "reasoning_effort"):
             if getattr(self, key) is not None:
                 kwargs[key] = getattr(self, key)
+        if self.tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return kwargs
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """tool_choice, unset: "auto" with tools, else "none" (OpenAI's and vLLM's default)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema forcing the output for tool_choice "required" (an array of {name, parameters}) or a
+        named function (its parameters); None otherwise."""
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return None
+        tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or ()}
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in tools:
+                raise OpenAIError(400, f"tool_choice names the function {_show(choice.function.name)}, which is not "
+                                  f"among the tools ({_show(sorted(tools))})", param="tool_choice")
+            return tools[choice.function.name]
+        if not tools:
+            raise OpenAIError(400, 'tool_choice "required" needs tools', param="tool_choice")
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                  "required": ["name", "parameters"], "additionalProperties": False} for name, schema in tools.items()]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if self.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return array
+
+    def structured_output(self) -> tuple[dict, dict[str, str]]:
+        """As the base class's, plus the schema of a forced tool choice (which takes no other constraint)."""
+        kwargs, names = super().structured_output()
+        schema = self.tool_schema()
+        if schema is None:
+            return kwargs, names
+        if kwargs:
+            raise OpenAIError(400, f"tool_choice forces the output with a JSON schema; it cannot be combined with "
+                              f"{next(iter(names.values()))}", param="tool_choice")
+        return {"json_schema": schema}, {"json_schema": "tool_choice"}
+
+    def output_parser(self, reasoning_parser: str | None, tool_call_parser: str | None,
+                      auto_tool_choice: bool) -> ChatOutputParser:
+        """How this request's output is read: the server's parsers and the request's tool choice; 400 for
+        tool_choice "auto" on a server that reads no tool calls (as vLLM)."""
+        choice = self.effective_tool_choice
+        if choice == "auto" and not (auto_tool_choice and tool_call_parser):
+            raise OpenAIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice and '
+                              '--tool-call-parser (send tool_choice "none", "required" or a named function)',
+                              param="tool_choice")
+        return ChatOutputParser(
+            reasoning_parser=reasoning_parser, tool_parser=tool_call_parser if choice == "auto" else None,
+            named_tool=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+            required=choice == "required", parallel=self.parallel_tool_calls is not False,
+            include_reasoning=self.include_reasoning)
 
     def check_logprobs(self) -> None:
         """Chat's `logprobs` is a boolean; `top_logprobs` (0..20) needs it true."""
