@@ -149,6 +149,40 @@ def test_history_with_tool_calls_reaches_the_template(server, client):
     assert prompt.endswith("<|begin_of_text|>assistant\n<think></think>")
 
 
+REFUSED = [  # (request fields, the parameter the 400 names, words of its message)
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ({"stream": True, "extra_body": {"return_token_ids": True}}, "return_token_ids", "not available"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", REFUSED)
+def test_tool_requests_refused_by_name(server, client, fields, param, words):
+    kwargs = {"model": "pycode-6m", "messages": USER, "tools": [WEATHER], "max_tokens": 4, **fields}
+    if kwargs["tools"] is None:
+        del kwargs["tools"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs)
+    assert e.value.body["param"] == param and words in e.value.body["message"]
+
+
+def test_cli_flags(tmp_path):
+    from spruce.cli import build_parser
+    from spruce.server.cli import chat_parsing
+
+    template = tmp_path / "t.jinja"
+    template.write_text(TEMPLATE)
+    args = build_parser().parse_args(["serve", "--chat-template", str(template), "--reasoning-parser",
+                                      "deepseek_r1", "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"])
+    assert chat_parsing(args) == ChatParsing(TEMPLATE, "deepseek_r1", "llama3_json", True)
+    assert build_parser().parse_args(["serve", "--chat-template", "{{ 1 }}"]).chat_template == "{{ 1 }}"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "missing.jinja")])
+    with pytest.raises(SystemExit, match="needs --tool-call-parser"):
+        chat_parsing(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
 def test_reasoning_and_tool_splitters():
     # deepseek_r1: reasoning until </think>, the opening tag optional; all reasoning without the closing one
     assert split_reasoning("deepseek_r1", "abc</think>x", True) == ("abc", "x")
@@ -174,3 +208,6 @@ def test_reasoning_and_tool_splitters():
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}')]
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    two = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    assert len(ChatOutputParser(tool_parser="hermes").message(two)["tool_calls"]) == 2
+    assert len(ChatOutputParser(tool_parser="hermes", parallel=False).message(two)["tool_calls"]) == 1

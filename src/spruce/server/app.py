@@ -31,7 +31,8 @@ from spruce.errors import InvalidRequestError
 from spruce.server.chat_parsers import ChatOutputParser, ChatParsing, ChatStreamDeltas
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
 from spruce.server.protocol import (
-    LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice, chat_delta,
+    LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice,
+    chat_delta,
     chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, usage,
 )
 from spruce.server.security import LOOPBACK_HOSTS, HostCheck, OriginCheck
