@@ -19,6 +19,7 @@ from spruce.config import builtin_draft_path
 from spruce.server.chat_parsers import (
     ChatOutputParser, ChatParsing, ChatStreamDeltas, split_llama3_json, split_reasoning,
 )
+from spruce.server.protocol import ChatCompletionRequest, parse_request
 
 pytest.importorskip("llguidance", reason="the fixture forces tool calls with a regex (spruce[grammar])")
 
@@ -208,6 +209,11 @@ def test_reasoning_and_tool_splitters():
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", '{"x": 1}')]
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    # output a schema forces from its first token holds no reasoning, even with deepseek_r1
+    named = parse_request(ChatCompletionRequest, {"messages": USER, "tools": [WEATHER], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    forced = named.output_parser("deepseek_r1", None, False).message('{"city": "Rome"}')
+    assert forced["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
     two = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     assert len(ChatOutputParser(tool_parser="hermes").message(two)["tool_calls"]) == 2
     assert len(ChatOutputParser(tool_parser="hermes", parallel=False).message(two)["tool_calls"]) == 1

@@ -627,14 +627,18 @@ class ChatCompletionRequest(_GenerationRequest):
     def output_parser(self, reasoning_parser: str | None, tool_call_parser: str | None,
                       auto_tool_choice: bool) -> ChatOutputParser:
         """How this request's output is read: the server's parsers and the request's tool choice; 400 for
-        tool_choice "auto" on a server that reads no tool calls (as vLLM)."""
+        tool_choice "auto" on a server that reads no tool calls (as vLLM). Output a JSON schema forces from its
+        first token (a forced tool choice, response_format json) is read without the reasoning parser."""
         choice = self.effective_tool_choice
         if choice == "auto" and not (auto_tool_choice and tool_call_parser):
             raise OpenAIError(400, '"auto" tool choice needs a server started with --enable-auto-tool-choice and '
                               '--tool-call-parser (send tool_choice "none", "required" or a named function)',
                               param="tool_choice")
-        return ChatOutputParser(
-            reasoning_parser=reasoning_parser, tool_parser=tool_call_parser if choice == "auto" else None,
+        forced_json = choice not in ("none", "auto") or (
+            self.response_format is not None and self.response_format.type != "text")
+        return ChatOutputParser(  # output forced into JSON from its first token holds no reasoning
+            reasoning_parser=None if forced_json else reasoning_parser,
+            tool_parser=tool_call_parser if choice == "auto" else None,
             named_tool=choice.function.name if isinstance(choice, NamedToolChoice) else None,
             required=choice == "required", parallel=self.parallel_tool_calls is not False,
             include_reasoning=self.include_reasoning)
