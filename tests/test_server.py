@@ -209,7 +209,7 @@ GOOD = {"model": MODEL_NAME, "prompt": "def f():\n", "max_tokens": 4}
 USER = [{"role": "user", "content": "hi"}]
 NOT_SUPPORTED = [  # (endpoint, field, a value that would change the output)
     ("completions", "best_of", 2),
-    ("completions", "include_stop_str_in_output", True), ("completions", "skip_special_tokens", False),
+    ("completions", "skip_special_tokens", False),
     ("completions", "guided_json", {"type": "object"}), ("completions", "suffix", "x"),
     ("chat/completions", "chat_template", "{{ 1 }}"),
 ]

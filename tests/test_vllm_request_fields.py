@@ -51,7 +51,7 @@ REFUSED = [
     ("completions", "cache_salt", "s"), ("completions", "kv_transfer_params", {"a": 1}),
     ("completions", "vllm_xargs", {"a": 1}), ("completions", "max_repetition_pattern_size", 4),
     ("completions", "min_repetition_pattern_size", 2), ("completions", "repetition_min_count", 3),
-    ("completions", "no_stop_trim", True), ("completions", "prompt_embeds", "AAAA"),
+    ("completions", "prompt_embeds", "AAAA"),
     ("chat/completions", "echo", True), ("chat/completions", "mm_processor_kwargs", {"a": 1}),
     ("chat/completions", "chat_template", "{{ 1 }}"),
     # tools default to tool_choice "auto", which needs a server started with a tool-call parser
@@ -213,3 +213,20 @@ def test_sglang_regex_and_ebnf(server):
     assert text in ("yes", "no")
     r = post(server, "completions", {"prompt": PROMPT, **GREEDY, "regex": "a", "ebnf": 'start: "b"'})
     assert r.status_code == 400 and r.json()["error"]["param"] in ("regex", "ebnf")
+
+
+@pytest.mark.parametrize("field", ["include_stop_str_in_output", "no_stop_trim"])
+def test_stop_string_kept_stream_and_not(server, field):
+    text = ok(server, "completions", {"prompt": PROMPT, **GREEDY})["choices"][0]["text"]
+    stop = text[3:5]
+    body = {"prompt": PROMPT, **GREEDY, "stop": [stop], field: True}
+    kept = ok(server, "completions", body)["choices"][0]
+    assert kept["text"] == text[:text.find(stop)] + stop and kept["finish_reason"] == "stop"
+    cut = ok(server, "completions", {**body, field: False})["choices"][0]["text"]
+    assert cut == text[:text.find(stop)]
+    streamed = ""
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += "".join(c["text"] for c in httpx.Response(200, content=line[6:]).json()["choices"])
+    assert streamed == kept["text"]

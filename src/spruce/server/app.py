@@ -363,6 +363,8 @@ class _Api:
                          echo, tok.token_text if tok is not None else _no_text,
                          tok.text_widths if tok is not None else None, bool(req.return_token_ids),
                          req.prompt_logprobs is not None, chat_parser)
+        if req.keep_stop_string and tok is not None:
+            stream.decode = tok.decode
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -494,6 +496,7 @@ class _Stream:
         self.token_ids, self.prompt_logprobs = token_ids, prompt_logprobs  # vLLM's return_token_ids, prompt_logprobs
         # reasoning / tool calls read from each chat choice's output (None: plain content); one per choice
         self.parsers = None if chat_parser is None else [replace(chat_parser, ids=[]) for _ in stops]
+        self.decode = None  # set: the stop string that ended a choice stays at the end of its text (decodes ids)
         self.created = int(time.time())
         self.include_usage = False
         self.obj = "chat.completion" if chat else "text_completion"
@@ -503,9 +506,20 @@ class _Stream:
         cached = sum(o.num_cached_tokens for i, o in outs.items() if i % self.n == 0)
         return usage(prompt, sum(len(o.token_ids) for o in outs.values()), cached)
 
+    def text_of(self, index: int, out) -> str:
+        """A choice's text: the engine's, which ends before the stop string that ended it; with `decode` set
+        (vLLM's include_stop_str_in_output, SGLang's no_stop_trim), that stop string follows it."""
+        if self.decode is None or not out.finished or out.finish_reason != "stop" or not self.stops[index]:
+            return out.text
+        full = self.decode(list(out.token_ids))  # the text uncut: the stop string, maybe more of its last token
+        rest = full[len(out.text):] if full.startswith(out.text) else ""
+        stop = next((s for s in self.stops[index] if rest.startswith(s)), "")
+        return out.text + stop
+
     def response(self, outs) -> dict:
         choices = []
         for i, o in enumerate(outs):
+            o = replace(o, text=self.text_of(i, o))
             if self.chat and self.parsers is not None:
                 parser = self.parsers[i]
                 choice = {"index": i, "message": parser.message(o.text), "logprobs": None,
@@ -588,7 +602,7 @@ class _Stream:
                 yield self.chunk([chat_delta(i, {"role": "assistant", "content": ""}, None)
                                   for i in range(len(deltas))])
             async for i, out in gen.events():
-                text = deltas[i].feed(out.text, out.finished)
+                text = deltas[i].feed(self.text_of(i, out), out.finished)
                 first = i not in started
                 if first and self.echo:
                     text = self.echo[i] + text

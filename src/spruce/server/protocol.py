@@ -147,7 +147,6 @@ class StreamOptions(_Strict):
 # name -> how spruce accepts a field it does not implement yet (for both endpoints)
 NOT_SUPPORTED_YET = {
     "best_of": NotYet("null, 1 or n", lambda v, req: v is None or v in (1, req.n)),
-    "include_stop_str_in_output": NotYet("null or false", _unset_or(False)),
     "skip_special_tokens": NotYet("null or true (special tokens are always left out of the text)",
                                   _unset_or(True)),
     "guided_json": NotYet('null (vLLM removed it in 0.12: send structured_outputs: {"json": ...})', _unset_or()),
@@ -165,7 +164,6 @@ NOT_SUPPORTED_YET = {
     "max_repetition_pattern_size": NotYet("0", _unset_or(0)),
     "min_repetition_pattern_size": NotYet("0", _unset_or(0)),
     "repetition_min_count": NotYet("0", _unset_or(0)),
-    "no_stop_trim": NotYet("null or false (stop strings are always cut from the text)", _unset_or(False)),
 }
 
 
@@ -208,7 +206,7 @@ class _GenerationRequest(_TopLevel):
     prompt's last k tokens; -1: as many as a request holds), `return_token_ids` (`token_ids` per choice and
     `prompt_token_ids`), `add_special_tokens`, `request_id` (the response id is its endpoint prefix + it) and
     SGLang's `rid` (the response id itself), `regex` and `ebnf` (structured output, as structured_outputs'
-    regex and grammar)."""
+    regex and grammar), `include_stop_str_in_output` and SGLang's `no_stop_trim` (keep_stop_string)."""
 
     not_supported_yet: ClassVar[dict[str, NotYet]] = NOT_SUPPORTED_YET
 
@@ -336,6 +334,12 @@ class _GenerationRequest(_TopLevel):
     def param_names(self) -> dict[str, str]:
         """SamplingParams field -> this request's parameter, for errors raised after translation."""
         return self.structured_output()[1]
+
+    @property
+    def keep_stop_string(self) -> bool:
+        """vLLM's include_stop_str_in_output or SGLang's no_stop_trim: the stop string that ended a choice stays
+        at the end of its text."""
+        return bool(self.include_stop_str_in_output or self.no_stop_trim)
 
     @property
     def include_usage(self) -> bool:
