@@ -190,6 +190,7 @@ def test_reasoning_and_tool_splitters():
     assert split_reasoning("deepseek_r1", "<think>abc</think>x", True) == ("abc", "x")
     assert split_reasoning("deepseek_r1", "abc</thi", False) == ("abc", None)
     assert split_reasoning("deepseek_r1", "abc", True) == ("abc", "")
+    assert split_reasoning("deepseek_r1", " ", False) == ("", None)  # " <think>" may follow: nothing shown yet
     # qwen3: reasoning only when the output opens with <think>
     assert split_reasoning("qwen3", "hello", True) == ("", "hello")
     assert split_reasoning("qwen3", "<thi", False) == ("", None)

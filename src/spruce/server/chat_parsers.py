@@ -48,8 +48,8 @@ def split_reasoning(parser: str, text: str, finished: bool) -> tuple[str, str | 
         body = start[len(THINK_START):]
     elif text.lstrip().startswith(THINK_START):
         body = text.lstrip()[len(THINK_START):]
-    elif not finished and THINK_START.startswith(text.lstrip()) and text.strip():
-        return "", None
+    elif not finished and THINK_START.startswith(text.lstrip()):
+        return "", None  # may still open with <think> (dropped)
     end = body.find(THINK_END)
     if end >= 0:
         return body[:end], body[end + len(THINK_END):]
