@@ -218,3 +218,26 @@ def test_reasoning_and_tool_splitters():
     two = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     assert len(ChatOutputParser(tool_parser="hermes").message(two)["tool_calls"]) == 2
     assert len(ChatOutputParser(tool_parser="hermes", parallel=False).message(two)["tool_calls"]) == 1
+
+
+STREAM_CASES = [  # (reasoning parser, tool parser, output)
+    ("deepseek_r1", "hermes", ' <think>a</think>b<tool_call>{"name": "f", "arguments": {}}</tool_call>c'),
+    ("deepseek_r1", None, "no end tag"),
+    ("qwen3", "hermes", "<think>x</think><tool_call>{broken"),
+    ("qwen3", "llama3_json", '<think>r</think>{"name": "f", "parameters": {"a": [1, 2]}}'),
+    (None, "llama3_json", "<|python_tag|> not json"),
+    (None, "hermes", "a <tool_ca"),
+]
+
+
+@pytest.mark.parametrize("reasoning,tools,text", STREAM_CASES)
+def test_stream_deltas_put_together_equal_the_message(reasoning, tools, text):
+    parser = ChatOutputParser(reasoning_parser=reasoning, tool_parser=tools)
+    stream = ChatStreamDeltas(parser)
+    deltas = [d for i in range(len(text) + 1) for d in stream.feed(text[:i], i == len(text))]
+    message = parser.message(text)
+    if reasoning is not None:
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == (message["reasoning_content"] or "")
+    assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
+    calls = [c["function"] for d in deltas for c in d.get("tool_calls", [])]
+    assert calls == [c["function"] for c in message.get("tool_calls", [])]
