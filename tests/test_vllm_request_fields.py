@@ -47,7 +47,7 @@ REFUSED = [
     ("completions", "use_beam_search", True), ("completions", "length_penalty", 0.5),
     ("completions", "spaces_between_special_tokens", False), ("completions", "allowed_token_ids", [1, 2]),
     ("completions", "bad_words", ["def"]), ("completions", "priority", 1),
-    ("completions", "logits_processors", ["m.P"]), ("completions", "return_tokens_as_token_ids", True),
+    ("completions", "logits_processors", ["m.P"]),
     ("completions", "cache_salt", "s"), ("completions", "kv_transfer_params", {"a": 1}),
     ("completions", "vllm_xargs", {"a": 1}), ("completions", "max_repetition_pattern_size", 4),
     ("completions", "min_repetition_pattern_size", 2), ("completions", "repetition_min_count", 3),
@@ -230,3 +230,13 @@ def test_stop_string_kept_stream_and_not(server, field):
             if line.startswith("data: {"):
                 streamed += "".join(c["text"] for c in httpx.Response(200, content=line[6:]).json()["choices"])
     assert streamed == kept["text"]
+
+
+def test_return_tokens_as_token_ids(server):
+    body = {"prompt": PROMPT, **GREEDY, "logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = ok(server, "completions", body)["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for k in top)
+    chat = ok(server, "chat/completions", {"messages": CHAT, **GREEDY, "logprobs": True, "top_logprobs": 1,
+                                           "return_tokens_as_token_ids": True})
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])

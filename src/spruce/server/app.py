@@ -32,8 +32,7 @@ from spruce.server.chat_parsers import ChatOutputParser, ChatParsing, ChatStream
 from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
 from spruce.server.protocol import (
     LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice,
-    chat_delta,
-    chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, usage,
+    chat_delta, chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, token_id_name, usage,
 )
 from spruce.server.security import LOOPBACK_HOSTS, HostCheck, OriginCheck
 from spruce.server.settings import (
@@ -360,7 +359,8 @@ class _Api:
         log.info("%s: %d choice(s), stream=%s", base_id, len(jobs), req.stream)
         tok = self.engine.tokenizer
         stream = _Stream(response_id, self.model_name, chat, req.n, [sp.stop for _, sp in jobs], req.num_logprobs,
-                         echo, tok.token_text if tok is not None else _no_text,
+                         echo, token_id_name if req.return_tokens_as_token_ids else
+                         tok.token_text if tok is not None else _no_text,
                          tok.text_widths if tok is not None else None, bool(req.return_token_ids),
                          req.prompt_logprobs is not None, chat_parser)
         if req.keep_stop_string and tok is not None:

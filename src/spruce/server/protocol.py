@@ -157,7 +157,6 @@ NOT_SUPPORTED_YET = {
     "bad_words": NotYet("[] or null", _unset_or([])),
     "priority": NotYet("0 (no priority scheduling)", _unset_or(0)),
     "logits_processors": NotYet("null (no custom logits processors)", _unset_or()),
-    "return_tokens_as_token_ids": NotYet("null or false", _unset_or(False)),
     "cache_salt": NotYet("null", _unset_or()),
     "kv_transfer_params": NotYet("null (no disaggregated serving)", _unset_or()),
     "vllm_xargs": NotYet("null or {}", _unset_or({})),
@@ -757,8 +756,17 @@ def _lp(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
+def token_id_name(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids name of a token: "token_id:N". Passed as `token_text`, it names every
+    token so (the decoded text of logprob entries is not used)."""
+    return f"token_id:{token_id}"
+
+
 def _token_name(token_id: int, logprob, token_text: Callable[[int], str | None]) -> str:
-    """A token as text: its decoded text (vLLM: the token decoded alone), or "token_id:N" without a tokenizer."""
+    """A token as text: its decoded text (vLLM: the token decoded alone), or "token_id:N" without a tokenizer or
+    with `token_text` token_id_name."""
+    if token_text is token_id_name:
+        return token_id_name(token_id)
     text = logprob.decoded_token if logprob is not None else token_text(token_id)
     return text if text is not None else f"token_id:{token_id}"
 
