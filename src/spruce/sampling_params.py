@@ -41,7 +41,7 @@ class SamplingParams:
     unless ignored, and stop_token_ids) until that many tokens are generated; then, after temperature, `min_p`
     drops tokens whose probability is below min_p times the top one (vLLM's order: processors, temperature,
     min_p, top-k, top-p). Greedy requests take the argmax of the processed logits.
-    Structured output (at most one; needs the `llguidance` package, `spruce[grammar]`): `json_schema` (a dict
+    Structured output (at most one; the `llguidance` package, a dependency): `json_schema` (a dict
     or its JSON text), `json_object` (any JSON object), `regex`, `grammar` (Lark-style EBNF or GBNF) or
     `choice` (a list of strings). The output is constrained to match it: at every position the target's logits
     are masked (-inf) to the tokens the grammar allows, before the processors and temperature (logprobs stay

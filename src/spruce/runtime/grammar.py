@@ -37,7 +37,7 @@ import torch
 from spruce.errors import InvalidRequestError, InvariantError
 from spruce.structured_output import StructuredOutput
 
-INSTALL_HINT = "pip install 'spruce[grammar]' (it adds the llguidance package)"
+INSTALL_HINT = "pip install llguidance (a dependency of spruce: reinstall spruce to get it)"
 GRAMMAR_TEXT_CACHE = 256  # constraints whose llguidance grammar text is kept (least recently used dropped)
 WORD_BITS = 32
 # The grammar budget of one request: llguidance's LLParserLimits, its defaults written out so that the budget does not
