@@ -155,6 +155,7 @@ REFUSED = [  # (request fields, the parameter the 400 names, words of its messag
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ({"stream": True, "extra_body": {"return_token_ids": True}}, "return_token_ids", "not available"),
+    ({"extra_body": {"echo": True}}, "echo", "not available"),
 ]
 
 

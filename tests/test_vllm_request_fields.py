@@ -52,7 +52,7 @@ REFUSED = [
     ("completions", "vllm_xargs", {"a": 1}), ("completions", "max_repetition_pattern_size", 4),
     ("completions", "min_repetition_pattern_size", 2), ("completions", "repetition_min_count", 3),
     ("completions", "prompt_embeds", "AAAA"),
-    ("chat/completions", "echo", True), ("chat/completions", "mm_processor_kwargs", {"a": 1}),
+    ("chat/completions", "mm_processor_kwargs", {"a": 1}),
     ("chat/completions", "chat_template", "{{ 1 }}"),
     # tools default to tool_choice "auto", which needs a server started with a tool-call parser
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -240,3 +240,22 @@ def test_return_tokens_as_token_ids(server):
     chat = ok(server, "chat/completions", {"messages": CHAT, **GREEDY, "logprobs": True, "top_logprobs": 1,
                                            "return_tokens_as_token_ids": True})
     assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+
+
+def test_chat_echo_starts_with_the_final_assistant_message(server):
+    history = [*CHAT, {"role": "assistant", "content": "    return"}]
+    body = {"messages": history, **GREEDY, "continue_final_message": True, "add_generation_prompt": False}
+    plain = ok(server, "chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = ok(server, "chat/completions", {**body, "echo": True})["choices"][0]["message"]["content"]
+    assert echoed == "    return" + plain
+    streamed = ""
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={**body, "echo": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += "".join(c["delta"].get("content") or ""
+                                    for c in httpx.Response(200, content=line[6:]).json()["choices"])
+    assert streamed == echoed
+    user_last = ok(server, "chat/completions", {"messages": CHAT, **GREEDY, "echo": True})
+    assert user_last["choices"][0]["message"] == ok(server, "chat/completions",
+                                                    {"messages": CHAT, **GREEDY})["choices"][0]["message"]

@@ -317,8 +317,12 @@ class _Api:
         if req.stream and req.return_token_ids and not parser.plain:
             raise OpenAIError(400, "return_token_ids with stream: true is not available when reasoning or tool "
                               "calls are read from the output", param="return_token_ids")
+        if req.echo and not parser.plain:
+            raise OpenAIError(400, "echo is not available when reasoning or tool calls are read from the output",
+                              param="echo")
+        echo = [req.echo_text()] * req.n if req.echo else None
         return await self.generate(request, req, [(ids, sp) for sp in self.sampling_params(req, max_tokens)],
-                                   chat=True, chat_parser=None if parser.plain else parser)
+                                   chat=True, echo=echo, chat_parser=None if parser.plain else parser)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     add_special_tokens: bool = False, template_kwargs: dict | None = None,
@@ -525,7 +529,7 @@ class _Stream:
                 choice = {"index": i, "message": parser.message(o.text), "logprobs": None,
                           "finish_reason": parser.finish_reason(o.text, o.finish_reason)}
             elif self.chat:
-                choice = chat_choice(i, o.text, o.finish_reason)
+                choice = chat_choice(i, (self.echo[i] if self.echo else "") + o.text, o.finish_reason)
             else:
                 choice = completion_choice(i, (self.echo[i] if self.echo else "") + o.text, o.finish_reason)
             choice["logprobs"] = self.logprobs_of(i, o, 0, first=True)

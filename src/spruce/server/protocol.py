@@ -536,7 +536,6 @@ class ChatCompletionRequest(_GenerationRequest):
     not_supported_yet: ClassVar[dict[str, NotYet]] = {
         **NOT_SUPPORTED_YET,
         "chat_template": NotYet("null (the server's template is used: --chat-template)", _unset_or()),
-        "echo": NotYet("false", _unset_or(False)),
         "mm_processor_kwargs": NotYet("null or {} (no multimodal inputs)", _unset_or({})),
     }
 
@@ -587,6 +586,12 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.tools:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return kwargs
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the text the answer starts with, the last message's content when it is the
+        assistant's (continued with continue_final_message), else nothing."""
+        last = self.messages[-1].as_dict()
+        return last["content"] if last["role"] == "assistant" else ""
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
