@@ -139,8 +139,7 @@ class RoutedExperts(nn.Module):
 
             return fp8_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_k, ids, weights,
                            self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha)
-        return fused_moe(
-x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
+        return fused_moe(x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
                          self.swiglu_alpha)
 
 
