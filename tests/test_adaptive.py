@@ -17,6 +17,7 @@ from spruce.runtime.launch import create_engine
 from spruce.speculative import adaptive
 from spruce.speculative.adaptive import (COLLAPSE_ROUNDS, HYSTERESIS, PLAIN, PROBE_EVERY, AdaptivePolicy,
                                          RequestAcceptance)
+from spruce.speculative.registry import make_strategy
 
 MODEL, DRAFT = builtin_model_path(), builtin_draft_path()
 DRAFT_19M = Path(__file__).resolve().parents[1] / "bench" / "assets" / "pycode-19m-eagle3"  # pycode-19m's trained head
@@ -213,7 +214,7 @@ def test_tp2_adaptive_equals_plain_decoding(plain_outputs):
     stay alike: a difference would hang or fail their collectives), and the tokens are plain decoding's."""
     spec = make_speculative_config(None, str(DRAFT), model=str(MODEL), adaptive=True)
     config = EngineConfig(model=str(MODEL), tp_size=2, speculative=spec, **ENGINE)
-    llm = LLM.from_engine(create_engine(config, functools.partial(skewed_costs)))
+    llm = LLM.from_engine(create_engine(config, functools.partial(skewed_costs), make_strategy=make_strategy))
     try:
         assert run(llm) == plain_outputs
         chosen = llm.engine.strategy.policy.chosen

@@ -11,7 +11,7 @@ import torch
 from spruce import LLM
 from spruce.config import builtin_draft_path, builtin_model_path
 from spruce.runtime.sampler import SamplingTensors
-from spruce.speculative.strategy import PlainDecoding
+from spruce.runtime.strategy import PlainDecoding
 
 N = 8  # verify tree width
 BACKENDS = ["torch", "triton"]

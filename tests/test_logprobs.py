@@ -190,7 +190,7 @@ def test_truncation_cuts_logprobs_with_tokens(spec, reference):
 def test_cost_only_when_asked(spec, reference, monkeypatch):
     """No request wants logprobs: nothing is scored; one of three does: only its rows are."""
     import spruce.speculative.eagle_worker as ew
-    import spruce.speculative.strategy as st
+    import spruce.runtime.strategy as st
     from spruce.runtime import logprobs as lpmod
 
     calls = []

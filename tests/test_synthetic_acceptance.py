@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from spruce import SamplingParams
-from spruce.config import builtin_draft_path, builtin_model_path, make_speculative_config, rates_for_length
+from spruce.config import (builtin_draft_path, builtin_model_path, describe_synthetic, make_speculative_config,
+                           mean_acceptance_length, rates_for_length)
 from spruce.errors import ConfigError
-from spruce.speculative import synthetic
 from spruce.speculative.synthetic import SyntheticAcceptance, conditional_rates
 from spruce.speculative.tree import Tree
 from stats import matches_distribution
@@ -99,7 +99,7 @@ def test_synthetic_acceptance_needs_a_draft():
 
 def test_never_on_by_default():
     spec = make_speculative_config("EAGLE3", str(builtin_draft_path()), 5, 1, 6)
-    assert spec.synthetic_acceptance_rates is None and synthetic.describe(None) == "off"
+    assert spec.synthetic_acceptance_rates is None and describe_synthetic(None) == "off"
 
 
 @pytest.mark.parametrize("rates", [(0.9, 0.7, 0.5, 0.3, 0.1), rates_for_length(3.5, 5), (0.6, 0.6, 0.6, 0.0, 0.0)])
@@ -108,7 +108,7 @@ def test_a_chain_accepts_at_the_rates(rates):
     counts, acc = draw_lengths(sampler, chain_tree(ROWS, 5), 5)
     assert matches_distribution(counts, length_distribution(rates)), counts
     mean = 1 + sum(a * c for a, c in enumerate(counts)) / sum(counts)
-    assert mean == pytest.approx(synthetic.mean_length(rates), abs=0.05)
+    assert mean == pytest.approx(mean_acceptance_length(rates), abs=0.05)
     # the same counts do not pass for a wrong rate (the rates read as conditional ones, or the first one off by 0.05)
     wrong = [tuple(torch.tensor(rates).cumprod(0).tolist()), (rates[0] - 0.05, *rates[1:])]
     assert not any(matches_distribution(counts, length_distribution(w)) for w in wrong if w != rates)

@@ -20,6 +20,7 @@ from spruce import LLM, SamplingParams
 from spruce.config import EngineConfig, make_speculative_config
 from spruce.runtime.launch import create_engine
 from spruce.errors import ConfigError, InvariantError, WorkerFailedError
+from spruce.speculative.registry import make_strategy
 from checkpoints import python_source_prompts, write_eagle3_checkpoint
 import tp_hooks
 
@@ -53,7 +54,7 @@ def run(llm, prompts, params) -> tuple[list[list[int]], list[dict]]:
 
 
 def run_tp2(config: EngineConfig, prompts, params, rank_setup=None):
-    llm = LLM.from_engine(create_engine(config, rank_setup))
+    llm = LLM.from_engine(create_engine(config, rank_setup, make_strategy=make_strategy))
     try:
         result = run(llm, prompts, params)
         llm.engine.check_no_leaks()
@@ -73,10 +74,10 @@ def spec(algorithm, draft, model, s, k, n):
 def test_llama_plain_tp2_equals_tp1(pycode19m):
     """Plain decoding; then the other calls the driver forwards (scoring a sequence, flushing the cache)."""
     prompts, params = jobs(prompts_of(pycode19m))
-    one = LLM.from_engine(create_engine(config(pycode19m)))
+    one = LLM.from_engine(create_engine(config(pycode19m), make_strategy=make_strategy))
     want, _ = run(one, prompts, params)
     sequence = prompts[0] + want[0]
-    two = LLM.from_engine(create_engine(config(pycode19m, tp_size=2)))
+    two = LLM.from_engine(create_engine(config(pycode19m, tp_size=2), make_strategy=make_strategy))
     try:
         got, _ = run(two, prompts, params)
         logits = two.engine.next_token_logits(sequence, first=len(prompts[0]))
@@ -129,7 +130,7 @@ def test_llama_eagle3_tree_tp2_equals_tp1(pycode19m, tmp_path):
     setup = functools.partial(tp_hooks.install_oracle, fraction=0.8, references=list(zip(base, reference)))
     prompts, params = jobs(base)
     cfg = dict(speculative=spec("EAGLE3", draft, pycode19m, 3, 4, 8))
-    want, want_stats = run(LLM.from_engine(create_engine(config(pycode19m, **cfg), setup)), prompts, params)
+    want, want_stats = run(LLM.from_engine(create_engine(config(pycode19m, **cfg), setup, make_strategy=make_strategy)), prompts, params)
     got, got_stats = run_tp2(config(pycode19m, tp_size=2, **cfg), prompts, params, setup)
     assert got == want
     assert got[:len(base)] == reference
@@ -143,7 +144,7 @@ def test_deepseek_mla_moe_tp2_equals_tp1(pycodemla, algorithm):
     trained MTP layer drafting a K=4 tree)."""
     prompts, params = jobs(prompts_of(pycodemla))
     cfg = {} if algorithm is None else dict(speculative=spec("NEXTN", None, pycodemla, 3, 4, 8))
-    want, want_stats = run(LLM.from_engine(create_engine(config(pycodemla, **cfg))), prompts, params)
+    want, want_stats = run(LLM.from_engine(create_engine(config(pycodemla, **cfg), make_strategy=make_strategy)), prompts, params)
     got, got_stats = run_tp2(config(pycodemla, tp_size=2, **cfg), prompts, params)
     assert got == want
     assert got_stats == want_stats
@@ -155,7 +156,8 @@ def test_worker_failure_raises_naming_the_worker(pycode19m):
     """A worker failing mid-generation: the driver's call raises WorkerFailedError with the worker's error,
     promptly, and the engine refuses further calls."""
     llm = LLM.from_engine(create_engine(config(pycode19m, tp_size=2),
-                                        functools.partial(tp_hooks.fail_at_step, victim=1, step=3)))
+                                        functools.partial(tp_hooks.fail_at_step, victim=1, step=3),
+                                        make_strategy=make_strategy))
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerFailedError, match=r"rank 1 .*exited with code 1: RuntimeError: injected failure"):
@@ -170,7 +172,8 @@ def test_worker_failure_raises_naming_the_worker(pycode19m):
 def test_diverging_ranks_are_caught(pycode19m):
     """A rank whose tokens differ (its logits skewed): the next call fails with the ranks' digests."""
     llm = LLM.from_engine(create_engine(config(pycode19m, tp_size=2),
-                                        functools.partial(tp_hooks.skew_logits, victim=1, token=77)))
+                                        functools.partial(tp_hooks.skew_logits, victim=1, token=77),
+                                        make_strategy=make_strategy))
     try:
         with pytest.raises(InvariantError, match="tensor-parallel ranks diverged .*rank 0: .*rank 1: "):
             llm.generate(prompts_of(pycode19m)[:1], GREEDY)

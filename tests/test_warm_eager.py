@@ -16,7 +16,7 @@ from spruce.attention.triton_backend import TritonAttention
 from spruce.config import builtin_model_path
 from spruce.limits import Limits
 from spruce.ops import compile_watch
-from spruce.speculative.strategy import WARM_FAR, warm_spans
+from spruce.runtime.strategy import WARM_FAR, warm_spans
 from checkpoints import write_eagle3_checkpoint
 from conftest import assert_no_leaks
 from test_adaptive import DRAFT_19M, forced

@@ -145,6 +145,20 @@ def check_rates(rates, num_steps: int) -> tuple[float, ...]:
     return tuple(float(r) for r in rates)
 
 
+def mean_acceptance_length(rates: tuple[float, ...]) -> float:
+    """The mean acceptance length (tokens a round commits, bonus included) the rates give a chain: 1 + sum."""
+    return 1.0 + sum(rates)
+
+
+def describe_synthetic(rates: tuple[float, ...] | None) -> str:
+    """One line naming the setting, for logs, Engine.info and results: 'off' when it is off."""
+    if rates is None:
+        return "off"
+    return (f"synthetic acceptance rates={','.join(f'{r:g}' for r in rates)} "
+            f"(mean length {mean_acceptance_length(rates):g}): "
+            f"drafts accepted at these rates, not verified; outputs are not the target's")
+
+
 def resolve_rates(num_steps: int, rates=None, length=None) -> tuple[float, ...] | None:
     """The engine's unconditional rates from at most one of `rates` or `length` (None when neither is given)."""
     if rates is not None and length is not None:

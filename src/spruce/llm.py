@@ -13,6 +13,7 @@ from spruce.errors import InvalidRequestError
 from spruce.runtime.engine import Engine
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
+from spruce.speculative.registry import make_strategy
 
 
 class LLM:
@@ -103,11 +104,11 @@ class LLM:
             tp_size=tp_size, scheduler_delay_factor=scheduler_delay_factor,
         )
         if tp_size == 1:
-            self.engine = Engine(self.config)
+            self.engine = Engine(self.config, make_strategy=make_strategy)
         else:
             from spruce.runtime.launch import create_engine
 
-            self.engine = create_engine(self.config)
+            self.engine = create_engine(self.config, make_strategy=make_strategy)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "LLM":

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from spruce.config import EngineConfig
+from spruce.config import EngineConfig, describe_synthetic
 from spruce.errors import InvalidRequestError
 from spruce.memory.kv_pool import target_pool_bytes_per_token
 from spruce.memory.prefix_cache import PrefixCache
@@ -48,10 +48,8 @@ from spruce.runtime.sampler import SamplingTensors
 from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.scheduler import Scheduler
 from spruce.runtime.step_counters import StepCounters
+from spruce.runtime.strategy import PrefillChunk, StrategyFactory
 from spruce.sampling_params import SamplingParams
-from spruce.speculative import synthetic
-from spruce.speculative.registry import make_strategy
-from spruce.speculative.strategy import PrefillChunk
 
 DEBUG_ENV = "SPRUCE_DEBUG"
 
@@ -81,9 +79,12 @@ def _shared(items: list) -> list:
 
 class Engine:
     """One engine. With a tensor-parallel group `tp` this is one rank's replica: every rank runs the same
-    deterministic engine on the same inputs (runtime/replicated_engine.py feeds them; DESIGN §18)."""
+    deterministic engine on the same inputs (runtime/replicated_engine.py feeds them; DESIGN §18).
 
-    def __init__(self, config: EngineConfig, tp=None):
+    `make_strategy` builds the decode strategy from what the runner loaded: the caller passes it in
+    (speculative/registry.py's `make_strategy`: plain decoding, EAGLE rounds or adaptive speculation)."""
+
+    def __init__(self, config: EngineConfig, tp=None, *, make_strategy: StrategyFactory):
         self.config = config
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         compile_watch.install()  # counts Triton's compilations (a server names those made while serving)
@@ -727,7 +728,7 @@ class Engine:
                             + (" adaptive" if spec.adaptive else "")
                             + (f" widths={','.join(map(str, spec.tree_widths))}" if spec.adaptive_widths else "")
                             if spec is not None else "off"),
-            "synthetic_acceptance": synthetic.describe(spec.synthetic_acceptance_rates if spec is not None else None),
+            "synthetic_acceptance": describe_synthetic(spec.synthetic_acceptance_rates if spec is not None else None),
             "overlap_schedule": "on" if lim.overlap else "off",
             "mixed_steps": "on" if self.scheduler.mixed_steps else "off",
             "cuda_graph_buckets": ",".join(map(str, lim.graph_buckets)) if self.runner.graphs.enabled else "off",

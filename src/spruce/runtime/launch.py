@@ -1,6 +1,7 @@
 """Starting a tensor-parallel engine, and taking it down cleanly when a rank dies.
 
-Two ways in, both through `create_engine(config)` (LLM(tp_size=N) and `spruce generate|serve --tp-size N`):
+Two ways in, both through `create_engine(config, make_strategy=...)` (LLM(tp_size=N) and
+`spruce generate|serve --tp-size N`; every rank builds its strategy with the factory the caller passes in):
   spawned   (the default) this process is rank 0, the driver; it spawns ranks 1..N-1 as worker processes
             (torch.multiprocessing, spawn start method) that build their engine replica and serve the driver's
             calls until it shuts down. The ranks meet over TCP on 127.0.0.1 (one host).
@@ -45,15 +46,17 @@ READY_TIMEOUT_S = 600.0  # a worker imports torch and spruce before it reports r
 POLL_S = 0.2
 
 
-def create_engine(config, rank_setup=None):
+def create_engine(config, rank_setup=None, *, make_strategy):
     """The engine for `config`: a plain Engine for tp_size 1, else rank 0 of a tensor-parallel group.
 
     rank_setup: optional picklable callable(engine, rank) run on every rank's engine once it is built and
-    before it serves (instrumentation and tests); it must not run collectives."""
+    before it serves (instrumentation and tests); it must not run collectives.
+    make_strategy: the StrategyFactory every rank's engine builds its decode strategy with (runtime/strategy.py;
+    speculative/registry.py's `make_strategy`), picklable (a module-level function)."""
     from spruce.runtime.engine import Engine
 
     if config.tp_size == 1:
-        engine = Engine(config)
+        engine = Engine(config, make_strategy=make_strategy)
         if rank_setup is not None:
             rank_setup(engine, 0)
         return engine
@@ -64,8 +67,8 @@ def create_engine(config, rank_setup=None):
     check_divisible(ModelConfig.from_dir(config.model), config.tp_size)
     check_no_group()  # before spawning workers that could never join
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _join_torchrun(config, rank_setup)
-    return _spawn(config, rank_setup)
+        return _join_torchrun(config, rank_setup, make_strategy)
+    return _spawn(config, rank_setup, make_strategy)
 
 
 def exit_on_worker_failure(engine) -> None:
@@ -82,7 +85,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(config, rank_setup):
+def _spawn(config, rank_setup, make_strategy):
     from spruce.distributed.group import init_tp_group
     from spruce.runtime.replicated_engine import DriverEngine, leave_group
 
@@ -92,7 +95,7 @@ def _spawn(config, rank_setup):
     ctx = mp.get_context("spawn")
     messages = ctx.Queue()
     procs = [ctx.Process(target=_worker_main, name=f"spruce-tp-rank{rank}", daemon=True,
-                         args=(rank, config, init_method, messages, rank_setup, os.getpid()))
+                         args=(rank, config, init_method, messages, rank_setup, make_strategy, os.getpid()))
              for rank in range(1, config.tp_size)]
     for p in procs:
         p.start()
@@ -101,7 +104,7 @@ def _spawn(config, rank_setup):
     try:
         workers.wait_ready(READY_TIMEOUT_S)
         tp = init_tp_group(0, config.tp_size, config.device, init_method)
-        engine = DriverEngine(config, tp, workers)
+        engine = DriverEngine(config, tp, workers, make_strategy=make_strategy)
         workers.watch(engine)
         if rank_setup is not None:
             rank_setup(engine, 0)
@@ -128,7 +131,7 @@ def _shutdown_at_exit(engine) -> None:
     atexit.register(shutdown)
 
 
-def _worker_main(rank: int, config, init_method: str, messages, rank_setup, parent_pid: int) -> None:
+def _worker_main(rank: int, config, init_method: str, messages, rank_setup, make_strategy, parent_pid: int) -> None:
     """A spawned worker: join the group, build the engine replica, serve the driver until it shuts down."""
     from spruce.distributed.group import init_tp_group
     from spruce.runtime.replicated_engine import leave_group, serve_commands
@@ -142,7 +145,7 @@ def _worker_main(rank: int, config, init_method: str, messages, rank_setup, pare
     try:
         messages.put(("ready", rank, ""))
         tp = init_tp_group(rank, config.tp_size, config.device, init_method)
-        engine = Engine(config, tp)
+        engine = Engine(config, tp, make_strategy=make_strategy)
         if rank_setup is not None:
             rank_setup(engine, rank)
         serve_commands(engine, tp)
@@ -277,7 +280,7 @@ class WorkerSet:
 
 
 # --- torchrun -----------------------------------------------------------------------------------------------------
-def _join_torchrun(config, rank_setup):
+def _join_torchrun(config, rank_setup, make_strategy):
     from spruce.distributed.group import init_tp_group
     from spruce.runtime.replicated_engine import DriverEngine, leave_group, serve_commands
     from spruce.runtime.engine import Engine
@@ -288,12 +291,12 @@ def _join_torchrun(config, rank_setup):
                           f"they must be equal")
     tp = init_tp_group(rank, world, config.device, "env://", local_rank=int(os.environ.get("LOCAL_RANK", rank)))
     if rank == 0:
-        engine = DriverEngine(config, tp)
+        engine = DriverEngine(config, tp, make_strategy=make_strategy)
         if rank_setup is not None:
             rank_setup(engine, 0)
         _shutdown_at_exit(engine)
         return engine
-    engine = Engine(config, tp)
+    engine = Engine(config, tp, make_strategy=make_strategy)
     if rank_setup is not None:
         rank_setup(engine, rank)
     serve_commands(engine, tp)

@@ -39,7 +39,7 @@ from spruce.runtime.sampler import SamplingTensors, select_tokens
 if TYPE_CHECKING:
     from spruce.runtime.model_runner import ModelRunner
     from spruce.runtime.request import Request
-    from spruce.speculative.strategy import PrefillChunk
+    from spruce.runtime.strategy import PrefillChunk
 
 
 def decode_positions(reqs: list[Request], decoding_in_flight: Iterable[Request]) -> list[int]:

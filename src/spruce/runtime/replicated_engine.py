@@ -112,9 +112,9 @@ def serve_commands(engine: Engine, tp: TPGroup) -> None:
 class DriverEngine(Engine):
     """Rank 0 of a tensor-parallel engine: the Engine the API uses, forwarding every state change to the
     workers (see the module docstring). `workers` (runtime/launch.py) watches spawned workers; None when
-    torchrun started the ranks."""
+    torchrun started the ranks. `make_strategy`: as for Engine."""
 
-    def __init__(self, config, tp: TPGroup, workers=None):
+    def __init__(self, config, tp: TPGroup, workers=None, *, make_strategy):
         self._tp = tp
         self._workers = workers
         self._commands: list[tuple] = []  # requests added and aborted since the last call
@@ -124,7 +124,7 @@ class DriverEngine(Engine):
         self.busy_since: float | None = None  # monotonic time the current collective call began
         self._closed = False
         with self._busy():
-            super().__init__(config, tp)
+            super().__init__(config, tp, make_strategy=make_strategy)
         self._digest = state_digest(self)
 
     # --- state changes, recorded for the workers ----------------------------------------------------------------

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from spruce.attention.metadata import Phase
-from spruce.speculative.eagle_worker import EagleWorker
-from spruce.speculative.strategy import DecodeStrategy, PlainDecoding
 from spruce.runtime.sampler import SamplingTensors
+from spruce.runtime.strategy import DecodeStrategy, PlainDecoding
+from spruce.speculative.eagle_worker import EagleWorker
 
 PLAIN = 0  # the plain candidate; every other candidate is a verify width
 EMA_WEIGHT = 0.1  # a round's weight in the engine-wide acceptance EMA ...

@@ -35,8 +35,8 @@ from spruce.runtime.logprobs import LogprobPlan, pack_logprobs
 from spruce.runtime.model_runner import ModelRunner
 from spruce.runtime.penalties import node_paths
 from spruce.runtime.sampler import SamplingTensors, select_tokens
+from spruce.runtime.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.frontier import expand_frontier
-from spruce.speculative.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.synthetic import synthetic_acceptance
 from spruce.speculative.tree import DraftCandidates, Tree, accepted_within, build_tree, own_bits
 from spruce.speculative.verify import accept

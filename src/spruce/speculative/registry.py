@@ -1,9 +1,12 @@
-"""Which decode strategy an engine runs: the one place that maps what the runner loaded to a strategy."""
+"""Which decode strategy an engine runs: the one place that maps what the runner loaded to a strategy.
+
+`make_strategy` is the StrategyFactory (runtime/strategy.py) that whatever builds an Engine passes in (llm.py's
+LLM, runtime/launch.py's `create_engine` callers): speculative/ plugs into runtime/, never the other way."""
 
 from __future__ import annotations
 
 from spruce.runtime.model_runner import ModelRunner
-from spruce.speculative.strategy import DecodeStrategy, PlainDecoding
+from spruce.runtime.strategy import DecodeStrategy, PlainDecoding
 
 
 def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy:

@@ -30,12 +30,15 @@ by the engine seed and a round counter held on the device and advanced by each d
 host sync, the same under CUDA graphs (the counter's increment is part of the captured graph) and under overlap
 scheduling, and identical on every tensor-parallel rank.
 
-This module imports no torch at load (the config and the command line read its pure functions).
+The rates are resolved, checked and described (Engine.info's line, `describe_synthetic`) in config.py; this
+module imports no torch at load.
 """
 
 from __future__ import annotations
 
 import logging
+
+from spruce.config import describe_synthetic
 
 logger = logging.getLogger("spruce.speculative.synthetic")
 
@@ -45,19 +48,6 @@ def conditional_rates(rates: tuple[float, ...]) -> tuple[float, ...]:
     zero). e.g. (0.8, 0.4, 0.1) -> (0.8, 0.5, 0.25)."""
     above = (1.0, *rates[:-1])
     return tuple(min(1.0, r / a) if a > 0.0 else 0.0 for r, a in zip(rates, above))
-
-
-def mean_length(rates: tuple[float, ...]) -> float:
-    """The mean acceptance length (tokens a round commits, bonus included) the rates give a chain: 1 + sum."""
-    return 1.0 + sum(rates)
-
-
-def describe(rates: tuple[float, ...] | None) -> str:
-    """One line naming the setting, for logs, Engine.info and results: 'off' when it is off."""
-    if rates is None:
-        return "off"
-    return (f"synthetic acceptance rates={','.join(f'{r:g}' for r in rates)} (mean length {mean_length(rates):g}): "
-            f"drafts accepted at these rates, not verified; outputs are not the target's")
 
 
 class SyntheticAcceptance:
@@ -72,7 +62,7 @@ class SyntheticAcceptance:
         self.seed_base = (int(seed) & 0x7FFFFFFF) << 32  # the round counter fills the low 32 bits
         self.rounds = torch.zeros((), dtype=torch.int64, device=device)  # advanced on the device by each draw
         logger.warning("speculative rounds use %s (a benchmark setting, vLLM's rejection_sample_method="
-                       "'synthetic')", describe(rates))
+                       "'synthetic')", describe_synthetic(rates))
 
     def accept(self, tree, rows, num_steps: int, target_tokens, grammar_masks=None):
         """The round's Acceptance (speculative/verify.py) over `tree` ([P, N]) for page-table `rows` [P]: the path

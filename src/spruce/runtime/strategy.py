@@ -2,7 +2,10 @@
 
 The engine plans, launches and resolves steps and never asks which strategy it has. A strategy owns its
 static inputs, its phases and their CUDA graphs; `PlainDecoding` commits one target token per step, the
-EAGLE worker (EAGLE, EAGLE-3) a tree-verified run of draft tokens plus the target's bonus token.
+EAGLE worker (EAGLE, EAGLE-3; speculative/eagle_worker.py) a tree-verified run of draft tokens plus the target's
+bonus token. This module is the interface the engine needs; speculative strategies plug into it from above: the
+engine builds its strategy with the `StrategyFactory` its caller passes in (speculative/registry.py's
+`make_strategy`), so runtime/ never imports speculative/.
 
 Every step returns a device tensor [n, W], W at most Limits.step_result_width: each row's accept length a (0 for
 plain decoding and prefill), then its committed tokens (a + 1 of them, then padding). A plain step's is [n, 2] even
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -194,6 +198,15 @@ class DecodeStrategy:
         """Rows [start, stop) of the static inputs become padding (the dummy row); also used for capture."""
         self.rows[start:stop] = self.runner.limits.dummy_row
         self._filled_rows = None
+
+
+class StrategyFactory(Protocol):
+    """Builds an engine's strategy from what its runner loaded (speculative/registry.py's `make_strategy`).
+
+    `debug`: the engine's debug checks are on; `adaptive`: the config asks for adaptive speculation. A module-level
+    function, so that tensor-parallel workers receive it pickled by name."""
+
+    def __call__(self, runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy: ...
 
 
 class PlainDecoding(DecodeStrategy):
