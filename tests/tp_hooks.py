@@ -1,4 +1,4 @@
-"""Per-rank setup hooks for tensor-parallel tests (`create_engine(config, rank_setup=partial(hook, ...))`):
+"""Per-rank setup hooks for tensor-parallel tests (`create_engine(config, rank_setup=partial(hook, ...), make_strategy=make_strategy)`):
 module-level functions, so spawned workers can import them."""
 
 from __future__ import annotations
