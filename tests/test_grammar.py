@@ -113,7 +113,8 @@ def test_narrower_verify_trees_equal_plain_constrained(make_llm, monkeypatch):
     want = plain.generate(prompts, CONSTRAINED)
     got = spec.generate(prompts, CONSTRAINED)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert set(ran) == {4, 8, 16} and spec.engine.grammar_stats["tree_nodes"] > 0, ran
+    # every width ran (a request whose acceptance collapsed may also take plain steps: width 1)
+    assert {4, 8, 16} <= set(ran) <= {1, 4, 8, 16} and spec.engine.grammar_stats["tree_nodes"] > 0, ran
 
 
 def fresh_matcher_accepts(backend: GrammarBackend, spec: StructuredOutput, tokens: list[int]) -> bool:

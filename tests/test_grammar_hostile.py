@@ -184,15 +184,26 @@ def test_compile_size_budget_is_named(tokenizer_json, monkeypatch):
 def test_compile_time_budget_refuses_then_says_busy(tokenizer_json, monkeypatch):
     """A grammar that takes longer than COMPILE_SECONDS to compile is refused naming the time budget; one that
     arrives while the compile thread is still on it is answered 503 (retry), not blamed on its own grammar."""
+    import threading
+
     monkeypatch.setattr(grammar_mod, "COMPILE_SECONDS", 0.05)
     backend = GrammarBackend(tokenizer_json, 4096, (1,), "json_schema")  # its compile thread is this test's
-    big = StructuredOutput("json_schema", json.dumps({"enum": [f"value{i:06d}" for i in range(30000)]}))
-    with pytest.raises(InvalidRequestError, match="did not compile within 0.05 s") as e:
-        backend.request_grammar(big)
-    assert e.value.status == 400
-    with pytest.raises(InvalidRequestError, match="busy") as e:
-        backend.request_grammar(StructuredOutput("regex", "[a-z]+"))
-    assert e.value.status == 503
+    released, compile_once = threading.Event(), backend._compile
+
+    def slow_compile(text):  # the first grammar compiles until the test releases it: as slow as any budget
+        released.wait(30)
+        return compile_once(text)
+
+    monkeypatch.setattr(backend, "_compile", slow_compile)
+    try:
+        with pytest.raises(InvalidRequestError, match="did not compile within 0.05 s") as e:
+            backend.request_grammar(StructuredOutput("regex", "[0-9]+"))
+        assert e.value.status == 400
+        with pytest.raises(InvalidRequestError, match="busy") as e:
+            backend.request_grammar(StructuredOutput("regex", "[a-z]+"))
+        assert e.value.status == 503
+    finally:
+        released.set()
 
 
 # --- served: `spruce serve` (speculation on, the engine in its own process) ---------------------------------------

@@ -130,7 +130,7 @@ def test_bad_engine_config_is_refused(kwargs, match):
 @pytest.mark.parametrize("s,k,n,match", [
     (3, 2, 12, r"needs 11 draft candidates.*K \+ \(S-1\)\*K\*K = 10"),
     (5, 8, 200, "exceeds the supported maximum"),
-    (0, 4, 8, "num_steps must be >= 1"),
+    (0, 4, 8, r"speculative_num_steps=0 is outside \[1, 127\]"),
     (5, 0, 8, "eagle_topk must be >= 1"),
     (5, 4, 1, "num_draft_tokens must be >= 2"),
 ])
