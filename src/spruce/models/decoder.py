@@ -12,6 +12,7 @@ from spruce.distributed.layers import VocabParallelEmbedding, column_parallel_li
 from spruce.errors import ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import RMSNorm
+from spruce.models.rope import Rotary
 from spruce.models.weights import load_named_tensors
 
 
@@ -29,6 +30,9 @@ class DecoderLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         super().__init__()
+        if tp is not None and cfg.tp_refusal is not None:
+            raise ModelLoadError(f"tensor parallelism (tp_size={tp.size}) is not supported for {cfg.architecture} "
+                                 f"yet ({cfg.tp_refusal}); use tp_size=1")
         for i in aux_layers:
             if not 0 <= i <= cfg.num_layers:
                 raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "
@@ -46,9 +50,10 @@ class DecoderLM(nn.Module):
         self.layers.extend(self.build_layer(cfg, self.rotary, backend, i, i, tp) for i in range(cfg.num_layers))
 
     @staticmethod
-    def build_rotary(cfg: ModelConfig):
-        """The Rotary the architecture's attention uses."""
-        raise NotImplementedError
+    def build_rotary(cfg: ModelConfig) -> Rotary:
+        """The Rotary the architecture's attention uses: the config's head_dim, rope_theta and rope_scaling
+        (architectures with another rope override it)."""
+        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary, backend, index: int, pool_layer: int, tp=None) -> nn.Module:

@@ -95,16 +95,6 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 class GptOssForCausalLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
-        if tp is not None:
-            raise ModelLoadError(f"tensor parallelism (tp_size={tp.size}) is not supported for {cfg.architecture} "
-                                 f"yet ({cfg.tp_refusal}); use tp_size=1")
-        super().__init__(cfg, backend, aux_layers, tp)
-
-    @staticmethod
-    def build_rotary(cfg: ModelConfig) -> Rotary:
-        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
                     pool_layer: int, tp=None) -> PreNormLayer:

@@ -23,10 +23,6 @@ class DecoderLayer(PreNormLayer):
 
 class LlamaForCausalLM(DecoderLM):
     @staticmethod
-    def build_rotary(cfg: ModelConfig) -> Rotary:
-        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-
-    @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
                     pool_layer: int, tp=None) -> PreNormLayer:
         """A decoder layer (every index alike), caching its K/V in layer `pool_layer` of its pool."""

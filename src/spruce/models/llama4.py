@@ -23,7 +23,6 @@ import torch
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.distributed.checkpoint import whole
-from spruce.errors import ModelLoadError
 from spruce.models.decoder import DecoderLM
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import Attention, GatedMLP, PreNormLayer
@@ -100,16 +99,6 @@ def expert_tensors(prefix: str, kind: str, tensor: torch.Tensor):
 
 
 class Llama4ForCausalLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
-        if tp is not None:
-            raise ModelLoadError(f"tensor parallelism (tp_size={tp.size}) is not supported for {cfg.architecture} "
-                                 f"yet ({cfg.tp_refusal}); use tp_size=1")
-        super().__init__(cfg, backend, aux_layers, tp)
-
-    @staticmethod
-    def build_rotary(cfg: ModelConfig) -> Rotary:
-        return Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
                     pool_layer: int, tp=None) -> PreNormLayer:
