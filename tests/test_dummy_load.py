@@ -75,3 +75,34 @@ def test_shape_dirs_hold_configs_only(tmp_path, name):
     cfg = ModelConfig.from_dir(target)
     assert cfg.vocab_size == TARGET_SHAPES[name]["vocab_size"]
     assert json.loads((draft / "config.json").read_text())["hidden_size"] == TARGET_SHAPES[name]["hidden_size"]
+
+
+SHRINK = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+              max_position_embeddings=512, sliding_window=8)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_moe_shapes_serve_dummy_weights_with_an_eagle3_head(tmp_path, name):
+    """The MoE bench shapes, narrowed (same architecture and config keys, 4 layers, 4 experts top-2), run with dummy weights
+    and their EAGLE-3-shaped head, past the gpt-oss window."""
+    from spruce import LLM
+
+    shape = TARGET_SHAPES[name]
+    cfg = {**shape, **{k: v for k, v in SHRINK.items() if k in shape}, "num_hidden_layers": 4}
+    for experts in ("num_experts", "num_local_experts"):
+        if experts in cfg:
+            cfg[experts] = 4
+    cfg["num_experts_per_tok"] = cfg["experts_per_token"] = 2
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:4]
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    for d, c in ((target, cfg), (draft, eagle3_shape(cfg, draft_vocab_size=128))):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c))
+    write_word_tokenizer(target, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    llm = LLM(target, dtype="bfloat16", load_format="dummy", draft_model=draft, speculative_num_steps=2,
+              speculative_eagle_topk=1, speculative_num_draft_tokens=3, speculative_synthetic_acceptance_length=2.0,
+              max_running_requests=2, context_length=64)
+    out = llm.generate([" ".join(f"w{i}" for i in range(5, 17))], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8 and out[0].spec_stats["rounds"] > 0

@@ -41,6 +41,27 @@ TARGET_SHAPES: dict[str, dict] = {
         rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
                           mscale=0.707, mscale_all_dim=0.707),
     ),
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active (48 layers, 128 routed experts top-8, no shared expert, GQA 32/4)
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        attention_bias=False, hidden_act="silu", vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, rope_theta=1000000.0, rope_scaling=None,
+        use_sliding_window=False, sliding_window=None,
+    ),
+    # gpt-oss-20b: 21B parameters, 3.6B active (24 layers alternating a 128-token sliding window and full attention,
+    # attention sinks, 32 experts top-4 with biases and the clamped SwiGLU); bf16 experts here, both engines
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, experts_per_token=4, attention_bias=True, hidden_act="silu", swiglu_limit=7.0,
+        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, vocab_size=201088,
+        rms_norm_eps=1e-5, max_position_embeddings=131072, initial_context_length=4096, tie_word_embeddings=False,
+        bos_token_id=199998, eos_token_id=200002, pad_token_id=199999, rope_theta=150000.0,
+        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                          original_max_position_embeddings=4096, truncate=False),
+    ),
 }
 
 
