@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from spruce.errors import ModelLoadError
-from spruce.ops.fp8 import FP8_DTYPE, block_scale_rows, dequantize, fp8_linear, num_groups, quantize_rows
+from spruce.ops.fp8 import (FP8_DTYPE, block_scale_rows, dequantize, fp8_linear, num_groups, quantize_blocks,
+                            quantize_rows)
+from spruce.ops.fp8_select import tune_linears
 
 QUANTIZATIONS = ("fp8",)  # what `quantization=` accepts (vLLM's name)
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quant_method values whose FP8 checkpoints load
@@ -155,10 +157,13 @@ class Fp8Linear(nn.Module):
                                                     dtype=torch.float32, device=device), requires_grad=False)
         self.bias = bias
         self.input_scale = None
+        self.kernels: dict = {}  # M bucket -> measured kernel choice (ops/fp8_select.tune_linears), CUDA only
+        self.block_scale = None  # the block-scaled matmul's scale layout, when a choice runs it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., K] -> [..., N] in x's dtype."""
-        return fp8_linear(x, self.weight, self.weight_scale, self.group_k, self.bias, self.input_scale)
+        return fp8_linear(x, self.weight, self.weight_scale, self.group_k, self.bias, self.input_scale,
+                          self.kernels, self.block_scale)
 
     def dequantized(self, dtype: torch.dtype) -> nn.Linear:
         """The plain nn.Linear this layer approximates (weights dequantized to `dtype`)."""
@@ -294,6 +299,7 @@ def finish_fp8_load(model: nn.Module, cfg, dtype: torch.dtype) -> None:
                 layer.weight_scale.data = rope_rows_to_rotate_half(weight_name, layer.weight_scale.data, cfg)
         if isinstance(m.kv_b_proj, Fp8Linear):
             m.kv_b_proj = m.kv_b_proj.dequantized(dtype)
+    tune_linears(model)
 
 
 _QUANTIZE_SKIP = ("gate", "shared_expert_gate", "kv_b_proj", "lm_head")  # routers, MLA's absorbed kv_b, the head
@@ -301,8 +307,9 @@ _QUANTIZE_SKIP = ("gate", "shared_expert_gate", "kv_b_proj", "lm_head")  # route
 
 def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
     """Load-time quantization: every linear of the decoder layers (module doc) and every routed-expert bank to
-    FP8 per output channel (`group_k`: per row and K group of that width, as random weights of a block-scaled
-    checkpoint's shape get), in place. Returns how many modules were quantized."""
+    FP8 per output channel (`group_k`: the linears in group_k x group_k blocks, the experts per row and K group
+    of that width, as random weights of a block-scaled checkpoint's shape get), in place; then each linear's
+    kernels are chosen (ops/fp8_select.py, CUDA). Returns how many modules were quantized."""
     from spruce.models.moe import RoutedExperts
 
     count = 0
@@ -316,12 +323,17 @@ def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
         elif type(m) is nn.Linear and path.rpartition(".")[2] not in _QUANTIZE_SKIP:
             _refuse_tp(m.weight, path)
             layer = Fp8Linear(m.in_features, m.out_features, group_k, m.bias, m.weight.device)
-            q, scale = quantize_rows(m.weight.data, group_k)
+            if group_k is None:
+                q, scale = quantize_rows(m.weight.data, None)
+            else:
+                q, blocks = quantize_blocks(m.weight.data, (group_k, group_k))
+                scale = block_scale_rows(blocks, m.out_features, group_k)
             layer.weight.data.copy_(q)
             layer.weight_scale.data.copy_(scale)
             parent, child = _parent(model, path)
             setattr(parent, child, layer)
             count += 1
+    tune_linears(model)
     return count
 
 

@@ -9,6 +9,8 @@ parameters (q/k/v, gate/up, experts) take any row split; e.g. a [300, 200] q_pro
 scale [300, 2], rows 0..127 holding scale_inv[0], rows 256..299 scale_inv[2].
 
 Which kernel runs `fp8_linear` (x [T, K] in the compute dtype):
+    CUDA, T <= 16, the linear's kernels measured at load (ops/fp8_select.py): the fastest correct candidate of
+        T's bucket (split-K GEMV, tiled GEMM, torch's row-wise or block-scaled matmul)
     CUDA, bf16, G == 1, at least SCALED_MM_MIN_TOKENS tokens, torch._scaled_mm on an SM 8.9+ GPU, N and K
         multiples of 16: x quantized per token (dynamic scale amax / 448), or with the checkpoint's static
         `input_scale`; the scaled matmul's fp32 accumulate, output in x's dtype
@@ -119,13 +121,21 @@ def _scaled_mm_linear(x, weight, scale, bias, input_scale):
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
-               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               kernels: dict | None = None, block_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(weight, scale, group_k).T (+ bias) -> [..., N] in x's dtype (module doc: kernels).
 
-    `input_scale` (a static per-tensor activation scale from the checkpoint) quantizes x through fp8 first."""
+    `input_scale` (a static per-tensor activation scale from the checkpoint) quantizes x through fp8 first.
+    `kernels`: M bucket -> the measured choice (ops/fp8_select.py) for CUDA batches of at most 16 tokens;
+    `block_scale`: the weight's scales in the block-scaled matmul's layout, when a choice needs them."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.shape[0] >= SCALED_MM_MIN_TOKENS and scaled_mm_fits(x2, weight, group_k):
+    m = x2.shape[0]
+    if kernels and x2.is_cuda and 0 < m <= GEMV_BUCKETS[-1] and (choice := kernels.get(gemv_bucket(m))) is not None:
+        if input_scale is not None:
+            x2 = fake_quantize(x2, input_scale)
+        out = choice.run(x2, weight, scale, group_k, bias, block_scale)
+    elif m >= SCALED_MM_MIN_TOKENS and scaled_mm_fits(x2, weight, group_k):
         out = _scaled_mm_linear(x2, weight, scale, bias, input_scale)
     else:
         if input_scale is not None:
@@ -137,6 +147,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group
         else:
             out = emulated_linear(x2, weight, scale, group_k, bias)
     return out.reshape(*shape[:-1], weight.shape[0])
+
+
+GEMV_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes (tokens) whose kernels are measured; a batch runs its bucket's
+
+
+def gemv_bucket(m: int) -> int:
+    """The bucket of a batch of 0 < m <= 16 tokens: the smallest power of two >= m (3 -> 4)."""
+    return 1 << (m - 1).bit_length()
 
 
 def emulated_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
