@@ -33,7 +33,8 @@ def write_moe_checkpoint(path, variant: str, seed: int = 0, hidden: int = 64, la
                          intermediate: int = 64, init_std: float = 0.2, max_pos: int = 512, **extra) -> Path:
     """A random `variant` model (CONFIGS) saved by transformers; `extra` goes to its config (decoder_sparse_step,
     mlp_only_layers, norm_topk_prob, sliding_window, layer_types, rope_parameters...). Every 1-d parameter
-    (norms, biases, attention sinks) is perturbed away from its init so that a mis-loaded one shows."""
+    (norms, biases, attention sinks) and gpt-oss's expert biases are perturbed away from their init so that a
+    mis-loaded one shows."""
     import transformers
 
     path = Path(path)
@@ -46,9 +47,9 @@ def write_moe_checkpoint(path, variant: str, seed: int = 0, hidden: int = 64, la
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**kw)).eval()
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("experts.gate_up_proj_bias") or name.endswith("experts.down_proj_bias"):
+                p.add_(torch.randn_like(p) * 0.1)  # gpt-oss's expert biases [E, 2I] / [E, H] start at zero too
             elif p.dim() == 3 and variant in ("gpt_oss", "llama4"):  # fused expert banks start at zero in its init
                 p.normal_(0.0, init_std)
             elif p.dim() == 2 and variant == "gpt_oss" and p.shape[-1] == 1:

@@ -6,8 +6,8 @@ YaRN rope, every layer MoE with a biased router, biased experts and the clamped 
 - EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 16 and K 4 on
   pages of 1: tree nodes see their ancestors plus the window of committed tokens;
 - MXFP4 expert weights dequantized at load, equal to transformers' own dequantization;
-- refusals: a backend without windows / sinks, a tree as deep as the window, other quantizations, tensor
-  parallelism."""
+- tensor parallelism (tp 2, gloo) with EAGLE-3 trees equal to tp 1;
+- refusals: a backend without windows / sinks, a tree as deep as the window, other quantizations."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from spruce.errors import ConfigError, ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from moe_checkpoints import engine_case, write_moe_checkpoint
 from test_models_vs_hf import logit_diff_vs_hf
-from test_moe_targets_vs_hf import spec_llm
+from test_moe_targets_vs_hf import spec_llm, tp2_spec_equals_tp1
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,6 +133,7 @@ def test_mxfp4_experts_equal_transformers_dequantized(tmp_path, case):
         fp8_scheme(dst, "fp8")
 
 
-def test_tensor_parallelism_is_refused(case):
-    with pytest.raises(ConfigError, match=r"tp_size=2 is not supported for GptOssForCausalLM yet"):
-        LLM(case[0], tp_size=2)
+def test_tp2_trees_equal_tp1(make_llm, case):
+    """tp 2 (gloo): each rank holds half of the heads and their sinks, expert columns and biases (b2 added once);
+    EAGLE-3 trees (K 4, page 1) give transformers' greedy tokens, whole-sequence logits equal tp 1's."""
+    tp2_spec_equals_tp1(make_llm, case, k=4, page=1)

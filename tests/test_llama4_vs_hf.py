@@ -6,7 +6,8 @@ interleaved with dense MLPs of intermediate_size_mlp.
 - greedy tokens through the whole engine (overlap on and off, page 1 and 16);
 - EAGLE-3 tree speculation (oracle-steered random head) equal to plain greedy, K 1 on pages of 1 and K 4 on
   pages of 16: a chunk boundary inside a tree cuts the node's ancestors before it;
-- refusals: a backend without chunked attention, top-k above 1, tensor parallelism."""
+- tensor parallelism (tp 2, gloo) with EAGLE-3 trees equal to tp 1;
+- refusals: a backend without chunked attention, top-k above 1."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from spruce.errors import ConfigError, ModelLoadError
 from spruce.models.hf_config import ModelConfig
 from moe_checkpoints import engine_case, write_moe_checkpoint
 from test_models_vs_hf import logit_diff_vs_hf
-from test_moe_targets_vs_hf import spec_llm
+from test_moe_targets_vs_hf import spec_llm, tp2_spec_equals_tp1
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,6 +119,7 @@ def test_image_text_checkpoint_language_model_equals_transformers(tmp_path):
     assert max_diff_vs_hf(hf.language_model, prompts, ours, nxt, dec) < TOL
 
 
-def test_tensor_parallelism_is_refused(case):
-    with pytest.raises(ConfigError, match=r"tp_size=2 is not supported for Llama4ForCausalLM yet"):
-        LLM(case[0], tp_size=2)
+def test_tp2_trees_equal_tp1(make_llm, case):
+    """tp 2 (gloo): each rank holds half of the heads (q/k rows permuted per head), expert, shared-expert and dense MLP columns;
+    EAGLE-3 trees (K 4, page 16) give transformers' greedy tokens, whole-sequence logits equal tp 1's."""
+    tp2_spec_equals_tp1(make_llm, case, k=4, page=16)

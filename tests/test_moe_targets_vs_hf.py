@@ -104,6 +104,39 @@ def test_spec_greedy_equals_plain(make_llm, cases, variant, k, page):
     assert llm.engine.stats()["spec"]["mean_accept_length"] > 1.2
 
 
+def tp2_spec_equals_tp1(make_llm, case, k: int, page: int) -> None:
+    """Tensor parallelism (2 ranks, gloo) with EAGLE-3 trees (K = k, oracle-steered on every rank) on `case`:
+    greedy tokens equal transformers' (tp 1's), and the logits of a whole sequence equal tp 1's."""
+    import functools
+
+    import torch
+
+    import tp_hooks
+    from spruce.config import EngineConfig, make_speculative_config
+    from spruce.runtime.launch import create_engine
+    from spruce.speculative.registry import make_strategy
+
+    target, draft, prompts, want = case
+    s, n = {1: (3, 4), 4: (3, 8)}[k]
+    spec = make_speculative_config("EAGLE3", draft, s, k, n, model=target)
+    config = EngineConfig(model=target, tp_size=2, page_size=page, max_running_requests=4, chunked_prefill_size=32,
+                          speculative=spec)
+    setup = functools.partial(tp_hooks.install_oracle, fraction=0.6, references=list(zip(prompts, want)))
+    sequence = prompts[-1] + want[-1]
+    llm = LLM.from_engine(create_engine(config, setup, make_strategy=make_strategy))
+    try:
+        got = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        accept = llm.engine.stats()["spec"]["mean_accept_length"]
+        logits = llm.engine.next_token_logits(sequence)
+        llm.engine.check_no_leaks()
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert accept > 1.2
+    one = make_llm(target, page_size=page, max_running_requests=4, chunked_prefill_size=32)
+    torch.testing.assert_close(logits, one.engine.next_token_logits(sequence), rtol=1e-4, atol=1e-4)
+
+
 def test_qwen2_moe_tp2_equals_transformers(cases):
     """Tensor parallelism (2 ranks, gloo): each rank holds half of every expert's, the shared expert's and the
     dense MLP's intermediate; the shared-expert gate scales each rank's partial sum alike."""

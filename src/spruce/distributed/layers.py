@@ -100,10 +100,7 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, tp: TPGrou
 def check_divisible(cfg, tp_size: int) -> None:
     """Refuse, before any process starts, a tp_size that does not divide every dimension the ranks split
     (`cfg` a ModelConfig): heads (and KV heads, unless MLA), the MLP, expert and shared-expert intermediates, the
-    vocabulary; and a model the ranks cannot split yet (ModelConfig.tp_refusal: gpt-oss, Llama 4)."""
-    if cfg.tp_refusal is not None:
-        raise ConfigError(f"tp_size={tp_size} is not supported for {cfg.architecture} yet ({cfg.tp_refusal}); "
-                          f"use tp_size=1")
+    vocabulary."""
     dims = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
             "vocab_size": cfg.vocab_size}
     if cfg.mla is None:

@@ -30,9 +30,6 @@ class DecoderLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend, aux_layers: tuple[int, ...] = (), tp=None):
         super().__init__()
-        if tp is not None and cfg.tp_refusal is not None:
-            raise ModelLoadError(f"tensor parallelism (tp_size={tp.size}) is not supported for {cfg.architecture} "
-                                 f"yet ({cfg.tp_refusal}); use tp_size=1")
         for i in aux_layers:
             if not 0 <= i <= cfg.num_layers:
                 raise ModelLoadError(f"aux hidden-state layer input {i} is outside [0, {cfg.num_layers}] "

@@ -25,11 +25,12 @@ from torch import nn
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
 from spruce.distributed.checkpoint import whole
+from spruce.distributed.layers import mark_shard
 from spruce.errors import ModelLoadError
 from spruce.models.decoder import DecoderLM
 from spruce.models.hf_config import ModelConfig
 from spruce.models.layers import Attention, PreNormLayer
-from spruce.models.moe import MoE
+from spruce.models.moe import MoE, gate_up_by_rank
 from spruce.models.rope import Rotary
 from spruce.models.weights import load_named_tensors
 
@@ -43,10 +44,13 @@ class SinkAttention(Attention):
     """Attention with a learned per-head sink logit (`sinks` [Hq]) in every softmax, over all cached positions
     or, with `window`, over the last `window` positions only (plus a tree's ancestors)."""
 
-    def __init__(self, *args, window: int | None = None, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, *args, window: int | None = None, tp=None, **kw):
+        super().__init__(*args, tp=tp, **kw)
         self.window = window
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))  # [Hq], kept in float32
+        # [Hq] (this rank's heads when tensor-parallel), kept in float32
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        if tp is not None:
+            mark_shard(self.sinks, 0, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -62,11 +66,12 @@ def deinterleave(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
-def expert_tensors(prefix: str, kind: str, tensor: torch.Tensor):
+def expert_tensors(prefix: str, kind: str, tensor: torch.Tensor, ranks: int = 1):
     """One published fused expert tensor as the (name, tensor) pairs spruce's RoutedExperts loads: per expert
-    `{prefix}.{e}.{gate,up,down}_proj.weight` rows, or the whole bias `{prefix}.b13` / `{prefix}.b2`."""
+    `{prefix}.{e}.{gate,up,down}_proj.weight` rows, or the whole bias `{prefix}.b13` (its columns by rank for
+    `ranks` tensor-parallel ranks, `gate_up_by_rank`) / `{prefix}.b2`."""
     if kind == "gate_up_proj_bias":
-        return [(f"{prefix}.b13", deinterleave(tensor))]
+        return [(f"{prefix}.b13", gate_up_by_rank(deinterleave(tensor), ranks))]
     if kind == "down_proj_bias":
         return [(f"{prefix}.b2", tensor)]
     out = []
@@ -98,11 +103,12 @@ class GptOssForCausalLM(DecoderLM):
     @staticmethod
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
                     pool_layer: int, tp=None) -> PreNormLayer:
-        """Layer `index`: sink attention (windowed where layer_types says so), then the MoE."""
+        """Layer `index`: sink attention (windowed where layer_types says so), then the MoE (this rank's heads,
+        sinks and expert columns with a tensor-parallel group `tp`)."""
         h = cfg.hidden_size
         attn = SinkAttention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, pool_layer,
-                             bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, window=cfg.layer_window(index))
-        return PreNormLayer(h, cfg.rms_norm_eps, attn, MoE(h, cfg.moe))
+                             bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, window=cfg.layer_window(index), tp=tp)
+        return PreNormLayer(h, cfg.rms_norm_eps, attn, MoE(h, cfg.moe, tp))
 
     def checkpoint_name(self, name: str) -> str | None:
         name = super().checkpoint_name(name)
@@ -110,6 +116,7 @@ class GptOssForCausalLM(DecoderLM):
 
     def load_weights(self, tensors) -> None:
         """Published names into the model, the fused expert tensors split per expert (`expert_tensors`)."""
+        ranks = 1 if self.tp is None else self.tp.size
 
         def split(pairs):
             packed = {}  # (prefix, tensor name) -> {"blocks" / "scales": tensor} until both arrived
@@ -121,13 +128,13 @@ class GptOssForCausalLM(DecoderLM):
                     if len(parts) == 2:
                         del packed[(q.group(1), q.group(2))]
                         yield from expert_tensors(q.group(1), q.group(2),
-                                                  dequantize_mxfp4(parts["blocks"], parts["scales"]))
+                                                  dequantize_mxfp4(parts["blocks"], parts["scales"]), ranks)
                     continue
                 m = _EXPERTS.match(name)
                 if m is None:
                     yield name, tensor
                 else:
-                    yield from expert_tensors(m.group(1), m.group(2), whole(tensor))
+                    yield from expert_tensors(m.group(1), m.group(2), whole(tensor), ranks)
             if packed:
                 raise ModelLoadError(f"MXFP4 expert tensors without their blocks or scales: "
                                      f"{sorted(f'{p}.{n}' for p, n in packed)}")

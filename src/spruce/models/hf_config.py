@@ -295,15 +295,6 @@ class ModelConfig:
         return self.attention_sinks or any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     @property
-    def tp_refusal(self) -> str | None:
-        """Why tensor parallelism cannot split this model yet (None: it can)."""
-        if self.attention_sinks or (self.moe is not None and self.moe.expert_bias):
-            return "its attention sinks and expert biases are not split across ranks"
-        if self.architecture in LLAMA4_ARCHITECTURES:
-            return "its tensor-parallel layout is not verified against tp_size=1"
-        return None
-
-    @property
     def needs_chunks(self) -> bool:
         """Whether some layer has chunked attention (attention backends must serve it)."""
         return any(self.layer_chunk(i) is not None for i in range(self.num_layers))

@@ -103,14 +103,16 @@ class Llama4ForCausalLM(DecoderLM):
     def build_layer(cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend, index: int,
                     pool_layer: int, tp=None) -> PreNormLayer:
         """Layer `index`: its attention kind (rope + chunks + L2 norm, or no rope + temperature), then the MoE
-        or the dense MLP."""
+        or the dense MLP (this rank's heads, expert, shared-expert and MLP columns with a tensor-parallel group
+        `tp`: each head's q/k rows are permuted whole, so a rank's heads are permuted alike)."""
         h = cfg.hidden_size
         rope = cfg.rope_layers[index]
         attn = Llama4Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, pool_layer,
                                bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, use_rope=rope,
                                l2_eps=cfg.rms_norm_eps if rope and cfg.qk_l2_norm else None,
-                               temperature=None if rope else cfg.attn_temperature, chunk=cfg.layer_chunk(index))
-        mlp = MoE(h, cfg.moe) if cfg.moe.is_moe_layer(index) else GatedMLP(h, cfg.intermediate_size)
+                               temperature=None if rope else cfg.attn_temperature, chunk=cfg.layer_chunk(index),
+                               tp=tp)
+        mlp = MoE(h, cfg.moe, tp) if cfg.moe.is_moe_layer(index) else GatedMLP(h, cfg.intermediate_size, tp)
         return PreNormLayer(h, cfg.rms_norm_eps, attn, mlp)
 
     def checkpoint_name(self, name: str) -> str | None:

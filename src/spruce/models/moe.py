@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from spruce.distributed.layers import mark_shard
-from spruce.errors import ModelLoadError
 from spruce.models.hf_config import MoEConfig
 from spruce.models.layers import GatedMLP
 from spruce.ops.moe import fused_moe
@@ -71,14 +70,16 @@ class RoutedExperts(nn.Module):
     Checkpoints store them per expert (`experts.{i}.gate_proj/up_proj/down_proj.weight`); the loader writes
     each into its rows (`expert_rows`). With a tensor-parallel group `tp`, every rank holds every expert with
     I / tp of its intermediate (gate/up rows, down columns: `intermediate` is then this rank's share), and the
-    output is a partial sum the caller all-reduces (DESIGN §18: why not experts split across ranks)."""
+    output is a partial sum the caller all-reduces (DESIGN §18: why not experts split across ranks).
+
+    Biases (gpt-oss), tensor-parallel: b13 holds this rank's gate and up columns (loaded from the rank-major
+    layout `gate_up_by_rank` writes); b2 is whole on every rank and added by rank 0 only, so that the
+    all-reduced sum holds it once."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp=None, bias: bool = False,
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
         super().__init__()
         if tp is not None:
-            if bias:
-                raise ModelLoadError("tensor parallelism is not supported for experts with biases (gpt-oss) yet")
             intermediate = tp.shard(intermediate, "moe_intermediate_size")
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
@@ -87,9 +88,12 @@ class RoutedExperts(nn.Module):
         # gpt-oss: b13 [E, 2I] (gate, then up) and b2 [E, H]
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.adds_b2 = tp is None or tp.rank == 0
         if tp is not None:  # rows of each expert's gate / up, columns of its down
             mark_shard(self.w13, 0, tp)
             mark_shard(self.w2, 1, tp)
+            if bias:
+                mark_shard(self.b13, 1, tp)
         # FP8 banks (models/quantization.py): w13 / w2 float8_e4m3fn, their per-row scales w13_scale [E, 2I, G13]
         # and w2_scale [E, H, G2] (ops/fp8.py's layout)
         self.group_k: int | None = None
@@ -134,13 +138,22 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights / ids [T, k] -> [T, H]."""
+        b2 = self.b2 if self.adds_b2 else None
         if self.is_fp8:
             from spruce.ops.fp8 import fp8_moe
 
             return fp8_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, self.group_k, ids, weights,
-                           self.b13, self.b2, self.swiglu_limit, self.swiglu_alpha)
-        return fused_moe(x, self.w13, self.w2, ids, weights, self.b13, self.b2, self.swiglu_limit,
-                         self.swiglu_alpha)
+                           self.b13, b2, self.swiglu_limit, self.swiglu_alpha)
+        return fused_moe(x, self.w13, self.w2, ids, weights, self.b13, b2, self.swiglu_limit, self.swiglu_alpha)
+
+
+def gate_up_by_rank(b13: torch.Tensor, ranks: int) -> torch.Tensor:
+    """[E, 2I] columns gate then up -> [E, 2I] in `ranks` equal parts, part r = (gate columns of rank r, up
+    columns of rank r): cut contiguously, part r is rank r's b13. Example, I = 4, ranks 2:
+    g0 g1 g2 g3 u0 u1 u2 u3 -> g0 g1 u0 u1 | g2 g3 u2 u3 (identity at ranks 1)."""
+    e, width = b13.shape
+    gate, up = b13.view(e, 2, ranks, width // (2 * ranks)).unbind(1)  # [E, ranks, I/ranks] each
+    return torch.cat([gate, up], dim=-1).reshape(e, width)
 
 
 class MoE(nn.Module):
