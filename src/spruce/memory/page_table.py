@@ -13,7 +13,9 @@ from spruce.limits import DUMMY_PAGE, Limits
 class PageTable:
     """`table[row, i]` is the page holding positions [i*page_size, (i+1)*page_size) of the request in `row`.
 
-    Unused entries point at the dummy page, so a stray read never leaves the pool. Rows are handed out
+    Unused entries point at the dummy page, so a stray read never leaves the pool; so do the columns whose pages
+    were given back because no query of the row reads them again (`free_columns`: every layer's window has passed
+    them), which keeps a request's columns in place. Rows are handed out
     host-side; the device tensor is updated only where pages are appended. Inside `batched()` appends are written
     to the device together when the block ends, one copy and one scatter for all of them: a decode step reserves
     pages for many requests, and one small copy each cost the engine thread ~0.8 ms apiece under a loaded server
@@ -42,7 +44,12 @@ class PageTable:
         return row
 
     def pages(self, row: int) -> list[int]:
+        """The row's columns: its page per page_size positions (the dummy page where one was freed)."""
         return self._pages[row]
+
+    def live_pages(self, row: int) -> list[int]:
+        """The pages the row holds (its columns less the freed ones)."""
+        return [p for p in self._pages[row] if p != DUMMY_PAGE]
 
     def append_pages(self, row: int, pages: list[int]) -> None:
         held = self._pages[row]
@@ -90,13 +97,33 @@ class PageTable:
             raise InvariantError(f"{what} reads the page table while {len(self._pending)} appended page runs "
                                  f"are not on the device yet (inside PageTable.batched())")
 
+    def free_columns(self, row: int, start: int, stop: int) -> list[int]:
+        """Give back columns [start, stop) of `row` (positions start*page_size .. stop*page_size - 1): the host's
+        entries and the device's become the dummy page (inside `batched()`, at its end), so no later read of the
+        row reaches a page another request may hold by then. Returns the pages that were there, for the
+        allocator. E.g. page_size 16, columns [0, 3): positions 0..47."""
+        held = self._pages[row]
+        if not 0 <= start <= stop <= len(held):
+            raise InvariantError(f"free of columns [{start}, {stop}) of row {row}, which holds {len(held)} columns")
+        pages = [p for p in held[start:stop] if p != DUMMY_PAGE]
+        if len(pages) != stop - start:
+            raise InvariantError(f"free of columns [{start}, {stop}) of row {row}: some are freed already ({held})")
+        held[start:stop] = [DUMMY_PAGE] * (stop - start)
+        run = (row, start, [DUMMY_PAGE] * (stop - start))
+        if self._pending is not None:
+            self._pending.append(run)
+        else:
+            self._write([run])
+        return pages
+
     def release_row(self, row: int) -> list[int]:
-        """Frees the row; returns its pages for the allocator. The row is reset to the dummy page."""
+        """Frees the row; returns its pages (the live ones) for the allocator. The row is reset to the dummy
+        page."""
         pages = self._pages.pop(row)
         if pages:
             self.table[row, : len(pages)] = DUMMY_PAGE
         self._free_rows.append(row)
-        return pages
+        return [p for p in pages if p != DUMMY_PAGE]
 
     def check_covers(self, row: int, num_positions: int, what: str) -> None:
         """Always-on host check before a launch writes positions [0, num_positions) of `row` into pages."""
@@ -134,4 +161,5 @@ class PageTable:
         return out
 
     def pages_in_use(self) -> int:
-        return sum(len(p) for p in self._pages.values())
+        """Pages the rows hold (freed columns not counted)."""
+        return sum(len(p) - p.count(DUMMY_PAGE) for p in self._pages.values())

@@ -81,6 +81,7 @@ class Request:
     accept_state: object | None = None  # adaptive speculation's record of its rounds' acceptance
     # (speculative/adaptive.py's RequestAcceptance; None before its first decode step)
     reserved: int = 0  # positions its pages cover (0 while it holds no row)
+    freed_to: int = 0  # its own pages in columns [len(cached_path), freed_to) are freed: every window passed them
     inflight: int = 0  # launched steps that include this request and whose results are not read yet
     finish_reason: str | None = None
     text: str = ""  # output text so far (incremental; cut before a stop string)
@@ -95,6 +96,7 @@ class Request:
     cached_path: list = field(default_factory=list)  # prefix-cache nodes whose pages it shares (while it holds a row)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (latest) admission
     grammar: object | None = None  # RequestGrammar (runtime/grammar.py) when it has structured output
+    bad_word_ids: tuple = ()  # its bad_words as token sequences (SamplingParams.bad_words_token_ids)
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -126,6 +128,7 @@ class Request:
         self.row = None
         self.committed = 0
         self.reserved = 0
+        self.freed_to = 0
         self.cached_path = []
         self.num_preemptions += 1
 

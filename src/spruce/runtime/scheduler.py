@@ -18,6 +18,12 @@ share one prefill launch.
 
 A finished or aborted request leaves the running set at once, but keeps its row and pages until every
 launched step that includes it has completed (`Request.inflight` == 0): only then are they released.
+
+When every layer of the model is windowed (sliding windows or chunked attention: memory/window.py), each plan frees
+the pages of every running request that lie wholly before the oldest position its queries can still read
+(`free_behind_windows`), so a request holds about a window's worth of pages however long it runs. Pages it shares
+with the prefix cache (its matched path) stay until it releases them; a request that freed pages adds none of its
+own to the cache (a cached path must hold every page from the first).
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from spruce.limits import Limits
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
 from spruce.memory.prefix_cache import PrefixCache
+from spruce.memory.window import WindowReach
 from spruce.runtime.prefill_batching import PrefillBatching
 from spruce.runtime.request import Request, Status
 
 
 class Scheduler:
     def __init__(self, limits: Limits, page_table: PageTable, allocator: PageAllocator,
-                 prefix_cache: PrefixCache | None = None, batching: PrefillBatching | None = None):
+                 prefix_cache: PrefixCache | None = None, batching: PrefillBatching | None = None,
+                 reach: WindowReach | None = None):
         self.limits = limits
+        self.reach = reach if reach is not None and reach.frees else None  # None: pages stay until release
         self.batching = batching if batching is not None else PrefillBatching(0.0)
         self.page_table = page_table
         self.allocator = allocator
@@ -85,14 +94,18 @@ class Scheduler:
                 f"step(s) that write them have not completed"
             )
         if req.row is not None:
-            pages = self.page_table.release_row(req.row)
+            pages = self.page_table.release_row(req.row)  # its live pages: the matched path's first
             if self.prefix_cache is not None:
-                # positions whose KV matches the host's tokens (tokens past a stop are dropped)
+                # positions whose KV matches the host's tokens (tokens past a stop are dropped); none past the
+                # matched path once some of its own pages were freed
                 valid = min(req.committed, req.num_tokens - 1)
+                if req.freed_to:
+                    valid = len(req.cached_path) * self.limits.page_size
                 pages = self.prefix_cache.release(req.cached_path, req.token_ids, pages, valid)
             self.allocator.free(pages)
             req.row = None
             req.reserved = 0
+            req.freed_to = 0
             req.cached_path = []
 
     @property
@@ -101,6 +114,23 @@ class Scheduler:
         return bool(self.waiting or self.running or self.retiring)
 
     # --- pages -----------------------------------------------------------------------------------------------
+    def free_behind_windows(self) -> None:
+        """Free each running request's own pages that lie wholly before the oldest position its queries can
+        still read (`WindowReach.first_read` of its host-known committed length, a lower bound of every launched
+        or future query's position, the step in flight included). Nothing when some layer attends to all
+        positions. E.g. W = 8, page_size 4, committed 20: first read 13, columns 0..2 (positions 0..11) go."""
+        reach = self.reach
+        if reach is None:
+            return
+        ps = self.limits.page_size
+        with self.page_table.batched():  # one device write for every request's freed columns
+            for req in self.running:
+                stop = reach.first_read(req.committed) // ps
+                start = max(len(req.cached_path), req.freed_to)
+                if stop > start:
+                    self.allocator.free(self.page_table.free_columns(req.row, start, stop))
+                    req.freed_to = stop
+
     def _reserve(self, req: Request, num_positions: int) -> bool:
         """Make the request's pages cover positions [0, num_positions). False if the pool is short."""
         if req.reserved >= num_positions:
@@ -171,6 +201,7 @@ class Scheduler:
         budget to prompt chunks: `mixed_prefill_budget`), else the kinds alternate. A mixed step's prompt chunks
         are the engine's to pick (`prefill_requests`, `prefill_spans`) once its decode rows' pages are reserved:
         a preemption for them may take a prefilling request."""
+        self.free_behind_windows()
         prefill, decode = self.prefill_requests(), self.decode_requests()
         if prefill and decode and self.mixed_steps and self.mixed_prefill_budget(len(decode)) > 0:
             return "mixed", decode
@@ -245,7 +276,7 @@ class Scheduler:
     def check_accounting(self) -> None:
         """Leak check: pages held by running and retiring requests, and by the prefix cache, == pages the
         allocator counts as used (a shared page counted once)."""
-        rows = [self.page_table.pages(r.row) for r in self.running + self.retiring]
+        rows = [self.page_table.live_pages(r.row) for r in self.running + self.retiring]
         held = sum(len(p) for p in rows)
         if self.page_table.pages_in_use() != held:
             raise InvariantError(
