@@ -342,3 +342,83 @@ def test_static_activation_scales_of_experts_are_refused(fp8_dirs, tmp_path):
                                                 torch.tensor(0.1)})
     with pytest.raises(ModelLoadError, match="routed experts with static FP8 activation scales are not supported"):
         load_target(path, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+
+
+def test_fp8_gemv_equals_the_emulation():
+    """The decode-sized GEMV, CUDA-core (M <= 4) and tensor-core tiles, one K range or several (the last program
+    of a column block sums the partials in order), per-channel and grouped scales, ragged N and K."""
+    pytest.importorskip("triton")
+    from spruce.ops.fp8_gemm import fp8_gemv
+
+    import spruce.ops.fp8 as fp8
+
+    g = torch.Generator().manual_seed(3)
+    for m, n, k, group in [(1, 40, 96, 32), (3, 70, 256, 128), (1, 64, 512, None), (7, 48, 200, None)]:
+        x = torch.randn(m, k, generator=g)
+        w, scale = fp8.quantize_rows(torch.randn(n, k, generator=g), group)
+        bias = torch.randn(n, generator=g)
+        want = fp8.emulated_linear(x, w, scale, group, bias)
+        for dot in ([False, True] if m <= 4 else [True]):
+            for splits in (1, 3):
+                got = fp8_gemv(x, w, scale, group, bias, block_n=16, block_k=32, use_dot=dot, splits=splits)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        fp8_gemv(torch.randn(5, 32), w[:, :32], scale, None)
+    with pytest.raises(ValueError, match="must divide the scale group"):
+        fp8_gemv(torch.randn(1, 256), *fp8.quantize_rows(torch.randn(8, 256), 64), 64, block_k=128)
+
+
+def test_fused_activation_quantization_equals_the_reference():
+    """One launch: per-token (the reference quantize_per_token) and per-token-and-group scales (quantize_rows), the
+    padded rows zero, the scales column-major when asked."""
+    pytest.importorskip("triton")
+    from spruce.ops.fp8_gemm import quantize_activations
+
+    import spruce.ops.fp8 as fp8
+
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+
+    def same_codes(got, want):  # Triton's interpreter rounds some values just below a power of two down to half
+        got, want = got.float(), want.float()
+        off = got != want
+        assert torch.equal(got[off] * 2, want[off]) and off.float().mean() < 0.05
+        return True
+
+    q, s = quantize_activations(x)
+    rq, rs = fp8.quantize_per_token(x)
+    assert torch.equal(s, rs) and same_codes(q, rq)
+    q, s = quantize_activations(x, 128, rows=4, scale_major="col")
+    rq, rs = fp8.quantize_rows(x, 128)
+    assert s.shape == (4, 3) and s.stride() == (1, 4) and torch.equal(s[:3], rs) and same_codes(q[:3], rq)
+    assert not q[3].float().any()
+
+
+def test_kernel_choice_is_the_fastest_fitting_candidate_in_a_fixed_order():
+    from spruce.ops import fp8_select as sel
+
+    first, second = sel.CANDIDATES[0].name, sel.CANDIDATES[1].name
+    assert sel.pick({first: 1.0, second: 0.98}) == first  # within MARGIN: the earlier candidate
+    assert sel.pick({first: 1.0, second: 0.9}) == second
+    assert sel.pick({first: "failed: x", second: 2.0}) == second
+    assert sel.pick({first: "wrong: x"}) is None
+    rowwise, block = sel.BY_NAME["scaled_mm-rowwise"], sel.BY_NAME["scaled_mm-block"]
+    assert rowwise.fits(1, 4096, 4096, None, False) is None
+    assert rowwise.fits(1, 4096, 4096, 128, False) and rowwise.fits(1, 4096, 4096, None, True)
+    assert block.fits(1, 4096, 4096, 128, False) is None and block.fits(1, 4096, 4000, 128, False)
+    fma = sel.BY_NAME["gemv-fma-32x512-w4-c"]
+    assert fma.fits(4, 4096, 4096, None, False) is None and fma.fits(8, 4096, 4096, None, False)
+    assert fma.fits(1, 4096, 4096, 128, False)  # a K step of 512 crosses the 128-wide groups
+    assert [sel.bucket(m) for m in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
+
+
+def test_block_scales_for_the_block_scaled_matmul():
+    """128x128 block scales become torch's [G padded to 4, N / 128] view; per-row group scales are refused."""
+    from spruce.ops import fp8
+    from spruce.ops.fp8_select import block_scales_t
+
+    w = torch.randn(256, 640)
+    _, blocks = fp8.quantize_blocks(w)  # [2, 5]
+    t = block_scales_t(fp8.block_scale_rows(blocks, 256), 128)
+    assert t.shape == (8, 2) and torch.equal(t[:5], blocks.t()) and not t[5:].any()
+    assert block_scales_t(fp8.quantize_rows(w, 128)[1], 128) is None
+    assert block_scales_t(fp8.block_scale_rows(blocks, 256), None) is None

@@ -135,6 +135,26 @@ def test_triton_kernels_read_the_fp8_cache_like_torch():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_grouped_decode_reads_the_fp8_cache_like_torch_across_kv_splits():
+    """Decode runs each kv head's query heads as one tile (grouped_decode_kernel); long contexts split the kv
+    range (here 2 splits: 600 keys on a 4-SM stand-in) and merge."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from test_triton_attention import SMALL, make_case
+
+    from spruce.attention.torch_backend import TorchAttention
+    from spruce.attention.triton_backend import TritonAttention
+
+    q, k, v, kc, vc, start, batch, table = make_case(Phase.DECODE, 2, 1, [600, 90], 16, 0, **SMALL, seed=7)
+    kc, vc = (kc * 3).clamp(-448, 448).to(FP8_DTYPE), (vc * 3).clamp(-448, 448).to(FP8_DTYPE)
+    want = TorchAttention(16).forward(q, k, v, kc.clone(), vc.clone(), start, batch, table, 0.25)
+    backend = TritonAttention(16)
+    backend._sms = 4
+    got = backend.forward(q, k, v, kc, vc, start, batch, table, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def fp8_cache_plain(targets):
     """family -> plain greedy outputs with the FP8 cache."""

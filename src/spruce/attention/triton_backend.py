@@ -18,7 +18,8 @@ from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.attention.triton_kernels.mla_attention import (merge_latent_splits_kernel, mla_attention_kernel,
                                                           store_latent)
-from spruce.attention.triton_kernels.paged_attention import merge_splits_kernel, paged_attention_kernel
+from spruce.attention.triton_kernels.paged_attention import (grouped_decode_kernel, merge_splits_kernel,
+                                                             paged_attention_kernel)
 from spruce.attention.triton_kernels.store_kv import store_kv, token_rows_contiguous
 from spruce.errors import InvariantError
 from spruce.ops.triton_support import triton
@@ -27,6 +28,8 @@ BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
 MLA_BLOCK_N = 32
+GROUPED_BLOCK_N = 64  # decode with the query heads of a kv head as one tile (grouped_decode_kernel)
+GROUPED_MAX_SPLITS = 64  # its grid has one program per kv head: bs 1 needs many splits to fill the SMs
 MLA_MAX_SPLITS = 64  # MLA has few programs (heads share them): bs 1 decode needs many splits to fill the SMs
 MLA_MIN_KV_PER_SPLIT = 64
 
@@ -136,6 +139,9 @@ class TritonAttention(AttentionBackend):
         t = batch.num_tokens
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
+        if (batch.max_q_len == 1 and not batch.scratch_width and kv_start is None and not return_lse
+                and window is None and sinks is None and chunk is None and num_heads % num_kv_heads == 0):
+            return self.attend_grouped_decode(q, k_cache, v_cache, batch, page_table, scale), None
         block_m, num_q_blocks, splits = self.query_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
                                                             num_heads, q.device, split=not return_lse)
         grid0 = batch.batch_size * num_q_blocks
@@ -162,6 +168,32 @@ class TritonAttention(AttentionBackend):
                                                 MAX_SPLITS=MAX_SPLITS, sinks=sinks if sinks is not None else out,
                                                 HAS_SINKS=sinks is not None)
         return out, lse
+
+    def attend_grouped_decode(self, q, k_cache, v_cache, batch: ForwardBatch, page_table, scale):
+        """`attend` for one query token per request and no scratch, window, chunk or sinks: each kv head's query
+        heads in one tile (grouped_decode_kernel), the kv range split across up to GROUPED_MAX_SPLITS programs."""
+        t = batch.num_tokens
+        _, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        programs = batch.batch_size * num_kv_heads
+        want = min(math.ceil(2 * self.sm_count(q.device) / max(programs, 1)),
+                   math.ceil(batch.max_kv_len / MIN_KV_PER_SPLIT), GROUPED_MAX_SPLITS)
+        splits = 1 if want <= 1 else triton.next_power_of_2(want)
+        q = token_rows_contiguous(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+        part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
+        block_d = triton.next_power_of_2(head_dim)
+        grouped_decode_kernel[(batch.batch_size, num_kv_heads, splits)](
+            q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, part_o, part_lse,
+            t, splits, q.stride(0), page_table.stride(0), scale * 1.4426950408889634, NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=self.page_size,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), SPLIT_KV=splits > 1,
+            BLOCK_N=GROUPED_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4)
+        if splits > 1:
+            merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
+                                                HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=GROUPED_MAX_SPLITS,
+                                                sinks=out, HAS_SINKS=False)
+        return out
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):
         t = batch.num_tokens

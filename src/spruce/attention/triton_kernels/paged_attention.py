@@ -173,3 +173,60 @@ def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEA
         total = tl.where(w_sum == 0.0, float("-inf"), m_safe + tl.log2(tl.where(w_sum == 0.0, 1.0, w_sum)))
         out = out / (1.0 + tl.exp2(tl.load(sinks + head).to(tl.float32) * 1.4426950408889634 - total))
     tl.store(o_ptr + (t * NUM_HEADS + head) * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
+
+
+# num_tokens and num_splits vary per call: one compiled kernel for all their values
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def grouped_decode_kernel(
+    q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, part_o, part_lse, num_tokens,
+    num_splits, q_stride, table_stride, sm_scale_log2, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    SPLIT_KV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Decode (one query token per request, no scratch, no window / chunk / sinks): program (request, kv head,
+    split) takes the kv head's GROUP = NUM_HEADS / NUM_KV_HEADS query heads as the rows of one tile (padded to
+    BLOCK_H >= 16), so each K/V tile is read, and an FP8 cache's tile widened, once for the whole group. The same
+    outputs (and split partials, for `merge_splits_kernel`) as `paged_attention_kernel` on such a batch."""
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    t = tl.load(qo_indptr + b)
+    if t < tl.load(qo_indptr + b + 1):
+        group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+        row = tl.load(req_rows + b).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        h_valid = offs_h < group
+        head = kv_head * group + offs_h  # [BLOCK_H]
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + t.to(tl.int64) * q_stride + head[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        kv_len = tl.load(kv_lens + t)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        kv_stride = NUM_KV_HEADS * HEAD_DIM
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, kv_len)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            n_valid = pos < hi
+            page = tl.load(page_table + row * table_stride + pos // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            slot = page * PAGE_SIZE + pos % PAGE_SIZE
+            kv_off = slot[:, None] * kv_stride + kv_head * HEAD_DIM + offs_d[None, :]
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+            allowed = h_valid[:, None] & n_valid[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_off = (t * NUM_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
+        o_mask = h_valid[:, None] & d_valid[None, :]
+        if not SPLIT_KV:
+            tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(part_o + split * num_tokens * NUM_HEADS * HEAD_DIM + o_off, out, mask=o_mask)
+            tl.store(part_lse + (split * num_tokens + t) * NUM_HEADS + head, lse, mask=h_valid)
