@@ -31,6 +31,8 @@ GPT_OSS_ARCHITECTURES = ("GptOssForCausalLM",)
 # the text model (Llama4TextConfig), or its language model inside the published image-text checkpoints
 LLAMA4_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# Llama-family architectures whose sliding windows spruce runs (the context is not capped by the window)
+SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # keys each rope type needs (llama3's original_max_position_embeddings falls back to max_position_embeddings)
 _ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
@@ -337,9 +339,13 @@ class ModelConfig:
         try:
             bias_key = "qkv_bias" if arch == "Qwen2MoeForCausalLM" else "attention_bias"
             attention_bias = bool(cfg.get(bias_key, bias))
+            layers = int(cfg["num_hidden_layers"])
+            window, types = _sliding_layers(cfg, arch, layers, file)
             return ModelConfig(
-                architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                **decoder_shape(cfg), max_position_embeddings=_max_positions(cfg),
+                architecture=arch, vocab_size=int(cfg["vocab_size"]), num_layers=layers,
+                **decoder_shape(cfg), sliding_window=window, layer_types=types,
+                max_position_embeddings=(int(cfg.get("max_position_embeddings", 2048)) if arch in SLIDING_ARCHITECTURES
+                                         else _max_positions(cfg)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 # Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2's q/k/v bias leaves o_proj bare
@@ -496,6 +502,27 @@ def _eos_ids(cfg: dict, path: Path) -> tuple[int, ...]:
             if isinstance(t, int) and t not in ids:
                 ids.append(t)
     return tuple(ids)
+
+
+def _sliding_layers(cfg: dict, arch: str, layers: int, file: Path) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) of a Llama-family config, as transformers reads them: Mistral and Mixtral
+    slide every layer when `sliding_window` is set; Qwen2 and Qwen3 list `layer_types`, or slide the layers from
+    `max_window_layers` on when `use_sliding_window`. (None, None): every layer attends to all positions."""
+    window = cfg.get("sliding_window")
+    if arch not in SLIDING_ARCHITECTURES or not window:
+        return None, None
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        types = ("sliding_attention",) * layers
+    elif not cfg.get("use_sliding_window", False):
+        return None, None
+    else:
+        first = int(cfg.get("max_window_layers") or 0)
+        types = tuple(cfg.get("layer_types") or ("sliding_attention" if i >= first else "full_attention"
+                                                 for i in range(layers)))
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"} or int(window) < 1:
+        raise ModelLoadError(f"layer_types {list(types)} / sliding_window={window!r} in {file}: expected {layers} "
+                             f"entries of 'full_attention' / 'sliding_attention' and a window >= 1")
+    return (int(window), types) if "sliding_attention" in types else (None, None)
 
 
 def _max_positions(cfg: dict) -> int:

@@ -40,8 +40,9 @@ class Attention(nn.Module):
 
     def __init__(self, in_features: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: Rotary, backend: AttentionBackend, layer_id: int, bias: bool = False,
-                 o_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6, tp=None):
+                 o_bias: bool = False, qk_norm: bool = False, eps: float = 1e-6, tp=None, window: int | None = None):
         super().__init__()
+        self.window = window  # sliding window W: queries see the last W positions (None: all)
         if tp is not None:
             num_heads, num_kv_heads = tp.shard(num_heads, "num_attention_heads"), tp.shard(num_kv_heads,
                                                                                            "num_key_value_heads")
@@ -81,7 +82,8 @@ class Attention(nn.Module):
         fp8_cache = k_cache.dtype == FP8_DTYPE  # holds k / k_scale, v / v_scale (ops/fp8.py)
         if fp8_cache:
             q, k, v = fp8_cache_inputs(q, k, v, self.k_scale, self.v_scale)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale)
+        extra = {} if self.window is None else {"window": self.window}  # backends without windows take none
+        o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale, **extra)
         if fp8_cache:
             o = fp8_cache_output(o, self.v_scale)
         return self.o_proj(o.reshape(t, self.q_size))

@@ -17,7 +17,7 @@ class DecoderLayer(PreNormLayer):
         h = cfg.hidden_size
         attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
                          bias=cfg.attention_bias, o_bias=cfg.o_proj_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
-                         tp=tp)
+                         tp=tp, window=cfg.layer_window(layer_id))
         super().__init__(h, cfg.rms_norm_eps, attn, mlp if mlp is not None else GatedMLP(h, cfg.intermediate_size, tp))
 
 
