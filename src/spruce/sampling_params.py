@@ -19,6 +19,11 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY
 # at 0.01 below, since a logit divided by a penalty near 0 (1e-300 is 0.0 in float32) is infinite
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
+MAX_ALLOWED_TOKEN_IDS = 2**18  # allowed_token_ids entries per request (the largest vocabularies: 262144 tokens)
+MAX_BAD_WORDS = 128  # bad_words per request, and token sequences after tokenization (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+MAX_BAD_WORD_CHARS = 256  # characters per bad word
+MAX_BAD_WORD_TOKENS = 32  # tokens per tokenized bad word: the last MAX_BAD_WORD_TOKENS - 1 outputs are matched
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024  # tokens of all tokenized bad words of a request (vLLM's limit)
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,14 @@ class SamplingParams:
     the raw distribution). Generation ends when the grammar is complete and allows nothing but eos, or with
     eos where the grammar may end; `min_tokens` cannot be combined with it (the grammar decides the end).
 
+    Token restrictions (vLLM's, applied before the processors above; a restricted token gets -inf):
+    `allowed_token_ids` (None: all; else a non-empty list of ids, stored sorted without repeats): only these may
+    be chosen. `bad_words` (strings, stored without repeats): each is tokenized twice, as written (leading
+    spaces stripped) and with one leading space, without special tokens; the spaced form is kept only when it
+    starts with another token and has as many tokens (vLLM's rule: the word inside a text). A bad word of one
+    token is never chosen; of several, its last token is not chosen where the generated tokens (the output, not
+    the prompt) end with its other tokens. `bad_words_token_ids` does the tokenization (the engine calls it).
+
     Penalties (vLLM's semantics, after logit_bias and min_tokens, before temperature; runtime/penalties.py):
     `repetition_penalty` in [0.01, 2] (1 = off; SGLang's range, vLLM takes any value > 0) divides the positive logits and multiplies the negative ones of every
     token in the prompt or generated so far; `frequency_penalty` in [-2, 2] times a token's count among the
@@ -76,6 +89,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str)
@@ -167,7 +182,74 @@ class SamplingParams:
                 f"above 1 discourages repeats; SGLang's range, cut at {MIN_REPETITION_PENALTY}: a logit divided by a "
                 f"penalty near 0 is infinite), got {self.repetition_penalty}", field="repetition_penalty")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        self._check_token_restrictions()
         self._check_structured_output()
+
+    def _check_token_restrictions(self) -> None:
+        """allowed_token_ids: None or 1..MAX_ALLOWED_TOKEN_IDS ints >= 0 (the vocabulary bounds them above:
+        check_vocab); bad_words: at most MAX_BAD_WORDS non-empty strings of at most MAX_BAD_WORD_CHARS."""
+        if self.allowed_token_ids is not None:
+            ids = _as_tuple("allowed_token_ids", self.allowed_token_ids, "a list of token ids")
+            if not ids:
+                raise InvalidRequestError("allowed_token_ids is empty: give at least one token id, or leave it out "
+                                          "(null: every token is allowed)", field="allowed_token_ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise InvalidRequestError(f"allowed_token_ids has {len(ids)} entries; at most {MAX_ALLOWED_TOKEN_IDS} "
+                                          f"are allowed", field="allowed_token_ids")
+            for t in ids:
+                _check_int("allowed_token_ids", t)
+            negative = [t for t in ids if t < 0]
+            if negative:
+                raise InvalidRequestError(f"allowed_token_ids must be token ids >= 0, got {negative[:5]}",
+                                          field="allowed_token_ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        words = _as_tuple("bad_words", self.bad_words, "a list of strings")
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"bad_words has {len(words)} entries; at most {MAX_BAD_WORDS} are allowed",
+                                      field="bad_words")
+        for w in words:
+            if not isinstance(w, str) or not w.strip():
+                raise InvalidRequestError(f"bad_words must be non-empty strings (not only spaces), got {w!r}",
+                                          field="bad_words")
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise InvalidRequestError(f"bad_words entries must be at most {MAX_BAD_WORD_CHARS} characters, got "
+                                          f"{len(w)} ({w[:40]!r}...)", field="bad_words")
+            check_text(w, "bad_words")
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(words)))
+
+    def bad_words_token_ids(self, tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+        """The token sequences `bad_words` forbid (class docstring; vLLM's update_from_tokenizer): per word its
+        own tokens, then its spaced form's when that starts with another token and is as long. E.g. with a
+        tokenizer where "def" -> [328] and " def" -> [377]: ((328,), (377,)). InvalidRequestError naming
+        bad_words without a tokenizer, for a word of no tokens or more than MAX_BAD_WORD_TOKENS, more than
+        MAX_BAD_WORDS sequences or MAX_BAD_WORDS_TOTAL_TOKENS tokens, or an id outside [0, vocab_size)."""
+        if not self.bad_words:
+            return ()
+        if tokenizer is None:
+            raise InvalidRequestError("bad_words needs the model's tokenizer (tokenizer.json), which this model does "
+                                      "not ship", field="bad_words")
+        sequences: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens", field="bad_words")
+            if len(plain) > MAX_BAD_WORD_TOKENS:
+                raise InvalidRequestError(f"bad_words entry {word[:40]!r} is {len(plain)} tokens long; at most "
+                                          f"{MAX_BAD_WORD_TOKENS} are allowed", field="bad_words")
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        total = sum(len(s) for s in sequences)
+        if len(sequences) > MAX_BAD_WORDS or total > MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise InvalidRequestError(f"bad_words tokenize to {len(sequences)} sequences of {total} tokens; at most "
+                                      f"{MAX_BAD_WORDS} sequences and {MAX_BAD_WORDS_TOTAL_TOKENS} tokens are allowed",
+                                      field="bad_words")
+        outside = sorted({t for s in sequences for t in s if not 0 <= t < vocab_size})
+        if outside:
+            raise InvalidRequestError(f"bad_words tokenize to ids {outside[:5]} outside the model's vocabulary "
+                                      f"[0, {vocab_size})", field="bad_words")
+        return tuple(sequences)
 
     def _check_structured_output(self) -> None:
         spec = structured_output_of(self.json_schema, self.json_object, self.regex, self.grammar, self.choice)
@@ -181,10 +263,12 @@ class SamplingParams:
         object.__setattr__(self, "_structured_output", spec)
 
     def check_vocab(self, vocab_size: int) -> None:
-        """InvalidRequestError unless every token id the parameters name (stop_token_ids, logit_bias keys) lies in
-        the model's vocabulary [0, vocab_size) (construction checks them >= 0 only: it does not know the model)."""
+        """InvalidRequestError unless every token id the parameters name (stop_token_ids, logit_bias keys,
+        allowed_token_ids) lies in the model's vocabulary [0, vocab_size) (construction checks them >= 0 only: it
+        does not know the model)."""
         named = (("stop_token_ids", "stop_token_ids", self.stop_token_ids),
-                 ("logit_bias", "logit_bias keys", [t for t, _ in self.logit_bias]))
+                 ("logit_bias", "logit_bias keys", [t for t, _ in self.logit_bias]),
+                 ("allowed_token_ids", "allowed_token_ids", self.allowed_token_ids or ()))
         for field, what, ids in named:
             outside = [t for t in ids if t >= vocab_size]
             if outside:
@@ -203,7 +287,8 @@ class SamplingParams:
     @property
     def has_logit_processors(self) -> bool:
         """Whether the chosen token depends on more than the argmax / the plain sampling distribution."""
-        return bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0 or self.has_penalties
+        return (bool(self.logit_bias) or self.min_tokens > 0 or self.min_p > 0.0 or self.has_penalties
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def has_penalties(self) -> bool:

@@ -95,7 +95,7 @@ class Engine:
                               else self.runner.model_config.eos_token_ids)
         cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
-                                   PrefillBatching(config.scheduler_delay_factor), self.runner.window_reach)
+                                   PrefillBatching(config.scheduler_delay_factor))
         spec = config.speculative
         self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)
@@ -171,6 +171,8 @@ class Engine:
         if outside:
             raise InvalidRequestError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})",
                                       field="logit_bias")
+        params.check_vocab(vocab)
+        params.bad_words_token_ids(self.tokenizer, vocab)  # refused here, before it is queued
         if total > self.max_request_tokens:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
@@ -196,7 +198,8 @@ class Engine:
                       token_limit=min(len(ids) + params.max_tokens, self.limits.context_length),
                       stop_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos
                                                                       else self.eos_token_ids),
-                      grammar=grammar)
+                      grammar=grammar,
+                      bad_word_ids=params.bad_words_token_ids(self.tokenizer, self.runner.model_config.vocab_size))
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
         self.requests[rid] = req
@@ -349,7 +352,8 @@ class Engine:
         if self._sampling_cache[0] != key:
             tensors = SamplingTensors.build([q.params for q in reqs], [q.seed for q in reqs],
                                             self.runner.model_config.vocab_size, self.runner.device, repeat,
-                                            [len(q.prompt_ids) for q in reqs], [q.stop_ids for q in reqs])
+                                            [len(q.prompt_ids) for q in reqs], [q.stop_ids for q in reqs],
+                                            [q.bad_word_ids for q in reqs])
             self._sampling_cache = (key, tensors)
         return self._sampling_cache[1]
 
@@ -359,15 +363,13 @@ class Engine:
         finals = [q for q, c in zip(stepped, chunks) if c.final]
         logprobs = prefill_plan(stepped, chunks, finals)
         sampling = self._sampling(finals)
-        if sampling.penalties is not None:
-            self._start_penalties(finals)
+        self._start_histories(finals, sampling)
         launch_start = time.perf_counter()
         with self.runner.timer.phase("prefill"):
             result = self.strategy.prefill(chunks, sampling, logprobs, self._grammar_batch(finals))
         launch_s = time.perf_counter() - launch_start
         self.scheduler.batching.launched(launch_s, len(chunks))
-        if sampling.penalties is not None:
-            self._count_penalties(finals, result)
+        self._commit_histories(finals, result, sampling)
         self._chunks_launched(stepped, chunks)
         self.counters.launched(False, len(stepped), False, launch_s)
         return self._launched(stepped, finals, result, decode=False, logprobs=logprobs)
@@ -412,14 +414,12 @@ class Engine:
         results = finals + decode  # result rows: the final chunks', then the decode rows'
         logprobs = prefill_plan(stepped, chunks, results)
         sampling = self._sampling(results)
-        if sampling.penalties is not None:
-            self._start_penalties(finals)
+        self._start_histories(finals, sampling)
         with self.runner.timer.phase("mixed"):
             result = mixed_forward(self.runner, chunks, rows, positions, sampling,
                                    lambda rows_t: self.strategy.history(sampling, rows_t), logprobs,
                                    self._grammar_batch(results))
-        if sampling.penalties is not None:
-            self._count_penalties(results, result)
+        self._commit_histories(results, result, sampling)
         self._chunks_launched(stepped, chunks)
         self.counters.launched(True, len(decode), False, mixed=True)
         launched = self._launched(stepped + decode, results, result, decode=True, logprobs=logprobs)
@@ -445,25 +445,33 @@ class Engine:
             result = strategy.decode(rows, max(ends), sampling, logprobs, self._grammar_batch(reqs))
         finally:
             self.runner.set_known_prefix(None, None)
-        if sampling.penalties is not None:
-            self._count_penalties(reqs, result)
+        self._commit_histories(reqs, result, sampling)
         launched = self._launched(reqs, reqs, result, decode=True, logprobs=logprobs, speculated=spec)
         launched.chosen = strategy
         self.counters.launched(True, len(reqs), spec)
         return launched
 
-    def _start_penalties(self, finals: list[Request]) -> None:
-        """Requests with penalties whose prompt completes: set their rows' prompt masks and output counts (the
-        output kept through a preemption) on the device (runtime/penalties.py)."""
-        started = [q for q in finals if q.params.has_penalties]
-        self.runner.penalties.start([q.row for q in started], [q.prompt_ids for q in started],
-                                    [q.output_ids for q in started])
+    def _start_histories(self, finals: list[Request], sampling: SamplingTensors) -> None:
+        """Requests whose prompt completes: set their rows' device history from the output kept through a
+        preemption (normally none): with penalties, prompt masks and output counts (runtime/penalties.py); with
+        bad words, output tails (runtime/token_restrictions.py). Nothing when the batch has neither."""
+        if sampling.penalties is not None:
+            started = [q for q in finals if q.params.has_penalties]
+            self.runner.penalties.start([q.row for q in started], [q.prompt_ids for q in started],
+                                        [q.output_ids for q in started])
+        if sampling.bad_words is not None:
+            started = [q for q in finals if q.bad_word_ids]
+            self.runner.output_tails.start([q.row for q in started], [q.output_ids for q in started])
 
-    def _count_penalties(self, reqs: list[Request], result: torch.Tensor) -> None:
-        """Add a launched step's committed tokens (result rows, still on the device) to the output counts of
-        its requests with penalties: the next step counts them with no host sync."""
-        idx = [i for i, q in enumerate(reqs) if q.params.has_penalties]
-        self.runner.penalties.commit([reqs[i].row for i in idx], idx, result)
+    def _commit_histories(self, reqs: list[Request], result: torch.Tensor, sampling: SamplingTensors) -> None:
+        """Add a launched step's committed tokens (result rows, still on the device) to the device history of
+        its requests with penalties or bad words: the next step sees them with no host sync."""
+        if sampling.penalties is not None:
+            idx = [i for i, q in enumerate(reqs) if q.params.has_penalties]
+            self.runner.penalties.commit([reqs[i].row for i in idx], idx, result)
+        if sampling.bad_words is not None:
+            idx = [i for i, q in enumerate(reqs) if q.bad_word_ids]
+            self.runner.output_tails.commit([reqs[i].row for i in idx], idx, result)
 
     def _launched(self, reqs: list[Request], result_reqs: list[Request], result: torch.Tensor,
                   decode: bool, logprobs: LogprobPlan | None = None, speculated: bool = False) -> LaunchedStep:

@@ -55,15 +55,18 @@ class PenaltyParams:
 
 @dataclass
 class TokenHistory:
-    """What penalties count at each selection row. `counts` / `in_prompt` [b, V] are the batch's requests'
-    committed output counts and prompt masks; each request owns n / b consecutive selection rows (1 for plain
-    decoding, N for a tree), and `path` [n, W] (W = 0 plain) holds each row's extra generated tokens, with
-    `path_valid` [n, W] marking the real ones."""
+    """What penalties count (and bad words match) at each selection row. `counts` / `in_prompt` [b, V] are the
+    batch's requests' committed output counts and prompt masks (None when no request has penalties); each
+    request owns n / b consecutive selection rows (1 for plain decoding, N for a tree), and `path` [n, W] (W = 0
+    plain) holds each row's extra generated tokens, with `path_valid` [n, W] marking the real ones. `recent`
+    [n, P]: each row's last P generated tokens, most recent first, for bad words (runtime/token_restrictions.py;
+    None when no request has any)."""
 
-    counts: torch.Tensor  # [b, V] int32
-    in_prompt: torch.Tensor  # [b, V] bool
-    path: torch.Tensor  # [n, W] int64
-    path_valid: torch.Tensor  # [n, W] bool
+    counts: torch.Tensor | None  # [b, V] int32
+    in_prompt: torch.Tensor | None  # [b, V] bool
+    path: torch.Tensor | None  # [n, W] int64
+    path_valid: torch.Tensor | None  # [n, W] bool
+    recent: torch.Tensor | None = None  # [n, P] int64
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, presence: torch.Tensor,
@@ -78,7 +81,7 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor
 
 def apply_penalties(logits: torch.Tensor, params: PenaltyParams, history: TokenHistory | None) -> torch.Tensor:
     """Penalised float32 logits [n, V] (a new tensor); see the module docstring."""
-    if history is None:
+    if history is None or history.counts is None:
         raise InvariantError("penalties were requested but the token selection got no TokenHistory to count")
     n, vocab = logits.shape
     b = history.counts.shape[0]

@@ -4,8 +4,9 @@ The same function serves plain decode (one row per request) and tree verificatio
 each row carries its own sampling parameters, logit processors and (seed, position) random key. The logit
 processors (logit_bias; min_tokens, which masks stop tokens before a position) see only the row's parameters
 and the position being chosen, so a tree node is processed exactly as plain decoding processes that position.
-Penalties also count the tokens generated before that position: the caller passes a `TokenHistory`
-(runtime/penalties.py: the request's committed output, plus a tree node's own path).
+Penalties also count the tokens generated before that position, and bad words match its last ones: the caller
+passes a `TokenHistory` (runtime/penalties.py: the request's committed output, plus a tree node's own path).
+Token restrictions (allowed_token_ids, bad_words: runtime/token_restrictions.py) come first.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from spruce.errors import InvariantError
 from spruce.runtime.penalties import PenaltyParams, TokenHistory, apply_penalties
 from spruce.runtime.rng import uniform
+from spruce.runtime.token_restrictions import BadWords, allowed_mask, restrict_tokens
 
 
 @dataclass
@@ -34,6 +37,8 @@ class SamplingTensors:
     suppress_valid: torch.Tensor | None = None  # [n, B2] bool
     min_positions: torch.Tensor | None = None  # [n] int64: positions below it may not choose a stop token
     penalties: PenaltyParams | None = None  # presence / frequency / repetition (runtime/penalties.py)
+    allowed: torch.Tensor | None = None  # [b, V] bool per request, not per row: allowed_token_ids
+    bad_words: BadWords | None = None  # per request (runtime/token_restrictions.py)
 
     @staticmethod
     def greedy() -> "SamplingTensors":
@@ -43,9 +48,11 @@ class SamplingTensors:
 
     @staticmethod
     def build(params: list, seeds: list[int], vocab_size: int, device, repeat: int = 1,
-              prompt_lens: list[int] | None = None, stop_ids: list | None = None) -> "SamplingTensors":
+              prompt_lens: list[int] | None = None, stop_ids: list | None = None,
+              bad_words: list | None = None) -> "SamplingTensors":
         """From per-request SamplingParams; `repeat` duplicates each request's row (tree nodes). `prompt_lens`
-        and `stop_ids` (each request's stop token set) are needed by min_tokens."""
+        and `stop_ids` (each request's stop token set) are needed by min_tokens, `bad_words` (each request's
+        SamplingParams.bad_words_token_ids) by bad_words."""
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype).repeat_interleave(repeat, dim=0).to(device, non_blocking=True)
@@ -72,14 +79,21 @@ class SamplingTensors:
             st.suppress_valid = t(padded([[True] * len(m) for m in masked], False), torch.bool)
             st.min_positions = t([n + p.min_tokens for p, n in zip(params, prompt_lens)], torch.int64)
         st.penalties = PenaltyParams.build(params, t)
+        st.allowed = allowed_mask([p.allowed_token_ids for p in params], vocab_size, device)
+        if any(p.bad_words for p in params):
+            if bad_words is None or len(bad_words) != len(params):
+                raise InvariantError("bad_words were requested but their token ids were not given")
+            st.bad_words = BadWords.build(bad_words, device)
         return st
 
 
 def process_logits(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
                    history: TokenHistory | None = None) -> torch.Tensor:
-    """logit_bias, min_tokens, then penalties (which count `history`) applied to float32 logits [n, V] for the
-    tokens chosen at `positions` [n]."""
+    """Token restrictions (bad words match `history`'s recent tokens), logit_bias, min_tokens, then penalties
+    (which count `history`) applied to float32 logits [n, V] for the tokens chosen at `positions` [n]."""
     logits = logits.float()
+    if st.allowed is not None or st.bad_words is not None:
+        logits = restrict_tokens(logits, st.allowed, st.bad_words, None if history is None else history.recent)
     if st.bias_ids is not None:
         logits = logits.scatter_add(-1, st.bias_ids, st.bias_values)
     if st.suppress_ids is not None:
@@ -126,7 +140,8 @@ def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def select_tokens(logits: torch.Tensor, st: SamplingTensors, positions: torch.Tensor,
                   history: TokenHistory | None = None) -> torch.Tensor:
     """One token per row. positions [n]: position of the token being chosen (the random key with the seed);
-    `history`: what penalties count at each row (needed when `st.penalties` is set).
+    `history`: what penalties count and bad words match at each row (needed when `st.penalties` or
+    `st.bad_words` is set).
 
     Greedy rows take the argmax; others sample target_probs with uniform(seed, position): the
     same uniform whichever tree node (or plain decode step) chooses the token at that position.

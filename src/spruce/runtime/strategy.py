@@ -177,11 +177,15 @@ class DecodeStrategy:
 
     def history(self, sampling: SamplingTensors, rows: torch.Tensor, path: torch.Tensor | None = None,
                 path_valid: torch.Tensor | None = None) -> TokenHistory | None:
-        """What penalties count for the requests in `rows` [b] (device), plus per-node `path` tokens [n, W] for
-        a tree; None when no request of the batch uses penalties."""
-        if sampling.penalties is None:
+        """What penalties count and bad words match for the requests in `rows` [b] (device), plus per-node `path`
+        tokens [n, W] for a tree; None when no request of the batch uses penalties or bad words."""
+        if sampling.penalties is None and sampling.bad_words is None:
             return None
-        return self.runner.penalties.history(rows, path, path_valid)
+        history = (self.runner.penalties.history(rows, path, path_valid) if sampling.penalties is not None
+                   else TokenHistory(None, None, path, path_valid))
+        if sampling.bad_words is not None:
+            history.recent = self.runner.output_tails.recent(rows, sampling.bad_words.width, path, path_valid)
+        return history
 
     def fill_rows(self, rows: list[int]) -> None:
         """Copy the batch's rows into the static input, padded to its graph bucket (skipped when the batch is

@@ -153,8 +153,6 @@ NOT_SUPPORTED_YET = {
     "use_beam_search": NotYet("false (no beam search)", _unset_or(False)),
     "length_penalty": NotYet("1.0 (it applies to beam search only)", _unset_or(1.0)),
     "spaces_between_special_tokens": NotYet("true", _unset_or(True)),
-    "allowed_token_ids": NotYet("null", _unset_or()),
-    "bad_words": NotYet("[] or null", _unset_or([])),
     "priority": NotYet("0 (no priority scheduling)", _unset_or(0)),
     "logits_processors": NotYet("null (no custom logits processors)", _unset_or()),
     "cache_salt": NotYet("null", _unset_or()),
@@ -201,11 +199,12 @@ class _GenerationRequest(_TopLevel):
     """Fields the completions and chat endpoints share (vLLM's, and SGLang's `regex` / `ebnf` / `rid` /
     `no_stop_trim`).
 
-    Honoured beyond OpenAI's: `prompt_logprobs` (not with stream, as vLLM), `truncate_prompt_tokens` (keep the
-    prompt's last k tokens; -1: as many as a request holds), `return_token_ids` (`token_ids` per choice and
-    `prompt_token_ids`), `add_special_tokens`, `request_id` (the response id is its endpoint prefix + it) and
-    SGLang's `rid` (the response id itself), `regex` and `ebnf` (structured output, as structured_outputs'
-    regex and grammar), `include_stop_str_in_output` and SGLang's `no_stop_trim` (keep_stop_string)."""
+    Honoured beyond OpenAI's: `allowed_token_ids` and `bad_words` (vLLM's: SamplingParams), `prompt_logprobs`
+    (not with stream, as vLLM), `truncate_prompt_tokens` (keep the prompt's last k tokens; -1: as many as a
+    request holds), `return_token_ids` (`token_ids` per choice and `prompt_token_ids`), `add_special_tokens`,
+    `request_id` (the response id is its endpoint prefix + it) and SGLang's `rid` (the response id itself), `regex`
+    and `ebnf` (structured output, as structured_outputs' regex and grammar), `include_stop_str_in_output` and
+    SGLang's `no_stop_trim` (keep_stop_string)."""
 
     not_supported_yet: ClassVar[dict[str, NotYet]] = NOT_SUPPORTED_YET
 
@@ -387,7 +386,8 @@ class _GenerationRequest(_TopLevel):
                 **self.penalties(),
                 stop=self.stop if self.stop is not None else (), stop_token_ids=self.stop_token_ids or (),
                 ignore_eos=self.ignore_eos, logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
-                min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0, **structured))
+                min_p=self.min_p or 0.0, logit_bias=bias, min_tokens=self.min_tokens or 0,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or (), **structured))
         out[0].check_vocab(vocab_size)
         return out
 

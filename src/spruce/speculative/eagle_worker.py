@@ -210,11 +210,11 @@ class EagleWorker(DecodeStrategy):
         The random key is (seed, position) alone, as in plain decoding: the committed token at a position is
         the same sample whichever tree (or no tree) led there, so seeded output is identical with and without
         speculation, across batches and through preemption. Penalties count the committed output and the
-        node's path (runtime/penalties.py)."""
+        node's path (runtime/penalties.py), and bad words match its end (runtime/token_restrictions.py)."""
         tree = verified.tree
         positions = (self.committed[:bs, None] + tree.depths[:bs] + 1).reshape(-1)  # each node's successor
         history = None
-        if sampling.penalties is not None:  # a node's penalties count its own path below the root too
+        if sampling.penalties is not None or sampling.bad_words is not None:  # a node's own path counts too
             history = self.history(sampling, self.rows[:bs],
                                    *node_paths(tree.tokens[:bs], tree.parents[:bs], tree.depths[:bs], self.S))
         width = tree.tokens.shape[1]
