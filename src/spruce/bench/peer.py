@@ -8,13 +8,25 @@ In turn (vLLM first: it compiles its model at start-up), each engine serves the 
 (`--load-format dummy` on both: config.json alone, nothing uploaded or written but configs and a word-level tokenizer
 of the target's vocabulary, bench/shapes.py), `vllm bench serve` (random dataset, the given input / output lengths,
 `--ignore-eos`, greedy) runs against it at every concurrency, and the server is stopped. A second spruce server with
-the same flags (`spruce-control`) measures the spread of two identical copies. vLLM must be importable (its bundle:
-../shared/peers/vllm_env.sh); spruce's servers run without the bundle on their path.
+the same flags (`spruce-control`) measures the spread of two identical copies. The client is vLLM's when vLLM imports
+(its bundle: ../shared/peers/vllm_env.sh), else spruce's own (peer_client.py: the same random prompts as token ids,
+the same figures); spruce's servers run without the bundle on their path.
 
 Modes: `plain`; `eagle3`: an EAGLE-3-shaped dummy head, a chain of --steps drafts on both engines, both with
 synthetic acceptance at mean length --synthetic-length (vLLM: `rejection_sample_method: "synthetic"`; spruce:
 `--speculative-synthetic-acceptance-length`, speculative/synthetic.py), plus spruce trees (--trees S,K,N ...) at the
 same acceptance rates, each a server of its own (`spruce-tree-S-K-N`).
+
+Engines: `vllm`, `spruce` (the chain, or --spruce-tree S,K,N), `spruce-control` (a copy of `spruce`), `spruce-plain`
+(the same shape without a draft), `spruce-adaptive` (`spruce`'s flags plus --speculative-adaptive). --synthetic-length
+takes several lengths (1.5,4.5): an engine whose server depends on the length runs once per length (named
+`ENGINE@L`), the others once. The adaptive A/B, spruce only, in one run:
+
+    python -m spruce.bench.peer --mode eagle3 --engines spruce-plain,spruce,spruce-adaptive,spruce-control \
+        --synthetic-length 1.5,4.5 --control-lengths 4.5 --input-len 256 --output-len 128 --concurrency 1,16,64 \
+        --out $OUT/adaptive-ab.json
+
+and its JSON's `adaptive_bar`, per length and concurrency: adaptive's tok/s over the better of plain and fixed.
 
 The JSON has, per engine and concurrency, output tok/s, TPOT and TTFT (p50 and mean), the exact server commands and
 client arguments, each engine's mean acceptance length as its server counted it, the ratios (each spruce server over
@@ -28,6 +40,7 @@ what it measured; --deadline-s skips engines that would not finish in time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -45,6 +58,11 @@ SERVED_NAME = "peer-model"
 MODES = ("plain", "eagle3")
 SERVER_START_TIMEOUT_S = 420  # vLLM compiles its model and captures graphs at start-up
 ENGINE_ESTIMATE_S = 150  # a server's start, levels and stop before any has run (the deadline's first guess)
+SPRUCE_START_TIMEOUT_S = 240  # a spruce server with dummy weights starts in about a minute
+START_ESTIMATE_S = {"vllm": 150.0, "spruce": 60.0}  # a server's start and stop (run_estimate's guess)
+STEP_OVER_ROOFLINE = 2.0  # run_estimate's guess of a decode step's time over its roofline time
+ENGINES = ("vllm", "spruce", "spruce-control", "spruce-plain", "spruce-adaptive")
+BAR = 0.95  # adaptive's bar: at least this fraction of the better of plain and fixed speculation's tok/s
 CLIENT_FIELDS = {  # this JSON's name: the names `vllm bench serve --save-result` writes it under, first found
     "output_tok_s": ("output_throughput",),
     "tpot_p50_ms": ("median_tpot_ms", "p50_tpot_ms"),
@@ -71,6 +89,17 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def lengths(text: str) -> tuple[float, ...]:
+    """argparse type: '1.5,4.5' -> (1.5, 4.5), distinct."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1.5,4.5, got {text!r}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct lengths, got {text!r}")
+    return values
+
+
 def tree_spec(text: str) -> tuple[int, int, int]:
     """argparse type: 'S,K,N' (steps, top-k, verify tokens), e.g. '5,4,8'."""
     values = positive_ints(text)
@@ -90,12 +119,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="plain")
     p.add_argument("--steps", type=int, default=5, help="eagle3: drafts per round, a chain (vLLM's "
                    "num_speculative_tokens)")
-    p.add_argument("--synthetic-length", type=float, default=3.0,
-                   help="eagle3: mean acceptance length both engines accept drafts at (tokens a round commits)")
+    p.add_argument("--synthetic-length", type=lengths, default=(3.0,), metavar="L[,L...]",
+                   help="eagle3: mean acceptance lengths the engines accept drafts at (tokens a round commits); "
+                        "each engine that drafts runs once per length")
     p.add_argument("--trees", type=tree_spec, nargs="*", default=[], metavar="S,K,N",
                    help="eagle3: spruce trees to serve too, at the same acceptance rates (e.g. 5,4,6 5,8,8)")
+    p.add_argument("--spruce-tree", type=tree_spec, default=None, metavar="S,K,N",
+                   help="eagle3: the (S,K,N) that spruce, spruce-control and spruce-adaptive serve (default: the "
+                        "chain of --steps drafts, as vLLM)")
     p.add_argument("--engines", default="vllm,spruce,spruce-control",
-                   help="servers in order, of vllm, spruce, spruce-control (default: all three; trees follow)")
+                   help=f"servers in order, of {', '.join(ENGINES)} (default: the first three; trees follow)")
+    p.add_argument("--control-lengths", type=lengths, default=None, metavar="L[,L...]",
+                   help="eagle3: the synthetic lengths spruce-control runs at (default: every --synthetic-length)")
+    p.add_argument("--client", choices=("auto", "vllm", "spruce"), default="auto",
+                   help="the load generator: vLLM's `bench serve` or spruce's own (auto: vLLM's when it imports)")
+    p.add_argument("--target-dir", type=Path, default=None,
+                   help="serve this model directory (dummy weights) instead of writing --shape's")
+    p.add_argument("--draft-dir", type=Path, default=None, help="with --target-dir: its EAGLE-3 head's directory")
+    p.add_argument("--device", default="cuda", help="spruce servers' device (cpu: a smoke run on a small model)")
+    p.add_argument("--dtype", default="bfloat16", help="both engines' dtype")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--concurrency", type=positive_ints, default=(1, 4, 16, 64, 128))
@@ -121,26 +163,71 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """SystemExit naming the value for settings that cannot run."""
-    engines = engine_names(args)
-    bad = [e for e in args.engines.split(",") if e not in ("vllm", "spruce", "spruce-control")]
-    if bad or not engines:
-        raise SystemExit(f"--engines {args.engines!r}: each must be vllm, spruce or spruce-control")
-    if args.trees and args.mode != "eagle3":
-        raise SystemExit(f"--trees {args.trees} needs --mode eagle3 (trees are speculative)")
-    if args.mode == "eagle3" and not 1.0 <= args.synthetic_length <= args.steps + 1:
-        raise SystemExit(f"--synthetic-length {args.synthetic_length} must be in [1, steps + 1 = {args.steps + 1}]")
-    for s, k, n in args.trees:
-        if args.mode == "eagle3" and not 1.0 <= args.synthetic_length <= s + 1:
-            raise SystemExit(f"--trees {s},{k},{n}: --synthetic-length {args.synthetic_length} must be in "
-                             f"[1, {s + 1}]")
+    bad = [e for e in args.engines.split(",") if e not in ENGINES]
+    if bad or not engine_names(args):
+        raise SystemExit(f"--engines {args.engines!r}: each must be one of {', '.join(ENGINES)}")
+    if args.mode != "eagle3":
+        for flag, value in (("--trees", args.trees), ("--spruce-tree", args.spruce_tree),
+                            ("--control-lengths", args.control_lengths), ("--draft-dir", args.draft_dir)):
+            if value:
+                raise SystemExit(f"{flag} {value} needs --mode eagle3 (it is speculative)")
+        if "spruce-adaptive" in engine_names(args):
+            raise SystemExit("--engines spruce-adaptive needs --mode eagle3 (adaptive speculation drafts)")
+    if args.mode == "eagle3":
+        for length in args.synthetic_length:
+            if not 1.0 <= length <= args.steps + 1:
+                raise SystemExit(f"--synthetic-length {length:g} must be in [1, steps + 1 = {args.steps + 1}]")
+        for s, k, n in [*args.trees, *([args.spruce_tree] if args.spruce_tree else [])]:
+            for length in args.synthetic_length:
+                if not 1.0 <= length <= s + 1:
+                    raise SystemExit(f"tree {s},{k},{n}: --synthetic-length {length:g} must be in [1, {s + 1}]")
+        extra = set(args.control_lengths or ()) - set(args.synthetic_length)
+        if extra:
+            raise SystemExit(f"--control-lengths {sorted(extra)} are not among --synthetic-length "
+                             f"{list(args.synthetic_length)}")
+    if args.mode == "eagle3" and (args.target_dir is None) != (args.draft_dir is None):
+        raise SystemExit("--target-dir and --draft-dir go together in --mode eagle3 (the target and its head)")
     if args.input_len < 1 or args.output_len < 2 or args.prompts_per_level < 1 or args.min_prompts < 1:
         raise SystemExit("--input-len, --prompts-per-level and --min-prompts must be >= 1, --output-len >= 2")
 
 
 def engine_names(args: argparse.Namespace) -> list[str]:
-    """The servers in the order they run: --engines, then one per tree."""
+    """The engines in the order they run: --engines, then one per tree."""
     names = [e for e in args.engines.split(",") if e]
     return names + [tree_name(t) for t in args.trees]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One server of the run: an engine at a synthetic acceptance length (None: its server does not depend on
+    one), under `name` in the JSON."""
+
+    engine: str
+    length: float | None
+    name: str
+
+
+def drafts(engine: str, args: argparse.Namespace) -> bool:
+    """Whether `engine`'s server speculates (so depends on the synthetic length)."""
+    return args.mode == "eagle3" and engine != "spruce-plain"
+
+
+def engine_runs(args: argparse.Namespace) -> list[Run]:
+    """Every server in the order they run: each engine in turn, at each synthetic length if it drafts (the control
+    at --control-lengths only), else once. Names carry '@L' when there are several lengths.
+
+    e.g. --mode eagle3 --engines spruce-plain,spruce --synthetic-length 1.5,4.5: spruce-plain, spruce@1.5,
+    spruce@4.5.
+    """
+    several = len(args.synthetic_length) > 1
+    runs = []
+    for engine in engine_names(args):
+        if not drafts(engine, args):
+            runs.append(Run(engine, None, engine))
+            continue
+        at = (args.control_lengths or args.synthetic_length) if engine == "spruce-control" else args.synthetic_length
+        runs += [Run(engine, length, f"{engine}@{length:g}" if several else engine) for length in at]
+    return runs
 
 
 def tree_name(tree: tuple[int, int, int]) -> str:
@@ -164,32 +251,42 @@ def context_length(args: argparse.Namespace) -> int:
     return -(-need // 64) * 64
 
 
-def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int) -> list[str]:
-    """The argv that serves engine `name` ('vllm', 'spruce', 'spruce-control', 'spruce-tree-S-K-N')."""
+def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int,
+                   length: float | None = None) -> list[str]:
+    """The argv that serves engine `name` (one of ENGINES or 'spruce-tree-S-K-N') at synthetic acceptance length
+    `length` (default: the first --synthetic-length)."""
     max_bs, ctx = max(args.concurrency), context_length(args)
+    length = args.synthetic_length[0] if length is None else length
     if name == "vllm":
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(shape.target),
                "--served-model-name", SERVED_NAME, "--port", str(port), "--load-format", "dummy",
-               "--dtype", "bfloat16", "--max-num-seqs", str(max_bs), "--max-model-len", str(ctx), "--seed", "0",
+               "--dtype", args.dtype, "--max-num-seqs", str(max_bs), "--max-model-len", str(ctx), "--seed", "0",
                "--gpu-memory-utilization", str(args.mem_fraction), "--tensor-parallel-size", str(args.tp)]
         if args.mode == "eagle3":
             spec = {"method": "eagle3", "model": str(shape.draft), "num_speculative_tokens": args.steps,
-                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": args.synthetic_length}
+                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length}
             cmd += ["--speculative-config", json.dumps(spec)]
         return cmd + shlex.split(args.vllm_flags)
     cmd = [sys.executable, "-m", "spruce.cli", "serve", "--model", str(shape.target),
-           "--served-model-name", SERVED_NAME, "--port", str(port), "--load-format", "dummy", "--device", "cuda",
-           "--dtype", "bfloat16", "--max-running-requests", str(max_bs), "--cuda-graph-max-bs", str(max_bs),
+           "--served-model-name", SERVED_NAME, "--port", str(port), "--load-format", "dummy", "--device", args.device,
+           "--dtype", args.dtype, "--max-running-requests", str(max_bs), "--cuda-graph-max-bs", str(max_bs),
            "--context-length", str(ctx), "--mem-fraction-static", str(args.mem_fraction), "--random-seed", "0",
            "--tp-size", str(args.tp)]
-    if args.mode == "eagle3":
-        s, k, n = (args.steps, 1, args.steps + 1) if not name.startswith("spruce-tree-") else \
-            tuple(int(v) for v in name.removeprefix("spruce-tree-").split("-"))
+    if drafts(name, args):
+        s, k, n = spruce_tree(name, args)
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(shape.draft),
                 "--speculative-num-steps", str(s), "--speculative-eagle-topk", str(k),
-                "--speculative-num-draft-tokens", str(n),
-                "--speculative-synthetic-acceptance-length", str(args.synthetic_length)]
+                "--speculative-num-draft-tokens", str(n), "--speculative-synthetic-acceptance-length", str(length)]
+        if name == "spruce-adaptive":
+            cmd.append("--speculative-adaptive")
     return cmd + shlex.split(args.spruce_flags)
+
+
+def spruce_tree(name: str, args: argparse.Namespace) -> tuple[int, int, int]:
+    """The (S, K, N) spruce engine `name` serves: a tree engine's own, else --spruce-tree or the chain of --steps."""
+    if name.startswith("spruce-tree-"):
+        return tuple(int(v) for v in name.removeprefix("spruce-tree-").split("-"))
+    return args.spruce_tree or (args.steps, 1, args.steps + 1)
 
 
 def num_prompts(args: argparse.Namespace, concurrency: int) -> int:
@@ -227,19 +324,69 @@ def ratio(a, b) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+def measured_run(engines: dict, engine: str, length: float | None) -> str | None:
+    """The name of engine `engine`'s run at `length` (or its one run, if it does not depend on the length) that
+    measured levels, else None."""
+    for name, e in engines.items():
+        if e.get("engine", name) == engine and e.get("levels") and e.get("synthetic_length") in (length, None):
+            return name
+    return None
+
+
 def ratios(engines: dict, concurrency: tuple[int, ...]) -> dict:
-    """Per pair (each spruce server over vllm, the control over spruce, each tree over spruce): per concurrency,
-    RATIO_FIELDS' ratios (output tok/s above 1: the numerator faster; latencies below 1: it is quicker)."""
-    names = [n for n, e in engines.items() if e.get("levels")]
-    pairs = [(n, "vllm") for n in names if n.startswith("spruce") and "vllm" in names]
-    if "spruce" in names:
-        pairs += [(n, "spruce") for n in names if n == "spruce-control" or n.startswith("spruce-tree-")]
+    """Per pair of runs at the same synthetic length (each spruce server over vllm, the control and each tree over
+    spruce): per concurrency, RATIO_FIELDS' ratios (output tok/s above 1: the numerator faster; latencies below 1:
+    it is quicker). Keys 'A/B' with the runs' names."""
+    pairs = []
+    for a, e in engines.items():
+        if not e.get("levels"):
+            continue
+        engine, length = e.get("engine", a), e.get("synthetic_length")
+        if engine.startswith("spruce") and (b := measured_run(engines, "vllm", length)):
+            pairs.append((a, b))
+        if (engine == "spruce-control" or engine.startswith("spruce-tree-")) and \
+                (b := measured_run(engines, "spruce", length)):
+            pairs.append((a, b))
     out = {}
     for a, b in pairs:
         la, lb = engines[a]["levels"], engines[b]["levels"]
         out[f"{a}/{b}"] = {str(c): {f: ratio(la[str(c)].get(f), lb[str(c)].get(f)) for f in RATIO_FIELDS}
                            for c in concurrency if str(c) in la and str(c) in lb}
     return out
+
+
+def tok_s(engines: dict, name: str | None, c: int) -> float | None:
+    """Output tok/s of run `name` at concurrency `c` (None: not measured)."""
+    return engines[name]["levels"].get(str(c), {}).get("output_tok_s") if name else None
+
+
+def adaptive_bar(engines: dict, lengths: tuple[float, ...], concurrency: tuple[int, ...]) -> dict:
+    """Per synthetic length and concurrency: the output tok/s of spruce-adaptive, spruce-plain, spruce (fixed
+    speculation) and spruce-control, and adaptive over the better of plain and fixed (`ratio`; `pass`: >= BAR).
+    E.g. plain 900, fixed 1200, adaptive 1180 tok/s: ratio 1180 / 1200 = 0.983, pass. `pass` at the top: every
+    point measured and passed (None: no point measured)."""
+    points = {}
+    for length in lengths:
+        runs = {role: measured_run(engines, engine, length) for role, engine in
+                (("adaptive", "spruce-adaptive"), ("plain", "spruce-plain"), ("fixed", "spruce"),
+                 ("control", "spruce-control"))}
+        if not runs["adaptive"]:
+            continue
+        per_c = {}
+        for c in concurrency:
+            point = {role: tok_s(engines, name, c) for role, name in runs.items()}
+            others = [point[r] for r in ("plain", "fixed") if point[r] is not None]
+            best = max(others) if others else None
+            point["ratio"] = ratio(point["adaptive"], best)
+            point["pass"] = None if point["ratio"] is None else point["ratio"] >= BAR
+            point["control_over_fixed"] = ratio(point["control"], point["fixed"])
+            per_c[str(c)] = point
+        points[f"{length:g}"] = per_c
+    verdicts = [p["pass"] for per_c in points.values() for p in per_c.values()]
+    return {"bar": BAR, "points": points,
+            "pass": None if not verdicts else all(v is True for v in verdicts),
+            "how": "output tok/s of spruce-adaptive over max(spruce-plain, spruce) at the same length and "
+                   "concurrency; control_over_fixed: two identical servers' spread"}
 
 
 def roofline(concurrency: tuple[int, ...], context: int, weight_bytes, kv_bytes_per_token: int, tp: int,
@@ -405,14 +552,14 @@ def acceptance_from_metrics(text) -> dict:
     return {}
 
 
-def run_client(argv_per_level: list[list[str]], log: Path) -> int:
-    """Run `vllm bench serve` once per argv (spruce.bench.peer_client: one process for every level where vLLM's
-    benchmark module imports); its output goes to `log`. Returns its exit status."""
+def run_client(argv_per_level: list[list[str]], log: Path, client: str = "auto") -> int:
+    """Run the levels' `vllm bench serve` argvs with `client` (spruce.bench.peer_client, one process for every
+    level: vLLM's benchmark or spruce's own client); its output goes to `log`. Returns its exit status."""
     spec = log.with_suffix(".levels.json")
     spec.write_text(json.dumps(argv_per_level))
     with open(log, "a") as f:
-        return subprocess.run([sys.executable, "-m", "spruce.bench.peer_client", str(spec)], stdout=f,
-                              stderr=subprocess.STDOUT).returncode
+        return subprocess.run([sys.executable, "-m", "spruce.bench.peer_client", str(spec), "--client", client],
+                              stdout=f, stderr=subprocess.STDOUT).returncode
 
 
 # --- the run -----------------------------------------------------------------------------------------------------
@@ -437,10 +584,33 @@ def bandwidth_in_subprocess() -> dict:
 
 
 def write_shapes(args: argparse.Namespace) -> Shape:
+    """--target-dir / --draft-dir when given, else --shape's config-only directories written under --root."""
+    if args.target_dir is not None:
+        return Shape(args.target_dir, args.draft_dir or args.target_dir)
     from spruce.bench.shapes import write_shape_dirs
 
     target, draft = write_shape_dirs(args.shape, args.root, tokenizer=True)
     return Shape(target, draft)
+
+
+def run_estimate(args: argparse.Namespace, runs: list[Run], roof: dict) -> dict:
+    """A guess of the run's seconds: per server its start and stop (START_ESTIMATE_S) and its levels (a warm-up,
+    then at each concurrency c, ceil(prompts / c) waves of --output-len decode steps, a step STEP_OVER_ROOFLINE
+    times its roofline time; speculation counted as plain). E.g. the 8B shape, output 128, concurrency 1/16/64 with
+    6/32/128 prompts: ~12 s of levels a server, ~72 s with its start."""
+    def levels_s() -> float:
+        waves = [(-(-num_prompts(args, c) // c), c) for c in args.concurrency]
+        warm = min(max(args.concurrency), 16)
+        steps = sum(w * args.output_len * roof[str(c)]["step_ms_nominal"] for w, c in waves)
+        steps += 16 * roof[str(warm)]["step_ms_nominal"] if str(warm) in roof else 0.0
+        return steps * STEP_OVER_ROOFLINE / 1e3
+
+    per_level = levels_s() if all(str(c) in roof for c in args.concurrency) else 0.0
+    servers = {r.name: START_ESTIMATE_S["vllm" if r.engine == "vllm" else "spruce"] + per_level for r in runs}
+    return {"servers": len(runs), "seconds": round(sum(servers.values())),
+            "spruce_server_s": round(START_ESTIMATE_S["spruce"] + per_level),
+            "how": "per server: its start and stop (vllm 150 s, spruce 60 s) + its levels (waves x output "
+                   f"tokens x {STEP_OVER_ROOFLINE:g} x the roofline step)"}
 
 
 def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | None = None) -> dict:
@@ -448,7 +618,8 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
     from spruce.bench.common import git_commit
     from spruce.config import rates_for_length
 
-    hooks = hooks or Hooks(bandwidth=bandwidth_in_subprocess)
+    hooks = hooks or Hooks(bandwidth=bandwidth_in_subprocess if args.device.startswith("cuda") else None,
+                           run_client=functools.partial(run_client, client=args.client))
     t0 = hooks.clock()
     shape = shape or write_shapes(args)
     log_dir = args.log_dir or args.out.parent / (args.out.stem + "-logs")
@@ -461,10 +632,19 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
     roof = roofline(args.concurrency, ctx, weight_bytes, kv_per_token, args.tp, nominal,
                     bw.get("copy_bandwidth_bytes_per_s"))
     synthetic = None
+    runs = engine_runs(args)
     if args.mode == "eagle3":
-        synthetic = {"length": args.synthetic_length, "chain_rates": list(rates_for_length(args.synthetic_length,
-                                                                                          args.steps)),
+        s = spruce_tree("spruce", args)[0]
+        synthetic = {"lengths": list(args.synthetic_length),
+                     "chain_rates": {f"{v:g}": list(rates_for_length(v, args.steps)) for v in args.synthetic_length},
+                     "spruce_rates": {f"{v:g}": list(rates_for_length(v, s)) for v in args.synthetic_length},
                      "note": "drafts accepted at these rates, not verified: outputs are not the target's"}
+        if len(args.synthetic_length) == 1:
+            synthetic |= {"length": args.synthetic_length[0],
+                          "chain_rates": synthetic["chain_rates"][f"{args.synthetic_length[0]:g}"]}
+    estimate = run_estimate(args, runs, roof)
+    print(f"[peer] {estimate['servers']} servers: {', '.join(r.name for r in runs)}; estimate ~{estimate['seconds']} s "
+          f"(--deadline-s {args.deadline_s:g} skips what would not fit)", flush=True)
     result = {
         "benchmark": "peer", "shape": args.shape, "mode": args.mode, "git_commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "gpu": bw.get("gpu"), "tp": args.tp,
@@ -475,17 +655,18 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
         "hbm": {"nominal_bytes_per_s": nominal, "measured": bw,
                 "note": "roofline: a plain decode step's bytes (weights it reads + KV at the mean context "
                         "input_len + output_len/2) over the bandwidth"},
-        "roofline": roof, "engines": {}, "ratios": {},
+        "roofline": roof, "estimate": estimate, "engines": {}, "ratios": {},
     }
     spent = []  # seconds each engine took, for the deadline
-    for name in engine_names(args):
-        estimate = max(spent) if spent else ENGINE_ESTIMATE_S
-        if hooks.clock() - t0 + estimate > args.deadline_s:
-            result["engines"][name] = {"skipped": f"deadline: {hooks.clock() - t0:.0f} s spent, an engine takes "
-                                                  f"~{estimate:.0f} s, --deadline-s {args.deadline_s:g}"}
+    for r in runs:
+        guess = max(spent) if spent else ENGINE_ESTIMATE_S
+        if hooks.clock() - t0 + guess > args.deadline_s:
+            result["engines"][r.name] = {"engine": r.engine, "synthetic_length": r.length,
+                                         "skipped": f"deadline: {hooks.clock() - t0:.0f} s spent, an engine takes "
+                                                    f"~{guess:.0f} s, --deadline-s {args.deadline_s:g}"}
             continue
         t_engine = hooks.clock()
-        result["engines"][name] = measure_engine(name, args, shape, hooks, log_dir)
+        result["engines"][r.name] = measure_engine(r, args, shape, hooks, log_dir)
         spent.append(hooks.clock() - t_engine)
         finish(result, args)
     finish(result, args)
@@ -496,17 +677,20 @@ def finish(result: dict, args: argparse.Namespace) -> None:
     """Ratios and roofline fractions from the engines so far; (re)write args.out."""
     roofline_fractions(result["engines"], result["roofline"])
     result["ratios"] = ratios(result["engines"], args.concurrency)
+    if "spruce-adaptive" in engine_names(args):
+        result["adaptive_bar"] = adaptive_bar(result["engines"], args.synthetic_length, args.concurrency)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def measure_engine(name: str, args: argparse.Namespace, shape: Shape, hooks: Hooks, log_dir: Path) -> dict:
-    """Start engine `name`, run the client's levels (after a warm-up) against it, stop it."""
-    command = server_command(name, args, shape, args.port)
-    entry = {"command": command, "levels": {}}
+def measure_engine(run: Run, args: argparse.Namespace, shape: Shape, hooks: Hooks, log_dir: Path) -> dict:
+    """Start `run`'s server, run the client's levels (after a warm-up) against it, stop it."""
+    name = run.name
+    command = server_command(run.engine, args, shape, args.port, run.length)
+    entry = {"engine": run.engine, "synthetic_length": run.length, "command": command, "levels": {}}
     t = hooks.clock()
-    server = hooks.start_server(name, command, args.port, log_dir / f"{name}.server.log")
+    server = hooks.start_server(run.engine, command, args.port, log_dir / f"{name}.server.log")
     try:
-        if not server.wait_up(SERVER_START_TIMEOUT_S):
+        if not server.wait_up(SERVER_START_TIMEOUT_S if run.engine == "vllm" else SPRUCE_START_TIMEOUT_S):
             entry["error"] = f"{name} did not start:\n{server.tail()}"
             return entry
         entry["startup_s"] = round(hooks.clock() - t, 1)
@@ -534,6 +718,10 @@ def main(argv: list[str] | None = None) -> int:
               {c: (round(v["output_tok_s"] or 0, 1), v["tpot_p50_ms"], v["ttft_p50_ms"]) for c, v in
                e["levels"].items()}, flush=True)
     print("ratios", json.dumps(result["ratios"]), flush=True)
+    if "adaptive_bar" in result:
+        bar = result["adaptive_bar"]
+        print("adaptive bar", bar["pass"], {L: {c: p["ratio"] and round(p["ratio"], 3) for c, p in per_c.items()}
+                                          for L, per_c in bar["points"].items()}, flush=True)
     print("wrote", args.out, flush=True)
     return 0 if all(e.get("levels") or e.get("skipped") for e in result["engines"].values()) else 1
 
