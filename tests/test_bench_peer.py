@@ -241,3 +241,143 @@ def test_context_leaves_room_for_prompts_that_encode_longer():
     args = build_parser().parse_args(["--out", "x.json", "--input-len", "512", "--output-len", "256"])
     assert context_length(args) >= 2 * 512 + 256
     assert context_length(args) % 64 == 0
+
+
+# --- the adaptive A/B: spruce-plain, spruce (fixed), spruce-adaptive, spruce-control at several lengths ----------
+AB = ("--mode", "eagle3", "--engines", "spruce-plain,spruce,spruce-adaptive,spruce-control",
+      "--synthetic-length", "1.5,4.5", "--control-lengths", "4.5", "--concurrency", "1,16,64",
+      "--input-len", "256", "--output-len", "128")
+AB_TOK_S = {"spruce-plain": 100.0, "spruce@1.5": 80.0, "spruce@4.5": 150.0, "spruce-adaptive@1.5": 97.0,
+            "spruce-adaptive@4.5": 140.0, "spruce-control@4.5": 147.0}
+
+
+def test_the_ab_runs_plain_once_and_each_drafting_engine_per_length(tmp_path, shape):
+    args = peer.build_parser().parse_args(["--out", str(tmp_path / "ab.json"), *AB])
+    peer.check_args(args)
+    assert [(r.engine, r.length, r.name) for r in peer.engine_runs(args)] == [
+        ("spruce-plain", None, "spruce-plain"), ("spruce", 1.5, "spruce@1.5"), ("spruce", 4.5, "spruce@4.5"),
+        ("spruce-adaptive", 1.5, "spruce-adaptive@1.5"), ("spruce-adaptive", 4.5, "spruce-adaptive@4.5"),
+        ("spruce-control", 4.5, "spruce-control@4.5")]
+    fixed = peer.server_command("spruce", args, shape, 8000, 4.5)
+    assert option(fixed, "--speculative-synthetic-acceptance-length") == "4.5"
+    assert peer.server_command("spruce-adaptive", args, shape, 8000, 4.5) == fixed + ["--speculative-adaptive"]
+    assert peer.server_command("spruce-control", args, shape, 8000, 4.5) == fixed
+    plain = peer.server_command("spruce-plain", args, shape, 8000)
+    assert not any(a.startswith("--speculative") for a in plain)
+    assert plain == fixed[:fixed.index("--speculative-algorithm")]
+    from spruce.cli import build_parser
+
+    served = build_parser().parse_args(peer.server_command("spruce-adaptive", args, shape, 8000, 1.5)[3:])
+    assert served.speculative_adaptive and served.speculative_synthetic_acceptance_length == 1.5
+    tree = peer.build_parser().parse_args(["--out", "x", *AB, "--spruce-tree", "4,2,6"])
+    adaptive = peer.server_command("spruce-adaptive", tree, shape, 8000, 4.5)
+    assert [option(adaptive, f"--speculative-{f}") for f in ("num-steps", "eagle-topk", "num-draft-tokens")] == \
+        ["4", "2", "6"]
+    single = parse("--mode", "eagle3", "--synthetic-length", "2.5", tmp=tmp_path)  # one length: names as they were
+    assert [r.name for r in peer.engine_runs(single)] == ["vllm", "spruce", "spruce-control"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--engines", "spruce-adaptive"], "needs --mode eagle3"),
+    (["--mode", "eagle3", "--synthetic-length", "1.5,7"], "--synthetic-length 7 must be in [1, steps + 1 = 6]"),
+    (["--mode", "eagle3", "--synthetic-length", "1.5,4.5", "--spruce-tree", "3,2,4"], "tree 3,2,4"),
+    (["--mode", "eagle3", "--synthetic-length", "1.5,4.5", "--control-lengths", "3"], "[3.0] are not among"),
+    (["--mode", "eagle3", "--target-dir", "t"], "--target-dir and --draft-dir go together"),
+    (["--control-lengths", "3"], "--control-lengths (3.0,) needs --mode eagle3"),
+])
+def test_bad_ab_arguments_are_refused_naming_them(tmp_path, argv, words):
+    with pytest.raises(SystemExit) as e:
+        parse(*argv, tmp=tmp_path)
+    assert words in str(e.value)
+
+
+def test_repeated_lengths_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse("--mode", "eagle3", "--synthetic-length", "1.5,1.5", tmp=tmp_path)
+    assert "distinct lengths" in capsys.readouterr().err
+
+
+def ab_client(argvs, log):
+    """`fake_client` for the A/B: output tok/s = AB_TOK_S[run] * concurrency."""
+    for argv in argvs:
+        prefix = option(argv, "--request-id-prefix")
+        c = int(option(argv, "--max-concurrency"))
+        saved = {"output_throughput": AB_TOK_S[prefix[:prefix.rindex("-c")]] * c, "median_tpot_ms": 5.0}
+        Path(option(argv, "--result-dir"), option(argv, "--result-filename")).write_text(json.dumps(saved))
+    return 0
+
+
+def test_the_ab_json_gives_adaptive_over_the_better_of_plain_and_fixed(tmp_path, shape):
+    args = peer.build_parser().parse_args(["--out", str(tmp_path / "ab.json"), *AB])
+    h = hooks()
+    h.run_client = ab_client
+    result = peer.run(args, h, shape)
+    assert json.loads(args.out.read_text()) == result
+    assert result["engines"]["spruce@4.5"]["synthetic_length"] == 4.5
+    assert result["engines"]["spruce-plain"]["synthetic_length"] is None
+    assert result["synthetic_acceptance"]["chain_rates"]["1.5"] == [0.5, 0.0, 0.0, 0.0, 0.0]
+    bar = result["adaptive_bar"]
+    low, high = bar["points"]["1.5"]["16"], bar["points"]["4.5"]["64"]
+    assert (low["plain"], low["fixed"], low["adaptive"]) == (1600.0, 1280.0, 1552.0)
+    assert low["ratio"] == pytest.approx(0.97) and low["pass"] and low["control"] is None
+    assert high["ratio"] == pytest.approx(140 / 150) and high["pass"] is False
+    assert high["control_over_fixed"] == pytest.approx(0.98)
+    assert bar["pass"] is False and bar["bar"] == 0.95
+    assert set(result["ratios"]) == {"spruce-control@4.5/spruce@4.5"}  # the control against its own length
+    assert result["estimate"]["servers"] == 6
+    per_server = 60 + 2 * 128 * sum(w * result["roofline"][c]["step_ms_nominal"] for c, w in
+                                    (("1", 6), ("16", 2), ("64", 2))) / 1e3 \
+        + 2 * 16 * result["roofline"]["16"]["step_ms_nominal"] / 1e3
+    assert result["estimate"]["seconds"] == round(6 * per_server)
+
+
+def test_the_bar_fails_where_a_point_is_missing(tmp_path):
+    engines = {"spruce-adaptive": {"engine": "spruce-adaptive", "synthetic_length": 2.0,
+                                   "levels": {"1": {"output_tok_s": 10.0}}},
+               "spruce": {"engine": "spruce", "synthetic_length": 2.0, "levels": {"1": {"output_tok_s": 10.0}}}}
+    bar = peer.adaptive_bar(engines, (2.0,), (1, 4))
+    assert bar["points"]["2"]["1"]["pass"] is True and bar["points"]["2"]["4"]["pass"] is None
+    assert bar["pass"] is False
+    assert peer.adaptive_bar({}, (2.0,), (1,))["pass"] is None
+
+
+# --- spruce's own client ------------------------------------------------------------------------------------------
+def test_the_spruce_client_reads_the_level_argv_and_writes_vllms_names(tmp_path, shape, monkeypatch):
+    from spruce.bench import serving_client
+    from spruce.bench.serving_client import RequestResult, Sent
+
+    args = peer.build_parser().parse_args(["--out", str(tmp_path / "ab.json"), *AB])
+    shape.target.mkdir()
+    (shape.target / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    argv = peer.client_argv(args, shape, "spruce", 16, 8000, tmp_path)
+    seen = {}
+
+    async def fake_send(base_url, headers, model, prompts, concurrency, num_requests, sampling, pool, processes):
+        seen.update(base_url=base_url, model=model, prompts=prompts, concurrency=concurrency, n=num_requests,
+                    max_tokens=sampling.max_tokens, ignore_eos=not sampling.no_ignore_eos, processes=processes)
+        ok = [RequestResult(ok=True, ttft=0.1, e2e=1.1, itls=[0.1] * 10, output_tokens=11) for _ in range(2)]
+        return Sent(ok + [RequestResult(ok=False, error="HTTP 400")], None, 10.0, 11.2, 0.5)
+
+    monkeypatch.setattr(serving_client, "send_level", fake_send)
+    assert peer_client.run_spruce_level(argv) == 1  # one request failed
+    saved = json.loads((tmp_path / peer.level_file("spruce", 16)).read_text())
+    assert seen["base_url"] == "http://127.0.0.1:8000" and seen["model"] == peer.SERVED_NAME
+    assert (seen["concurrency"], seen["n"], seen["max_tokens"], seen["ignore_eos"]) == (16, 32, 128, True)
+    assert len(seen["prompts"]) == 32 and {len(p) for p in seen["prompts"]} == {256}
+    assert max(max(p) for p in seen["prompts"]) < 50 and seen["processes"] == 1
+    assert saved["output_throughput"] == pytest.approx(22 / 1.2) and saved["median_tpot_ms"] == pytest.approx(100)
+    assert saved["median_ttft_ms"] == pytest.approx(100) and saved["median_itl_ms"] == pytest.approx(100)
+    assert (saved["completed"], saved["failed"], saved["errors"]) == (2, 1, ["HTTP 400"])
+    level = peer.level_result(saved)
+    assert level["output_tok_s"] == pytest.approx(22 / 1.2) and level["duration_s"] == pytest.approx(1.2)
+    assert peer_client.random_prompts(2, 3, 50, 0) == peer_client.random_prompts(2, 3, 50, 0)
+
+
+def test_auto_picks_spruces_client_without_vllm(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert peer_client.chosen_client("auto") == "spruce" and peer_client.chosen_client("vllm") == "vllm"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    assert peer_client.chosen_client("auto") == "vllm"
+    assert peer_client.parse_cli(["l.json", "--client", "spruce"]).client == "spruce"
