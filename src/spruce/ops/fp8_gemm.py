@@ -142,7 +142,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
                      stride_wn, stride_sn, stride_om, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLITS, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                      EVEN_N: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -187,7 +187,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
         acc = acc * tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_off = rm[:, None] * stride_om + rn[None, :]
-    if SPLITS == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -261,7 +261,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
     _fp8_gemv_kernel[(n_blocks, splits)](
         x, weight, scale, x if bias is None else bias, out, part, counts, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), scale.stride(0), out.stride(0), GROUP_K=group_k or k, ONE_GROUP=one_group,
-        HAS_BIAS=bias is not None, USE_DOT=use_dot, SPLITS=splits, EVEN_K=k % k_per_split == 0,
+        HAS_BIAS=bias is not None, USE_DOT=use_dot, SPLITS=splits, SPLIT=splits > 1, EVEN_K=k % k_per_split == 0,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
