@@ -140,7 +140,8 @@ def _draft_shape(target_dir, hidden):
 def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = None, with_embed: bool = False,
                             aux_layer_ids: list[int] | None = None, seed: int = 0, hidden: int | None = None,
                             target_hidden: int | None = None, with_lm_head: bool = True,
-                            midlayer_name: str = "midlayer", num_layers: int = 1) -> Path:
+                            midlayer_name: str = "midlayer", num_layers: int = 1, intermediate: int | None = None,
+                            head_dim: int | None = None, config: dict | None = None) -> Path:
     """A random LlamaForCausalLMEagle3 head for the target in `target_dir` (SGLang's tensor names).
 
     draft_vocab_size < the target vocab: a random sorted draft vocabulary with d2t/t2d. hidden: the draft's own
@@ -149,12 +150,15 @@ def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = Non
     eagle_config.eagle_aux_hidden_state_layer_ids (fc then reads len(ids) target states). midlayer_name:
     "midlayer" or the newer "layers.0". num_layers > 1 adds SGLang's plain layers after the midlayer
     (hidden_norm, self_attn over H, post_attention_layernorm, mlp), named `additional_layers.{k}` (k = 0..n-2), or
-    `layers.{k+1}` when midlayer_name is "layers.0"; they are drawn last, so the other tensors do not change."""
+    `layers.{k+1}` when midlayer_name is "layers.0"; they are drawn last, so the other tensors do not change.
+    intermediate / head_dim: the MLP width and head size (default the target's); `config` is laid over the
+    config.json written (model_type, rope, intermediate_size_mlp...)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     t, h, heads, kv, hd = _draft_shape(target_dir, hidden)
+    hd = head_dim or hd
     th = target_hidden or t["hidden_size"]
-    vocab, inter = t["vocab_size"], t["intermediate_size"]
+    vocab, inter = t["vocab_size"], intermediate or t["intermediate_size"]
     dv = draft_vocab_size or vocab
     n_aux = len(aux_layer_ids) if aux_layer_ids is not None else 3
     g = torch.Generator().manual_seed(seed)
@@ -188,7 +192,8 @@ def write_eagle3_checkpoint(path, target_dir, draft_vocab_size: int | None = Non
         cfg["target_hidden_size"] = th
     if aux_layer_ids is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    cfg.update(config or {})
+    (path / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2))
     return path
 
 

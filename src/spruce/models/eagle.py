@@ -27,6 +27,15 @@ Published variants of EAGLE-3 heads:
   vLLM converts it: the draft's shape is `transformer_layer_config`; `draft_vocab_size`, `target_hidden_size`,
   `norm_before_residual` (default True) and `eagle_aux_hidden_state_layer_ids` are top-level. vLLM's aux ids name
   target layer INPUTS (id j = the input of layer j), SGLang's name outputs (the input of id + 1).
+
+Heads published for MoE targets are LlamaForCausalLMEagle3 heads (a dense midlayer) whose config may carry the
+target's model_type; SGLang and vLLM read a draft config through transformers' AutoConfig, so keys it leaves out
+take that model type's defaults (`MODEL_TYPE_DEFAULTS`: gpt-oss heads rotate with YaRN at theta 150000 unless
+they say otherwise). Heads saved from a Llama 4 text config carry both `intermediate_size` (the target's expert
+width) and `intermediate_size_mlp` (its dense width): the MLP is as wide as the checkpoint's, without weights
+to tell `intermediate_size_mlp` for model_type 'llama4_text' (TensorRT-LLM's rule), else refused as ambiguous.
+A head's own hidden size may differ from the target's (`target_hidden_size`: fc reads the target's width; such a
+head brings its own embedding), and its vocabulary may be a subset (`draft_vocab_size`, `d2t`).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import torch
 from torch import nn
 
 from spruce.errors import ConfigError, ModelLoadError
+from spruce.models.checkpoint_files import checkpoint_names
 from spruce.models.hf_config import ModelConfig, decoder_shape, read_json
 from spruce.models.layers import Attention, GatedMLP, RMSNorm
 from spruce.models.llama import DecoderLayer
@@ -51,6 +61,14 @@ _UNSUPPORTED_EAGLE3_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_bef
 LAYER_STYLE_KEY = "eagle3_layer_style"
 LAYER_STYLES = ("sglang", "vllm")
 SPECULATORS_TYPES = ("eagle3",)
+# transformers' defaults for keys a head's config leaves out, by its model_type (SGLang and vLLM read draft configs
+# through AutoConfig): GptOssConfig's rope, Llama4TextConfig's theta
+MODEL_TYPE_DEFAULTS = {
+    "gpt_oss": {"rope_theta": 150000.0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}},
+    "llama4_text": {"rope_theta": 500000.0},
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,8 @@ class DraftConfig:
         speculators = "speculators_model_type" in cfg
         if speculators:
             cfg = speculators_to_eagle3(cfg, file)
+        if "rope_parameters" not in cfg:
+            cfg = {**MODEL_TYPE_DEFAULTS.get(cfg.get("model_type"), {}), **cfg}
         archs = cfg.get("architectures") or []
         if EAGLE3_ARCH in archs:
             eagle3 = True
@@ -101,7 +121,8 @@ class DraftConfig:
         try:
             layer = ModelConfig(
                 architecture=archs[0], vocab_size=int(cfg.get("vocab_size", target.vocab_size)),
-                num_layers=int(cfg.get("num_hidden_layers", 1)), **decoder_shape(cfg),
+                num_layers=int(cfg.get("num_hidden_layers", 1)),
+                **decoder_shape({**cfg, "intermediate_size": _mlp_width(cfg, file)}),
                 # drafts run at the target's positions, whatever their own config says
                 max_position_embeddings=max(int(cfg.get("max_position_embeddings", 0)),
                                             target.max_position_embeddings),
@@ -168,6 +189,52 @@ def speculators_to_eagle3(cfg: dict, file: Path) -> dict:
     return out
 
 
+def _mlp_width(cfg: dict, file: Path) -> int:
+    """The head's MLP intermediate width: `intermediate_size`, unless the config also names a different
+    `intermediate_size_mlp` (a head saved from a Llama 4 text config): then the width of the checkpoint's MLP
+    (its first gate_proj's rows), or without weights `intermediate_size_mlp` for model_type 'llama4_text'.
+    ModelLoadError naming both keys when neither tells."""
+    inter = int(cfg["intermediate_size"])
+    dense = cfg.get("intermediate_size_mlp")
+    if dense is None or int(dense) == inter:
+        return inter
+    dense = int(dense)
+    rows = _checkpoint_mlp_rows(file.parent)
+    if rows in (inter, dense):
+        return rows
+    if rows is None and cfg.get("model_type") == "llama4_text":
+        return dense
+    found = "no MLP weights" if rows is None else f"MLP weights {rows} wide"
+    raise ModelLoadError(f"draft config {file} gives intermediate_size={inter} and intermediate_size_mlp={dense} "
+                         f"and its checkpoint has {found}: ambiguous. Keep the key its MLP uses (or set model_type "
+                         f"'llama4_text' for intermediate_size_mlp)")
+
+
+_MLP_GATE = re.compile(r"(?:model\.)?(?:midlayer|layers\.0)\.mlp\.gate_proj\.weight")
+
+
+def _checkpoint_mlp_rows(path: Path) -> int | None:
+    """Rows of the first layer's mlp.gate_proj weight in the checkpoint in `path` (headers only); None when it
+    has no weight files or no such tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    from spruce.models.checkpoint_files import safetensors_files
+
+    try:
+        files = safetensors_files(path)
+    except ModelLoadError:
+        return None
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if _MLP_GATE.fullmatch(name):
+                        return int(f.get_slice(name).get_shape()[0])
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"cannot read safetensors file {file}: {e}") from e
+    return None
+
+
 _LATER_LAYER_NORM = re.compile(r"(?:model\.)?layers\.([1-9]\d*)\.(hidden_norm|input_layernorm)\.weight")
 
 
@@ -199,8 +266,6 @@ def _layer_style(cfg: dict, file: Path, num_layers: int, speculators: bool) -> s
 
 def _checkpoint_names(path: Path) -> set[str]:
     """Tensor names of the checkpoint in `path` (headers only); empty when it has no weight files."""
-    from spruce.models.loader import checkpoint_names
-
     try:
         return checkpoint_names(path)
     except ModelLoadError:

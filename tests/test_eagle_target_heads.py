@@ -1,0 +1,126 @@
+"""EAGLE-3 heads in the layouts published for the MoE targets, each a random head built here, saved, loaded and run
+by the engine (spec == plain greedy, an oracle steering its proposals so every accept length runs):
+- Llama 4: a head saved from a Llama 4 text config (model_type 'llama4_text', `intermediate_size` the target's
+  expert width, `intermediate_size_mlp` its MLP's), its own hidden size and embedding (`target_hidden_size`) and a
+  draft vocabulary (`draft_vocab_size`, d2t / t2d);
+- gpt-oss: model_type 'gpt_oss' with head_dim * heads != hidden and no rope keys (transformers' defaults: YaRN),
+  the target's whole vocabulary;
+- Qwen3-MoE: a Llama-typed head with head_dim * heads != hidden, a hidden size other than the target's and a draft
+  vocabulary.
+The config rules themselves: the MLP width by the weights, by model_type, or refused naming the keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spruce import SamplingParams
+from spruce.errors import ModelLoadError
+from spruce.models.eagle import DraftConfig
+from spruce.models.hf_config import ModelConfig
+from checkpoints import read_config, write_eagle3_checkpoint
+from moe_checkpoints import write_moe_checkpoint
+from test_moe_targets_vs_hf import spec_llm
+
+pytest.importorskip("transformers")
+
+MAX_NEW = 8
+PROMPT_LENGTHS = (6, 30)
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+TARGETS = {
+    "llama4": dict(layers=4, top_k=1, interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),
+    "gpt_oss": dict(sliding_window=8),
+    "qwen3_moe": dict(),
+}
+
+
+def write_head(path, target, variant: str) -> Path:
+    """A random EAGLE-3 head for `target` in the layout published for `variant`."""
+    if variant == "llama4":  # the target's experts are 64 wide, its dense MLPs 96 (intermediate_size_mlp)
+        return write_eagle3_checkpoint(
+            path, target, seed=5, hidden=48, with_embed=True, target_hidden=64, draft_vocab_size=128,
+            intermediate=96, aux_layer_ids=[0, 1, 2],
+            config=dict(model_type="llama4_text", intermediate_size=64, intermediate_size_mlp=96, rope_theta=None))
+    if variant == "gpt_oss":
+        return write_eagle3_checkpoint(
+            path, target, seed=6, head_dim=32, aux_layer_ids=[0, 0, 1],
+            config=dict(model_type="gpt_oss", rope_theta=None, num_local_experts=8, experts_per_token=2))
+    return write_eagle3_checkpoint(path, target, seed=7, head_dim=32, hidden=96, with_embed=True, target_hidden=64,
+                                   draft_vocab_size=128, aux_layer_ids=[0, 1, 1], config=dict(rope_theta=1e6))
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """variant -> (target dir, head dir, prompts, plain greedy continuations), built once."""
+    import torch
+
+    from spruce import LLM
+
+    built = {}
+
+    def case(variant):
+        if variant not in built:
+            root = tmp_path_factory.mktemp(variant)
+            target = write_moe_checkpoint(root / "target", variant, **TARGETS[variant])
+            head = write_head(root / "head", target, variant)
+            g = torch.Generator().manual_seed(7)
+            prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+            with LLM(str(target), page_size=16, max_running_requests=4) as llm:
+                want = [o.token_ids for o in llm.generate(prompts, PARAMS)]
+            built[variant] = (str(target), str(head), prompts, want)
+        return built[variant]
+
+    return case
+
+
+@pytest.mark.parametrize("variant,k,page", [("llama4", 4, 16), ("gpt_oss", 1, 1), ("qwen3_moe", 4, 1)])
+def test_spec_greedy_equals_plain(make_llm, cases, variant, k, page):
+    case = cases(variant)
+    llm = spec_llm(make_llm, case, k, page)
+    assert [o.token_ids for o in llm.generate(case[2], PARAMS)] == case[3]
+    accept = llm.engine.stats()["spec"]["mean_accept_length"]
+    print(f"{variant} K={k} page={page}: mean accept length {accept}")
+    assert accept > 1.0
+    draft = llm.engine.runner.draft.draft  # the head under the oracle
+    assert draft.draft_vocab_size == (256 if variant == "gpt_oss" else 128)
+
+
+def test_llama4_head_mlp_width(tmp_path, cases):
+    """intermediate_size_mlp: by the checkpoint's MLP, else by model_type 'llama4_text', else refused naming both
+    keys; a head whose config names only one width uses it."""
+    target, head, _, _ = cases("llama4")
+    tcfg = ModelConfig.from_dir(target)
+    cfg = DraftConfig.from_dir(head, tcfg)
+    assert cfg.layer.intermediate_size == 96 and cfg.layer.hidden_size == 48 and cfg.target_hidden_size == 64
+    assert cfg.layer.rope_theta == 500000.0  # Llama4TextConfig's default theta
+    bare = tmp_path / "bare"  # the config alone (a dummy load): model_type says intermediate_size_mlp
+    bare.mkdir()
+    (bare / "config.json").write_text(Path(head, "config.json").read_text())
+    assert DraftConfig.from_dir(bare, tcfg).layer.intermediate_size == 96
+    llama_typed = {**read_config(bare), "model_type": "llama"}
+    (bare / "config.json").write_text(json.dumps(llama_typed))
+    with pytest.raises(ModelLoadError, match=r"intermediate_size=64 and intermediate_size_mlp=96 .*no MLP weights: "
+                                             r"ambiguous"):
+        DraftConfig.from_dir(bare, tcfg)
+    (Path(head) / "config.json").write_text(json.dumps(llama_typed))  # weights 96 wide tell, whatever the type
+    assert DraftConfig.from_dir(head, tcfg).layer.intermediate_size == 96
+    del llama_typed["intermediate_size_mlp"]
+    (bare / "config.json").write_text(json.dumps(llama_typed))
+    assert DraftConfig.from_dir(bare, tcfg).layer.intermediate_size == 64
+
+
+def test_gpt_oss_head_rope_defaults(tmp_path, cases):
+    """A gpt_oss-typed head without rope keys rotates as GptOssConfig's defaults say (YaRN, theta 150000); keys
+    it names win."""
+    target, head, _, _ = cases("gpt_oss")
+    tcfg = ModelConfig.from_dir(target)
+    cfg = DraftConfig.from_dir(head, tcfg)
+    assert cfg.layer.rope_theta == 150000.0 and cfg.layer.head_dim == 32
+    assert cfg.layer.rope_scaling["rope_type"] == "yarn" and cfg.layer.rope_scaling["factor"] == 32.0
+    d = tmp_path / "plain_rope"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**read_config(head), "rope_scaling": None, "rope_theta": 10000.0}))
+    cfg = DraftConfig.from_dir(d, tcfg)
+    assert cfg.layer.rope_scaling is None and cfg.layer.rope_theta == 10000.0
