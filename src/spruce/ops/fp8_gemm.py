@@ -176,8 +176,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
                 part = tl.dot(x, tl.trans(w.to(x.dtype)))
         elif BLOCK_M == 1:
             part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]  # [1, BN]
-        else:
-            part = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [BM, BN]
+        else:  # row by row: the widened tile [BN, BK] times each x row (reloaded, [BK]), into its acc row
+            wf = w.to(tl.float32)
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(BLOCK_M):
+                row_ok = (rk * 0 + i) < M  # [BK]
+                if not EVEN_K:
+                    row_ok = row_ok & (k < k_hi)
+                xi = tl.load(x_ptr + i * stride_xm + k, mask=row_ok, other=0.0)
+                pi = tl.sum(wf * xi.to(tl.float32)[None, :], axis=1)  # [BN]
+                part += tl.where(rm[:, None] == i, pi[None, :], 0.0)
         if ONE_GROUP:
             acc += part
         else:
