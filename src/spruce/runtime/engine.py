@@ -763,6 +763,9 @@ class Engine:
             return {
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
+                # the work held (SGLang's load): the running requests' tokens so far and the waiting prompts
+                "request_tokens": (sum(r.num_tokens for r in self.scheduler.running)
+                                   + sum(len(r.prompt_ids) for r in self.scheduler.waiting)),
                 "kv_pages_used": alloc.num_used,
                 "kv_pages_free": alloc.num_free,
                 "kv_pages_total": alloc.capacity,

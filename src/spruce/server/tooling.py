@@ -6,7 +6,11 @@
 - SGLang's `GET /server_info` (alias `/get_server_info`): server arguments plus `internal_states`, whose first
   entry's `avg_spec_accept_length` is what `sglang.bench_serving` reports as the accept length;
 - SGLang's `POST /flush_cache` (what `sglang.bench_serving --flush-cache` calls): drops every prefix-cache page
-  no running request holds.
+  no running request holds;
+- SGLang's `GET /model_info` (alias `/get_model_info`): the model's path, tokenizer path, `model_type` and
+  `architectures` (config.json), which SGLang's router reads when it registers a worker;
+- SGLang's `GET /get_load`: `[{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}]`, which SGLang's router
+  sums over `num_tokens` for its `/get_loads` view and its `power_of_two` policy.
 
 Everything comes from public Engine attributes (`tokenizer`, `vocab_size`, `limits`, `config`, `info()`) and
 from the metrics' snapshot of `Engine.stats()`, so no handler but /flush_cache waits on the engine lock.
@@ -15,9 +19,11 @@ from the metrics' snapshot of `Engine.stats()`, so no handler but /flush_cache w
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 
+from spruce.models.hf_config import read_json
 from spruce.server.protocol import (
     DetokenizeRequest, OpenAIError, TokenizeChatRequest, TokenizeCompletionRequest, parse_tool_request,
 )
@@ -33,12 +39,16 @@ def add_tooling_routes(app: FastAPI, api) -> None:
     app.get("/server_info")(tools.server_info)
     app.get("/get_server_info")(tools.server_info)
     app.post("/flush_cache")(tools.flush_cache)
+    app.get("/model_info")(tools.model_info)
+    app.get("/get_model_info")(tools.model_info)
+    app.get("/get_load")(tools.load)
 
 
 class _Tools:
     def __init__(self, api):
         self.api = api
         self.engine = api.engine
+        self._checkpoint_config: dict | None = None
 
     def tokenizer(self, param: str):
         tok = self.engine.tokenizer
@@ -83,6 +93,34 @@ class _Tools:
         self.api.authorize(request)
         freed = await asyncio.to_thread(self.engine.flush_cache)
         return {"flushed_pages": freed}
+
+    async def model_info(self, request: Request):
+        """SGLang's model info: paths as responses show them (see `shown_path`), and the checkpoint's
+        `model_type` and `architectures` as its config.json gives them (a text generation model: is_generation)."""
+        api = self.api
+        api.authorize(request)
+        cfg = self.engine.config
+        hf = await asyncio.to_thread(self.checkpoint_config)
+        return {"model_path": api.shown_path(cfg.model), "tokenizer_path": api.shown_path(cfg.tokenizer or cfg.model),
+                "served_model_name": api.model_name, "is_generation": True,
+                "model_type": hf.get("model_type"), "architectures": hf.get("architectures")}
+
+    def checkpoint_config(self) -> dict:
+        """The served checkpoint's config.json (read once: the engine loaded from it)."""
+        if self._checkpoint_config is None:
+            self._checkpoint_config = read_json(Path(self.engine.config.model) / "config.json", "model config")
+        return self._checkpoint_config
+
+    async def load(self, request: Request):
+        """SGLang's load report, one entry (spruce has one data-parallel rank per server): requests running and
+        waiting, and `num_tokens`, the work they hold: the running requests' tokens so far (prompt and output)
+        plus the waiting prompts. From the latest engine stats (taken after a step: at most STATS_INTERVAL_S old
+        while requests run)."""
+        self.api.authorize(request)
+        snap = self.api.loop.metrics.snapshot()
+        running, waiting = snap.get("running", 0), snap.get("waiting", 0)
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+                 "num_tokens": snap.get("request_tokens", 0)}]
 
     async def version(self):
         import spruce
