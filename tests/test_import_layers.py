@@ -1,10 +1,13 @@
-"""Layers import one way: no import cycle between spruce's top-level packages and modules.
+"""Layers import one way: no import cycle between spruce's top-level packages and modules, nor between any two of
+its modules.
 
 Every module under src/spruce is parsed (not imported); each `import spruce...` / `from spruce... import` (relative
 ones resolved, function-level ones included) is an edge between the top-level parts it joins: `spruce.runtime.engine`
 importing `spruce.models.llama` is the edge runtime -> models; `from spruce import LLM` is an edge to the root package
 `spruce` (its __init__), `from spruce import cli` to `cli`. Imports under `if TYPE_CHECKING:` are annotations, not
-imports, and are left out.
+imports, and are left out. The module graph has the same imports as edges between modules: `from spruce.models
+import loader` is an edge to spruce.models.loader, `from spruce.models import ModelConfig` to the package
+spruce.models (its __init__).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def _import_nodes(tree: ast.AST):
 def imported_modules(source: str, module: str, is_package: bool, src: Path = SRC) -> list[str]:
     """The spruce modules `module`'s source imports, relative imports resolved.
 
-    `from spruce import X` names the module spruce.X when src has one (X.py or X/), else the root package:
+    `from spruce.P import X` names the module spruce.P.X when src has one (X.py or X/), else spruce.P:
     >>> imported_modules("from . import cli", "spruce.bench.cli", False)
     ['spruce.bench.cli']
     """
@@ -65,14 +68,28 @@ def imported_modules(source: str, module: str, is_package: bool, src: Path = SRC
             target = ".".join(base + ([node.module] if node.module else []))
         else:
             target = node.module or ""
-        if target == ROOT:
-            found += [f"{ROOT}.{a.name}" if (src / a.name).is_dir() or (src / f"{a.name}.py").exists() else ROOT
-                      for a in node.names]
-        elif node.level and not node.module:  # from . import x: the submodule x of the package
+        if node.level and not node.module:  # from . import x: the submodule x of the package
             found += [f"{target}.{a.name}" for a in node.names]
         else:
-            found.append(target)
+            found += [f"{target}.{a.name}" if is_module(f"{target}.{a.name}", src) else target for a in node.names]
     return [m for m in found if m == ROOT or m.startswith(ROOT + ".")]
+
+
+def is_module(dotted: str, src: Path = SRC) -> bool:
+    """Whether `dotted` (spruce.a.b) is a module or package under `src`."""
+    path = src.parent.joinpath(*dotted.split("."))
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
+def module_graph(src: Path = SRC) -> dict[str, dict[str, str]]:
+    """{module: {imported module: the file that imports it}} over every module under `src`."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted(src.rglob("*.py")):
+        module, is_package = module_name(path, src)
+        for target in imported_modules(path.read_text(), module, is_package, src):
+            if target != module:
+                graph.setdefault(module, {}).setdefault(target, str(path.relative_to(src.parent)))
+    return graph
 
 
 def import_graph(src: Path = SRC) -> dict[str, dict[str, str]]:
@@ -121,6 +138,29 @@ def test_no_import_cycle_between_top_level_parts():
     assert {"runtime", "models", "server", "cli"} <= set(graph), "the walk found too few modules: paths wrong?"
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle between spruce's top-level parts: {describe(cycle, graph)}"
+
+
+def test_no_import_cycle_between_modules():
+    """Within a part too, modules import one way (e.g. models/eagle.py and models/loader.py both read checkpoints
+    through models/checkpoint_files.py, neither through the other)."""
+    graph = module_graph()
+    assert {"spruce.models.loader", "spruce.models.eagle"} <= set(graph), "the walk found too few modules"
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle between spruce's modules: {describe(cycle, graph)}"
+
+
+def test_the_module_walk_finds_a_cycle_inside_one_part(tmp_path):
+    """`from spruce.m import x` (x a module) and an import inside a function make a cycle of two modules of one
+    part, which the part graph cannot see."""
+    src = tmp_path / "spruce"
+    (src / "m").mkdir(parents=True)
+    (src / "m" / "__init__.py").write_text("")
+    (src / "m" / "x.py").write_text("def f():\n    from spruce.m import y\n")
+    (src / "m" / "y.py").write_text("from spruce.m.x import f\nfrom spruce.m import NAME\n")
+    graph = module_graph(src)
+    assert find_cycle(graph) == ["spruce.m.x", "spruce.m.y", "spruce.m.x"]
+    assert graph["spruce.m.y"] == {"spruce.m.x": "spruce/m/y.py", "spruce.m": "spruce/m/y.py"}
+    assert find_cycle(import_graph(src)) is None
 
 
 def test_the_walk_finds_a_cycle_through_relative_and_function_level_imports(tmp_path):
