@@ -45,6 +45,24 @@ def test_scaled_mm_and_triton_gemm_equal_the_emulation(m, n, k):
             assert rel(got, want) < 0.01
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_every_decode_gemm_candidate_runs_and_equals_the_emulation(m):
+    """ops/fp8_select's candidates at the 8B o_proj shape and a ragged one: each Triton one runs and matches the
+    float32 emulation (measure() records 'wrong' / 'failed' otherwise); torch's matmuls may be unavailable."""
+    from spruce.ops import fp8
+    from spruce.ops.fp8_select import measure, pick
+
+    w = torch.randn(4096, 4096, device="cuda") * 0.02
+    q, blocks = fp8.quantize_blocks(w)
+    for (weight, scale), group in (((q, fp8.block_scale_rows(blocks, 4096)), 128), (fp8.quantize_rows(w), None),
+                                   (fp8.quantize_rows(w[:1000, :1040]), None)):
+        times = measure(weight, scale, group, None, m)
+        bad = {c: t for c, t in times.items() if isinstance(t, str) and not t.startswith("skipped")
+               and not c.startswith("scaled_mm")}
+        assert not bad, bad
+        assert pick(times) is not None, times
+
+
 def test_fp8_experts_on_the_device_equal_the_reference():
     from spruce.ops.fp8 import dequantize, fp8_moe, quantize_rows
     from spruce.ops.moe import fused_moe_reference
@@ -95,9 +113,10 @@ def test_spec_equals_plain_on_fp8_targets_with_graphs(make_llm, fp8_targets, tmp
 
 
 def test_per_channel_at_load_equals_the_per_channel_checkpoint(make_llm, fp8_targets, tmp_path):
-    """The same weights and per-row scales either way (the test writer's amax / 448), so the same tokens."""
+    """The same weights and per-row scales either way (the test writer's amax / 448 of the float32 weights), so
+    the same tokens; in float32, since quantizing at load from bf16 weights rounds them first."""
     src = fp8_targets["llama-bf16"]
     channel = write_fp8_checkpoint(src, tmp_path / "c", tmp_path / "c-twin", "channel")[0]
-    common = dict(device="cuda", dtype="bfloat16", page_size=16)
+    common = dict(device="cuda", dtype="float32", page_size=16)
     at_load = [o.token_ids for o in make_llm(src, quantization="fp8", **common).generate(TOKENS, PARAMS)]
     assert at_load == [o.token_ids for o in make_llm(channel, **common).generate(TOKENS, PARAMS)]
