@@ -192,11 +192,10 @@ def grouped_decode_kernel(
     split = tl.program_id(2)
     t = tl.load(qo_indptr + b)
     if t < tl.load(qo_indptr + b + 1):
-        group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
         row = tl.load(req_rows + b).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
-        h_valid = offs_h < group
-        head = kv_head * group + offs_h  # [BLOCK_H]
+        h_valid = offs_h < NUM_HEADS // NUM_KV_HEADS  # the kv head's query heads: GROUP rows of BLOCK_H
+        head = kv_head * (NUM_HEADS // NUM_KV_HEADS) + offs_h  # [BLOCK_H]
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
         q = tl.load(q_ptr + t.to(tl.int64) * q_stride + head[:, None] * HEAD_DIM + offs_d[None, :],
