@@ -65,11 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) 
                    help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
                         "bucket); 0: every prefill runs eagerly")
     p.add_argument("--speculative-algorithm", default=None, type=str.upper,
-                   choices=["EAGLE", "EAGLE3", "NEXTN", "MTP"],
+                   choices=["EAGLE", "EAGLE3", "NEXTN", "MTP", "STANDALONE"],
                    help="any case; NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft "
-                        "path needed)")
+                        "path needed); STANDALONE: the draft path is a small causal LM with the target's vocabulary")
     p.add_argument("--speculative-config", default=None, type=_json_object, metavar="JSON",
-                   help="vLLM's speculative settings as JSON: method (eagle, eagle3, mtp, deepseek_mtp), model, "
+                   help="vLLM's speculative settings as JSON: method (eagle, eagle3, mtp, deepseek_mtp, draft_model), "
+                        "model, "
                         "num_speculative_tokens (a chain of that many drafts unless eagle_topk / num_draft_tokens "
                         "make a tree), draft_tensor_parallel_size (the target's), rejection_sample_method "
                         "(standard, or synthetic with synthetic_acceptance_length or synthetic_acceptance_rates)")
@@ -168,6 +169,9 @@ def draft_path(args: argparse.Namespace) -> str | None:
         return args.speculative_draft_model_path
     if (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"):
         return None  # the target's own MTP layers
+    if (args.speculative_algorithm or "").upper() == "STANDALONE":
+        raise ConfigError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DRAFT (a small "
+                          "causal LM with the target's vocabulary)")
     if args.model is None and builtin_draft_path().exists():
         return str(builtin_draft_path())
     if given:
@@ -251,7 +255,7 @@ def config_file_args(path: str, flags: dict, error) -> list[str]:
 
 # vLLM's --speculative-config: method names, and the engine flag each key sets
 SPEC_CONFIG_METHODS = {"eagle": "EAGLE", "eagle3": "EAGLE3", "mtp": "NEXTN", "deepseek_mtp": "NEXTN",
-                       "nextn": "NEXTN"}
+                       "nextn": "NEXTN", "draft_model": "STANDALONE"}
 SPEC_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
                      "num_speculative_tokens": "speculative_num_steps", "eagle_topk": "speculative_eagle_topk",
                      "num_draft_tokens": "speculative_num_draft_tokens",

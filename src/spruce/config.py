@@ -13,7 +13,8 @@ from pathlib import Path
 from spruce.attention import registry as attention_registry
 from spruce.errors import ConfigError
 
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # NEXTN: the checkpoint's own MTP layers (alias MTP)
+# NEXTN: the checkpoint's own MTP layers (alias MTP); STANDALONE: a separate causal LM with the target's vocabulary
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")

@@ -59,6 +59,9 @@ class Limits:
     eagle_topk: int = 0  # K
     num_draft_tokens: int = 0  # N (tree size, root included)
     narrower_widths: tuple[int, ...] = ()  # adaptive speculation: verify widths N' < N its rounds may run, ascending
+    # positions at and past the committed length the draft's KV holds: a draft LM (STANDALONE) caches its next root
+    # (1); an EAGLE head, whose slot p pairs the target's feature at p with the token at p+1, none (0)
+    draft_ahead: int = 0
     graph_max_bs: int = 0  # largest CUDA-graph bucket (0: no graphs)
     prefill_graph_max_tokens: int = 0  # largest token bucket of the prefill CUDA graphs (0: prefills run eagerly)
     overlap: bool = False  # overlap scheduling: one step may be in flight while the next is planned
@@ -95,7 +98,7 @@ class Limits:
     def lookahead(self) -> int:
         """Positions past the host-known committed length that pages must cover before a decode step."""
         per_step = 1 if "spec_page_lookahead" in self.reverted_fixes else self.step_advance
-        return per_step * self.steps_ahead
+        return per_step * self.steps_ahead + self.draft_ahead
 
     @cached_property
     def num_candidates(self) -> int:
@@ -139,10 +142,11 @@ class Limits:
 
     @cached_property
     def draft_extend_stride(self) -> int:
-        """Uniform per-request token stride of DRAFT_EXTEND after verify: at most S+1 committed tokens."""
+        """Uniform per-request token stride of DRAFT_EXTEND after verify: at most S+1 committed tokens (a draft LM:
+        the root, the accepted drafts and the bonus, S+2)."""
         if "draft_extend_stride" in self.reverted_fixes:
             return self.num_draft_tokens
-        return self.num_steps + 1
+        return self.num_steps + 1 + self.draft_ahead
 
     # --- paged cache -------------------------------------------------------------------------------------
     @cached_property
@@ -177,7 +181,8 @@ class Limits:
         r = self.max_running_requests
         widths = [self.chunked_prefill_size, r]
         if self.speculative:
-            widths += [r * self.num_draft_tokens, r * self.eagle_topk, r * self.draft_extend_stride]
+            widths += [r * self.num_draft_tokens, r * self.eagle_topk, r * self.draft_extend_stride,
+                       self.chunked_prefill_size + r * self.draft_ahead]  # a draft LM's prefill: + each new token
         return max(widths)
 
     @cached_property
@@ -263,7 +268,8 @@ class Limits:
         sized = Limits(  # every width but the pool's, which is sized by what its running requests can hold
             max_running_requests=r, page_size=ps, context_length=ctx, num_pages=2,
             chunked_prefill_size=config.chunked_prefill_size, num_steps=s, eagle_topk=k, num_draft_tokens=n,
-            narrower_widths=narrower, graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
+            narrower_widths=narrower, draft_ahead=1 if spec is not None and spec.algorithm == "STANDALONE" else 0,
+            graph_max_bs=graph_max_bs, prefill_graph_max_tokens=prefill_graph_max_tokens,
             overlap=not config.disable_overlap_schedule,
             reverted_fixes=frozenset(reverted_fixes),
         )

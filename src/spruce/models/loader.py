@@ -87,8 +87,9 @@ def _finish_quantization(model, scheme, cfg: ModelConfig, dtype: torch.dtype) ->
 
 
 def draft_aux_layers(spec, target_config: ModelConfig) -> tuple[int, ...]:
-    """Target layers whose residual stream the draft reads (EAGLE-3's aux features; none for EAGLE and MTP)."""
-    if spec.algorithm == "NEXTN":
+    """Target layers whose residual stream the draft reads (EAGLE-3's aux features; none for EAGLE, MTP and a
+    draft LM)."""
+    if spec.algorithm in ("NEXTN", "STANDALONE"):
         return ()
     from spruce.models.eagle import DraftConfig
 
@@ -97,9 +98,13 @@ def draft_aux_layers(spec, target_config: ModelConfig) -> tuple[int, ...]:
 
 def load_draft(spec, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
                show_progress: bool = False, load_format: str = "auto"):
-    """The draft `spec` (a SpeculativeConfig) names: MTP layers for NEXTN, else an EAGLE or EAGLE-3 head."""
+    """The draft `spec` (a SpeculativeConfig) names: MTP layers for NEXTN, a causal LM for STANDALONE, else an EAGLE
+    or EAGLE-3 head."""
     if spec.algorithm == "NEXTN":
         return load_mtp_draft(spec.draft_model, target_config, dtype, device, backend, show_progress, load_format)
+    if spec.algorithm == "STANDALONE":
+        return load_standalone_draft(spec.draft_model, target_config, dtype, device, backend, show_progress,
+                                     load_format)
     return load_eagle_draft(spec.draft_model, target_model, target_config, dtype, device, backend, show_progress,
                             load_format)
 
@@ -120,6 +125,17 @@ def load_mtp_draft(path, target_config: ModelConfig, dtype: torch.dtype, device:
             model.load_weights(iter_tensors(path, show_progress, "loading MTP layers"), str(path))
             _finish_quantization(model, scheme, cfg, dtype)
     return model.eval().requires_grad_(False)
+
+
+def load_standalone_draft(path, target_config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
+                          show_progress: bool = False, load_format: str = "auto"):
+    """A separate causal LM with the target's vocabulary (models/standalone.py), whole on every tensor-parallel
+    rank; ConfigError if its vocabulary differs."""
+    from spruce.models.standalone import StandaloneDraft, check_same_vocabulary
+
+    check_same_vocabulary(ModelConfig.from_dir(path), target_config, path)
+    model = load_target(path, dtype, device, backend, show_progress=show_progress, load_format=load_format)
+    return StandaloneDraft(model).eval().requires_grad_(False)
 
 
 def load_eagle_draft(path, target_model, target_config: ModelConfig, dtype: torch.dtype, device: torch.device,

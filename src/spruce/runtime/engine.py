@@ -431,7 +431,8 @@ class Engine:
         """One decode step (speculative round) for `reqs`, whose pages cover `lookahead` positions ahead."""
         advance = self.limits.step_advance
         rows = [q.row for q in reqs]
-        ends = [q.committed + (q.inflight + 1) * advance for q in reqs]
+        # the positions the step may write, after those in flight (a draft LM's KV also holds the next root)
+        ends = [q.committed + (q.inflight + 1) * advance + self.limits.draft_ahead for q in reqs]
         # always-on: the pages cover every position the step, after those in flight, may write
         self.runner.page_table.check_covers_rows(rows, ends, "decode step")
         strategy = self.strategy.choose(reqs)  # adaptive speculation: a round or a plain step

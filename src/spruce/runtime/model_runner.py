@@ -46,13 +46,13 @@ logger = logging.getLogger("spruce")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_tree_fits_window(spec, cfg: ModelConfig) -> None:
+def check_tree_fits_window(spec, cfg: ModelConfig, what: str = "the target") -> None:
     """A tree node at depth d (<= speculative_num_steps) sees its ancestors, the d positions before it, whole
     (attention/torch_backend.key_mask): exact only if they all lie in every sliding window, so S < window."""
     window = cfg.sliding_window
     if spec is None or window is None or not cfg.needs_windows or spec.num_steps < window:
         return
-    raise ConfigError(f"speculative_num_steps={spec.num_steps} must be below the target's sliding_window={window} "
+    raise ConfigError(f"speculative_num_steps={spec.num_steps} must be below {what}'s sliding_window={window} "
                       f"(a draft tree's ancestors must lie inside every window)")
 
 
@@ -78,7 +78,9 @@ class ModelRunner:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
                                     show_progress=config.show_progress, load_format=config.load_format)
             dc = self.draft.attention_config
-            self.backend.check_model(head_dim=dc.head_dim, mla=dc.mla is not None, what="the draft")
+            self.backend.check_model(head_dim=dc.head_dim, mla=dc.mla is not None, window=dc.needs_windows,
+                                     chunk=dc.needs_chunks, what="the draft")
+            check_tree_fits_window(spec, dc, "the draft")
         mc = self.model_config
         self.target_pool_config = self._rank_attention_config(mc)
         # the target's KV cache dtype: the model's, or FP8 (models scale what they store, ops/fp8.py)

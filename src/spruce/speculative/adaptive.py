@@ -141,6 +141,8 @@ class DraftedPlain(PlainDecoding):
         self.ones = torch.ones(lim.max_running_requests, **i64)  # [R]: one pair a row
 
     def target_hidden(self, batch, P: int) -> torch.Tensor:
+        if not self.features.shape[-1]:  # a draft that reads no target features (a draft LM)
+            return super().target_hidden(batch, P)
         hidden, aux = self.runner.target_forward(batch)
         self.features[:P, 0] = self.runner.target_features(hidden, aux)
         return hidden
@@ -154,11 +156,13 @@ class DraftedPlain(PlainDecoding):
 
     def _extend_phase(self, P: int, max_kv: int) -> None:
         """Pair (feature at p, token at p + 1) at each row's position p = committed - 1 (the rows' state is past
-        the step's token); the row's step-0 top-K from it."""
+        the step's token; a draft LM, Limits.draft_ahead: the token at its own position, committed); the row's
+        step-0 top-K from it."""
         r, rows = self.runner, self.rows[:P]
         committed, token = r.row_state.gather(rows)  # [P] each (padding rows: 0, 0)
         self.tokens[:P, 0] = token
-        ext = r.builder.draft_extend(rows, (committed - 1).clamp(min=0), self.ones[:P], self.tokens[:P], max_kv)
+        start = (committed - 1 + r.limits.draft_ahead).clamp(min=0)
+        ext = r.builder.draft_extend(rows, start, self.ones[:P], self.tokens[:P], max_kv)
         h = r.draft_forward(ext, self.features[:P].reshape(P * self.stride, self.features.shape[-1]))
         self.worker.store_step0(rows, h.view(P, self.stride, h.shape[-1])[:, 0])  # h: [P*(S+1), Hd]
 

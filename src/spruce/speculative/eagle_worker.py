@@ -295,15 +295,10 @@ class EagleWorker(DecodeStrategy):
         r.target_kv.copy_slots(src.reshape(-1), dst.reshape(-1))
 
         width = tree.tokens.shape[1]
-        feats = verified.features.view(P, width, verified.features.shape[-1])
-        path_feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [P, S+1, F]
         path_tokens = tree.tokens.gather(1, path)  # [P, S+1]
         next_tokens = torch.cat([path_tokens[:, 1:], bonus[:, None]], dim=1)  # token at p+1 for each p
         next_tokens = torch.where(steps == accept_lens[:, None], bonus[:, None], next_tokens)
-        ext = r.builder.draft_extend(rows, committed, accept_lens + 1, next_tokens, max_kv)
-        h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), feats.shape[-1]))  # [P*(S+1), Hd]
-        last = h.view(P, self.S + 1, h.shape[-1]).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
-        self.store_step0(rows, last[:, 0])
+        self._extend_draft_after_verify(P, max_kv, verified, next_tokens)
         r.row_state.set(rows, committed + accept_lens + 1, bonus)
         columns = [accept_lens[:, None], next_tokens]
         if lim.narrower_widths:
@@ -311,6 +306,20 @@ class EagleWorker(DecodeStrategy):
             columns += [(accepted_within(path_ranks, accept_lens, w) if w < width else accept_lens)[:, None]
                         for w in lim.narrower_widths]
         return torch.cat(columns, dim=1)
+
+    def _extend_draft_after_verify(self, P: int, max_kv: int, verified: Verified, next_tokens: torch.Tensor) -> None:
+        """Bring the draft's KV up to the accepted path and store the rows' step-0 top-K: pairs (target feature at
+        p, token at p+1) for p = committed .. committed + accept_len. next_tokens [P, S+1]: the token after each
+        path node (the accepted nodes', then the bonus; padding past accept_len)."""
+        r, rows, committed = self.runner, self.rows[:P], self.committed[:P]
+        accept_lens, path = self.accept_lens[:P], self.path[:P]
+        width = verified.tree.tokens.shape[1]
+        feats = verified.features.view(P, width, verified.features.shape[-1])
+        path_feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))  # [P, S+1, F]
+        ext = r.builder.draft_extend(rows, committed, accept_lens + 1, next_tokens, max_kv)
+        h = r.draft_forward(ext, path_feats.reshape(P * (self.S + 1), feats.shape[-1]))  # [P*(S+1), Hd]
+        last = h.view(P, self.S + 1, h.shape[-1]).gather(1, accept_lens[:, None, None].expand(-1, 1, h.shape[-1]))
+        self.store_step0(rows, last[:, 0])
 
     def _draft(self, rows: torch.Tensor, committed: torch.Tensor, max_kv: int) -> DraftCandidates:
         """S steps of top-K expansion. Step 0 is the stored top-K; step j runs the draft (its layer for step j:

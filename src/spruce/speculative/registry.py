@@ -10,14 +10,19 @@ from spruce.runtime.strategy import DecodeStrategy, PlainDecoding
 
 
 def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy:
-    """EAGLE (EAGLE, EAGLE-3, NEXTN) when a draft is loaded, else plain decoding; `adaptive`: per decode step the
-    EAGLE worker's round or a plain step, whichever is expected to commit more tokens per second
-    (speculative/adaptive.py)."""
+    """EAGLE (EAGLE, EAGLE-3, NEXTN) or a draft LM (STANDALONE) when a draft is loaded, else plain decoding;
+    `adaptive`: per decode step the worker's round or a plain step, whichever is expected to commit more tokens per
+    second (speculative/adaptive.py)."""
     if runner.draft is None:
         return PlainDecoding(runner)
     from spruce.speculative.eagle_worker import EagleWorker
 
-    worker = EagleWorker(runner, debug=debug)
+    if runner.config.speculative.algorithm == "STANDALONE":
+        from spruce.speculative.draft_model import DraftModelWorker
+
+        worker = DraftModelWorker(runner, debug=debug)
+    else:
+        worker = EagleWorker(runner, debug=debug)
     if not adaptive:
         return worker
     from spruce.speculative.adaptive import AdaptiveDecoding
