@@ -110,7 +110,11 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, group_k: int | None) -
 
 def _scaled_mm_linear(x, weight, scale, bias, input_scale):
     """x [T, K] -> [T, N] through torch._scaled_mm: per-token (or static per-tensor) x scales, per-row w scales."""
-    if input_scale is None:
+    if input_scale is None and HAS_TRITON:
+        from spruce.ops.fp8_gemm import quantize_activations
+
+        xq, x_scale = quantize_activations(x)  # one launch, the values of quantize_per_token
+    elif input_scale is None:
         xq, x_scale = quantize_per_token(x)
     else:
         x_scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
