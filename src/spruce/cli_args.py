@@ -65,16 +65,24 @@ def add_engine_args(p: argparse.ArgumentParser, engine_seed_alias: bool = True) 
                    help="prefill batches of at most this many new tokens replay CUDA graphs (padded up to a token "
                         "bucket); 0: every prefill runs eagerly")
     p.add_argument("--speculative-algorithm", default=None, type=str.upper,
-                   choices=["EAGLE", "EAGLE3", "NEXTN", "MTP", "STANDALONE"],
+                   choices=["EAGLE", "EAGLE3", "NEXTN", "MTP", "STANDALONE", "NGRAM"],
                    help="any case; NEXTN (alias MTP): draft with the target checkpoint's own MTP layers (no draft "
-                        "path needed); STANDALONE: the draft path is a small causal LM with the target's vocabulary")
+                        "path needed); STANDALONE: the draft path is a small causal LM with the target's vocabulary; "
+                        "NGRAM: drafts copied from the prompt and output (prompt lookup), no draft model")
     p.add_argument("--speculative-config", default=None, type=_json_object, metavar="JSON",
                    help="vLLM's speculative settings as JSON: method (eagle, eagle3, mtp, deepseek_mtp, draft_model), "
                         "model, "
                         "num_speculative_tokens (a chain of that many drafts unless eagle_topk / num_draft_tokens "
                         "make a tree), draft_tensor_parallel_size (the target's), rejection_sample_method "
-                        "(standard, or synthetic with synthetic_acceptance_length or synthetic_acceptance_rates)")
+                        "(standard, or synthetic with synthetic_acceptance_length or synthetic_acceptance_rates); "
+                        "method ngram with prompt_lookup_min / prompt_lookup_max")
     p.add_argument("--speculative-draft-model-path", default=None)
+    p.add_argument("--speculative-prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="NGRAM: the shortest n-gram ending the context that is looked up in it (vLLM's "
+                        "prompt_lookup_min; default: the max, or 5)")
+    p.add_argument("--speculative-prompt-lookup-max", type=int, default=None, metavar="N",
+                   help="NGRAM: the longest n-gram looked up; the longest that occurred earlier wins, its earliest "
+                        "occurrence proposes the tokens after it (vLLM's prompt_lookup_max; default: the min, or 5)")
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
@@ -147,7 +155,7 @@ SPECULATIVE_FLAGS = ("speculative_algorithm", "speculative_draft_model_path", "s
                      "speculative_eagle_topk", "speculative_num_draft_tokens",
                      "speculative_synthetic_acceptance_length", "speculative_synthetic_acceptance_rates",
                      "speculative_adaptive",
-                     "speculative_adaptive_widths")
+                     "speculative_adaptive_widths", "speculative_prompt_lookup_min", "speculative_prompt_lookup_max")
 
 
 def _flag(dest: str) -> str:
@@ -167,8 +175,8 @@ def draft_path(args: argparse.Namespace) -> str | None:
         return None
     if args.speculative_draft_model_path is not None:
         return args.speculative_draft_model_path
-    if (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"):
-        return None  # the target's own MTP layers
+    if (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP", "NGRAM"):
+        return None  # the target's own MTP layers; NGRAM loads no draft
     if (args.speculative_algorithm or "").upper() == "STANDALONE":
         raise ConfigError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path DRAFT (a small "
                           "causal LM with the target's vocabulary)")
@@ -255,12 +263,14 @@ def config_file_args(path: str, flags: dict, error) -> list[str]:
 
 # vLLM's --speculative-config: method names, and the engine flag each key sets
 SPEC_CONFIG_METHODS = {"eagle": "EAGLE", "eagle3": "EAGLE3", "mtp": "NEXTN", "deepseek_mtp": "NEXTN",
-                       "nextn": "NEXTN", "draft_model": "STANDALONE"}
+                       "nextn": "NEXTN", "draft_model": "STANDALONE", "ngram": "NGRAM"}
 SPEC_CONFIG_FLAGS = {"method": "speculative_algorithm", "model": "speculative_draft_model_path",
                      "num_speculative_tokens": "speculative_num_steps", "eagle_topk": "speculative_eagle_topk",
                      "num_draft_tokens": "speculative_num_draft_tokens",
                      "synthetic_acceptance_length": "speculative_synthetic_acceptance_length",
-                     "synthetic_acceptance_rates": "speculative_synthetic_acceptance_rates"}
+                     "synthetic_acceptance_rates": "speculative_synthetic_acceptance_rates",
+                     "prompt_lookup_min": "speculative_prompt_lookup_min",
+                     "prompt_lookup_max": "speculative_prompt_lookup_max"}
 SPEC_CONFIG_KEYS = (*SPEC_CONFIG_FLAGS, "draft_tensor_parallel_size", "rejection_sample_method")
 
 
@@ -325,9 +335,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from parsed engine flags (the device, `auto` dtype and running requests left to
     LLM's defaults when not given: spruce.config.resolve_device / resolve_dtype / resolve_max_running_requests)."""
     draft = draft_path(args)
-    # speculation is on with a draft path, or with NEXTN alone (the target's own MTP layers)
+    # speculation is on with a draft path, or with NEXTN alone (the target's own MTP layers), or NGRAM (no draft)
     spec = draft is not None or (not args.disable_speculative
-                                 and (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP"))
+                                 and (args.speculative_algorithm or "").upper() in ("NEXTN", "MTP", "NGRAM"))
     return dict(
         model=args.model, tokenizer=args.tokenizer_path, device=args.device, dtype=args.dtype,
         attention_backend=args.attention_backend, page_size=args.page_size,
@@ -344,6 +354,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_synthetic_acceptance_rates=args.speculative_synthetic_acceptance_rates if spec else None,
         speculative_adaptive=bool(spec and args.speculative_adaptive),
         speculative_adaptive_widths=tuple(args.speculative_adaptive_widths or ()) if spec else (),
+        speculative_prompt_lookup_min=args.speculative_prompt_lookup_min if spec else None,
+        speculative_prompt_lookup_max=args.speculative_prompt_lookup_max if spec else None,
         load_format=args.load_format, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         seed=args.random_seed, show_progress=True, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_radix_cache=args.disable_radix_cache, tp_size=args.tp_size, mixed_steps=not args.disable_mixed_steps,

@@ -14,7 +14,7 @@ from spruce.attention import registry as attention_registry
 from spruce.errors import ConfigError
 
 # NEXTN: the checkpoint's own MTP layers (alias MTP); STANDALONE: a separate causal LM with the target's vocabulary
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")  # NGRAM: drafts copied from the context
 ALGORITHM_ALIASES = {"MTP": "NEXTN"}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -26,6 +26,8 @@ MAX_NUM_STEPS = MAX_DRAFT_TOKENS - 1  # speculative_num_steps upper bound: the d
 # SGLang's defaults when only a draft path is given: (steps, topk, draft tokens); NEXTN's are its DeepSeek ones.
 DEFAULT_SPECULATIVE = (5, 4, 8)
 DEFAULT_NEXTN = (3, 1, 4)
+DEFAULT_NGRAM = (5, 1, 6)  # a chain of 5 (vLLM's documented num_speculative_tokens); topk > 1 makes a trie
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given (one given: the other equals it)
 
 
 def builtin_model_path() -> Path:
@@ -177,7 +179,7 @@ class SpeculativeConfig:
     """EAGLE tree drafting settings. S = num_steps, K = eagle_topk, N = num_draft_tokens (root included)."""
 
     algorithm: str
-    draft_model: str
+    draft_model: str | None  # None: NGRAM, which loads no draft
     num_steps: int
     eagle_topk: int
     num_draft_tokens: int
@@ -187,6 +189,9 @@ class SpeculativeConfig:
     # verified (speculative/synthetic.py); the mean length a user asked for, if that is how they were given
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     synthetic_acceptance_length: float | None = None
+    # NGRAM (speculative/ngram.py): the n-gram lengths matched at the end of the context, vLLM's names
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.adaptive, bool):
@@ -218,6 +223,37 @@ class SpeculativeConfig:
                 f"produce only K + (S-1)*K*K = {self.num_candidates}; lower num_draft_tokens or raise steps/topk"
             )
         self._check_synthetic()
+        self._check_ngram()
+
+    @property
+    def loads_draft(self) -> bool:
+        """Whether a draft model is loaded (NGRAM drafts from the request's own tokens)."""
+        return self.algorithm != "NGRAM"
+
+    def _check_ngram(self) -> None:
+        lookup = (("prompt_lookup_min", self.prompt_lookup_min), ("prompt_lookup_max", self.prompt_lookup_max))
+        if self.algorithm != "NGRAM":
+            given = [name for name, v in lookup if v is not None]
+            if given:
+                raise ConfigError(f"{'/'.join(given)} apply to speculative_algorithm='NGRAM' only, got "
+                                  f"{self.algorithm!r}")
+            return
+        for name, v in lookup:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1 (an n-gram length), got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max="
+                              f"{self.prompt_lookup_max}")
+        if self.draft_model is not None:
+            raise ConfigError(f"speculative_algorithm='NGRAM' drafts from the request's own tokens and loads no draft "
+                              f"model, got draft_model={self.draft_model!r}")
+        if self.adaptive:
+            raise ConfigError("speculative_adaptive is not supported with speculative_algorithm='NGRAM'")
+        s, k, n = self.num_steps, self.eagle_topk, self.num_draft_tokens
+        if n - 1 > k * s:
+            raise ConfigError(f"speculative_num_draft_tokens={n} needs {n - 1} draft nodes, but NGRAM's topk={k} "
+                              f"continuations of steps={s} tokens make at most K*S = {k * s}; lower num_draft_tokens "
+                              f"or raise steps/topk")
 
     @property
     def num_candidates(self) -> int:
@@ -388,13 +424,19 @@ def make_speculative_config(
     adaptive_widths: tuple[int, ...] | list[int] | None = None,
     synthetic_acceptance_length: float | None = None,
     synthetic_acceptance_rates: tuple[float, ...] | list[float] | None = None,
+    prompt_lookup_min: int | None = None,
+    prompt_lookup_max: int | None = None,
 ) -> SpeculativeConfig | None:
     """Build the speculative settings from user flags, filling SGLang's defaults where only a draft is given.
 
     NEXTN (alias MTP) without a draft path takes the MTP layers of the target `model` itself. `adaptive`:
     choose per decode step between these rounds and plain steps; `adaptive_widths`: narrower verify trees (N' < N)
     it may also run. `synthetic_acceptance_length` or `synthetic_acceptance_rates` (at most one; a benchmark
-    setting): accept drafts at those rates instead of verifying them (speculative/synthetic.py)."""
+    setting): accept drafts at those rates instead of verifying them (speculative/synthetic.py).
+    NGRAM loads no draft: `prompt_lookup_min` / `_max` default as vLLM's (5 and 5; one given, the other equals it)."""
+    if algorithm is None and draft_model is None and (prompt_lookup_min, prompt_lookup_max) != (None, None):
+        raise ConfigError(f"prompt_lookup_min={prompt_lookup_min!r} / prompt_lookup_max={prompt_lookup_max!r} need "
+                          f"speculative_algorithm='NGRAM'")
     if algorithm is None and draft_model is None:
         synthetic_given = (synthetic_acceptance_length, synthetic_acceptance_rates)
         if (any(v is not None for v in (num_steps, eagle_topk, num_draft_tokens, *synthetic_given))
@@ -413,24 +455,33 @@ def make_speculative_config(
         raise ConfigError(f"speculative_algorithm must be a string, got {algorithm!r}")
     if algorithm is not None:
         algorithm = ALGORITHM_ALIASES.get(algorithm.upper(), algorithm.upper())
-    if draft_model is None:
+    if draft_model is None and algorithm != "NGRAM":
         if algorithm != "NEXTN" or model is None:
             raise ConfigError(f"speculative_algorithm={algorithm!r} needs a draft model (draft_model=PATH); only "
                               f"'NEXTN' (alias 'MTP') drafts with the target's own layers")
         draft_model = model
     if algorithm is None:
         algorithm = _guess_algorithm(draft_model)
-    s_def, k_def, n_def = DEFAULT_NEXTN if algorithm == "NEXTN" else DEFAULT_SPECULATIVE
+    s_def, k_def, n_def = {"NEXTN": DEFAULT_NEXTN, "NGRAM": DEFAULT_NGRAM}.get(algorithm, DEFAULT_SPECULATIVE)
     s = s_def if num_steps is None else num_steps
     k = k_def if eagle_topk is None else eagle_topk
-    if num_draft_tokens is None:
+    if num_draft_tokens is None and algorithm == "NGRAM":  # the whole trie of K continuations
+        n = min(1 + k * s, MAX_DRAFT_TOKENS) if isinstance(k, int) and isinstance(s, int) else n_def
+    elif num_draft_tokens is None:
         n = s + 1 if k == 1 else min(n_def, 1 + draft_candidates(s, k))
     else:
         n = num_draft_tokens
     widths = tuple(adaptive_widths) if isinstance(adaptive_widths, (list, tuple)) else adaptive_widths
     rates = resolve_rates(s, synthetic_acceptance_rates, synthetic_acceptance_length)
-    return SpeculativeConfig(algorithm, str(draft_model), s, k, n, adaptive, () if widths is None else widths,
-                             synthetic_acceptance_rates=rates, synthetic_acceptance_length=synthetic_acceptance_length)
+    if algorithm == "NGRAM" and prompt_lookup_min is None and prompt_lookup_max is None:
+        prompt_lookup_min = prompt_lookup_max = DEFAULT_PROMPT_LOOKUP
+    elif algorithm == "NGRAM":
+        prompt_lookup_min = prompt_lookup_max if prompt_lookup_min is None else prompt_lookup_min
+        prompt_lookup_max = prompt_lookup_min if prompt_lookup_max is None else prompt_lookup_max
+    return SpeculativeConfig(algorithm, None if draft_model is None else str(draft_model), s, k, n, adaptive,
+                             () if widths is None else widths, synthetic_acceptance_rates=rates,
+                             synthetic_acceptance_length=synthetic_acceptance_length,
+                             prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
 
 
 def _guess_algorithm(draft_model: str) -> str:

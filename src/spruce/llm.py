@@ -28,6 +28,10 @@ class LLM:
     `speculative_synthetic_acceptance_length=L` (or per-depth `speculative_synthetic_acceptance_rates`), a benchmark
     setting: drafts are accepted at those rates instead of verified, so outputs are NOT the target's
     (speculative/synthetic.py).
+    `speculative_algorithm="NGRAM"` drafts by prompt lookup, no draft model (speculative/ngram.py): the longest n-gram
+    of `speculative_prompt_lookup_min`..`_max` tokens (vLLM's defaults: 5..5) that ends the context and occurred
+    earlier proposes the `speculative_num_steps` tokens after it (default 5); `speculative_eagle_topk=K` > 1 merges
+    the K best occurrences' continuations into a tree.
     `quantization="fp8"` quantizes a bf16 checkpoint's linear weights to FP8 at load (per output channel); FP8
     checkpoints load as FP8 without it (models/quantization.py). `kv_cache_dtype="fp8_e4m3"` keeps the target's
     KV cache in FP8 with the checkpoint's per-layer k_scale / v_scale, else 1.0 (torch and triton backends; auto
@@ -65,6 +69,8 @@ class LLM:
         speculative_adaptive_widths: tuple[int, ...] | list[int] = (),
         speculative_synthetic_acceptance_length: float | None = None,
         speculative_synthetic_acceptance_rates: Sequence[float] | None = None,
+        speculative_prompt_lookup_min: int | None = None,
+        speculative_prompt_lookup_max: int | None = None,
         seed: int = 0,
         show_progress: bool = False,
         load_format: str = "auto",
@@ -89,6 +95,7 @@ class LLM:
             adaptive=speculative_adaptive, adaptive_widths=speculative_adaptive_widths,
             synthetic_acceptance_length=speculative_synthetic_acceptance_length,
             synthetic_acceptance_rates=speculative_synthetic_acceptance_rates,
+            prompt_lookup_min=speculative_prompt_lookup_min, prompt_lookup_max=speculative_prompt_lookup_max,
         )
         self.config = EngineConfig(
             model=model, tokenizer=tokenizer, device=device,

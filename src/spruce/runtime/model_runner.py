@@ -69,12 +69,13 @@ class ModelRunner:
                                  what="the target")
         spec = config.speculative
         check_tree_fits_window(spec, self.model_config)
-        aux_layers = draft_aux_layers(spec, self.model_config) if spec is not None else ()
+        loads_draft = spec is not None and spec.loads_draft  # NGRAM drafts from the context: no draft model
+        aux_layers = draft_aux_layers(spec, self.model_config) if loads_draft else ()
         self.target = load_target(config.model, self.dtype, self.device, self.backend, aux_layers=aux_layers,
                                   show_progress=config.show_progress, load_format=config.load_format, tp=tp,
                                   quantization=config.quantization)
         self.draft = None
-        if spec is not None:
+        if loads_draft:
             self.draft = load_draft(spec, self.target, self.model_config, self.dtype, self.device, self.backend,
                                     show_progress=config.show_progress, load_format=config.load_format)
             dc = self.draft.attention_config

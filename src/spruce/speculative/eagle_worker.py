@@ -39,7 +39,7 @@ from spruce.runtime.strategy import DecodeStrategy, PrefillChunk
 from spruce.speculative.frontier import expand_frontier
 from spruce.speculative.synthetic import synthetic_acceptance
 from spruce.speculative.tree import DraftCandidates, Tree, accepted_within, build_tree, own_bits
-from spruce.speculative.verify import accept
+from spruce.speculative.verify import Acceptance, accept
 
 
 class RoundPhase(NamedTuple):
@@ -89,7 +89,19 @@ class EagleWorker(DecodeStrategy):
         self.synthetic = synthetic_acceptance(runner.config, runner.device)  # None: verify (the default)
         # per verify width: its phases (name, fn, plan); N's keep the plain names (a fixed engine's graphs)
         self._phases = {width: self._make_phases(width) for width in lim.tree_widths}
-        draft = runner.draft
+        r, i64 = lim.max_running_requests, dict(dtype=torch.int64, device=runner.device)
+        # a round's per-row inputs (gathered from the row state by DRAFT_DECODE) and accept state
+        self.committed = torch.zeros(r, **i64)  # [R]
+        self.roots = torch.zeros(r, **i64)  # [R]
+        self.accept_lens = torch.zeros(r, **i64)  # [R]
+        self.path = torch.zeros(r, self.S + 1, **i64)  # [R, S+1]
+        self.bonus = torch.zeros(r, **i64)  # [R]
+        self._init_draft(runner)
+
+    def _init_draft(self, runner: ModelRunner) -> None:
+        """The draft's state carried between rounds and the draft loop's buffers (a strategy that drafts without a
+        draft model, speculative/ngram.py, keeps its own)."""
+        lim, draft = runner.limits, runner.draft
         if self.K > draft.draft_vocab_size:
             raise ConfigError(f"speculative_eagle_topk={self.K} exceeds the draft vocabulary {draft.draft_vocab_size}")
         dev, rows, r = runner.device, lim.num_rows, lim.max_running_requests
@@ -98,12 +110,6 @@ class EagleWorker(DecodeStrategy):
         self.topk_p = torch.zeros(rows, self.K, dtype=torch.float32, device=dev)  # [rows, K]
         self.topk_ids = torch.zeros(rows, self.K, **i64)  # [rows, K]
         self.hidden = torch.zeros(rows, draft.hidden_size, dtype=runner.dtype, device=dev)  # [rows, Hd]
-        # a round's per-row inputs (gathered from the row state by DRAFT_DECODE) and accept state
-        self.committed = torch.zeros(r, **i64)  # [R]
-        self.roots = torch.zeros(r, **i64)  # [R]
-        self.accept_lens = torch.zeros(r, **i64)  # [R]
-        self.path = torch.zeros(r, self.S + 1, **i64)  # [R, S+1]
-        self.bonus = torch.zeros(r, **i64)  # [R]
         # draft-loop buffers: every candidate of a round (M = K + (S-1)*K*K), written in place by each step
         k, s, m = self.K, self.S, lim.num_candidates
         self.to_target = draft.draft_to_target(torch.arange(draft.draft_vocab_size, **i64))  # [draft vocab]
@@ -243,12 +249,16 @@ class EagleWorker(DecodeStrategy):
         """Accept along target_tokens [P, N] into the rows' accept state (padding rows accept nothing); `masks`
         (grammar, [P*N, words]): synthetic acceptance takes only nodes their parent's grammar allows."""
         tree = _slice_tree(tree, P)
-        acc = (accept(tree, target_tokens, self.S) if self.synthetic is None
+        acc = (self._acceptance(tree, target_tokens) if self.synthetic is None
                else self.synthetic.accept(tree, self.rows[:P], self.S, target_tokens, masks))
         real = self.rows[:P] != self.runner.limits.dummy_row
         self.accept_lens[:P] = torch.where(real, acc.accept_lens, 0)
         self.path[:P] = acc.path
         self.bonus[:P] = acc.bonus
+
+    def _acceptance(self, tree: Tree, target_tokens: torch.Tensor) -> Acceptance:
+        """The verified acceptance of `tree` (sliced to the batch) along target_tokens: every node may be accepted."""
+        return accept(tree, target_tokens, self.S)
 
     def prepare_padding(self, start: int, stop: int) -> None:
         """Rows [start, stop) become padding (dummy row, nothing accepted); used for real batches and capture."""

@@ -12,7 +12,12 @@ from spruce.runtime.strategy import DecodeStrategy, PlainDecoding
 def make_strategy(runner: ModelRunner, debug: bool = False, adaptive: bool = False) -> DecodeStrategy:
     """EAGLE (EAGLE, EAGLE-3, NEXTN) or a draft LM (STANDALONE) when a draft is loaded, else plain decoding;
     `adaptive`: per decode step the worker's round or a plain step, whichever is expected to commit more tokens per
-    second (speculative/adaptive.py)."""
+    second (speculative/adaptive.py). NGRAM loads no draft: its worker drafts from each request's context."""
+    spec = runner.config.speculative
+    if spec is not None and spec.algorithm == "NGRAM":
+        from spruce.speculative.ngram import NgramWorker
+
+        return NgramWorker(runner, debug=debug)  # speculative_adaptive is refused with NGRAM (config.py)
     if runner.draft is None:
         return PlainDecoding(runner)
     from spruce.speculative.eagle_worker import EagleWorker
