@@ -128,6 +128,9 @@ class Quarantine:
             return []  # held back from the allocator
 
         table.free_columns = poison
+        allocator = self.eng.runner.allocator
+        check = allocator.check_accounting
+        allocator.check_accounting = lambda expected_used: check(expected_used + len(self.pages))  # held back
 
     def release(self) -> None:
         self.eng.runner.allocator.free(self.pages)
@@ -206,6 +209,25 @@ def test_prefix_cache_pages_stay_under_their_sharers(make_llm, case):
     assert any(freed > 2 for freed, _, _ in seen)  # its own pages went
     assert all(held == path and DUMMY_PAGE not in held for _, held, path in seen)  # the cache's did not
     assert sched.cached_pages == cached  # it freed pages: it adds none
+
+
+def test_all_chunked_llama4_frees_behind_its_chunk(make_llm, tmp_path):
+    """Llama 4 with every layer chunked (rope on all): pages before the current chunk are freed; poisoned, they
+    change nothing (greedy == transformers, overlap on, a prompt spanning chunks)."""
+    from moe_checkpoints import write_moe_checkpoint
+
+    target = write_moe_checkpoint(tmp_path / "m", "llama4", layers=2, top_k=1, attention_chunk_size=WINDOW,
+                                  no_rope_layers=[1, 1], floor_scale=4)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prompt = torch.randint(2, 256, (19,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        x = torch.tensor([prompt])
+        want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                           eos_token_id=None, pad_token_id=None)[0, len(prompt):].tolist()
+    llm = make_llm(str(target), page_size=4, max_running_requests=2, chunked_prefill_size=16)
+    assert llm.engine.scheduler.reach is not None and llm.engine.scheduler.reach.chunks == (WINDOW,)
+    tokens, freed = poisoned_run(llm, [prompt])
+    assert tokens == [want] and freed >= (len(prompt) + MAX_NEW - 2 * WINDOW) // 4
 
 
 def test_window_reach_arithmetic():
