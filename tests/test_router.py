@@ -134,6 +134,13 @@ def test_the_router_registers_spruce_workers_with_their_model_and_loads(fleet):
         assert w["metadata"]["architectures"] == '["LlamaForCausalLM"]'
     loads = httpx.get(f"{router.base_url}/get_loads", timeout=10).json()["workers"]  # each worker's /get_load
     assert sorted(x["worker"] for x in loads) == sorted(seen) and all(x["load"] == 0 for x in loads)
+    # the router merges its workers' /metrics, one of them idle: families must agree on their label names
+    assert complete(router, "import os\n").status_code == 200
+    merged = httpx.get(f"{router.base_url}/engine_metrics", timeout=10)
+    assert merged.status_code == 200, merged.text
+    for w in workers:
+        assert f'spruce_requests_running{{worker_addr="{w.base_url}"}} 0' in merged.text
+    assert 'vllm_e2e_request_latency_seconds_count{' in merged.text
 
 
 def test_requests_spread_over_both_workers(fleet):

@@ -301,6 +301,8 @@ def _render_adaptive(out: list[str], a: dict) -> None:
     else a verify width), the acceptance EMA per width, the start-up step costs, steps per candidate, probes and
     collapsed requests."""
     def series(name: str, kind: str, help: str, rows: list[tuple[str, float]]) -> None:
+        if not rows:  # no sample yet: left out (see _emit)
+            return
         out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
         out.extend(f"{name}{{{labels}}} {_num(v)}" if labels else f"{name} {_num(v)}" for labels, v in rows)
 
@@ -347,7 +349,12 @@ def spec_counters(spec: dict, num_steps: int) -> SpecCounters:
 
 
 def _emit(out: list[str], kind: str):
+    """The writer of one series kind. A labelled series with no sample yet (no request finished, no error) is
+    left out, HELP and TYPE too: a family whose label names differ between two servers' scrapes (none on an idle
+    one) is what SGLang's router refuses to merge in its /engine_metrics."""
     def emit(name: str, help: str, value) -> None:
+        if isinstance(value, dict) and not value:
+            return
         out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
         if isinstance(value, dict):
             out.extend(f'{name}{{{k}="{v_label}"}} {_num(v)}' for (k, v_label), v in value.items())

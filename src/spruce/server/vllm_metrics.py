@@ -59,7 +59,11 @@ class VllmMetrics:
         self.e2e.labels(**self._labels()).observe(seconds)
 
     def render(self) -> str:
-        """The series in the Prometheus text format."""
+        """The series in the Prometheus text format; the histograms from zero before their first observation (as
+        vLLM, which creates them labelled at start-up)."""
+        labels = self._labels()
+        for histogram in (self.ttft, self.itl, self.tpot, self.e2e):
+            histogram.labels(**labels)
         return generate_latest(self.registry).decode()
 
 
