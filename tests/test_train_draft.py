@@ -168,13 +168,28 @@ def test_training_forward_equals_inference_draft(trained):
     assert_unroll_equals_engine(llm, ids, aux[0], want)
 
 
-@pytest.mark.parametrize("variant", ["pycode-6m", "qwen3", "deepseek-v3", "deepseek-v2"])
+# tiny MoE targets for train-draft: 6 layers (the default features [2, L//2, L-3] are [2, 3, 3]); gpt-oss's window
+# and Llama 4's chunks (8) are shorter than the windows trained on
+MOE_TARGETS = {
+    "qwen3_moe": dict(layers=6),
+    "gpt_oss": dict(layers=6, sliding_window=8),
+    "llama4": dict(layers=6, top_k=1, interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),
+}
+
+
+@pytest.mark.parametrize("variant", ["pycode-6m", "qwen3", "deepseek-v3", "deepseek-v2", "gpt_oss", "llama4"])
 def test_dense_target_equals_paged(variant, tmp_path):
-    """The trainer's dense causal target forward == spruce's paged target (aux states and logits), MHA and MLA."""
+    """The trainer's dense causal target forward == spruce's paged target (aux states and logits): MHA and MLA,
+    gpt-oss's sinks and sliding windows, Llama 4's chunks and no-rope layers."""
     from checkpoints import PagedCache, write_deepseek_checkpoint, write_llama_checkpoint
 
     if variant == "pycode-6m":
         path = TARGET
+    elif variant in MOE_TARGETS:
+        pytest.importorskip("transformers")
+        from moe_checkpoints import write_moe_checkpoint
+
+        path = write_moe_checkpoint(tmp_path / "t", variant, seed=2, **MOE_TARGETS[variant])
     elif variant == "qwen3":
         pytest.importorskip("transformers")
         path = write_llama_checkpoint(tmp_path / "t", variant="qwen3", layers=6, seed=2)
@@ -215,6 +230,46 @@ def test_trains_a_head_for_a_deepseek_target(tmp_path):
     llm = LLM(str(target), draft_model=cfg.out, speculative_num_steps=3, speculative_eagle_topk=2,
               speculative_num_draft_tokens=4)
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+
+
+@pytest.mark.parametrize("variant", list(MOE_TARGETS))
+def test_trains_a_head_for_each_moe_target(tmp_path, variant):
+    """train-draft with a tiny Qwen3-MoE, gpt-oss (YaRN, sinks, windows) and Llama 4 (chunks, no-rope layers,
+    interleaved dense layers) target: features from layers [2, L//2, L-3] of its L layers, a published head that
+    spruce drafts with losslessly, and whose training forward equals the engine's draft on the same weights."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from moe_checkpoints import write_moe_checkpoint
+
+    target = write_moe_checkpoint(tmp_path / "target", variant, seed=1, vocab=4096, **MOE_TARGETS[variant])
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the bundled model's tokenizer (4096 ids)
+        shutil.copy(Path(TARGET) / name, target / name)
+    write_corpus(tmp_path / "data")
+    cfg = small_config(tmp_path, target=str(target), steps=2, batch_size=2, max_length=32, heldout_docs=0)
+    assert train(cfg)["aux_layers"] == [2, 3, 3]
+    prompts = ["def add_3_4(a, b):\n", "class Point7:\n    x = 7\n"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with LLM(str(target), page_size=4) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    llm = LLM(str(target), draft_model=cfg.out, speculative_num_steps=TTT, speculative_eagle_topk=1,
+              speculative_num_draft_tokens=TTT + 1, page_size=4)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+        frozen = FrozenTarget(target, "cpu", torch.float32)
+        head = make_head(frozen.config, 3, DRAFT_VOCAB)
+        head.load_state_dict(torch.load(f"{cfg.out}/{STATE_FILE}", weights_only=True)["head"])
+        rotary = llm.engine.runner.draft.rotary  # the served head rotates as it trained (gpt-oss: YaRN's scale)
+        n = min(rotary.num_positions, head.cos.shape[0])
+        torch.testing.assert_close((head.cos[:n], head.sin[:n]), (rotary.cos[:n], rotary.sin[:n]))
+        llm.engine.runner.draft.load_weights(list(head.state_dict().items()))  # exact float32
+        ids = llm.tokenizer.encode(CHAIN_TEXT)
+        aux = frozen(torch.tensor([ids])).aux
+        with torch.no_grad():
+            want = head(frozen.model.embed_tokens.weight, torch.tensor([ids]), aux, TTT)
+        assert_unroll_equals_engine(llm, ids, aux[0], want)
+    finally:
+        llm.shutdown()
 
 
 def test_draft_vocab():

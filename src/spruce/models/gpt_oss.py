@@ -60,6 +60,29 @@ class SinkAttention(Attention):
                                  window=self.window, sinks=self.sinks)
         return self.o_proj(o.reshape(t, self.q_size))
 
+    def dense_causal(self, x: torch.Tensor, positions: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """The same attention over `batch` dense causal windows of `length` tokens, no cache (training):
+        position i sees j <= i (and i - j < window), each head's sink logit joins its softmax.
+        x [B*L, in_features] -> [B*L, hidden]; computed in float32."""
+        t = x.shape[0]
+        q, k, v = self.project_qkv(x, positions)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+        group = self.num_heads // self.num_kv_heads
+
+        def windows(y, repeat=1):  # [T, h, D] -> [B, h * repeat, L, D] float32
+            y = y.float().reshape(batch, length, y.shape[1], self.head_dim).transpose(1, 2)
+            return y.repeat_interleave(repeat, dim=1)
+
+        scores = windows(q) @ windows(k, group).transpose(-1, -2) * self.scale  # [B, Hq, L, L]
+        i = torch.arange(length, device=x.device)
+        seen = i[None, :] <= i[:, None]  # [L, L]
+        if self.window is not None:
+            seen = seen & (i[:, None] - i[None, :] < self.window)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        sink = self.sinks.float()[None, :, None, None].expand(batch, -1, length, 1)  # [B, Hq, L, 1]
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :length]
+        o = (probs @ windows(v, group)).to(x.dtype)  # [B, Hq, L, D]
+        return self.o_proj(o.transpose(1, 2).reshape(t, self.q_size))
+
 
 def deinterleave(t: torch.Tensor) -> torch.Tensor:
     """[..., 2I] columns g0 u0 g1 u1 ... -> [..., 2I] columns g0 g1 ... u0 u1 ... (spruce's gate-then-up)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 
 from spruce.attention.backend import AttentionBackend
 from spruce.attention.metadata import ForwardBatch
@@ -69,6 +70,23 @@ class Llama4Attention(Attention):
         o = self.backend.forward(q, k, v, k_cache, v_cache, kv.scratch_start, batch, page_table, self.scale,
                                  chunk=self.chunk)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def dense_causal(self, x: torch.Tensor, positions: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """The same attention over `batch` dense causal windows of `length` tokens, no cache (training): with
+        chunks, position i sees j <= i in its own chunk (i // C == j // C). x [B*L, in_features] -> [B*L, hidden]."""
+        if self.chunk is None:
+            return super().dense_causal(x, positions, batch, length)
+        t = x.shape[0]
+        q, k, v = self.project_qkv(x, positions)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
+
+        def windows(y):  # [T, h, D] -> [B, h, L, D]
+            return y.reshape(batch, length, y.shape[1], self.head_dim).transpose(1, 2)
+
+        i = torch.arange(length, device=x.device)
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] // self.chunk == i[:, None] // self.chunk)  # [L, L]
+        o = F.scaled_dot_product_attention(windows(q), windows(k), windows(v), attn_mask=seen, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)  # [B, Hq, L, D]
+        return self.o_proj(o.transpose(1, 2).reshape(t, self.q_size))
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spruce.models.rope import inv_frequencies
+from spruce.models.rope import attention_factor, inv_frequencies
 from spruce.ops.fused import rms_norm_reference
 
 TTT_POSITION_HEADROOM = 256  # positions past a window the rope tables cover: unroll step k rotates at position + k
@@ -60,8 +60,9 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.ones(target_vocab, dtype=torch.bool))  # [V]
         freqs = torch.outer(torch.arange(max_positions + TTT_POSITION_HEADROOM, dtype=torch.float32),
                             inv_frequencies(head_dim, rope_theta, rope_scaling))  # [P, D/2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        magnitude = attention_factor(rope_scaling)  # YaRN scales cos/sin (1 otherwise), as the engine's Rotary
+        self.register_buffer("cos", freqs.cos() * magnitude, persistent=False)
+        self.register_buffer("sin", freqs.sin() * magnitude, persistent=False)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, L, h, D] rotated (rotate-half) at positions [L], in float32 like the engine's rotary."""
