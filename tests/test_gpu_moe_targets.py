@@ -2,12 +2,15 @@
 Llama 4 with chunks shorter than the prompts) on tiny random checkpoints through the CUDA path: Triton attention
 (windows, sinks, chunks) and the fused MoE kernels (biases, clamped SwiGLU, input-weighted top-1), float32,
 eager and in CUDA graphs, greedy equal to transformers' (computed on the CPU), and EAGLE-3 trees (K 4, pages of
-16, graphs) equal to plain greedy; bf16 plain and speculative greedy run and are reported side by side."""
+16, graphs) equal to plain greedy, on one GPU and (2 GPUs) tensor-parallel over NCCL; bf16 plain and speculative
+greedy run and are reported side by side."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from spruce import LLM, SamplingParams
 from moe_checkpoints import engine_case
 from test_gpu import generate
 
@@ -57,3 +60,18 @@ def test_bf16_spec_runs_beside_plain(case):
     same = sum(a == b for p, s in zip(plain, spec) for a, b in zip(p, s)) / sum(map(len, plain))
     print(f"{target}: bf16 spec tokens equal to plain: {same:.1%}")
     assert all(len(s) == MAX_NEW for s in spec)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_float32_tp2_spec_in_graphs_equals_transformers(case):
+    """tp 2 over NCCL, the collectives captured in CUDA graphs, EAGLE-3 trees: transformers' greedy tokens."""
+    target, draft, prompts, want = case
+    llm = LLM(target, device="cuda", attention_backend="triton", dtype="float32", page_size=16,
+              max_running_requests=4, cuda_graph=True, tp_size=2, draft_model=draft, **SPEC)
+    try:
+        assert llm.engine.runner.graphs.enabled
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        llm.engine.check_no_leaks()
+    finally:
+        llm.shutdown()
+    assert got == want
