@@ -1,4 +1,4 @@
-"""`spruce bench {latency,serving,parity,serving-compare,structured}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
+"""`spruce bench {latency,serving,parity,serving-compare,structured,ngram-accept}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ BENCHMARKS = (
      "add_serving_compare_parser"),
     ("structured", "structured output: cost per round with and without speculation", "spruce.bench.structured",
      "add_structured_parser"),
+    ("ngram-accept", "NGRAM speculation vs vLLM's ngram on a prompt-copying workload", "spruce.bench.ngram_accept",
+     "add_ngram_accept_parser"),
 )
 
 
