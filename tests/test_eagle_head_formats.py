@@ -213,10 +213,10 @@ def test_ambiguous_multilayer_head_refused(tmp_path, target_dir):
     (dict(eagle3_layer_style="textbook"), ModelLoadError, r"eagle3_layer_style='textbook'.*\['sglang', 'vllm'\]"),
     (dict(speculators_model_type="medusa"), ModelLoadError, r"speculators_model_type='medusa'.*\['eagle3'\]"),
     (dict(transformer_layer_config=None), ModelLoadError, "needs a transformer_layer_config object, got NoneType"),
-    (dict(norm_before_fc=True), ModelLoadError, r"sets \['norm_before_fc'\]"),
+    (dict(norm_output=True), ModelLoadError, r"sets \['norm_output'\]"),
     (dict(eagle_aux_hidden_state_layer_ids=[1, 3, 6]), ConfigError,
      r"\(1, 3, 6\) do not fit a 6-layer target.*\[0, 5\]"),
-], ids=["layer_style", "model_type", "layer_config", "norm_before_fc", "aux_id_past_last_input"])
+], ids=["layer_style", "model_type", "layer_config", "norm_output", "aux_id_past_last_input"])
 def test_speculators_config_refusals(tmp_path, target_dir, change, error, match):
     d = to_speculators(write_eagle3_checkpoint(tmp_path / "d", target_dir, num_layers=2, midlayer_name="layers.0"))
     vllm_layers(d)

@@ -124,3 +124,51 @@ def test_gpt_oss_head_rope_defaults(tmp_path, cases):
     (d / "config.json").write_text(json.dumps({**read_config(head), "rope_scaling": None, "rope_theta": 10000.0}))
     cfg = DraftConfig.from_dir(d, tcfg)
     assert cfg.layer.rope_scaling is None and cfg.layer.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm"])
+def test_target_feature_norms(tmp_path, cases, flag):
+    """norm_before_fc (said in eagle_config, as NVIDIA's gpt-oss heads do: `input_norm` over the concatenated
+    target features) and fc_norm (`fc_norm.{i}` over each): the head's paged forward equals the same head without
+    the flag fed the normed features; both flags at once are refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from checkpoints import read_tensors
+    from test_eagle_models import load_pair, paged_draft, rms
+
+    target = cases("gpt_oss")[0]
+    plain = write_head(tmp_path / "plain", target, "gpt_oss")
+    normed = tmp_path / "normed"
+    shutil.copytree(plain, normed)
+    tensors, cfg = read_tensors(plain), read_config(plain)
+    g = torch.Generator().manual_seed(1)
+    if flag == "norm_before_fc":
+        weights = [1.0 + 0.3 * torch.randn(3 * 64, generator=g)]
+        tensors["input_norm.weight"] = weights[0]
+        cfg["eagle_config"] = {**cfg["eagle_config"], flag: True}
+    else:
+        weights = [1.0 + 0.3 * torch.randn(64, generator=g) for _ in range(3)]
+        tensors.update({f"fc_norm.{i}.weight": w for i, w in enumerate(weights)})
+        cfg[flag] = True
+    save_file(tensors, str(normed / "model.safetensors"))
+    (normed / "config.json").write_text(json.dumps(cfg))
+    (_, with_norm), (_, without) = load_pair(target, normed), load_pair(target, plain)
+    seqs = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (17, 9)]
+    feats = [3.0 * torch.randn(len(s), 3 * 64, generator=g) for s in seqs]
+
+    def norm(f):  # [T, 3H] as the head's norms see it
+        return rms(f, weights[0]) if len(weights) == 1 else torch.cat(
+            [rms(part, w) for part, w in zip(f.split(64, dim=-1), weights)], dim=-1)
+
+    with torch.no_grad():
+        got = paged_draft(with_norm, seqs, feats)
+        want = paged_draft(without, seqs, [norm(f) for f in feats])
+        unnormed = paged_draft(without, seqs, feats)
+    assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-4
+    assert max((a - b).abs().max().item() for a, b in zip(got, unnormed)) > 1e-2  # the norm is applied
+    (normed / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True, "fc_norm": True}))
+    with pytest.raises(ModelLoadError, match="sets both norm_before_fc and fc_norm"):
+        DraftConfig.from_dir(normed, ModelConfig.from_dir(target))

@@ -23,6 +23,8 @@ Published variants of EAGLE-3 heads:
   attn(input_layernorm(residual)); ...). Without the key: speculators-format heads run vLLM's way, heads naming
   `additional_layers.*` SGLang's way, `layers.{k}` heads by which input norm their later layers carry (both or
   neither: refused as ambiguous).
+- `norm_before_fc` (gpt-oss heads; NVIDIA's say it in `eagle_config`): an RMSNorm `input_norm` over the
+  concatenated target features before fc; `fc_norm`: one RMSNorm `fc_norm.{i}` over each target feature.
 - Speculators format (`speculators_model_type` "eagle3", `transformer_layer_config`, `speculators_config`), read as
   vLLM converts it: the draft's shape is `transformer_layer_config`; `draft_vocab_size`, `target_hidden_size`,
   `norm_before_residual` (default True) and `eagle_aux_hidden_state_layer_ids` are top-level. vLLM's aux ids name
@@ -57,7 +59,10 @@ from spruce.models.weights import load_named_tensors
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 EAGLE_ARCH = "LlamaForCausalLMEagle"
-_UNSUPPORTED_EAGLE3_FLAGS = ("fc_norm", "use_aux_norm", "norm_output", "norm_before_fc")
+_UNSUPPORTED_EAGLE3_FLAGS = ("use_aux_norm", "norm_output")
+# optional norms of the target features before fc (vLLM's llama_eagle3.py): `input_norm` [A * Ht] over their
+# concatenation (norm_before_fc: gpt-oss heads), or `fc_norm.{i}` [Ht] over each aux state (fc_norm)
+FC_NORM_FLAGS = ("norm_before_fc", "fc_norm")
 LAYER_STYLE_KEY = "eagle3_layer_style"
 LAYER_STYLES = ("sglang", "vllm")
 SPECULATORS_TYPES = ("eagle3",)
@@ -84,6 +89,8 @@ class DraftConfig:
     tie_word_embeddings: bool  # EAGLE-3: lm_head is the (own or shared) embedding
     norm_before_residual: bool = False  # EAGLE-3: the midlayer's residual is hidden_norm(feature)
     layer_style: str = "sglang"  # EAGLE-3 layers after the midlayer: "sglang" or "vllm" (see the module doc)
+    norm_before_fc: bool = False  # EAGLE-3: RMSNorm `input_norm` over the concatenated target features
+    fc_norm: bool = False  # EAGLE-3: RMSNorm `fc_norm.{i}` over each target feature
 
     @property
     def fc_in_features(self) -> int:
@@ -155,11 +162,16 @@ class DraftConfig:
             return DraftConfig(eagle3=False, layer=layer, draft_vocab_size=draft_vocab,
                                target_hidden_size=target_hidden, target_aux_layers=(),
                                fc_bias=None if bias is None else bool(bias), tie_word_embeddings=False)
+        before_fc, fc_norm = (_fc_norm_flag(cfg, key) for key in FC_NORM_FLAGS)
+        if before_fc and fc_norm:
+            raise ModelLoadError(f"draft config {file} sets both norm_before_fc and fc_norm; a head has one or "
+                                 f"the other")
         return DraftConfig(eagle3=True, layer=layer, draft_vocab_size=draft_vocab, target_hidden_size=target_hidden,
                            target_aux_layers=_aux_layers(cfg, target, ids_name_inputs=speculators),
                            fc_bias=None if bias is None else bool(bias), tie_word_embeddings=tie,
                            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
-                           layer_style=_layer_style(cfg, file, layer.num_layers, speculators))
+                           layer_style=_layer_style(cfg, file, layer.num_layers, speculators),
+                           norm_before_fc=before_fc, fc_norm=fc_norm)
 
 
 def speculators_to_eagle3(cfg: dict, file: Path) -> dict:
@@ -183,10 +195,15 @@ def speculators_to_eagle3(cfg: dict, file: Path) -> dict:
     out["eagle3_layer_style"] = cfg.get(LAYER_STYLE_KEY, "vllm")
     out["eagle_config"] = {}  # only the top-level ids count here
     out["eagle_aux_hidden_state_layer_ids"] = cfg.get("eagle_aux_hidden_state_layer_ids") or None
-    for flag in _UNSUPPORTED_EAGLE3_FLAGS:
+    for flag in (*_UNSUPPORTED_EAGLE3_FLAGS, *FC_NORM_FLAGS):
         if flag in cfg:
             out[flag] = cfg[flag]
     return out
+
+
+def _fc_norm_flag(cfg: dict, key: str) -> bool:
+    """A target-feature norm flag, at the config's top level or (NVIDIA's heads) in its eagle_config."""
+    return bool(cfg.get(key) or (cfg.get("eagle_config") or {}).get(key))
 
 
 def _mlp_width(cfg: dict, file: Path) -> int:
@@ -381,6 +398,9 @@ class EagleDraft(nn.Module):
         self.fc = nn.Linear(cfg.fc_in_features, lc.hidden_size, bias=cfg.fc_bias is not False)
         if self.fc.bias is not None:
             nn.init.zeros_(self.fc.bias)  # stays zero when the checkpoint has no fc.bias (and none was promised)
+        self.input_norm = RMSNorm(cfg.fc_in_features, lc.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, lc.rms_norm_eps)
+                                      for _ in cfg.target_aux_layers) if cfg.fc_norm else None)
         if cfg.eagle3:
             self.midlayer = Eagle3MidLayer(lc, self.rotary, backend, cfg.norm_before_residual)
             later = Eagle3StreamLayer if cfg.layer_style == "vllm" else Eagle3AdditionalLayer
@@ -432,7 +452,7 @@ class EagleDraft(nn.Module):
             if width == self.hidden_size:
                 h = features  # the draft's own previous hidden
             elif width == self.fc.in_features:
-                h = self.fc(features)  # [T, H]
+                h = self.fc(self.normed_features(features))  # [T, H]
             else:
                 raise ConfigError(f"EAGLE-3 draft features have width {width}; expected {self.fc.in_features} "
                                   f"(target aux states) or {self.hidden_size} (draft hidden)")
@@ -445,6 +465,14 @@ class EagleDraft(nn.Module):
         for layer in self.layers:  # layer 0 has no input norm: it reads fc's output as is
             h, residual = layer.forward_residual(h, residual, batch, kv, page_table)
         return h + residual
+
+    def normed_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target aux features [T, A * Ht] as fc reads them: each aux state normed (fc_norm), or their
+        concatenation (norm_before_fc), or as they are."""
+        if self.fc_norm is not None:
+            parts = features.split(self.config.target_hidden_size, dim=-1)  # A x [T, Ht]
+            return torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return features if self.input_norm is None else self.input_norm(features)
 
     def compute_logits(self, hidden: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """hidden [n, H] -> [n, draft vocab] float32 (EAGLE-3 applies its final norm first)."""
