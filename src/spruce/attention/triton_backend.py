@@ -28,7 +28,10 @@ BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
 MLA_BLOCK_N = 32
-GROUPED_BLOCK_N = 64  # decode with the query heads of a kv head as one tile (grouped_decode_kernel)
+# decode with the query heads of a kv head as one tile (grouped_decode_kernel): 32 keys a tile on 8 warps compile
+# to ~125 registers on sm90 (two programs per SM, each with two tiles in flight); 64 keys need ~180 (one program)
+GROUPED_BLOCK_N = 32
+GROUPED_WARPS = 8
 GROUPED_MAX_SPLITS = 64  # its grid has one program per kv head: bs 1 needs many splits to fill the SMs
 MLA_MAX_SPLITS = 64  # MLA has few programs (heads share them): bs 1 decode needs many splits to fill the SMs
 MLA_MIN_KV_PER_SPLIT = 64
@@ -188,7 +191,7 @@ class TritonAttention(AttentionBackend):
             t, splits, q.stride(0), page_table.stride(0), scale * 1.4426950408889634, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=self.page_size,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), SPLIT_KV=splits > 1,
-            BLOCK_N=GROUPED_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype), num_warps=4)
+            BLOCK_N=GROUPED_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype), num_warps=GROUPED_WARPS)
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=GROUPED_MAX_SPLITS,

@@ -175,6 +175,17 @@ def merge_splits_kernel(part_o, part_lse, o_ptr, num_tokens, num_splits, NUM_HEA
     tl.store(o_ptr + (t * NUM_HEADS + head) * HEAD_DIM + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_valid)
 
 
+@triton.jit
+def _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos, n_valid, kv_head, offs_d, d_valid,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The K and V tiles [BLOCK_N, BLOCK_D] of paged positions `pos` (zeros where not n_valid: no memory read)."""
+    page = tl.load(page_table + row * table_stride + pos // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    return tl.load(k_cache + kv_off, mask=kv_mask, other=0.0), tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+
+
 # num_tokens and num_splits vary per call: one compiled kernel for all their values
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def grouped_decode_kernel(
@@ -204,21 +215,22 @@ def grouped_decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        kv_stride = NUM_KV_HEADS * HEAD_DIM
         chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, kv_len)
+        # the loads of tile i + 1 are issued before tile i's softmax step (two tiles in flight per program)
+        pos = lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_valid = pos < hi
+        k, v = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos, n_valid, kv_head, offs_d, d_valid,
+                             NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
         for start in range(lo, hi, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            n_valid = pos < hi
-            page = tl.load(page_table + row * table_stride + pos // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-            slot = page * PAGE_SIZE + pos % PAGE_SIZE
-            kv_off = slot[:, None] * kv_stride + kv_head * HEAD_DIM + offs_d[None, :]
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(k_cache + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_cache + kv_off, mask=kv_mask, other=0.0)
+            pos_next = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            valid_next = pos_next < hi
+            k_next, v_next = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos_next, valid_next,
+                                           kv_head, offs_d, d_valid, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
             allowed = h_valid[:, None] & n_valid[None, :]
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
+            k, v, n_valid = k_next, v_next, valid_next
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         o_off = (t * NUM_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
