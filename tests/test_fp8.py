@@ -405,7 +405,7 @@ def test_kernel_choice_is_the_fastest_fitting_candidate_in_a_fixed_order():
     assert rowwise.fits(1, 4096, 4096, None, False) is None
     assert rowwise.fits(1, 4096, 4096, 128, False) and rowwise.fits(1, 4096, 4096, None, True)
     assert block.fits(1, 4096, 4096, 128, False) is None and block.fits(1, 4096, 4000, 128, False)
-    fma = sel.BY_NAME["gemv-fma-32x512-w4-c"]
+    fma = sel.BY_NAME["gemv-fma-32x512-w8-c"]
     assert fma.fits(4, 4096, 4096, None, False) is None and fma.fits(8, 4096, 4096, None, False)
     assert fma.fits(1, 4096, 4096, 128, False)  # a K step of 512 crosses the 128-wide groups
     assert [sel.bucket(m) for m in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
