@@ -27,7 +27,7 @@ from spruce.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 needs_draft = pytest.mark.skipif(not builtin_draft_path().exists(), reason="bundled draft head absent")
 PROMPTS = ["def fib(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n", "for i in range(10):"]
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 SPEC = {"chain": dict(speculative_num_steps=4, speculative_eagle_topk=1, speculative_num_draft_tokens=5),
         "tree": dict(speculative_num_steps=4, speculative_eagle_topk=4, speculative_num_draft_tokens=16)}
 
@@ -163,6 +163,11 @@ def test_tokenization_as_vllm(plain):
         with pytest.raises(InvalidRequestError, match=says) as e:
             SamplingParams(bad_words=words).bad_words_token_ids(tok, plain.engine.vocab_size)
         assert e.value.field == "bad_words"
+    for params, field in [(SamplingParams(allowed_token_ids=[1, 99999]), "allowed_token_ids"),
+                          (SamplingParams(bad_words=[too_long]), "bad_words")]:
+        with pytest.raises(InvalidRequestError) as e:  # the engine refuses them before queueing
+            plain.engine.add_request([1, 2, 3], params)
+        assert e.value.field == field and not plain.engine.requests
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         SamplingParams(bad_words=["x"]).bad_words_token_ids(None, 10)
     with pytest.raises(InvalidRequestError, match="outside the model's vocabulary"):
@@ -200,13 +205,18 @@ def contains(seq: list[int], sub: tuple[int, ...]) -> bool:
     return any(tuple(seq[i:i + len(sub)]) == sub for i in range(len(seq) - len(sub) + 1))
 
 
-def restricted_cases(plain: LLM) -> list[SamplingParams]:
+@pytest.fixture(scope="module")
+def cases(plain) -> list[SamplingParams]:
+    """bad_words that fire, allowed_token_ids that exclude half of what the model chose, and both."""
     free = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     words = firing_bad_words(plain, free)
     allowed = sorted({t for out in free for t in out[::2]})  # half of what it chose: the rest must change
-    return [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words),
-            SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed),
-            SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed, bad_words=words[:2])]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=words),
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed, bad_words=words[:2])]
+    banned = params[0].bad_words_token_ids(plain.tokenizer, plain.engine.vocab_size)
+    assert [w for w in banned if any(contains(out, w) for out in free)]  # the words were there unrestricted
+    return [(p, [o.token_ids for o in plain.generate(PROMPTS, p)]) for p in params], free
 
 
 def check_restricted(llm: LLM, params: SamplingParams, outputs: list[list[int]]) -> None:
@@ -218,36 +228,29 @@ def check_restricted(llm: LLM, params: SamplingParams, outputs: list[list[int]])
             assert set(out) <= set(params.allowed_token_ids)
 
 
-def test_forbidden_tokens_never_appear(plain):
-    free = [o.token_ids for o in plain.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
-    cases = restricted_cases(plain)
-    for params in cases:
-        outs = [o.token_ids for o in plain.generate(PROMPTS, params)]
+def test_forbidden_tokens_never_appear(plain, cases):
+    restricted, free = cases
+    for params, outs in restricted:
         check_restricted(plain, params, outs)
         assert outs != free  # the restriction fired
-    banned = cases[0].bad_words_token_ids(plain.tokenizer, plain.engine.vocab_size)
-    assert [w for w in banned if any(contains(out, w) for out in free)]  # the words were there unrestricted
 
 
 @needs_draft
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_greedy_spec_equals_plain(plain, spec_engines, shape):
+def test_greedy_spec_equals_plain(spec_engines, cases, shape):
     spec = spec_engines[shape]
-    for params in restricted_cases(plain):
-        want = [o.token_ids for o in plain.generate(PROMPTS, params)]
-        got = spec.generate(PROMPTS, params)
-        assert [o.token_ids for o in got] == want, params
+    for params, want in cases[0]:
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want, params
     assert spec.engine.spec_stats.mean_accept_length > 1.2  # drafts were accepted: tree paths were checked
 
 
 @needs_draft
 @pytest.mark.parametrize("lossy", [False, True])
-def test_node_paths_matter(plain, spec_engines, lossy, monkeypatch):
+def test_node_paths_matter(plain, spec_engines, cases, lossy, monkeypatch):
     """An oracle draft proposes the restricted output, so accepted paths hold bad words' prefixes: a verifier
     that matches only the committed tail (not the node's own path) lets a banned token through."""
     spec = spec_engines["tree"]
-    params = restricted_cases(plain)[0]
-    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    params, want = cases[0][0]
     draft = spec.engine.runner.draft
     oracle = install_oracle(spec, 1.0)
     for prompt, out in zip(PROMPTS, want):
@@ -265,15 +268,64 @@ def test_node_paths_matter(plain, spec_engines, lossy, monkeypatch):
     assert (got == want) is (not lossy)
 
 
-def test_masks_removed_are_detected(plain, monkeypatch):
+def test_masks_removed_are_detected(plain, cases, monkeypatch):
     """With the restriction step removed from token selection, forbidden tokens appear (the checks above can
     fail)."""
     monkeypatch.setattr(sampler_module, "restrict_tokens", lambda logits, *a: logits)
     leaked = 0
-    for params in restricted_cases(plain):
-        outs = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    for params, _ in cases[0]:
         try:
-            check_restricted(plain, params, outs)
+            check_restricted(plain, params, [o.token_ids for o in plain.generate(PROMPTS, params)])
         except AssertionError:
             leaked += 1
-    assert leaked == 3
+    assert leaked == len(cases[0])
+
+
+# --- the OpenAI endpoints ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server():
+    kw = dict(draft_model=str(builtin_draft_path()), **SPEC["chain"]) if builtin_draft_path().exists() else {}
+    llm = LLM(builtin_model_path(), page_size=4, max_running_requests=4, disable_radix_cache=True, **kw)
+    srv = ServerThread(llm.engine).start()
+    yield srv
+    srv.stop()
+    assert_no_leaks(llm)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/{path}", json=body, timeout=60)
+
+
+def test_endpoints_honour_both_fields(server, plain, cases):
+    """completions (token-id prompts: the offline engine's exact input) give the offline greedy tokens; chat's
+    output obeys the same restrictions."""
+    for params, want in (cases[0][0], cases[0][2]):  # bad_words; both fields
+        fields = {"allowed_token_ids": list(params.allowed_token_ids) if params.allowed_token_ids else None,
+                  "bad_words": list(params.bad_words)}
+        body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **fields}
+        r = post(server, "completions", {**body, "prompt": [plain.tokenizer.encode(p) for p in PROMPTS]})
+        assert r.status_code == 200, r.text
+        assert [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
+    r = post(server, "chat/completions", {**body, "messages": [{"role": "user", "content": PROMPTS[0]}]})
+    assert r.status_code == 200, r.text
+    check_restricted(plain, params, [r.json()["choices"][0]["token_ids"]])
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("allowed_token_ids", [], "empty"),
+    ("allowed_token_ids", [5, 999999], "[999999]"),
+    ("allowed_token_ids", [-3], "[-3]"),
+    ("allowed_token_ids", ["7"], "allowed_token_ids[0]"),
+    ("bad_words", [""], "''"),
+    ("bad_words", "def", "bad_words"),
+    ("bad_words", [f"w{i}" for i in range(MAX_BAD_WORDS + 1)], "129 entries"),
+    ("bad_words", ["x" * 300], "300"),
+    ("bad_words", [" ".join(["zq"] * MAX_BAD_WORD_TOKENS)], "tokens long"),
+])
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_bad_inputs_are_400s_naming_the_value(server, path, field, value, says):
+    body = {"messages": [{"role": "user", "content": "x"}]} if path.startswith("chat") else {"prompt": "x"}
+    r = post(server, path, {**body, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(field) and says in err["message"], err

@@ -45,8 +45,7 @@ SGLANG_DEFAULTS = {"regex": None, "ebnf": None, "rid": None, "no_stop_trim": Fal
 # fields spruce does not implement, at a value that would change the output
 REFUSED = [
     ("completions", "use_beam_search", True), ("completions", "length_penalty", 0.5),
-    ("completions", "spaces_between_special_tokens", False), ("completions", "allowed_token_ids", [1, 2]),
-    ("completions", "bad_words", ["def"]), ("completions", "priority", 1),
+    ("completions", "spaces_between_special_tokens", False), ("completions", "priority", 1),
     ("completions", "logits_processors", ["m.P"]),
     ("completions", "cache_salt", "s"), ("completions", "kv_transfer_params", {"a": 1}),
     ("completions", "vllm_xargs", {"a": 1}), ("completions", "max_repetition_pattern_size", 4),
