@@ -172,7 +172,6 @@ class Engine:
             raise InvalidRequestError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})",
                                       field="logit_bias")
         params.check_vocab(vocab)
-        params.bad_words_token_ids(self.tokenizer, vocab)  # refused here, before it is queued
         if total > self.max_request_tokens:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
