@@ -26,8 +26,8 @@ from test_moe_targets_vs_hf import spec_llm
 
 pytest.importorskip("transformers")
 
-MAX_NEW = 8
-PROMPT_LENGTHS = (6, 30)
+MAX_NEW = 6
+PROMPT_LENGTHS = (6, 21)
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 TARGETS = {
     "llama4": dict(layers=4, top_k=1, interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),

@@ -249,7 +249,7 @@ def test_trains_a_head_for_each_moe_target(tmp_path, variant):
     cfg = small_config(tmp_path, target=str(target), steps=2, batch_size=2, max_length=32, heldout_docs=0)
     assert train(cfg)["aux_layers"] == [2, 3, 3]
     prompts = ["def add_3_4(a, b):\n", "class Point7:\n    x = 7\n"]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(str(target), page_size=4) as llm:
         plain = [o.token_ids for o in llm.generate(prompts, params)]
     llm = LLM(str(target), draft_model=cfg.out, speculative_num_steps=TTT, speculative_eagle_topk=1,
