@@ -1,12 +1,13 @@
 """N-gram (prompt-lookup) speculation: the matcher against brute force (and vLLM's rule for its first candidate),
-the trie against its continuations, the context read through the page table; greedy NGRAM equals plain decoding
-token for token for chains and trees, page sizes 1 and 16, overlap on and off, with penalties and structured output;
-a prompt served from the prefix cache drafts exactly as when computed; prompt-copying prompts accept more than 1.5
-tokens per round; no draft model is loaded; bad settings are refused naming the value; vLLM's
-`{"method": "ngram", ...}` and --speculative-algorithm NGRAM reach the engine.
+the trie against its continuations, padding nodes never accepted, the context read through the page table; greedy
+NGRAM equals plain decoding token for token for chains and trees, page sizes 1 and 16, overlap on and off, with
+penalties, structured output and a seeded sampled request beside; a prompt served from the prefix cache drafts exactly
+as when computed; tensor-parallel ranks (2, on the CPU) agree; prompt-copying prompts accept more than 1.5 tokens per
+round; no draft model is loaded; bad settings are refused naming the value; vLLM's `{"method": "ngram", ...}` and
+--speculative-algorithm NGRAM reach the engine.
 
-Model: the bundled pycode-6m; prompts: real Python (the standard library's source) followed by its own first line, so
-the model copies on.
+Model: the bundled pycode-6m; prompts: an import block and two standard-library functions, each followed by its own
+beginning again, so the model copies on.
 """
 
 from __future__ import annotations
@@ -219,6 +220,21 @@ def test_prefix_cache_brings_the_context(tree_engine):
     assert all(o.num_cached_tokens >= 16 for o in warm)
     assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
     assert [o.spec_stats for o in warm] == [o.spec_stats for o in cold]
+
+
+def test_tensor_parallel_ranks_agree(reference, tree_engine):
+    """tp_size=2 on the CPU (gloo; every rank matches its own copy of the context): the same tokens and the same
+    rounds as one process (the engine's always-on state check fails a rank that diverges)."""
+    one = tree_engine.generate(PROMPTS, GREEDY)
+    two = LLM(builtin_model_path(), page_size=16, disable_overlap_schedule=True, tp_size=2,
+              speculative_algorithm="ngram", speculative_num_steps=4, speculative_eagle_topk=3,
+              speculative_prompt_lookup_min=1, speculative_prompt_lookup_max=3, **ENGINE)
+    try:
+        got = two.generate(PROMPTS, GREEDY)
+    finally:
+        two.shutdown()
+    assert [o.token_ids for o in got] == reference[:len(PROMPTS)]
+    assert [o.spec_stats for o in got] == [o.spec_stats for o in one]
 
 
 # --- settings ------------------------------------------------------------------------------------------------------
