@@ -366,6 +366,16 @@ def test_fp8_gemv_equals_the_emulation():
         fp8_gemv(torch.randn(5, 32), w[:, :32], scale, None)
     with pytest.raises(ValueError, match="must divide the scale group"):
         fp8_gemv(torch.randn(1, 256), *fp8.quantize_rows(torch.randn(8, 256), 64), 64, block_k=128)
+    import spruce.ops.fp8_gemm as fp8_gemm
+
+    old_slots = fp8_gemm._COUNT_SLOTS
+    fp8_gemm._COUNT_SLOTS = 4  # fewer split-K arrival counts than the 8 column blocks of 16 rows in 2-row tiles
+    try:
+        with pytest.raises(ValueError, match="8 column blocks"):
+            fp8_gemv(torch.randn(1, 32), *fp8.quantize_rows(torch.randn(16, 32)), None, block_n=2, block_k=16,
+                     splits=2)
+    finally:
+        fp8_gemm._COUNT_SLOTS = old_slots
 
 
 def test_fused_activation_quantization_equals_the_reference():

@@ -13,6 +13,10 @@ not quantized: the products are those of the dequantized weight, as the CPU emul
 
 Decode-sized M leaves too few output tiles to occupy the GPU (N / 64 programs), so K is split: program (m, n, s)
 sums K range s into an fp32 partial [S, M, N], and a torch sum over S (fixed order: deterministic) adds them.
+
+Also here: `fp8_gemv`, the split-K GEMV for M <= 16 (whole weight rows per program, the K ranges summed in order
+by the last program of each column block: one launch), and `quantize_activations`, dynamic per-token (and per
+K group) FP8 activations in one launch, for torch's scaled matmuls. ops/fp8_select.py picks among them by shape.
 """
 
 from __future__ import annotations
