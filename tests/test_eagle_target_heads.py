@@ -169,6 +169,13 @@ def test_target_feature_norms(tmp_path, cases, flag):
         unnormed = paged_draft(without, seqs, feats)
     assert max((a - b).abs().max().item() for a, b in zip(got, want)) < 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(got, unnormed)) > 1e-2  # the norm is applied
+    tcfg = ModelConfig.from_dir(target)
+    if flag == "norm_before_fc":  # a speculators-format head (RedHat's gpt-oss heads) says it at its top level
+        from test_eagle_head_formats import to_speculators
+
+        speculators = tmp_path / "speculators"
+        shutil.copytree(plain, speculators)
+        assert DraftConfig.from_dir(to_speculators(speculators, [0, 0, 1], norm_before_fc=True), tcfg).norm_before_fc
     (normed / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True, "fc_norm": True}))
     with pytest.raises(ModelLoadError, match="sets both norm_before_fc and fc_norm"):
-        DraftConfig.from_dir(normed, ModelConfig.from_dir(target))
+        DraftConfig.from_dir(normed, tcfg)
