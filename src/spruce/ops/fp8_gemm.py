@@ -206,7 +206,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
     else:
         part_off = rm[:, None] * N + rn[None, :]  # partials [S, M, N] contiguous
         tl.store(part_ptr + pid_s * M * N + part_off, acc, mask=out_mask)
-        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")  # orders the store above before the count
+        tl.debug_barrier()  # every thread's partial stored before the count (whose release covers them)
+        done = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if done == SPLITS - 1:  # the last K range of this column block: sum the S partials in order
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s_i in range(SPLITS):
