@@ -32,7 +32,7 @@ from torch import nn
 from spruce.errors import ModelLoadError
 from spruce.ops.fp8 import (FP8_DTYPE, block_scale_rows, dequantize, fp8_linear, num_groups, quantize_blocks,
                             quantize_rows)
-from spruce.ops.fp8_select import tune_linears
+from spruce.ops.fp8_select import block_scales_t, choose
 
 QUANTIZATIONS = ("fp8",)  # what `quantization=` accepts (vLLM's name)
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # quant_method values whose FP8 checkpoints load
@@ -157,7 +157,7 @@ class Fp8Linear(nn.Module):
                                                     dtype=torch.float32, device=device), requires_grad=False)
         self.bias = bias
         self.input_scale = None
-        self.kernels: dict = {}  # M bucket -> measured kernel choice (ops/fp8_select.tune_linears), CUDA only
+        self.kernels: dict = {}  # M bucket -> measured kernel choice (`tune_linears`), CUDA only
         self.block_scale = None  # the block-scaled matmul's scale layout, when a choice runs it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -334,6 +334,27 @@ def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
             setattr(parent, child, layer)
             count += 1
     tune_linears(model)
+    return count
+
+
+def tune_linears(model: nn.Module) -> int:
+    """Choose the kernels of every CUDA Fp8Linear of `model` by measurement (ops/fp8_select.choose; modules sharing
+    a key share it). Returns how many modules got choices; a no-op without CUDA or Triton (or under its
+    interpreter)."""
+    from spruce.ops.triton_support import HAS_TRITON, interpreter_on
+
+    if not HAS_TRITON or interpreter_on():
+        return 0
+    count = 0
+    for m in model.modules():
+        if isinstance(m, Fp8Linear) and m.weight.is_cuda:
+            with torch.no_grad():
+                m.kernels = choose(m.weight, m.weight_scale, m.group_k, m.bias, m.input_scale is not None)
+                m.block_scale = (block_scales_t(m.weight_scale, m.group_k)
+                                 if any(c.kind == "scaled_mm_block" for c in m.kernels.values()) else None)
+            count += 1
+    if count:
+        torch.cuda.empty_cache()  # the timing copies and graphs: the KV cache is sized from what is left
     return count
 
 

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 from spruce.ops.triton_support import HAS_TRITON
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from spruce.ops.fp8_gemm import FP8_DTYPE, FP8_MAX  # float8_e4m3fn; 448.0, its largest finite value
 BLOCK = 128  # block-scaled checkpoints: 128 x 128 weight blocks
 _FORCE_TRITON = [False]  # tests flip this to run the Triton GEMM on CPU tensors through the interpreter
 # batches below this many tokens run the Triton GEMM even where the scaled matmul fits: one launch, no per-token

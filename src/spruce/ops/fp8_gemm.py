@@ -280,6 +280,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
 
 
 # --- dynamic activation quantization ------------------------------------------------------------------------------
+FP8_DTYPE = torch.float8_e4m3fn  # spruce's FP8 format (ops/fp8.py re-exports both)
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 
 
 @triton.jit
@@ -304,8 +306,6 @@ def quantize_activations(x: torch.Tensor, group: int | None = None, rows: int | 
     M are zeros with scale 1e-12, for kernels that need R a multiple of 4). scale_major "col" lays the scales out
     column-major (stride (1, R)), as torch's block-scaled matmul reads them. The same values as
     ops/fp8.quantize_per_token for G = 1."""
-    from spruce.ops.fp8 import FP8_DTYPE, FP8_MAX
-
     m, k = x.shape
     r = rows or m
     width = triton.next_power_of_2(k) if group is None else group

@@ -1,6 +1,7 @@
 """Which kernel runs an FP8 linear at decode-sized M, chosen by measurement on the device.
 
-For every (M bucket, N, K, layout) of a model's FP8 linears, `tune_linears` times each candidate that fits
+For every (M bucket, N, K, layout) of a model's FP8 linears, `choose` (called at load by
+models/quantization.tune_linears) times each candidate that fits
 (`CANDIDATES`: the split-K GEMV in several tile shapes, on the CUDA cores or the tensor cores; the tiled Triton
 GEMM; torch's row-wise scaled matmul for per-channel weights and its 1x128 / 128x128 block-scaled matmul for
 block weights, both with activations quantized per token in one fused launch), checks its output against the
@@ -289,24 +290,3 @@ def choose(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None, bias:
                         times[best] * 1e3, "packaged table" if listed else "measured", runner)
         out[b] = _CHOICES[key]
     return out
-
-
-def tune_linears(model: torch.nn.Module) -> int:
-    """Choose the kernels of every CUDA Fp8Linear of `model` (modules sharing a key share the measurement).
-    Returns how many modules got choices; a no-op without CUDA or Triton."""
-    from spruce.models.quantization import Fp8Linear
-    from spruce.ops.triton_support import HAS_TRITON, interpreter_on
-
-    if not HAS_TRITON or interpreter_on():
-        return 0
-    count = 0
-    for m in model.modules():
-        if isinstance(m, Fp8Linear) and m.weight.is_cuda:
-            with torch.no_grad():
-                m.kernels = choose(m.weight, m.weight_scale, m.group_k, m.bias, m.input_scale is not None)
-                m.block_scale = (block_scales_t(m.weight_scale, m.group_k)
-                                 if any(c.kind == "scaled_mm_block" for c in m.kernels.values()) else None)
-            count += 1
-    if count:
-        torch.cuda.empty_cache()  # the timing copies and graphs: the KV cache is sized from what is left
-    return count
