@@ -121,10 +121,10 @@ class Quarantine:
             pages = free_columns(row, start, stop)
             self.pages += pages
             ps = self.eng.limits.page_size
-            slots = torch.tensor([p * ps + i for p in pages for i in range(ps)], dtype=torch.long)
+            slots = [p * ps + i for p in pages for i in range(ps)]
             for pool in (self.eng.runner.target_kv, self.eng.runner.draft_kv):
                 for t in pool.tensors if pool is not None else ():
-                    t[:, slots] = float("nan")
+                    t[:, torch.tensor(slots, dtype=torch.long, device=t.device)] = float("nan")
             return []  # held back from the allocator
 
         table.free_columns = poison
@@ -228,6 +228,27 @@ def test_all_chunked_llama4_frees_behind_its_chunk(make_llm, tmp_path):
     assert llm.engine.scheduler.reach is not None and llm.engine.scheduler.reach.chunks == (WINDOW,)
     tokens, freed = poisoned_run(llm, [prompt])
     assert tokens == [want] and freed >= (len(prompt) + MAX_NEW - 2 * WINDOW) // 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_gpu_triton_poisoned_freed_pages_change_nothing(case, cuda_graph):
+    """The Triton kernels (the paged walk starts at the window's first position, in its tile), float32, pages of
+    16, eager and in CUDA graphs: with freed pages poisoned, plain greedy and EAGLE-3 trees (K 4, random head)
+    equal transformers'."""
+    from spruce import LLM
+
+    target, draft, prompts, want = case
+    spec = dict(draft_model=draft, speculative_algorithm="EAGLE3", speculative_num_steps=3,
+                speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    for kw in ({}, spec):
+        llm = LLM(target, device="cuda", attention_backend="triton", dtype="float32", page_size=16,
+                  max_running_requests=4, cuda_graph=cuda_graph, **kw)
+        tokens, freed = poisoned_run(llm, prompts)
+        assert tokens == want and freed > 0, kw
+        llm.engine.check_no_leaks()
+        del llm
+        torch.cuda.empty_cache()
 
 
 def test_window_reach_arithmetic():
