@@ -251,6 +251,20 @@ def test_gpu_triton_poisoned_freed_pages_change_nothing(case, cuda_graph):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("first_sliding,frees", [(0, True), (1, False)])
+def test_sliding_qwen2_equals_transformers(tmp_path, first_sliding, frees):
+    """Qwen2 with use_sliding_window: the layers from max_window_layers on slide (all of them: pages are freed;
+    one full layer first: none), logits == transformers over prompts longer than the window."""
+    from test_models_vs_hf import TOL, logit_diff_vs_hf
+
+    path = write_llama_checkpoint(tmp_path / "m", variant="qwen2", layers=2, use_sliding_window=True,
+                                  sliding_window=WINDOW, max_window_layers=first_sliding)
+    cfg = ModelConfig.from_dir(path)
+    assert [cfg.layer_window(i) for i in range(2)] == [None] * first_sliding + [WINDOW] * (2 - first_sliding)
+    assert WindowReach.of_model(cfg).frees == frees and cfg.max_position_embeddings == 512
+    assert logit_diff_vs_hf(path) < TOL
+
+
 def test_window_reach_arithmetic():
     def cfg(types, window=None, chunk=None):
         return SimpleNamespace(num_layers=len(types),
