@@ -432,3 +432,20 @@ def test_block_scales_for_the_block_scaled_matmul():
     assert t.shape == (8, 2) and torch.equal(t[:5], blocks.t()) and not t[5:].any()
     assert block_scales_t(fp8.quantize_rows(w, 128)[1], 128) is None
     assert block_scales_t(fp8.block_scale_rows(blocks, 256), None) is None
+
+
+def test_the_kernel_table_reads_back_what_the_bench_writes(tmp_path, monkeypatch):
+    """--write-table writes this process's choices; ops/fp8_select reads them as (bucket, N, K, layout, static
+    input, dtype) -> kernel, and ignores a kernel it does not know."""
+    import json
+
+    from spruce.ops import fp8_select as sel
+
+    monkeypatch.setattr(sel, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(sel, "_CHOICES", {("GPU X", 4, 4096, 14336, "group128", False, torch.bfloat16):
+                                          sel.BY_NAME["gemv-dot-32x128-w8"]})
+    rows = sel.table_rows("GPU X") + [dict(m=1, n=8, k=8, layout="channel", kernel="gone")]
+    sel.table_path("GPU X").write_text(json.dumps({"device": "GPU X", "choices": rows}))
+    assert sel.table_path("GPU X").name == "fp8_gemm-gpu-x.json"
+    assert sel.load_table("GPU X") == {(4, 4096, 14336, "group128", False, torch.bfloat16): "gemv-dot-32x128-w8"}
+    assert sel.load_table("GPU Y") == {}

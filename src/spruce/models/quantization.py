@@ -338,18 +338,19 @@ def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
 
 
 def tune_linears(model: nn.Module) -> int:
-    """Choose the kernels of every CUDA Fp8Linear of `model` by measurement (ops/fp8_select.choose; modules sharing
-    a key share it). Returns how many modules got choices; a no-op without CUDA or Triton (or under its
+    """Choose the kernels of every CUDA Fp8Linear of `model` by measurement (ops/fp8_select.choose, with activations
+    in the embedding's dtype, the model's; modules sharing a key share it). Returns how many modules got choices; a no-op without CUDA or Triton (or under its
     interpreter)."""
     from spruce.ops.triton_support import HAS_TRITON, interpreter_on
 
     if not HAS_TRITON or interpreter_on():
         return 0
+    dtype = next((m.weight.dtype for m in model.modules() if isinstance(m, nn.Embedding)), torch.bfloat16)
     count = 0
     for m in model.modules():
         if isinstance(m, Fp8Linear) and m.weight.is_cuda:
             with torch.no_grad():
-                m.kernels = choose(m.weight, m.weight_scale, m.group_k, m.bias, m.input_scale is not None)
+                m.kernels = choose(m.weight, m.weight_scale, m.group_k, m.bias, m.input_scale is not None, dtype)
                 m.block_scale = (block_scales_t(m.weight_scale, m.group_k)
                                  if any(c.kind == "scaled_mm_block" for c in m.kernels.values()) else None)
             count += 1

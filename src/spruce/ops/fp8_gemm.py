@@ -143,7 +143,9 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
 # output and resets its count: one launch, the same sum whatever order the programs ran in.
 
 
-@triton.jit
+# M and SPLITS vary within one M bucket's choice: one compiled kernel for all their values (a new specialisation,
+# e.g. M = 16 against M = 9, would compile in the middle of serving)
+@triton.jit(do_not_specialize=["M", "SPLITS"])
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm,
                      stride_wn, stride_sn, stride_om, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLITS, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,

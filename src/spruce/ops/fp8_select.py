@@ -247,36 +247,39 @@ def table_path(device_name: str) -> Path:
 
 
 def load_table(device_name: str) -> dict[tuple, str]:
-    """The packaged choices measured on this device: (bucket, N, K, layout, static input) -> candidate name."""
+    """The packaged choices measured on this device: (bucket, N, K, layout, static input, activation dtype) ->
+    candidate name."""
     path = table_path(device_name)
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    return {(r["m"], r["n"], r["k"], r["layout"], bool(r.get("static_input", False))): r["kernel"]
-            for r in data["choices"] if r["kernel"] in BY_NAME}
+    return {(r["m"], r["n"], r["k"], r["layout"], bool(r.get("static_input", False)),
+             getattr(torch, r.get("dtype", "bfloat16"))): r["kernel"] for r in data["choices"] if r["kernel"] in BY_NAME}
 
 
 def table_rows(device_name: str) -> list[dict]:
     """This process's choices on `device_name`, in the table's format (what --write-table writes)."""
-    return [{"m": key[1], "n": key[2], "k": key[3], "layout": key[4], "static_input": key[5], "kernel": c.name}
+    return [{"m": key[1], "n": key[2], "k": key[3], "layout": key[4], "static_input": key[5],
+             "dtype": str(key[6]).removeprefix("torch."), "kernel": c.name}
             for key, c in sorted(_CHOICES.items(), key=lambda kv: str(kv[0])) if key[0] == device_name]
 
 
 def choose(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None, bias: torch.Tensor | None,
-           static_input: bool) -> dict[int, Candidate]:
+           static_input: bool, dtype: torch.dtype = torch.bfloat16) -> dict[int, Candidate]:
     """bucket -> the kernel of each M bucket for this weight's (N, K, layout), from the packaged table or measured
-    (once per process and key); a bucket with no correct candidate keeps the ops/fp8.py rule (absent here)."""
+    with `dtype` activations (once per process and key); a bucket with no correct candidate keeps the ops/fp8.py
+    rule (absent here)."""
     name = torch.cuda.get_device_name(weight.device)
     n, k = weight.shape
     layout = layout_name(group_k, k)
     table = load_table(name)
     out = {}
     for b in BUCKETS:
-        key = (name, b, n, k, layout, static_input)
+        key = (name, b, n, k, layout, static_input, dtype)
         if key not in _CHOICES:
             listed = table.get(key[1:])
             times = measure(weight, scale, group_k, bias, b, static_input, only=(listed,) if listed else None,
-                            weight_only=True)
+                            dtype=dtype, weight_only=True)
             best = pick(times)
             _TIMES[key] = times
             if best is None:
