@@ -19,9 +19,11 @@ from stats import matches_distribution
 PROMPTS = ["def fib(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n", "for i in range(10):"]
 
 
-def engines(make_llm, k, page):
+def engines(make_llm, k, page, max_running_requests: int = 4):
+    """A plain and a speculative engine on the bundled model; the distribution tests run their identical samples
+    64 at a time (the check is the same, in a third of the steps)."""
     plain = make_llm(builtin_model_path(), page_size=page, max_running_requests=4)
-    spec = make_llm(builtin_model_path(), page_size=page, max_running_requests=4,
+    spec = make_llm(builtin_model_path(), page_size=page, max_running_requests=max_running_requests,
                     draft_model=str(builtin_draft_path()), speculative_num_steps=4, speculative_eagle_topk=k,
                     speculative_num_draft_tokens=4 * k if k > 1 else 5)
     return plain, spec
@@ -90,7 +92,7 @@ def test_sampled_processors_keep_the_distribution(make_llm, lossy, monkeypatch):
         pytest.skip("bundled draft head absent")
     import spruce.speculative.eagle_worker as ew
 
-    plain, spec = engines(make_llm, 2, 4)
+    plain, spec = engines(make_llm, 2, 4, max_running_requests=64)
     prompt = plain.tokenizer.encode(PROMPTS[0])
     boosted = [plain.tokenizer.encode(w)[-1] for w in (" pass", " return")]  # the bias reshapes both positions
     params = SamplingParams(max_tokens=2, temperature=1.0, top_k=6, min_p=0.25, ignore_eos=True,

@@ -169,7 +169,7 @@ def test_sampled_penalties_keep_the_distribution(make_llm, lossy, monkeypatch):
     """Three sampled tokens (the third chosen at a depth-1 tree node when the draft's guess is accepted) with
     penalties that favour repeats: spec samples the exact distribution computed from plain decoding's processed
     logits; a verifier that counts the request's committed tokens but not the node's path is detected."""
-    plain, spec = engines(make_llm, 2, 4)
+    plain, spec = engines(make_llm, 2, 4, max_running_requests=64)
     prompt = plain.tokenizer.encode(PROMPTS[1])
     penalties = dict(frequency_penalty=-2.0, presence_penalty=-2.0, repetition_penalty=0.8)  # lossy: TV ~0.3
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True, **penalties)
