@@ -187,7 +187,8 @@ def deepseek_section(args, root: Path, bandwidth) -> dict:
                   dtype=args.dtype)
     runs = {"unquantized": decode_step(target, bs=1, **common), "fp8_block": decode_step(block, bs=1, **common)}
     runs = {k: with_roofline(v, bandwidth) for k, v in runs.items()}
-    runs["fp8_block"]["speedup_vs_unquantized"] = runs["unquantized"]["decode_step_ms"] / runs["fp8_block"]["decode_step_ms"]
+    runs["fp8_block"]["speedup_vs_unquantized"] = (runs["unquantized"]["decode_step_ms"]
+                                                   / runs["fp8_block"]["decode_step_ms"])
     return {"shape": args.moe_shape, "bs1": runs}
 
 

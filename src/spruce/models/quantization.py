@@ -338,9 +338,9 @@ def quantize_model(model: nn.Module, group_k: int | None = None) -> int:
 
 
 def tune_linears(model: nn.Module) -> int:
-    """Choose the kernels of every CUDA Fp8Linear of `model` by measurement (ops/fp8_select.choose, with activations
-    in the embedding's dtype, the model's; modules sharing a key share it). Returns how many modules got choices; a no-op without CUDA or Triton (or under its
-    interpreter)."""
+    """Choose the kernels of every CUDA Fp8Linear of `model` by measurement (ops/fp8_select.choose, activations in
+    the embedding's dtype, the model's; modules sharing a key share it). Returns how many modules got choices; a
+    no-op without CUDA or Triton (or under its interpreter)."""
     from spruce.ops.triton_support import HAS_TRITON, interpreter_on
 
     if not HAS_TRITON or interpreter_on():

@@ -277,7 +277,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
         x, weight, scale, x if bias is None else bias, out, part, counts, m, n, k, k_per_split, x.stride(0),
         weight.stride(0), scale.stride(0), out.stride(0), GROUP_K=group_k or k, ONE_GROUP=one_group,
         HAS_BIAS=bias is not None, USE_DOT=use_dot, SPLITS=splits, SPLIT=splits > 1, EVEN_K=k % k_per_split == 0,
-        EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps)
     return out
 
 

@@ -254,7 +254,8 @@ def load_table(device_name: str) -> dict[tuple, str]:
         return {}
     data = json.loads(path.read_text())
     return {(r["m"], r["n"], r["k"], r["layout"], bool(r.get("static_input", False)),
-             getattr(torch, r.get("dtype", "bfloat16"))): r["kernel"] for r in data["choices"] if r["kernel"] in BY_NAME}
+             getattr(torch, r.get("dtype", "bfloat16"))): r["kernel"]
+            for r in data["choices"] if r["kernel"] in BY_NAME}
 
 
 def table_rows(device_name: str) -> list[dict]:
