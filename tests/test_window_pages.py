@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 WINDOW = 8
 PROMPT_LENGTHS = (5, 30)  # the longer one spans two prefill chunks of 16
-MAX_NEW = 28  # three windows and more past each prompt
+MAX_NEW = 20  # two windows and more past each prompt
 PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 
 
@@ -159,7 +159,7 @@ def test_poisoned_freed_pages_change_nothing_plain(make_llm, case):
     llm = engine(make_llm, case, 1)
     tokens, freed = poisoned_run(llm, case[2])
     assert tokens == case[3]
-    assert freed >= sum(PROMPT_LENGTHS) + 2 * MAX_NEW - 2 * (WINDOW + 4), freed
+    assert freed >= sum(PROMPT_LENGTHS) + 2 * MAX_NEW - 2 * (WINDOW + 6), freed
 
 
 @pytest.mark.parametrize("page,spec_k,compare_draft", [(1, 4, True), (16, 1, False)])
