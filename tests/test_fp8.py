@@ -449,3 +449,14 @@ def test_the_kernel_table_reads_back_what_the_bench_writes(tmp_path, monkeypatch
     assert sel.table_path("GPU X").name == "fp8_gemm-gpu-x.json"
     assert sel.load_table("GPU X") == {(4, 4096, 14336, "group128", False, torch.bfloat16): "gemv-dot-32x128-w8"}
     assert sel.load_table("GPU Y") == {}
+
+
+def test_load_time_choice_keeps_decode_weight_only():
+    """At load only weight-only kernels are candidates (decode and verify share one numerics); the bench measures
+    the W8A8 ones too."""
+    from spruce.ops import fp8
+    from spruce.ops.fp8_select import measure
+
+    w, scale = fp8.quantize_rows(torch.randn(32, 64))
+    times = measure(w, scale, None, None, 1, only=("scaled_mm-rowwise",), dtype=torch.float32, weight_only=True)
+    assert times["scaled_mm-rowwise"].startswith("skipped: W8A8")
