@@ -95,7 +95,7 @@ class Engine:
                               else self.runner.model_config.eos_token_ids)
         cache = None if config.disable_radix_cache else PrefixCache(self.limits.page_size, self.runner.allocator)
         self.scheduler = Scheduler(self.limits, self.runner.page_table, self.runner.allocator, cache,
-                                   PrefillBatching(config.scheduler_delay_factor))
+                                   PrefillBatching(config.scheduler_delay_factor), self.runner.window_reach)
         spec = config.speculative
         self.strategy = make_strategy(self.runner, debug=self.debug, adaptive=spec is not None and spec.adaptive)
         self.speculative = self.strategy.speculative  # decode steps may be speculative rounds (a draft is loaded)

@@ -29,6 +29,8 @@ from spruce.models.quantization import check_fp8_kv_cache
 from spruce.ops.fp8 import FP8_DTYPE
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.page_table import PageTable
+from spruce.memory.window import WindowReach
+from spruce.models.layers import Attention
 from spruce.models.hf_config import ModelConfig
 from spruce.models.loader import draft_aux_layers, load_draft, load_target
 from spruce.models.rope import Rotary
@@ -54,6 +56,14 @@ def check_tree_fits_window(spec, cfg: ModelConfig, what: str = "the target") -> 
         return
     raise ConfigError(f"speculative_num_steps={spec.num_steps} must be below {what}'s sliding_window={window} "
                       f"(a draft tree's ancestors must lie inside every window)")
+
+
+def hold_to_window(model, window: int) -> None:
+    """Every attention layer of `model` reads at most its last `window` positions (its own window where
+    narrower)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.window = window if m.window is None else min(m.window, window)
 
 
 class ModelRunner:
@@ -82,6 +92,13 @@ class ModelRunner:
             self.backend.check_model(head_dim=dc.head_dim, mla=dc.mla is not None, window=dc.needs_windows,
                                      chunk=dc.needs_chunks, what="the draft")
             check_tree_fits_window(spec, dc, "the draft")
+        # every target layer windowed: pages behind the windows are freed (Scheduler.free_behind_windows), and the
+        # draft, whose KV shares those pages, reads no further back than the widest target layer
+        self.window_reach = WindowReach.of_model(self.model_config)
+        if self.draft is not None and self.window_reach.frees:
+            self.window_reach = self.window_reach.with_draft()
+            hold_to_window(self.draft, self.window_reach.draft_window)
+            self.backend.check_model(window=True, what="the draft (held to the target's window)")
         mc = self.model_config
         self.target_pool_config = self._rank_attention_config(mc)
         # the target's KV cache dtype: the model's, or FP8 (models scale what they store, ops/fp8.py)
