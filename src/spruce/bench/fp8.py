@@ -15,8 +15,9 @@ it finishes, an error recorded in its place):
     python -m spruce.bench.fp8 --out fp8.json --pycode ../shared/models/pycode-19m
     python -m spruce.bench.fp8 --smoke --out fp8.json      (CPU, the bundled demo model, tiny shapes)
 
---write-table also writes the kernel choices into ops/tables/fp8_gemm-<device>.json (the packaged table
-ops/fp8_select.py reads before measuring). Without --out: bench/results/fp8-<device>-<time>.json.
+--write-table PATH also writes the load-time kernel choices as a table; installed as
+src/spruce/ops/tables/fp8_gemm-<device>.json, ops/fp8_select.py reads it instead of measuring at load.
+Without --out: bench/results/fp8-<device>-<time>.json.
 """
 
 from __future__ import annotations
@@ -295,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU, the bundled demo model, tiny contexts, no deepseek section (checks it runs)")
     ap.add_argument("--out", default=None, help="the JSON to write (default: a file in --out-dir)")
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--write-table", action="store_true",
-                    help="also write the kernel choices to ops/tables/fp8_gemm-<device>.json")
+    ap.add_argument("--write-table", default=None, metavar="PATH",
+                    help="also write this run's kernel choices as a table (install it as "
+                         "src/spruce/ops/tables/fp8_gemm-<device>.json, which ops/fp8_select.py then reads)")
     args = ap.parse_args(argv)
     if args.smoke:
         from spruce.config import builtin_model_path
@@ -322,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         from spruce.ops.fp8_select import table_path, table_rows
 
         name = torch.cuda.get_device_name(torch.device(args.device))
-        table = table_path(name)
+        table = Path(args.write_table)
         table.parent.mkdir(parents=True, exist_ok=True)
         table.write_text(json.dumps({"device": name, "source": str(path), "choices": table_rows(name)}, indent=1)
                          + "\n")
-        print(f"wrote {table}")
+        print(f"wrote {table} (install as {table_path(name)})")
     print(json.dumps({k: v for k, v in figures.items() if k != "gemm"}, indent=2, default=str)[:20000])
     print(f"wrote {path}")
     return 0
