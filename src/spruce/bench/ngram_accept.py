@@ -59,11 +59,15 @@ def copy_prompt(doc: str, body_chars: int, head_chars: int) -> str:
 
 def spruce_run(args, prompts: list[list[int]], algorithm: str | None, topk: int = 1) -> dict:
     """One spruce engine: warm-up, then every prompt in one timed generate(); tokens, acceptance, tokens/s."""
+    import gc
+
     import torch
 
     from spruce import LLM, SamplingParams
 
-    kw = dict(device=args.device, dtype=args.dtype, max_running_requests=len(prompts), seed=0)
+    longest = max(map(len, prompts)) + args.max_tokens + 64  # + the lookahead a round's pages cover
+    kw = dict(device=args.device, dtype=args.dtype, max_running_requests=len(prompts), seed=0,
+              max_total_tokens=len(prompts) * longest)  # a KV cache for this workload, not most of the GPU
     if algorithm is not None:
         kw.update(speculative_algorithm=algorithm, speculative_num_steps=args.num_speculative_tokens,
                   speculative_eagle_topk=topk, speculative_prompt_lookup_min=args.prompt_lookup_min,
@@ -84,6 +88,7 @@ def spruce_run(args, prompts: list[list[int]], algorithm: str | None, topk: int 
                       speculative=llm.engine.info()["speculative"])
     llm.shutdown()
     del llm
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
@@ -177,12 +182,13 @@ def run(args) -> dict:
     texts = [copy_prompt(d, args.body_chars, args.head_chars) for d in load_documents(args.model, args.num_prompts)]
     budget = min(cfg.max_position_embeddings, args.context_tokens) - args.max_tokens - 8  # room for the output
     prompts = [prompt_token_ids(t, tokenizer, cfg.vocab_size)[-budget:] for t in texts]
+    with_vllm = args.device != "cpu" and importlib.util.find_spec("vllm") is not None and not args.skip_vllm
+    result = vllm_run(args, prompts) if with_vllm else None  # first: before this process holds any GPU memory
     plain = spruce_run(args, prompts, None)
     engines = {"spruce_plain": summarize(plain, plain["tokens"])}
     for k in args.spruce_topk:
         engines[f"spruce_ngram_k{k}"] = summarize(spruce_run(args, prompts, "NGRAM", k), plain["tokens"])
-    if args.device != "cpu" and importlib.util.find_spec("vllm") is not None and not args.skip_vllm:
-        result = vllm_run(args, prompts)
+    if result is not None:
         if "error" in result:
             engines["vllm_ngram"] = result
         else:
