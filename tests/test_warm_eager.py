@@ -5,6 +5,7 @@ after it while serving a mixed workload."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 
@@ -25,10 +26,16 @@ from test_overlap import PROMPTS
 TARGET = builtin_model_path()
 
 
+@functools.cache
+def _engine_limits() -> Limits:
+    """Limits of the bundled model's engine (one engine built for every test of the module)."""
+    return LLM(TARGET, max_running_requests=4).engine.limits
+
+
 def _limits(context_length: int, chunked_prefill_size: int) -> Limits:
     """Limits of the bundled model's engine, with the context and per-forward budget given."""
-    llm_limits = LLM(TARGET, max_running_requests=4).engine.limits
-    return dataclasses.replace(llm_limits, context_length=context_length, chunked_prefill_size=chunked_prefill_size)
+    return dataclasses.replace(_engine_limits(), context_length=context_length,
+                               chunked_prefill_size=chunked_prefill_size)
 
 
 @pytest.fixture(scope="module")
