@@ -5,7 +5,9 @@ shorter than the prompts) generating past several windows, transformers as the o
 - freed pages poisoned with NaN (and never handed out again) change nothing: target tokens == transformers, and the
   draft's hidden states, plain and EAGLE-3 tree rounds, equal those of a run that frees nothing;
 - the prefix cache: a request's matched pages are never freed under it; a request that freed caches nothing;
-- WindowReach's arithmetic, and models with a full-attention layer (gpt-oss, Llama 4) free nothing."""
+- an all-chunked Llama 4 frees behind its chunk (poisoned, greedy == transformers); sliding Qwen2 == transformers;
+- WindowReach's arithmetic, and models with a full-attention layer (gpt-oss, Llama 4) free nothing;
+- GPU: the Triton kernels, eager and in CUDA graphs, over poisoned freed pages."""
 
 from __future__ import annotations
 
