@@ -20,7 +20,7 @@ from spruce import LLM, SamplingParams
 from spruce.cli import build_parser
 from spruce.cli_args import engine_kwargs
 from spruce.config import builtin_model_path
-from spruce.errors import ConfigError
+from spruce.errors import ConfigError, InvariantError
 from spruce.speculative.adaptive import PLAIN
 
 TARGET = builtin_model_path()
@@ -59,7 +59,7 @@ def reference():
     return [o.token_ids for o in outs]
 
 
-def standalone(draft, k: int, s: int, n: int, page_size: int, **kw) -> LLM:
+def standalone(draft, k: int, s: int, n: int, page_size: int = 16, **kw) -> LLM:
     return LLM(TARGET, draft_model=str(draft), speculative_algorithm="standalone", speculative_eagle_topk=k,
                speculative_num_steps=s, speculative_num_draft_tokens=n, page_size=page_size, **{**ENGINE, **kw})
 
@@ -96,6 +96,16 @@ def test_adaptive_plain_steps_keep_the_draft_exact(reference, monkeypatch):
     assert mean_accept(outs) >= 3.6, [o.spec_stats for o in outs]
 
 
+def test_the_page_check_counts_the_drafts_next_root():
+    """A decode step also writes the draft LM's next root (committed + S + 1): with pages reserved one position short
+    of it (page size 1), the always-on page check refuses the step instead of letting it write into no page."""
+    llm = standalone(TARGET, 1, 4, 5, 1, max_running_requests=1, disable_overlap_schedule=True)
+    lim = llm.engine.limits
+    object.__setattr__(lim, "lookahead", lim.lookahead - 1)  # the scheduler reserves one position less
+    with pytest.raises(InvariantError, match="writes up to position"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
     draft = write_llama_checkpoint(tmp_path / "d", hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64,
                                    vocab=VOCAB - 96, max_pos=2048)
@@ -129,3 +139,39 @@ def test_standalone_without_a_draft_path_is_refused():
         parse("--speculative-algorithm", "STANDALONE")
     with pytest.raises(ConfigError, match="needs a draft model"):
         LLM(TARGET, speculative_algorithm="STANDALONE")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graphs_equal_plain_decoding(drafts, page_size):
+    """On the GPU with CUDA graphs (decode phases and prefills; float32: no bf16 near-ties): chains and trees of each
+    draft give plain decoding's greedy tokens, and the target drafting for itself accepts (nearly) every draft of a
+    chain; adaptive plain steps and rounds, forced in turn, too."""
+    kw = dict(device="cuda", dtype="float32", page_size=page_size, max_running_requests=8, chunked_prefill_size=64)
+    prompts, params = PROMPTS * 2, SamplingParams(max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in LLM(TARGET, **kw).generate(prompts, params)]
+    for draft, shape, least in [("self", (1, 4, 5), 4.5), ("first5", (4, 3, 8), 1.5), ("random", (4, 3, 8), 1.0)]:
+        llm = standalone(drafts[draft], *shape, **kw)
+        assert int(llm.engine.info()["cuda_graphs_captured"]) > 0
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want, draft
+        assert mean_accept(outs) >= least, (draft, [o.spec_stats for o in outs])
+    llm = standalone(TARGET, 1, 3, 4, speculative_adaptive=True, **kw)
+    picks = iter([PLAIN, 4, PLAIN, PLAIN, 4] * 200)
+    llm.engine.strategy.policy.choose = lambda bucket, healthy, total: next(picks)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert mean_accept(outs) >= 3.6, [o.spec_stats for o in outs]
+
+
+def test_tp2_shards_the_target_and_replicates_the_draft(drafts):
+    """tensor parallelism (CPU, gloo): the target split over 2 ranks, the draft LM whole on each, a K=4 tree; greedy
+    and seeded requests in one batch: the same tokens and accept lengths as tp 1."""
+    from spruce.runtime.launch import create_engine
+    from spruce.speculative.registry import make_strategy
+    from test_tensor_parallel import config, jobs, prompts_of, run, run_tp2, spec
+
+    prompts, params = jobs(prompts_of(TARGET))
+    cfg = dict(speculative=spec("STANDALONE", drafts["first5"], TARGET, 3, 4, 8))
+    want = run(LLM.from_engine(create_engine(config(TARGET, **cfg), make_strategy=make_strategy)), prompts, params)
+    assert run_tp2(config(TARGET, tp_size=2, **cfg), prompts, params) == want
