@@ -76,10 +76,13 @@ CASES = [("self", (1, 4, 5), 16, 4.5), ("first5", (1, 4, 5), 1, 1.5), ("first5",
 
 @pytest.mark.parametrize("draft,shape,page_size,least", CASES, ids=[f"{c[0]}-K{c[1][0]}-page{c[2]}" for c in CASES])
 def test_greedy_equals_plain_decoding(drafts, reference, draft, shape, page_size, least):
-    outs = standalone(drafts[draft], *shape, page_size).generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW,
-                                                                                        ignore_eos=True))
-    assert [o.token_ids for o in outs] == reference
-    assert mean_accept(outs) >= least, [o.spec_stats for o in outs]
+    """Then the same prompts again, their full pages from the prefix cache (the draft's KV in them too)."""
+    llm = standalone(drafts[draft], *shape, page_size)
+    for again in (False, True):
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == reference
+        assert mean_accept(outs) >= least, [o.spec_stats for o in outs]
+        assert again == any(o.num_cached_tokens for o in outs)
 
 
 def test_adaptive_plain_steps_keep_the_draft_exact(reference, monkeypatch):
