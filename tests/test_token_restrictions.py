@@ -330,3 +330,40 @@ def test_bad_inputs_are_400s_naming_the_value(server, path, field, value, says):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].startswith(field) and says in err["message"], err
+
+
+def test_mixed_steps_and_preemption_keep_the_tails(plain, cases):
+    """Requests arriving while others decode (mixed steps) in a KV cache too small for all (preempted requests
+    recompute prompt + output: their tails restart from the output kept) give the offline outputs."""
+    from test_mixed_steps import staggered
+
+    prompts = PROMPTS + ["x = [0, 0, 0, 0"]
+    params = [cases[0][i % 2 * 2][0] for i in range(len(prompts))]  # bad words; both fields
+    want = [plain.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    llm = LLM(builtin_model_path(), page_size=4, max_running_requests=4, max_total_tokens=96)
+    got, steps = staggered(llm, True, prompts, params, every=3)
+    assert llm.engine.scheduler.num_preemptions > 0 and steps["mixed"] > 0
+    assert [o.token_ids for o in got] == want
+
+
+@pytest.mark.gpu
+@needs_draft
+def test_gpu_graphs_and_overlap_spec_equals_plain(cases):
+    """CUDA graphs and overlap (results read a step late: the tails advance on the device): a batch mixing
+    restricted greedy, restricted seeded and unrestricted requests gives plain decoding's tokens."""
+    kw = dict(device="cuda", attention_backend="triton", dtype="float32", cuda_graph=True, page_size=16,
+              max_running_requests=8)
+    restricted = [p for p, _ in cases[0]]
+    prompts = PROMPTS * 3
+    params = [restricted[i % 3] if i % 3 == 0 else
+              SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=i,
+                             bad_words=restricted[0].bad_words, allowed_token_ids=restricted[1].allowed_token_ids)
+              if i % 3 == 1 else SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(len(prompts))]
+    gpu_plain = LLM(builtin_model_path(), **kw)
+    want = [o.token_ids for o in gpu_plain.generate(prompts, params)]
+    spec = LLM(builtin_model_path(), draft_model=str(builtin_draft_path()), speculative_num_steps=4,
+               speculative_eagle_topk=4, speculative_num_draft_tokens=16, **kw)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    for p, o in zip(params, got):
+        check_restricted(spec, p, [o.token_ids])
