@@ -85,6 +85,21 @@ def test_greedy_equals_plain_decoding(drafts, reference, draft, shape, page_size
         assert again == any(o.num_cached_tokens for o in outs)
 
 
+def test_sampling_and_structured_output_equal_plain_decoding(drafts):
+    """Seeded sampling, a regex and a JSON object (their depth-1 drafts pruned by the grammar from the draft's stored
+    hidden state) in one batch with a greedy request: plain decoding's tokens, and the target drafting for itself
+    still accepts drafts under the grammars."""
+    pytest.importorskip("llguidance", reason="structured output needs spruce[grammar] (llguidance)")
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.8, top_p=0.95, seed=7),
+              SamplingParams(max_tokens=MAX_NEW, regex=r"[a-z]+( [a-z]+)*"),
+              SamplingParams(max_tokens=MAX_NEW, json_object=True),
+              SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)]
+    want = [o.token_ids for o in LLM(TARGET, page_size=16, **ENGINE).generate(PROMPTS, params)]
+    outs = standalone(drafts["self"], 4, 3, 8, 16).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    assert mean_accept(outs) > 2.0, [o.spec_stats for o in outs]
+
+
 def test_adaptive_plain_steps_keep_the_draft_exact(reference, monkeypatch):
     """Adaptive speculation forced through plain steps (each followed by the draft LM's extend over its token) and
     rounds: plain decoding's output, and the target drafting for itself still accepts every draft, so each plain
