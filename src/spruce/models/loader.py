@@ -40,13 +40,14 @@ def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> N
 
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
-                show_progress: bool = False, load_format: str = "auto", tp=None, quantization: str | None = None):
+                show_progress: bool = False, load_format: str = "auto", tp=None, quantization: str | None = None,
+                desc: str = "loading target"):
     """The target (its class from the model registry) with weights from `path` (random with load_format='dummy').
 
     aux_layers: input indices of the layers whose residual stream forward() also returns (EAGLE-3).
     tp: a tensor-parallel group; the model is then this rank's slice, read straight from the files.
     quantization: None, or "fp8" to quantize a bf16 checkpoint at load; an FP8 checkpoint loads as FP8 either
-    way (models/quantization.py)."""
+    way (models/quantization.py). `desc`: the progress bar's label."""
     from spruce.models.registry import target_class
 
     path = Path(path)
@@ -60,7 +61,7 @@ def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_lay
         reader = iter_tensors if tp is None else iter_tensor_slices
         _set_checkpoint_scheme(model, scheme)
         with torch.no_grad():
-            model.load_weights(reader(path, show_progress, "loading target"))
+            model.load_weights(reader(path, show_progress, desc))
             _finish_quantization(model, scheme, cfg, dtype)
     if load_format == "dummy" and scheme is not None:  # random FP8 weights in the checkpoint's layout
         with torch.no_grad():
@@ -134,7 +135,8 @@ def load_standalone_draft(path, target_config: ModelConfig, dtype: torch.dtype, 
     from spruce.models.standalone import StandaloneDraft, check_same_vocabulary
 
     check_same_vocabulary(ModelConfig.from_dir(path), target_config, path)
-    model = load_target(path, dtype, device, backend, show_progress=show_progress, load_format=load_format)
+    model = load_target(path, dtype, device, backend, show_progress=show_progress, load_format=load_format,
+                        desc="loading draft")
     return StandaloneDraft(model).eval().requires_grad_(False)
 
 
