@@ -355,7 +355,7 @@ def test_gpu_graphs_and_overlap_spec_equals_plain(cases):
               max_running_requests=8)
     restricted = [p for p, _ in cases[0]]
     prompts = PROMPTS * 3
-    params = [restricted[i % 3] if i % 3 == 0 else
+    params = [restricted[i // 3] if i % 3 == 0 else
               SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.8, seed=i,
                              bad_words=restricted[0].bad_words, allowed_token_ids=restricted[1].allowed_token_ids)
               if i % 3 == 1 else SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(len(prompts))]
