@@ -6,6 +6,7 @@ at a time (each read from a memory-mapped file), so peak memory is the model plu
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -16,14 +17,30 @@ from spruce.models.quantization import finish_fp8_load, fp8_scheme, quantize_mod
 
 
 def _build(module_fn, dtype: torch.dtype, device: torch.device):
-    """Construct directly on `device` with `dtype` as the default float dtype (no float32 detour)."""
+    """Construct directly on `device` with `dtype` as the default float dtype (no float32 detour), skipping
+    torch's default initialisation of Linear and Embedding weights: every parameter is then written by the
+    checkpoint (load_named_tensors refuses a checkpoint that lacks one) or by random_init_ (load_format='dummy'),
+    and a parameter a checkpoint may leave out is set explicitly where it is built (EagleDraft's fc.bias)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), _without_default_init():
             return module_fn()
     finally:
         torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _without_default_init():
+    """nn.Linear / nn.Embedding construct with their storage uninitialised (their reset_parameters skipped)."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, reset in saved.items():
+            cls.reset_parameters = reset
 
 
 def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
