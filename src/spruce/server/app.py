@@ -38,6 +38,7 @@ from spruce.server.security import LOOPBACK_HOSTS, HostCheck, OriginCheck
 from spruce.server.settings import (
     MAX_BODY_BYTES, MAX_QUEUED_REQUESTS, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_PERIOD_S, ServingLimits,
 )
+from spruce.server.sglang_native import add_sglang_routes
 from spruce.server.tooling import add_tooling_routes
 
 log = logging.getLogger("spruce.server")
@@ -144,6 +145,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, api_key: str | None 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     add_tooling_routes(app, api)
+    add_sglang_routes(app, api)  # SGLang's /generate, /health_generate
     add_request_checks(app, allowed_hosts, allowed_origins, metrics.on_error)
     return app
 
