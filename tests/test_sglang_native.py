@@ -5,11 +5,13 @@ text and input_ids, stop strings, logprobs, and 400s naming SGLang's field."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
 
-from server_util import MODEL_NAME, ServerThread, engine_kwargs, one_torch_thread  # noqa: F401
+from server_util import MODEL_NAME, ServerThread, engine_kwargs, metric, one_torch_thread  # noqa: F401
 from spruce import LLM
 
 PROMPT = "def fibonacci(n):\n"
@@ -19,7 +21,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=128))
+    llm = LLM(**engine_kwargs(tmp_path_factory.mktemp("draft"), context_length=256))
     srv = ServerThread(llm.engine).start()
     yield srv
     srv.stop()
@@ -152,3 +154,31 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
 def test_health_generate(server):
     r = httpx.get(f"{server.base_url}/health_generate", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def abort_count(base_url: str) -> float:
+    text, name = httpx.get(f"{base_url}/metrics").text, 'spruce_requests_finished_total{finish_reason="abort"}'
+    return metric(text, name) if name in text else 0.0  # the series appears with the first abort
+
+
+def pages_used_until(base_url: str, predicate, timeout: float = 5.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = metric(httpx.get(f"{base_url}/metrics").text, "spruce_kv_pages_used")
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_the_request(server, stream):
+    before = abort_count(server.base_url)
+    body = json.dumps({"text": "class A:\n", "stream": stream,
+                       "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert pages_used_until(server.base_url, lambda v: v > 0) > 0
+    sock.close()
+    assert pages_used_until(server.base_url, lambda v: v == 0) == 0
+    assert abort_count(server.base_url) == before + 1
