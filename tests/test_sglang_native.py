@@ -97,6 +97,14 @@ def test_stop_string_cut_matched_and_kept_with_no_stop_trim(server):
     assert kept.json()["text"] == cut + stop
 
 
+def test_stop_token_id_is_the_matched_token(server):
+    ids = generate(server, {"text": PROMPT, "sampling_params": GREEDY}).json()["output_ids"]
+    stop_id = ids[4]
+    body = generate(server, {"text": PROMPT, "sampling_params": {**GREEDY, "stop_token_ids": [stop_id]}}).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert body["output_ids"] == ids[:ids.index(stop_id) + 1]
+
+
 def test_logprobs_shape(server):
     r = generate(server, {"text": PROMPT, "sampling_params": {**GREEDY, "max_new_tokens": 4}, "return_logprob": True,
                           "top_logprobs_num": 2, "logprob_start_len": 0, "return_text_in_logprobs": True})
@@ -154,6 +162,16 @@ def test_bad_input_is_a_400_naming_the_field(server, body, param):
 def test_health_generate(server):
     r = httpx.get(f"{server.base_url}/health_generate", timeout=30)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_health_generate_is_503_when_nothing_can_be_generated(server):
+    loop = server.engine_loop
+    loop._accepting = False  # as a shutdown does; the module's other tests ran before (file order)
+    try:
+        r = httpx.get(f"{server.base_url}/health_generate", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "unhealthy", r.text
+    finally:
+        loop._accepting = True
 
 
 def abort_count(base_url: str) -> float:

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from spruce.errors import InvalidRequestError
+from spruce.sampling_params import SamplingParams
 from spruce.server.engine_loop import EngineFailure, Generation
 from spruce.server.protocol import LOGPROB_FLOOR, CompletionRequest, OpenAIError, TextDelta, parse_request
 
@@ -211,7 +212,7 @@ class GenerateRequest:
         prompt -> text / input_ids)."""
         names = {v: k for k, v in SAMPLING_FIELDS.items()}
         param = e.param or ""
-        head, _, rest = param.partition(".")
+        head = param.partition(".")[0]
         if head == "prompt":
             e.message, e.param = e.message.replace("prompt", self.prompt_param, 1), self.prompt_param
         elif head in names:
@@ -286,8 +287,6 @@ class _Native:
         token 0), within HEALTH_TIMEOUT_S."""
         api = self.api
         api.authorize(request)
-        from spruce.sampling_params import SamplingParams
-
         tok = api.engine.tokenizer
         bos = getattr(tok, "bos_token_id", None) if tok is not None else None
         job = ([bos if isinstance(bos, int) else 0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
