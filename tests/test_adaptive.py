@@ -229,7 +229,7 @@ def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_pr
     """On the GPU with graphs (float32: no bf16 near-ties): plain steps that keep the draft current and rounds at N
     and at a narrower width, forced in turn, give plain decoding's greedy tokens, and rounds after plain steps accept
     about as much as a fixed engine's rounds (a draft left stale by the plain steps' graphs would not)."""
-    kw = dict(device="cuda", max_running_requests=8, page_size=16)
+    kw = dict(device="cuda", dtype="float32", max_running_requests=8, page_size=16)
     prompts = heldout_prompts[:8]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in LLM(pycode19m, **kw).generate(prompts, params)]

@@ -175,10 +175,12 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 def _mma_w(a, w, s_ptrs, k0, acc, IEEE: tl.constexpr, FP8: tl.constexpr, GROUP_K: tl.constexpr, mask_n):
     """acc + a @ w; an FP8 tile `w` is widened to a's dtype and its product scaled per column by the scale of
     its K group (`s_ptrs` [BLOCK_N]: the rows' scale rows; BLOCK_K divides GROUP_K, ops/fp8.py's layout)."""
-    if FP8:
+    if FP8:  # if/else, not an early return: Triton compiles a statement after a constexpr-true `return` too
         s = tl.load(s_ptrs + k0 // GROUP_K, mask=mask_n, other=0.0)  # [BLOCK_N]
-        return acc + _mma(a, w.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE) * s[None, :]
-    return _mma(a, w, acc, IEEE)
+        out = acc + _mma(a, w.to(a.dtype), tl.zeros(acc.shape, dtype=tl.float32), IEEE) * s[None, :]
+    else:
+        out = _mma(a, w, acc, IEEE)
+    return out
 
 
 @triton.jit
