@@ -216,3 +216,34 @@ def test_a_kv_scale_must_be_one_positive_value(targets, tmp_path, value):
     save_file(tensors, str(dst / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="KV cache scale .*k_scale.* must be one positive finite value"):
         load_target(dst, torch.float32, torch.device("cpu"), create_backend("torch", 4))
+
+
+def test_every_grouped_decode_candidate_reads_the_fp8_cache_like_torch():
+    """Each launch configuration the decode-attention benchmark measures (keys per tile, prefetch or pipeliner)
+    gives the torch backend's output on an FP8 cache across kv splits, for a float32 query and, with float16
+    widening, a bfloat16 one (the interpreter's bfloat16 widening of FP8 is not the GPU's: not compared here)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from test_triton_attention import make_case
+
+    from spruce.attention.torch_backend import TorchAttention
+    from spruce.attention.triton_backend import GROUPED_CANDIDATES, TritonAttention
+
+    shape = dict(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+    q, k, v, kc, vc, start, batch, table = make_case(Phase.DECODE, 2, 1, [300, 70], 16, 0, **shape, seed=8)
+    kc, vc = (kc * 3).clamp(-448, 448).to(FP8_DTYPE), (vc * 3).clamp(-448, 448).to(FP8_DTYPE)
+    want = TorchAttention(16).forward(q, k, v, kc.clone(), vc.clone(), start, batch, table, 0.25)
+    backend = TritonAttention(16)
+    backend._sms = 4  # 2 requests x 2 kv heads on 4 stand-in SMs: the 300 keys split in 2
+    assert backend.grouped_decode_config(FP8_DTYPE, torch.bfloat16).fp16_dot
+    assert not backend.grouped_decode_config(FP8_DTYPE, torch.float32).fp16_dot
+    assert not backend.grouped_decode_config(torch.bfloat16, torch.bfloat16).fp16_dot
+    for cfg in GROUPED_CANDIDATES:
+        backend.grouped_config = cfg
+        got = backend.forward(q, k, v, kc.clone(), vc.clone(), start, batch, table, 0.25)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=str(cfg))
+        if cfg.fp16_dot:
+            got = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.clone(), vc.clone(), start, batch,
+                                  table, 0.25)
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=4e-2, msg=str(cfg))

@@ -11,6 +11,7 @@ ForwardBatch directly: its `plan` is the base class's no-op (DESIGN §13).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,10 +29,38 @@ BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
 MLA_BLOCK_N = 32
-# decode with the query heads of a kv head as one tile (grouped_decode_kernel): 32 keys a tile on 8 warps compile
-# to ~125 registers on sm90 (two programs per SM, each with two tiles in flight); 64 keys need ~180 (one program)
-GROUPED_BLOCK_N = 32
-GROUPED_WARPS = 8
+
+
+@dataclass(frozen=True)
+class GroupedDecodeConfig:
+    """A launch of grouped_decode_kernel: keys per tile, warps, pipeline stages, the kernel's PREFETCH (tile i + 1
+    loaded in the loop body) and FP16_DOT (an FP8 cache's tiles widened to float16 instead of the query's
+    bfloat16)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int = 3
+    prefetch: bool = True
+    fp16_dot: bool = False
+
+
+# decode with the query heads of a kv head as one tile (grouped_decode_kernel). A 16-bit cache: 32 keys a tile on
+# 8 warps compile to ~125 registers on sm90 (two programs per SM, each with two tiles in flight); 64 keys need
+# ~180 (one program). An FP8 tile is half the bytes: 64 keys keep the same bytes in flight per load as 32 16-bit
+# keys (8 KiB of K and 8 KiB of V; a 128-dim FP8 row is 128 bytes, still whole 16-byte vectors), and e4m3 widens to
+# float16 in one conversion per pair.
+GROUPED_CONFIG_16BIT = GroupedDecodeConfig(block_n=32, num_warps=8)
+GROUPED_CONFIG_FP8 = GroupedDecodeConfig(block_n=64, num_warps=8, fp16_dot=True)
+# what `python -m spruce.bench.decode_attention` measures (the defaults above among them)
+GROUPED_CANDIDATES = (
+    GROUPED_CONFIG_16BIT,
+    GroupedDecodeConfig(block_n=64, num_warps=8),
+    GroupedDecodeConfig(block_n=64, num_warps=8, fp16_dot=True),
+    GroupedDecodeConfig(block_n=64, num_warps=4, fp16_dot=True),
+    GroupedDecodeConfig(block_n=64, num_warps=8, num_stages=3, prefetch=False, fp16_dot=True),
+    GroupedDecodeConfig(block_n=128, num_warps=8, num_stages=2, prefetch=False, fp16_dot=True),
+    GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=4, prefetch=False),
+)
 GROUPED_MAX_SPLITS = 64  # its grid has one program per kv head: bs 1 needs many splits to fill the SMs
 MLA_MAX_SPLITS = 64  # MLA has few programs (heads share them): bs 1 decode needs many splits to fill the SMs
 MLA_MIN_KV_PER_SPLIT = 64
@@ -63,6 +92,15 @@ class TritonAttention(AttentionBackend):
     def __init__(self, page_size: int, limits=None, device=None):
         super().__init__(page_size, limits, device)
         self._sms: int | None = None
+        self.grouped_config: GroupedDecodeConfig | None = None  # set: every grouped decode launch uses it
+
+    def grouped_decode_config(self, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> GroupedDecodeConfig:
+        """The grouped decode launch for a cache of `cache_dtype` read by queries of `q_dtype`: `grouped_config`
+        when set, else GROUPED_CONFIG_FP8 for a one-byte cache, GROUPED_CONFIG_16BIT otherwise. FP16_DOT only
+        where the query is 16-bit (a float32 query keeps its float32 dot)."""
+        cfg = self.grouped_config or (GROUPED_CONFIG_FP8 if cache_dtype.itemsize == 1 else GROUPED_CONFIG_16BIT)
+        fp16_dot = cfg.fp16_dot and cache_dtype.itemsize == 1 and q_dtype.itemsize == 2
+        return GroupedDecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, fp16_dot)
 
     @property
     def captures_prefill(self) -> bool:
@@ -186,12 +224,14 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
         block_d = triton.next_power_of_2(head_dim)
+        cfg = self.grouped_decode_config(k_cache.dtype, q.dtype)
         grouped_decode_kernel[(batch.batch_size, num_kv_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, part_o, part_lse,
             t, splits, q.stride(0), page_table.stride(0), scale * 1.4426950408889634, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=self.page_size,
             BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), SPLIT_KV=splits > 1,
-            BLOCK_N=GROUPED_BLOCK_N, DOT_PRECISION=_dot_precision(q.dtype), num_warps=GROUPED_WARPS)
+            BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype), PREFETCH=cfg.prefetch,
+            FP16_DOT=cfg.fp16_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=GROUPED_MAX_SPLITS,

@@ -192,12 +192,18 @@ def grouped_decode_kernel(
     q_ptr, o_ptr, k_cache, v_cache, page_table, req_rows, qo_indptr, kv_lens, part_o, part_lse, num_tokens,
     num_splits, q_stride, table_stride, sm_scale_log2, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
-    SPLIT_KV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_KV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = True,
+    FP16_DOT: tl.constexpr = False,
 ):
     """Decode (one query token per request, no scratch, no window / chunk / sinks): program (request, kv head,
     split) takes the kv head's GROUP = NUM_HEADS / NUM_KV_HEADS query heads as the rows of one tile (padded to
     BLOCK_H >= 16), so each K/V tile is read, and an FP8 cache's tile widened, once for the whole group. The same
-    outputs (and split partials, for `merge_splits_kernel`) as `paged_attention_kernel` on such a batch."""
+    outputs (and split partials, for `merge_splits_kernel`) as `paged_attention_kernel` on such a batch.
+
+    PREFETCH: the loads of tile i + 1 are issued before tile i's softmax step in the loop body (two tiles in
+    registers); without it the loop loads its own tile and Triton's pipeliner (num_stages) overlaps the loads.
+    FP16_DOT (FP8 cache, 16-bit query): q is cast to float16 once and the tiles widen to float16, which e4m3
+    does exactly in one conversion per pair (to bfloat16 it takes three); the scores and acc stay float32."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -218,19 +224,29 @@ def grouped_decode_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, kv_len)
-        # the loads of tile i + 1 are issued before tile i's softmax step (two tiles in flight per program)
-        pos = lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        n_valid = pos < hi
-        k, v = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos, n_valid, kv_head, offs_d, d_valid,
-                             NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
-        for start in range(lo, hi, BLOCK_N):
-            pos_next = start + BLOCK_N + tl.arange(0, BLOCK_N)
-            valid_next = pos_next < hi
-            k_next, v_next = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos_next, valid_next,
-                                           kv_head, offs_d, d_valid, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
-            allowed = h_valid[:, None] & n_valid[None, :]
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
-            k, v, n_valid = k_next, v_next, valid_next
+        if FP16_DOT:
+            q = q.to(tl.float16)  # the tiles follow q's dtype in _online_softmax_step
+        if PREFETCH:  # the loads of tile i + 1 are issued before tile i's softmax step (two tiles in flight)
+            pos = lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            n_valid = pos < hi
+            k, v = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos, n_valid, kv_head, offs_d,
+                                 d_valid, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
+            for start in range(lo, hi, BLOCK_N):
+                pos_next = start + BLOCK_N + tl.arange(0, BLOCK_N)
+                valid_next = pos_next < hi
+                k_next, v_next = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos_next, valid_next,
+                                               kv_head, offs_d, d_valid, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
+                allowed = h_valid[:, None] & n_valid[None, :]
+                m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
+                k, v, n_valid = k_next, v_next, valid_next
+        else:
+            for start in range(lo, hi, BLOCK_N):
+                pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                n_valid = pos < hi
+                k, v = _load_kv_tile(k_cache, v_cache, page_table, row, table_stride, pos, n_valid, kv_head, offs_d,
+                                     d_valid, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE)
+                allowed = h_valid[:, None] & n_valid[None, :]
+                m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         o_off = (t * NUM_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
