@@ -5,33 +5,44 @@ commit the most tokens per second for the batch.
 Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it returns what runs the step, and
 `on_round(step, requests, results)` after it reads the step's accept lengths. `AdaptivePolicy` holds the rule:
 
-- costs: seconds of one step of each candidate per batch-size bucket (Limits.cost_buckets), measured once at
-  start-up over padding rows (captured graphs where the bucket has them, else eager; CUDA events on a GPU, the call's
+- costs: seconds of one step of each candidate per batch-size bucket (Limits.cost_buckets; plain: a plain engine's
+  step, with no draft work), measured once at start-up over padding rows (captured graphs where the bucket has them, else eager; CUDA events on a GPU, the call's
   wall time on the CPU), the median of TIMED_RUNS runs. Under tensor parallelism every rank takes rank 0's table.
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
-  also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), and one EMA per
-  request. A request whose own EMA is below `collapse_below` (the fewest accepted drafts at which some round, at some
-  bucket, beats a plain step) after COLLAPSE_ROUNDS rounds has collapsed: it runs plainly to its end.
+  also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
+  request round (SAMPLE_WEIGHT): a round over 64 requests moves it as far as 64 rounds over one, so that at batch 1,
+  where one round accepts 0 or 1 drafts at acceptance 0.5, it does not swing across break-even (while it has read
+  few, it is their plain mean). Until a width's EMA has read MEASURED_AFTER request rounds, the choice takes it to
+  accept S. Also each request's count. A request whose mean accepted drafts over its rounds is below COLLAPSE_MARGIN times `collapse_below` (the
+  fewest accepted drafts at which some round, at some bucket, beats a plain step) after COLLAPSE_ROUNDS rounds has
+  collapsed: it runs plainly to its end. (The mean with a margin, not a fast EMA: at acceptance 0.5 a request's
+  rounds accept 0 or 1 drafts, and an EMA of weight 0.3 falls from 0.5 to 0.25 after two zeros in a row, which most
+  requests see in 128 tokens; a mean of 8 such rounds is below 0.25 for 3.5% of requests.)
 - choice per bucket: plain commits 1 token per request, a round at width w 1 + EMA(w) per request that has not
   collapsed (1 for the others); the candidate with the most tokens per second wins, but a bucket leaves its current
   candidate only for one HYSTERESIS times faster. While a bucket's choice is not a round at N, every PROBE_EVERY-th
   step there is one, so that every width's EMA keeps moving.
+- catch-up: a plain step leaves its requests' drafts behind (`stale`). A round wanted over a batch with a stale
+  request not collapsed runs a drafted plain step first (CATCH_UP), which puts every draft at its position, and the
+  round (a probe stays due) at the next step. So a bucket whose choice is plain pays for no draft work but one step
+  per probe. (Served at Llama-3.1-8B on an H200 at acceptance 1.5, plain steps that all extended the draft took
+  10-14% longer than a plain server's at batch 16 and 64, more than the bar's 5% allows.)
 
 Nothing reads a clock after start-up: the choice is a function of the cost table and the accept lengths, which every
 tensor-parallel rank computes alike, so every rank makes rank 0's choice.
 
-Draft KV: a plain step over a batch that holds a request that may still speculate runs the target and then the
-draft's extend over the token it committed (the target's feature at p with the token at p + 1: a round's extend with
-nothing accepted), so every such draft stays current and a later round runs as after a prefill. A batch whose every
-request has collapsed runs a plain engine's step with no draft work: those drafts fall behind for good. Such a
-request may still sit in a later round beside others; its stale draft then proposes worse tokens, never wrong ones,
-and the pages it fills meanwhile enter the prefix cache with stale draft KV, which can only lower a later request's
-acceptance there. Whatever runs, a committed token is the target's choice at its position (greedy: the argmax;
+Draft KV: a catch-up step runs the target and then the draft's extend over the token it committed (the target's
+feature at p with the token at p + 1: a round's extend with nothing accepted), so the round after it starts from the
+draft's state at the right position. The draft KV of the positions that plain steps committed stays unwritten, and a
+collapsed request's draft falls behind for good; such a draft proposes worse tokens, never wrong ones, and the pages
+filled meanwhile enter the prefix cache with stale draft KV, which can only lower a later request's acceptance
+there. Whatever runs, a committed token is the target's choice at its position (greedy: the argmax;
 sampled: the draw keyed by (seed, position)), so the output equals plain decoding's.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import Counter
@@ -45,21 +56,27 @@ from spruce.runtime.strategy import DecodeStrategy, PlainDecoding
 from spruce.speculative.eagle_worker import EagleWorker
 
 PLAIN = 0  # the plain candidate; every other candidate is a verify width
-EMA_WEIGHT = 0.1  # a round's weight in the engine-wide acceptance EMA ...
-REQUEST_EMA_WEIGHT = 0.3  # ... and in its requests' own
+CATCH_UP = -1  # not a candidate: a plain step with the draft's extend, run before a round over stale drafts
+SAMPLE_WEIGHT = 1 / 64  # one request's round's weight in the engine-wide acceptance EMA (a round of n: 1 - (1 - w)^n)
+MEASURED_AFTER = 16  # request rounds a width's EMA reads before the choice uses it (until then: S accepted)
 HYSTERESIS = 1.05  # a bucket changes candidate only for one expected this much faster
 PROBE_EVERY = 64  # steps of a bucket whose choice is not N, per round at N there
-COLLAPSE_ROUNDS = 4  # rounds a request runs before its own EMA may collapse it
+COLLAPSE_ROUNDS = 8  # rounds a request runs before its mean may collapse it ...
+COLLAPSE_MARGIN = 0.5  # ... below this part of collapse_below (a request at break-even rarely collapses by chance)
 WARMUP_RUNS, TIMED_RUNS = 1, 3  # start-up timing of each candidate's step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestAcceptance:
-    """One request's record (`Request.accept_state`): its rounds, the EMA of the drafts each accepted, collapsed."""
+    """One request's record (`Request.accept_state`): its rounds, the drafts they accepted, collapsed, and stale
+    (its last step was a plain one: its draft is behind)."""
 
     rounds: int = 0
-    ema: float = 0.0
+    accepted: int = 0
     collapsed: bool = False
+    stale: bool = False
 
 
 class AdaptivePolicy:
@@ -72,10 +89,12 @@ class AdaptivePolicy:
         self.candidates = (PLAIN, *widths)
         self.max_accept = max_accept
         self.ema: dict[int, float] = {}  # width -> drafts a round accepts per request (unset until measured)
+        self.samples: Counter = Counter()  # width -> request rounds its EMA read
         self.current: dict[int, int] = {}  # bucket -> its candidate (N until the first switch)
-        self.steps: Counter = Counter()  # bucket -> steps that asked
-        self.chosen: Counter = Counter()  # candidate -> steps
+        self.since_n: Counter = Counter()  # bucket -> its steps since its last round at N
+        self.chosen: Counter = Counter()  # candidate -> steps (a catch-up counts as plain)
         self.probes = 0
+        self.catch_ups = 0
         self.collapsed = 0  # requests collapsed so far ...
         self.collapsed_steps = 0  # ... and plain engine's steps over batches of collapsed requests only
         buckets = {b for _, b in costs}
@@ -85,41 +104,55 @@ class AdaptivePolicy:
         """Tokens a step of `candidate` commits over `total` requests, `healthy` of them not collapsed."""
         if candidate == PLAIN:
             return float(total)
-        return total + healthy * self.ema.get(candidate, float(self.max_accept))
+        measured = self.samples[candidate] >= MEASURED_AFTER
+        return total + healthy * (self.ema[candidate] if measured else float(self.max_accept))
 
-    def choose(self, bucket: int, healthy: int, total: int) -> int:
-        """The candidate of a step over `total` requests (`healthy` not collapsed, at least one) at cost `bucket`."""
-        self.steps[bucket] += 1
+    def choose(self, bucket: int, healthy: int, total: int, drafts_current: bool = True) -> int:
+        """What runs a step over `total` requests (`healthy` not collapsed, at least one) at cost `bucket`: a
+        candidate, or CATCH_UP where a round is due but some healthy request's draft is behind (not
+        `drafts_current`)."""
         current = self.current.get(bucket, self.widths[-1])
         speed = {c: self.expected_tokens(c, healthy, total) / self.costs[(c, bucket)] for c in self.candidates}
         best = max(self.candidates, key=speed.__getitem__)
         if best != current and speed[best] > HYSTERESIS * speed[current]:
+            log.info("adaptive speculation: batch bucket %d now runs %s (expected tokens/s: %s)", bucket,
+                     _name(best), ", ".join(f"{_name(c)} {s:.0f}" for c, s in speed.items()))
             current = self.current[bucket] = best
-        if current != self.widths[-1] and self.steps[bucket] % PROBE_EVERY == 0:
+        n = self.widths[-1]
+        if current != n and self.since_n[bucket] >= PROBE_EVERY - 1:
+            current = n
             self.probes += 1
-            current = self.widths[-1]
-        self.chosen[current] += 1
+        if current != PLAIN and not drafts_current:
+            self.probes -= current == n and self.current.get(bucket, n) != n  # still due: the next step runs it
+            current = CATCH_UP
+            self.catch_ups += 1
+        self.since_n[bucket] = 0 if current == n else self.since_n[bucket] + 1
+        self.chosen[max(current, PLAIN)] += 1
         return current
 
     def on_round(self, width: int, accepted: list[list[int]], states: list[RequestAcceptance]) -> None:
         """A round at `width` resolved: accepted[i] are request i's accepted drafts at each width up to `width`
         (ascending, `width`'s last), states[i] its record. The engine-wide EMAs read the requests not collapsed."""
         healthy = [(row, s) for row, s in zip(accepted, states) if not s.collapsed]
+        n = len(healthy)
         for j, w in enumerate(self.widths[:len(accepted[0]) if accepted else 0]):
             if healthy:
-                mean = sum(row[j] for row, _ in healthy) / len(healthy)
-                self.ema[w] = mean if w not in self.ema else self.ema[w] + EMA_WEIGHT * (mean - self.ema[w])
+                mean = sum(row[j] for row, _ in healthy) / n
+                self.samples[w] += n
+                weight = max(1 - (1 - SAMPLE_WEIGHT) ** n, n / self.samples[w])  # the plain mean while few
+                self.ema[w] = self.ema.get(w, 0.0) + weight * (mean - self.ema.get(w, 0.0))
         for row, s in healthy:
-            s.ema = row[-1] if s.rounds == 0 else s.ema + REQUEST_EMA_WEIGHT * (row[-1] - s.ema)
             s.rounds += 1
-            if s.rounds >= COLLAPSE_ROUNDS and s.ema < self.collapse_below:
+            s.accepted += row[-1]
+            if s.rounds >= COLLAPSE_ROUNDS and s.accepted / s.rounds < COLLAPSE_MARGIN * self.collapse_below:
                 s.collapsed = True
                 self.collapsed += 1
 
     def snapshot(self) -> dict:
         """What /metrics shows."""
         return {"choice": dict(sorted(self.current.items())), "accept_ema": dict(sorted(self.ema.items())),
-                "chosen": dict(self.chosen), "probes": self.probes, "collapsed_requests": self.collapsed,
+                "chosen": dict(self.chosen), "probes": self.probes, "catch_ups": self.catch_ups,
+                "collapsed_requests": self.collapsed,
                 "collapsed_steps": self.collapsed_steps,
                 "collapse_below": self.collapse_below,
                 "step_seconds": {f"{c}@{b}": s for (c, b), s in sorted(self.costs.items())}}
@@ -185,7 +218,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.worker = worker
         self.plain = PlainDecoding(worker.runner)
         self.drafted_plain = DraftedPlain(worker)
-        self.launchers = {PLAIN: self.drafted_plain, **{w: worker.narrow(w) for w in worker.runner.limits.tree_widths}}
+        self.launchers = {PLAIN: self.plain, **{w: worker.narrow(w) for w in worker.runner.limits.tree_widths}}
         lim = worker.runner.limits
         self.columns = {w: 1 + lim.step_advance + i for i, w in enumerate(lim.narrower_widths)}  # result columns
         self.policy: AdaptivePolicy | None = None  # made by measure_costs
@@ -211,12 +244,16 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def choose(self, requests: list):
         states = [_acceptance(q) for q in requests]
-        healthy = sum(not s.collapsed for s in states)
+        healthy = [s for s in states if not s.collapsed]
         if not healthy:
             self.policy.collapsed_steps += 1
-            return self.plain
-        bucket = self.runner.limits.cost_bucket_for(len(requests))
-        return self.launchers[self.policy.choose(bucket, healthy, len(requests))]
+            choice = PLAIN
+        else:
+            bucket = self.runner.limits.cost_bucket_for(len(requests))
+            choice = self.policy.choose(bucket, len(healthy), len(requests), not any(s.stale for s in healthy))
+        for s in states:
+            s.stale = choice == PLAIN
+        return self.drafted_plain if choice == CATCH_UP else self.launchers[choice]
 
     def on_round(self, step, requests: list, results: list[list[int]]) -> None:
         if not step.speculative:
@@ -228,6 +265,10 @@ class AdaptiveDecoding(DecodeStrategy):
 
     def stats(self) -> dict | None:
         return None if self.policy is None else self.policy.snapshot()
+
+
+def _name(candidate: int) -> str:
+    return "plain" if candidate == PLAIN else f"width {candidate}"
 
 
 def _acceptance(request) -> RequestAcceptance:

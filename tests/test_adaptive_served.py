@@ -1,0 +1,101 @@
+"""Adaptive speculation against served step times (speculative/adaptive.py): `AdaptiveDecoding` with fake launchers
+on a fake clock, its cost table and step times from a served Llama-3.1-8B on an H200 at synthetic acceptance 1.5
+(EAGLE-3 chain S=5 K=1 N=6: a round accepts its first draft with probability 0.5, never a later one). The adaptive
+bar: at every batch size, at least 0.95 of the better of plain decoding and fixed speculation."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from spruce.speculative import adaptive
+from spruce.speculative.adaptive import AdaptiveDecoding
+
+# ms per step, from the served TPOTs (plain: a plain server's; round: a fixed server's x 1.5 tokens per round;
+# drafted: an adaptive server's whose steps were nearly all plain steps with the draft's extend; at batch 1, where
+# that server ran mostly rounds, plain's scaled by batch 16's ratio)
+PLAIN_MS = {1: 4.78, 16: 5.30, 64: 7.64}
+ROUND_MS = {1: 4.33 * 1.5, 16: 5.65 * 1.5, 64: 11.98 * 1.5}
+DRAFTED_MS = {1: 4.78 * 6.02 / 5.30, 16: 6.02, 64: 8.41}
+OUTPUT_TOKENS = 128
+WAVES = {1: 6, 16: 2, 64: 2}  # the benchmark's prompts over its concurrency
+BAR = 0.95
+
+
+class FakeLauncher:
+    """A step kind: its ms per step at each batch size."""
+
+    def __init__(self, name: str, ms: dict[int, float], speculative: bool):
+        self.name, self.ms, self.speculative = name, ms, speculative
+
+
+def fake_engine(monkeypatch) -> AdaptiveDecoding:
+    """AdaptiveDecoding over fake launchers (its plain step, its drafted plain step, the worker's round at N = 6),
+    its start-up costs those launchers' ms."""
+    plain, drafted, rnd = (FakeLauncher("plain", PLAIN_MS, False), FakeLauncher("drafted", DRAFTED_MS, False),
+                           FakeLauncher("round", ROUND_MS, True))
+    monkeypatch.setattr(adaptive, "PlainDecoding", lambda runner: plain)
+    monkeypatch.setattr(adaptive, "DraftedPlain", lambda worker: drafted)
+    monkeypatch.setattr(adaptive, "_time_step", lambda launcher, rows, max_kv, cuda: launcher.ms[len(rows)] / 1e3)
+    monkeypatch.setattr(adaptive.DecodeStrategy, "__init__", lambda self, runner: setattr(self, "runner", runner))
+    buckets = tuple(PLAIN_MS)
+    limits = SimpleNamespace(tree_widths=(6,), narrower_widths=(), step_advance=6, num_steps=5, dummy_row=0,
+                             page_size=16, cost_buckets=buckets,
+                             cost_bucket_for=lambda n: min(b for b in buckets if b >= n))
+    runner = SimpleNamespace(limits=limits, device=SimpleNamespace(type="cpu"), tp=None)
+    strategy = AdaptiveDecoding(SimpleNamespace(runner=runner, narrow=lambda w: rnd))
+    strategy.measure_costs()
+    return strategy
+
+
+def served(strategy, batch: int, seed: int = 0) -> float:
+    """Tokens per ms of the benchmark's level at `batch`: WAVES[batch] waves of `batch` requests decoding
+    OUTPUT_TOKENS each, every step's time what ran."""
+    rng = random.Random(seed)
+    ms = tokens = 0.0
+    for _ in range(WAVES[batch]):
+        requests = [SimpleNamespace(accept_state=None, left=OUTPUT_TOKENS) for _ in range(batch)]
+        while any(q.left > 0 for q in requests):
+            running = [q for q in requests if q.left > 0]
+            step = strategy.choose(running)
+            ms += step.ms[strategy.runner.limits.cost_bucket_for(len(running))]
+            accepted = [int(rng.random() < 0.5) if step.speculative else 0 for _ in running]
+            for q, a in zip(running, accepted):
+                done = min(1 + a, q.left)
+                q.left -= done
+                tokens += done
+            if step.speculative:
+                strategy.on_round(SimpleNamespace(speculative=True, tree_width=6), running, [[a] for a in accepted])
+    return tokens / ms
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_adaptive_reaches_the_bar_at_acceptance_1_5(monkeypatch, batch):
+    """Plain at 16 and 64 (plain steps without draft work, one catch-up per probe), the chain at 1 (no request
+    collapses by chance at break-even acceptance)."""
+    strategy = fake_engine(monkeypatch)
+    plain = batch / PLAIN_MS[batch]  # tokens per ms of the whole batch
+    fixed = batch * 1.5 / ROUND_MS[batch]
+    got = served(strategy, batch)
+    assert got >= BAR * max(plain, fixed), (got, plain, fixed, strategy.stats())
+
+
+def test_a_round_after_plain_steps_runs_a_catch_up_first(monkeypatch):
+    """Batch 64 settles on plain steps; its probes come each after one drafted plain step, and nothing else pays for
+    draft work."""
+    strategy = fake_engine(monkeypatch)
+    requests = [SimpleNamespace(accept_state=None) for _ in range(64)]
+    ran = []
+    for _ in range(3 * adaptive.PROBE_EVERY):
+        step = strategy.choose(requests)
+        ran.append(step.name)
+        if step.speculative:
+            strategy.on_round(SimpleNamespace(speculative=True, tree_width=6), requests, [[0]] * 64)
+    rounds = [i for i, name in enumerate(ran) if name == "round"]
+    assert ran[0] == "round" and len(rounds) >= 3  # N until measured, then probes
+    assert all(ran[i - 1] == "drafted" for i in rounds[1:])
+    assert ran.count("drafted") == len(rounds) - 1
+    stats = strategy.stats()
+    assert stats["catch_ups"] == ran.count("drafted") and stats["probes"] == len(rounds) - 1
