@@ -15,8 +15,8 @@ from spruce import LLM, SamplingParams
 from spruce.config import EngineConfig, builtin_draft_path, builtin_model_path, make_speculative_config
 from spruce.runtime.launch import create_engine
 from spruce.speculative import adaptive
-from spruce.speculative.adaptive import (COLLAPSE_ROUNDS, HYSTERESIS, PLAIN, PROBE_EVERY, AdaptivePolicy,
-                                         RequestAcceptance)
+from spruce.speculative.adaptive import (CATCH_UP, COLLAPSE_ROUNDS, HYSTERESIS, MEASURED_AFTER, PLAIN,
+                                         PROBE_EVERY, AdaptivePolicy, RequestAcceptance)
 from spruce.speculative.registry import make_strategy
 
 MODEL, DRAFT = builtin_model_path(), builtin_draft_path()
@@ -33,6 +33,12 @@ JOBS = PROMPTS + PROMPTS[:2], [GREEDY] * len(PROMPTS) + [SEEDED] * 2  # one batc
 def policy(plain=1.0, narrow=1.6, full=2.0, buckets=(1, 8), max_accept=3) -> AdaptivePolicy:
     costs = {(c, b): s for b in buckets for c, s in ((PLAIN, plain), (4, narrow), (8, full))}
     return AdaptivePolicy(costs, (4, 8), max_accept)
+
+
+def measured(p: AdaptivePolicy, ema: dict[int, float]) -> None:
+    """Set the acceptance EMAs as if each had read enough request rounds for the choice to use it."""
+    p.ema = ema
+    p.samples.update({w: MEASURED_AFTER for w in ema})
 
 
 def rounds(p: AdaptivePolicy, width: int, accepted: list[list[int]], n: int, states=None) -> list[RequestAcceptance]:
@@ -52,10 +58,12 @@ def test_an_unmeasured_policy_runs_the_configured_round():
 def test_the_candidate_with_the_most_tokens_per_second_wins():
     """plain 1 / 1.0 s; width 4: (1 + 1.2) / 1.6; N: (1 + 1.5) / 2.0 at the measured acceptance."""
     p = policy()
-    rounds(p, 8, [[1, 1], [2, 2]], 1)  # N's round: each width's accepted drafts (4's, then 8's)
+    rounds(p, 8, [[1, 1], [2, 2]], MEASURED_AFTER // 2 - 1)  # N's rounds: each width's accepted drafts (4's, 8's)
+    assert p.expected_tokens(8, 2, 2) == 2 + 2 * 3  # not yet measured: taken to accept S
+    rounds(p, 8, [[1, 1], [2, 2]], 1)
     assert p.ema == {4: 1.5, 8: 1.5}
     assert p.choose(1, 2, 2) == 4  # 2.5 / 1.6 beats 2.5 / 2.0 and 1 / 1.0
-    for _ in range(30):  # (new requests each time: none has collapsed) rounds at 4 say nothing about N
+    for _ in range(200):  # (new requests each time: none has collapsed) rounds at 4 say nothing about N
         rounds(p, 4, [[0], [0]], 1)
     assert p.ema[8] == 1.5 and p.ema[4] < 0.1
     assert p.choose(1, 2, 2) == 8  # per request and second: N 2.5 / 2.0, plain 1.0, width 4 ~0.65
@@ -63,7 +71,7 @@ def test_the_candidate_with_the_most_tokens_per_second_wins():
 
 def test_hysteresis_keeps_a_candidate_until_another_is_clearly_faster():
     p = policy(plain=1.0, full=2.0)
-    p.ema = {4: 0.0, 8: 1.0}  # N: exactly plain's speed
+    measured(p, {4: 0.0, 8: 1.0})  # N: exactly plain's speed
     assert p.choose(1, 1, 1) == 8
     p.ema[8] = 2 / HYSTERESIS - 1 - 0.01  # plain just over HYSTERESIS faster
     assert p.choose(1, 1, 1) == PLAIN
@@ -77,7 +85,7 @@ def test_buckets_choose_apart_and_probe_n_on_a_fixed_schedule():
     """Rounds pay at batch 1 (cheap) but not at batch 8; at 8 every PROBE_EVERY-th step is a round at N."""
     costs = {(PLAIN, 1): 1.0, (4, 1): 1.2, (8, 1): 1.3, (PLAIN, 8): 1.0, (4, 8): 3.0, (8, 8): 4.0}
     p = AdaptivePolicy(costs, (4, 8), 3)
-    p.ema = {4: 0.5, 8: 1.0}
+    measured(p, {4: 0.5, 8: 1.0})
     picks = [p.choose(8, 8, 8) for _ in range(2 * PROBE_EVERY)]
     assert [i + 1 for i, c in enumerate(picks) if c != PLAIN] == [PROBE_EVERY, 2 * PROBE_EVERY]
     assert picks[PROBE_EVERY - 1] == 8 and p.probes == 2
@@ -85,7 +93,8 @@ def test_buckets_choose_apart_and_probe_n_on_a_fixed_schedule():
 
 
 def test_collapsed_requests_count_plain_and_leave_the_engine_wide_acceptance():
-    """collapse_below: the fewest drafts at which some round beats plain at some bucket (here 1.6 / 1.0 - 1)."""
+    """collapse_below: the fewest drafts at which some round beats plain at some bucket (here 1.6 / 1.0 - 1); a
+    request collapses below half of it."""
     p = policy()
     assert p.collapse_below == pytest.approx(0.6)
     states = rounds(p, 8, [[2, 3], [0, 0]], COLLAPSE_ROUNDS - 1)
@@ -126,16 +135,25 @@ def adaptive_llm():
 
 
 def forced(llm, picks):
-    """Make the engine's policy answer `picks` (cycled) at every step that asks it."""
+    """Make the engine's policy answer `picks` (cycled) at every step that asks it; a round over stale drafts waits
+    for a catch-up step, as the policy's own rounds do."""
     cycle = itertools.cycle(picks)
-    llm.engine.strategy.policy.choose = lambda bucket, healthy, total: next(cycle)
+    head = [next(cycle)]
+
+    def choose(bucket, healthy, total, drafts_current=True):
+        if head[0] not in (PLAIN, CATCH_UP) and not drafts_current:
+            return CATCH_UP
+        pick, head[0] = head[0], next(cycle)
+        return pick
+
+    llm.engine.strategy.policy.choose = choose
 
 
 def test_outputs_equal_plain_decoding_whatever_the_policy_picks(adaptive_llm, plain_outputs, monkeypatch):
-    """Greedy and seeded requests in one batch, the policy forced to cycle through every candidate (plain steps
-    that keep the draft current, N, the narrower width) so that each follows each and runs twice in a row."""
+    """Greedy and seeded requests in one batch, the policy forced to cycle through every step kind (plain steps,
+    catch-ups, N, the narrower width) so that each follows each and runs twice in a row."""
     monkeypatch.setattr(adaptive_llm.engine.strategy.policy, "choose", None)
-    forced(adaptive_llm, [PLAIN, 8, PLAIN, PLAIN, 4, 4, 8, 8, PLAIN, 4])
+    forced(adaptive_llm, [PLAIN, 8, PLAIN, PLAIN, 4, 4, 8, 8, CATCH_UP, CATCH_UP, PLAIN, 4, CATCH_UP, 8])
     assert run(adaptive_llm) == plain_outputs
 
 
@@ -152,10 +170,11 @@ def recorded(monkeypatch, strategy) -> list:
 
 
 def test_collapsed_requests_run_a_plain_engines_step(adaptive_llm, plain_outputs, monkeypatch):
-    """Every request collapses after its COLLAPSE_ROUNDS rounds; from then on the batch runs the draft-free plain
-    step, and the output is still plain decoding's."""
+    """Every request collapses after its COLLAPSE_ROUNDS rounds (here 2: a request of 16 tokens may run fewer than
+    the default); from then on the batch runs the draft-free plain step, and the output is still plain decoding's."""
     strategy = adaptive_llm.engine.strategy
     monkeypatch.setattr(strategy.policy, "collapse_below", float("inf"))
+    monkeypatch.setattr(adaptive, "COLLAPSE_ROUNDS", 2)
     monkeypatch.setattr(strategy.policy, "choose", None)
     forced(adaptive_llm, [8])
     ran = recorded(monkeypatch, strategy)
@@ -165,11 +184,11 @@ def test_collapsed_requests_run_a_plain_engines_step(adaptive_llm, plain_outputs
 
 
 def test_a_plain_step_keeps_the_draft_as_a_prefill_would(monkeypatch):
-    """After drafted plain steps, the row's draft state (step-0 top-K, hidden) is what a fixed engine's prefill of
+    """After catch-up steps (plain steps with the draft's extend), the row's draft state (step-0 top-K, hidden) is what a fixed engine's prefill of
     the same tokens leaves: the draft's KV covers every position the plain steps committed, at its own position."""
     kw = dict(ENGINE, max_running_requests=1, disable_overlap_schedule=True)
     llm = LLM(MODEL, draft_model=DRAFT, speculative_adaptive=True, **kw)
-    forced(llm, [PLAIN])
+    forced(llm, [CATCH_UP])
     eng = llm.engine
     prompt = eng.tokenizer.encode(PROMPTS[0])
     rid = eng.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -226,8 +245,8 @@ def test_tp2_adaptive_equals_plain_decoding(plain_outputs):
 
 @pytest.mark.gpu
 def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_prompts, monkeypatch):
-    """On the GPU with graphs (float32: no bf16 near-ties): plain steps that keep the draft current and rounds at N
-    and at a narrower width, forced in turn, give plain decoding's greedy tokens, and rounds after plain steps accept
+    """On the GPU with graphs (float32: no bf16 near-ties): plain steps, catch-ups and rounds at N and at a narrower
+    width, forced in turn, give plain decoding's greedy tokens, and rounds after plain steps accept
     about as much as a fixed engine's rounds (a draft left stale by the plain steps' graphs would not)."""
     kw = dict(device="cuda", dtype="float32", max_running_requests=8, page_size=16)
     prompts = heldout_prompts[:8]
@@ -238,9 +257,10 @@ def test_switching_under_cuda_graphs_equals_plain_decoding(pycode19m, heldout_pr
     llm = LLM(pycode19m, draft_model=str(DRAFT_19M), speculative_adaptive=True, speculative_adaptive_widths=[4], **kw)
     n = llm.engine.limits.num_draft_tokens
     forced(llm, [PLAIN, n, PLAIN, PLAIN, n, 4])
-    ran = recorded(monkeypatch, llm.engine.strategy)
+    strategy = llm.engine.strategy
+    ran = recorded(monkeypatch, strategy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert {step.tree_width for step in ran} == {1, 4, n}
+    assert {step.tree_width for step in ran} == {1, 4, n} and strategy.drafted_plain in ran
     assert llm.engine.runner.graphs.count > fixed.engine.runner.graphs.count
     accept = llm.engine.stats()["spec"]["mean_accept_length"]
     assert accept > 0.8 * fixed.engine.stats()["spec"]["mean_accept_length"], accept
