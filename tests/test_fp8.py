@@ -346,22 +346,25 @@ def test_static_activation_scales_of_experts_are_refused(fp8_dirs, tmp_path):
 
 def test_fp8_gemv_equals_the_emulation():
     """The decode-sized GEMV, CUDA-core (M <= 4) and tensor-core tiles, one K range or several (the last program
-    of a column block sums the partials in order), per-channel and grouped scales, ragged N and K."""
+    of a column block sums the partials in order), per-channel and grouped scales, ragged N and K, with and without
+    loading the next weight tile ahead (prefetch: K ranges of whole steps; ragged ones run the plain loop)."""
     pytest.importorskip("triton")
     from spruce.ops.fp8_gemm import fp8_gemv
 
     import spruce.ops.fp8 as fp8
 
     g = torch.Generator().manual_seed(3)
-    for m, n, k, group in [(1, 40, 96, 32), (3, 70, 256, 128), (1, 64, 512, None), (7, 48, 200, None)]:
-        x = torch.randn(m, k, generator=g)
+    for m, n, k, group in [(1, 40, 96, 32), (3, 70, 256, 128), (1, 64, 500, None), (7, 48, 200, None)]:
+        x = torch.randn(m, k + 16, generator=g)[:, :k]  # values past K: a read past a row's end shows
         w, scale = fp8.quantize_rows(torch.randn(n, k, generator=g), group)
         bias = torch.randn(n, generator=g)
         want = fp8.emulated_linear(x, w, scale, group, bias)
         for dot in ([False, True] if m <= 4 else [True]):
-            for splits in (1, 3):
-                got = fp8_gemv(x, w, scale, group, bias, block_n=16, block_k=32, use_dot=dot, splits=splits)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            # prefetch (the CUDA-core candidates'): K 256 in 2 ranges of whole steps; K 500's last step is ragged
+            for splits, prefetch in [(1, False), (3, False)] + ([] if dot else [(2, True)]):
+                got = fp8_gemv(x, w, scale, group, bias, block_n=16, block_k=32, use_dot=dot, splits=splits,
+                               prefetch=prefetch)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{m, n, k, dot, splits, prefetch}")
     with pytest.raises(ValueError, match="at most 4 rows"):
         fp8_gemv(torch.randn(5, 32), w[:, :32], scale, None)
     with pytest.raises(ValueError, match="must divide the scale group"):

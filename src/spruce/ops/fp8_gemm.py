@@ -150,7 +150,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
                      stride_wn, stride_sn, stride_om, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
                      HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SPLITS, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                      EVEN_N: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     k_lo = pid_s * k_per_split  # a multiple of BLOCK_K
@@ -161,11 +161,23 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    if PREFETCH and EVEN_K:  # tile of step i + 1 loaded before step i's sums (w_next: zeros past the range)
+        step0 = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k_lo  # [1, BK] one value: the mask stays per row
+        w_next = tl.load(w_rows + (k_lo + rk)[None, :], mask=n_ok[:, None] & (step0 < k_hi), other=0.0,
+                         eviction_policy="evict_first")
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
-        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + k[None, :]  # [BN, BK]
+        w_ptrs = w_rows + k[None, :]  # [BN, BK]
         x_ptrs = x_ptr + rm[:, None] * stride_xm + k[None, :]  # [BM, BK]
-        if EVEN_K:
+        if PREFETCH and EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = w_next
+            # a whole step or none (EVEN_K): one condition per row keeps the loads 16-byte vectors
+            step = tl.zeros([1, BLOCK_K], dtype=tl.int32) + (k0 + BLOCK_K)
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=n_ok[:, None] & (step < k_hi), other=0.0,
+                             eviction_policy="evict_first")
+        elif EVEN_K:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if EVEN_N:
                 w = tl.load(w_ptrs)
@@ -248,10 +260,11 @@ def gemv_splits(n: int, k: int, block_n: int, block_k: int, waves: int, sms: int
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int | None,
              bias: torch.Tensor | None = None, *, block_n: int = 32, block_k: int = 256, use_dot: bool = False,
-             waves: int = 4, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:
+             waves: int = 4, num_warps: int = 4, splits: int | None = None, prefetch: bool = False) -> torch.Tensor:
     """The decode-sized GEMM (M <= GEMV_MAX_M; M <= FMA_MAX_M without `use_dot`): the same contract as `fp8_gemm`.
     block_k must not cross a scale group (block_k <= group_k) unless one scale covers each row. `splits`: K ranges
-    (None: `gemv_splits` with `waves`)."""
+    (None: `gemv_splits` with `waves`). `prefetch`: each program loads its next weight tile before summing the
+    current one (two tiles in flight; streamed with evict_first), where K splits into whole steps."""
     m, k = x.shape
     n = weight.shape[0]
     one_group = group_k is None or group_k >= k
@@ -278,7 +291,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k
         weight.stride(0), scale.stride(0), out.stride(0), GROUP_K=group_k or k, ONE_GROUP=one_group,
         HAS_BIAS=bias is not None, USE_DOT=use_dot, SPLITS=splits, SPLIT=splits > 1, EVEN_K=k % k_per_split == 0,
         EVEN_N=n % block_n == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps)
+        PREFETCH=prefetch, num_warps=num_warps)
     return out
 
 

@@ -62,6 +62,7 @@ class Candidate:
     num_warps: int = 4
     quantizes_x: bool = False  # W8A8: the activations are quantized per token (else the weight is only widened)
     channel_tiles: bool = False  # a GEMV whose K steps may cross 128 (per-channel weights only)
+    prefetch: bool = False  # a GEMV that loads its next weight tile before summing the current one
 
     def fits(self, m_bucket: int, n: int, k: int, group_k: int | None, static_input: bool) -> str | None:
         """None if it runs this key, else why not."""
@@ -90,7 +91,7 @@ class Candidate:
 
         if self.kind == "gemv":
             return fp8_gemv(x, weight, scale, group_k, bias, block_n=self.block_n, block_k=self.block_k,
-                            use_dot=self.use_dot, num_warps=self.num_warps)
+                            use_dot=self.use_dot, num_warps=self.num_warps, prefetch=self.prefetch)
         if self.kind == "tiled":
             return fp8_gemm(x, weight, scale, group_k, bias)
         if self.kind == "scaled_mm":
@@ -98,19 +99,23 @@ class Candidate:
         return scaled_mm_block(x, weight, block_scale, bias)
 
 
-def _gemv(tag: str, bn: int, bk: int, dot: bool, warps: int) -> Candidate:
-    return Candidate(f"gemv-{'dot' if dot else 'fma'}-{bn}x{bk}-w{warps}{tag}", "gemv", bn, bk, dot, warps,
-                     channel_tiles=tag == "-c")
+def _gemv(tag: str, bn: int, bk: int, dot: bool, warps: int, prefetch: bool = False) -> Candidate:
+    return Candidate(f"gemv-{'dot' if dot else 'fma'}-{bn}x{bk}-w{warps}{tag}{'-p' if prefetch else ''}", "gemv",
+                     bn, bk, dot, warps, channel_tiles=tag == "-c", prefetch=prefetch)
 
 
 # per-channel tiles end in "-c" (K steps up to 1024); block tiles step 128 (one scale group). Warps per tile keep
 # them under ~180 registers on sm90 (compiled offline: e.g. fma 16x512 on 4 warps 56 at M = 1, 96 at M = 4; 32x512
-# on 4 warps would take 204), so that several programs share an SM and their loads overlap.
+# on 4 warps would take 204), so that several programs share an SM and their loads overlap. The CUDA-core loop is
+# not software-pipelined by Triton (its loads feed no dot): "-p" tiles load step i + 1 before summing step i,
+# twice the bytes in flight per program for one more tile of registers (fma 16x512 on 4 warps: 16 more at M = 1).
 CANDIDATES = (
     _gemv("-c", 16, 512, False, 4), _gemv("-c", 16, 1024, False, 4), _gemv("-c", 32, 256, False, 8),
     _gemv("-c", 32, 512, False, 8), _gemv("-c", 32, 256, True, 8), _gemv("-c", 64, 256, True, 8),
     _gemv("", 32, 128, False, 4), _gemv("", 64, 128, False, 8), _gemv("", 128, 128, False, 16),
     _gemv("", 32, 128, True, 8), _gemv("", 64, 128, True, 8),
+    _gemv("-c", 16, 512, False, 4, True), _gemv("-c", 32, 256, False, 8, True), _gemv("-c", 16, 256, False, 4, True),
+    _gemv("", 32, 128, False, 4, True), _gemv("", 64, 128, False, 8, True),
     Candidate("tiled", "tiled"),
     Candidate("scaled_mm-rowwise", "scaled_mm", quantizes_x=True),
     Candidate("scaled_mm-block", "scaled_mm_block", quantizes_x=True),
