@@ -107,6 +107,17 @@ def test_collapsed_requests_count_plain_and_leave_the_engine_wide_acceptance():
     assert p.expected_tokens(8, healthy=1, total=2) == pytest.approx(2 + p.ema[8])
 
 
+def test_a_request_near_break_even_does_not_collapse_by_chance():
+    """collapse_below 0.6: rounds accepting 0, 0, 1, 0 (mean 0.25 after four) then 1, 1, 1, 0 (0.5 after eight) are
+    a request near break-even with an unlucky start: it keeps speculating (its mean, after COLLAPSE_ROUNDS, is
+    above half of collapse_below)."""
+    p = policy()
+    state = RequestAcceptance()
+    for a in (0, 0, 1, 0, 1, 1, 1, 0):
+        p.on_round(8, [[a, a]], [state])
+    assert state.rounds == COLLAPSE_ROUNDS and not state.collapsed and p.collapsed == 0
+
+
 def test_the_choice_depends_on_the_counts_alone():
     """Two policies fed the same rounds choose the same steps (no clock: tensor-parallel ranks agree)."""
     a, b = policy(), policy()

@@ -71,14 +71,16 @@ def served(strategy, batch: int, seed: int = 0) -> float:
     return tokens / ms
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("batch", [1, 16, 64])
-def test_adaptive_reaches_the_bar_at_acceptance_1_5(monkeypatch, batch):
-    """Plain at 16 and 64 (plain steps without draft work, one catch-up per probe), the chain at 1 (no request
-    collapses by chance at break-even acceptance)."""
+def test_adaptive_reaches_the_bar_at_acceptance_1_5(monkeypatch, batch, seed):
+    """Plain at 16 and 64 (plain steps without draft work, one catch-up per probe), the chain at 1 (neither one
+    round's 0 accepted drafts nor a request's unlucky few rounds turn it to plain: acceptance is read per request
+    round, and a request collapses only well below break-even)."""
     strategy = fake_engine(monkeypatch)
     plain = batch / PLAIN_MS[batch]  # tokens per ms of the whole batch
     fixed = batch * 1.5 / ROUND_MS[batch]
-    got = served(strategy, batch)
+    got = served(strategy, batch, seed)
     assert got >= BAR * max(plain, fixed), (got, plain, fixed, strategy.stats())
 
 
