@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from spruce.server.metrics import _render_adaptive
 from spruce.speculative import adaptive
 from spruce.speculative.adaptive import AdaptiveDecoding
 
@@ -101,3 +102,6 @@ def test_a_round_after_plain_steps_runs_a_catch_up_first(monkeypatch):
     assert ran.count("drafted") == len(rounds) - 1
     stats = strategy.stats()
     assert stats["catch_ups"] == ran.count("drafted") and stats["probes"] == len(rounds) - 1
+    out = []
+    _render_adaptive(out, stats)
+    assert f"spruce_adaptive_catch_ups_total {stats['catch_ups']}" in out

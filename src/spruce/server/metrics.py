@@ -324,6 +324,9 @@ def _render_adaptive(out: list[str], a: dict) -> None:
            "request collapsed (counted in spruce_adaptive_steps_total too).", [("", a["collapsed_steps"])])
     series("spruce_adaptive_probes_total", "counter", "Rounds at N run by the probe schedule.",
            [("", a["probes"])])
+    series("spruce_adaptive_catch_ups_total", "counter", "Plain steps with the draft's extend, run before a round "
+           "over drafts that plain steps left behind (counted in spruce_adaptive_steps_total as plain).",
+           [("", a["catch_ups"])])
     series("spruce_adaptive_collapsed_requests_total", "counter", "Requests whose acceptance collapsed (they run "
            "plainly to their end).", [("", a["collapsed_requests"])])
 
