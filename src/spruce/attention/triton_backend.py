@@ -35,13 +35,14 @@ MLA_BLOCK_N = 32
 class GroupedDecodeConfig:
     """A launch of grouped_decode_kernel: keys per tile, warps, pipeline stages, the kernel's PREFETCH (tile i + 1
     loaded in the loop body) and FP16_DOT (an FP8 cache's tiles widened to float16 instead of the query's
-    bfloat16)."""
+    bfloat16), and the programs per SM its registers allow, which the kv splits aim to fill."""
 
     block_n: int
     num_warps: int
     num_stages: int = 3
     prefetch: bool = True
     fp16_dot: bool = False
+    per_sm: int = 2
 
 
 # decode with the query heads of a kv head as one tile (grouped_decode_kernel). A 16-bit cache: 32 keys a tile on
@@ -60,6 +61,10 @@ GROUPED_CANDIDATES = (
     GroupedDecodeConfig(block_n=64, num_warps=8, num_stages=3, prefetch=False, fp16_dot=True),
     GroupedDecodeConfig(block_n=128, num_warps=8, num_stages=2, prefetch=False, fp16_dot=True),
     GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=4, prefetch=False),
+    # 4 warps without PREFETCH: the next tile waits in shared memory (cp.async), not in registers (16-bit: 79
+    # registers on sm90, 4+ programs per SM; FP8 widened to float16: 126, 4 per SM): more splits, more in flight
+    GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=3, prefetch=False, per_sm=4),
+    GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=3, prefetch=False, fp16_dot=True, per_sm=4),
 )
 GROUPED_MAX_SPLITS = 64  # its grid has one program per kv head: bs 1 needs many splits to fill the SMs
 MLA_MAX_SPLITS = 64  # MLA has few programs (heads share them): bs 1 decode needs many splits to fill the SMs
@@ -100,7 +105,7 @@ class TritonAttention(AttentionBackend):
         where the query is 16-bit (a float32 query keeps its float32 dot)."""
         cfg = self.grouped_config or (GROUPED_CONFIG_FP8 if cache_dtype.itemsize == 1 else GROUPED_CONFIG_16BIT)
         fp16_dot = cfg.fp16_dot and cache_dtype.itemsize == 1 and q_dtype.itemsize == 2
-        return GroupedDecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, fp16_dot)
+        return GroupedDecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, fp16_dot, cfg.per_sm)
 
     @property
     def captures_prefill(self) -> bool:
@@ -210,21 +215,26 @@ class TritonAttention(AttentionBackend):
                                                 HAS_SINKS=sinks is not None)
         return out, lse
 
+    def grouped_splits(self, programs: int, max_kv_len: int, cfg: GroupedDecodeConfig, device: torch.device) -> int:
+        """kv splits of a grouped decode launch of `programs` (request, kv head) pairs: enough to give every SM
+        cfg.per_sm programs, at least MIN_KV_PER_SPLIT keys each, a power of two <= GROUPED_MAX_SPLITS; e.g. bs 8 x
+        8 kv heads on 132 SMs at 2 per SM: 264 / 64 -> 5 -> 8 splits."""
+        want = min(math.ceil(cfg.per_sm * self.sm_count(device) / max(programs, 1)),
+                   math.ceil(max_kv_len / MIN_KV_PER_SPLIT), GROUPED_MAX_SPLITS)
+        return 1 if want <= 1 else triton.next_power_of_2(want)
+
     def attend_grouped_decode(self, q, k_cache, v_cache, batch: ForwardBatch, page_table, scale):
         """`attend` for one query token per request and no scratch, window, chunk or sinks: each kv head's query
         heads in one tile (grouped_decode_kernel), the kv range split across up to GROUPED_MAX_SPLITS programs."""
         t = batch.num_tokens
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
-        programs = batch.batch_size * num_kv_heads
-        want = min(math.ceil(2 * self.sm_count(q.device) / max(programs, 1)),
-                   math.ceil(batch.max_kv_len / MIN_KV_PER_SPLIT), GROUPED_MAX_SPLITS)
-        splits = 1 if want <= 1 else triton.next_power_of_2(want)
+        cfg = self.grouped_decode_config(k_cache.dtype, q.dtype)
+        splits = self.grouped_splits(batch.batch_size * num_kv_heads, batch.max_kv_len, cfg, q.device)
         q = token_rows_contiguous(q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
         block_d = triton.next_power_of_2(head_dim)
-        cfg = self.grouped_decode_config(k_cache.dtype, q.dtype)
         grouped_decode_kernel[(batch.batch_size, num_kv_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, part_o, part_lse,
             t, splits, q.stride(0), page_table.stride(0), scale * 1.4426950408889634, NUM_HEADS=num_heads,

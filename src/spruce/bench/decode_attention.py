@@ -95,15 +95,16 @@ def measure(args, cache_dtype: torch.dtype, bs: int, bandwidth: float | None) ->
     rows, best = {}, None
     for cfg in dict.fromkeys([default, *effective]):
         backend.grouped_config = cfg
-        name = "n{block_n}-w{num_warps}-s{num_stages}{pf}{f16}".format(
+        name = "n{block_n}-w{num_warps}-s{num_stages}{pf}{f16}-{per_sm}persm".format(
             **asdict(cfg), pf="-prefetch" if cfg.prefetch else "", f16="-fp16dot" if cfg.fp16_dot else "")
+        splits = backend.grouped_splits(bs * kv_heads, args.context, cfg, device)
         try:
             diff = (call().float() - want.float()).abs().max().item()
             ms = time_ms(call, device.type == "cuda", args.reps)
         except Exception as e:  # noqa: BLE001 - a configuration that fails to compile or launch is a result
             rows[name] = {"config": asdict(cfg), "error": f"{type(e).__name__}: {e}"[:300]}
             continue
-        row = {"config": asdict(cfg), "ms": ms, "gb_per_s": read / ms / 1e6, "max_abs_diff_vs_default": diff}
+        row = {"config": asdict(cfg), "kv_splits": splits, "ms": ms, "gb_per_s": read / ms / 1e6, "max_abs_diff_vs_default": diff}
         if bandwidth:
             row["roofline_fraction"] = read / bandwidth * 1e3 / ms
         rows[name] = row
@@ -111,7 +112,7 @@ def measure(args, cache_dtype: torch.dtype, bs: int, bandwidth: float | None) ->
             rows[name]["default"] = True
         if best is None or ms < rows[best]["ms"]:
             best = name
-    return {"kv_read_bytes": read, "splits_programs": bs * kv_heads, "best": best, "candidates": rows}
+    return {"kv_read_bytes": read, "programs_before_splits": bs * kv_heads, "best": best, "candidates": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
