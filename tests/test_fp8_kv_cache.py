@@ -238,6 +238,8 @@ def test_every_grouped_decode_candidate_reads_the_fp8_cache_like_torch():
     backend._sms = 4  # 2 requests x 2 kv heads on 4 stand-in SMs: the 260 keys split in 2
     assert backend.grouped_decode_config(FP8_DTYPE, torch.bfloat16).fp16_dot
     assert not backend.grouped_decode_config(FP8_DTYPE, torch.float32).fp16_dot
+    backend.grouped_config = GROUPED_CANDIDATES[2]  # a float16-widening candidate: FP8 caches only
+    assert backend.grouped_config.fp16_dot
     assert not backend.grouped_decode_config(torch.bfloat16, torch.bfloat16).fp16_dot
     h200 = TritonAttention(16)
     h200._sms = 132  # bs 8 x 8 kv heads at 32k: 2 programs per SM -> 8 splits, 4 per SM -> 16
