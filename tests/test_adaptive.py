@@ -194,9 +194,10 @@ def test_collapsed_requests_run_a_plain_engines_step(adaptive_llm, plain_outputs
     assert strategy.drafted_plain not in ran
 
 
-def test_a_plain_step_keeps_the_draft_as_a_prefill_would(monkeypatch):
-    """After catch-up steps (plain steps with the draft's extend), the row's draft state (step-0 top-K, hidden) is what a fixed engine's prefill of
-    the same tokens leaves: the draft's KV covers every position the plain steps committed, at its own position."""
+def test_a_catch_up_step_keeps_the_draft_as_a_prefill_would(monkeypatch):
+    """After catch-up steps (plain steps with the draft's extend), the row's draft state (step-0 top-K, hidden) is
+    what a fixed engine's prefill of the same tokens leaves: the draft's KV covers every position the steps
+    committed, at its own position."""
     kw = dict(ENGINE, max_running_requests=1, disable_overlap_schedule=True)
     llm = LLM(MODEL, draft_model=DRAFT, speculative_adaptive=True, **kw)
     forced(llm, [CATCH_UP])

@@ -21,7 +21,7 @@ from spruce.cli import build_parser
 from spruce.cli_args import engine_kwargs
 from spruce.config import builtin_model_path
 from spruce.errors import ConfigError, InvariantError
-from spruce.speculative.adaptive import PLAIN
+from spruce.speculative.adaptive import CATCH_UP
 
 TARGET = builtin_model_path()
 VOCAB = 4096  # pycode-6m's
@@ -101,13 +101,13 @@ def test_sampling_and_structured_output_equal_plain_decoding(drafts):
 
 
 def test_adaptive_plain_steps_keep_the_draft_exact(reference, monkeypatch):
-    """Adaptive speculation forced through plain steps (each followed by the draft LM's extend over its token) and
-    rounds: plain decoding's output, and the target drafting for itself still accepts every draft, so each plain
-    step put its token at its own position in the draft's KV."""
+    """Adaptive speculation forced through catch-up steps (plain steps, each followed by the draft LM's extend over
+    its token) and rounds: plain decoding's output, and the target drafting for itself still accepts every draft,
+    so each catch-up step put its token at its own position in the draft's KV."""
     llm = standalone(TARGET, 1, 3, 4, 16, speculative_adaptive=True, disable_overlap_schedule=True)
     policy = llm.engine.strategy.policy
-    picks = iter([PLAIN, 4, PLAIN, PLAIN, 4] * 20)
-    monkeypatch.setattr(policy, "choose", lambda bucket, healthy, total: next(picks))
+    picks = iter([CATCH_UP, 4, CATCH_UP, CATCH_UP, 4] * 20)
+    monkeypatch.setattr(policy, "choose", lambda *args: next(picks))
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == reference
     assert sum(o.spec_stats["rounds"] for o in outs) > 0
@@ -164,7 +164,7 @@ def test_standalone_without_a_draft_path_is_refused():
 def test_cuda_graphs_equal_plain_decoding(drafts, page_size):
     """On the GPU with CUDA graphs (decode phases and prefills; float32: no bf16 near-ties): chains and trees of each
     draft give plain decoding's greedy tokens, and the target drafting for itself accepts (nearly) every draft of a
-    chain; adaptive plain steps and rounds, forced in turn, too."""
+    chain; adaptive catch-up steps and rounds, forced in turn, too."""
     kw = dict(device="cuda", dtype="float32", page_size=page_size, max_running_requests=8, chunked_prefill_size=64)
     prompts, params = PROMPTS * 2, SamplingParams(max_tokens=48, ignore_eos=True)
     want = [o.token_ids for o in LLM(TARGET, **kw).generate(prompts, params)]
@@ -175,8 +175,8 @@ def test_cuda_graphs_equal_plain_decoding(drafts, page_size):
         assert [o.token_ids for o in outs] == want, draft
         assert mean_accept(outs) >= least, (draft, [o.spec_stats for o in outs])
     llm = standalone(TARGET, 1, 3, 4, speculative_adaptive=True, **kw)
-    picks = iter([PLAIN, 4, PLAIN, PLAIN, 4] * 200)
-    llm.engine.strategy.policy.choose = lambda bucket, healthy, total: next(picks)
+    picks = iter([CATCH_UP, 4, CATCH_UP, CATCH_UP, 4] * 200)
+    llm.engine.strategy.policy.choose = lambda *args: next(picks)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert mean_accept(outs) >= 3.6, [o.spec_stats for o in outs]

@@ -6,14 +6,16 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
 `on_round(step, requests, results)` after it reads the step's accept lengths. `AdaptivePolicy` holds the rule:
 
 - costs: seconds of one step of each candidate per batch-size bucket (Limits.cost_buckets; plain: a plain engine's
-  step, with no draft work), measured once at start-up over padding rows (captured graphs where the bucket has them, else eager; CUDA events on a GPU, the call's
-  wall time on the CPU), the median of TIMED_RUNS runs. Under tensor parallelism every rank takes rank 0's table.
+  step, with no draft work), measured once at start-up over padding rows (captured graphs where the bucket has them,
+  else eager; CUDA events on a GPU, the call's wall time on the CPU), the median of TIMED_RUNS runs. Under tensor
+  parallelism every rank takes rank 0's table.
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
   also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
   request round (SAMPLE_WEIGHT): a round over 64 requests moves it as far as 64 rounds over one, so that at batch 1,
   where one round accepts 0 or 1 drafts at acceptance 0.5, it does not swing across break-even (while it has read
   few, it is their plain mean). Until a width's EMA has read MEASURED_AFTER request rounds, the choice takes it to
-  accept S. Also each request's count. A request whose mean accepted drafts over its rounds is below COLLAPSE_MARGIN times `collapse_below` (the
+  accept S.
+- collapse: a request whose mean accepted drafts over its rounds is below COLLAPSE_MARGIN times `collapse_below` (the
   fewest accepted drafts at which some round, at some bucket, beats a plain step) after COLLAPSE_ROUNDS rounds has
   collapsed: it runs plainly to its end. (The mean with a margin, not a fast EMA: at acceptance 0.5 a request's
   rounds accept 0 or 1 drafts, and an EMA of weight 0.3 falls from 0.5 to 0.25 after two zeros in a row, which most
@@ -36,8 +38,8 @@ feature at p with the token at p + 1: a round's extend with nothing accepted), s
 draft's state at the right position. The draft KV of the positions that plain steps committed stays unwritten, and a
 collapsed request's draft falls behind for good; such a draft proposes worse tokens, never wrong ones, and the pages
 filled meanwhile enter the prefix cache with stale draft KV, which can only lower a later request's acceptance
-there. Whatever runs, a committed token is the target's choice at its position (greedy: the argmax;
-sampled: the draw keyed by (seed, position)), so the output equals plain decoding's.
+there. Whatever runs, a committed token is the target's choice at its position (greedy: the argmax; sampled: the
+draw keyed by (seed, position)), so the output equals plain decoding's.
 """
 
 from __future__ import annotations
