@@ -259,3 +259,27 @@ def test_every_grouped_decode_candidate_reads_the_fp8_cache_like_torch():
             got = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.clone(), vc.clone(), start, batch,
                                   table, 0.25)
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=4e-2, msg=str(cfg))
+
+
+def test_float16_widening_clamps_a_query_past_float16s_range():
+    """FP16_DOT casts q to float16 (largest 65504): a bfloat16 query entry of 1e5 saturates instead of becoming
+    inf (whose scores would make the output NaN); the softmax it dominates picks the same key as float32 does."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from test_triton_attention import make_case
+
+    from spruce.attention.torch_backend import TorchAttention
+    from spruce.attention.triton_backend import GROUPED_CONFIG_FP8, TritonAttention
+
+    shape = dict(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32)
+    q, k, v, kc, vc, start, batch, table = make_case(Phase.DECODE, 1, 1, [30], 16, 0, **shape, seed=9)
+    kc, vc = (kc * 3).clamp(-448, 448).to(FP8_DTYPE), (vc * 3).clamp(-448, 448).to(FP8_DTYPE)
+    q = q.clone()
+    q[0, 0, 0] = 1e5
+    want = TorchAttention(16).forward(q, k, v, kc.clone(), vc.clone(), start, batch, table, 0.25)
+    backend = TritonAttention(16)
+    assert GROUPED_CONFIG_FP8.fp16_dot
+    got = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.clone(), vc.clone(), start, batch, table,
+                          0.25)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=4e-2)

@@ -224,8 +224,8 @@ def grouped_decode_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, kv_len)
-        if FP16_DOT:
-            q = q.to(tl.float16)  # the tiles follow q's dtype in _online_softmax_step
+        if FP16_DOT:  # the tiles follow q's dtype in _online_softmax_step; float16's range is +-65504
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         if PREFETCH:  # the loads of tile i + 1 are issued before tile i's softmax step (two tiles in flight)
             pos = lo + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             n_valid = pos < hi
