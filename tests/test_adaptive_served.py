@@ -105,3 +105,18 @@ def test_a_round_after_plain_steps_runs_a_catch_up_first(monkeypatch):
     out = []
     _render_adaptive(out, stats)
     assert f"spruce_adaptive_catch_ups_total {stats['catch_ups']}" in out
+
+
+def test_the_peer_benchmark_records_the_policy(monkeypatch):
+    """bench.peer keeps a spruce server's adaptive series (start-up costs, choices, catch-ups) in its JSON."""
+    from spruce.bench import peer
+
+    text = ('# HELP spruce_adaptive_catch_ups_total x\nspruce_adaptive_catch_ups_total 3\n'
+            'spruce_adaptive_step_seconds{candidate="0",bucket="16"} 0.0053\nspruce_spec_mean_accept_length 1.5\n')
+    monkeypatch.setattr(peer, "get_json", lambda url, timeout=10.0: text if url.endswith("/metrics") else {})
+    server = object.__new__(peer.Server)
+    server.port = 1
+    facts = server.facts()
+    assert facts["adaptive"] == {"spruce_adaptive_catch_ups_total": 3.0,
+                                 'spruce_adaptive_step_seconds{candidate="0",bucket="16"}': 0.0053}
+    assert facts["acceptance"] == {"mean_accept_length": 1.5}

@@ -483,7 +483,8 @@ class Server:
         return False
 
     def facts(self) -> dict:
-        """What the server says of itself: /version, spruce's /server_info, the acceptance counters of /metrics."""
+        """What the server says of itself: /version, spruce's /server_info, the acceptance counters of /metrics and
+        adaptive speculation's series (its start-up step costs, choices, probes, catch-ups: all levels together)."""
         base, out = f"http://127.0.0.1:{self.port}", {}
         for path in ("/version", "/server_info"):
             try:
@@ -491,7 +492,12 @@ class Server:
             except OSError:
                 pass
         try:
-            out["acceptance"] = acceptance_from_metrics(get_json(base + "/metrics"))
+            text = get_json(base + "/metrics")
+            out["acceptance"] = acceptance_from_metrics(text)
+            if isinstance(text, str) and "spruce_adaptive_" in text:
+                out["adaptive"] = {name: float(value) for name, _, value in
+                                   (line.rpartition(" ") for line in text.splitlines()
+                                    if line.startswith("spruce_adaptive_"))}
         except OSError:
             pass
         return out
