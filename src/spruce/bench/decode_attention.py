@@ -104,7 +104,8 @@ def measure(args, cache_dtype: torch.dtype, bs: int, bandwidth: float | None) ->
         except Exception as e:  # noqa: BLE001 - a configuration that fails to compile or launch is a result
             rows[name] = {"config": asdict(cfg), "error": f"{type(e).__name__}: {e}"[:300]}
             continue
-        row = {"config": asdict(cfg), "kv_splits": splits, "ms": ms, "gb_per_s": read / ms / 1e6, "max_abs_diff_vs_default": diff}
+        row = {"config": asdict(cfg), "kv_splits": splits, "ms": ms, "gb_per_s": read / ms / 1e6,
+               "max_abs_diff_vs_default": diff}
         if bandwidth:
             row["roofline_fraction"] = read / bandwidth * 1e3 / ms
         rows[name] = row
