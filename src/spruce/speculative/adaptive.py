@@ -7,8 +7,8 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
 
 - costs: seconds of one step of each candidate per batch-size bucket (Limits.cost_buckets; plain: a plain engine's
   step, with no draft work), measured once at start-up over padding rows (captured graphs where the bucket has them,
-  else eager; CUDA events on a GPU, the call's wall time on the CPU), the median of TIMED_RUNS runs. Under tensor
-  parallelism every rank takes rank 0's table.
+  else eager; on a GPU, steps queued back to back: the slower of host and device work, as under overlap), the median
+  of TIMED_RUNS runs. Under tensor parallelism every rank takes rank 0's table.
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
   also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
   request round (SAMPLE_WEIGHT): a round over 64 requests moves it as far as 64 rounds over one, so that at batch 1,
@@ -65,7 +65,7 @@ HYSTERESIS = 1.05  # a bucket changes candidate only for one expected this much 
 PROBE_EVERY = 64  # steps of a bucket whose choice is not N, per round at N there
 COLLAPSE_ROUNDS = 8  # rounds a request runs before its mean may collapse it ...
 COLLAPSE_MARGIN = 0.5  # ... below this part of collapse_below (a request at break-even rarely collapses by chance)
-WARMUP_RUNS, TIMED_RUNS = 1, 3  # start-up timing of each candidate's step
+WARMUP_RUNS, TIMED_RUNS, TIMED_STEPS = 1, 3, 4  # start-up timing of each candidate's step (TIMED_STEPS: on CUDA)
 
 log = logging.getLogger(__name__)
 
@@ -291,22 +291,21 @@ def _rank0_table(tp, costs: dict) -> dict:
 
 
 def _time_step(launcher, rows: list[int], max_kv: int, cuda: bool) -> float:
-    """Median seconds of one greedy step of `launcher` over `rows` (padding rows): the device's on CUDA (events),
-    the call's wall time on the CPU (where the device work is the call's)."""
+    """Median seconds per greedy step of `launcher` over `rows` (padding rows) over TIMED_RUNS runs: on CUDA, the
+    wall time of TIMED_STEPS steps queued back to back between two synchronizations, so that a step costs the slower
+    of its host work and its device work, as under the engine's overlap (device time alone leaves out the host work
+    that makes a small batch's plain step cost more than its kernels); on the CPU the call's wall time."""
     greedy = SamplingTensors.greedy()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    steps = TIMED_STEPS if cuda else 1
     for _ in range(WARMUP_RUNS):
         launcher.decode(rows, max_kv, greedy)
     seconds = []
     for _ in range(TIMED_RUNS):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
             launcher.decode(rows, max_kv, greedy)
-            end.record()
-            end.synchronize()
-            seconds.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            launcher.decode(rows, max_kv, greedy)
-            seconds.append(time.perf_counter() - t0)
+        sync()
+        seconds.append((time.perf_counter() - t0) / steps)
     return statistics.median(seconds)
