@@ -293,8 +293,8 @@ def _rank0_table(tp, costs: dict) -> dict:
 def _time_step(launcher, rows: list[int], max_kv: int, cuda: bool) -> float:
     """Median seconds per greedy step of `launcher` over `rows` (padding rows) over TIMED_RUNS runs: on CUDA, the
     wall time of TIMED_STEPS steps queued back to back between two synchronizations, so that a step costs the slower
-    of its host work and its device work, as under the engine's overlap (device time alone leaves out the host work
-    that makes a small batch's plain step cost more than its kernels); on the CPU the call's wall time."""
+    of its host work and its device work, as under the engine's overlap (device time alone leaves the host work
+    out); on the CPU the call's wall time."""
     greedy = SamplingTensors.greedy()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     steps = TIMED_STEPS if cuda else 1
