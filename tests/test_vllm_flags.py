@@ -145,7 +145,7 @@ def test_an_explicit_topk_beside_vllms_chain_wins():
 
 @pytest.mark.parametrize("config,words", [
     ({"method": "eagle3", "model": DRAFT, "num_lookahead_slots": 2}, ["'num_lookahead_slots'"]),
-    ({"method": "ngram"}, ["'ngram'", "eagle3"]),
+    ({"method": "medusa"}, ["'medusa'", "eagle3", "ngram"]),
     ({"method": "eagle3", "model": DRAFT, "draft_tensor_parallel_size": 2}, ["draft_tensor_parallel_size=2"]),
     ({"method": "eagle3", "model": DRAFT, "rejection_sample_method": "block"}, ["'block'"]),
     ({"method": "eagle3", "model": DRAFT, "rejection_sample_method": "synthetic"}, ["synthetic_acceptance_length"]),

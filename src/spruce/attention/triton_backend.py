@@ -45,22 +45,22 @@ class GroupedDecodeConfig:
     per_sm: int = 2
 
 
-# decode with the query heads of a kv head as one tile (grouped_decode_kernel). A 16-bit cache: 32 keys a tile on
-# 8 warps compile to ~125 registers on sm90 (two programs per SM, each with two tiles in flight); 64 keys need
-# ~180 (one program). An FP8 tile is half the bytes: 64 keys keep the same bytes in flight per load as 32 16-bit
-# keys (8 KiB of K and 8 KiB of V; a 128-dim FP8 row is 128 bytes, still whole 16-byte vectors), and e4m3 widens to
-# float16 in one conversion per pair.
-GROUPED_CONFIG_16BIT = GroupedDecodeConfig(block_n=32, num_warps=8)
-GROUPED_CONFIG_FP8 = GroupedDecodeConfig(block_n=64, num_warps=8, fp16_dot=True)
+# decode with the query heads of a kv head as one tile (grouped_decode_kernel). The defaults are the fastest of
+# GROUPED_CANDIDATES measured on an H200 (`python -m spruce.bench.decode_attention`, Llama-3.1-8B heads, 32k
+# context, bs 1 and 8; bench/results/decode-attention-h200.json): a 16-bit cache reads 32 keys a tile on 4 warps,
+# the next tile waiting in shared memory (4 stages), not in registers; an FP8 cache 128 keys a tile on 8 warps,
+# widened to float16 (one conversion per pair of e4m3 values).
+GROUPED_CONFIG_16BIT = GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=4, prefetch=False)
+GROUPED_CONFIG_FP8 = GroupedDecodeConfig(block_n=128, num_warps=8, num_stages=2, prefetch=False, fp16_dot=True)
 # what `python -m spruce.bench.decode_attention` measures (the defaults above among them)
 GROUPED_CANDIDATES = (
-    GROUPED_CONFIG_16BIT,
+    GroupedDecodeConfig(block_n=32, num_warps=8),  # the next tile in registers (PREFETCH): ~125 registers on sm90
     GroupedDecodeConfig(block_n=64, num_warps=8),
     GroupedDecodeConfig(block_n=64, num_warps=8, fp16_dot=True),
     GroupedDecodeConfig(block_n=64, num_warps=4, fp16_dot=True),
     GroupedDecodeConfig(block_n=64, num_warps=8, num_stages=3, prefetch=False, fp16_dot=True),
-    GroupedDecodeConfig(block_n=128, num_warps=8, num_stages=2, prefetch=False, fp16_dot=True),
-    GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=4, prefetch=False),
+    GROUPED_CONFIG_FP8,
+    GROUPED_CONFIG_16BIT,
     # 4 warps without PREFETCH: the next tile waits in shared memory (cp.async), not in registers (16-bit: 79
     # registers on sm90, 4+ programs per SM; FP8 widened to float16: 126, 4 per SM): more splits, more in flight
     GroupedDecodeConfig(block_n=32, num_warps=4, num_stages=3, prefetch=False, per_sm=4),
