@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from spruce.errors import InvalidRequestError
 from spruce.server.chat_parsers import ChatOutputParser, ChatParsing, ChatStreamDeltas
-from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation
+from spruce.server.engine_loop import EngineFailure, EngineLoop, Generation, failure_error
 from spruce.server.protocol import (
     LOGPROB_FLOOR, MAX_CHOICES, ChatCompletionRequest, CompletionRequest, OpenAIError, TextDelta, chat_choice,
     chat_delta, chat_logprobs, completion_choice, completion_logprobs, envelope, parse_request, token_id_name, usage,
@@ -374,20 +374,13 @@ class _Api:
         if req.stream:
             return StreamingResponse(stream.sse(gen, req.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(gen.collect())
-        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():
-                log.info("%s: client disconnected, aborted", base_id)
-                return Response(status_code=499)
-            outs = collect.result()
+            outs = await gen.collect_while_connected(request.receive)
         except EngineFailure as e:
             raise failure_error(e, base_id) from None
-        finally:
-            collect.cancel()
-            gone.cancel()
-            gen.abort()
+        if outs is None:
+            log.info("%s: client disconnected, aborted", base_id)
+            return Response(status_code=499)
         failed = grammar_failure(outs, jobs, req.param_names)
         if failed is not None:
             raise failed
@@ -459,19 +452,6 @@ def grammar_failure(outs, jobs, param_names: dict[str, str]) -> OpenAIError | No
             field = sp.structured_output.field if sp.structured_output is not None else None
             return OpenAIError(400, o.error or "the request failed", param=param_names.get(field, field))
     return None
-
-
-def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
-    """The HTTP error answering an EngineFailure (with Retry-After when the server is overloaded)."""
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-    message = f"{request_id}: {e}" if request_id else str(e)
-    return OpenAIError(e.status, message, code=e.code, headers=headers)
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so only http.disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _no_text(_token_id: int) -> None:

@@ -27,12 +27,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from spruce.runtime.engine import Engine
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
 from spruce.server.metrics import Metrics, RequestClock, StatsCadence
+from spruce.server.protocol import OpenAIError
 
 log = logging.getLogger("spruce.server")
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
@@ -49,6 +50,20 @@ class EngineFailure(Exception):
         self.status = status
         self.code = code
         self.retry_after = retry_after
+
+
+def failure_error(e: EngineFailure, request_id: str | None = None) -> OpenAIError:
+    """The HTTP error answering an EngineFailure (with Retry-After when the server is overloaded)."""
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+    message = f"{request_id}: {e}" if request_id else str(e)
+    return OpenAIError(e.status, message, code=e.code, headers=headers)
+
+
+async def client_gone(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client disconnects (`receive`: the ASGI request's; the body has been read, so only
+    http.disconnect can come)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Mailbox:
@@ -375,6 +390,19 @@ class Generation:
             if out.finished:
                 final[index] = out
         return [final[i] for i in range(len(self.request_ids))]
+
+    async def collect_while_connected(self, receive: Callable[[], Awaitable[dict]]) -> list[RequestOutput] | None:
+        """`collect()`, or None as soon as the client disconnects (`receive`: the ASGI request's); either way
+        every request still running is aborted. Raises EngineFailure as `collect()` does."""
+        collect = asyncio.ensure_future(self.collect())
+        gone = asyncio.ensure_future(client_gone(receive))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            return collect.result() if collect.done() else None
+        finally:
+            collect.cancel()
+            gone.cancel()
+            self.abort()
 
     def abort(self) -> None:
         """Abort every request that has not finished (client gone, or one sibling failed)."""

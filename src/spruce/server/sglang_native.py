@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from spruce.errors import InvalidRequestError
 from spruce.sampling_params import SamplingParams
-from spruce.server.engine_loop import EngineFailure, Generation
+from spruce.server.engine_loop import EngineFailure, Generation, failure_error
 from spruce.server.protocol import LOGPROB_FLOOR, CompletionRequest, OpenAIError, TextDelta, parse_request
 
 log = logging.getLogger("spruce.server")
@@ -254,7 +254,7 @@ class _Native:
         except InvalidRequestError as e:
             raise greq.renamed(OpenAIError.from_invalid_request(e, req.param_names)) from None
         except EngineFailure as e:
-            raise _failure(e) from None
+            raise failure_error(e) from None
         log.info("%s: /generate, %d output(s), stream=%s", base_id, len(jobs), req.stream)
         ids = [greq.rids[i // req.n] if greq.rids else f"{base_id}-{i}" for i in range(len(jobs))]
         out = _Outputs(greq, ids, [sp.stop for _, sp in jobs], [set(sp.stop_token_ids) for _, sp in jobs],
@@ -262,20 +262,13 @@ class _Native:
         if req.stream:
             return StreamingResponse(out.sse(gen), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collect = asyncio.ensure_future(gen.collect())
-        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not collect.done():
-                log.info("%s: client disconnected, aborted", base_id)
-                return Response(status_code=499)
-            outs = collect.result()
+            outs = await gen.collect_while_connected(request.receive)
         except EngineFailure as e:
-            raise _failure(e) from None
-        finally:
-            collect.cancel()
-            gone.cancel()
-            gen.abort()
+            raise failure_error(e) from None
+        if outs is None:
+            log.info("%s: client disconnected, aborted", base_id)
+            return Response(status_code=499)
         for o in outs:
             if o.finish_reason == "error":
                 raise OpenAIError(400, o.error or "the request failed", param="sampling_params")
@@ -392,18 +385,7 @@ class _Outputs:
                     yield f"data: {json.dumps(OpenAIError(400, out.error or 'the request failed').body())}\n\n"
         except EngineFailure as e:
             gen.engine_loop.metrics.on_error(e.status)
-            yield f"data: {json.dumps(_failure(e).body())}\n\n"
+            yield f"data: {json.dumps(failure_error(e).body())}\n\n"
         finally:
             gen.abort()
         yield "data: [DONE]\n\n"
-
-
-def _failure(e: EngineFailure) -> OpenAIError:
-    headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
-    return OpenAIError(e.status, str(e), code=e.code, headers=headers)
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so only http.disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
