@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,32 +43,10 @@ def make_decode_batch(bs: int, context: int, page_size: int, device: torch.devic
     return batch, table.to(device), 1 + bs * pages
 
 
-def time_ms(fn, cuda: bool, reps: int) -> float:
-    """Mean ms of one fn() over `reps` calls captured in a CUDA graph, over three replays (CPU: one call's wall
-    clock)."""
-    fn()
-    if not cuda:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (3 * reps)
-
-
 def measure(args, cache_dtype: torch.dtype, bs: int, bandwidth: float | None) -> dict:
     """Every candidate configuration on one cache dtype and batch size (see the module docstring)."""
     from spruce.attention.triton_backend import GROUPED_CANDIDATES, TritonAttention
+    from spruce.ops.fp8_select import graph_time_ms
 
     device = torch.device(args.device)
     heads, kv_heads, dim = HEAD_SHAPES[args.head_shape] if not args.smoke else (4, 2, 16)
@@ -100,7 +77,7 @@ def measure(args, cache_dtype: torch.dtype, bs: int, bandwidth: float | None) ->
         splits = backend.grouped_splits(bs * kv_heads, args.context, cfg, device)
         try:
             diff = (call().float() - want.float()).abs().max().item()
-            ms = time_ms(call, device.type == "cuda", args.reps)
+            ms = graph_time_ms(lambda _: call(), 1, device.type == "cuda", args.reps)
         except Exception as e:  # noqa: BLE001 - a configuration that fails to compile or launch is a result
             rows[name] = {"config": asdict(cfg), "error": f"{type(e).__name__}: {e}"[:300]}
             continue

@@ -125,13 +125,13 @@ def gemm_section(cfg: dict, ms: list[int], device: str, dtype: torch.dtype, band
                 out[f"{name} N={n} K={k} {layout} M={m}"] = {"read_bytes": read, "pick": pick(times),
                                                             "candidates": cands}
         if device.startswith("cuda"):  # cuBLAS bf16 for reference (the unquantized step's linears)
-            from spruce.ops.fp8_select import _time_ms
+            from spruce.ops.fp8_select import graph_time_ms
 
             copies = max(1, min(8, -(-(256 << 20) // (wb.numel() * wb.element_size()))))
             ws = [wb] + [wb.clone() for _ in range(copies - 1)]
             for m in ms:
                 x = torch.randn(m, k, device=device, dtype=dtype)
-                t = _time_ms(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
+                t = graph_time_ms(lambda i: torch.nn.functional.linear(x, ws[i]), copies)
                 read = wb.numel() * wb.element_size()
                 out[f"{name} N={n} K={k} {str(dtype).removeprefix('torch.')} M={m}"] = {
                     "ms": t, "gb_per_s": read / t / 1e6,

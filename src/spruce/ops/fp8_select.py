@@ -160,9 +160,9 @@ def block_scales_t(scale: torch.Tensor, group_k: int | None) -> torch.Tensor | N
     return torch.nn.functional.pad(blocks.float(), (0, -g % 4)).t()
 
 
-def _time_ms(fn, copies: int, cuda: bool = True) -> float:
-    """Mean ms of one call of fn(i) (i over the weight copies) in a CUDA graph, over three replays (CPU: wall
-    clock of one pass, for the bench's smoke run)."""
+def graph_time_ms(fn, copies: int, cuda: bool = True, reps: int | None = None) -> float:
+    """Mean ms of one call of fn(i) (i over the weight copies), `reps` passes over the copies (default: 16 calls
+    in all) captured in a CUDA graph, over three replays (CPU: wall clock of one pass, for the benches' smoke runs)."""
     for i in range(copies):
         fn(i)
     if not cuda:
@@ -171,7 +171,7 @@ def _time_ms(fn, copies: int, cuda: bool = True) -> float:
             fn(i)
         return (time.perf_counter() - start) * 1e3 / copies
     torch.cuda.synchronize()
-    reps = max(1, 16 // copies)
+    reps = reps or max(1, 16 // copies)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
@@ -226,7 +226,7 @@ def measure(weight: torch.Tensor, scale: torch.Tensor, group_k: int | None, bias
             if not err < _tolerance(c):
                 times[c.name] = f"wrong: relative error {err:.3g} >= {_tolerance(c)}"
                 continue
-            times[c.name] = _time_ms(lambda i: c.run(x, weights[i], scale, group_k, bias, block), len(weights),
+            times[c.name] = graph_time_ms(lambda i: c.run(x, weights[i], scale, group_k, bias, block), len(weights),
                                      weight.is_cuda)
         except Exception as e:  # a kernel this torch / Triton / GPU cannot run is dropped, with its reason
             times[c.name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
