@@ -47,27 +47,30 @@ SAMPLING_FIELDS = {
     "repetition_penalty": "repetition_penalty", "regex": "regex", "ebnf": "ebnf", "no_stop_trim": "no_stop_trim",
     "logit_bias": "logit_bias", "sampling_seed": "seed", "json_schema": "structured_outputs",
 }
-# SGLang sampling_params keys spruce does not implement: (the values that change nothing, in words, test)
+# the values of a field spruce does not implement that change nothing: (in words, test)
+ONLY_NULL = ("null", lambda v: v is None)
+ONLY_FALSE = ("false", lambda v: v in (None, False))
+# SGLang sampling_params keys spruce does not implement
 SAMPLING_NEUTRAL = {
-    "stop_regex": ("null", lambda v: v is None),
-    "structural_tag": ("null", lambda v: v is None),
-    "custom_params": ("null", lambda v: v is None),
-    "stream_interval": ("null", lambda v: v is None),
-    "logit_bias_type": ("null", lambda v: v is None),
+    "stop_regex": ONLY_NULL,
+    "structural_tag": ONLY_NULL,
+    "custom_params": ONLY_NULL,
+    "stream_interval": ONLY_NULL,
+    "logit_bias_type": ONLY_NULL,
 }
-# SGLang top-level GenerateReqInput fields spruce does not implement: (allowed values in words, test)
+# SGLang top-level GenerateReqInput fields spruce does not implement
 TOP_LEVEL_NEUTRAL = {
-    "input_embeds": ("null", lambda v: v is None),
-    "image_data": ("null", lambda v: v is None),
-    "video_data": ("null", lambda v: v is None),
-    "audio_data": ("null", lambda v: v is None),
-    "lora_path": ("null", lambda v: v is None),
-    "lora_id": ("null", lambda v: v is None),
-    "custom_logit_processor": ("null", lambda v: v is None),
-    "token_ids_logprob": ("null", lambda v: v is None),
-    "session_params": ("null", lambda v: v is None),
-    "return_hidden_states": ("false", lambda v: v in (None, False)),
-    "return_routed_experts": ("false", lambda v: v in (None, False)),
+    "input_embeds": ONLY_NULL,
+    "image_data": ONLY_NULL,
+    "video_data": ONLY_NULL,
+    "audio_data": ONLY_NULL,
+    "lora_path": ONLY_NULL,
+    "lora_id": ONLY_NULL,
+    "custom_logit_processor": ONLY_NULL,
+    "token_ids_logprob": ONLY_NULL,
+    "session_params": ONLY_NULL,
+    "return_hidden_states": ONLY_FALSE,
+    "return_routed_experts": ONLY_FALSE,
 }
 # top-level fields read here (the rest of SGLang's are routing / bookkeeping: ignored with a log line)
 TOP_LEVEL_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num",
