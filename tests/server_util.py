@@ -75,6 +75,12 @@ class ServerThread:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def post_v1(self, path: str, body: dict, timeout: float = 60) -> "httpx.Response":
+        """POST `body` as JSON to /v1/`path` (e.g. "completions")."""
+        import httpx
+
+        return httpx.post(f"{self.base_url}/v1/{path}", json=body, timeout=timeout)
+
     def start(self, timeout: float = 30.0) -> "ServerThread":
         self.thread.start()
         deadline = time.monotonic() + timeout

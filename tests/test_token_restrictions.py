@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 import torch
 
@@ -293,10 +292,6 @@ def server():
     assert_no_leaks(llm)
 
 
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/{path}", json=body, timeout=60)
-
-
 def test_endpoints_honour_both_fields(server, plain, cases):
     """completions (token-id prompts: the offline engine's exact input) give the offline greedy tokens; chat's
     output obeys the same restrictions."""
@@ -304,10 +299,10 @@ def test_endpoints_honour_both_fields(server, plain, cases):
         fields = {"allowed_token_ids": list(params.allowed_token_ids) if params.allowed_token_ids else None,
                   "bad_words": list(params.bad_words)}
         body = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **fields}
-        r = post(server, "completions", {**body, "prompt": [plain.tokenizer.encode(p) for p in PROMPTS]})
+        r = server.post_v1("completions", {**body, "prompt": [plain.tokenizer.encode(p) for p in PROMPTS]})
         assert r.status_code == 200, r.text
         assert [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == want
-    r = post(server, "chat/completions", {**body, "messages": [{"role": "user", "content": PROMPTS[0]}]})
+    r = server.post_v1("chat/completions", {**body, "messages": [{"role": "user", "content": PROMPTS[0]}]})
     assert r.status_code == 200, r.text
     check_restricted(plain, params, [r.json()["choices"][0]["token_ids"]])
 
@@ -326,7 +321,7 @@ def test_endpoints_honour_both_fields(server, plain, cases):
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])
 def test_bad_inputs_are_400s_naming_the_value(server, path, field, value, says):
     body = {"messages": [{"role": "user", "content": "x"}]} if path.startswith("chat") else {"prompt": "x"}
-    r = post(server, path, {**body, "max_tokens": 2, field: value})
+    r = server.post_v1(path, {**body, "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"].startswith(field) and says in err["message"], err

@@ -67,12 +67,8 @@ def server():
     assert_no_leaks(llm)
 
 
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/{path}", json=body, timeout=60)
-
-
 def ok(server, path: str, body: dict) -> dict:
-    r = post(server, path, body)
+    r = server.post_v1(path, body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -104,7 +100,7 @@ def test_unknown_fields_are_ignored_with_a_log_line(server):
 @pytest.mark.parametrize("path,field,value", REFUSED)
 def test_unimplemented_fields_are_refused_by_name(server, path, field, value):
     body = {"messages": CHAT} if path.startswith("chat") else {"prompt": PROMPT}
-    r = post(server, path, {**body, **GREEDY, field: value})
+    r = server.post_v1(path, {**body, **GREEDY, field: value})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     param = "tool_choice" if field == "tools" else field
@@ -128,7 +124,7 @@ def test_prompt_logprobs(server):
         assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
     chat = ok(server, "chat/completions", {"messages": CHAT, **GREEDY, "prompt_logprobs": 0})
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
-    r = post(server, "completions", {"prompt": PROMPT, **GREEDY, "prompt_logprobs": 1, "stream": True})
+    r = server.post_v1("completions", {"prompt": PROMPT, **GREEDY, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
@@ -140,7 +136,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
     whole = ok(server, "completions", {"prompt": PROMPT, **GREEDY, "truncate_prompt_tokens": -1})
     assert whole["usage"]["prompt_tokens"] == len(ids)
     for value in (0, 10**9):
-        r = post(server, "completions", {"prompt": PROMPT, **GREEDY, "truncate_prompt_tokens": value})
+        r = server.post_v1("completions", {"prompt": PROMPT, **GREEDY, "truncate_prompt_tokens": value})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
@@ -172,7 +168,7 @@ def test_add_generation_prompt_and_continue_final_message(server):
     via_kwargs = ok(server, "chat/completions", {"messages": CHAT, **GREEDY,
                                                  "chat_template_kwargs": {"add_generation_prompt": False}})
     assert via_kwargs["usage"] == no_prompt["usage"]
-    r = post(server, "chat/completions", {"messages": CHAT, **GREEDY, "chat_template_kwargs": {"messages": []}})
+    r = server.post_v1("chat/completions", {"messages": CHAT, **GREEDY, "chat_template_kwargs": {"messages": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     history = [*CHAT, {"role": "assistant", "content": "    return"}]
     body = ok(server, "chat/completions", {"messages": history, **GREEDY, "continue_final_message": True,
@@ -180,7 +176,7 @@ def test_add_generation_prompt_and_continue_final_message(server):
     # the bundled template writes "<|begin_of_text|>{role}\n{content}\n" per message: the text ends at "return"
     rendered = "<|begin_of_text|>user\ndef add(a, b):\n<|begin_of_text|>assistant\n    return"
     assert body["prompt_token_ids"] == tokenize(server, {"prompt": rendered, "add_special_tokens": False})
-    r = post(server, "chat/completions", {"messages": history, **GREEDY, "continue_final_message": True,
+    r = server.post_v1("chat/completions", {"messages": history, **GREEDY, "continue_final_message": True,
                                           "add_generation_prompt": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
@@ -210,7 +206,7 @@ def test_sglang_regex_and_ebnf(server):
     assert re.fullmatch("[0-9]{3}", text)
     text = ok(server, "completions", {"prompt": PROMPT, **GREEDY, "ebnf": 'start: "yes" | "no"'})["choices"][0]["text"]
     assert text in ("yes", "no")
-    r = post(server, "completions", {"prompt": PROMPT, **GREEDY, "regex": "a", "ebnf": 'start: "b"'})
+    r = server.post_v1("completions", {"prompt": PROMPT, **GREEDY, "regex": "a", "ebnf": 'start: "b"'})
     assert r.status_code == 400 and r.json()["error"]["param"] in ("regex", "ebnf")
 
 
