@@ -116,6 +116,7 @@ class Engine:
         self._aborted: list[Request] = []
         self._final_text: list[Request] = []  # finished this step; their whole text is built before the outputs
         self._inflight: LaunchedStep | None = None
+        self._decode_read: float | None = None  # when the last resolved step's results were read, if a decode step
         self._result_buffers, self._result_events = self._make_result_buffers()
         self._next_buffer = 0
         self._result_views: dict[tuple[int, torch.Size], torch.Tensor] = {}  # (slot, shape) -> its view
@@ -533,8 +534,12 @@ class Engine:
             touched[q.request_id] = q
         if step.decode:
             first = step.prefill_results  # a mixed step's decode rows follow its final chunks'
+            # the step's served seconds: since the previous step's results, when that one was a decode step too
+            # (under overlap the device ran this step meanwhile; a prefill or an idle engine breaks the chain)
+            seconds = t_read - self._decode_read if self._decode_read is not None and not first else None
             self.strategy.on_round(step.chosen, step.result_reqs[first:] if first else step.result_reqs,
-                                   rows[first:] if first else rows)
+                                   rows[first:] if first else rows, seconds)
+        self._decode_read = t_read if step.decode else None
         self.counters.add("wait", waited)
         self.counters.add("resolve", time.perf_counter() - t_read)
 

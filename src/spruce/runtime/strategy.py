@@ -165,8 +165,9 @@ class DecodeStrategy:
         `speculative`, `tree_width` and this class's `decode` (a fixed strategy: itself)."""
         return self
 
-    def on_round(self, step, requests: list, results: list[list[int]]) -> None:
-        """A decode step's result rows (one per request) were read; `step` is what `choose` returned for it."""
+    def on_round(self, step, requests: list, results: list[list[int]], seconds: float | None = None) -> None:
+        """A decode step's result rows (one per request) were read; `step` is what `choose` returned for it,
+        `seconds` its served time (since the previous decode step's results; None where unknown)."""
 
     def measure_costs(self) -> None:
         """Time what the per-step choice needs, once the graphs are captured."""

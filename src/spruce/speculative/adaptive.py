@@ -8,30 +8,42 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
 - costs: seconds of one step of each candidate per batch-size bucket (Limits.cost_buckets; plain: a plain engine's
   step, with no draft work), measured once at start-up over padding rows (captured graphs where the bucket has them,
   else eager; on a GPU, steps queued back to back: the slower of host and device work, as under overlap), the median
-  of TIMED_RUNS runs. Under tensor parallelism every rank takes rank 0's table.
+  of TIMED_RUNS runs. Padding rows attend to nothing, so served steps cost more (at Llama-3.1-8B on an H200, batch
+  16, ~300 positions each: a plain step 7% more, a round 20%): served, each step's seconds (from the previous decode
+  step's results to its own) move its entry by COST_WEIGHT; a figure above COST_OUTLIER times the entry (the engine
+  was idle or held up) is dropped. Under tensor parallelism the ranks' clocks differ: every rank keeps rank 0's
+  start-up table, unmoved, so that every rank makes the same choice.
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
   also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
   request round (SAMPLE_WEIGHT): a round over 64 requests moves it as far as 64 rounds over one, so that at batch 1,
   where one round accepts 0 or 1 drafts at acceptance 0.5, it does not swing across break-even (while it has read
   few, it is their plain mean). Until a width's EMA has read MEASURED_AFTER request rounds, the choice takes it to
-  accept S.
-- collapse: a request whose mean accepted drafts over its rounds is below COLLAPSE_MARGIN times `collapse_below` (the
-  fewest accepted drafts at which some round, at some bucket, beats a plain step) after COLLAPSE_ROUNDS rounds has
-  collapsed: it runs plainly to its end. (The mean with a margin, not a fast EMA: at acceptance 0.5 a request's
-  rounds accept 0 or 1 drafts, and an EMA of weight 0.3 falls from 0.5 to 0.25 after two zeros in a row, which most
-  requests see in 128 tokens; a mean of 8 such rounds is below 0.25 for 3.5% of requests.)
+  accept S. (At acceptance 0.5 a mean of 64 rounds is within 0.125 of it 95% of the time; an EMA of weight 1/256
+  within 0.03. A bucket whose choice is plain learns only from probes, so a first estimate off by more than the
+  margin would hold it there.)
+- collapse: a request whose mean accepted drafts over its rounds, plus CONFIDENCE_Z standard errors, is below
+  COLLAPSE_MARGIN times `collapse_below` (the fewest accepted drafts at which some round, at some bucket, beats a
+  plain step) after COLLAPSE_ROUNDS rounds has collapsed: it runs plainly to its end. (The mean with a margin and
+  its error, not a fast EMA: at acceptance 0.5 a request's rounds accept 0 or 1 drafts, and an EMA of weight 0.3
+  falls from 0.5 to 0.25 after two zeros in a row, which most requests see in 128 tokens; a bare mean of 16 such
+  rounds is below 0.18 for 0.2% of requests at round 16 and for a few percent at some round after it. A request
+  whose drafts are never accepted has no error: it collapses at round COLLAPSE_ROUNDS.)
 - choice per bucket: plain commits 1 token per request, a round at width w 1 + EMA(w) per request that has not
   collapsed (1 for the others); the candidate with the most tokens per second wins, but a bucket leaves its current
   candidate only for one HYSTERESIS times faster. While a bucket's choice is not a round at N, every PROBE_EVERY-th
-  step there is one, so that every width's EMA keeps moving.
+  step there is one, so that every width's EMA keeps moving. A width counts as accepting its EMA plus CONFIDENCE_Z
+  standard errors of it (the EMA's variance over the request rounds it reads, min(read, 2 / SAMPLE_WEIGHT - 1) of
+  them): a bucket whose choice is plain learns only from its probes, so a first estimate that chance put below
+  break-even would hold it there for hundreds of steps at batch 1; the benefit of the doubt goes to speculation,
+  and shrinks to 0.044 accepted drafts (acceptance 0.5) as the EMA settles.
 - catch-up: a plain step leaves its requests' drafts behind (`stale`). A round wanted over a batch with a stale
   request not collapsed runs a drafted plain step first (CATCH_UP), which puts every draft at its position, and the
   round (a probe stays due) at the next step. So a bucket whose choice is plain pays for no draft work but one step
   per probe. (Served at Llama-3.1-8B on an H200 at acceptance 1.5, plain steps that all extended the draft took
   10-14% longer than a plain server's at batch 16 and 64, more than the bar's 5% allows.)
 
-Nothing reads a clock after start-up: the choice is a function of the cost table and the accept lengths, which every
-tensor-parallel rank computes alike, so every rank makes rank 0's choice.
+Under tensor parallelism nothing reads a clock after start-up: the choice is a function of rank 0's cost table and
+the accept lengths, which every rank computes alike, so every rank makes rank 0's choice.
 
 Draft KV: a catch-up step runs the target and then the draft's extend over the token it committed (the target's
 feature at p with the token at p + 1: a round's extend with nothing accepted), so the round after it starts from the
@@ -59,11 +71,14 @@ from spruce.speculative.eagle_worker import EagleWorker
 
 PLAIN = 0  # the plain candidate; every other candidate is a verify width
 CATCH_UP = -1  # not a candidate: a plain step with the draft's extend, run before a round over stale drafts
-SAMPLE_WEIGHT = 1 / 64  # one request's round's weight in the engine-wide acceptance EMA (a round of n: 1 - (1 - w)^n)
-MEASURED_AFTER = 16  # request rounds a width's EMA reads before the choice uses it (until then: S accepted)
+SAMPLE_WEIGHT = 1 / 256  # one request's round's weight in the engine-wide acceptance EMA (a round of n: 1 - (1 - w)^n)
+MEASURED_AFTER = 64  # request rounds a width's EMA reads before the choice uses it (until then: S accepted)
+COST_WEIGHT = 1 / 8  # one served step's weight in its cost entry
+COST_OUTLIER = 3.0  # a served step slower than this times its entry is not read (idle, or held up)
 HYSTERESIS = 1.05  # a bucket changes candidate only for one expected this much faster
 PROBE_EVERY = 64  # steps of a bucket whose choice is not N, per round at N there
-COLLAPSE_ROUNDS = 8  # rounds a request runs before its mean may collapse it ...
+CONFIDENCE_Z = 2.0  # the choice takes a width to accept its EMA plus this many standard errors
+COLLAPSE_ROUNDS = 16  # rounds a request runs before its mean may collapse it ...
 COLLAPSE_MARGIN = 0.5  # ... below this part of collapse_below (a request at break-even rarely collapses by chance)
 WARMUP_RUNS, TIMED_RUNS, TIMED_STEPS = 1, 3, 4  # start-up timing of each candidate's step (TIMED_STEPS: on CUDA)
 
@@ -77,8 +92,15 @@ class RequestAcceptance:
 
     rounds: int = 0
     accepted: int = 0
+    squares: int = 0  # the sum of the squares of its rounds' accepted drafts
     collapsed: bool = False
     stale: bool = False
+
+
+    def upper_mean(self) -> float:
+        """Its rounds' mean accepted drafts plus CONFIDENCE_Z standard errors."""
+        mean = self.accepted / self.rounds
+        return mean + CONFIDENCE_Z * (max(self.squares / self.rounds - mean * mean, 0.0) / self.rounds) ** 0.5
 
 
 class AdaptivePolicy:
@@ -90,7 +112,9 @@ class AdaptivePolicy:
         self.widths = widths
         self.candidates = (PLAIN, *widths)
         self.max_accept = max_accept
+        self.measured_after = MEASURED_AFTER
         self.ema: dict[int, float] = {}  # width -> drafts a round accepts per request (unset until measured)
+        self.square: dict[int, float] = {}  # width -> the same EMA of their square
         self.samples: Counter = Counter()  # width -> request rounds its EMA read
         self.current: dict[int, int] = {}  # bucket -> its candidate (N until the first switch)
         self.since_n: Counter = Counter()  # bucket -> its steps since its last round at N
@@ -106,8 +130,12 @@ class AdaptivePolicy:
         """Tokens a step of `candidate` commits over `total` requests, `healthy` of them not collapsed."""
         if candidate == PLAIN:
             return float(total)
-        measured = self.samples[candidate] >= MEASURED_AFTER
-        return total + healthy * (self.ema[candidate] if measured else float(self.max_accept))
+        if self.samples[candidate] < self.measured_after:
+            return total + healthy * float(self.max_accept)
+        mean = self.ema[candidate]
+        read = min(self.samples[candidate], 2 / SAMPLE_WEIGHT - 1)
+        error = max(self.square[candidate] - mean * mean, 0.0) ** 0.5 / read ** 0.5
+        return total + healthy * (mean + CONFIDENCE_Z * error)
 
     def choose(self, bucket: int, healthy: int, total: int, drafts_current: bool = True) -> int:
         """What runs a step over `total` requests (`healthy` not collapsed, at least one) at cost `bucket`: a
@@ -143,12 +171,21 @@ class AdaptivePolicy:
                 self.samples[w] += n
                 weight = max(1 - (1 - SAMPLE_WEIGHT) ** n, n / self.samples[w])  # the plain mean while few
                 self.ema[w] = self.ema.get(w, 0.0) + weight * (mean - self.ema.get(w, 0.0))
+                square = sum(row[j] * row[j] for row, _ in healthy) / n
+                self.square[w] = self.square.get(w, 0.0) + weight * (square - self.square.get(w, 0.0))
         for row, s in healthy:
             s.rounds += 1
             s.accepted += row[-1]
-            if s.rounds >= COLLAPSE_ROUNDS and s.accepted / s.rounds < COLLAPSE_MARGIN * self.collapse_below:
+            s.squares += row[-1] * row[-1]
+            if s.rounds >= COLLAPSE_ROUNDS and s.upper_mean() < COLLAPSE_MARGIN * self.collapse_below:
                 s.collapsed = True
                 self.collapsed += 1
+
+    def on_cost(self, candidate: int, bucket: int, seconds: float) -> None:
+        """A step of `candidate` at `bucket` took `seconds` served."""
+        entry = self.costs[(candidate, bucket)]
+        if seconds < COST_OUTLIER * entry:
+            self.costs[(candidate, bucket)] = entry + COST_WEIGHT * (seconds - entry)
 
     def snapshot(self) -> dict:
         """What /metrics shows."""
@@ -222,6 +259,7 @@ class AdaptiveDecoding(DecodeStrategy):
         self.drafted_plain = DraftedPlain(worker)
         self.launchers = {PLAIN: self.plain, **{w: worker.narrow(w) for w in worker.runner.limits.tree_widths}}
         lim = worker.runner.limits
+        self.candidate_of = {id(launcher): c for c, launcher in self.launchers.items()}
         self.columns = {w: 1 + lim.step_advance + i for i, w in enumerate(lim.narrower_widths)}  # result columns
         self.policy: AdaptivePolicy | None = None  # made by measure_costs
 
@@ -257,7 +295,10 @@ class AdaptiveDecoding(DecodeStrategy):
             s.stale = choice == PLAIN
         return self.drafted_plain if choice == CATCH_UP else self.launchers[choice]
 
-    def on_round(self, step, requests: list, results: list[list[int]]) -> None:
+    def on_round(self, step, requests: list, results: list[list[int]], seconds: float | None = None) -> None:
+        candidate = self.candidate_of.get(id(step))  # None: a catch-up step (no entry of its own)
+        if seconds is not None and candidate is not None and self.runner.tp is None and requests:
+            self.policy.on_cost(candidate, self.runner.limits.cost_bucket_for(len(requests)), seconds)
         if not step.speculative:
             return
         width = step.tree_width
