@@ -327,19 +327,27 @@ class Eagle3MidLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Eagle3AdditionalLayer(nn.Module):
-    """An EAGLE-3 head's layer after the midlayer (SGLang's BasicDecoderLayer): a pre-norm decoder layer over H
-    whose input norm is `hidden_norm`. As in SGLang it reads only the previous layer's MLP output; the previous
-    residual is not added back in (heads trained for SGLang expect exactly that)."""
+class _Eagle3UpperLayer(nn.Module):
+    """A pre-norm decoder layer over H after the midlayer; its input norm's checkpoint name is `INPUT_NORM`."""
+
+    INPUT_NORM = ""
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, backend, layer_id: int):
         super().__init__()
         h = cfg.hidden_size
-        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        setattr(self, self.INPUT_NORM, RMSNorm(h, cfg.rms_norm_eps))
         self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
                                    eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = GatedMLP(h, cfg.intermediate_size)
+
+
+class Eagle3AdditionalLayer(_Eagle3UpperLayer):
+    """An EAGLE-3 head's layer after the midlayer (SGLang's BasicDecoderLayer): a pre-norm decoder layer over H
+    whose input norm is `hidden_norm`. As in SGLang it reads only the previous layer's MLP output; the previous
+    residual is not added back in (heads trained for SGLang expect exactly that)."""
+
+    INPUT_NORM = "hidden_norm"
 
     def forward(self, x, batch, kv, page_table):
         """x [T, H] (the previous layer's mlp output) -> (mlp output [T, H], residual [T, H])."""
@@ -348,18 +356,11 @@ class Eagle3AdditionalLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Eagle3StreamLayer(nn.Module):
+class Eagle3StreamLayer(_Eagle3UpperLayer):
     """An EAGLE-3 head's layer after the midlayer as vLLM's llama_eagle3.py runs it: a pre-norm decoder layer
     over H whose input norm is `input_layernorm`, on the residual stream the midlayer started."""
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend, layer_id: int):
-        super().__init__()
-        h = cfg.hidden_size
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, backend, layer_id,
-                                   eps=cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(h, cfg.intermediate_size)
+    INPUT_NORM = "input_layernorm"
 
     def forward(self, x, residual, batch, kv, page_table):
         """x [T, H] (the previous mlp output), residual [T, H] -> (mlp output [T, H], residual [T, H])."""
