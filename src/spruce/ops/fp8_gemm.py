@@ -27,6 +27,27 @@ from spruce.ops.triton_support import tl, triton
 
 
 @triton.jit
+def _add_group(acc, part, s_ptr, rn, n_ok, stride_sn, k0, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr):
+    """acc [BM, BN] + part [BM, BN], the K step at k0 scaled by its group's column scales; with one group per row
+    unscaled (`_scale_rows` scales the sum once)."""
+    if ONE_GROUP:
+        out = acc + part
+    else:
+        out = acc + part * tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_ok, other=0.0)[None, :]
+    return out
+
+
+@triton.jit
+def _scale_rows(acc, s_ptr, rn, n_ok, stride_sn, ONE_GROUP: tl.constexpr):
+    """acc [BM, BN] times each column's one scale (one group per row), else as it is."""
+    if ONE_GROUP:
+        out = acc * tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)[None, :]
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn,
                      stride_om, stride_os, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -52,14 +73,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, k_per_split, 
             part = tl.dot(x, w, input_precision="ieee")
         else:
             part = tl.dot(x, w)
-        if ONE_GROUP:
-            acc += part
-        else:
-            s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_ok, other=0.0)  # [BN]
-            acc += part * s[None, :]
-    if ONE_GROUP:
-        s = tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)
-        acc = acc * s[None, :]
+        acc = _add_group(acc, part, s_ptr, rn, n_ok, stride_sn, k0, GROUP_K, ONE_GROUP)
+    acc = _scale_rows(acc, s_ptr, rn, n_ok, stride_sn, ONE_GROUP)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -204,13 +219,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M
                 xi = tl.load(x_ptr + i * stride_xm + k, mask=row_ok, other=0.0)
                 pi = tl.sum(wf * xi.to(tl.float32)[None, :], axis=1)  # [BN]
                 part += tl.where(rm[:, None] == i, pi[None, :], 0.0)
-        if ONE_GROUP:
-            acc += part
-        else:
-            s = tl.load(s_ptr + rn * stride_sn + k0 // GROUP_K, mask=n_ok, other=0.0)  # [BN]
-            acc += part * s[None, :]
-    if ONE_GROUP:
-        acc = acc * tl.load(s_ptr + rn * stride_sn, mask=n_ok, other=0.0)[None, :]
+        acc = _add_group(acc, part, s_ptr, rn, n_ok, stride_sn, k0, GROUP_K, ONE_GROUP)
+    acc = _scale_rows(acc, s_ptr, rn, n_ok, stride_sn, ONE_GROUP)
     out_mask = m_ok[:, None] & n_ok[None, :]
     out_off = rm[:, None] * stride_om + rn[None, :]
     if not SPLIT:
