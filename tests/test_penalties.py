@@ -132,7 +132,7 @@ def test_bad_values_refused():
 
 
 @needs_draft
-@pytest.mark.parametrize("k,page", [(1, 1), (1, 16), (4, 1), (4, 16)])
+@pytest.mark.parametrize("k,page", [(1, 16), (4, 1)])  # chains and trees, one page size each
 def test_greedy_penalties_spec_equals_plain(make_llm, k, page):
     plain, spec = engines(make_llm, k, page)
     prompts = PROMPTS + ["x = [0, 0, 0, 0", "    return self.x, self.y"]

@@ -108,7 +108,7 @@ def test_warm_eager_changes_no_output(draft, kind):
         ids = [engine.add_request(prompt, p) for prompt in PROMPTS]
         done = {}
         for step in itertools.count():
-            if step % 3 == 0:
+            if step in (1, 3):  # with every request in flight (a warm-up costs as much as several steps)
                 before = _live_state(engine)
                 engine.strategy.warm_eager()
                 assert all(torch.equal(a, b) for a, b in zip(before, _live_state(engine), strict=True))
