@@ -112,6 +112,38 @@ def test_commands_name_dummy_weights_and_synthetic_acceptance_on_both_engines(tm
     assert option(client, "--temperature") == "0.0"
 
 
+def test_ngram_commands_match_lookup_and_acceptance_on_both_engines(tmp_path, shape):
+    args = parse("--mode", "ngram", "--synthetic-length", "2.5", "--prompt-lookup-min", "1", "--trees", "5,2,11",
+                 tmp=tmp_path)
+    vllm = peer.server_command("vllm", args, shape, 8000)
+    assert json.loads(option(vllm, "--speculative-config")) == {
+        "method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4, "num_speculative_tokens": 5,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5}
+    from spruce.cli import build_parser
+
+    for name, tree in (("spruce", ("5", "1", "6")), ("spruce-tree-5-2-11", ("5", "2", "11"))):
+        command = peer.server_command(name, args, shape, 8000)
+        served = build_parser().parse_args(command[3:])
+        assert served.speculative_algorithm == "NGRAM" and served.speculative_draft_model_path is None
+        assert (served.speculative_prompt_lookup_min, served.speculative_prompt_lookup_max) == (1, 4)
+        assert served.speculative_synthetic_acceptance_length == 2.5
+        assert [option(command, f"--speculative-{f}") for f in ("num-steps", "eagle-topk", "num-draft-tokens")] \
+            == list(tree)
+    assert not any(a.startswith("--speculative") for a in peer.server_command("spruce-plain", args, shape, 8000))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mode", "ngram", "--prompt-lookup-min", "5"], "need 1 <= min <= max"),
+    (["--mode", "ngram", "--engines", "spruce-adaptive"], "needs --mode eagle3"),
+    (["--mode", "ngram", "--draft-dir", "d"], "--draft-dir d needs --mode eagle3"),
+    (["--mode", "ngram", "--synthetic-length", "7"], "must be in [1, steps + 1 = 6]"),
+])
+def test_bad_ngram_arguments_are_refused_naming_them(tmp_path, argv, words):
+    with pytest.raises(SystemExit, match=r".") as e:
+        parse(*argv, tmp=tmp_path)
+    assert words in str(e.value)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--engines", "vllm,sglang"], "--engines"),
     (["--trees", "5,4,6"], "needs --mode eagle3"),

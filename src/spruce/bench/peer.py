@@ -15,7 +15,11 @@ the same figures); spruce's servers run without the bundle on their path.
 Modes: `plain`; `eagle3`: an EAGLE-3-shaped dummy head, a chain of --steps drafts on both engines, both with
 synthetic acceptance at mean length --synthetic-length (vLLM: `rejection_sample_method: "synthetic"`; spruce:
 `--speculative-synthetic-acceptance-length`, speculative/synthetic.py), plus spruce trees (--trees S,K,N ...) at the
-same acceptance rates, each a server of its own (`spruce-tree-S-K-N`).
+same acceptance rates, each a server of its own (`spruce-tree-S-K-N`); `ngram`: n-gram (prompt-lookup) drafts on
+both engines (vLLM's `{"method": "ngram"}`, spruce's NGRAM, the same --prompt-lookup-min / -max), a chain of
+--steps, with the same synthetic acceptance (accepted where a match proposed drafts: where none did, a round
+commits one token on either engine), and spruce tries (--trees) beside it. Random prompts rarely repeat: the
+matches come from the outputs, so read each engine's acceptance length in the JSON beside its tok/s.
 
 Engines: `vllm`, `spruce` (the chain, or --spruce-tree S,K,N), `spruce-control` (a copy of `spruce`), `spruce-plain`
 (the same shape without a draft), `spruce-adaptive` (`spruce`'s flags plus --speculative-adaptive). --synthetic-length
@@ -55,7 +59,8 @@ from pathlib import Path
 
 NOMINAL_HBM_BYTES_PER_S = 4.8e12  # H200's HBM3e
 SERVED_NAME = "peer-model"
-MODES = ("plain", "eagle3")
+MODES = ("plain", "eagle3", "ngram")
+SPECULATIVE_MODES = ("eagle3", "ngram")  # the modes whose servers draft (and take --synthetic-length)
 SERVER_START_TIMEOUT_S = 420  # vLLM compiles its model and captures graphs at start-up
 ENGINE_ESTIMATE_S = 150  # a server's start, levels and stop before any has run (the deadline's first guess)
 SPRUCE_START_TIMEOUT_S = 240  # a spruce server with dummy weights starts in about a minute
@@ -117,20 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model shape (config-only directories written under --root)")
     p.add_argument("--root", type=Path, default=Path("/tmp/peer-shapes"), help="where the shape directories go")
     p.add_argument("--mode", choices=MODES, default="plain")
-    p.add_argument("--steps", type=int, default=5, help="eagle3: drafts per round, a chain (vLLM's "
+    p.add_argument("--steps", type=int, default=5, help="eagle3, ngram: drafts per round, a chain (vLLM's "
                    "num_speculative_tokens)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest n-gram matched")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest n-gram matched")
     p.add_argument("--synthetic-length", type=lengths, default=(3.0,), metavar="L[,L...]",
-                   help="eagle3: mean acceptance lengths the engines accept drafts at (tokens a round commits); "
+                   help="eagle3, ngram: mean acceptance lengths the engines accept drafts at (tokens a round commits); "
                         "each engine that drafts runs once per length")
     p.add_argument("--trees", type=tree_spec, nargs="*", default=[], metavar="S,K,N",
-                   help="eagle3: spruce trees to serve too, at the same acceptance rates (e.g. 5,4,6 5,8,8)")
+                   help="eagle3, ngram: spruce trees (ngram: tries) to serve too, at the same acceptance rates (e.g. 5,4,6 5,8,8)")
     p.add_argument("--spruce-tree", type=tree_spec, default=None, metavar="S,K,N",
-                   help="eagle3: the (S,K,N) that spruce, spruce-control and spruce-adaptive serve (default: the "
+                   help="eagle3, ngram: the (S,K,N) that spruce, spruce-control and spruce-adaptive serve (default: the "
                         "chain of --steps drafts, as vLLM)")
     p.add_argument("--engines", default="vllm,spruce,spruce-control",
                    help=f"servers in order, of {', '.join(ENGINES)} (default: the first three; trees follow)")
     p.add_argument("--control-lengths", type=lengths, default=None, metavar="L[,L...]",
-                   help="eagle3: the synthetic lengths spruce-control runs at (default: every --synthetic-length)")
+                   help="eagle3, ngram: the synthetic lengths spruce-control runs at (default: every --synthetic-length)")
     p.add_argument("--client", choices=("auto", "vllm", "spruce"), default="auto",
                    help="the load generator: vLLM's `bench serve` or spruce's own (auto: vLLM's when it imports)")
     p.add_argument("--target-dir", type=Path, default=None,
@@ -166,14 +173,21 @@ def check_args(args: argparse.Namespace) -> None:
     bad = [e for e in args.engines.split(",") if e not in ENGINES]
     if bad or not engine_names(args):
         raise SystemExit(f"--engines {args.engines!r}: each must be one of {', '.join(ENGINES)}")
-    if args.mode != "eagle3":
+    if args.mode not in SPECULATIVE_MODES:
         for flag, value in (("--trees", args.trees), ("--spruce-tree", args.spruce_tree),
-                            ("--control-lengths", args.control_lengths), ("--draft-dir", args.draft_dir)):
+                            ("--control-lengths", args.control_lengths)):
             if value:
-                raise SystemExit(f"{flag} {value} needs --mode eagle3 (it is speculative)")
+                raise SystemExit(f"{flag} {value} needs --mode eagle3 or ngram (it is speculative)")
+    if args.mode != "eagle3":
+        if args.draft_dir is not None:
+            raise SystemExit(f"--draft-dir {args.draft_dir} needs --mode eagle3 (an EAGLE-3 head)")
         if "spruce-adaptive" in engine_names(args):
-            raise SystemExit("--engines spruce-adaptive needs --mode eagle3 (adaptive speculation drafts)")
-    if args.mode == "eagle3":
+            raise SystemExit("--engines spruce-adaptive needs --mode eagle3 (adaptive speculation drafts with a "
+                             "head)")
+    if args.mode == "ngram" and not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
+        raise SystemExit(f"--prompt-lookup-min {args.prompt_lookup_min} / --prompt-lookup-max "
+                         f"{args.prompt_lookup_max}: need 1 <= min <= max")
+    if args.mode in SPECULATIVE_MODES:
         for length in args.synthetic_length:
             if not 1.0 <= length <= args.steps + 1:
                 raise SystemExit(f"--synthetic-length {length:g} must be in [1, steps + 1 = {args.steps + 1}]")
@@ -209,7 +223,7 @@ class Run:
 
 def drafts(engine: str, args: argparse.Namespace) -> bool:
     """Whether `engine`'s server speculates (so depends on the synthetic length)."""
-    return args.mode == "eagle3" and engine != "spruce-plain"
+    return args.mode in SPECULATIVE_MODES and engine != "spruce-plain"
 
 
 def engine_runs(args: argparse.Namespace) -> list[Run]:
@@ -262,9 +276,12 @@ def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int,
                "--served-model-name", SERVED_NAME, "--port", str(port), "--load-format", "dummy",
                "--dtype", args.dtype, "--max-num-seqs", str(max_bs), "--max-model-len", str(ctx), "--seed", "0",
                "--gpu-memory-utilization", str(args.mem_fraction), "--tensor-parallel-size", str(args.tp)]
-        if args.mode == "eagle3":
-            spec = {"method": "eagle3", "model": str(shape.draft), "num_speculative_tokens": args.steps,
-                    "rejection_sample_method": "synthetic", "synthetic_acceptance_length": length}
+        if args.mode in SPECULATIVE_MODES:
+            spec = ({"method": "eagle3", "model": str(shape.draft)} if args.mode == "eagle3" else
+                    {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
+                     "prompt_lookup_max": args.prompt_lookup_max})
+            spec |= {"num_speculative_tokens": args.steps, "rejection_sample_method": "synthetic",
+                     "synthetic_acceptance_length": length}
             cmd += ["--speculative-config", json.dumps(spec)]
         return cmd + shlex.split(args.vllm_flags)
     cmd = [sys.executable, "-m", "spruce.cli", "serve", "--model", str(shape.target),
@@ -274,8 +291,11 @@ def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int,
            "--tp-size", str(args.tp)]
     if drafts(name, args):
         s, k, n = spruce_tree(name, args)
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(shape.draft),
-                "--speculative-num-steps", str(s), "--speculative-eagle-topk", str(k),
+        cmd += (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(shape.draft)]
+                if args.mode == "eagle3" else
+                ["--speculative-algorithm", "NGRAM", "--speculative-prompt-lookup-min", str(args.prompt_lookup_min),
+                 "--speculative-prompt-lookup-max", str(args.prompt_lookup_max)])
+        cmd += ["--speculative-num-steps", str(s), "--speculative-eagle-topk", str(k),
                 "--speculative-num-draft-tokens", str(n), "--speculative-synthetic-acceptance-length", str(length)]
         if name == "spruce-adaptive":
             cmd.append("--speculative-adaptive")
@@ -639,7 +659,7 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
                     bw.get("copy_bandwidth_bytes_per_s"))
     synthetic = None
     runs = engine_runs(args)
-    if args.mode == "eagle3":
+    if args.mode in SPECULATIVE_MODES:
         s = spruce_tree("spruce", args)[0]
         synthetic = {"lengths": list(args.synthetic_length),
                      "chain_rates": {f"{v:g}": list(rates_for_length(v, args.steps)) for v in args.synthetic_length},
