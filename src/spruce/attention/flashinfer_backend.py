@@ -243,11 +243,6 @@ class FlashInferAttention(AttentionBackend):
             return self._plan_wrapper(batch.phase, shape, plan), plan
         return self._wrappers[key], plan
 
-    def tail_start(self, phase: Phase) -> torch.Tensor | None:
-        """[rows] int32 on the device: where the Triton tail half starts for each request of the phase's last
-        plan (its host-known floor); None for EXTEND (no tail)."""
-        return self._plans[phase].kv_start
-
     # --- forward -------------------------------------------------------------------------------------------------
     def forward(self, q, k, v, k_cache, v_cache, scratch_start, batch: ForwardBatch, page_table, scale):
         if batch.num_tokens == 0:

@@ -65,10 +65,3 @@ class ForwardBatch:
         """The host-side description a backend plans from (DESIGN §13): equal layouts get equal plans."""
         return (self.phase, self.batch_size, self.num_tokens, self.max_q_len, self.max_kv_len, self.scratch_width,
                 self.host_q_lens, self.host_kv_lens, self.host_rows, self.host_kv_floor)
-
-    @property
-    def tokens_per_request(self) -> int | None:
-        """Uniform stride of the phase (None for EXTEND, whose requests have different lengths)."""
-        if self.phase == Phase.EXTEND or self.batch_size == 0:
-            return None
-        return self.num_tokens // self.batch_size

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -42,22 +41,6 @@ def write_result(kind: str, device: str, config: dict, figures: dict, out_dir: P
                "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, "figures": figures}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
-
-
-def mean_se(values: list[float]) -> dict:
-    """Mean, its standard error (None for one value) and the count."""
-    return {"n": len(values), "mean": statistics.fmean(values),
-            "se": statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None}
-
-
-def host_adjusted(tps: float, other_tps: float, outputs: float | None, other_outputs: float | None) -> dict | None:
-    """One engine's tokens/s over another's, less 1, as measured (`unadjusted`) and as if both had had one host
-    speed (tokens/s times the ratio of their output processing seconds per request-step, the same code in every
-    engine), and that ratio less 1 (`outputs`); None without counters."""
-    if outputs is None or other_outputs is None:
-        return None
-    return {"unadjusted": tps / other_tps - 1.0, "adjusted": tps * (outputs / other_outputs) / other_tps - 1.0,
-            "outputs": outputs / other_outputs - 1.0}
 
 
 def measure_copy_bandwidth(device: str, nbytes: int = 2 << 30, iters: int = 20) -> float:

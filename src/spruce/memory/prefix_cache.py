@@ -135,10 +135,6 @@ class PrefixCache:
     def held_pages(self) -> set[int]:
         return {n.page for n in self._nodes()}
 
-    def referenced(self) -> int:
-        """Nodes some running request holds."""
-        return sum(1 for n in self._nodes() if n.refs)
-
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

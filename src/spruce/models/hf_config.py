@@ -301,11 +301,6 @@ class ModelConfig:
         """Whether some layer has chunked attention (attention backends must serve it)."""
         return any(self.layer_chunk(i) is not None for i in range(self.num_layers))
 
-    @property
-    def model_family(self) -> str:
-        """"deepseek" (MLA + MoE targets) or "llama" (every other supported architecture)."""
-        return "deepseek" if self.architecture in DEEPSEEK_ARCHITECTURES else "llama"
-
     @staticmethod
     def from_dir(path) -> "ModelConfig":
         """Read `path/config.json` (and generation_config.json if present). ModelLoadError on anything unusable."""

@@ -55,14 +55,6 @@ class MTPLayer(nn.Module):
         out, residual = self.decoder.forward_residual(x, None, batch, kv, page_table)
         return self.shared_head.norm.add_forward(out, residual)[0]
 
-    def dense_forward(self, embeds, feature, positions, batch: int, length: int) -> torch.Tensor:
-        """The same layer over dense causal windows (training): [B*L, H] each -> [B*L, H]."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature.to(embeds.dtype))], dim=-1))
-        dec = self.decoder
-        x = x + dec.self_attn.dense_causal(dec.input_layernorm(x), positions, batch, length)
-        x = x + dec.mlp(dec.post_attention_layernorm(x))
-        return self.shared_head.norm(x)
-
 
 class MTPDraft(nn.Module):
     """The draft interface the EAGLE worker drives (as EagleDraft): forward(input_ids, features, batch, kv,

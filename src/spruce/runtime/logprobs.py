@@ -54,16 +54,8 @@ class LogprobPlan:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)
-    pack: torch.Tensor | None = None  # [num_pack_rows, 2 + 2k] float64 on the device
+    pack: torch.Tensor | None = None  # [len(rows) * width + len(prompt_rows), 2 + 2k] float64 on the device
     host: torch.Tensor | None = None  # the same on the host
-
-    @property
-    def num_pack_rows(self) -> int:
-        return len(self.rows) * self.width + len(self.prompt_rows)
-
-    @property
-    def pack_width(self) -> int:
-        return 2 + 2 * self.k
 
     def row_slots(self) -> dict[int, int]:
         """Result row -> index of its first pack row."""
