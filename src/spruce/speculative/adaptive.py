@@ -19,8 +19,7 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
   where one round accepts 0 or 1 drafts at acceptance 0.5, it does not swing across break-even (while it has read
   few, it is their plain mean). Until a width's EMA has read MEASURED_AFTER request rounds, the choice takes it to
   accept S. (At acceptance 0.5 a mean of 64 rounds is within 0.125 of it 95% of the time; an EMA of weight 1/256
-  within 0.03. A bucket whose choice is plain learns only from probes, so a first estimate off by more than the
-  margin would hold it there.)
+  within 0.03.)
 - collapse: a request whose mean accepted drafts over its rounds, plus CONFIDENCE_Z standard errors, is below
   COLLAPSE_MARGIN times `collapse_below` (the fewest accepted drafts at which some round, at some bucket, beats a
   plain step) after COLLAPSE_ROUNDS rounds has collapsed: it runs plainly to its end. (The mean with a margin and
