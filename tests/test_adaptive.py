@@ -222,6 +222,20 @@ def test_a_catch_up_step_keeps_the_draft_as_a_prefill_would(monkeypatch):
     torch.testing.assert_close(got[1], ref.hidden[q.row], rtol=1e-4, atol=1e-4)
 
 
+def test_served_decode_steps_report_their_seconds(adaptive_llm, plain_outputs, monkeypatch):
+    """The engine times each decode step that follows a decode step (under overlap: from the previous one's results
+    to its own) and the policy moves the step's cost entry; a step after a prefill reports nothing."""
+    strategy = adaptive_llm.engine.strategy
+    seen, on_cost = [], strategy.policy.on_cost
+    monkeypatch.setattr(strategy.policy, "on_cost", lambda c, b, sec: (seen.append((c, b, sec)), on_cost(c, b, sec)))
+    reported = []
+    on_round = strategy.on_round
+    monkeypatch.setattr(strategy, "on_round", lambda *a: (reported.append(a[3]), on_round(*a)))
+    assert run(adaptive_llm) == plain_outputs
+    assert reported[0] is None and any(r is not None for r in reported)  # the first decode step follows prefills
+    assert seen and all(c in (PLAIN, 4, 8) and sec > 0 for c, _, sec in seen)
+
+
 def test_stats_show_the_policy(adaptive_llm):
     stats = adaptive_llm.engine.stats()["adaptive"]
     assert set(stats["accept_ema"]) <= {4, 8} and stats["step_seconds"]
