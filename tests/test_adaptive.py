@@ -83,6 +83,15 @@ def test_hysteresis_keeps_a_candidate_until_another_is_clearly_faster():
     assert p.choose(1, 1, 1) == 8
 
 
+def test_served_seconds_move_the_cost_table_a_held_up_step_at_most_a_quarter():
+    p = policy(plain=1.0)
+    p.on_cost(PLAIN, 1, 100.0)  # an engine held up (a stall between two steps): read as 3x the entry
+    assert p.costs[(PLAIN, 1)] == pytest.approx(1.25)
+    for _ in range(60):  # a table 5x too low (long contexts: padding rows attend to nothing) still converges
+        p.on_cost(PLAIN, 1, 5.0)
+    assert p.costs[(PLAIN, 1)] == pytest.approx(5.0, rel=1e-3) and p.costs[(PLAIN, 8)] == 1.0
+
+
 def test_buckets_choose_apart_and_probe_n_on_a_fixed_schedule():
     """Rounds pay at batch 1 (cheap) but not at batch 8; at 8 every PROBE_EVERY-th step is a round at N."""
     costs = {(PLAIN, 1): 1.0, (4, 1): 1.2, (8, 1): 1.3, (PLAIN, 8): 1.0, (4, 8): 3.0, (8, 8): 4.0}

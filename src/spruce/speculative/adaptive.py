@@ -10,8 +10,9 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
   else eager; on a GPU, steps queued back to back: the slower of host and device work, as under overlap), the median
   of TIMED_RUNS runs. Padding rows attend to nothing, so served steps cost more (at Llama-3.1-8B on an H200, batch
   16, ~300 positions each: a plain step 7% more, a round 20%): served, each step's seconds (from the previous decode
-  step's results to its own) move its entry by COST_WEIGHT; a figure above COST_OUTLIER times the entry (the engine
-  was idle or held up) is dropped. Under tensor parallelism the ranks' clocks differ: every rank keeps rank 0's
+  step's results to its own) move its entry by COST_WEIGHT; a figure above COST_OUTLIER times the entry counts as
+  that much (a step held up by something else moves an entry by at most 25%, and a table several times too low,
+  as at long contexts, still converges). Under tensor parallelism the ranks' clocks differ: every rank keeps rank 0's
   start-up table, unmoved, so that every rank makes the same choice.
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
   also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
@@ -73,7 +74,7 @@ CATCH_UP = -1  # not a candidate: a plain step with the draft's extend, run befo
 SAMPLE_WEIGHT = 1 / 256  # one request's round's weight in the engine-wide acceptance EMA (a round of n: 1 - (1 - w)^n)
 MEASURED_AFTER = 64  # request rounds a width's EMA reads before the choice uses it (until then: S accepted)
 COST_WEIGHT = 1 / 8  # one served step's weight in its cost entry
-COST_OUTLIER = 3.0  # a served step slower than this times its entry is not read (idle, or held up)
+COST_OUTLIER = 3.0  # a served step slower than this times its entry is read as this times it
 HYSTERESIS = 1.05  # a bucket changes candidate only for one expected this much faster
 PROBE_EVERY = 64  # steps of a bucket whose choice is not N, per round at N there
 CONFIDENCE_Z = 2.0  # the choice takes a width to accept its EMA plus this many standard errors
@@ -183,8 +184,7 @@ class AdaptivePolicy:
     def on_cost(self, candidate: int, bucket: int, seconds: float) -> None:
         """A step of `candidate` at `bucket` took `seconds` served."""
         entry = self.costs[(candidate, bucket)]
-        if seconds < COST_OUTLIER * entry:
-            self.costs[(candidate, bucket)] = entry + COST_WEIGHT * (seconds - entry)
+        self.costs[(candidate, bucket)] = entry + COST_WEIGHT * (min(seconds, COST_OUTLIER * entry) - entry)
 
     def snapshot(self) -> dict:
         """What /metrics shows."""
