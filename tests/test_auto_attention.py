@@ -225,7 +225,7 @@ def test_engine_on_a_composite_spec_equals_plain(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_table, "TABLES_DIR", tmp_path)
     monkeypatch.setattr(registry, "is_auto", lambda name, device: name == registry.AUTO)  # the composite on CPU
     prompts = ["def fib(n):", "import os\nimport sys\n"]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = {}
     for name, kw in (("torch", dict(attention_backend="torch")), ("auto", dict(attention_backend="auto")),
                      ("auto-spec", dict(attention_backend="auto", draft_model=str(builtin_draft_path()),
