@@ -11,7 +11,7 @@ ForwardBatch directly: its `plan` is the base class's no-op (DESIGN §13).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,8 +104,7 @@ class TritonAttention(AttentionBackend):
         when set, else GROUPED_CONFIG_FP8 for a one-byte cache, GROUPED_CONFIG_16BIT otherwise. FP16_DOT only
         where the query is 16-bit (a float32 query keeps its float32 dot)."""
         cfg = self.grouped_config or (GROUPED_CONFIG_FP8 if cache_dtype.itemsize == 1 else GROUPED_CONFIG_16BIT)
-        fp16_dot = cfg.fp16_dot and cache_dtype.itemsize == 1 and q_dtype.itemsize == 2
-        return GroupedDecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.prefetch, fp16_dot, cfg.per_sm)
+        return replace(cfg, fp16_dot=cfg.fp16_dot and cache_dtype.itemsize == 1 and q_dtype.itemsize == 2)
 
     @property
     def captures_prefill(self) -> bool:

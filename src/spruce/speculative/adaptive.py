@@ -13,7 +13,7 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
   step's results to its own) move its entry by COST_WEIGHT; a figure above COST_OUTLIER times the entry counts as
   that much (a step held up by something else moves an entry by at most 25%, and a table several times too low,
   as at long contexts, still converges). Under tensor parallelism the ranks' clocks differ: every rank keeps rank 0's
-  start-up table, unmoved, so that every rank makes the same choice.
+  start-up table, unmoved (below).
 - acceptance: an engine-wide EMA per verify width of the drafts a round accepts per request (a round's result row
   also says what each narrower width would have accepted: speculative/tree.py `accepted_within`), weighted per
   request round (SAMPLE_WEIGHT): a round over 64 requests moves it as far as 64 rounds over one, so that at batch 1,
@@ -42,8 +42,8 @@ Two hooks on the decode step (DecodeStrategy): `choose(requests)` before it retu
   per probe. (Served at Llama-3.1-8B on an H200 at acceptance 1.5, plain steps that all extended the draft took
   10-14% longer than a plain server's at batch 16 and 64, more than the bar's 5% allows.)
 
-Under tensor parallelism nothing reads a clock after start-up: the choice is a function of rank 0's cost table and
-the accept lengths, which every rank computes alike, so every rank makes rank 0's choice.
+Under tensor parallelism nothing reads a clock after start-up: the choice is a function of rank 0's start-up cost
+table and the accept lengths, which every rank computes alike, so every rank makes rank 0's choice.
 
 Draft KV: a catch-up step runs the target and then the draft's extend over the token it committed (the target's
 feature at p with the token at p + 1: a round's extend with nothing accepted), so the round after it starts from the
@@ -96,11 +96,14 @@ class RequestAcceptance:
     collapsed: bool = False
     stale: bool = False
 
-
     def upper_mean(self) -> float:
         """Its rounds' mean accepted drafts plus CONFIDENCE_Z standard errors."""
-        mean = self.accepted / self.rounds
-        return mean + CONFIDENCE_Z * (max(self.squares / self.rounds - mean * mean, 0.0) / self.rounds) ** 0.5
+        return upper_bound(self.accepted / self.rounds, self.squares / self.rounds, self.rounds)
+
+
+def upper_bound(mean: float, mean_square: float, count: float) -> float:
+    """`mean` plus CONFIDENCE_Z standard errors of a mean of `count` samples whose squares average `mean_square`."""
+    return mean + CONFIDENCE_Z * (max(mean_square - mean * mean, 0.0) / count) ** 0.5
 
 
 class AdaptivePolicy:
@@ -132,10 +135,8 @@ class AdaptivePolicy:
             return float(total)
         if self.samples[candidate] < self.measured_after:
             return total + healthy * float(self.max_accept)
-        mean = self.ema[candidate]
-        read = min(self.samples[candidate], 2 / SAMPLE_WEIGHT - 1)
-        error = max(self.square[candidate] - mean * mean, 0.0) ** 0.5 / read ** 0.5
-        return total + healthy * (mean + CONFIDENCE_Z * error)
+        read = min(self.samples[candidate], 2 / SAMPLE_WEIGHT - 1)  # the EMA's effective sample count
+        return total + healthy * upper_bound(self.ema[candidate], self.square[candidate], read)
 
     def choose(self, bucket: int, healthy: int, total: int, drafts_current: bool = True) -> int:
         """What runs a step over `total` requests (`healthy` not collapsed, at least one) at cost `bucket`: a
