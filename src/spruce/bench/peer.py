@@ -127,17 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: the shortest n-gram matched")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: the longest n-gram matched")
     p.add_argument("--synthetic-length", type=lengths, default=(3.0,), metavar="L[,L...]",
-                   help="eagle3, ngram: mean acceptance lengths the engines accept drafts at (tokens a round commits); "
-                        "each engine that drafts runs once per length")
+                   help="eagle3, ngram: mean acceptance lengths the engines accept drafts at (tokens a round "
+                        "commits); each engine that drafts runs once per length")
     p.add_argument("--trees", type=tree_spec, nargs="*", default=[], metavar="S,K,N",
-                   help="eagle3, ngram: spruce trees (ngram: tries) to serve too, at the same acceptance rates (e.g. 5,4,6 5,8,8)")
+                   help="eagle3, ngram: spruce trees (ngram: tries) to serve too, at the same acceptance rates "
+                        "(e.g. 5,4,6 5,8,8)")
     p.add_argument("--spruce-tree", type=tree_spec, default=None, metavar="S,K,N",
-                   help="eagle3, ngram: the (S,K,N) that spruce, spruce-control and spruce-adaptive serve (default: the "
-                        "chain of --steps drafts, as vLLM)")
+                   help="eagle3, ngram: the (S,K,N) that spruce, spruce-control and spruce-adaptive serve "
+                        "(default: the chain of --steps drafts, as vLLM)")
     p.add_argument("--engines", default="vllm,spruce,spruce-control",
                    help=f"servers in order, of {', '.join(ENGINES)} (default: the first three; trees follow)")
     p.add_argument("--control-lengths", type=lengths, default=None, metavar="L[,L...]",
-                   help="eagle3, ngram: the synthetic lengths spruce-control runs at (default: every --synthetic-length)")
+                   help="eagle3, ngram: the synthetic lengths spruce-control runs at (default: every "
+                        "--synthetic-length)")
     p.add_argument("--client", choices=("auto", "vllm", "spruce"), default="auto",
                    help="the load generator: vLLM's `bench serve` or spruce's own (auto: vLLM's when it imports)")
     p.add_argument("--target-dir", type=Path, default=None,
