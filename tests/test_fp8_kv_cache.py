@@ -283,3 +283,32 @@ def test_float16_widening_clamps_a_query_past_float16s_range():
     got = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc.clone(), vc.clone(), start, batch, table,
                           0.25)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=4e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_dim,value_dim,heads", [(56, 48, 4), (576, 512, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("phase,q_len,width,kv", [(Phase.EXTEND, 1, 0, [448]), (Phase.DECODE, 1, 0, [449, 30]),
+                                                  (Phase.VERIFY, 4, 8, [200, 9])])
+def test_gpu_mla_kernel_reads_an_fp8_cache_like_torch(key_dim, value_dim, heads, dtype, layer, phase, q_len, width,
+                                                      kv):
+    """The MLA kernel over an FP8 latent cache on the device, at the tiny DeepSeek fixture's row of 56 bytes (not a
+    multiple of 16) and DeepSeek's 576, with the cache a layer of a pool ([L, slots, Dk]: layer 1 starts
+    slots * Dk bytes in, off 16-byte alignment when that product is) as the engine passes it."""
+    from test_triton_mla import uniform_case
+
+    from spruce.attention.torch_backend import TorchAttention
+    from spruce.attention.triton_backend import TritonAttention
+
+    q, latent, cache, dv, start, batch, table = uniform_case(phase, len(kv), q_len, kv, 16, width, heads=heads,
+                                                             key_dim=key_dim, value_dim=value_dim, dtype=dtype,
+                                                             seed=11)
+    slots = cache.shape[0] | 1  # odd: layer 1 of the pool is not 16-byte aligned at Dk = 56
+    pool = torch.zeros(2, slots, key_dim, dtype=FP8_DTYPE, device=cache.device)
+    pool[layer, :cache.shape[0]] = (cache.float() * 3).clamp(-448, 448).to(FP8_DTYPE)
+    fp8_cache = pool[layer]
+    want = TorchAttention(16).forward_latent(q, latent, fp8_cache.clone(), dv, start, batch, table, key_dim ** -0.5)
+    got = TritonAttention(16).forward_latent(q, latent, fp8_cache, dv, start, batch, table, key_dim ** -0.5)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
