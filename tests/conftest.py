@@ -21,7 +21,13 @@ PYCODE_19M = Path(os.environ.get("SPRUCE_PYCODE_19M", SHARED_MODELS / "pycode-19
 # The DeepSeek-V3-architecture fixture (MLA + MoE + one MTP layer): ../shared/models/pycode-mla or SPRUCE_PYCODE_MLA.
 PYCODE_MLA = Path(os.environ.get("SPRUCE_PYCODE_MLA", SHARED_MODELS / "pycode-mla"))
 
-torch.set_num_threads(min(4, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per xdist worker, and for the servers and tp workers its tests start: workers on every
+    # core with two threads each spin against each other (a 2-core machine ran the suite 4x slower so)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(4, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
