@@ -280,6 +280,15 @@ def server(tmp_path_factory):
         srv.kill()
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc (Linux)")
+def test_the_http_process_never_loads_torch(server):
+    """The default server's HTTP process (the engine in a child process) serves without torch: it imports none
+    and unpickles nothing that does (the engine's description, its outputs), so it starts in a second and holds
+    tens of MB; only the engine process pays for torch."""
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the HTTP process loaded torch"
+
+
 async def send_all(base_url: str, requests: list[tuple[str, object, dict]]) -> list[tuple[int, str]]:
     """Send every request, CONCURRENCY at a time; (status, start of the body) each, in order."""
     gate = asyncio.Semaphore(CONCURRENCY)

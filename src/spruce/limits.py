@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
-from spruce.attention.metadata import MASK_WORD_BITS
+from spruce.attention.tree_mask import MASK_WORD_BITS
 from spruce.config import EngineConfig, draft_candidates
 from spruce.errors import ConfigError, InvariantError
 

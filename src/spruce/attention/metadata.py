@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-MASK_WORD_BITS = 64  # tree_mask words are int64: bit j of word j // MASK_WORD_BITS
+from spruce.attention.tree_mask import MASK_WORD_BITS  # noqa: F401  (re-exported for the backends)
 
 
 class Phase(enum.Enum):

@@ -24,19 +24,10 @@ from typing import Any, Callable
 import torch
 
 from spruce.errors import InvariantError
+from spruce.runtime.output import Logprob
 from spruce.sampling_params import MAX_LOGPROBS
 
 PROMPT_SCORE_ROWS = 512  # prompt rows scored per lm_head call (bounds the [rows, V] float32 logits)
-
-
-@dataclass
-class Logprob:
-    """One token's logprob at one position (vLLM's `Logprob`): rank 1 = the most likely token;
-    `decoded_token` is the token decoded alone (special tokens included), None without a tokenizer."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spruce.runtime.logprobs import Logprob  # noqa: F401  (the type of the logprobs entries)
+
+
+@dataclass
+class Logprob:
+    """One token's logprob at one position (vLLM's `Logprob`): rank 1 = the most likely token;
+    `decoded_token` is the token decoded alone (special tokens included), None without a tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass

@@ -27,13 +27,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-from spruce.runtime.engine import Engine
 from spruce.runtime.output import RequestOutput
 from spruce.sampling_params import SamplingParams
 from spruce.server.metrics import Metrics, RequestClock, StatsCadence
 from spruce.server.protocol import OpenAIError
+
+if TYPE_CHECKING:  # the HTTP process of an engine-process server imports no torch
+    from spruce.runtime.engine import Engine
 
 log = logging.getLogger("spruce.server")
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait before retrying
