@@ -29,7 +29,7 @@ TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla-nextn": PYCODE_MLA}
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +"
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)
 N_SAMPLES = 3000
-N_SAMPLES_MLA = 2000  # the MLA + MoE fixture is slower per sample on CPU; 2000 still rejects a lossy verifier
+N_SAMPLES_MLA = 1200  # the MLA + MoE fixture is slower per sample on CPU; the bundled target carries the power
 
 
 @pytest.fixture(scope="module", params=sorted(TARGETS))
