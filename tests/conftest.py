@@ -23,8 +23,7 @@ PYCODE_MLA = Path(os.environ.get("SPRUCE_PYCODE_MLA", SHARED_MODELS / "pycode-ml
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # one intra-op thread per xdist worker, and for the servers and tp workers its tests start: workers with two
-    # threads each spin against each other (two of them ran the suite 4x slower on 2 cores); a third worker fills
-    # the time the others wait on servers and subprocesses
+    # threads each spin against each other (two of them ran the suite 4x slower on 2 cores)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 else:
