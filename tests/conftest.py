@@ -31,6 +31,9 @@ else:
 
 
 def pytest_collection_modifyitems(config, items):
+    # files marked slow first, each file's tests in their order: the xdist workers (which take whole files, in this
+    # order) then end with short files and finish together
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -23,6 +23,8 @@ import pytest
 from spruce.cli import main
 from checkpoints import python_source_prompts
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 
 def test_launched_runs_with_a_shared_prefix_and_without_the_prefix_cache(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"

@@ -24,6 +24,8 @@ from spruce.runtime.sampler import SamplingTensors, target_probs
 from spruce.structured_output import StructuredOutput
 from stats import matches_distribution
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 jsonschema = pytest.importorskip("jsonschema")
 llguidance = pytest.importorskip("llguidance", reason="structured output needs spruce[grammar] (llguidance)")
 

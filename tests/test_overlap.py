@@ -19,6 +19,8 @@ from checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
 from conftest import assert_no_leaks
 from oracle_draft import install_oracle
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 TARGET = builtin_model_path()
 PROMPTS = [
     "def fib(n):\n    ",

@@ -21,6 +21,8 @@ from oracle_draft import install_oracle
 from stats import matches_distribution
 from test_logit_processors import PROMPTS, engines
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 needs_draft = pytest.mark.skipif(not builtin_draft_path().exists(), reason="bundled draft head absent")
 GREEDY_CASES = [
     dict(frequency_penalty=2.0),  # repeats inside one round must be penalised on the node's own path

@@ -16,6 +16,8 @@ from spruce.limits import Limits
 from spruce.memory.page_allocator import PageAllocator
 from spruce.memory.prefix_cache import PrefixCache
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 SYSTEM = "".join(f"def f{i}(a, b):\n    return a * {i} + b\n\n\n" for i in range(6))
 PROMPTS = [SYSTEM + tail for tail in ("def mul(a, b):", "class Point:\n    def __init__(self", "import os\nx = [",
                                       "for i in range(10):")]

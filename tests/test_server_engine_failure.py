@@ -27,6 +27,8 @@ from spruce import LLM
 from spruce.runtime.engine import Engine
 from spruce.server.graceful import ENGINE_FAILED_EXIT_CODE
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 REQUESTS = 10
 RUNNING = 4
 FAULT = "injected fault"

@@ -25,6 +25,8 @@ from spruce.sampling_params import SamplingParams
 from spruce.server.engine_process import EngineProcess, ProcessEngineLoop
 from spruce.server.output_deltas import GrowingPrefix, OutputAssembler, OutputEncoder
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 PROMPTS = ["def fib(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
 
 

@@ -19,6 +19,8 @@ from conftest import assert_no_leaks
 from server_util import MODEL_NAME, ServerThread, engine_kwargs, metric, one_torch_thread, wait_idle  # noqa: F401
 from spruce import LLM
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 CLIENTS = 32
 REQUESTS = 100  # with 32 clients: more than the rows and pages, so the engine queues
 DISCONNECT_FRACTION = 0.2

@@ -25,6 +25,8 @@ from conftest import PYCODE_MLA
 from oracle_draft import install_oracle
 from stats import matches_distribution
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 TARGETS = {"pycode-6m": builtin_model_path(), "pycode-mla-nextn": PYCODE_MLA}
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) +"
 PARAMS = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)

@@ -17,6 +17,8 @@ from spruce.errors import ConfigError
 from checkpoints import write_eagle3_checkpoint, write_eagle_checkpoint
 from oracle_draft import install_oracle
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 TARGET = builtin_model_path()
 MAX_NEW = 14
 PROMPTS = [

@@ -24,6 +24,8 @@ from spruce.speculative.registry import make_strategy
 from checkpoints import python_source_prompts, write_eagle3_checkpoint
 import tp_hooks
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 MAX_NEW = 20
 PROMPT_TOKENS = [14, 22, 9]
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)

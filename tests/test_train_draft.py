@@ -31,6 +31,8 @@ from spruce.train.vocab import build_draft_vocab, draft_ids
 
 from conftest import PYCODE_MLA, SHARED_MODELS
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 # the bundled demo model (pycode-6m), else the fixture copy of it
 TARGET = str(builtin_model_path() if (builtin_model_path() / "config.json").exists() else SHARED_MODELS / "pycode-6m")
 TTT = 3

@@ -16,6 +16,8 @@ from spruce.attention.torch_backend import TorchAttention  # noqa: E402
 from spruce.attention.triton_backend import MAX_SPLITS, TritonAttention  # noqa: E402
 from spruce.speculative.tree import ancestor_masks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -24,6 +24,8 @@ from spruce.attention.metadata import Phase  # noqa: E402
 from spruce.attention.torch_backend import TorchAttention  # noqa: E402
 from spruce.attention.triton_backend import TritonAttention  # noqa: E402
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 DEVICE = uniform.DEVICE
 SMALL = dict(heads=4, key_dim=32, value_dim=24, dtype=torch.float32)  # a block holds 4 or 16 tokens
 WIDE = dict(heads=16, key_dim=64, value_dim=48, dtype=torch.float32)  # one decode token's 16 heads per block

@@ -23,6 +23,8 @@ from conftest import assert_no_leaks
 from test_adaptive import DRAFT_19M, forced
 from test_overlap import PROMPTS
 
+pytestmark = pytest.mark.slow  # scheduled first (conftest)
+
 TARGET = builtin_model_path()
 
 
