@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from spruce.attention.tree_mask import MASK_WORD_BITS  # noqa: F401  (re-exported for the backends)
-
 
 class Phase(enum.Enum):
     EXTEND = "extend"  # prefill (chunked) of the target

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from spruce.attention.backend import AttentionBackend
-from spruce.attention.metadata import MASK_WORD_BITS, ForwardBatch, Phase
+from spruce.attention.metadata import ForwardBatch, Phase
+from spruce.attention.tree_mask import MASK_WORD_BITS
 from spruce.errors import InvariantError
 
 SCORE_ELEMENTS = 1 << 25  # bounds a query block's [bs, Hq, block, L] scores (and its [bs, block, L] mask)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-
 @dataclass
 class Logprob:
     """One token's logprob at one position (vLLM's `Logprob`): rank 1 = the most likely token;

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from spruce.errors import InvariantError
-from spruce.limits import MASK_WORD_BITS
+from spruce.attention.tree_mask import MASK_WORD_BITS
 
 
 @dataclass
