@@ -210,6 +210,13 @@ def test_acceptance_from_metrics():
     vllm = "# HELP x\nvllm:spec_decode_num_drafts_total{model_name=\"m\"} 100.0\n" \
            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 200.0\n"
     assert peer.acceptance_from_metrics(vllm)["mean_accept_length"] == 3.0
+    assert "tokens_per_step" not in peer.acceptance_from_metrics(vllm)  # no generation counter
+    # 1000 tokens, 600 of them accepted drafts: 400 steps, whether 250 or 400 of them proposed drafts
+    for drafts in (250, 400):
+        text = vllm.replace("100.0", f"{drafts}.0").replace("200.0", "600.0") + \
+            "vllm:generation_tokens_total{model_name=\"m\"} 1000.0\n"
+        got = peer.acceptance_from_metrics(text)
+        assert got["tokens_per_step"] == 2.5 and got["mean_accept_length"] == 1 + 600 / drafts
     assert peer.acceptance_from_metrics("spruce_spec_mean_accept_length 3.5\n") == {"mean_accept_length": 3.5}
     assert peer.acceptance_from_metrics("other 1\n") == {}
 

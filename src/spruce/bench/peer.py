@@ -19,7 +19,9 @@ same acceptance rates, each a server of its own (`spruce-tree-S-K-N`); `ngram`: 
 both engines (vLLM's `{"method": "ngram"}`, spruce's NGRAM, the same --prompt-lookup-min / -max), a chain of
 --steps, with the same synthetic acceptance (accepted where a match proposed drafts: where none did, a round
 commits one token on either engine), and spruce tries (--trees) beside it. Random prompts rarely repeat: the
-matches come from the outputs, so read each engine's acceptance length in the JSON beside its tok/s.
+matches come from each engine's own outputs, so compare tok/s beside each engine's `tokens_per_step` (output tokens
+per forward step of a request, counted alike on both; vLLM's mean acceptance length counts only rounds that
+proposed drafts, spruce's every round).
 
 Engines: `vllm`, `spruce` (the chain, or --spruce-tree S,K,N), `spruce-control` (a copy of `spruce`), `spruce-plain`
 (the same shape without a draft), `spruce-adaptive` (`spruce`'s flags plus --speculative-adaptive). --synthetic-length
@@ -556,8 +558,12 @@ class Server:
 
 
 def acceptance_from_metrics(text) -> dict:
-    """Mean acceptance length (tokens a round commits) from a server's Prometheus text: vLLM's spec-decode
-    counters (1 + accepted / drafts) or spruce's gauge."""
+    """Acceptance from a server's Prometheus text. `mean_accept_length`: tokens a drafting round commits, vLLM's
+    spec-decode counters (1 + accepted / drafts; vLLM counts only rounds that proposed drafts, spruce every verify
+    round) or spruce's gauge. `tokens_per_step`: output tokens per forward step of a request, the same count on
+    both engines whatever a round without drafts is called: each step commits 1 + its accepted drafts, so a
+    request's steps are its generated tokens less the accepted ones (generation_tokens / (generation_tokens -
+    accepted)); e.g. 1000 tokens of which 600 accepted drafts took 400 steps: 2.5 tokens per step."""
     if not isinstance(text, str):
         return {}
     values = {}
@@ -570,14 +576,20 @@ def acceptance_from_metrics(text) -> dict:
             values[base] = values.get(base, 0.0) + float(value)
         except ValueError:
             continue
-    drafts = values.get("vllm:spec_decode_num_drafts_total", values.get("vllm:spec_decode_num_drafts"))
-    accepted = values.get("vllm:spec_decode_num_accepted_tokens_total",
-                          values.get("vllm:spec_decode_num_accepted_tokens"))
+
+    def counter(name):
+        return values.get(f"{name}_total", values.get(name))
+
+    drafts, accepted = counter("vllm:spec_decode_num_drafts"), counter("vllm:spec_decode_num_accepted_tokens")
+    generated = counter("vllm:generation_tokens")
+    out = {}
     if drafts:
-        return {"mean_accept_length": 1.0 + (accepted or 0.0) / drafts, "drafts": drafts, "accepted": accepted}
-    if "spruce_spec_mean_accept_length" in values:
-        return {"mean_accept_length": values["spruce_spec_mean_accept_length"]}
-    return {}
+        out = {"mean_accept_length": 1.0 + (accepted or 0.0) / drafts, "drafts": drafts, "accepted": accepted}
+    elif "spruce_spec_mean_accept_length" in values:
+        out = {"mean_accept_length": values["spruce_spec_mean_accept_length"]}
+    if out and generated and generated > (accepted or 0.0):
+        out |= {"generation_tokens": generated, "tokens_per_step": generated / (generated - (accepted or 0.0))}
+    return out
 
 
 def run_client(argv_per_level: list[list[str]], log: Path, client: str = "auto") -> int:
@@ -744,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, e in result["engines"].items():
         print(name, e.get("skipped") or e.get("error") or
               {c: (round(v["output_tok_s"] or 0, 1), v["tpot_p50_ms"], v["ttft_p50_ms"]) for c, v in
-               e["levels"].items()}, flush=True)
+               e["levels"].items()}, {k: round(v, 3) for k, v in (e.get("acceptance") or {}).items()
+                                       if k in ("mean_accept_length", "tokens_per_step")}, flush=True)
     print("ratios", json.dumps(result["ratios"]), flush=True)
     if "adaptive_bar" in result:
         bar = result["adaptive_bar"]
