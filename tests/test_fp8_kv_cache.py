@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from spruce import SamplingParams
 from spruce.attention.backend import create_backend
 from spruce.attention.metadata import Phase
-from spruce.errors import ConfigError
+from spruce.errors import ConfigError, InvariantError
+from spruce.memory.kv_pool import LatentKVPool, latent_rows
 from spruce.models.loader import load_target
 from spruce.ops.fp8 import FP8_DTYPE
 from checkpoints import PagedCache, write_deepseek_checkpoint, write_eagle3_checkpoint, write_llama_checkpoint
@@ -294,8 +295,8 @@ def test_float16_widening_clamps_a_query_past_float16s_range():
 def test_gpu_mla_kernel_reads_an_fp8_cache_like_torch(key_dim, value_dim, heads, dtype, layer, phase, q_len, width,
                                                       kv):
     """The MLA kernel over an FP8 latent cache on the device, at the tiny DeepSeek fixture's row of 56 bytes (not a
-    multiple of 16) and DeepSeek's 576, with the cache a layer of a pool ([L, slots, Dk]: layer 1 starts
-    slots * Dk bytes in, off 16-byte alignment when that product is) as the engine passes it."""
+    multiple of 16: the pool pads its rows to 64) and DeepSeek's 576, with the cache a layer of a pool of an odd
+    number of slots, as the engine passes it."""
     from test_triton_mla import uniform_case
 
     from spruce.attention.torch_backend import TorchAttention
@@ -304,11 +305,43 @@ def test_gpu_mla_kernel_reads_an_fp8_cache_like_torch(key_dim, value_dim, heads,
     q, latent, cache, dv, start, batch, table = uniform_case(phase, len(kv), q_len, kv, 16, width, heads=heads,
                                                              key_dim=key_dim, value_dim=value_dim, dtype=dtype,
                                                              seed=11)
-    slots = cache.shape[0] | 1  # odd: layer 1 of the pool is not 16-byte aligned at Dk = 56
-    pool = torch.zeros(2, slots, key_dim, dtype=FP8_DTYPE, device=cache.device)
+    slots = cache.shape[0] | 1  # odd: unpadded, layer 1 of the pool would start off a 16-byte boundary at Dk = 56
+    pool = latent_rows(2, slots, key_dim, FP8_DTYPE, cache.device)
     pool[layer, :cache.shape[0]] = (cache.float() * 3).clamp(-448, 448).to(FP8_DTYPE)
     fp8_cache = pool[layer]
     want = TorchAttention(16).forward_latent(q, latent, fp8_cache.clone(), dv, start, batch, table, key_dim ** -0.5)
     got = TritonAttention(16).forward_latent(q, latent, fp8_cache, dv, start, batch, table, key_dim ** -0.5)
     torch.cuda.synchronize()
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("dtype,key_dim,stride", [(FP8_DTYPE, 56, 64), (FP8_DTYPE, 576, 576), (torch.bfloat16, 56, 56),
+                                                  (torch.float32, 57, 60)])
+def test_latent_pool_rows_start_on_16_byte_boundaries(dtype, key_dim, stride):
+    """Every row of every layer of an MLA pool starts on a 16-byte boundary, whatever Dk and dtype (the MLA kernel's
+    pipelined copies move 16 bytes: an FP8 row of 56 bytes faulted on the device), and the padding is counted in
+    the pool's bytes per token."""
+    from spruce.limits import Limits
+
+    lim = Limits(max_running_requests=2, page_size=16, context_length=48, num_pages=3, chunked_prefill_size=48)
+    pool = LatentKVPool(lim, 3, key_dim, 4, dtype, torch.device("cpu"))
+    for i in range(3):
+        layer = pool.layer(i)
+        assert layer.shape[1] == key_dim and layer.stride(0) == stride
+        assert layer.data_ptr() % 16 == 0 and layer.stride(0) * layer.element_size() % 16 == 0
+    assert LatentKVPool.bytes_per_token(3, key_dim, dtype) == 3 * stride * layer.element_size()
+
+
+def test_the_triton_mla_backend_refuses_a_misaligned_latent_cache():
+    """A cache whose rows are off 16-byte boundaries is refused by name before any kernel runs (on the device it
+    is a misaligned-address fault that poisons the CUDA context)."""
+    from test_triton_mla import uniform_case
+
+    from spruce.attention.triton_backend import TritonAttention, check_row_alignment
+
+    q, latent, cache, dv, start, batch, table = uniform_case(Phase.DECODE, 1, 1, [20], 16, 0, heads=4, key_dim=56,
+                                                             value_dim=48, dtype=torch.float32, seed=3)
+    unpadded = torch.zeros(2, cache.shape[0] | 1, 56, dtype=FP8_DTYPE)[1]  # rows of 56 bytes
+    with pytest.raises(InvariantError, match="56 bytes.*16-byte boundary"):
+        TritonAttention(16).attend_latent(q, unpadded, dv, start, batch, table, 56 ** -0.5)
+    check_row_alignment(latent_rows(2, cache.shape[0] | 1, 56, FP8_DTYPE, torch.device("cpu"))[1])  # the pool's

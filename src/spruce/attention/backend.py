@@ -18,6 +18,12 @@ from spruce.errors import ConfigError, InvariantError
 if TYPE_CHECKING:
     from spruce.limits import Limits
 
+CACHE_ROW_ALIGN_BYTES = 16
+"""An MLA latent cache's rows (`forward_latent`'s `cache`, [slots, Dk]) start on this boundary, the first row too:
+the Triton kernel's pipelined copies move 16 bytes at a time wherever a tile row is 16 contiguous bytes (Triton
+3.6 does so without checking the row stride), so an FP8 row of 56 bytes would read off its alignment
+(`memory/kv_pool.py` pads the rows to it)."""
+
 
 class AttentionBackend:
     """Stores the new tokens' K/V and computes attention per the contract in `spruce.attention.metadata`.

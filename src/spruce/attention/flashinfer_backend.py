@@ -267,7 +267,7 @@ class FlashInferAttention(AttentionBackend):
             return q.new_empty(0, num_heads, value_dim)
         store_latent(latent, cache, batch.out_slots)
         wrapper, plan = self._planned_wrapper(batch, LatentShape(num_heads, key_dim, value_dim, float(scale), q.dtype))
-        pages = cache[:scratch_start].view(-1, self.page_size, key_dim)  # [pages, page_size, Dk]
+        pages = cache[:scratch_start].unflatten(0, (-1, self.page_size))  # [pages, page_size, Dk]
         q_nope, q_pe = q[..., :value_dim].contiguous(), q[..., value_dim:].contiguous()
         ckv, kpe = pages[..., :value_dim], pages[..., value_dim:]
         if batch.phase == Phase.EXTEND:

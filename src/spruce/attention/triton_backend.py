@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from spruce.attention.backend import AttentionBackend
+from spruce.attention.backend import CACHE_ROW_ALIGN_BYTES, AttentionBackend
 from spruce.attention.metadata import ForwardBatch, Phase
 from spruce.attention.triton_kernels.mla_attention import (merge_latent_splits_kernel, mla_attention_kernel,
                                                           store_latent)
@@ -85,6 +85,16 @@ def _split_partials(splits: int, t: int, num_heads: int, dim: int, out: torch.Te
         return out, out
     return (torch.empty(splits, t, num_heads, dim, dtype=torch.float32, device=out.device),
             torch.empty(splits, t, num_heads, dtype=torch.float32, device=out.device))
+
+
+def check_row_alignment(cache: torch.Tensor) -> None:
+    """InvariantError unless every row of `cache` ([slots, Dk]) starts on a CACHE_ROW_ALIGN_BYTES boundary (a
+    misaligned row is a device fault in the middle of serving, not a wrong number); host ints only."""
+    row_bytes = cache.stride(0) * cache.element_size()
+    if row_bytes % CACHE_ROW_ALIGN_BYTES or cache.data_ptr() % CACHE_ROW_ALIGN_BYTES:
+        raise InvariantError(f"latent cache rows of {row_bytes} bytes from address {cache.data_ptr():#x}: each "
+                             f"row must start on a {CACHE_ROW_ALIGN_BYTES}-byte boundary (memory/kv_pool.py's "
+                             f"latent_rows pads them)")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -261,6 +271,7 @@ class TritonAttention(AttentionBackend):
         same `kv_start` / `return_lse` contract as `attend`. Returns (out [T, Hq, Dv], lse [T, Hq] or None)."""
         t = batch.num_tokens
         _, num_heads, key_dim = q.shape
+        check_row_alignment(cache)
         block_m, num_warps, num_m_blocks, splits = self.latent_blocking(
             batch.batch_size, batch.max_q_len, batch.max_kv_len, num_heads, q.device, split=not return_lse)
         grid0 = batch.batch_size * num_m_blocks

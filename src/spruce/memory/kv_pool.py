@@ -7,13 +7,32 @@ The target pool's W is N (verify tree); the draft pool's W is K*S (draft steps).
 paged region, so one page table addresses both, and commit is one slot copy whatever a slot holds:
     KVPool        (MHA / GQA)  k and v, [L, slots, Hkv, D] each
     LatentKVPool  (MLA)        one latent per token, [L, slots, C + R] (compressed kv, then the rope key)
+
+A latent row starts on a CACHE_ROW_ALIGN_BYTES boundary (the backends' contract, attention/backend.py): its storage
+is padded past C + R where the row is not a multiple of it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from spruce.attention.backend import CACHE_ROW_ALIGN_BYTES
 from spruce.limits import Limits
+
+
+def latent_rows(num_layers: int, num_slots: int, latent_dim: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """Zeros [L, slots, latent_dim] whose rows (and so every layer) start on CACHE_ROW_ALIGN_BYTES boundaries: a view of
+    [L, slots, padded] storage, padded = latent_dim rounded up to a whole number of boundaries; e.g. FP8, 56 ->
+    64 (a stride of 64 bytes), bf16 576 -> 576 (1152 bytes already are)."""
+    return torch.zeros(num_layers, num_slots, padded_latent_dim(latent_dim, dtype), dtype=dtype,
+                       device=device)[..., :latent_dim]
+
+
+def padded_latent_dim(latent_dim: int, dtype: torch.dtype) -> int:
+    """Elements a latent row takes in storage: latent_dim rounded up to a multiple of CACHE_ROW_ALIGN_BYTES bytes."""
+    per = max(CACHE_ROW_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size(), 1)
+    return -(-latent_dim // per) * per
 
 
 class SlotPool:
@@ -70,7 +89,7 @@ class LatentKVPool(SlotPool):
     def __init__(self, limits: Limits, num_layers: int, latent_dim: int, scratch_width: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(limits, num_layers, scratch_width)
-        self.latent = torch.zeros(num_layers, self.num_slots, latent_dim, dtype=dtype, device=device)  # [L, slots, C+R]
+        self.latent = latent_rows(num_layers, self.num_slots, latent_dim, dtype, device)  # [L, slots, C+R]
 
     @property
     def tensors(self):
@@ -81,7 +100,7 @@ class LatentKVPool(SlotPool):
 
     @staticmethod
     def bytes_per_token(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * latent_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * padded_latent_dim(latent_dim, dtype) * torch.empty((), dtype=dtype).element_size()
 
 
 def pool_bytes_per_token(cfg, num_layers: int, dtype: torch.dtype) -> int:
