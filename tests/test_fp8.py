@@ -454,6 +454,23 @@ def test_the_kernel_table_reads_back_what_the_bench_writes(tmp_path, monkeypatch
     assert sel.load_table("GPU Y") == {}
 
 
+def test_every_packaged_kernel_table_is_read_whole():
+    """Each packaged table (tables/fp8_gemm-<device>.json, installed with the package) names its device, and every
+    row is a known weight-only kernel at an M bucket, so `load_table` drops none of it."""
+    import json
+
+    from spruce.ops import fp8_select as sel
+
+    tables = sorted(sel.TABLES_DIR.glob("fp8_gemm-*.json"))
+    assert tables, f"no packaged FP8 kernel table in {sel.TABLES_DIR}"
+    for path in tables:
+        data = json.loads(path.read_text())
+        assert sel.table_path(data["device"]) == path
+        assert data["choices"] and len(sel.load_table(data["device"])) == len(data["choices"]), path
+        assert all(r["m"] in sel.BUCKETS and not sel.BY_NAME[r["kernel"]].name.startswith("scaled_mm")
+                   for r in data["choices"]), path
+
+
 def test_load_time_choice_keeps_decode_weight_only():
     """At load only weight-only kernels are candidates (decode and verify share one numerics); the bench measures
     the W8A8 ones too."""
