@@ -11,8 +11,21 @@ from safetensors.torch import save_file
 
 from spruce.attention.backend import create_backend
 from spruce.models.hf_config import ModelConfig
-from spruce.models.loader import _build, random_init_
+from spruce.models.loader import _build
 from spruce.models.mtp import MTPDraft, mtp_checkpoint_tensors
+
+
+def random_init_(module: torch.nn.Module, std: float, seed: int) -> None:
+    """Weights N(0, std), norms one, biases zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, std, generator=g)
+            else:
+                p.zero_()
 
 
 def add_mtp_layers(target_dir, out_dir, num_layers: int = 2, seed: int = 0, std: float = 0.2) -> Path:

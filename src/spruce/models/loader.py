@@ -19,7 +19,7 @@ from spruce.models.quantization import finish_fp8_load, fp8_scheme, quantize_mod
 def _build(module_fn, dtype: torch.dtype, device: torch.device):
     """Construct directly on `device` with `dtype` as the default float dtype (no float32 detour), skipping
     torch's default initialisation of Linear and Embedding weights: every parameter is then written by the
-    checkpoint (load_named_tensors refuses a checkpoint that lacks one) or by random_init_ (load_format='dummy'),
+    checkpoint (load_named_tensors refuses a checkpoint that lacks one) or by dummy_init_ (load_format='dummy'),
     and a parameter a checkpoint may leave out is set explicitly where it is built (EagleDraft's fc.bias)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -43,17 +43,18 @@ def _without_default_init():
             cls.reset_parameters = reset
 
 
-def random_init_(module: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
-    """Fill weights with N(0, std), norms with ones, biases with zeros (load_format='dummy': speed, not values)."""
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def dummy_init_(module: torch.nn.Module, seed: int = 0) -> None:
+    """load_format='dummy' (speed, not values): every floating parameter uniform in [-1e-3, 1e-3], seeded, as vLLM
+    fills its dummy weights, so that spruce and a vLLM server beside it run alike; e.g. an n-gram draft finds its
+    matches in the outputs, which such weights make repetitive, and a MoE router's choices come from them."""
     g = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0.0, std, generator=g)
-            else:
-                p.zero_()
+        for p in module.parameters():
+            if p.is_floating_point():
+                p.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=g)
 
 
 def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_layers: tuple[int, ...] = (),
@@ -73,7 +74,7 @@ def load_target(path, dtype: torch.dtype, device: torch.device, backend, aux_lay
     model_class = target_class(cfg)
     model = _build(lambda: model_class(cfg, backend, aux_layers, tp=tp), dtype, device)
     if load_format == "dummy":
-        random_init_(model)
+        dummy_init_(model)
     else:
         reader = iter_tensors if tp is None else iter_tensor_slices
         _set_checkpoint_scheme(model, scheme)
@@ -135,7 +136,7 @@ def load_mtp_draft(path, target_config: ModelConfig, dtype: torch.dtype, device:
     cfg, n, first = mtp_layout(path, target_config)
     model = _build(lambda: MTPDraft(cfg, backend, n, first), dtype, device)
     if load_format == "dummy":
-        random_init_(model, seed=1)
+        dummy_init_(model, seed=1)
     else:
         scheme = fp8_scheme(path, None)  # the draft runs as stored: FP8 MTP layers of an FP8 checkpoint
         _set_checkpoint_scheme(model, scheme)
@@ -167,7 +168,7 @@ def load_eagle_draft(path, target_model, target_config: ModelConfig, dtype: torc
     if load_format == "dummy":
         own_embed = cfg.layer.hidden_size != target_config.hidden_size
         model = _build(lambda: EagleDraft(cfg, backend, own_embed=own_embed, own_lm_head=cfg.eagle3), dtype, device)
-        random_init_(model, seed=1)
+        dummy_init_(model, seed=1)
     else:
         names = {n.removeprefix("model.") for n in checkpoint_names(path)}
         own_embed = "embed_tokens.weight" in names
