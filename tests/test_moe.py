@@ -230,3 +230,52 @@ def test_fused_moe_biases_and_clamped_swiglu_equal_reference(t):
     assert_close_f32(moe.fused_moe(x, w13, w2, ids, weights, b13, b2, 1.5, 1.702), ref)
     for cfg in SMALL_BLOCKS:
         assert_close_f32(moe._fused_moe_triton(x, w13, w2, ids, weights, cfg, b13, b2, 1.5, 1.702), ref)
+
+
+# --- router ---------------------------------------------------------------------------------------------------
+ROUTERS = {  # name: (scoring, E, k, norm_topk_prob, routed scale, bias)
+    "qwen3": ("softmax", 128, 8, True, 1.0, False),
+    "v2-ungrouped": ("softmax", 64, 6, False, 16.0, False),
+    "sigmoid-bias": ("sigmoid", 60, 4, True, 2.5, True),
+    "gpt-oss": ("topk_softmax", 32, 4, False, 1.0, False),
+    "llama4": ("topk_sigmoid", 16, 1, False, 1.0, False),
+    "mixtral-top1": ("softmax", 8, 1, True, 1.0, False),
+}
+
+
+@pytest.mark.parametrize("t", [1, 7])
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_fused_router_equals_select_experts(router, t):
+    """The one-launch router (ops/router.py) chooses the experts the torch reference does, with its weights, for
+    every ungrouped scoring (E not a power of two, k = 1, a correction bias, scaling, renormalisation)."""
+    from spruce.models.hf_config import MoEConfig
+    from spruce.models.moe import select_experts
+
+    scoring, e, k, norm, scale, has_bias = ROUTERS[router]
+    cfg = MoEConfig(num_experts=e, top_k=k, intermediate_size=8, num_shared_experts=0, scoring=scoring,
+                    num_groups=1, topk_groups=1, topk_method="greedy", norm_topk_prob=norm,
+                    routed_scaling_factor=scale, first_k_dense_replace=0, layer_freq=1, norm_single=True)
+    g = torch.Generator(device=DEVICE).manual_seed(t + e)
+    logits = torch.randn(t, e, generator=g, device=DEVICE) * 3
+    bias = torch.randn(e, generator=g, device=DEVICE) if has_bias else None
+    F._FORCE_TRITON[0] = False
+    want_w, want_ids = select_experts(logits, bias, cfg)
+    F._FORCE_TRITON[0] = True
+    got_w, got_ids = select_experts(logits, bias, cfg)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32 and got_ids.shape == (t, k)
+    want_order, got_order = want_ids.argsort(dim=-1), got_ids.argsort(dim=-1)  # the same experts, any order
+    assert torch.equal(want_ids.gather(1, want_order), got_ids.gather(1, got_order))
+    torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, want_order), rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_routers_keep_the_reference():
+    """DeepSeek-V3's group-limited routing is not fused: `route` is never asked (the reference's groups decide)."""
+    from spruce.models.hf_config import MoEConfig
+    from spruce.models.moe import select_experts
+
+    cfg = MoEConfig(num_experts=16, top_k=4, intermediate_size=8, num_shared_experts=0, scoring="sigmoid",
+                    num_groups=4, topk_groups=1, topk_method="noaux_tc", norm_topk_prob=True,
+                    routed_scaling_factor=1.0, first_k_dense_replace=0, layer_freq=1)
+    logits = torch.randn(3, 16, generator=torch.Generator(device=DEVICE).manual_seed(0), device=DEVICE)
+    _, ids = select_experts(logits, torch.zeros(16, device=DEVICE), cfg)
+    assert (ids // 4 == ids[:, :1] // 4).all()  # one group per token, as topk_groups = 1 says

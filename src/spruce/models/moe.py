@@ -23,11 +23,20 @@ from spruce.distributed.layers import mark_shard
 from spruce.models.hf_config import MoEConfig
 from spruce.models.layers import GatedMLP
 from spruce.ops.moe import fused_moe
+from spruce.ops.router import route
 
 
 def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64). On the device an
+    ungrouped router runs as one kernel (ops/router.py); this torch code is its reference."""
     t, e = logits.shape
+    grouped = cfg.topk_method != "greedy" and cfg.num_groups > 1
+    if not grouped:
+        topk_scoring = cfg.scoring in ("topk_softmax", "topk_sigmoid")
+        norm = not topk_scoring and cfg.norm_topk_prob and (cfg.top_k > 1 or cfg.norm_single)
+        fused = route(logits, bias, cfg.scoring, cfg.top_k, norm, 1.0 if topk_scoring else cfg.routed_scaling_factor)
+        if fused is not None:
+            return fused
     if cfg.scoring == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over those k only
         top, ids = logits.topk(cfg.top_k, dim=-1)  # [T, k] each
         return top.softmax(dim=-1), ids
@@ -39,15 +48,15 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
     else:
         scores = logits.softmax(dim=-1)
     choice = scores if bias is None else scores + bias.float()  # [T, E]
-    if cfg.topk_method != "greedy" and cfg.num_groups > 1:
-        grouped = choice.view(t, cfg.num_groups, e // cfg.num_groups)  # [T, G, E/G]
+    if grouped:
+        by_group = choice.view(t, cfg.num_groups, e // cfg.num_groups)  # [T, G, E/G]
         if cfg.topk_method == "noaux_tc":
-            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            group_scores = by_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         else:
-            group_scores = grouped.max(dim=-1).values
+            group_scores = by_group.max(dim=-1).values
         best_groups = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
         keep = torch.zeros_like(group_scores).scatter_(1, best_groups, 1.0).bool()  # [T, G]
-        keep = keep[:, :, None].expand_as(grouped).reshape(t, e)
+        keep = keep[:, :, None].expand_as(by_group).reshape(t, e)
         # V3 ranks excluded experts at -inf; V2 zeroes their (non-negative) scores
         choice = choice.masked_fill(~keep, float("-inf") if cfg.topk_method == "noaux_tc" else 0.0)
     ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]  # [T, k]
