@@ -206,6 +206,15 @@ def test_engines_past_the_deadline_are_skipped(tmp_path, shape):
     assert "deadline" in result["engines"]["spruce-control"]["skipped"]
 
 
+def test_a_slow_vllm_start_does_not_skip_spruce(tmp_path, shape):
+    """Each kind of server is guessed from its own kind: after vLLM took ~150 s, spruce's first server is guessed
+    at spruce's start estimate (and runs), the control at what spruce's server then took (and is skipped)."""
+    args = parse("--deadline-s", "260", tmp=tmp_path)
+    result = peer.run(args, hooks(clock_step=30.0), shape)
+    assert result["engines"]["vllm"]["levels"] and result["engines"]["spruce"]["levels"]
+    assert "deadline" in result["engines"]["spruce-control"]["skipped"]
+
+
 def test_acceptance_from_metrics():
     vllm = "# HELP x\nvllm:spec_decode_num_drafts_total{model_name=\"m\"} 100.0\n" \
            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"m\"} 200.0\n"

@@ -64,7 +64,6 @@ SERVED_NAME = "peer-model"
 MODES = ("plain", "eagle3", "ngram")
 SPECULATIVE_MODES = ("eagle3", "ngram")  # the modes whose servers draft (and take --synthetic-length)
 SERVER_START_TIMEOUT_S = 420  # vLLM compiles its model and captures graphs at start-up
-ENGINE_ESTIMATE_S = 150  # a server's start, levels and stop before any has run (the deadline's first guess)
 SPRUCE_START_TIMEOUT_S = 240  # a spruce server with dummy weights starts in about a minute
 START_ESTIMATE_S = {"vllm": 150.0, "spruce": 60.0}  # a server's start and stop (run_estimate's guess)
 STEP_OVER_ROOFLINE = 2.0  # run_estimate's guess of a decode step's time over its roofline time
@@ -648,7 +647,7 @@ def run_estimate(args: argparse.Namespace, runs: list[Run], roof: dict) -> dict:
     per_level = levels_s() if all(str(c) in roof for c in args.concurrency) else 0.0
     servers = {r.name: START_ESTIMATE_S["vllm" if r.engine == "vllm" else "spruce"] + per_level for r in runs}
     return {"servers": len(runs), "seconds": round(sum(servers.values())),
-            "spruce_server_s": round(START_ESTIMATE_S["spruce"] + per_level),
+            "server_s": {kind: round(start + per_level) for kind, start in START_ESTIMATE_S.items()},
             "how": "per server: its start and stop (vllm 150 s, spruce 60 s) + its levels (waves x output "
                    f"tokens x {STEP_OVER_ROOFLINE:g} x the roofline step)"}
 
@@ -697,9 +696,10 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
                         "input_len + output_len/2) over the bandwidth"},
         "roofline": roof, "estimate": estimate, "engines": {}, "ratios": {},
     }
-    spent = []  # seconds each engine took, for the deadline
+    spent = {"vllm": [], "spruce": []}  # seconds each server of each kind took, for the deadline
     for r in runs:
-        guess = max(spent) if spent else ENGINE_ESTIMATE_S
+        kind = "vllm" if r.engine == "vllm" else "spruce"
+        guess = max(spent[kind], default=estimate["server_s"][kind])  # vLLM's start is not spruce's
         if hooks.clock() - t0 + guess > args.deadline_s:
             result["engines"][r.name] = {"engine": r.engine, "synthetic_length": r.length,
                                          "skipped": f"deadline: {hooks.clock() - t0:.0f} s spent, an engine takes "
@@ -707,7 +707,7 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
             continue
         t_engine = hooks.clock()
         result["engines"][r.name] = measure_engine(r, args, shape, hooks, log_dir)
-        spent.append(hooks.clock() - t_engine)
+        spent[kind].append(hooks.clock() - t_engine)
         finish(result, args)
     finish(result, args)
     return result
