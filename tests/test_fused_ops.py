@@ -51,6 +51,33 @@ def test_rotary(dtype):
     assert (out.float() - ref.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_rotary_in_one_launch_equals_the_separate_ops(dtype, norm):
+    """q and k, views of one fused qkv row as the attention layer has them, RMSNorm'd (Qwen3's q/k norm) and rotated
+    in one launch, in place: equal to rms_norm_reference then rotary_reference of each; v untouched."""
+    from spruce.models.rope import Rotary
+
+    rot = Rotary(32, 128, 10000.0, None)
+    g = torch.Generator().manual_seed(2)
+    hq, hk, d = 6, 2, 32
+    qkv = torch.randn(5, (hq + 2 * hk) * d, generator=g).mul(3).to(dtype).to(DEVICE)
+    qw, kw = (torch.randn(d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    pos = torch.tensor([0, 3, 17, 64, 127], device=DEVICE)
+    cos, sin = rot.cos.to(DEVICE), rot.sin.to(DEVICE)
+    q, k, v = qkv.clone().split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v0 = q.reshape(5, hq, d), k.reshape(5, hk, d), v.clone()
+    want_q, want_k = (q.clone(), k.clone()) if not norm else (F.rms_norm_reference(q, qw, 1e-6),
+                                                               F.rms_norm_reference(k, kw, 1e-6))
+    want_q, want_k = F.rotary_reference(want_q, cos, sin, pos), F.rotary_reference(want_k, cos, sin, pos)
+    got_q, got_k = F.qk_rotary_(q, k, cos, sin, pos, *((qw, kw, 1e-6) if norm else ()))
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place, in the qkv row
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    assert (got_q.float() - want_q.float()).abs().max().item() <= tol
+    assert (got_k.float() - want_k.float()).abs().max().item() <= tol
+    assert torch.equal(v, v0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(2)

@@ -70,9 +70,8 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return self.rotary(q, positions), self.rotary(k, positions), v
+        q, k = self.rotary.forward_qk(q, k, positions, self.q_norm, self.k_norm)  # q/k-normed first if configured
+        return q, k, v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv, page_table: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] -> [T, hidden]; stores this layer's K/V in `kv` (a KVPool) at batch.out_slots."""

@@ -100,3 +100,13 @@ class Rotary(torch.nn.Module):
         from spruce.ops import rotary_
 
         return rotary_(x, self.cos, self.sin, positions)
+
+    def forward_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, q_norm=None,
+                   k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` of q [T, Hq, D] and k [T, Hkv, D] together, each through its RMSNorm first when given (q_norm,
+        k_norm: layers.RMSNorm over D, one eps): on CUDA one fused launch for both, in place."""
+        from spruce.ops import qk_rotary_
+
+        if q_norm is None:
+            return qk_rotary_(q, k, self.cos, self.sin, positions)
+        return qk_rotary_(q, k, self.cos, self.sin, positions, q_norm.weight, k_norm.weight, q_norm.eps)

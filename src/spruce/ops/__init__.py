@@ -6,8 +6,8 @@ Triton is optional: kernel modules take it from `spruce.ops.triton_support`, and
 its torch version.
 """
 
-from spruce.ops.fused import add_rms_norm, rms_norm, rotary_, silu_and_mul
+from spruce.ops.fused import add_rms_norm, qk_rotary_, rms_norm, rotary_, silu_and_mul
 from spruce.ops.moe import fused_moe
 from spruce.ops.topk import softmax_topk
 
-__all__ = ["add_rms_norm", "fused_moe", "rms_norm", "rotary_", "silu_and_mul", "softmax_topk"]
+__all__ = ["add_rms_norm", "fused_moe", "qk_rotary_", "rms_norm", "rotary_", "silu_and_mul", "softmax_topk"]

@@ -118,6 +118,65 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     return rotary_reference(x, cos, sin, positions)
 
 
+@triton.jit
+def _qk_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, stride_q, stride_k, num_positions,
+                      eps, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+    """Program (token, 0) rotates the token's q heads, (token, 1) its k heads, each head RMSNorm'd first with NORM."""
+    t = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_table = (pos >= 0) & (pos < num_positions)  # as _rotary_kernel: a position past the table turns NaN
+    row = tl.where(in_table, pos, 0)
+    c = tl.load(cos_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    s = tl.load(sin_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
+    c = tl.where(in_table, c, float("nan"))[None, :]
+    s = tl.where(in_table, s, float("nan"))[None, :]
+    row_ptr = tl.where(which == 0, q_ptr + t * stride_q, k_ptr + t * stride_k)
+    heads = tl.where(which == 0, Q_HEADS, K_HEADS)
+    base = row_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HALF)
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # rms_norm's roundings: y = round(w * round(x * rsqrt(mean(x^2) + eps)))
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # [BLOCK_H]
+        dmask = offs_d < HALF
+        w1 = tl.where(which == 0, tl.load(qw_ptr + offs_d, mask=dmask, other=0.0),
+                      tl.load(kw_ptr + offs_d, mask=dmask, other=0.0)).to(tl.float32)[None, :]
+        w2 = tl.where(which == 0, tl.load(qw_ptr + HALF + offs_d, mask=dmask, other=0.0),
+                      tl.load(kw_ptr + HALF + offs_d, mask=dmask, other=0.0)).to(tl.float32)[None, :]
+        dtype = q_ptr.dtype.element_ty
+        x1 = (w1 * (x1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    tl.store(base, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + HALF, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] rotated as `rotary_` does, each head RMSNorm'd over D first where weights are
+    given (Qwen3's q/k norm: `rms_norm(q, q_weight, eps)`). On the Triton path one launch for both, in place (q and
+    k may be views of one qkv row, e.g. the fused projection's output); elsewhere the separate ops."""
+    t, hq, d = q.shape
+    norm = q_weight is not None
+    fused = (_use_triton(q) and t and k.dtype == q.dtype and d % 2 == 0
+             and all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k))
+             and (not norm or q_weight.dtype == k_weight.dtype == q.dtype))
+    if not fused:
+        if norm:
+            q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        return rotary_(q, cos, sin, positions), rotary_(k, cos, sin, positions)
+    hk = k.shape[1]
+    _qk_rotary_kernel[(t, 2)](q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, positions,
+                              q.stride(0), k.stride(0), cos.shape[0], float(eps), Q_HEADS=hq, K_HEADS=hk,
+                              HALF=d // 2, BLOCK_H=triton.next_power_of_2(max(hq, hk)),
+                              BLOCK_D=triton.next_power_of_2(d // 2), NORM=norm)
+    return q, k
+
+
 # --- SiLU and mul -------------------------------------------------------------------------------------------
 def silu_and_mul_reference(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
