@@ -48,3 +48,21 @@ def test_latency_bench_tp_sizes(tmp_path):
     assert runs[2]["output_tokens"] == runs[1]["output_tokens"] == 8
     assert runs[2]["tp_speedup_tokens_per_s"] == runs[2]["decode_tokens_per_s"] / runs[1]["decode_tokens_per_s"]
     assert runs[2]["weight_bytes"] < runs[1]["weight_bytes"]  # one rank's slices
+
+
+def test_latency_bench_lists_the_kernels_of_decode_steps(tmp_path):
+    """--profile-steps N: per run, the ops (CPU) of N decode steps by name, the prefill's subtracted; a decode step
+    runs the model's linears once per layer and token batch (8 layers of the bundled model: q/k/v fused, o,
+    gate/up fused, down, plus the head)."""
+    model = builtin_model_path()
+    rc = main(["bench", "latency", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--batch-sizes",
+               "1", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--graphs", "off",
+               "--repeats", "1", "--profile-steps", "3", "--out-dir", str(tmp_path / "out")])
+    assert rc == 0
+    (path,) = (tmp_path / "out").glob("latency-*.json")
+    (run,) = json.loads(path.read_text())["figures"]["runs"]
+    census = run["kernels"]
+    assert census["steps"] == 3 and census["launches_per_step"] > 0 and census["us_per_step"] > 0
+    linears = {r["name"]: r["launches_per_step"] for r in census["kernels"]}.get("aten::linear")
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert linears is not None and linears >= 4 * layers, census["kernels"][:5]

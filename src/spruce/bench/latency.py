@@ -48,6 +48,9 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate (plain, assisted)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="also list the device kernels of N decode steps (torch.profiler; CPU: the ops) per run: "
+                        "launches and microseconds per step by kernel name")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_latency_bench)
 
@@ -124,6 +127,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
             run["decode_step_ms"] = phases.get("decode", {}).get("mean_ms")
         if best is None or run["total_s"] < best["total_s"]:
             best = run
+    if args.profile_steps:
+        best["kernels"] = kernel_census(llm, batches[0], args.profile_steps, args.device)
     best["weight_bytes"] = eng.weight_bytes()
     # what one plain decode step reads at least once, at the mean context of the decode phase
     best["decode_read_bytes"] = eng.decode_read_bytes(bs, args.input_len + args.output_len // 2)
@@ -135,6 +140,43 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return best
+
+
+def kernel_census(llm, prompts: list[list[int]], steps: int, device: str, top: int = 40) -> dict:
+    """Where `steps` decode steps (rounds, when speculating) of `prompts` spend device time, by kernel name: the
+    kernels of a generate of steps + 1 tokens less those of a generate of 1 (its prefill), so
+        {"steps": N, "launches_per_step": 310.0, "us_per_step": 4870.2,
+         "kernels": [{"name": "_gate_up_kernel", "launches_per_step": 48.0, "us_per_step": 1650.3}, ...]}
+    (the `top` costliest). CUDA graph replays show their kernels (CUPTI); on the CPU the names are torch ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from spruce import SamplingParams
+
+    cuda = device.startswith("cuda")
+
+    def by_name(max_tokens: int) -> dict[str, tuple[int, float]]:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            if cuda:
+                torch.cuda.synchronize()
+        out = {}
+        for e in prof.key_averages():
+            us = (e.device_time_total if cuda else e.self_cpu_time_total) / 1.0
+            if cuda and us <= 0:
+                continue
+            out[e.key] = (e.count, us)
+        return out
+
+    prefill, whole = by_name(1), by_name(steps + 1)
+    rows = []
+    for name, (count, us) in whole.items():
+        c0, us0 = prefill.get(name, (0, 0.0))
+        if count > c0:
+            rows.append({"name": name, "launches_per_step": (count - c0) / steps,
+                         "us_per_step": max(us - us0, 0.0) / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "launches_per_step": sum(r["launches_per_step"] for r in rows),
+            "us_per_step": sum(r["us_per_step"] for r in rows), "kernels": rows[:top]}
 
 
 def _run_hf(args, model: str, bs: int) -> dict:
@@ -271,6 +313,11 @@ def _print_run(run: dict) -> None:
     if run.get("round_ms"):
         line += f" round={run['round_ms']:.3f}ms accept_len={run['spec']['mean_accept_length']:.2f}"
     print(line, flush=True)
+    if run.get("kernels"):
+        k = run["kernels"]
+        print(f"  kernels: {k['launches_per_step']:.0f} launches, {k['us_per_step']:.0f} us a step; "
+              + ", ".join(f"{r['name'][:40]} x{r['launches_per_step']:.0f} {r['us_per_step']:.0f} us"
+                          for r in k["kernels"][:12]), flush=True)
 
 
 __all__ = ["add_latency_parser", "run_latency_bench", "device_name"]
