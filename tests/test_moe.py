@@ -279,3 +279,15 @@ def test_grouped_routers_keep_the_reference():
     logits = torch.randn(3, 16, generator=torch.Generator(device=DEVICE).manual_seed(0), device=DEVICE)
     _, ids = select_experts(logits, torch.zeros(16, device=DEVICE), cfg)
     assert (ids // 4 == ids[:, :1] // 4).all()  # one group per token, as topk_groups = 1 says
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy on NaN
+def test_fused_router_keeps_ids_in_range_on_a_nan_row():
+    """A row of NaN logits (a broken request's hidden state) still routes to experts that exist: an id past E
+    would send the fused MoE kernel reading outside the expert weights."""
+    from spruce.ops.router import route
+
+    logits = torch.randn(3, 60, generator=torch.Generator(device=DEVICE).manual_seed(1), device=DEVICE)
+    logits[1] = float("nan")
+    weights, ids = route(logits, None, "softmax", 4, True, 1.0)
+    assert ((ids >= 0) & (ids < 60)).all() and torch.isfinite(weights[0]).all()

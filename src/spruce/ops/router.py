@@ -53,6 +53,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, stride, sca
     for i in tl.static_range(K):
         best = tl.max(choice, axis=0)
         pick = tl.min(tl.where(choice == best, offs, _NO_EXPERT), axis=0)  # the lowest id among equals
+        pick = tl.minimum(pick, num_experts - 1)  # a NaN row matches nothing: still an expert the MoE can read
         w = tl.where(k_offs == i, tl.sum(tl.where(offs == pick, scores, 0.0), axis=0), w)
         ids = tl.where(k_offs == i, pick.to(tl.int64), ids)
         choice = tl.where(offs == pick, float("-inf"), choice)
