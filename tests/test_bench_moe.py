@@ -1,0 +1,26 @@
+"""`python -m spruce.bench.moe --smoke`: the MoE tile benchmark runs on the CPU (Triton's interpreter) and writes
+per token count the experts touched, the bytes read, each candidate's time and the best."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+
+def test_moe_bench_smoke_writes_every_candidate(tmp_path):
+    from spruce.bench.moe import main
+
+    assert main(["--smoke", "--out", str(tmp_path / "moe.json")]) == 0
+    figures = json.loads((tmp_path / "moe.json").read_text())["figures"]
+    assert set(figures["tokens"]) == {"1", "3"}
+    for t, row in figures["tokens"].items():
+        assert 1 <= row["experts_touched"] <= min(8, 2 * int(t)) and row["bytes_read"] > 0
+        assert row["best"] in row["us"] and row["current"] in row["us"] and len(row["us"]) >= 2
+        assert all(isinstance(v, float) and v > 0 for v in row["us"].values())
