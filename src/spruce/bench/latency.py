@@ -161,7 +161,7 @@ def kernel_census(llm, prompts: list[list[int]], steps: int, device: str, top: i
                 torch.cuda.synchronize()
         out = {}
         for e in prof.key_averages():
-            us = (e.device_time_total if cuda else e.self_cpu_time_total) / 1.0
+            us = e.device_time_total if cuda else e.self_cpu_time_total
             if cuda and us <= 0:
                 continue
             out[e.key] = (e.count, us)

@@ -24,15 +24,18 @@ L2_FLUSH_BYTES = 256 << 20
 
 
 def moe_dims(shape: str) -> dict:
-    """E, k, hidden and per-expert intermediate of a named shape (bench/shapes.py)."""
-    from spruce.bench.shapes import TARGET_SHAPES
+    """E, k, hidden and per-expert intermediate of a named shape, as spruce's config parser reads them."""
+    import tempfile
 
-    cfg = TARGET_SHAPES[shape]
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-    if not experts:
+    from spruce.bench.shapes import write_shape_dirs
+    from spruce.models.hf_config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ModelConfig.from_dir(write_shape_dirs(shape, Path(tmp))[0])
+    if cfg.moe is None:
         raise SystemExit(f"--shape {shape} has no routed experts")
-    return {"experts": experts, "top_k": cfg["num_experts_per_tok"], "hidden": cfg["hidden_size"],
-            "inter": cfg.get("moe_intermediate_size") or cfg["intermediate_size"]}
+    return {"experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "hidden": cfg.hidden_size,
+            "inter": cfg.moe.intermediate_size}
 
 
 def routing(t: int, e: int, k: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

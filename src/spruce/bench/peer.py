@@ -632,6 +632,11 @@ def write_shapes(args: argparse.Namespace) -> Shape:
     return Shape(target, draft)
 
 
+def server_kind(engine: str) -> str:
+    """"vllm" or "spruce" (every spruce engine: plain, control, adaptive, trees): the keys of START_ESTIMATE_S."""
+    return "vllm" if engine == "vllm" else "spruce"
+
+
 def run_estimate(args: argparse.Namespace, runs: list[Run], roof: dict) -> dict:
     """A guess of the run's seconds: per server its start and stop (START_ESTIMATE_S) and its levels (a warm-up,
     then at each concurrency c, ceil(prompts / c) waves of --output-len decode steps, a step STEP_OVER_ROOFLINE
@@ -645,7 +650,7 @@ def run_estimate(args: argparse.Namespace, runs: list[Run], roof: dict) -> dict:
         return steps * STEP_OVER_ROOFLINE / 1e3
 
     per_level = levels_s() if all(str(c) in roof for c in args.concurrency) else 0.0
-    servers = {r.name: START_ESTIMATE_S["vllm" if r.engine == "vllm" else "spruce"] + per_level for r in runs}
+    servers = {r.name: START_ESTIMATE_S[server_kind(r.engine)] + per_level for r in runs}
     return {"servers": len(runs), "seconds": round(sum(servers.values())),
             "server_s": {kind: round(start + per_level) for kind, start in START_ESTIMATE_S.items()},
             "how": "per server: its start and stop (vllm 150 s, spruce 60 s) + its levels (waves x output "
@@ -698,7 +703,7 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
     }
     spent = {"vllm": [], "spruce": []}  # seconds each server of each kind took, for the deadline
     for r in runs:
-        kind = "vllm" if r.engine == "vllm" else "spruce"
+        kind = server_kind(r.engine)
         guess = max(spent[kind], default=estimate["server_s"][kind])  # vLLM's start is not spruce's
         if hooks.clock() - t0 + guess > args.deadline_s:
             result["engines"][r.name] = {"engine": r.engine, "synthetic_length": r.length,

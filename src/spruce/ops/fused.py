@@ -84,19 +84,24 @@ def rotary_reference(x, cos, sin, positions):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, num_positions, NUM_HEADS: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _rope_row(cos_ptr, sin_ptr, pos_ptr, t, num_positions, offs_d, HALF: tl.constexpr):
+    """cos, sin [1, BLOCK_D] of token t's position; a position past the table reads row 0 and turns NaN."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
-    in_table = (pos >= 0) & (pos < num_positions)  # a position past the table reads row 0, its row turns NaN
+    in_table = (pos >= 0) & (pos < num_positions)
     row = tl.where(in_table, pos, 0)
     c = tl.load(cos_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
     s = tl.load(sin_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
-    c = tl.where(in_table, c, float("nan"))[None, :]
-    s = tl.where(in_table, s, float("nan"))[None, :]
+    return tl.where(in_table, c, float("nan"))[None, :], tl.where(in_table, s, float("nan"))[None, :]
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, num_positions, NUM_HEADS: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    c, s = _rope_row(cos_ptr, sin_ptr, pos_ptr, t, num_positions, offs_d, HALF)
     base = x_ptr + t * stride_t + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -125,15 +130,9 @@ def _qk_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, s
     """Program (token, 0) rotates the token's q heads, (token, 1) its k heads, each head RMSNorm'd first with NORM."""
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    in_table = (pos >= 0) & (pos < num_positions)  # as _rotary_kernel: a position past the table turns NaN
-    row = tl.where(in_table, pos, 0)
-    c = tl.load(cos_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
-    s = tl.load(sin_ptr + row * HALF + offs_d, mask=offs_d < HALF, other=0.0)
-    c = tl.where(in_table, c, float("nan"))[None, :]
-    s = tl.where(in_table, s, float("nan"))[None, :]
+    c, s = _rope_row(cos_ptr, sin_ptr, pos_ptr, t, num_positions, offs_d, HALF)
     row_ptr = tl.where(which == 0, q_ptr + t * stride_q, k_ptr + t * stride_k)
     heads = tl.where(which == 0, Q_HEADS, K_HEADS)
     base = row_ptr + offs_h[:, None] * (2 * HALF) + offs_d[None, :]  # [BLOCK_H, BLOCK_D]
