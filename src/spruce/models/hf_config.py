@@ -149,6 +149,9 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None  # None: silu(gate) * up
     swiglu_alpha: float = 1.702
+    # the router's GEMM in float32 (DeepSeek: transformers keeps its weight in float32 and casts the input); else
+    # in the model dtype, as transformers runs Qwen-MoE's, Mixtral's, gpt-oss's and Llama 4's routers
+    router_float32: bool = False
 
     def is_moe_layer(self, i: int) -> bool:
         if self.moe_layer_ids is not None:
@@ -235,6 +238,7 @@ def _moe_config(cfg: dict, arch: str, file: Path) -> MoEConfig | None:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         first_k_dense_replace=int(cfg.get("first_k_dense_replace", 0)), layer_freq=int(cfg.get("moe_layer_freq", 1)),
+        router_float32=True,
     )
 
 

@@ -27,8 +27,9 @@ from spruce.ops.router import route
 
 
 def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64). On the device an
-    ungrouped router runs as one kernel (ops/router.py); this torch code is its reference."""
+    """Router logits [T, E] (float32, or the model dtype) -> (weights [T, k] float32, expert ids [T, k] int64),
+    scored in float32. On the device an ungrouped router runs as one kernel (ops/router.py); this torch code is its
+    reference."""
     t, e = logits.shape
     grouped = cfg.topk_method != "greedy" and cfg.num_groups > 1
     if not grouped:
@@ -37,6 +38,7 @@ def select_experts(logits: torch.Tensor, bias: torch.Tensor | None, cfg: MoEConf
         fused = route(logits, bias, cfg.scoring, cfg.top_k, norm, 1.0 if topk_scoring else cfg.routed_scaling_factor)
         if fused is not None:
             return fused
+    logits = logits.float()
     if cfg.scoring == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over those k only
         top, ids = logits.topk(cfg.top_k, dim=-1)  # [T, k] each
         return top.softmax(dim=-1), ids
@@ -177,8 +179,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
-        # float32 like the router's math (transformers casts it every call): loaded once, never cast again
-        self.gate = nn.Linear(hidden, cfg.num_experts, bias=cfg.router_bias, dtype=torch.float32)
+        # in float32 where transformers computes the router so (DeepSeek: loaded once, never cast again), else in
+        # the model dtype; the scores and the choice are float32 either way (select_experts)
+        self.gate = nn.Linear(hidden, cfg.num_experts, bias=cfg.router_bias,
+                              dtype=torch.float32 if cfg.router_float32 else None)
         if cfg.scoring == "sigmoid":
             # kept in float32 whatever the model dtype (transformers keeps it so)
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -192,7 +196,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H]."""
-        logits = nn.functional.linear(x.float(), self.gate.weight, self.gate.bias)  # [T, E]
+        logits = nn.functional.linear(x.to(self.gate.weight.dtype), self.gate.weight, self.gate.bias)  # [T, E]
         weights, ids = select_experts(logits, self.e_score_correction_bias, self.cfg)
         if self.cfg.weight_input:  # Llama 4 (top-1): expert(x * w) instead of w * expert(x)
             out = self.experts(x * weights.to(x.dtype), torch.ones_like(weights), ids)
