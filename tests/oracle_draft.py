@@ -77,8 +77,13 @@ class OracleDraft(torch.nn.Module):
 
 
 def install_oracle(llm, fraction: float, salt: int = 0) -> OracleDraft:
-    """Swap the LLM's draft for an oracle around it; returns the oracle (register references on it)."""
+    """Swap the LLM's draft for an oracle around it; returns the oracle (register references on it). The oracle
+    runs on the host: an engine that captured CUDA graphs would replay the unwrapped draft, so it is refused (build
+    the LLM with cuda_graph=False)."""
     eng = llm.engine
+    if eng.runner.graphs.count:
+        raise AssertionError(f"the oracle draft cannot wrap an engine with {eng.runner.graphs.count} CUDA graphs "
+                             f"captured (their replays run the unwrapped draft): build it with cuda_graph=False")
     oracle = OracleDraft(eng.runner.draft, eng, fraction, salt)
     eng.runner.draft = oracle
     return oracle

@@ -178,7 +178,7 @@ def test_eagle3_with_an_fp8_cache_equals_plain(make_llm, targets, fp8_cache_plai
     s, n = {1: (3, 4), 4: (3, 8)}[k]
     llm = make_llm(target, page_size=page, kv_cache_dtype="fp8_e4m3", draft_model=str(draft),
                    speculative_algorithm="EAGLE3", speculative_num_steps=s, speculative_eagle_topk=k,
-                   speculative_num_draft_tokens=n)
+                   speculative_num_draft_tokens=n, cuda_graph=False)  # the oracle runs on the host
     oracle = install_oracle(llm, 0.6)
     for p, w in zip(TOKENS, plain):
         oracle.add_reference(p, w)
@@ -345,3 +345,25 @@ def test_the_triton_mla_backend_refuses_a_misaligned_latent_cache():
     with pytest.raises(InvariantError, match="56 bytes.*16-byte boundary"):
         TritonAttention(16).attend_latent(q, unpadded, dv, start, batch, table, 56 ** -0.5)
     check_row_alignment(latent_rows(2, cache.shape[0] | 1, 56, FP8_DTYPE, torch.device("cpu"))[1])  # the pool's
+
+
+@pytest.mark.parametrize("cache_dtype,block_m", [(FP8_DTYPE, 16), (torch.float32, 64)])
+def test_the_triton_mla_backend_runs_an_fp8_cache_in_16_row_blocks(monkeypatch, cache_dtype, block_m):
+    """Over an FP8 latent cache the MLA kernel runs in 16-row blocks even where a request has 64 rows or more (the
+    64-row kernel over FP8 tiles gave NaN on the device: TritonAttention.latent_block); other caches keep 64."""
+    import spruce.attention.triton_backend as tb
+    from test_triton_mla import uniform_case
+
+    q, latent, cache, dv, start, batch, table = uniform_case(Phase.DECODE, 2, 1, [20, 9], 16, 0, heads=128,
+                                                             key_dim=56, value_dim=48, dtype=torch.float32, seed=3)
+    launched = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.update(kw, grid=grid)
+
+    monkeypatch.setattr(tb, "mla_attention_kernel", Recorder())
+    monkeypatch.setattr(tb, "merge_latent_splits_kernel", Recorder())
+    pool = latent_rows(1, cache.shape[0], 56, cache_dtype, torch.device("cpu"))[0]
+    tb.TritonAttention(16).attend_latent(q, pool, dv, start, batch, table, 56 ** -0.5)
+    assert launched["BLOCK_M"] == block_m and launched["num_warps"] == {16: 4, 64: 8}[block_m]

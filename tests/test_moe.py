@@ -209,6 +209,7 @@ def test_align_kernel_equals_torch_align(t, e, k, block_m):
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k]
     if t > 3:
         ids[: t // 2] = ids[0]  # repeated routing: long runs of one expert
+    ids = ids.to(DEVICE)
     want = moe._align(ids, e, block_m)
     got = moe._align_triton(ids, e, block_m)
     for w, o in zip(want, got):

@@ -106,6 +106,17 @@ def test_oracle_exercises_every_accept_length(make_llm, drafts, reference, k, s,
     assert seen == set(range(min(s, n - 1) + 1)), seen
 
 
+def test_the_oracle_refuses_an_engine_with_captured_graphs(make_llm, drafts):
+    """The oracle wraps the draft on the host: an engine whose CUDA graphs replay the unwrapped draft (a GPU run
+    without cuda_graph=False) is refused, not silently left with the real draft's acceptance."""
+    llm = make_llm(TARGET, draft_model=drafts["EAGLE3"], speculative_algorithm="EAGLE3", speculative_num_steps=3,
+                   speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    llm.engine.runner.graphs.graphs[("draft", 1)] = None  # as a capture leaves it
+    with pytest.raises(AssertionError, match="cuda_graph=False"):
+        install_oracle(llm, 0.5)
+    del llm.engine.runner.graphs.graphs[("draft", 1)]
+
+
 @pytest.mark.parametrize("page", [64, 4])
 def test_seed_configs_topk8_joining_mid_flight(make_llm, drafts, reference, page):
     """The two configurations that broke other engines: page 64 + topk 8 and page 4 + topk 8."""

@@ -124,6 +124,23 @@ def test_draft_decode_scratch_only_tokens():
     compare(make_case(Phase.DRAFT_DECODE, 2, 4, [0, 0], 16, 12, **SMALL, seed=4), 16, 1e-4)
 
 
+@pytest.mark.parametrize("phase,q_len,width", [(Phase.DECODE, 1, 0), (Phase.VERIFY, 4, 6)])
+def test_heads_narrower_than_a_dot_tile(monkeypatch, phase, q_len, width):
+    """A head of 8 values (a tiny draft's) runs in tiles of tl.dot's smallest width, 16, masked past 8 (the device
+    refuses a dot over 8: the interpreter would not), and equals torch."""
+    import spruce.attention.triton_backend as tb
+
+    widths = []
+    for name in ("paged_attention_kernel", "grouped_decode_kernel"):
+        kernel = getattr(tb, name)
+        monkeypatch.setattr(tb, name, type("Spy", (), {"__getitem__": lambda self, grid, kernel=kernel: (
+            lambda *a, **kw: (widths.append(kw["BLOCK_D"]), kernel[grid](*a, **kw)))})())
+    case = make_case(phase, 2, q_len, [21, 5], 4, width, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32,
+                     seed=6)
+    compare(case, 4, 1e-4)
+    assert widths == [16]
+
+
 def test_empty_batch_and_padding_tokens():
     case = make_case(Phase.DRAFT_EXTEND, 2, 3, [5, 6], 4, 0, **SMALL, seed=5)
     q, k, v, kc, vc, start, batch, table = case

@@ -67,12 +67,13 @@ def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
 
 
 @pytest.mark.parametrize("sms,heads", [(132, 16), (132, 128), (78, 16)])
-def test_warm_spans_meet_every_latent_kernel_variant(limits, sms, heads):
-    """The same for MLA's kernel: its row block (16 or 64 rows) and kv split."""
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_warm_spans_meet_every_latent_kernel_variant(limits, sms, heads, fp8_cache):
+    """The same for MLA's kernel: its row block (16 or 64 rows; 16 over an FP8 cache) and kv split."""
     met = _variants_met(limits, sms, lambda backend, bs, max_q, max_kv: backend.latent_blocking(
-        bs, max_q, max_kv, heads, torch.device("cpu")))
+        bs, max_q, max_kv, heads, torch.device("cpu"), fp8_cache=fp8_cache))
     want = {(64, False), (64, True), (16, True), (16, False)} if heads < 64 else {(64, False), (64, True)}
-    assert met == want
+    assert met == ({(16, True), (16, False)} if fp8_cache else want)
 
 
 def test_warm_spans_stay_within_the_limits():

@@ -29,6 +29,13 @@ BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
 MLA_BLOCK_N = 32
+MIN_DOT_WIDTH = 16  # tl.dot's smallest M, N and K on the device (the interpreter takes any)
+
+
+def dot_width(n: int) -> int:
+    """The tile width of a dimension of n values that a tl.dot multiplies over (masked past n): the next power of
+    two, at least MIN_DOT_WIDTH; e.g. a draft head of dimension 8 in tiles of 16, DeepSeek's rope part of 64 in 64."""
+    return max(MIN_DOT_WIDTH, triton.next_power_of_2(n))
 
 
 @dataclass(frozen=True)
@@ -142,24 +149,30 @@ class TritonAttention(AttentionBackend):
         return block_m, num_q_blocks, splits
 
     def latent_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int,
-                        device: torch.device, split: bool = True) -> tuple[int, int, int, int]:
+                        device: torch.device, split: bool = True,
+                        fp8_cache: bool = False) -> tuple[int, int, int, int]:
         """(BLOCK_M, num_warps, row blocks per request, kv splits) of the MLA kernel for a batch: a request's
         max_q_len * Hq query rows (token-major, head fastest) in blocks of `latent_block`'s size; the kv range split
         as `num_latent_splits` says (split=False: one)."""
         rows = max(max_q_len, 1) * num_heads
-        block_m, num_warps, per_sm = self.latent_block(rows)
+        block_m, num_warps, per_sm = self.latent_block(rows, fp8_cache)
         num_m_blocks = triton.cdiv(rows, block_m)
         splits = (self.num_latent_splits(batch_size * num_m_blocks, per_sm, max_kv_len, device) if split else 1)
         return block_m, num_warps, num_m_blocks, splits
 
     @staticmethod
-    def latent_block(rows_per_request: int) -> tuple[int, int, int]:
+    def latent_block(rows_per_request: int, fp8_cache: bool = False) -> tuple[int, int, int]:
         """(BLOCK_M, num_warps, programs per SM) of the MLA kernel for requests of `rows_per_request` query rows.
 
         Its fp32 acc is [BLOCK_M, Dv] (Dv = 512 for DeepSeek). 64 rows on 8 warps (one program per SM) load
         each latent tile once for 4x more rows than 16 rows on 4 warps (two per SM), which only suit requests
-        of fewer rows (one decode token of 16 heads) that would leave most of a 64-row block empty."""
-        return (64, 8, 1) if rows_per_request >= 64 else (16, 4, 2)
+        of fewer rows (one decode token of 16 heads) that would leave most of a 64-row block empty.
+
+        An FP8 cache always takes 16 rows on 4 warps. Over FP8 tiles at Dk = 576, Triton 3.6 compiles the 64-row
+        kernel into one that needs 240,128 bytes of shared memory with a float32 query (an H200 has 232,448) and
+        that returns NaN in a quarter of the outputs with a bfloat16 one; the 16-row kernel matched torch in all
+        the other cases of the same GPU test (test_gpu_mla_kernel_reads_an_fp8_cache_like_torch)."""
+        return (64, 8, 1) if rows_per_request >= 64 and not fp8_cache else (16, 4, 2)
 
     def num_latent_splits(self, programs: int, per_sm: int, max_kv_len: int, device: torch.device) -> int:
         """MLA kv splits: the largest power of two (<= MLA_MAX_SPLITS) that does not make the grid outgrow one
@@ -210,7 +223,7 @@ class TritonAttention(AttentionBackend):
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
             num_q_blocks, t, splits, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
+            BLOCK_D=dot_width(head_dim), PAGE_SIZE=self.page_size, SCRATCH_WIDTH=batch.scratch_width,
             MASK_WORDS=batch.tree_mask.shape[1], SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse,
             positions=batch.positions, window=window or 0, sinks=sinks if sinks is not None else out,
@@ -243,12 +256,12 @@ class TritonAttention(AttentionBackend):
         q = token_rows_contiguous(q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
-        block_d = triton.next_power_of_2(head_dim)
+        block_d = dot_width(head_dim)
         grouped_decode_kernel[(batch.batch_size, num_kv_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, part_o, part_lse,
             t, splits, q.stride(0), page_table.stride(0), scale * 1.4426950408889634, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=self.page_size,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), SPLIT_KV=splits > 1,
+            BLOCK_H=dot_width(num_heads // num_kv_heads), SPLIT_KV=splits > 1,
             BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype), PREFETCH=cfg.prefetch,
             FP16_DOT=cfg.fp16_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
@@ -273,7 +286,8 @@ class TritonAttention(AttentionBackend):
         _, num_heads, key_dim = q.shape
         check_row_alignment(cache)
         block_m, num_warps, num_m_blocks, splits = self.latent_blocking(
-            batch.batch_size, batch.max_q_len, batch.max_kv_len, num_heads, q.device, split=not return_lse)
+            batch.batch_size, batch.max_q_len, batch.max_kv_len, num_heads, q.device, split=not return_lse,
+            fp8_cache=cache.element_size() == 1)
         grid0 = batch.batch_size * num_m_blocks
         q = token_rows_contiguous(q)
         out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
@@ -285,13 +299,13 @@ class TritonAttention(AttentionBackend):
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
             num_m_blocks, t, splits, q.stride(0), cache.stride(0), page_table.stride(0),
             batch.tree_mask.stride(0), scratch_start, scale * 1.4426950408889634,
-            NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
-            BLOCK_DR=max(16, triton.next_power_of_2(key_dim - value_dim)), PAGE_SIZE=self.page_size,
+            NUM_HEADS=num_heads, KEY_DIM=key_dim, VALUE_DIM=value_dim, BLOCK_DV=dot_width(value_dim),
+            BLOCK_DR=dot_width(key_dim - value_dim), PAGE_SIZE=self.page_size,
             SCRATCH_WIDTH=batch.scratch_width, SPLIT_KV=splits > 1, BLOCK_M=block_m, BLOCK_N=MLA_BLOCK_N,
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse, num_warps=num_warps,
         )
         if splits > 1:
             merge_latent_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
-                                                       VALUE_DIM=value_dim, BLOCK_DV=triton.next_power_of_2(value_dim),
+                                                       VALUE_DIM=value_dim, BLOCK_DV=dot_width(value_dim),
                                                        MAX_SPLITS=MLA_MAX_SPLITS)
         return out, lse
