@@ -192,11 +192,19 @@ def with_positions(case, positions):
 @pytest.mark.parametrize("phase,window,splits,chunk", [
     (Phase.EXTEND, 3, None, None), (Phase.EXTEND, 40, None, None), (Phase.VERIFY, 5, None, None),
     (Phase.DECODE, 9, 4, None), (Phase.DECODE, None, 3, None), (Phase.VERIFY, None, None, None),
-    (Phase.EXTEND, None, None, 8), (Phase.VERIFY, None, None, 8), (Phase.DECODE, None, 4, 16)])
-def test_sliding_window_chunks_and_sinks_equal_torch(phase, window, splits, chunk):
+    (Phase.EXTEND, None, None, 8), (Phase.VERIFY, None, None, 8), (Phase.DECODE, None, 4, 16),
+    (Phase.DECODE, 9, 1, None), (Phase.DECODE, None, 1, 16)])
+def test_sliding_window_chunks_and_sinks_equal_torch(monkeypatch, phase, window, splits, chunk):
     """gpt-oss's attention: a window (shorter and longer than the prefix) and per-head sink logits, with and
     without kv splits (the sinks then applied in the merge); Llama 4's chunks (one inside a tree: positions
-    13..19 cross 16)."""
+    13..19 cross 16). Decode runs the grouped kernel (a kv head's query heads in one tile)."""
+    import spruce.attention.triton_backend as tb
+
+    kernels = []
+    for name in ("paged_attention_kernel", "grouped_decode_kernel"):
+        kernel = getattr(tb, name)
+        monkeypatch.setattr(tb, name, type("Spy", (), {"__getitem__": lambda self, grid, kernel=kernel, name=name: (
+            lambda *a, **kw: (kernels.append(name), kernel[grid](*a, **kw)))})())
     q_len, width = {Phase.EXTEND: (6, 0), Phase.VERIFY: (7, 8), Phase.DECODE: (1, 0)}[phase]
     kv = [13, 40] if phase != Phase.EXTEND else [0, 21]
     case = make_case(phase, 2, q_len, kv, 4, width, **SMALL, seed=5)
@@ -215,6 +223,7 @@ def test_sliding_window_chunks_and_sinks_equal_torch(phase, window, splits, chun
     assert (ref - plain).abs().max() > 1e-3  # the sinks (and window) change the result
     fast = TritonAttention(4)
     if splits is not None:
-        fast.num_splits = lambda *a: splits
+        fast.num_splits = fast.grouped_splits = lambda *a: splits
     out = fast.forward(q, k, v, kc, vc, start, batch, table, scale, window=window, sinks=sinks, chunk=chunk)
     assert (out.float() - ref.float()).abs().max().item() < 1e-4
+    assert kernels == ["grouped_decode_kernel" if phase == Phase.DECODE else "paged_attention_kernel"]

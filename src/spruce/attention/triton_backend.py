@@ -208,8 +208,9 @@ class TritonAttention(AttentionBackend):
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         if (batch.max_q_len == 1 and not batch.scratch_width and kv_start is None and not return_lse
-                and window is None and sinks is None and chunk is None and num_heads % num_kv_heads == 0):
-            return self.attend_grouped_decode(q, k_cache, v_cache, batch, page_table, scale), None
+                and num_heads % num_kv_heads == 0):
+            return self.attend_grouped_decode(q, k_cache, v_cache, batch, page_table, scale, window, sinks,
+                                              chunk), None
         block_m, num_q_blocks, splits = self.query_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
                                                             num_heads, q.device, split=not return_lse)
         grid0 = batch.batch_size * num_q_blocks
@@ -245,14 +246,18 @@ class TritonAttention(AttentionBackend):
                    math.ceil(max_kv_len / MIN_KV_PER_SPLIT), GROUPED_MAX_SPLITS)
         return 1 if want <= 1 else triton.next_power_of_2(want)
 
-    def attend_grouped_decode(self, q, k_cache, v_cache, batch: ForwardBatch, page_table, scale):
-        """`attend` for one query token per request and no scratch, window, chunk or sinks: each kv head's query
-        heads in one tile (grouped_decode_kernel), the kv range split across up to GROUPED_MAX_SPLITS programs."""
+    def attend_grouped_decode(self, q, k_cache, v_cache, batch: ForwardBatch, page_table, scale,
+                              window: int | None = None, sinks: torch.Tensor | None = None,
+                              chunk: int | None = None):
+        """`attend` for one query token per request and no scratch: each kv head's query heads in one tile
+        (grouped_decode_kernel), the keys a token sees (all, or those of its window / chunk) split across up to
+        GROUPED_MAX_SPLITS programs."""
         t = batch.num_tokens
         _, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         cfg = self.grouped_decode_config(k_cache.dtype, q.dtype)
-        splits = self.grouped_splits(batch.batch_size * num_kv_heads, batch.max_kv_len, cfg, q.device)
+        seen = min(batch.max_kv_len, window or batch.max_kv_len, chunk or batch.max_kv_len)  # keys a token sees
+        splits = self.grouped_splits(batch.batch_size * num_kv_heads, seen, cfg, q.device)
         q = token_rows_contiguous(q)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
@@ -263,11 +268,14 @@ class TritonAttention(AttentionBackend):
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=self.page_size,
             BLOCK_H=dot_width(num_heads // num_kv_heads), SPLIT_KV=splits > 1,
             BLOCK_N=cfg.block_n, DOT_PRECISION=_dot_precision(q.dtype), PREFETCH=cfg.prefetch,
-            FP16_DOT=cfg.fp16_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            FP16_DOT=cfg.fp16_dot, positions=batch.positions, window=window or 0,
+            sinks=sinks if sinks is not None else out, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
+            chunk=chunk or 0, HAS_CHUNK=chunk is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,
                                                 HEAD_DIM=head_dim, BLOCK_D=block_d, MAX_SPLITS=GROUPED_MAX_SPLITS,
-                                                sinks=out, HAS_SINKS=False)
+                                                sinks=sinks if sinks is not None else out,
+                                                HAS_SINKS=sinks is not None)
         return out
 
     def forward_latent(self, q, latent, cache, value_dim, scratch_start, batch: ForwardBatch, page_table, scale):

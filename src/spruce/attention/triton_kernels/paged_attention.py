@@ -193,12 +193,15 @@ def grouped_decode_kernel(
     num_splits, q_stride, table_stride, sm_scale_log2, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     SPLIT_KV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr = True,
-    FP16_DOT: tl.constexpr = False,
+    FP16_DOT: tl.constexpr = False, positions=None, window=0, sinks=None, HAS_WINDOW: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False, chunk=0, HAS_CHUNK: tl.constexpr = False,
 ):
-    """Decode (one query token per request, no scratch, no window / chunk / sinks): program (request, kv head,
-    split) takes the kv head's GROUP = NUM_HEADS / NUM_KV_HEADS query heads as the rows of one tile (padded to
-    BLOCK_H >= 16), so each K/V tile is read, and an FP8 cache's tile widened, once for the whole group. The same
-    outputs (and split partials, for `merge_splits_kernel`) as `paged_attention_kernel` on such a batch.
+    """Decode (one query token per request, no scratch): program (request, kv head, split) takes the kv head's
+    GROUP = NUM_HEADS / NUM_KV_HEADS query heads as the rows of one tile (padded to BLOCK_H >= 16), so each K/V
+    tile is read, and an FP8 cache's tile widened, once for the whole group. The same outputs (and split partials,
+    for `merge_splits_kernel`) as `paged_attention_kernel` on such a batch, windows, chunks and sinks included: the
+    token at position p sees [first, kv_len) with first = max(p - window + 1, p // chunk * chunk, 0), split
+    across the programs of its splits (nothing before `first` is read: its pages may be freed).
 
     PREFETCH: the loads of tile i + 1 are issued before tile i's softmax step in the loop body (two tiles in
     registers); without it the loop loads its own tile and Triton's pipeliner (num_stages) overlaps the loads.
@@ -221,9 +224,16 @@ def grouped_decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, kv_len)
+        first = 0  # the first position the token sees (window, chunk)
+        if HAS_WINDOW or HAS_CHUNK:
+            tok_pos = tl.load(positions + t).to(tl.int32)
+            if HAS_WINDOW:
+                first = tl.maximum(first, tok_pos - window + 1)
+            if HAS_CHUNK:
+                first = tl.maximum(first, tok_pos // chunk * chunk)
+        span = tl.cdiv(tl.cdiv(tl.maximum(kv_len - first, 0), num_splits), BLOCK_N) * BLOCK_N  # keys per split
+        lo = first + split * span
+        hi = tl.minimum(lo + span, kv_len)
         if FP16_DOT:  # the tiles follow q's dtype in _online_softmax_step; float16's range is +-65504
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         if PREFETCH:  # the loads of tile i + 1 are issued before tile i's softmax step (two tiles in flight)
@@ -249,6 +259,10 @@ def grouped_decode_kernel(
                 m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
+        if HAS_SINKS and not SPLIT_KV:  # acc / (l + 2^(s - m)) = out / (1 + 2^(s - lse)), lse = m + log2(l)
+            sink = tl.load(sinks + head, mask=h_valid, other=0.0).to(tl.float32) * 1.4426950408889634  # [BLOCK_H]
+            lse_h = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            out = out / (1.0 + tl.exp2(sink - lse_h))[:, None]
         o_off = (t * NUM_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
         o_mask = h_valid[:, None] & d_valid[None, :]
         if not SPLIT_KV:
