@@ -1,4 +1,4 @@
-"""`python -m spruce.bench.moe --smoke`: the MoE tile benchmark runs on the CPU (Triton's interpreter) and writes
+"""`spruce bench moe --smoke` (also `python -m spruce.bench.moe`): the MoE tile benchmark runs on the CPU (Triton's interpreter) and writes
 per token count the experts touched, the bytes read, each candidate's time and the best."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ pytest.importorskip("triton")
 
 
 def test_moe_bench_smoke_writes_every_candidate(tmp_path):
-    from spruce.bench.moe import main
+    from spruce.cli import main
 
-    assert main(["--smoke", "--out", str(tmp_path / "moe.json")]) == 0
+    assert main(["bench", "moe", "--smoke", "--out", str(tmp_path / "moe.json")]) == 0
     figures = json.loads((tmp_path / "moe.json").read_text())["figures"]
     assert set(figures["tokens"]) == {"1", "3"}
     for t, row in figures["tokens"].items():

@@ -115,7 +115,10 @@ def test_help_and_version_import_nothing_heavy():
 
 
 @pytest.mark.parametrize("argv,flag", [(["bench", "latency", "--help"], "--model-shape"),
-                                       (["bench", "serving", "--help"], "--base-url")])
+                                       (["bench", "serving", "--help"], "--base-url"),
+                                       (["bench", "peer", "--help"], "--synthetic-length"),
+                                       (["bench", "moe", "--help"], "--tokens"),
+                                       (["bench", "fp8", "--help"], "--kv-context")])
 def test_bench_subcommands_register_their_flags_when_chosen(capsys, argv, flag):
     rc, out, _ = run_cli(capsys, *argv)
     assert rc == 0 and flag in out

@@ -1,4 +1,5 @@
-"""`spruce bench {latency,serving,parity,serving-compare,structured,ngram-accept}`. Each benchmark's module (torch, httpx) loads only when it is chosen."""
+"""`spruce bench {latency,serving,parity,tp-parity,serving-compare,structured,ngram-accept,peer,moe,fp8}`.
+Each benchmark's module (torch, httpx) loads only when it is chosen."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ BENCHMARKS = (
      "add_structured_parser"),
     ("ngram-accept", "NGRAM speculation vs vLLM's ngram on a prompt-copying workload", "spruce.bench.ngram_accept",
      "add_ngram_accept_parser"),
+    ("peer", "spruce served beside vLLM on one GPU, the same prompts and client", "spruce.bench.peer",
+     "add_peer_parser"),
+    ("moe", "one layer's routed experts per decode tile configuration, against the bytes read", "spruce.bench.moe",
+     "add_moe_parser"),
+    ("fp8", "FP8 weights and KV cache against bf16: GEMMs, decode steps, perplexity", "spruce.bench.fp8",
+     "add_fp8_parser"),
 )
 
 

@@ -273,6 +273,19 @@ SECTIONS = ("gemm", "weights", "kv_cache", "deepseek", "pycode")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m spruce.bench.fp8", description=__doc__.split("\n\n")[0],
                                  allow_abbrev=False)
+    add_arguments(ap)
+    return run_main(ap.parse_args(argv))
+
+
+def add_fp8_parser(sub) -> None:
+    """`spruce bench fp8` (bench/cli.py): the same flags, the same run."""
+    ap = sub.add_parser("fp8", help="FP8 weights and KV cache against bf16: GEMMs, decode steps, perplexity",
+                        description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    ap.set_defaults(func=run_main)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model-shape", default="llama-3.1-8b", help="named shape (random weights)")
     ap.add_argument("--model", default=None, help="a config.json directory instead of --model-shape")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
@@ -299,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-table", default=None, metavar="PATH",
                     help="also write this run's kernel choices as a table (install it as "
                          "src/spruce/ops/tables/fp8_gemm-<device>.json, which ops/fp8_select.py then reads)")
-    args = ap.parse_args(argv)
+
+
+def run_main(args: argparse.Namespace) -> int:
     if args.smoke:
         from spruce.config import builtin_model_path
 

@@ -97,16 +97,31 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     p = argparse.ArgumentParser(prog="python -m spruce.bench.moe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_main(p.parse_args(argv))
+
+
+def add_moe_parser(sub) -> None:
+    """`spruce bench moe` (bench/cli.py): the same flags, the same run."""
+    p = sub.add_parser("moe", help="one layer's routed experts per decode tile configuration, against the bytes read",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="a named MoE shape (bench/shapes.py)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="tokens routed at once (T)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny shape, two candidates (checks it runs)")
     p.add_argument("--out", type=Path, default=None, help="the JSON to write")
-    args = p.parse_args(argv)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    import os
+
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.device, args.tokens = "cpu", [1, 3]

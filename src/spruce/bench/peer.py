@@ -115,10 +115,23 @@ def tree_spec(text: str) -> tuple[int, int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spruce.bench.shapes import TARGET_SHAPES
-
     p = argparse.ArgumentParser(prog="python -m spruce.bench.peer", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_peer_parser(sub) -> None:
+    """`spruce bench peer` (bench/cli.py): the same flags, the same run."""
+    p = sub.add_parser("peer", help="spruce served beside vLLM on one GPU, the same prompts and client",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run_main)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from spruce.bench.shapes import TARGET_SHAPES
+
     p.add_argument("--shape", choices=sorted(TARGET_SHAPES), default="llama-3.1-8b",
                    help="the model shape (config-only directories written under --root)")
     p.add_argument("--root", type=Path, default=Path("/tmp/peer-shapes"), help="where the shape directories go")
@@ -168,7 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="the result JSON")
     p.add_argument("--log-dir", type=Path, default=None, help="server logs and the client's raw results "
                    "(default: beside --out)")
-    return p
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -755,7 +767,11 @@ def measure_engine(run: Run, args: argparse.Namespace, shape: Shape, hooks: Hook
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_main(build_parser().parse_args(argv))
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """Run, print each engine's levels and the ratios, write --out; 1 where an engine neither ran nor was skipped."""
     check_args(args)
     result = run(args)
     for name, e in result["engines"].items():
