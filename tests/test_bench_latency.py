@@ -66,3 +66,21 @@ def test_latency_bench_lists_the_kernels_of_decode_steps(tmp_path):
     linears = {r["name"]: r["launches_per_step"] for r in census["kernels"]}.get("aten::linear")
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert linears is not None and linears >= 4 * layers, census["kernels"][:5]
+
+
+def test_latency_bench_runs_ngram_without_a_draft(tmp_path):
+    """--speculative-algorithm NGRAM: prompt lookup, no draft loaded; on prompts that repeat themselves the
+    lookups find continuations (accept length above 1 counts drafts that were right)."""
+    prompts = tmp_path / "prompts.jsonl"
+    text = "def add(a, b):\n    return a + b\n\n" * 4
+    prompts.write_text(json.dumps({"text": text}) + "\n")
+    rc = main(["bench", "latency", "--model", str(builtin_model_path()), "--device", "cpu", "--dtype", "float32",
+               "--batch-sizes", "1", "--input-len", "48", "--output-len", "12", "--num-prompts", "1", "--spec",
+               "4,1,5", "--speculative-algorithm", "NGRAM", "--prompt-lookup-min", "2", "--prompt-lookup-max", "3",
+               "--no-plain", "--graphs", "off", "--repeats", "1", "--prompts", str(prompts),
+               "--out-dir", str(tmp_path / "out")])
+    assert rc == 0
+    (path,) = (tmp_path / "out").glob("latency-*.json")
+    (run,) = json.loads(path.read_text())["figures"]["runs"]
+    assert run["spec_config"] == [4, 1, 5] and run["output_tokens"] == 12
+    assert run["spec"]["mean_accept_length"] >= 1.0

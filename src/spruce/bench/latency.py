@@ -20,8 +20,10 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF model dir (default: --model-shape with random weights)")
     p.add_argument("--model-shape", default=None, help="named shape with random weights, e.g. llama-3.1-8b")
     p.add_argument("--draft", default=None, help="EAGLE/EAGLE-3 draft dir (with --model-shape: random EAGLE-3)")
-    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN"],
-                   help="NEXTN: draft with the model's own MTP layers (no --draft needed)")
+    p.add_argument("--speculative-algorithm", default=None, choices=["EAGLE", "EAGLE3", "NEXTN", "NGRAM"],
+                   help="NEXTN: draft with the model's own MTP layers; NGRAM: prompt lookup (neither needs --draft)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="NGRAM: the shortest n-gram matched")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="NGRAM: the longest n-gram matched")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -73,6 +75,9 @@ def _prompt_batches(args, tokenizer, vocab: int, bs: int) -> list[list[list[int]
     return [flat[i:i + bs] for i in range(0, n, bs)]
 
 
+DRAFTLESS = ("NEXTN", "NGRAM")  # the model's own MTP layers; prompt lookup
+
+
 def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, overlap: bool = True,
              tp_size: int = 1) -> dict:
     from spruce import LLM, SamplingParams
@@ -88,6 +93,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
                   speculative_eagle_topk=k, speculative_num_draft_tokens=n,
                   speculative_synthetic_acceptance_length=args.synthetic_acceptance_length,
                   speculative_synthetic_acceptance_rates=args.synthetic_acceptance_rates)
+        if args.speculative_algorithm == "NGRAM":
+            kw.update(draft_model=None, speculative_prompt_lookup_min=args.prompt_lookup_min,
+                      speculative_prompt_lookup_max=args.prompt_lookup_max)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
@@ -224,10 +232,10 @@ def run_latency_bench(args) -> int:
         tmp = tempfile.TemporaryDirectory()
         model, shape_draft = write_shape_dirs(args.model_shape, Path(tmp.name))
         model, load_format = str(model), "dummy"
-        if args.speculative_algorithm != "NEXTN":
+        if args.speculative_algorithm not in DRAFTLESS:
             draft = draft or str(shape_draft)
     specs = [tuple(int(x) for x in s.split(",")) for s in (args.spec or [])]
-    if draft is None and args.speculative_algorithm != "NEXTN":
+    if draft is None and args.speculative_algorithm not in DRAFTLESS:
         specs = []
     figures: dict = {"runs": []}
     if args.device.startswith("cuda"):
