@@ -665,8 +665,9 @@ def run_estimate(args: argparse.Namespace, runs: list[Run], roof: dict) -> dict:
     servers = {r.name: START_ESTIMATE_S[server_kind(r.engine)] + per_level for r in runs}
     return {"servers": len(runs), "seconds": round(sum(servers.values())),
             "server_s": {kind: round(start + per_level) for kind, start in START_ESTIMATE_S.items()},
-            "how": "per server: its start and stop (vllm 150 s, spruce 60 s) + its levels (waves x output "
-                   f"tokens x {STEP_OVER_ROOFLINE:g} x the roofline step)"}
+            "how": "per server: its start and stop ("
+                   + ", ".join(f"{kind} {start:g} s" for kind, start in START_ESTIMATE_S.items())
+                   + f") + its levels (waves x output tokens x {STEP_OVER_ROOFLINE:g} x the roofline step)"}
 
 
 def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | None = None) -> dict:

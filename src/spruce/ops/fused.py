@@ -142,10 +142,9 @@ def _qk_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, s
     if NORM:  # rms_norm's roundings: y = round(w * round(x * rsqrt(mean(x^2) + eps)))
         inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)  # [BLOCK_H]
         dmask = offs_d < HALF
-        w1 = tl.where(which == 0, tl.load(qw_ptr + offs_d, mask=dmask, other=0.0),
-                      tl.load(kw_ptr + offs_d, mask=dmask, other=0.0)).to(tl.float32)[None, :]
-        w2 = tl.where(which == 0, tl.load(qw_ptr + HALF + offs_d, mask=dmask, other=0.0),
-                      tl.load(kw_ptr + HALF + offs_d, mask=dmask, other=0.0)).to(tl.float32)[None, :]
+        w_ptr = tl.where(which == 0, qw_ptr, kw_ptr)  # this program's norm weight [2 * HALF]
+        w1 = tl.load(w_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
         dtype = q_ptr.dtype.element_ty
         x1 = (w1 * (x1 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x2 = (w2 * (x2 * inv[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
