@@ -84,3 +84,20 @@ def test_latency_bench_runs_ngram_without_a_draft(tmp_path):
     (run,) = json.loads(path.read_text())["figures"]["runs"]
     assert run["spec_config"] == [4, 1, 5] and run["output_tokens"] == 12
     assert run["spec"]["mean_accept_length"] >= 1.0
+
+
+def test_latency_bench_refuses_lookup_flags_it_would_not_use(tmp_path, capsys):
+    """--prompt-lookup-min / -max without NGRAM speculation, and NGRAM with a --draft, are refused by name rather
+    than run without them."""
+    import pytest
+
+    base = ["bench", "latency", "--model", str(builtin_model_path()), "--device", "cpu", "--dtype", "float32",
+            "--batch-sizes", "1", "--input-len", "8", "--output-len", "2", "--num-prompts", "1", "--graphs", "off",
+            "--repeats", "1", "--no-plain", "--out-dir", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="--prompt-lookup-min 2: needs --speculative-algorithm NGRAM"):
+        main([*base, "--draft", str(builtin_draft_path()), "--spec", "3,1,4", "--prompt-lookup-min", "2"])
+    with pytest.raises(SystemExit, match="--prompt-lookup-max 3: needs"):
+        main([*base, "--speculative-algorithm", "NGRAM", "--spec", "--prompt-lookup-max", "3"])  # no spec run
+    rc = main([*base, "--speculative-algorithm", "NGRAM", "--spec", "3,1,4", "--draft", str(builtin_draft_path())])
+    assert rc == 2 and "NGRAM' drafts from the request's own tokens and loads no draft" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

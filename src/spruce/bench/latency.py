@@ -92,10 +92,9 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
         kw.update(draft_model=draft, speculative_algorithm=args.speculative_algorithm, speculative_num_steps=s,
                   speculative_eagle_topk=k, speculative_num_draft_tokens=n,
                   speculative_synthetic_acceptance_length=args.synthetic_acceptance_length,
-                  speculative_synthetic_acceptance_rates=args.synthetic_acceptance_rates)
-        if args.speculative_algorithm == "NGRAM":
-            kw.update(draft_model=None, speculative_prompt_lookup_min=args.prompt_lookup_min,
-                      speculative_prompt_lookup_max=args.prompt_lookup_max)
+                  speculative_synthetic_acceptance_rates=args.synthetic_acceptance_rates,
+                  speculative_prompt_lookup_min=args.prompt_lookup_min,  # the engine refuses them but for NGRAM
+                  speculative_prompt_lookup_max=args.prompt_lookup_max)
     t0 = time.perf_counter()
     llm = LLM(**kw)
     init_s = time.perf_counter() - t0
@@ -237,6 +236,10 @@ def run_latency_bench(args) -> int:
     specs = [tuple(int(x) for x in s.split(",")) for s in (args.spec or [])]
     if draft is None and args.speculative_algorithm not in DRAFTLESS:
         specs = []
+    lookup = {"--prompt-lookup-min": args.prompt_lookup_min, "--prompt-lookup-max": args.prompt_lookup_max}
+    given = [f"{flag} {value}" for flag, value in lookup.items() if value is not None]
+    if given and (args.speculative_algorithm != "NGRAM" or not specs):
+        raise SystemExit(f"{' / '.join(given)}: needs --speculative-algorithm NGRAM and a --spec run")
     figures: dict = {"runs": []}
     if args.device.startswith("cuda"):
         figures["copy_bandwidth_GBps"] = measure_copy_bandwidth(args.device) / 1e9
