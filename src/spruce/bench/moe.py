@@ -1,6 +1,6 @@
 """The routed experts of one MoE layer at a named shape, per block configuration: which tiles serve decode best.
 
-    python -m spruce.bench.moe --shape qwen3-30b-a3b --tokens 1 4 16 64 --out moe-qwen3.json
+    spruce bench moe --shape qwen3-30b-a3b --tokens 1 4 16 64 --out moe-qwen3.json
 
 For each token count T: random routing (k distinct experts per token, uniform), random bf16 weights in enough
 layer copies to overflow the L2 cache (what a decode step sees), and `ops/moe._fused_moe_triton` timed in a CUDA
