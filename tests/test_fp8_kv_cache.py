@@ -315,6 +315,24 @@ def test_gpu_mla_kernel_reads_an_fp8_cache_like_torch(key_dim, value_dim, heads,
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("cache_dtype,want", [(FP8_DTYPE, "tf32"), (torch.float32, "ieee")])
+def test_mla_kernel_over_an_fp8_cache_takes_tf32_dots_with_a_float32_query(cache_dtype, want):
+    """A float32 query over an FP8 latent cache launches the MLA kernel with tf32 dots (exact for FP8 tiles): the
+    float32 ("ieee") dot over widened FP8 tiles at Dv = 512 returned NaN in a quarter of the value columns on an
+    H200 (test_gpu_mla_kernel_reads_an_fp8_cache_like_torch); a float32 cache keeps ieee."""
+    from device_compile import record_launches
+    from test_triton_mla import uniform_case
+
+    import spruce.attention.triton_backend as tb
+
+    q, latent, cache, dv, start, batch, table = uniform_case(Phase.VERIFY, 2, 4, [200, 9], 16, 8, heads=16,
+                                                             key_dim=576, value_dim=512, dtype=torch.float32, seed=11)
+    with record_launches(tb, ("mla_attention_kernel", "merge_latent_splits_kernel")) as launches:
+        tb.TritonAttention(16).forward_latent(q, latent, cache.to(cache_dtype), dv, start, batch, table, 576 ** -0.5)
+    (mla,) = [launch for launch in launches if launch["kernel"].endswith("mla_attention_kernel")]
+    assert mla["kwargs"]["DOT_PRECISION"] == ["value", want]
+
+
 @pytest.mark.parametrize("dtype,key_dim,stride", [(FP8_DTYPE, 56, 64), (FP8_DTYPE, 576, 576), (torch.bfloat16, 56, 56),
                                                   (torch.float32, 57, 60)])
 def test_latent_pool_rows_start_on_16_byte_boundaries(dtype, key_dim, stride):

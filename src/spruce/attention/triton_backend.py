@@ -301,7 +301,10 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(t, num_heads, value_dim, dtype=q.dtype, device=q.device)  # [T, Hq, Dv]
         lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]
         part_o, part_lse = _split_partials(splits, t, num_heads, value_dim, out)
-        precision = _dot_precision(q.dtype)
+        # An FP8 cache's tiles are exact in tf32 (3 mantissa bits): its dots take tf32 whatever the query's dtype.
+        # Triton 3.6 compiles the float32 ("ieee") dot over widened FP8 tiles at Dv = 512 into a kernel that returns
+        # NaN in a quarter of the value columns on an H200 (test_gpu_mla_kernel_reads_an_fp8_cache_like_torch).
+        precision = "tf32" if cache.element_size() == 1 else _dot_precision(q.dtype)
         mla_attention_kernel[(grid0, splits)](
             q, out, cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
