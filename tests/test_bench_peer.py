@@ -71,7 +71,7 @@ def hooks(clock_step: float = 1.0) -> Hooks:
 
     return Hooks(start_server=FakeServer, run_client=fake_client, clock=clock,
                  bandwidth=lambda: {"gpu": "Fake GPU", "copy_bandwidth_bytes_per_s": 4.0e12},
-                 model_bytes=lambda target: (lambda batch: WEIGHTS, KV))
+                 model_bytes=lambda target, quantization, kv_dtype: (lambda batch: WEIGHTS, KV))
 
 
 @pytest.fixture
@@ -238,6 +238,33 @@ def test_plain_decode_bytes_of_the_8b_shape(tmp_path):
     assert kv == 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16
     params = 8_030_261_248 - 128256 * 4096  # Llama-3.1-8B less its embedding table (rows gathered, not read)
     assert weight_bytes(1) == 2 * params
+
+
+
+def test_fp8_decode_bytes_of_the_8b_shape(tmp_path):
+    """--quantization fp8 --kv-cache-dtype fp8_e4m3: the roofline reads the decoder's linears at one byte a weight
+    plus a float32 scale per output row, the lm_head and norms in bf16, and one byte a KV value."""
+    from spruce.bench.shapes import write_shape_dirs
+
+    target, _ = write_shape_dirs("llama-3.1-8b", tmp_path)
+    weight_bytes, kv = peer.model_bytes(target, "fp8", "fp8_e4m3")
+    assert kv == 32 * 2 * 8 * 128  # layers x (K, V) x KV heads x head dim x one byte
+    linear = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)  # q, o; k, v; gate, up, down
+    rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # their output rows, one scale each
+    bf16 = 2 * (8_030_261_248 - 128256 * 4096)
+    assert weight_bytes(1) == bf16 - 2 * linear + linear + 4 * rows
+
+
+def test_precision_flags_reach_both_engines_and_only_through_peer(tmp_path, shape):
+    args = parse("--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", tmp=tmp_path)
+    for engine in ("vllm", "spruce"):
+        cmd = peer.server_command(engine, args, shape, 8000)
+        assert option(cmd, "--quantization") == "fp8" and option(cmd, "--kv-cache-dtype") == "fp8_e4m3", engine
+    plain = parse(tmp=tmp_path)
+    assert "--quantization" not in peer.server_command("spruce", plain, shape, 8000)
+    for flags in ("--spruce-flags=--quantization fp8", "--vllm-flags=--kv-cache-dtype=fp8_e4m3"):
+        with pytest.raises(SystemExit, match="to `spruce bench peer` itself"):
+            parse(flags, tmp=tmp_path)
 
 
 FAKE_VLLM = '''

@@ -171,6 +171,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs, both engines")
     p.add_argument("--mem-fraction", type=float, default=0.85,
                    help="spruce --mem-fraction-static and vLLM --gpu-memory-utilization")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="both engines quantize the dummy weights to FP8 at load (vLLM's flag: per-channel weights, "
+                        "per-token activations); the roofline counts the FP8 weights")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                   help="both engines' KV cache dtype; the roofline counts its bytes")
     p.add_argument("--spruce-flags", default="", help="more `spruce serve` flags (shell words), every spruce server")
     p.add_argument("--vllm-flags", default="", help="more `vllm serve` flags (shell words)")
     p.add_argument("--nominal-hbm-tbs", type=float, default=NOMINAL_HBM_BYTES_PER_S / 1e12,
@@ -216,6 +221,12 @@ def check_args(args: argparse.Namespace) -> None:
                              f"{list(args.synthetic_length)}")
     if args.mode == "eagle3" and (args.target_dir is None) != (args.draft_dir is None):
         raise SystemExit("--target-dir and --draft-dir go together in --mode eagle3 (the target and its head)")
+    for flags_name, flags in (("--spruce-flags", args.spruce_flags), ("--vllm-flags", args.vllm_flags)):
+        for word in shlex.split(flags):
+            given = word.split("=", 1)[0]
+            if given in ("--quantization", "--kv-cache-dtype"):
+                raise SystemExit(f"{flags_name} {flags!r}: give {given} to `spruce bench peer` itself (both engines "
+                                 "get it and the roofline counts its bytes)")
     if args.input_len < 1 or args.output_len < 2 or args.prompts_per_level < 1 or args.min_prompts < 1:
         raise SystemExit("--input-len, --prompts-per-level and --min-prompts must be >= 1, --output-len >= 2")
 
@@ -298,7 +309,7 @@ def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int,
             spec |= {"num_speculative_tokens": args.steps, "rejection_sample_method": "synthetic",
                      "synthetic_acceptance_length": length}
             cmd += ["--speculative-config", json.dumps(spec)]
-        return cmd + shlex.split(args.vllm_flags)
+        return cmd + precision_flags(args) + shlex.split(args.vllm_flags)
     cmd = [sys.executable, "-m", "spruce.cli", "serve", "--model", str(shape.target),
            "--served-model-name", SERVED_NAME, "--port", str(port), "--load-format", "dummy", "--device", args.device,
            "--dtype", args.dtype, "--max-running-requests", str(max_bs), "--cuda-graph-max-bs", str(max_bs),
@@ -314,7 +325,13 @@ def server_command(name: str, args: argparse.Namespace, shape: Shape, port: int,
                 "--speculative-num-draft-tokens", str(n), "--speculative-synthetic-acceptance-length", str(length)]
         if name == "spruce-adaptive":
             cmd.append("--speculative-adaptive")
-    return cmd + shlex.split(args.spruce_flags)
+    return cmd + precision_flags(args) + shlex.split(args.spruce_flags)
+
+
+def precision_flags(args: argparse.Namespace) -> list[str]:
+    """--quantization / --kv-cache-dtype as both engines spell them (the same names and values)."""
+    flags = ["--quantization", args.quantization] if args.quantization else []
+    return flags + (["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype != "auto" else [])
 
 
 def spruce_tree(name: str, args: argparse.Namespace) -> tuple[int, int, int]:
@@ -452,19 +469,26 @@ def roofline_fractions(engines: dict, roof: dict) -> None:
             level["roofline_fraction"] = ratio(step, level.get("tpot_p50_ms"))
 
 
-def model_bytes(target: Path):
+def model_bytes(target: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"):
     """(weight_bytes(batch), KV bytes per token) of the target, from spruce's model built on the meta device (no
-    memory): the weights a forward over `batch` tokens reads (decoder.py) and its KV pool's bytes a token."""
+    memory): the weights a forward over `batch` tokens reads (decoder.py) and its KV pool's bytes a token.
+    quantization="fp8": the model as load-time quantization leaves it (FP8 decoder linears and experts, their
+    scales; embedding and lm_head bf16); kv_cache_dtype="fp8_e4m3": an FP8 pool."""
     import torch
 
     from spruce.memory.kv_pool import target_pool_bytes_per_token
     from spruce.models.hf_config import ModelConfig
     from spruce.models.loader import _build
+    from spruce.models.quantization import quantize_model
     from spruce.models.registry import target_class
+    from spruce.ops.fp8 import FP8_DTYPE
 
     cfg = ModelConfig.from_dir(target)
     model = _build(lambda: target_class(cfg)(cfg, None, ()), torch.bfloat16, torch.device("meta"))
-    return model.weight_bytes_read, target_pool_bytes_per_token(cfg, torch.bfloat16)
+    if quantization == "fp8":
+        quantize_model(model)
+    kv_dtype = FP8_DTYPE if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    return model.weight_bytes_read, target_pool_bytes_per_token(cfg, kv_dtype)
 
 
 def measure_bandwidth() -> dict:
@@ -683,7 +707,7 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
     log_dir.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     bw = hooks.bandwidth() if hooks.bandwidth else {}
-    weight_bytes, kv_per_token = hooks.model_bytes(shape.target)
+    weight_bytes, kv_per_token = hooks.model_bytes(shape.target, args.quantization, args.kv_cache_dtype)
     nominal = args.nominal_hbm_tbs * 1e12
     ctx = args.input_len + args.output_len // 2  # a request's mean cached context while it decodes
     roof = roofline(args.concurrency, ctx, weight_bytes, kv_per_token, args.tp, nominal,
@@ -705,6 +729,7 @@ def run(args: argparse.Namespace, hooks: Hooks | None = None, shape: Shape | Non
     result = {
         "benchmark": "peer", "shape": args.shape, "mode": args.mode, "git_commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "gpu": bw.get("gpu"), "tp": args.tp,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "input_len": args.input_len, "output_len": args.output_len, "concurrency": list(args.concurrency),
         "prompts": {str(c): num_prompts(args, c) for c in args.concurrency}, "temperature": args.temperature,
         "synthetic_acceptance": synthetic, "target_dir": str(shape.target), "draft_dir": str(shape.draft),
