@@ -48,6 +48,10 @@ def add_latency_parser(sub) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="quantize the target's weights to FP8 at load (as `spruce serve --quantization`)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="the KV cache's dtype (as `spruce serve --kv-cache-dtype`)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate (plain, assisted)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
@@ -86,7 +90,8 @@ def _run_one(args, model, draft, spec, graphs: bool, bs: int, load_format: str, 
               attention_backend=args.attention_backend, max_running_requests=max(bs, 1), cuda_graph=graphs,
               cuda_graph_max_bs=bs, context_length=args.input_len + args.output_len + 64,
               max_total_tokens=bs * (args.input_len + args.output_len + 80), load_format=load_format,
-              disable_overlap_schedule=not overlap, tp_size=tp_size)
+              disable_overlap_schedule=not overlap, tp_size=tp_size, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     if spec is not None:
         s, k, n = spec
         kw.update(draft_model=draft, speculative_algorithm=args.speculative_algorithm, speculative_num_steps=s,
