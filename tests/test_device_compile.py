@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow  # ~30 s of compiling with a cold Triton cache: sc
 DOT_KERNELS = ("paged_attention_kernel", "grouped_decode_kernel", "mla_attention_kernel")
 KERNELS = (*DOT_KERNELS, "merge_splits_kernel", "merge_latent_splits_kernel")  # recorded, none run
 PHASES = [(Phase.DECODE, 1, 0, [40, 300]), (Phase.VERIFY, 4, 8, [40, 9])]  # extend: the paged kernel as verify
-MHA = [dict(heads=4, kv_heads=2, head_dim=8), dict(heads=64, kv_heads=8, head_dim=64)]  # a tiny draft; gpt-oss
+MHA = [dict(heads=4, kv_heads=2, head_dim=8), dict(heads=64, kv_heads=8, head_dim=64),  # a tiny draft; gpt-oss
+       dict(heads=32, kv_heads=8, head_dim=128)]  # Llama-3.1-8B (verify: its query heads packed per kv head)
 MLA = [dict(heads=4, key_dim=56, value_dim=48), dict(heads=128, key_dim=576, value_dim=512)]  # the fixture; V3
 
 

@@ -141,6 +141,44 @@ def test_heads_narrower_than_a_dot_tile(monkeypatch, phase, q_len, width):
     assert widths == [16]
 
 
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("phase,q_len,width,kv", [(Phase.VERIFY, 6, 8, [30, 0, 71]),
+                                                   (Phase.VERIFY, 16, 16, [9, 40]),
+                                                   (Phase.DRAFT_DECODE, 4, 12, [0, 5]),
+                                                   (Phase.EXTEND, 5, 0, [0, 7])])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_packed_gqa_rows_equal_torch(monkeypatch, heads, kv_heads, phase, q_len, width, kv, splits):
+    """Requests of at most PACK_GQA_MAX_Q_LEN tokens under grouped-query attention run the paged kernel with a kv
+    head's query heads as rows (PACK_GQA: a grid of kv heads, rows = tokens x GROUP in blocks that may split a
+    token's heads, GROUP 3); equal to torch, with and without kv splits, and in the lse / kv_start form
+    FlashInfer's split attention takes, equal to the per-head kernel."""
+    import spruce.attention.triton_backend as tb
+
+    launches = []
+    kernel = tb.paged_attention_kernel
+    monkeypatch.setattr(tb, "paged_attention_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (launches.append((grid, kw["PACK_GQA"], kw["BLOCK_M"])), kernel[grid](*a, **kw)))})())
+    shape = dict(heads=heads, kv_heads=kv_heads, head_dim=16, dtype=torch.float32)
+    case = make_case(phase, len(kv), q_len, kv, 4, width, **shape, seed=7)
+    compare(case, 4, 1e-4, splits=splits)
+    packed = heads > kv_heads
+    rows = q_len * heads // kv_heads if packed else q_len
+    blocks = -(-rows // (16 if rows <= 16 else 32))
+    assert launches == [((len(kv) * blocks, kv_heads if packed else heads, splits or launches[0][0][2]), packed,
+                         16 if rows <= 16 else 32)]
+    if phase == Phase.EXTEND:
+        return
+    q, k, v, kc, vc, start, batch, table = case
+    kv_start = (batch.kv_lens[batch.qo_indptr[1:] - 1] // 2).to(torch.int32)  # the tail half of each prefix
+    fast = TritonAttention(4)
+    got = fast.attend(q, kc, vc, start, batch, table, 0.25, kv_start=kv_start, return_lse=True)
+    monkeypatch.setattr(TritonAttention, "packs_gqa", staticmethod(lambda *a: False))
+    want = fast.attend(q, kc, vc, start, batch, table, 0.25, kv_start=kv_start, return_lse=True)
+    assert launches[-1][1] is False
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
 def test_empty_batch_and_padding_tokens():
     case = make_case(Phase.DRAFT_EXTEND, 2, 3, [5, 6], 4, 0, **SMALL, seed=5)
     q, k, v, kc, vc, start, batch, table = case

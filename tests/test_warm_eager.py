@@ -45,25 +45,34 @@ def limits() -> Limits:
     return _limits(4096, 2048)
 
 
-def _variants_met(limits: Limits, sms: int, blocking) -> set[tuple[int, bool]]:
-    """(block, split or not) of each warm-up forward, as the Triton backend on a GPU of `sms` SMs chooses them:
-    `blocking(backend, batch_size, max_q_len, max_kv_len)` gives (block, ..., splits)."""
+def _variants_met(limits: Limits, sms: int, blocking) -> set[tuple]:
+    """The compiled variant of each warm-up forward, as the Triton backend on a GPU of `sms` SMs chooses it:
+    `blocking(backend, batch_size, max_q_len, max_kv_len)` gives (what names the variant..., splits) -> (what
+    names it..., split or not)."""
     backend = TritonAttention(limits.page_size, limits)
     backend._sms = sms
     met = set()
     for spans in warm_spans(limits):
         chosen = blocking(backend, len(spans), max(n for _, n in spans), max(start + n for start, n in spans))
-        met.add((chosen[0], chosen[-1] > 1))
+        met.add((*chosen[:-1], chosen[-1] > 1))
     return met
 
 
-@pytest.mark.parametrize("sms,heads", [(132, 6), (132, 32), (78, 8), (4, 6)])
-def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
-    """Each (query block, kv split or not) variant the paged kernel can be compiled in is met by one of the
-    warm-up's forwards (its batch's shape), on GPUs of many or few SMs and models of few or many heads."""
-    met = _variants_met(limits, sms, lambda backend, bs, max_q, max_kv: backend.query_blocking(
-        bs, max_q, max_kv, heads, torch.device("cpu")))
-    assert met == {(16, False), (16, True), (32, False), (32, True)}
+@pytest.mark.parametrize("sms,heads,kv_heads", [(132, 6, 6), (132, 32, 8), (78, 8, 2), (4, 6, 2), (132, 64, 8)])
+def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads, kv_heads):
+    """Each (packed or not, query block, kv split or not) variant the paged kernel can be compiled in for a
+    prefill is met by one of the warm-up's forwards (its batch's shape), on GPUs of many or few SMs and models
+    of few or many heads: grouped-query models pack the query heads of chunks of at most 16 tokens (16 or 32
+    rows a block) and run longer chunks in 32-token blocks; models without grouping, 16 or 32 tokens."""
+    def blocking(backend, bs, max_q, max_kv):
+        pack, block, _, splits = backend.paged_blocking(bs, max_q, max_kv, heads, kv_heads, torch.device("cpu"))
+        return pack, block, splits
+
+    met = _variants_met(limits, sms, blocking)
+    packed = {(True, block, split) for block in (16, 32) for split in (False, True)}
+    per_head = {(False, block, split) for block in ((32,) if heads > kv_heads else (16, 32))
+                for split in (False, True)}
+    assert met == (packed if heads > kv_heads else set()) | per_head
 
 
 @pytest.mark.parametrize("sms,heads", [(132, 16), (132, 128), (78, 16)])
@@ -71,7 +80,7 @@ def test_warm_spans_meet_every_paged_kernel_variant(limits, sms, heads):
 def test_warm_spans_meet_every_latent_kernel_variant(limits, sms, heads, fp8_cache):
     """The same for MLA's kernel: its row block (16 or 64 rows; 16 over an FP8 cache) and kv split."""
     met = _variants_met(limits, sms, lambda backend, bs, max_q, max_kv: backend.latent_blocking(
-        bs, max_q, max_kv, heads, torch.device("cpu"), fp8_cache=fp8_cache))
+        bs, max_q, max_kv, heads, torch.device("cpu"), fp8_cache=fp8_cache)[::3])  # (block, splits)
     want = {(64, False), (64, True), (16, True), (16, False)} if heads < 64 else {(64, False), (64, True)}
     assert met == ({(16, True), (16, False)} if fp8_cache else want)
 

@@ -1,7 +1,9 @@
 """The `triton` attention backend: the GPU fast path, same contract as the torch reference.
 
 Every phase runs the same two kernels: `store_kv` then `paged_attention_kernel` (paged prefix + tree scratch
-in one online softmax), plus `merge_splits_kernel` when the kv range is split across programs. MLA (latent)
+in one online softmax; requests of a few tokens under grouped-query attention with a kv head's query heads as
+rows, PACK_GQA), plus `merge_splits_kernel` when the kv range is split across programs; decode without
+scratch runs `grouped_decode_kernel` instead. MLA (latent)
 attention runs `store_latent_kernel` then `mla_attention_kernel` (blocks of query heads sharing each latent
 tile), plus its merge. No host synchronisation: the grid depends only on host ints of the ForwardBatch
 (batch size, max query tokens per request, max kv length), which are fixed per CUDA-graph bucket. It reads the
@@ -29,6 +31,7 @@ BLOCK_N = 32
 MAX_SPLITS = 16
 MIN_KV_PER_SPLIT = 256
 MLA_BLOCK_N = 32
+PACK_GQA_MAX_Q_LEN = 16  # requests of at most this many query tokens pack their kv head's query heads as rows
 MIN_DOT_WIDTH = 16  # tl.dot's smallest M, N and K on the device (the interpreter takes any)
 
 
@@ -138,15 +141,35 @@ class TritonAttention(AttentionBackend):
         want = min(math.ceil(2 * self.sm_count(device) / max(programs, 1)), math.ceil(max_kv_len / MIN_KV_PER_SPLIT), MAX_SPLITS)
         return 1 if want <= 1 else triton.next_power_of_2(want)
 
-    def query_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int,
+    def query_blocking(self, batch_size: int, max_rows: int, max_kv_len: int, num_heads: int,
                        device: torch.device, split: bool = True) -> tuple[int, int, int]:
-        """(BLOCK_M, query blocks per request, kv splits) of the paged kernel for a batch: blocks of 16 query
-        tokens for requests of at most 16, else 32; the kv range split as `num_splits` says (split=False: one).
-        Each (BLOCK_M, split or not) pair is a compiled variant (DecodeStrategy.warm_eager meets them all)."""
-        block_m = 16 if max_q_len <= 16 else 32
-        num_q_blocks = triton.cdiv(max(max_q_len, 1), block_m)
+        """(BLOCK_M, query blocks per request, kv splits) of the paged kernel for a batch whose requests have at
+        most `max_rows` query rows (tokens; with PACK_GQA tokens x GROUP) for each of `num_heads` grid heads
+        (query heads; with PACK_GQA kv heads): blocks of 16 rows for requests of at most 16, else 32; the kv
+        range split as `num_splits` says (split=False: one). Each (BLOCK_M, split or not, packed or not) triple
+        is a compiled variant (DecodeStrategy.warm_eager meets them all)."""
+        block_m = 16 if max_rows <= 16 else 32
+        num_q_blocks = triton.cdiv(max(max_rows, 1), block_m)
         splits = self.num_splits(batch_size * num_q_blocks * num_heads, max_kv_len, device) if split else 1
         return block_m, num_q_blocks, splits
+
+    def paged_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int, num_kv_heads: int,
+                       device: torch.device, split: bool = True) -> tuple[bool, int, int, int]:
+        """(PACK_GQA, BLOCK_M, row blocks per request, kv splits) of the paged kernel for a batch: `packs_gqa`
+        decides the rows (tokens, or tokens x GROUP) and the grid's heads (query heads, or kv heads), then
+        `query_blocking` the blocks and splits."""
+        pack = self.packs_gqa(max_q_len, num_heads, num_kv_heads)
+        rows = max_q_len * (num_heads // num_kv_heads) if pack else max_q_len
+        block_m, num_q_blocks, splits = self.query_blocking(batch_size, rows, max_kv_len,
+                                                            num_kv_heads if pack else num_heads, device, split)
+        return pack, block_m, num_q_blocks, splits
+
+    @staticmethod
+    def packs_gqa(max_q_len: int, num_heads: int, num_kv_heads: int) -> bool:
+        """Whether the paged kernel takes a kv head's query heads as rows of one block (PACK_GQA): grouped-query
+        attention and requests of at most PACK_GQA_MAX_Q_LEN tokens (tree verify, drafts, short extends), where
+        a block of one head's tokens would be mostly empty and each K/V tile read once per query head."""
+        return num_heads > num_kv_heads and num_heads % num_kv_heads == 0 and max_q_len <= PACK_GQA_MAX_Q_LEN
 
     def latent_blocking(self, batch_size: int, max_q_len: int, max_kv_len: int, num_heads: int,
                         device: torch.device, split: bool = True,
@@ -211,15 +234,17 @@ class TritonAttention(AttentionBackend):
                 and num_heads % num_kv_heads == 0):
             return self.attend_grouped_decode(q, k_cache, v_cache, batch, page_table, scale, window, sinks,
                                               chunk), None
-        block_m, num_q_blocks, splits = self.query_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
-                                                            num_heads, q.device, split=not return_lse)
+        pack, block_m, num_q_blocks, splits = self.paged_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
+                                                                  num_heads, num_kv_heads, q.device,
+                                                                  split=not return_lse)
+        grid_heads = num_kv_heads if pack else num_heads  # a block's rows: (token, head) pairs of a kv head, or tokens
         grid0 = batch.batch_size * num_q_blocks
         q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous
         lse = torch.empty(t, num_heads, dtype=torch.float32, device=q.device) if return_lse else None  # [T, Hq]
         part_o, part_lse = _split_partials(splits, t, num_heads, head_dim, out)
         precision = _dot_precision(q.dtype)
-        paged_attention_kernel[(grid0, num_heads, splits)](
+        paged_attention_kernel[(grid0, grid_heads, splits)](
             q, out, k_cache, v_cache, page_table, batch.req_rows, batch.qo_indptr, batch.kv_lens, batch.tree_mask,
             part_o, part_lse, kv_start if kv_start is not None else batch.kv_lens, lse if return_lse else out,
             num_q_blocks, t, splits, q.stride(0), page_table.stride(0), scratch_start, scale * 1.4426950408889634,
@@ -229,7 +254,7 @@ class TritonAttention(AttentionBackend):
             DOT_PRECISION=precision, HAS_KV_START=kv_start is not None, RETURN_LSE=return_lse,
             positions=batch.positions, window=window or 0, sinks=sinks if sinks is not None else out,
             HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, chunk=chunk or 0,
-            HAS_CHUNK=chunk is not None, num_warps=4,
+            HAS_CHUNK=chunk is not None, PACK_GQA=pack, num_warps=4,
         )
         if splits > 1:
             merge_splits_kernel[(t, num_heads)](part_o, part_lse, out, t, splits, NUM_HEADS=num_heads,

@@ -1,10 +1,15 @@
 """One attention kernel for every phase: paged committed prefix + tree-scratch block, one online softmax.
 
 Grid: (request x query-block, query head, kv split). A program takes BLOCK_M consecutive query tokens of one
-request (qo_indptr), one query head, and the split's share of the paged prefix [0, max kv_len of the tile):
-positions are mapped to slots through the page table and masked per token by `pos < kv_lens[t]` (causal for
-prefill, the committed length for tree phases). The last split also walks the request row's scratch block,
-masked per token by its ancestor bitmask. Online softmax in the log2 domain:
+request (qo_indptr), one query head, and the split's share of the paged prefix [0, max kv_len of the tile).
+PACK_GQA (grouped-query attention, few query tokens a request: tree verify, drafts): the grid's second axis is
+the kv head instead, and a block's BLOCK_M rows are (query token, query head) pairs of that kv head's GROUP =
+Hq / Hkv heads, token-major, head fastest (row r of a request = token r // GROUP, head kv_head * GROUP +
+r % GROUP); e.g. 6 verify tokens of Llama-3.1-8B (GROUP 4) are 24 rows of one 32-row block, so each K/V tile
+is read once for the kv head's 4 query heads instead of once per head. Either way, rows' keys are then
+positions mapped to slots through the page table and masked per row by its token's `pos < kv_lens[t]`
+(causal for prefill, the committed length for tree phases).
+The last split also walks the request row's scratch block, masked per row by its token's ancestor bitmask. Online softmax in the log2 domain:
     m' = max(m, rowmax(s));  alpha = 2^(m - m');  p = 2^(s - m')
     l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ V
 With one split the program writes acc / l (and, when asked, lse = m + log2(l)); with several it writes
@@ -52,22 +57,32 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_KV_START: tl.constexpr = False, RETURN_LSE: tl.constexpr = False, positions=None, window=0,
     sinks=None, HAS_WINDOW: tl.constexpr = False, HAS_SINKS: tl.constexpr = False, chunk=0,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, PACK_GQA: tl.constexpr = False,
 ):
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     pid = tl.program_id(0)
-    head = tl.program_id(1)
     split = tl.program_id(2)
     b = pid // num_q_blocks
-    q_start = tl.load(qo_indptr + b) + (pid % num_q_blocks) * BLOCK_M
+    req_start = tl.load(qo_indptr + b)
     q_end = tl.load(qo_indptr + b + 1)
+    r0 = (pid % num_q_blocks) * BLOCK_M  # the block's first row within the request
+    r = r0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    if PACK_GQA:
+        kv_head = tl.program_id(1)
+        q_start = req_start + r0 // GROUP
+        offs_m = req_start + r // GROUP  # [BLOCK_M] each row's query token
+        head = kv_head * GROUP + r % GROUP  # [BLOCK_M] and query head
+    else:
+        kv_head = tl.program_id(1) // GROUP
+        q_start = req_start + r0
+        offs_m = req_start + r
+        head = tl.program_id(1) + tl.zeros([BLOCK_M], dtype=tl.int32)
     if q_start < q_end:
-        kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
         row = tl.load(req_rows + b).to(tl.int64)
-        offs_m = q_start + tl.arange(0, BLOCK_M)
         m_valid = offs_m < q_end
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * q_stride + head * HEAD_DIM + offs_d[None, :],
+        q = tl.load(q_ptr + offs_m[:, None].to(tl.int64) * q_stride + head[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=m_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         tok_kv = tl.load(kv_lens + offs_m, mask=m_valid, other=0)  # [BLOCK_M]
         kv_max = tl.max(tok_kv, axis=0)
@@ -122,7 +137,6 @@ def paged_attention_kernel(
                     bit = (word >> (j[None, :] % 64).to(tl.int64)) & 1
                     allowed = (bit != 0) & n_valid[None, :]
                     if HAS_CHUNK:  # VERIFY: scratch entry j is the request's query token j, at its position
-                        req_start = tl.load(qo_indptr + b)
                         j_pos = tl.load(positions + req_start + j, mask=n_valid & (req_start + j < q_end), other=-1)
                         allowed = allowed & (j_pos.to(tl.int32)[None, :] >= first[:, None])
                     m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2,
@@ -131,16 +145,16 @@ def paged_attention_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         if HAS_SINKS and not SPLIT_KV:  # acc / (l + 2^(s - m)) = out / (1 + 2^(s - lse)), lse = m + log2(l)
-            sink = tl.load(sinks + head).to(tl.float32) * 1.4426950408889634
+            sink = tl.load(sinks + head).to(tl.float32) * 1.4426950408889634  # [BLOCK_M]
             lse_t = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             out = out / (1.0 + tl.exp2(sink - lse_t))[:, None]
-        o_off = (offs_m[:, None] * NUM_HEADS + head) * HEAD_DIM + offs_d[None, :]
+        o_off = (offs_m[:, None] * NUM_HEADS + head[:, None]) * HEAD_DIM + offs_d[None, :]
         o_mask = m_valid[:, None] & d_valid[None, :]
         if not SPLIT_KV:
             tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
             if RETURN_LSE:  # log2-sum-exp of the scaled scores: FlashInfer's convention (merge_state)
                 lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-                tl.store(lse_ptr + offs_m * NUM_HEADS + head, lse, mask=m_valid)
+                tl.store(lse_ptr + offs_m * NUM_HEADS + head, lse, mask=m_valid)  # [T, Hq]
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
             tl.store(part_o + split * num_tokens * NUM_HEADS * HEAD_DIM + o_off, out, mask=o_mask)
