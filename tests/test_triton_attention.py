@@ -142,40 +142,55 @@ def test_heads_narrower_than_a_dot_tile(monkeypatch, phase, q_len, width):
 
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2), (8, 1), (4, 4)])
-@pytest.mark.parametrize("phase,q_len,width,kv", [(Phase.VERIFY, 6, 8, [30, 0, 71]),
-                                                   (Phase.VERIFY, 16, 16, [9, 40]),
-                                                   (Phase.DRAFT_DECODE, 4, 12, [0, 5]),
-                                                   (Phase.EXTEND, 5, 0, [0, 7])])
-@pytest.mark.parametrize("splits", [None, 3])
-def test_packed_gqa_rows_equal_torch(monkeypatch, heads, kv_heads, phase, q_len, width, kv, splits):
-    """Requests of at most PACK_GQA_MAX_Q_LEN tokens under grouped-query attention run the paged kernel with a kv
-    head's query heads as rows (PACK_GQA: a grid of kv heads, rows = tokens x GROUP in blocks that may split a
-    token's heads, GROUP 3); equal to torch, with and without kv splits, and in the lse / kv_start form
-    FlashInfer's split attention takes, equal to the per-head kernel."""
-    import spruce.attention.triton_backend as tb
+VERIFY_6, VERIFY_16 = (Phase.VERIFY, 6, 8, [30, 0, 41]), (Phase.VERIFY, 16, 16, [9, 40])
+PACKED_CASES = [(8, 2, *case, splits) for case in (VERIFY_6, VERIFY_16, (Phase.DRAFT_DECODE, 4, 12, [0, 5]),
+                                                  (Phase.EXTEND, 5, 0, [0, 7])) for splits in (None, 3)]
+PACKED_CASES += [(6, 2, *VERIFY_16, None), (8, 1, *VERIFY_6, 3), (4, 4, *VERIFY_6, None)]
 
+
+def spy_paged_launches(monkeypatch, tb) -> list:
+    """(grid, PACK_GQA, BLOCK_M) of each paged_attention_kernel launch from here on (the kernel still runs)."""
     launches = []
     kernel = tb.paged_attention_kernel
     monkeypatch.setattr(tb, "paged_attention_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: (launches.append((grid, kw["PACK_GQA"], kw["BLOCK_M"])), kernel[grid](*a, **kw)))})())
+    return launches
+
+
+@pytest.mark.parametrize("heads,kv_heads,phase,q_len,width,kv,splits", PACKED_CASES)
+def test_packed_gqa_rows_equal_torch(monkeypatch, heads, kv_heads, phase, q_len, width, kv, splits):
+    """Requests of at most PACK_GQA_MAX_Q_LEN tokens under grouped-query attention run the paged kernel with a kv
+    head's query heads as rows (PACK_GQA: a grid of kv heads, rows = tokens x GROUP in blocks that may split a
+    token's heads, GROUP 3); equal to torch, with and without kv splits; without grouping, a grid of heads."""
+    import spruce.attention.triton_backend as tb
+
+    launches = spy_paged_launches(monkeypatch, tb)
     shape = dict(heads=heads, kv_heads=kv_heads, head_dim=16, dtype=torch.float32)
-    case = make_case(phase, len(kv), q_len, kv, 4, width, **shape, seed=7)
-    compare(case, 4, 1e-4, splits=splits)
+    compare(make_case(phase, len(kv), q_len, kv, 4, width, **shape, seed=7), 4, 1e-4, splits=splits)
     packed = heads > kv_heads
     rows = q_len * heads // kv_heads if packed else q_len
-    blocks = -(-rows // (16 if rows <= 16 else 32))
-    assert launches == [((len(kv) * blocks, kv_heads if packed else heads, splits or launches[0][0][2]), packed,
-                         16 if rows <= 16 else 32)]
-    if phase == Phase.EXTEND:
-        return
-    q, k, v, kc, vc, start, batch, table = case
+    block = 16 if rows <= 16 else 32
+    ((grid, pack, block_m),) = launches
+    assert (grid[:2], pack, block_m) == ((len(kv) * -(-rows // block), kv_heads if packed else heads), packed, block)
+    assert splits is None or grid[2] == splits
+
+
+def test_packed_gqa_lse_and_kv_start_equal_the_per_head_kernel(monkeypatch):
+    """The lse / kv_start form FlashInfer's split attention takes (DESIGN §13): packed rows give the per-head
+    kernel's outputs and log-sum-exps."""
+    import spruce.attention.triton_backend as tb
+
+    launches = spy_paged_launches(monkeypatch, tb)
+    phase, q_len, width, kv = VERIFY_16
+    q, k, v, kc, vc, start, batch, table = make_case(phase, len(kv), q_len, kv, 4, width, heads=8, kv_heads=2,
+                                                     head_dim=16, dtype=torch.float32, seed=7)
     kv_start = (batch.kv_lens[batch.qo_indptr[1:] - 1] // 2).to(torch.int32)  # the tail half of each prefix
     fast = TritonAttention(4)
+    fast.forward(q, k, v, kc, vc, start, batch, table, 0.25)  # stores the tokens' K/V
     got = fast.attend(q, kc, vc, start, batch, table, 0.25, kv_start=kv_start, return_lse=True)
     monkeypatch.setattr(TritonAttention, "packs_gqa", staticmethod(lambda *a: False))
     want = fast.attend(q, kc, vc, start, batch, table, 0.25, kv_start=kv_start, return_lse=True)
-    assert launches[-1][1] is False
+    assert [pack for _, pack, _ in launches] == [True, True, False]
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 

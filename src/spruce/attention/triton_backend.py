@@ -3,11 +3,11 @@
 Every phase runs the same two kernels: `store_kv` then `paged_attention_kernel` (paged prefix + tree scratch
 in one online softmax; requests of a few tokens under grouped-query attention with a kv head's query heads as
 rows, PACK_GQA), plus `merge_splits_kernel` when the kv range is split across programs; decode without
-scratch runs `grouped_decode_kernel` instead. MLA (latent)
-attention runs `store_latent_kernel` then `mla_attention_kernel` (blocks of query heads sharing each latent
-tile), plus its merge. No host synchronisation: the grid depends only on host ints of the ForwardBatch
-(batch size, max query tokens per request, max kv length), which are fixed per CUDA-graph bucket. It reads the
-ForwardBatch directly: its `plan` is the base class's no-op (DESIGN §13).
+scratch runs `grouped_decode_kernel` instead. MLA (latent) attention runs `store_latent_kernel` then
+`mla_attention_kernel` (blocks of query heads sharing each latent tile), plus its merge. No host
+synchronisation: the grid depends only on host ints of the ForwardBatch (batch size, max query tokens per
+request, max kv length), which are fixed per CUDA-graph bucket. It reads the ForwardBatch directly: its `plan`
+is the base class's no-op (DESIGN §13).
 """
 
 from __future__ import annotations
@@ -234,10 +234,10 @@ class TritonAttention(AttentionBackend):
                 and num_heads % num_kv_heads == 0):
             return self.attend_grouped_decode(q, k_cache, v_cache, batch, page_table, scale, window, sinks,
                                               chunk), None
-        pack, block_m, num_q_blocks, splits = self.paged_blocking(batch.batch_size, batch.max_q_len, batch.max_kv_len,
-                                                                  num_heads, num_kv_heads, q.device,
-                                                                  split=not return_lse)
-        grid_heads = num_kv_heads if pack else num_heads  # a block's rows: (token, head) pairs of a kv head, or tokens
+        pack, block_m, num_q_blocks, splits = self.paged_blocking(
+            batch.batch_size, batch.max_q_len, batch.max_kv_len, num_heads, num_kv_heads, q.device,
+            split=not return_lse)
+        grid_heads = num_kv_heads if pack else num_heads  # a block's rows: (token, head) pairs of a kv head; tokens
         grid0 = batch.batch_size * num_q_blocks
         q = token_rows_contiguous(q)  # a view of the fused qkv stays a view
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D] contiguous

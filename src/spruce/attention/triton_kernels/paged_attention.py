@@ -8,8 +8,8 @@ Hq / Hkv heads, token-major, head fastest (row r of a request = token r // GROUP
 r % GROUP); e.g. 6 verify tokens of Llama-3.1-8B (GROUP 4) are 24 rows of one 32-row block, so each K/V tile
 is read once for the kv head's 4 query heads instead of once per head. Either way, rows' keys are then
 positions mapped to slots through the page table and masked per row by its token's `pos < kv_lens[t]`
-(causal for prefill, the committed length for tree phases).
-The last split also walks the request row's scratch block, masked per row by its token's ancestor bitmask. Online softmax in the log2 domain:
+(causal for prefill, the committed length for tree phases). The last split also walks the request row's
+scratch block, masked per row by its token's ancestor bitmask. Online softmax in the log2 domain:
     m' = max(m, rowmax(s));  alpha = 2^(m - m');  p = 2^(s - m')
     l' = l * alpha + rowsum(p);  acc' = acc * alpha + p @ V
 With one split the program writes acc / l (and, when asked, lse = m + log2(l)); with several it writes
