@@ -1,7 +1,8 @@
 """The Triton attention kernels that multiply tiles (tl.dot) compile for an H200 (sm_90) at the launches the backend
 makes for a tiny draft's heads, gpt-oss's windows and sinks, and MLA at the fixture's and DeepSeek-V3's sizes, over
 bf16 and FP8 caches, and fit its shared memory: what Triton's interpreter, which runs them in CI, does not check (a
-tl.dot over fewer than 16 values compiles there and nowhere else)."""
+tl.dot over fewer than 16 values compiles there and nowhere else). The MoE align kernels likewise (histograms,
+cumulative sums over 2-D tiles)."""
 
 from __future__ import annotations
 
@@ -68,5 +69,24 @@ def test_attention_kernels_compile_for_an_h200():
     assert {x["kernel"].rsplit(".", 1)[1] for x in launches} == set(DOT_KERNELS)
     results = compile_for(launches)
     bad = [(x["kernel"], x["kwargs"], r) for x, r in results
+           if "error" in r or r["shared"] > H200_SHARED_BYTES]
+    assert not bad, bad
+
+
+ALIGN_KERNELS = ("_align_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel")
+
+
+def test_moe_align_kernels_compile_for_an_h200():
+    """Both Triton aligns at gpt-oss's (32 experts, top 4) and DeepSeek-V3's (256, top 8: the largest tiles)
+    verify-sized batches."""
+    from spruce.ops import moe
+
+    with record_launches(moe, ALIGN_KERNELS) as launches:
+        for t, e, k in ((384, 32, 4), (1024, 256, 8)):
+            ids = torch.zeros(t, k, dtype=torch.long)
+            moe._align_triton(ids[:16], e, 16)
+            moe._align_chunked(ids, e, 16)
+    assert {x["kernel"].rsplit(".", 1)[1] for x in launches} == set(ALIGN_KERNELS)
+    bad = [(x["kernel"], x["kwargs"], r) for x, r in compile_for(launches)
            if "error" in r or r["shared"] > H200_SHARED_BYTES]
     assert not bad, bad

@@ -102,6 +102,16 @@ def test_fused_moe_equals_reference_float32(t, h, inter, e, k):
         assert_close_f32(moe._fused_moe_triton(x, w13, w2, ids, weights, cfg), ref)
 
 
+def test_fused_moe_past_the_one_program_align_equals_reference():
+    """400 tokens x top 3 = 1200 assignments, past ALIGN_KERNEL_MAX: the chunked align feeds the GEMMs."""
+    h, inter, e, k, t = 32, 16, 8, 3, 400
+    assert t * k > moe.ALIGN_KERNEL_MAX
+    w13, w2 = make_weights(h, inter, e, seed=11)
+    x = torch.randn(t, h, generator=torch.Generator(device=DEVICE).manual_seed(12), device=DEVICE)
+    ids, weights = route(t, e, k, seed=13)
+    assert_close_f32(moe._fused_moe_triton(x, w13, w2, ids, weights, moe._config(t * k, e)),
+                     moe.fused_moe_reference(x, w13, w2, ids, weights))
+
 def test_fused_moe_repeated_experts_int32_ids_and_views():
     """A token may name an expert twice, ids may be int32, and the weights may be strided views."""
     h, inter, e, t, k = 48, 32, 6, 9, 3
@@ -214,6 +224,28 @@ def test_align_kernel_equals_torch_align(t, e, k, block_m):
     got = moe._align_triton(ids, e, block_m)
     for w, o in zip(want, got):
         assert torch.equal(w, o)
+
+
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 8, 2, 16), (200, 64, 6, 64), (300, 32, 4, 16), (1100, 8, 2, 16),
+                                           (513, 128, 8, 16), (64, 256, 8, 16), (1024, 256, 8, 128)])
+def test_chunked_align_equals_torch_align(t, e, k, block_m):
+    """The chunked Triton align (per-chunk counts, one program for the offsets, a per-chunk scatter) == the torch
+    align, stable order included: one chunk, many with a partial last one, 256 experts at its most chunks (64)."""
+    g = torch.Generator().manual_seed(t * 7 + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])  # [T, k]
+    if t > 3:
+        ids[: t // 2] = ids[0]  # repeated routing: long runs of one expert, across chunks
+    ids = ids.to(DEVICE)
+    want = moe._align(ids, e, block_m)
+    got = moe._align_chunked(ids, e, block_m)
+    for w, o in zip(want, got):
+        assert torch.equal(w, o)
+
+
+def test_chunked_align_refuses_more_chunks_than_its_tile():
+    ids = torch.zeros(1025, 8, dtype=torch.long, device=DEVICE)  # 8200 assignments: 65 chunks, 256 experts take 64
+    with pytest.raises(ValueError, match="more than 64 chunks"):
+        moe._align_chunked(ids, 256, 16)
 
 
 @pytest.mark.parametrize("t", [1, 9])

@@ -12,7 +12,8 @@ routing weight, rounded to x's dtype, index_add into a zero output.
 
 Triton path (CUDA tensors), in three steps; every shape depends on T, k, E and the block size only, and nothing
 reads a value back to the host, so the whole op can be captured in a CUDA graph and replayed with any routing:
-  1. align (`_align`: torch ops; `_align_triton`: one program, for decode-sized M): the M = T*k assignments
+  1. align (`_align_triton`: one program, for decode-sized M; `_align_chunked`: three launches over chunks of
+     the assignments, for verify- and short-prefill-sized M; `_align`: torch ops above): the M = T*k assignments
      (token t, slot j) get the ids a = t*k + j. A stable
      sort by expert puts each expert's assignments together; each expert's segment is then padded up to a
      multiple of BLOCK_M with the sentinel M, so that every block of BLOCK_M entries belongs to one expert.
@@ -89,8 +90,28 @@ def _config(num_assign: int, num_experts: int) -> _Config:
     return _Config(128, 128, 64, num_warps=8, num_stages=3)
 
 
-ALIGN_KERNEL_MAX = 1024  # assignments up to which one Triton program aligns (decode); torch ops above
+ALIGN_KERNEL_MAX = 1024  # assignments up to which one Triton program aligns (decode)
 ALIGN_CHUNK = 64  # assignments per step of that program
+ALIGN_CHUNKED_CHUNK = 128  # assignments per program of `_align_chunked`
+ALIGN_CHUNKED_TILE = 32768  # its offsets program holds [chunks, expert bins] counts: at most this many
+
+
+def align_chunked_max_chunks(num_experts: int) -> int:
+    """The most chunks `_align_chunked` takes for `num_experts` (a power of two: the offsets program's tile), e.g.
+    128 for 8 to 255 experts (16384 assignments), 64 for 256 (DeepSeek-V3: 8192); torch ops align above."""
+    return min(128, ALIGN_CHUNKED_TILE // triton.next_power_of_2(num_experts + 1))
+
+
+@triton.jit
+def _store_block_experts(ends, offs_e, block_expert_ptr, num_block_slots, E: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
+    """block_expert[b] = the expert whose padded segment holds sorted position b * BLOCK_M, from `ends` [BLOCK_E]
+    (one past each expert's padded segment); E for blocks past the used ones."""
+    for b0 in range(0, num_block_slots, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        first = b * BLOCK_M  # [BLOCK_B] sorted position of each block's first entry
+        expert = tl.sum(((ends[None, :] <= first[:, None]) & (offs_e[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, expert.to(tl.int64), mask=b < num_block_slots)
 
 
 @triton.jit
@@ -121,11 +142,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, m, num_
         base += tl.sum(onehot, axis=0)
     total = tl.sum(padded, axis=0)
     tl.store(num_blocks_ptr, (total // BLOCK_M).to(tl.int64))
-    for b0 in range(0, num_block_slots, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        first = b * BLOCK_M  # [BLOCK_B] sorted position of each block's first entry
-        expert = tl.sum(((ends[None, :] <= first[:, None]) & (offs_e[None, :] < E)).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, expert.to(tl.int64), mask=b < num_block_slots)
+    _store_block_experts(ends, offs_e, block_expert_ptr, num_block_slots, E, BLOCK_M, BLOCK_B)
 
 
 def _align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -139,6 +156,78 @@ def _align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_blocks, m, blocks,
                         E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
                         CHUNK=ALIGN_CHUNK, BLOCK_B=64, num_warps=4)
+    return sorted_ids, block_expert, num_blocks
+
+
+@triton.jit(do_not_specialize=["m"])
+def _align_count_kernel(ids_ptr, counts_ptr, m, E: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """counts[c, e] ([chunks, BLOCK_E] int32) = the assignments of chunk c routed to expert e (bins from E on:
+    the chunk's lanes past m)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < m, other=E).to(tl.int32)
+    tl.store(counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(ids, BLOCK_E))
+
+
+@triton.jit(do_not_specialize=["num_chunks", "num_block_slots"])
+def _align_offsets_kernel(counts_ptr, chunk_base_ptr, block_expert_ptr, num_blocks_ptr, num_chunks, num_block_slots,
+                          E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                          BLOCK_B: tl.constexpr):
+    """One program: each expert's padded segment (as `_align_kernel`), chunk_base[c, e] = the sorted position of
+    chunk c's first assignment to expert e (the segment's start + the earlier chunks' assignments to e), the used
+    blocks and each block's expert."""
+    offs_c = tl.arange(0, MAX_CHUNKS)
+    offs_e = tl.arange(0, BLOCK_E)
+    tile = offs_c[:, None] * BLOCK_E + offs_e[None, :]
+    ok = (offs_c[:, None] < num_chunks) & (offs_e[None, :] < E)
+    counts = tl.load(counts_ptr + tile, mask=ok, other=0)  # [MAX_CHUNKS, BLOCK_E]
+    total = tl.sum(counts, axis=0)  # [BLOCK_E]
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # one past each expert's padded segment
+    earlier = tl.cumsum(counts, axis=0) - counts  # [MAX_CHUNKS, BLOCK_E] the earlier chunks' assignments
+    tl.store(chunk_base_ptr + tile, (ends - padded)[None, :] + earlier, mask=ok)
+    tl.store(num_blocks_ptr, (tl.sum(padded, axis=0) // BLOCK_M).to(tl.int64))
+    _store_block_experts(ends, offs_e, block_expert_ptr, num_block_slots, E, BLOCK_M, BLOCK_B)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, m, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """sorted[chunk_base[c, e] + rank] = a for chunk c's assignments a (rank: earlier equal ids in the chunk): a
+    stable sort by expert."""
+    c = tl.program_id(0)
+    j = tl.arange(0, CHUNK)
+    offs = c * CHUNK + j
+    valid = offs < m
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (j[None, :] < j[:, None])).to(tl.int32), axis=1)  # [CHUNK]
+    base = tl.load(chunk_base_ptr + c * BLOCK_E + ids, mask=valid, other=0)
+    tl.store(sorted_ptr + base + rank, offs.to(tl.int64), mask=valid)
+
+
+def _align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`_align` in three launches over chunks of ALIGN_CHUNKED_CHUNK assignments (and a fill): per-chunk expert
+    counts, one program for the segments and each chunk's place in them, a per-chunk stable scatter; for M past
+    ALIGN_KERNEL_MAX (a verify of 64 requests x 6 tokens x top-4 is 1536), where one program would walk the
+    chunks in turn, up to `align_chunked_max_chunks` chunks."""
+    if triton.cdiv(topk_ids.numel(), ALIGN_CHUNKED_CHUNK) > align_chunked_max_chunks(num_experts):
+        raise ValueError(f"_align_chunked: {topk_ids.numel()} assignments over {num_experts} experts need more "
+                         f"than {align_chunked_max_chunks(num_experts)} chunks of {ALIGN_CHUNKED_CHUNK}")
+    m = topk_ids.numel()
+    blocks = (m + min(num_experts, m) * (block_m - 1)) // block_m
+    dev = topk_ids.device
+    chunks = triton.cdiv(m, ALIGN_CHUNKED_CHUNK)
+    block_e = triton.next_power_of_2(num_experts + 1)
+    ids = topk_ids.reshape(-1).contiguous()
+    sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.long, device=dev)
+    block_expert = torch.empty(blocks, dtype=torch.long, device=dev)
+    num_blocks = torch.empty(1, dtype=torch.long, device=dev)
+    counts = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
+    chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
+    _align_count_kernel[(chunks,)](ids, counts, m, E=num_experts, BLOCK_E=block_e, CHUNK=ALIGN_CHUNKED_CHUNK)
+    _align_offsets_kernel[(1,)](counts, chunk_base, block_expert, num_blocks, chunks, blocks, E=num_experts,
+                                BLOCK_E=block_e, BLOCK_M=block_m,
+                                MAX_CHUNKS=align_chunked_max_chunks(num_experts), BLOCK_B=64, num_warps=8)
+    _align_scatter_kernel[(chunks,)](ids, chunk_base, sorted_ids, m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNKED_CHUNK)
     return sorted_ids, block_expert, num_blocks
 
 
@@ -282,7 +371,12 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config, b13=None
     if m == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    align = _align_triton if m <= ALIGN_KERNEL_MAX else _align
+    if m <= ALIGN_KERNEL_MAX:
+        align = _align_triton
+    elif triton.cdiv(m, ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(num_experts):
+        align = _align_chunked
+    else:
+        align = _align
     sorted_ids, block_expert, num_blocks = align(topk_ids, num_experts, cfg.block_m)
     blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32
