@@ -208,6 +208,7 @@ def test_empty_batch_and_padding_tokens():
 @pytest.mark.parametrize("phase,q_len,width,kv", [
     (Phase.EXTEND, 300, 0, [0, 1200]), (Phase.DECODE, 1, 0, [8000, 3000, 17]),
     (Phase.VERIFY, 32, 32, [4000, 100]), (Phase.VERIFY, 64, 64, [700]), (Phase.DRAFT_DECODE, 8, 48, [2000, 5]),
+    (Phase.VERIFY, 6, 8, [4000, 100, 9]), (Phase.VERIFY, 16, 16, [700, 33]),  # packed query heads (PACK_GQA)
 ])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
