@@ -24,3 +24,5 @@ def test_moe_bench_smoke_writes_every_candidate(tmp_path):
         assert 1 <= row["experts_touched"] <= min(8, 2 * int(t)) and row["bytes_read"] > 0
         assert row["best"] in row["us"] and row["current"] in row["us"] and len(row["us"]) >= 2
         assert all(isinstance(v, float) and v > 0 for v in row["us"].values())
+        assert set(row["align_us"]) == {"one_program", "chunked", "torch"} and row["align_current"] == "one_program"
+        assert all(v > 0 for v in row["align_us"].values())

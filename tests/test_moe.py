@@ -105,7 +105,7 @@ def test_fused_moe_equals_reference_float32(t, h, inter, e, k):
 def test_fused_moe_past_the_one_program_align_equals_reference():
     """400 tokens x top 3 = 1200 assignments, past ALIGN_KERNEL_MAX: the chunked align feeds the GEMMs."""
     h, inter, e, k, t = 32, 16, 8, 3, 400
-    assert t * k > moe.ALIGN_KERNEL_MAX
+    assert moe.align_path(t * k, e) == "chunked"
     w13, w2 = make_weights(h, inter, e, seed=11)
     x = torch.randn(t, h, generator=torch.Generator(device=DEVICE).manual_seed(12), device=DEVICE)
     ids, weights = route(t, e, k, seed=13)
@@ -240,6 +240,14 @@ def test_chunked_align_equals_torch_align(t, e, k, block_m):
     got = moe._align_chunked(ids, e, block_m)
     for w, o in zip(want, got):
         assert torch.equal(w, o)
+
+
+def test_align_path_by_assignments_and_experts():
+    """One program up to 1024 assignments, the chunked launches up to 128 chunks of 128 (64 with 256 experts, whose
+    bins double the offsets tile), torch ops above."""
+    assert [moe.align_path(m, 8) for m in (1, 1024, 1025, 16384, 16385)] == [
+        "one_program", "one_program", "chunked", "chunked", "torch"]
+    assert [moe.align_path(m, 256) for m in (8192, 8193)] == ["chunked", "torch"]
 
 
 def test_chunked_align_refuses_more_chunks_than_its_tile():

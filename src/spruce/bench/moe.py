@@ -7,7 +7,9 @@ layer copies to overflow the L2 cache (what a decode step sees), and `ops/moe._f
 graph (`graph_time_ms`, the FP8 table's timer) for every candidate `_Config` (block sizes, warps, stages) and for
 the one `_config` picks today. Per T: microseconds a layer, the experts' bytes read (the distinct experts the
 routing touches: gate/up and down), that over the copy bandwidth measured in the same run (the roofline), and the
-fastest candidate. `--smoke`: the CPU (Triton's interpreter), a tiny shape, a few candidates (checks it runs).
+fastest candidate; and the time of each way to sort the T*k assignments by expert (`ops/moe.ALIGNS`: one program,
+the chunked launches where they fit, torch ops) beside the one `align_path` picks. `--smoke`: the CPU (Triton's
+interpreter), a tiny shape, a few candidates (checks it runs).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def routing(t: int, e: int, k: int, device, seed: int = 0) -> tuple[torch.Tensor
 
 def run(args) -> dict:
     from spruce.ops.fp8_select import graph_time_ms
-    from spruce.ops.moe import _Config, _config, _fused_moe_triton  # after --smoke set TRITON_INTERPRET
+    from spruce.ops.moe import (ALIGN_CHUNKED_CHUNK, ALIGNS, _Config, _config, _fused_moe_triton,
+                                align_chunked_max_chunks, align_path)  # after --smoke set TRITON_INTERPRET
 
     d = moe_dims(args.shape) if not args.smoke else {"experts": 8, "top_k": 2, "hidden": 64, "inter": 32}
     e, k, h, inter = d["experts"], d["top_k"], d["hidden"], d["inter"]
@@ -86,13 +89,18 @@ def run(args) -> dict:
         timed = {c: us for c, us in times.items() if isinstance(us, float)}
         best = min(timed, key=timed.get)
         now = ",".join(map(str, current))
+        fits = -(-ids.numel() // ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(e)
+        align_us = {name: graph_time_ms(lambda i, f=fn: f(ids, e, current.block_m), 1, cuda) * 1e3
+                    for name, fn in ALIGNS.items() if name != "chunked" or fits}
         figures["tokens"][str(t)] = {
             "experts_touched": touched, "bytes_read": read,
             "roofline_us": read / bandwidth * 1e6 if bandwidth else None,
-            "current": now, "current_us": times.get(now), "best": best, "best_us": timed[best], "us": times}
+            "current": now, "current_us": times.get(now), "best": best, "best_us": timed[best], "us": times,
+            "align_current": align_path(ids.numel(), e), "align_us": align_us}
         print(f"T={t}: {touched} experts, {read / 1e6:.1f} MB; current {now} {times.get(now)} us; best {best} "
-              f"{timed[best]:.1f} us" + (f"; roofline {read / bandwidth * 1e6:.1f} us" if bandwidth else ""),
-              flush=True)
+              f"{timed[best]:.1f} us" + (f"; roofline {read / bandwidth * 1e6:.1f} us" if bandwidth else "")
+              + f"; align ({align_path(ids.numel(), e)}) " + ", ".join(f"{n} {us:.1f}" for n, us in align_us.items())
+              + " us", flush=True)
     return figures
 
 

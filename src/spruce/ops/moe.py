@@ -231,6 +231,16 @@ def _align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, num_blocks
 
 
+def align_path(num_assign: int, num_experts: int) -> str:
+    """Which align sorts `num_assign` assignments on the GPU (a key of ALIGNS): one program up to ALIGN_KERNEL_MAX,
+    then the chunked launches up to their most chunks, then torch ops."""
+    if num_assign <= ALIGN_KERNEL_MAX:
+        return "one_program"
+    if triton.cdiv(num_assign, ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(num_experts):
+        return "chunked"
+    return "torch"
+
+
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sort the assignments by expert, each expert's segment padded to a multiple of block_m (module doc, 1).
 
@@ -250,6 +260,9 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_ids.scatter_(0, iota[:m] + shift[expert], order)
     block_expert = torch.searchsorted(block_end, iota[:blocks], right=True)  # [blocks]
     return sorted_ids, block_expert, block_end[-1:]
+
+
+ALIGNS = {"one_program": _align_triton, "chunked": _align_chunked, "torch": _align}  # align_path's choices
 
 
 @triton.jit
@@ -371,13 +384,7 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, cfg: _Config, b13=None
     if m == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    if m <= ALIGN_KERNEL_MAX:
-        align = _align_triton
-    elif triton.cdiv(m, ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(num_experts):
-        align = _align_chunked
-    else:
-        align = _align
-    sorted_ids, block_expert, num_blocks = align(topk_ids, num_experts, cfg.block_m)
+    sorted_ids, block_expert, num_blocks = ALIGNS[align_path(m, num_experts)](topk_ids, num_experts, cfg.block_m)
     blocks = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     launch = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
