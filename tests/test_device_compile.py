@@ -27,8 +27,7 @@ pytestmark = pytest.mark.slow  # ~30 s of compiling with a cold Triton cache: sc
 DOT_KERNELS = ("paged_attention_kernel", "grouped_decode_kernel", "mla_attention_kernel")
 KERNELS = (*DOT_KERNELS, "merge_splits_kernel", "merge_latent_splits_kernel")  # recorded, none run
 PHASES = [(Phase.DECODE, 1, 0, [40, 300]), (Phase.VERIFY, 4, 8, [40, 9])]  # extend: the paged kernel as verify
-MHA = [dict(heads=4, kv_heads=2, head_dim=8), dict(heads=64, kv_heads=8, head_dim=64),  # a tiny draft; gpt-oss
-       dict(heads=32, kv_heads=8, head_dim=128)]  # Llama-3.1-8B (verify: its query heads packed per kv head)
+MHA = [dict(heads=4, kv_heads=2, head_dim=8), dict(heads=64, kv_heads=8, head_dim=64)]  # a tiny draft; gpt-oss
 MLA = [dict(heads=4, key_dim=56, value_dim=48), dict(heads=128, key_dim=576, value_dim=512)]  # the fixture; V3
 
 
@@ -58,35 +57,30 @@ def mla_launches(shape: dict, cache_dtype: torch.dtype, q_dtype: torch.dtype) ->
     return launches
 
 
-def test_attention_kernels_compile_for_an_h200():
+def align_launches() -> list[dict]:
+    """Both Triton MoE aligns at DeepSeek-V3's verify-sized batches (256 experts, top 8: the largest tiles)."""
+    from spruce.ops import moe
+
+    ids = torch.zeros(1024, 8, dtype=torch.long)
+    with record_launches(moe, ALIGN_KERNELS) as launches:
+        moe._align_triton(ids[:16], 256, 16)
+        moe._align_chunked(ids, 256, 16)
+    return launches
+
+
+ALIGN_KERNELS = ("_align_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel")
+
+
+def test_kernels_compile_for_an_h200():
     launches = []
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for shape in MHA:
             launches += mha_launches(shape, cache_dtype, torch.bfloat16)
         for shape in MLA:
             launches += mla_launches(shape, cache_dtype, torch.bfloat16)
-    launches = [x for x in launches if x["kernel"].rsplit(".", 1)[1] in DOT_KERNELS]
-    assert {x["kernel"].rsplit(".", 1)[1] for x in launches} == set(DOT_KERNELS)
-    results = compile_for(launches)
+    launches = [x for x in launches if x["kernel"].rsplit(".", 1)[1] in DOT_KERNELS] + align_launches()
+    assert {x["kernel"].rsplit(".", 1)[1] for x in launches} == {*DOT_KERNELS, *ALIGN_KERNELS}
+    results = compile_for(launches)  # one subprocess: Triton and torch imported once
     bad = [(x["kernel"], x["kwargs"], r) for x, r in results
-           if "error" in r or r["shared"] > H200_SHARED_BYTES]
-    assert not bad, bad
-
-
-ALIGN_KERNELS = ("_align_kernel", "_align_count_kernel", "_align_offsets_kernel", "_align_scatter_kernel")
-
-
-def test_moe_align_kernels_compile_for_an_h200():
-    """Both Triton aligns at gpt-oss's (32 experts, top 4) and DeepSeek-V3's (256, top 8: the largest tiles)
-    verify-sized batches."""
-    from spruce.ops import moe
-
-    with record_launches(moe, ALIGN_KERNELS) as launches:
-        for t, e, k in ((384, 32, 4), (1024, 256, 8)):
-            ids = torch.zeros(t, k, dtype=torch.long)
-            moe._align_triton(ids[:16], e, 16)
-            moe._align_chunked(ids, e, 16)
-    assert {x["kernel"].rsplit(".", 1)[1] for x in launches} == set(ALIGN_KERNELS)
-    bad = [(x["kernel"], x["kwargs"], r) for x, r in compile_for(launches)
            if "error" in r or r["shared"] > H200_SHARED_BYTES]
     assert not bad, bad
