@@ -18,13 +18,11 @@ BENCHMARKS = (
      "add_structured_parser"),
     ("ngram-accept", "NGRAM speculation vs vLLM's ngram on a prompt-copying workload", "spruce.bench.ngram_accept",
      "add_ngram_accept_parser"),
-    ("peer", "spruce served beside vLLM on one GPU, the same prompts and client", "spruce.bench.peer",
-     "add_peer_parser"),
+    ("peer", "spruce served beside vLLM on one GPU, the same prompts and client", "spruce.bench.peer", None),
     ("moe", "one layer's routed experts per decode tile configuration, against the bytes read", "spruce.bench.moe",
-     "add_moe_parser"),
-    ("fp8", "FP8 weights and KV cache against bf16: GEMMs, decode steps, perplexity", "spruce.bench.fp8",
-     "add_fp8_parser"),
-)
+     None),
+    ("fp8", "FP8 weights and KV cache against bf16: GEMMs, decode steps, perplexity", "spruce.bench.fp8", None),
+)  # (name, summary, module, its parser's registrar; None: the module's add_arguments(p) and run_main(args))
 
 
 def add_parser(sub, add_engine_args) -> None:
@@ -34,11 +32,12 @@ def add_parser(sub, add_engine_args) -> None:
     p = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bench_sub = p.add_subparsers(dest="bench", required=True, action=LazySubcommands)
     for name, summary, module, function in BENCHMARKS:
-        bench_sub.add_lazy(name, summary, _registrar(name, module, function))
+        bench_sub.add_lazy(name, summary, _registrar(name, module, function, summary))
 
 
-def _registrar(name: str, module: str, function: str):
-    """register(subparsers): import `module` and call its `function(subparsers)`; a missing package is a
+def _registrar(name: str, module: str, function: str | None, summary: str = ""):
+    """register(subparsers): import `module` and call its `function(subparsers)` (None: a parser `name` described
+    by the module's docstring, its flags from `add_arguments(p)`, run by `run_main(args)`); a missing package is a
     clean argparse error naming it (a missing spruce module is a bug, and raises as it is)."""
 
     def register(subparsers) -> None:
@@ -49,6 +48,12 @@ def _registrar(name: str, module: str, function: str):
                 raise
             raise argparse.ArgumentError(None, f"spruce bench {name} needs {e.name}, which is not installed: "
                                                f"pip install {e.name}") from e
-        getattr(mod, function)(subparsers)
+        if function is not None:
+            getattr(mod, function)(subparsers)
+            return
+        p = subparsers.add_parser(name, help=summary, description=mod.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run_main)
 
     return register

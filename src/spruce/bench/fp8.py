@@ -277,14 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(ap.parse_args(argv))
 
 
-def add_fp8_parser(sub) -> None:
-    """`spruce bench fp8` (bench/cli.py): the same flags, the same run."""
-    ap = sub.add_parser("fp8", help="FP8 weights and KV cache against bf16: GEMMs, decode steps, perplexity",
-                        description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    ap.set_defaults(func=run_main)
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model-shape", default="llama-3.1-8b", help="named shape (random weights)")
     ap.add_argument("--model", default=None, help="a config.json directory instead of --model-shape")

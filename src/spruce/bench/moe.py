@@ -111,14 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(p.parse_args(argv))
 
 
-def add_moe_parser(sub) -> None:
-    """`spruce bench moe` (bench/cli.py): the same flags, the same run."""
-    p = sub.add_parser("moe", help="one layer's routed experts per decode tile configuration, against the bytes read",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run_main)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="a named MoE shape (bench/shapes.py)")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="tokens routed at once (T)")

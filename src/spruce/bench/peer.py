@@ -121,14 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_peer_parser(sub) -> None:
-    """`spruce bench peer` (bench/cli.py): the same flags, the same run."""
-    p = sub.add_parser("peer", help="spruce served beside vLLM on one GPU, the same prompts and client",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.set_defaults(func=run_main)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from spruce.bench.shapes import TARGET_SHAPES
 
