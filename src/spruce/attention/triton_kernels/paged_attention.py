@@ -33,6 +33,18 @@ from spruce.ops.triton_support import tl, triton
 
 
 @triton.jit
+def _first_visible(pos, window, chunk, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """The first key position a token at `pos` (int32, a scalar or a block) sees: max(0, pos - window + 1 with a
+    window, pos // chunk * chunk with chunks)."""
+    first = pos * 0  # zeros of pos's shape
+    if HAS_WINDOW:
+        first = tl.maximum(first, pos - window + 1)
+    if HAS_CHUNK:
+        first = tl.maximum(first, pos // chunk * chunk)
+    return first
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, sm_scale_log2, DOT_PRECISION: tl.constexpr):
     k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache's tiles widened to the query's dtype (no-op otherwise)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [BLOCK_M, BLOCK_N]
@@ -99,14 +111,11 @@ def paged_attention_kernel(
         first = tl.zeros([BLOCK_M], dtype=tl.int32)  # [BLOCK_M] first position each token sees (window, chunk)
         if HAS_WINDOW or HAS_CHUNK:
             tok_pos = tl.load(positions + offs_m, mask=m_valid, other=0).to(tl.int32)
-            if HAS_WINDOW:
-                first = tl.maximum(first, tok_pos - window + 1)
-            if HAS_CHUNK:
-                first = tl.maximum(first, tok_pos // chunk * chunk)
+            first = _first_visible(tok_pos, window, chunk, HAS_WINDOW, HAS_CHUNK)
             kv_lo = tl.maximum(kv_lo, tl.min(tl.where(m_valid, first, 2147483647), axis=0))  # the tile's lowest
-        chunk = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N
-        lo = kv_lo + split * chunk
-        hi = tl.minimum(lo + chunk, kv_max)
+        span = tl.cdiv(tl.cdiv(tl.maximum(kv_max - kv_lo, 0), num_splits), BLOCK_N) * BLOCK_N  # keys per split
+        lo = kv_lo + split * span
+        hi = tl.minimum(lo + span, kv_max)
         for start in range(lo, hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             n_valid = pos < hi
@@ -240,11 +249,7 @@ def grouped_decode_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         first = 0  # the first position the token sees (window, chunk)
         if HAS_WINDOW or HAS_CHUNK:
-            tok_pos = tl.load(positions + t).to(tl.int32)
-            if HAS_WINDOW:
-                first = tl.maximum(first, tok_pos - window + 1)
-            if HAS_CHUNK:
-                first = tl.maximum(first, tok_pos // chunk * chunk)
+            first = _first_visible(tl.load(positions + t).to(tl.int32), window, chunk, HAS_WINDOW, HAS_CHUNK)
         span = tl.cdiv(tl.cdiv(tl.maximum(kv_len - first, 0), num_splits), BLOCK_N) * BLOCK_N  # keys per split
         lo = first + split * span
         hi = tl.minimum(lo + span, kv_len)
