@@ -50,8 +50,8 @@ def routing(t: int, e: int, k: int, device, seed: int = 0) -> tuple[torch.Tensor
 
 def run(args) -> dict:
     from spruce.ops.fp8_select import graph_time_ms
-    from spruce.ops.moe import (ALIGN_CHUNKED_CHUNK, ALIGNS, _Config, _config, _fused_moe_triton,
-                                align_chunked_max_chunks, align_path)  # after --smoke set TRITON_INTERPRET
+    from spruce.ops.moe import (ALIGNS, _Config, _config, _fused_moe_triton, align_chunked_fits,
+                                align_path)  # after --smoke set TRITON_INTERPRET
 
     d = moe_dims(args.shape) if not args.smoke else {"experts": 8, "top_k": 2, "hidden": 64, "inter": 32}
     e, k, h, inter = d["experts"], d["top_k"], d["hidden"], d["inter"]
@@ -89,9 +89,8 @@ def run(args) -> dict:
         timed = {c: us for c, us in times.items() if isinstance(us, float)}
         best = min(timed, key=timed.get)
         now = ",".join(map(str, current))
-        fits = -(-ids.numel() // ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(e)
         align_us = {name: graph_time_ms(lambda i, f=fn: f(ids, e, current.block_m), 1, cuda) * 1e3
-                    for name, fn in ALIGNS.items() if name != "chunked" or fits}
+                    for name, fn in ALIGNS.items() if name != "chunked" or align_chunked_fits(ids.numel(), e)}
         figures["tokens"][str(t)] = {
             "experts_touched": touched, "bytes_read": read,
             "roofline_us": read / bandwidth * 1e6 if bandwidth else None,

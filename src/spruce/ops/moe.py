@@ -102,6 +102,11 @@ def align_chunked_max_chunks(num_experts: int) -> int:
     return min(128, ALIGN_CHUNKED_TILE // triton.next_power_of_2(num_experts + 1))
 
 
+def align_chunked_fits(num_assign: int, num_experts: int) -> bool:
+    """Whether `_align_chunked` takes `num_assign` assignments over `num_experts` experts."""
+    return triton.cdiv(num_assign, ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(num_experts)
+
+
 @triton.jit
 def _store_block_experts(ends, offs_e, block_expert_ptr, num_block_slots, E: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_B: tl.constexpr):
@@ -145,15 +150,26 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_blocks_ptr, m, num_
     _store_block_experts(ends, offs_e, block_expert_ptr, num_block_slots, E, BLOCK_M, BLOCK_B)
 
 
+def align_blocks(num_assign: int, num_experts: int, block_m: int) -> int:
+    """Blocks of the aligned buffer: every assignment and at most min(E, M) * (block_m - 1) pad entries (module
+    doc, 1)."""
+    return (num_assign + min(num_experts, num_assign) * (block_m - 1)) // block_m
+
+
+def _align_outputs(m: int, num_experts: int, block_m: int, device):
+    """The Triton aligns' outputs before they run: sorted_ids [blocks*block_m] filled with the sentinel m,
+    block_expert [blocks] and num_blocks [1] (int64)."""
+    blocks = align_blocks(m, num_experts, block_m)
+    return (torch.full((blocks * block_m,), m, dtype=torch.long, device=device),
+            torch.empty(blocks, dtype=torch.long, device=device), torch.empty(1, dtype=torch.long, device=device))
+
+
 def _align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """`_align` as two launches (a fill and one program): what a decode step pays instead of ~12 torch ops."""
     m = topk_ids.numel()
-    blocks = (m + min(num_experts, m) * (block_m - 1)) // block_m
-    dev = topk_ids.device
-    sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.long, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.long, device=dev)
-    num_blocks = torch.empty(1, dtype=torch.long, device=dev)
-    _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_blocks, m, blocks,
+    sorted_ids, block_expert, num_blocks = _align_outputs(m, num_experts, block_m, topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_blocks, m,
+                        block_expert.shape[0],
                         E=num_experts, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
                         CHUNK=ALIGN_CHUNK, BLOCK_B=64, num_warps=4)
     return sorted_ids, block_expert, num_blocks
@@ -209,23 +225,20 @@ def _align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     counts, one program for the segments and each chunk's place in them, a per-chunk stable scatter; for M past
     ALIGN_KERNEL_MAX (a verify of 64 requests x 6 tokens x top-4 is 1536), where one program would walk the
     chunks in turn, up to `align_chunked_max_chunks` chunks."""
-    if triton.cdiv(topk_ids.numel(), ALIGN_CHUNKED_CHUNK) > align_chunked_max_chunks(num_experts):
+    if not align_chunked_fits(topk_ids.numel(), num_experts):
         raise ValueError(f"_align_chunked: {topk_ids.numel()} assignments over {num_experts} experts need more "
                          f"than {align_chunked_max_chunks(num_experts)} chunks of {ALIGN_CHUNKED_CHUNK}")
     m = topk_ids.numel()
-    blocks = (m + min(num_experts, m) * (block_m - 1)) // block_m
     dev = topk_ids.device
     chunks = triton.cdiv(m, ALIGN_CHUNKED_CHUNK)
     block_e = triton.next_power_of_2(num_experts + 1)
     ids = topk_ids.reshape(-1).contiguous()
-    sorted_ids = torch.full((blocks * block_m,), m, dtype=torch.long, device=dev)
-    block_expert = torch.empty(blocks, dtype=torch.long, device=dev)
-    num_blocks = torch.empty(1, dtype=torch.long, device=dev)
+    sorted_ids, block_expert, num_blocks = _align_outputs(m, num_experts, block_m, dev)
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
     chunk_base = torch.empty(chunks, block_e, dtype=torch.int32, device=dev)
     _align_count_kernel[(chunks,)](ids, counts, m, E=num_experts, BLOCK_E=block_e, CHUNK=ALIGN_CHUNKED_CHUNK)
-    _align_offsets_kernel[(1,)](counts, chunk_base, block_expert, num_blocks, chunks, blocks, E=num_experts,
-                                BLOCK_E=block_e, BLOCK_M=block_m,
+    _align_offsets_kernel[(1,)](counts, chunk_base, block_expert, num_blocks, chunks, block_expert.shape[0],
+                                E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m,
                                 MAX_CHUNKS=align_chunked_max_chunks(num_experts), BLOCK_B=64, num_warps=8)
     _align_scatter_kernel[(chunks,)](ids, chunk_base, sorted_ids, m, BLOCK_E=block_e, CHUNK=ALIGN_CHUNKED_CHUNK)
     return sorted_ids, block_expert, num_blocks
@@ -236,7 +249,7 @@ def align_path(num_assign: int, num_experts: int) -> str:
     then the chunked launches up to their most chunks, then torch ops."""
     if num_assign <= ALIGN_KERNEL_MAX:
         return "one_program"
-    if triton.cdiv(num_assign, ALIGN_CHUNKED_CHUNK) <= align_chunked_max_chunks(num_experts):
+    if align_chunked_fits(num_assign, num_experts):
         return "chunked"
     return "torch"
 
@@ -249,7 +262,7 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     Small batches pay in kernel launches, not in work: the steps are few and their shapes static."""
     m = topk_ids.numel()
     dev = topk_ids.device
-    blocks = (m + min(num_experts, m) * (block_m - 1)) // block_m
+    blocks = align_blocks(m, num_experts, block_m)
     iota = torch.arange(max(m, num_experts + 1, blocks), device=dev)  # one arange, sliced three ways
     expert, order = topk_ids.reshape(-1).long().sort(stable=True)  # [M] each: experts ascending, assignment ids
     first = torch.searchsorted(expert, iota[:num_experts + 1])  # [E+1] sorted position of each expert's first
