@@ -103,8 +103,9 @@ def test_fused_moe_equals_reference_float32(t, h, inter, e, k):
 
 
 def test_fused_moe_past_the_one_program_align_equals_reference():
-    """400 tokens x top 3 = 1200 assignments, past ALIGN_KERNEL_MAX: the chunked align feeds the GEMMs."""
-    h, inter, e, k, t = 32, 16, 8, 3, 400
+    """100 tokens x top 3 = 300 assignments (three chunks, the last partial), past ALIGN_KERNEL_MAX: the chunked
+    align feeds the GEMMs."""
+    h, inter, e, k, t = 32, 16, 8, 3, 100
     assert moe.align_path(t * k, e) == "chunked"
     w13, w2 = make_weights(h, inter, e, seed=11)
     x = torch.randn(t, h, generator=torch.Generator(device=DEVICE).manual_seed(12), device=DEVICE)
@@ -243,9 +244,9 @@ def test_chunked_align_equals_torch_align(t, e, k, block_m):
 
 
 def test_align_path_by_assignments_and_experts():
-    """One program up to 1024 assignments, the chunked launches up to 128 chunks of 128 (64 with 256 experts, whose
+    """One program up to 128 assignments, the chunked launches up to 128 chunks of 128 (64 with 256 experts, whose
     bins double the offsets tile), torch ops above."""
-    assert [moe.align_path(m, 8) for m in (1, 1024, 1025, 16384, 16385)] == [
+    assert [moe.align_path(m, 8) for m in (1, 128, 129, 16384, 16385)] == [
         "one_program", "one_program", "chunked", "chunked", "torch"]
     assert [moe.align_path(m, 256) for m in (8192, 8193)] == ["chunked", "torch"]
 

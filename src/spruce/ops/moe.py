@@ -90,7 +90,10 @@ def _config(num_assign: int, num_experts: int) -> _Config:
     return _Config(128, 128, 64, num_warps=8, num_stages=3)
 
 
-ALIGN_KERNEL_MAX = 1024  # assignments up to which one Triton program aligns (decode)
+# assignments up to which one Triton program aligns; past it the chunked launches are faster on an H200
+# (bench/results/moe-*-h200.json: one program / chunked 5.4 / 10.2 us at 64 assignments, 12.0 / 15.3 at 128,
+# 11.9 / 10.5 at 256, 33.4 / 17.3 at 512, 54.8 / 10.6 at 1536)
+ALIGN_KERNEL_MAX = 128
 ALIGN_CHUNK = 64  # assignments per step of that program
 ALIGN_CHUNKED_CHUNK = 128  # assignments per program of `_align_chunked`
 ALIGN_CHUNKED_TILE = 32768  # its offsets program holds [chunks, expert bins] counts: at most this many
@@ -223,8 +226,8 @@ def _align_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_ptr, m, BLOCK_E: tl.co
 def _align_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """`_align` in three launches over chunks of ALIGN_CHUNKED_CHUNK assignments (and a fill): per-chunk expert
     counts, one program for the segments and each chunk's place in them, a per-chunk stable scatter; for M past
-    ALIGN_KERNEL_MAX (a verify of 64 requests x 6 tokens x top-4 is 1536), where one program would walk the
-    chunks in turn, up to `align_chunked_max_chunks` chunks."""
+    ALIGN_KERNEL_MAX (a decode of 32 requests x top-8 is 256, a verify of 64 requests x 6 tokens x top-4 1536),
+    where one program would walk the chunks in turn, up to `align_chunked_max_chunks` chunks."""
     if not align_chunked_fits(topk_ids.numel(), num_experts):
         raise ValueError(f"_align_chunked: {topk_ids.numel()} assignments over {num_experts} experts need more "
                          f"than {align_chunked_max_chunks(num_experts)} chunks of {ALIGN_CHUNKED_CHUNK}")
