@@ -368,7 +368,8 @@ def test_the_triton_mla_backend_refuses_a_misaligned_latent_cache():
 @pytest.mark.parametrize("cache_dtype,block_m", [(FP8_DTYPE, 16), (torch.float32, 64)])
 def test_the_triton_mla_backend_runs_an_fp8_cache_in_16_row_blocks(monkeypatch, cache_dtype, block_m):
     """Over an FP8 latent cache the MLA kernel runs in 16-row blocks even where a request has 64 rows or more (the
-    64-row kernel over FP8 tiles gave NaN on the device: TritonAttention.latent_block); other caches keep 64."""
+    64-row kernel over FP8 tiles runs out of shared memory or returns NaN on the device:
+    TritonAttention.latent_block); other caches keep 64."""
     import spruce.attention.triton_backend as tb
     from test_triton_mla import uniform_case
 

@@ -191,11 +191,11 @@ class TritonAttention(AttentionBackend):
         each latent tile once for 4x more rows than 16 rows on 4 warps (two per SM), which only suit requests
         of fewer rows (one decode token of 16 heads) that would leave most of a 64-row block empty.
 
-        An FP8 cache always takes 16 rows on 4 warps. Over FP8 tiles at Dk = 576, Triton 3.6 compiles the 64-row
-        kernel into one that needs 240,128 bytes of shared memory with a float32 query (an H200 has 232,448); the
-        16-row kernel matches torch on the device in every case of test_gpu_mla_kernel_reads_an_fp8_cache_like_torch
-        (with tf32 dots: `attend_latent`); the 64-row one with a bfloat16 query over FP8 tiles is not checked on
-        the device."""
+        An FP8 cache always takes 16 rows on 4 warps: over FP8 tiles at Dk = 576 (tf32 dots: `attend_latent`),
+        Triton 3.6 compiles the 64-row kernel into one that needs 305,408 bytes of shared memory with a float32
+        query (an H200 has 232,448) and, with a bfloat16 query, one that returns NaN in a quarter of the outputs
+        (test_gpu_mla_kernel_reads_an_fp8_cache_like_torch with 64-row blocks forced); the 16-row kernel matches
+        torch on the device in every case of that test."""
         return (64, 8, 1) if rows_per_request >= 64 and not fp8_cache else (16, 4, 2)
 
     def num_latent_splits(self, programs: int, per_sm: int, max_kv_len: int, device: torch.device) -> int:
