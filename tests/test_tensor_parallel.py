@@ -198,24 +198,31 @@ def test_bad_tp_size(kw, match):
         EngineConfig(model="m", **kw)
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the processes whose parent is `pid`."""
-    out = []
+def _descendant(pid: int, name: str) -> int:
+    """The one process under `pid` (children, their children...) named `name` (/proc/PID/comm)."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out.append((int(stat.parent.name), cmd))
+            text = stat.read_text()
+            comm = text[text.index("(") + 1:text.rindex(")")]
+            ppid = int(text.rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-    return out
+        children.setdefault(ppid, []).append((int(stat.parent.name), comm))
+    found, todo = [], [pid]
+    while todo:
+        for child, comm in children.get(todo.pop(), []):
+            todo.append(child)
+            if comm == name:
+                found.append(child)
+    (one,) = found
+    return one
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
 def test_server_exits_when_a_worker_dies(tmp_path, engine_process):
     """`spruce serve --tp-size 2`: killing the worker ends the server with an error naming it. With the engine in
-    its own process (the default) the worker is that process's child: its death ends the engine process, and the
+    its own process (the default) that process started the worker: its death ends the engine process, and the
     server fails every request and exits 70 (DESIGN §20, §21); with --disable-engine-process it ends the server
     itself (exit 1)."""
     import os
@@ -230,10 +237,7 @@ def test_server_exits_when_a_worker_dies(tmp_path, engine_process):
         reply = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                            json={"model": "pycode-6m", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
         assert reply.status_code == 200, reply.text
-        parent = server.proc.pid
-        if engine_process:
-            (parent,) = [pid for pid, cmd in _children(server.proc.pid) if "spawn_main" in cmd]
-        (worker,) = [pid for pid, cmd in _children(parent) if "spawn_main" in cmd]
+        worker = _descendant(server.proc.pid, "spruce-tp-rank1")
         os.kill(worker, signal.SIGKILL)
         assert server.wait(30) == (70 if engine_process else 1)
         assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in server.log()
@@ -241,3 +245,30 @@ def test_server_exits_when_a_worker_dies(tmp_path, engine_process):
             assert "the engine process exited with code 1" in server.log()
     finally:
         server.kill()
+
+
+def test_a_worker_exits_when_its_driver_dies():
+    """A driver killed without shutting down (no atexit, no goodbye) leaves no worker behind: the worker's wait
+    for the driver's next command fails, and it watches its parent, the fork server, which exits with the driver
+    (runtime/launch.py `_watch_parent`)."""
+    import os
+    import subprocess
+    import sys
+
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys\nfrom spruce import LLM\nfrom spruce.config import builtin_model_path\n"
+         "llm = LLM(str(builtin_model_path()), tp_size=2, device='cpu')\nprint('ready', flush=True)\n"
+         "sys.stdin.readline()\nos._exit(3)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+        worker = _descendant(driver.pid, "spruce-tp-rank1")
+        driver.stdin.write("\n")
+        driver.stdin.flush()
+        assert driver.wait(30) == 3
+        deadline = time.monotonic() + 15
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{worker}").exists(), f"worker {worker} outlived its driver"
+    finally:
+        driver.kill()

@@ -2,9 +2,9 @@
 
 Two ways in, both through `create_engine(config, make_strategy=...)` (LLM(tp_size=N) and
 `spruce generate|serve --tp-size N`; every rank builds its strategy with the factory the caller passes in):
-  spawned   (the default) this process is rank 0, the driver; it spawns ranks 1..N-1 as worker processes
-            (torch.multiprocessing, spawn start method) that build their engine replica and serve the driver's
-            calls until it shuts down. The ranks meet over TCP on 127.0.0.1 (one host).
+  spawned   (the default) this process is rank 0, the driver; it starts ranks 1..N-1 as worker processes
+            (runtime/child_process.py: forked from a server that has torch imported) that build their engine
+            replica and serve the driver's calls until it shuts down. The ranks meet over TCP on 127.0.0.1 (one host).
   torchrun  when RANK / WORLD_SIZE are set (WORLD_SIZE must equal tp_size): rank 0 returns the driver; every
             other rank serves inside `create_engine` and then exits the process (SystemExit(0)) when the
             driver shuts down, so `torchrun --nproc-per-node N -m spruce.cli generate --tp-size N ...` works.
@@ -35,9 +35,8 @@ import time
 import traceback
 import weakref
 
-import torch.multiprocessing as mp
-
 from spruce.errors import ConfigError, WorkerFailedError
+from spruce.runtime import child_process
 
 logger = logging.getLogger("spruce")
 
@@ -92,10 +91,10 @@ def _spawn(config, rank_setup, make_strategy):
     if config.device != "cpu":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # the workers inherit it (NVLink multicast off)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
+    ctx = child_process.context()
     messages = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, name=f"spruce-tp-rank{rank}", daemon=True,
-                         args=(rank, config, init_method, messages, rank_setup, make_strategy, os.getpid()))
+    procs = [child_process.process(ctx, _worker_main, name=f"spruce-tp-rank{rank}", daemon=True,
+                                   args=(rank, config, init_method, messages, rank_setup, make_strategy, os.getpid()))
              for rank in range(1, config.tp_size)]
     for p in procs:
         p.start()
@@ -157,14 +156,28 @@ def _worker_main(rank: int, config, init_method: str, messages, rank_setup, make
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit if the driver process goes away (e.g. killed while this worker waits in a collective)."""
+    """Exit if the driver process goes away (e.g. killed while this worker waits in a collective): the driver's
+    pid is gone, or this process's parent changed (the fork server, which exits with the driver:
+    runtime/child_process.py)."""
+    start_parent = os.getppid()
+
     def watch():
         while True:
-            if os.getppid() != parent_pid:
+            if os.getppid() != start_parent or not _pid_exists(parent_pid):
                 os._exit(1)
             time.sleep(1.0)
 
     threading.Thread(target=watch, name="spruce-tp-parent-watch", daemon=True).start()
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class WorkerSet:

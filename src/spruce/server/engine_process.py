@@ -6,7 +6,8 @@ Why: in one process the engine thread and the HTTP event loop share one GIL. Und
 on the H100 at concurrency 64 a plain step took ~7 ms of wall time against ~1.3 ms of device time. SGLang and
 vLLM run their engines in their own processes for this reason.
 
-Two sides of one duplex pipe (multiprocessing, spawn: CUDA is only ever initialised in the engine process):
+Two sides of one duplex pipe (multiprocessing; the engine process starts as runtime/child_process.py says, with
+no CUDA state: CUDA is only ever initialised in the engine process):
 - the engine process (`engine_process_main`) builds the engine (`LLM(**engine_kwargs)`), sends "ready" with what
   the server needs to know of it (`EngineDescription`), then loops: read every message waiting (blocking only
   while the engine is idle), apply adds and aborts, step, send the step's outputs (as deltas, `OutputEncoder`) and
@@ -37,7 +38,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import multiprocessing
 import pickle
 import signal
 import threading
@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 from spruce.errors import InvalidRequestError, SpruceError
+from spruce.runtime import child_process
 from spruce.runtime.output import RequestOutput
 from spruce.runtime.request import prompt_token_ids
 from spruce.server.engine_loop import ENGINE_FAILED, EngineFailure, EngineLoop
@@ -263,11 +264,11 @@ class EngineProcess:
     (raising its load error if it could not build it)."""
 
     def __init__(self, engine_kwargs: dict, log_level: str = "info", log_format: str = "text"):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = child_process.context()
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=engine_process_main,
-                                    args=(engine_kwargs, child_conn, log_level, log_format),
-                                    name="spruce-engine")
+        self._process = child_process.process(ctx, engine_process_main,
+                                              args=(engine_kwargs, child_conn, log_level, log_format),
+                                              name="spruce-engine")
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
