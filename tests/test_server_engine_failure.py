@@ -163,7 +163,7 @@ if __name__ == "__main__":
 def test_spruce_serve_exits_70_for_a_supervisor(tmp_path, keep_alive, engine_process):
     """The process itself: a request gets its 500 and `spruce serve` exits with code 70; with
     --keep-alive-on-engine-failure it stays up and /health answers 503 naming the failure. Both with the engine
-    in its own process (the default: the script is a file, so the spawned engine process imports it, patch
+    in its own process (the default: the script is a file, so the engine process imports it, patch
     included) and with --disable-engine-process."""
     log = tmp_path / "serve.log"
     script = tmp_path / "serve_with_fault.py"
