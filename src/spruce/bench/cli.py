@@ -17,7 +17,7 @@ BENCHMARKS = (
     ("structured", "structured output: cost per round with and without speculation", "spruce.bench.structured",
      "add_structured_parser"),
     ("ngram-accept", "NGRAM speculation vs vLLM's ngram on a prompt-copying workload", "spruce.bench.ngram_accept",
-     "add_ngram_accept_parser"),
+     None),
     ("peer", "spruce served beside vLLM on one GPU, the same prompts and client", "spruce.bench.peer", None),
     ("moe", "one layer's routed experts per decode tile configuration, against the bytes read", "spruce.bench.moe",
      None),

@@ -91,14 +91,15 @@ def run(args) -> dict:
         now = ",".join(map(str, current))
         align_us = {name: graph_time_ms(lambda i, f=fn: f(ids, e, current.block_m), 1, cuda) * 1e3
                     for name, fn in ALIGNS.items() if name != "chunked" or align_chunked_fits(ids.numel(), e)}
+        align_now = align_path(ids.numel(), e)
         figures["tokens"][str(t)] = {
             "experts_touched": touched, "bytes_read": read,
             "roofline_us": read / bandwidth * 1e6 if bandwidth else None,
             "current": now, "current_us": times.get(now), "best": best, "best_us": timed[best], "us": times,
-            "align_current": align_path(ids.numel(), e), "align_us": align_us}
+            "align_current": align_now, "align_us": align_us}
         print(f"T={t}: {touched} experts, {read / 1e6:.1f} MB; current {now} {times.get(now)} us; best {best} "
               f"{timed[best]:.1f} us" + (f"; roofline {read / bandwidth * 1e6:.1f} us" if bandwidth else "")
-              + f"; align ({align_path(ids.numel(), e)}) " + ", ".join(f"{n} {us:.1f}" for n, us in align_us.items())
+              + f"; align ({align_now}) " + ", ".join(f"{n} {us:.1f}" for n, us in align_us.items())
               + " us", flush=True)
     return figures
 

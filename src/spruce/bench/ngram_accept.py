@@ -214,13 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_ngram_accept_parser(sub) -> None:
-    """`spruce bench ngram-accept` (bench/cli.py): the same flags, the same run."""
-    p = sub.add_parser("ngram-accept", help="NGRAM speculation vs vLLM's ngram on a prompt-copying workload")
-    add_arguments(p)
-    p.set_defaults(func=run_and_write)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from spruce.config import builtin_model_path
 
@@ -250,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--vllm-child"]:
         return vllm_child(argv[1], argv[2])
-    return run_and_write(build_parser().parse_args(argv))
+    return run_main(build_parser().parse_args(argv))
 
 
-def run_and_write(args) -> int:
+def run_main(args) -> int:
     """Run, write the JSON to --out, print each engine's headline figures."""
     from spruce.bench.common import git_commit
 
