@@ -240,7 +240,6 @@ def test_plain_decode_bytes_of_the_8b_shape(tmp_path):
     assert weight_bytes(1) == 2 * params
 
 
-
 def test_fp8_decode_bytes_of_the_8b_shape(tmp_path):
     """--quantization fp8 --kv-cache-dtype fp8_e4m3: the roofline reads the decoder's linears at one byte a weight
     plus a float32 scale per output row, the lm_head and norms in bf16, and one byte a KV value."""
